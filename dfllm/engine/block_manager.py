@@ -1,0 +1,150 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, block tables and the prefix cache.
+
+Every block holds ``block_size`` token slots of the preallocated KV tensor. A sequence owns
+an ordered block table; token ``i`` of the sequence lives in slot
+``block_table[i // block_size] * block_size + i % block_size``.
+
+Prefix caching: once a block is full and computed it is keyed by a hash chain
+``hash((parent_hash, tokens))``, so two sequences that share a prefix share its blocks
+(reference counted). A block whose count drops to zero goes to the tail of the free list
+but keeps its contents and hash, so it can be revived until it is evicted, oldest first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from dfllm.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block, chained to its parent's hash."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and keeps the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (least recently freed first); values unused.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences."""
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # ---- prefix cache -------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of ``seq`` (leaving at least one token to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, tokens)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_free_after_hits(self, hits: list[int]) -> int:
+        """Free blocks left for new allocations once ``hits`` are taken."""
+        return len(self.free) - sum(1 for b in hits if self.blocks[b].ref_count == 0)
+
+    def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Give ``seq`` the cached blocks ``hits``; their tokens count as computed."""
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that are full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = None
+        for i in range(seq.num_computed_tokens // bs):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.hash = block_hash(parent, tokens)
+                block.token_ids = tokens
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            parent = block.hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (blocks in use keep their contents)."""
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash = None
+            block.token_ids = ()
+
+    # ---- allocation ------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether ``seq`` can grow to ``num_tokens`` tokens leaving ``reserve`` blocks free."""
+        return self.blocks_needed(seq, num_tokens) + reserve <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow the block table of ``seq`` to cover ``num_tokens`` tokens."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+                block.token_ids = ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release the blocks of ``seq``; its last blocks become the first evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None or not self.enable_prefix_caching:
+                    # Nothing to reuse: put it first in line for eviction.
+                    self.free[block_id] = None
+                    self.free.move_to_end(block_id, last=False)
+                else:
+                    self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,142 @@
+"""The engine loop: requests in, scheduled steps, sampled tokens, finished requests out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from dfllm.config import EngineConfig
+from dfllm.engine.block_manager import BlockManager
+from dfllm.engine.detokenizer import Detokenizer
+from dfllm.engine.model_runner import ModelRunner
+from dfllm.engine.sampler import SampledToken, Sampler
+from dfllm.engine.scheduler import Scheduler
+from dfllm.engine.sequence import Request, Sequence
+from dfllm.kernels.backend import select_ops
+from dfllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from dfllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("dfllm")
+
+
+class LLMEngine:
+    """One model on one device with its KV cache, scheduler, sampler and detokenizer."""
+
+    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int]):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        ops = select_ops(cfg.attention_backend, cfg.device)
+        self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
+                                  max_model_len=cfg.max_model_len, block_size=cfg.block_size)
+        num_blocks = self.runner.plan_num_blocks(cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
+                                                 cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        if num_blocks * cfg.block_size < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * cfg.block_size} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len={cfg.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s", num_blocks,
+                    cfg.block_size, num_blocks * cfg.block_size, num_blocks * self.runner.block_bytes / 2**20,
+                    str(cfg.dtype).removeprefix("torch."), cfg.device)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler(eos_token_ids, cfg.seed)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.num_generated_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        """Queue a prompt; its ``params.n`` sequences are scheduled independently."""
+        req = Request(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(time.time()))
+        for i in range(params.n):
+            gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + i)
+            seq = Sequence(req, i, list(prompt_token_ids), len(prompt_token_ids), gen)
+            seq.logprobs = [] if params.logprobs is not None else None
+            self.detokenizer.start(seq)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """Run one scheduled step; return the requests it finished."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            raise RuntimeError("the scheduler could not schedule any waiting sequence")
+        logits, sample_seqs = self.runner.run(sched)
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        finished = []
+        if sample_seqs:
+            now = time.time()
+            for seq, tok in zip(sample_seqs, self.sampler(logits, sample_seqs)):
+                self._append(seq, tok, now)
+                if seq.is_finished and seq.request.is_finished:
+                    seq.request.metrics.finished_time = now
+                    finished.append(seq.request)
+        return finished
+
+    def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
+        token = tok.token_id
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        m = seq.request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if tok.logprob is not None:
+            seq.cumulative_logprob += tok.logprob
+            seq.logprobs.append(self._logprob_dict(tok))
+        p = seq.params
+        stops_allowed = seq.num_output_tokens >= p.min_tokens
+        if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", None)
+        delta = self.detokenizer.step(seq)
+        if stops_allowed and token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        if stops_allowed and delta and p.stop_strings:
+            stop = self.detokenizer.find_stop(seq, len(delta))
+            if stop is not None:
+                return self._finish(seq, "stop", stop)
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return self._finish(seq, "length", None)
+        if seq.num_tokens >= self.cfg.max_model_len:
+            return self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _logprob_dict(self, tok: SampledToken) -> dict[int, Logprob]:
+        texts = self.tokenizer.batch_decode([[t] for t, _, _ in tok.top])
+        return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(tok.top, texts)}
+
+    @staticmethod
+    def make_output(req: Request) -> RequestOutput:
+        """The ``RequestOutput`` of a (finished) request."""
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                             req.num_cached_tokens, req.metrics)

@@ -1,0 +1,186 @@
+"""Runs the model for one scheduled step: builds inputs, owns the weights and the KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from dfllm.engine import kv_cache
+from dfllm.engine.scheduler import SchedulerOutput
+from dfllm.engine.sequence import Sequence
+from dfllm.kernels.backend import KernelOps
+from dfllm.kernels.metadata import AttentionMetadata, PrefillSpan
+from dfllm.models.llama import head_dim_of
+from dfllm.models.loader import load_weights
+from dfllm.models.registry import model_class
+
+logger = logging.getLogger("dfllm")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor
+    sample_seqs: list[Sequence]
+
+
+class ModelRunner:
+    """Holds the model and the KV cache on one device and executes engine steps."""
+
+    def __init__(self, config: PretrainedConfig, path: Path, *, dtype: torch.dtype, device: torch.device,
+                 ops: KernelOps, max_model_len: int, block_size: int):
+        self.config, self.path = config, path
+        self.dtype, self.device, self.ops = dtype, device, ops
+        self.block_size = block_size
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.max_model_len = max_model_len
+        self.model = self._build_model()
+        self.kv: torch.Tensor | None = None
+
+    def _build_model(self) -> torch.nn.Module:
+        cls = model_class(self.config, self.max_model_len)
+        with torch.device(self.device):
+            model = cls(self.config, self.ops, self.max_model_len)
+        model.to(self.dtype)
+        model.model.rotary_emb.float()
+        load_weights(model, self.path)
+        return model.eval()
+
+    # ---- KV cache -------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        return kv_cache.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def plan_num_blocks(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
+                        max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """How many KV blocks to allocate for the given budget (or free memory)."""
+        if kv_cache_memory_bytes is not None:
+            budget = kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            self.profile_run(max_num_batched_tokens)
+            budget = kv_cache.cuda_kv_budget(self.device, gpu_memory_utilization)
+        else:
+            most = max_num_seqs * (self.max_model_len + self.block_size) * self.block_bytes // self.block_size
+            budget = kv_cache.cpu_kv_budget(most)
+        return max(0, budget // self.block_bytes)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv = kv_cache.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
+                                    self.head_dim, self.dtype, self.device)
+        self._attach(self.kv)
+
+    def free_kv_cache(self) -> None:
+        self._attach(None)
+        self.kv = None
+
+    def _attach(self, kv: torch.Tensor | None) -> None:
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache = None if kv is None else kv[0, i]
+            layer.self_attn.v_cache = None if kv is None else kv[1, i]
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward pass of ``num_tokens`` fresh tokens, to measure peak activation memory."""
+        num_tokens = min(num_tokens, self.max_model_len)
+        self.allocate_kv_cache(1)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        meta = _metadata(torch.full((num_tokens,), -1), [PrefillSpan(0, num_tokens, num_tokens, None)],
+                         None, None, None, [0, num_tokens], [num_tokens], [[0]], self.block_size, self.device)
+        hidden = self.model(ids, pos, meta)
+        self.model.compute_logits(hidden[-1:])
+        self.free_kv_cache()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- steps ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Compute one step; return the logits (float32, on CPU) of the rows that sample."""
+        inputs = self.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_seqs:
+            return torch.empty(0), []
+        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        return logits.float().cpu(), inputs.sample_seqs
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """Flatten the step's tokens and describe where their keys live."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        dec_rows: list[int] = []
+        dec_seqs: list[Sequence] = []
+        logit_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        qsl = [0]
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                dec_rows.append(row)
+                dec_seqs.append(seq)
+            else:
+                kv_slots = None if start == 0 else _slots(table, end, bs)
+                prefills.append(PrefillSpan(row, n, end, kv_slots))
+            if end == seq.num_tokens:
+                logit_rows.append(row + n - 1)
+                sample_seqs.append(seq)
+            qsl.append(len(ids))
+        seq_lens = [s.num_computed_tokens + n for s, n in zip(sched.seqs, sched.num_new_tokens)]
+        tables = [s.block_table for s in sched.seqs]
+        dec_tables, dec_mask = _decode_tables(dec_seqs, bs) if dec_seqs else (None, None)
+        meta = _metadata(torch.tensor(slots), prefills, torch.tensor(dec_rows) if dec_rows else None,
+                         dec_tables, dec_mask, qsl, seq_lens, tables, bs, self.device)
+        dev = self.device
+        return StepInputs(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                          torch.tensor(logit_rows, device=dev), sample_seqs)
+
+
+def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:
+    """Cache slots of the first ``length`` tokens of a block table."""
+    blocks = torch.tensor(table[: -(-length // bs)])
+    return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:length]
+
+
+def _decode_tables(seqs: list[Sequence], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables padded with block 0, and a mask of the real keys of each decode."""
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.long)
+    lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+    mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+    return tables, mask
+
+
+def _metadata(slot_mapping, prefills, dec_rows, dec_tables, dec_mask, qsl, seq_lens, tables, bs, device):
+    width = max(len(t) for t in tables)
+    block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+
+    def to(x):
+        return None if x is None else x.to(device)
+
+    for span in prefills:
+        span.kv_slots = to(span.kv_slots)
+    return AttentionMetadata(
+        slot_mapping=to(slot_mapping), prefills=prefills, decode_rows=to(dec_rows),
+        decode_block_tables=to(dec_tables), decode_mask=to(dec_mask),
+        query_start_loc=to(torch.tensor(qsl, dtype=torch.int32)),
+        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), block_tables=to(block_tables), block_size=bs,
+    )

@@ -1,0 +1,89 @@
+"""A sequence: one completion being generated, and the request that owns it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from dfllm.outputs import Logprob, RequestMetrics
+from dfllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids of one completion plus everything the scheduler tracks about it.
+
+    ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache;
+    the scheduler feeds ``token_ids[num_computed_tokens:]`` (or a chunk of it) next.
+    """
+
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    block_table: list[int] = field(default_factory=list)
+    # Detokenizer state: text so far and the window offsets into token_ids.
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt with its sampling parameters and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return max(0, self.seqs[0].num_cached_tokens) if self.seqs else 0

@@ -1,0 +1,102 @@
+"""Normalising the prompts and conversations given to :class:`dfllm.LLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from dfllm.sampling_params import SamplingParams
+
+VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class TokenizedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt or a list of them; each a str or a dict with ``prompt`` / ``prompt_token_ids``."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Seq) and prompts and all(isinstance(p, int) for p in prompts):
+        raise ValueError('token-id prompts must be given as {"prompt_token_ids": [...]}')
+    return list(prompts)
+
+
+def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[TokenizedPrompt]:
+    """Tokenize text prompts (with the tokenizer's special tokens) and check token-id prompts."""
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            ids = p["prompt_token_ids"]
+            if not isinstance(ids, Seq) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            out.append(TokenizedPrompt(p.get("prompt"), list(ids)))
+        elif isinstance(p, dict) and "prompt" in p:
+            out.append(TokenizedPrompt(_text(p["prompt"], i), tokenizer.encode(_text(p["prompt"], i))))
+        elif isinstance(p, str):
+            out.append(TokenizedPrompt(p, tokenizer.encode(p)))
+        else:
+            raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")
+        if not out[-1].token_ids:
+            raise ValueError(f"prompt {i} is empty")
+    return out
+
+
+def _text(value, i: int) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"prompt {i}: 'prompt' must be a str, got {type(value).__name__}")
+    return value
+
+
+def per_prompt_params(params, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt from None, one object, or a list of the right length."""
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return params
+
+
+def as_conversation_list(messages) -> list[list[dict]]:
+    """One conversation (a list of messages) or a list of conversations, checked."""
+    if not isinstance(messages, Seq) or isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
+    convs = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conv in enumerate(convs):
+        check_conversation(conv, i)
+    return [list(c) for c in convs]
+
+
+def check_conversation(conv, i: int) -> None:
+    """Raise ``ValueError`` naming the conversation and message that is malformed."""
+    if not isinstance(conv, Seq) or isinstance(conv, str) or not conv:
+        raise ValueError(f"conversation {i} must be a non-empty list of messages")
+    for j, msg in enumerate(conv):
+        where = f"conversation {i}, message {j}"
+        if not isinstance(msg, dict):
+            raise ValueError(f"{where}: a message must be a dict, got {type(msg).__name__}")
+        if msg.get("role") not in VALID_ROLES:
+            raise ValueError(f"{where}: role must be one of {VALID_ROLES}, got {msg.get('role')!r}")
+        content = msg.get("content")
+        if not isinstance(content, str) and not _is_text_parts(content):
+            raise ValueError(f"{where}: content must be a str or a list of text parts, got {type(content).__name__}")
+
+
+def _is_text_parts(content) -> bool:
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    )

@@ -1,0 +1,19 @@
+"""Rotary position embedding, rotate-half (Llama/Qwen2) layout (PyTorch reference)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_torch(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` ``[T, heads, d]`` and ``k`` ``[T, kv_heads, d]`` by ``cos``/``sin`` ``[T, d/2]``."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,181 @@
+"""The offline ``LLM`` class, with vLLM's constructor and methods."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from dfllm.config import (EngineConfig, check_engine_args, resolve_device, resolve_dtype,
+                          resolve_max_model_len)
+from dfllm.engine.llm_engine import LLMEngine
+from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, per_prompt_params,
+                          tokenize_prompts)
+from dfllm.logger import init_logger
+from dfllm.models.bundled import resolve_model
+from dfllm.models.loader import load_config
+from dfllm.outputs import RequestOutput
+from dfllm.sampling_params import SamplingParams
+
+logger = init_logger()
+
+
+class LLM:
+    """A model with its own paged-KV engine, for offline batch generation.
+
+    ``model`` is a Hugging Face style directory (config.json, ``*.safetensors``, tokenizer
+    files) or the alias of a bundled model; None gives the default chat model,
+    SmolLM2-135M-Instruct. Only safetensors weights are read, and no remote code is run.
+
+    ``device="auto"`` is CUDA when available, else CPU. ``dtype="auto"`` is float32 on CPU
+    and the checkpoint's dtype on CUDA (bfloat16 for float32 checkpoints). The KV cache is
+    one tensor of ``kv_cache_memory_bytes`` when given, else sized from free memory
+    (``gpu_memory_utilization`` of the GPU, or a quarter of the available RAM on CPU, capped
+    at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use).
+    ``max_num_batched_tokens`` (the per-step token budget) defaults to 8192 on CUDA and
+    2048 on CPU, and never below ``max_num_seqs``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        tokenizer: str | Path | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        attention_backend: str = "auto",
+    ):
+        check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
+        path = resolve_model(model)
+        hf_config = load_config(path)
+        dev = resolve_device(device)
+        max_len = resolve_max_model_len(max_model_len, hf_config)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(8192 if dev.type == "cuda" else 2048, max_num_seqs)
+        elif max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.config = EngineConfig(
+            model_path=path, hf_config=hf_config, dtype=resolve_dtype(dtype, hf_config, dev), device=dev,
+            max_model_len=max_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed, attention_backend=attention_backend,
+        )
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path)
+        self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
+        self._request_counter = 0
+
+    # ---- public API -------------------------------------------------------------------
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer the engine uses (a transformers tokenizer)."""
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list of prompts, returned in input order.
+
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+        ``sampling_params`` is one object for all prompts or a list with one per prompt.
+        Every prompt is checked (emptiness, vocabulary, ``max_model_len``) before any work
+        starts; a bad one raises ``ValueError`` naming its index.
+        """
+        prompt_list = as_prompt_list(prompts)
+        params = per_prompt_params(sampling_params, len(prompt_list))
+        tokenized = tokenize_prompts(prompt_list, self.tokenizer, self.config.hf_config.vocab_size)
+        return self._run(tokenized, params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations.
+
+        Each conversation is a list of ``{"role", "content"}`` messages, rendered with the
+        tokenizer's chat template (or ``chat_template``) in transformers' sandboxed Jinja
+        environment, then generated like ``generate``.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+        convs = as_conversation_list(messages)
+        params = per_prompt_params(sampling_params, len(convs))
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        tokenized = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(
+                [_flatten_content(m) for m in conv], chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+            tokenized.append(TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(tokenized, params, use_tqdm)
+
+    # ---- running ----------------------------------------------------------------------
+    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        limit = self.config.max_model_len
+        for i, p in enumerate(prompts):
+            if len(p.token_ids) > limit:
+                raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens, longer than max_model_len={limit}")
+        order: dict[str, int] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            rid = str(self._request_counter)
+            self._request_counter += 1
+            order[rid] = i
+            self.engine.add_request(rid, p.prompt, p.token_ids, sp)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = _ProgressBar(len(prompts), use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for req in self.engine.step():
+                    results[order[req.request_id]] = self.engine.make_output(req)
+                    bar.update(req)
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+
+class _ProgressBar:
+    """tqdm bar over prompts, showing input and output tokens per second."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not enabled)
+        self.start = time.perf_counter()
+        self.tokens_in = self.tokens_out = 0
+
+    def update(self, req) -> None:
+        self.tokens_in += len(req.prompt_token_ids)
+        self.tokens_out += sum(s.num_output_tokens for s in req.seqs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"in: {self.tokens_in / elapsed:.0f} tok/s, out: {self.tokens_out / elapsed:.0f} tok/s",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _flatten_content(msg: dict) -> dict:
+    content = msg["content"]
+    if isinstance(content, list):
+        content = "\n".join(part["text"] for part in content)
+    return {**msg, "content": content}
+
+
+def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """End-of-sequence ids: the generation config's (it may list several) and the tokenizer's."""
+    ids: set[int] = set()
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

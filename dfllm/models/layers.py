@@ -1,0 +1,92 @@
+"""Building blocks of the decoder models: norm, rotary embedding, MLP and paged attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dfllm.kernels.backend import KernelOps
+from dfllm.kernels.metadata import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelOps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for positions ``[0, max_positions)``.
+
+    ``inv_freq`` and ``attention_scaling`` come from the model config, through transformers'
+    own rope initialisers for the scaled variants (linear, llama3, yarn, longrope).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos.unsqueeze(1) * inv_freq.float().unsqueeze(0)
+        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, ops: KernelOps):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.gate_up_proj.output_sizes = [intermediate, intermediate]
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class PagedAttention(nn.Module):
+    """Grouped-query self-attention whose keys and values live in the paged KV cache.
+
+    ``k_cache``/``v_cache`` are views of this layer's slice of the engine's KV tensor,
+    attached by the model runner once the cache is allocated.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        ops: KernelOps,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj.output_sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.scale = head_dim**-0.5
+        self.ops = ops
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, k, *cos_sin)
+        self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))

@@ -1,0 +1,109 @@
+"""Loading a Hugging Face style model directory: config, dtype and safetensors weights.
+
+Weights are read from ``*.safetensors`` only; dfllm never unpickles (``*.bin``/``*.pt``
+checkpoints are refused). Fused parameters (``qkv_proj``, ``gate_up_proj``) are filled
+from the separate Hugging Face tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+logger = logging.getLogger("dfllm")
+
+# checkpoint projection name -> (fused parameter name, shard index)
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    """The model's ``config.json`` through transformers (no remote code)."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    return AutoConfig.from_pretrained(path)
+
+
+def config_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype the checkpoint was saved in (float32 when the config names none)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files; refuse pickle-only checkpoints."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickles:
+        raise ValueError(
+            f"model directory {path} holds only pickle weights ({', '.join(pickles)}); dfllm never "
+            "unpickles: convert them to safetensors"
+        )
+    raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Fill every parameter of ``model`` from the directory's safetensors files."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in safetensors_files(path):
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # corrupt header, truncated file
+            raise ValueError(f"cannot read weights file {file.name}: {exc}") from exc
+        with handle as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                target = _load_tensor(model, params, name, lambda n=name, fh=f: fh.get_tensor(n), file)
+                if target is None:
+                    unexpected.append(name)
+                else:
+                    loaded.add(target)
+    tied = {n for n in params if n == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)}
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        raise ValueError(f"weights missing from {path}: {', '.join(missing[:8])}")
+    if unexpected:
+        logger.warning("ignored %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:4])
+
+
+def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], name: str, read, file: Path) -> str | None:
+    """Copy one checkpoint tensor into its (possibly fused) parameter; return its key."""
+    target, shard = name, None
+    for part, (fused, index) in PACKED.items():
+        if f".{part}." in name:
+            target, shard = name.replace(f".{part}.", f".{fused}."), index
+            break
+    param = params.get(target)
+    if param is None:
+        return None
+    tensor = read()
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"tensor {name} in {file.name} has unsupported dtype {tensor.dtype}")
+    dest = param.data
+    if shard is not None:
+        sizes = model.get_submodule(target.rsplit(".", 1)[0]).output_sizes
+        start = sum(sizes[:shard])
+        dest = dest.narrow(0, start, sizes[shard])
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return target

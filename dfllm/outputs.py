@@ -1,0 +1,73 @@
+"""Result objects returned by :class:`dfllm.LLM`, with vLLM's names and fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its rank in the distribution and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request, as ``time.time()`` seconds.
+
+    ``first_token_time - arrival_time`` is the time to first token; ``finished_time -
+    arrival_time`` the end-to-end latency.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds between arrival and the first step that scheduled the request."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    ``finish_reason`` is ``"stop"`` (end-of-sequence token, stop token or stop string) or
+    ``"length"`` (``max_tokens`` or ``max_model_len`` reached); ``stop_reason`` is the stop
+    string or stop token id that ended it, or None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once the completion has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything produced for one prompt: its tokens and its ``n`` completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = field(default=None)

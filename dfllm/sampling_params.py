@@ -1,0 +1,135 @@
+"""Sampling parameters for text generation, with vLLM's field names and defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+_MAX_N = 16384
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    The fields, their names and their defaults follow vLLM's ``SamplingParams``:
+
+    - ``n``: number of completions returned for the prompt.
+    - ``temperature``: 0 means greedy decoding; otherwise logits are divided by it.
+    - ``top_p``, ``top_k`` (0 or -1 disables), ``min_p``: nucleus, top-k and min-p filtering.
+    - ``seed``: a per-request seed. A seeded request yields the same text whatever else is
+      in the batch. With ``n > 1`` completion ``i`` uses ``seed + i``.
+    - ``stop``: strings that end the completion; they are cut from the text unless
+      ``include_stop_str_in_output``.
+    - ``stop_token_ids``: token ids that end the completion (kept in ``token_ids``).
+    - ``ignore_eos``: keep generating past the end-of-sequence token.
+    - ``max_tokens`` (default 16) and ``min_tokens``: bounds on generated tokens.
+    - ``logprobs``: return this many top log-probabilities per generated token (plus the
+      sampled one); -1 returns the whole vocabulary. Log-probabilities are those of the
+      model's raw distribution, before temperature, penalties and filtering.
+    - ``presence_penalty``, ``frequency_penalty`` (over generated tokens, in [-2, 2]) and
+      ``repetition_penalty`` (over prompt and generated tokens, > 0; 1 disables).
+    - ``skip_special_tokens``: leave special tokens out of the text.
+
+    Invalid values raise ``ValueError`` naming the field, at construction time.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:
+            self.seed = None
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif self.stop is None:
+            self._stop_list = []
+        else:
+            self._stop_list = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """Build from a plain dict (as held in a dataframe column); unknown keys raise."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"SamplingParams: unknown field(s) {unknown}")
+        return cls(**values)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (``stop`` normalised)."""
+        return self._stop_list
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding takes the most likely token at every step."""
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, 1, _MAX_N)
+        _check_float("temperature", self.temperature, 0.0, 2.0)
+        if 0.0 < self.temperature < 1e-2:
+            self.temperature = 1e-2
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1, None)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        for s in self._stop_list:
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, None)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, -1, None)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        if self.n > 1 and self.is_greedy:
+            raise ValueError("n: greedy sampling (temperature=0) gives one completion; set n=1")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_float(
+    name: str, value: object, low: float, high: float | None, *, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high):
+        left = "(" if low_open else "["
+        bound = f"{left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+        raise ValueError(f"{name} must be in {bound}, got {value}")
