@@ -35,9 +35,6 @@ def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_si
             ids = p["prompt_token_ids"]
             if not isinstance(ids, Seq) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
             out.append(TokenizedPrompt(p.get("prompt"), list(ids)))
         elif isinstance(p, dict) and "prompt" in p:
             out.append(TokenizedPrompt(_text(p["prompt"], i), tokenizer.encode(_text(p["prompt"], i))))
@@ -47,6 +44,9 @@ def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_si
             raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")
         if not out[-1].token_ids:
             raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in out[-1].token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
     return out
 
 

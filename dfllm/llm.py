@@ -33,8 +33,8 @@ class LLM:
     ``device="auto"`` is CUDA when available, else CPU. ``dtype="auto"`` is float32 on CPU
     and the checkpoint's dtype on CUDA (bfloat16 for float32 checkpoints). The KV cache is
     one tensor of ``kv_cache_memory_bytes`` when given, else sized from free memory
-    (``gpu_memory_utilization`` of the GPU, or a quarter of the available RAM on CPU, capped
-    at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use).
+    (``gpu_memory_utilization`` of the GPU, or on CPU a quarter of the available RAM up to
+    4 GiB, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use).
     ``max_num_batched_tokens`` (the per-step token budget) defaults to 8192 on CUDA and
     2048 on CPU, and never below ``max_num_seqs``.
     """

@@ -24,6 +24,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    used: bool = False  # handed out at least once (its cache memory has been initialised)
 
 
 def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -41,6 +42,8 @@ class BlockManager:
         # Free blocks in eviction order (least recently freed first); values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        # Blocks handed out for the first time since the last drain (never written before).
+        self.first_use: list[int] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -133,6 +136,14 @@ class BlockManager:
                 block.token_ids = ()
             block.ref_count = 1
             seq.block_table.append(block_id)
+            if not block.used:
+                block.used = True
+                self.first_use.append(block_id)
+
+    def drain_first_use(self) -> list[int]:
+        """Blocks allocated for the first time since the last call (to be zeroed)."""
+        blocks, self.first_use = self.first_use, []
+        return blocks
 
     def free_seq(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``; its last blocks become the first evicted."""

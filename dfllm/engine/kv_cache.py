@@ -10,6 +10,7 @@ import torch
 logger = logging.getLogger("dfllm")
 
 CPU_MEMORY_FRACTION = 0.25
+CPU_MAX_BYTES = 4 * 2**30
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -18,8 +19,9 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def cpu_kv_budget(max_tokens_needed_bytes: int) -> int:
-    """On CPU: a quarter of the available RAM, but no more than the engine can ever use."""
-    return min(int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION), max_tokens_needed_bytes)
+    """On CPU: a quarter of the available RAM, at most 4 GiB, and no more than the engine can use."""
+    available = int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
+    return min(available, CPU_MAX_BYTES, max_tokens_needed_bytes)
 
 
 def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
@@ -33,5 +35,16 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
 
 def allocate(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` for all keys and values."""
+    """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` for all keys and values.
+
+    It is left uninitialised (untouched pages cost nothing on CPU); each block is zeroed
+    when first handed out (:func:`zero_blocks`), because masked-out slots are still
+    multiplied by a zero attention weight and garbage there could be NaN.
+    """
     return torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def zero_blocks(kv: torch.Tensor, block_ids: list[int]) -> None:
+    """Zero the given blocks in every layer, for keys and values."""
+    if block_ids:
+        kv.index_fill_(2, torch.tensor(block_ids, device=kv.device), 0)

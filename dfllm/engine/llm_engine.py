@@ -74,6 +74,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             raise RuntimeError("the scheduler could not schedule any waiting sequence")
+        self.runner.zero_blocks(self.block_manager.drain_first_use())
         logits, sample_seqs = self.runner.run(sched)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n

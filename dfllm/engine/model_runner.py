@@ -77,6 +77,9 @@ class ModelRunner:
                                     self.head_dim, self.dtype, self.device)
         self._attach(self.kv)
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        kv_cache.zero_blocks(self.kv, block_ids)
+
     def free_kv_cache(self) -> None:
         self._attach(None)
         self.kv = None

@@ -1,0 +1,76 @@
+"""Shared fixtures: small random Llama/Qwen2 models saved as real Hugging Face directories.
+
+The tiny models use the bundled SmolLM2 tokenizer (converted once from its GGUF), so that
+text prompts, chat templates and detokenization are the real thing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+from dfllm.models.bundled import resolve_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model("smollm2-135m-instruct")
+
+
+def build_tiny_model(root: Path, tokenizer_dir: Path, arch: str = "llama", heads: int = 4, kv_heads: int = 2,
+                     layers: int = 2, hidden: int = 64, seed: int = 0, **overrides) -> Path:
+    """Save a random decoder with the SmolLM2 tokenizer into ``root`` and return its path."""
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    vocab = AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                  initializer_range=0.2, tie_word_embeddings=arch == "llama", bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)
+    path = root / f"{arch}-h{heads}-kv{kv_heads}-s{seed}"
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2_dir) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, smollm2_dir) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models"), smollm2_dir, arch="qwen2", heads=6, kv_heads=2)
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: list[int] | int) -> list[list[int]]:
+    """Hugging Face transformers' own greedy ``generate``, one prompt at a time (no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    outs = []
+    with torch.inference_mode():
+        for ids, n in zip(prompts, max_new_tokens):
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                               pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int = 1000, seed: int = 0) -> list[list[int]]:
+    """``n`` token-id prompts of odd lengths in ``[low, high]``, ids in ``[20, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    lengths = [L | 1 for L in lengths]
+    return [torch.randint(20, vocab, (L,), generator=g).tolist() for L in lengths]

@@ -1,0 +1,105 @@
+"""Greedy outputs equal Hugging Face transformers' ``generate`` token for token (float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dfllm import LLM, SamplingParams
+from tests.conftest import build_tiny_model, hf_greedy, random_prompts
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_greedy_matches_transformers(tmp_path, smollm2_dir, arch, heads, kv_heads):
+    path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, heads=heads, kv_heads=kv_heads, hidden=48 if heads == 6 else 64)
+    prompts = random_prompts(6, 3, 41, seed=heads)
+    max_tokens = [7, 12, 1, 20, 9, 15]
+    llm = LLM(path, max_num_seqs=8)
+    assert run(llm, prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+
+
+def test_chunked_prefill_mixed_with_decodes(tiny_llama):
+    """A 16-token budget splits every prompt into chunks scheduled beside running decodes."""
+    prompts = random_prompts(5, 30, 70, seed=1)
+    max_tokens = [10, 6, 14, 3, 8]
+    llm = LLM(tiny_llama, max_num_seqs=4, max_num_batched_tokens=16)
+    assert run(llm, prompts, max_tokens) == hf_greedy(tiny_llama, prompts, max_tokens)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_by_recomputation(tiny_llama, prefix_caching):
+    """A KV cache too small for the batch forces preemption; outputs are unchanged."""
+    prompts = random_prompts(8, 9, 25, seed=2)
+    max_tokens = [24] * 8
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K+V, 2 layers, block 4, 2 kv heads, head dim 16, fp32
+    llm = LLM(tiny_llama, block_size=4, kv_cache_memory_bytes=40 * block_bytes, max_model_len=64,
+              enable_prefix_caching=prefix_caching)
+    assert llm.engine.num_blocks == 40
+    out = run(llm, prompts, max_tokens)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert out == hf_greedy(tiny_llama, prompts, max_tokens)
+    assert llm.engine.block_manager.num_free_blocks == 40
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching_reuses_blocks(tiny_qwen2, prefix_caching):
+    shared = random_prompts(1, 67, 67, seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 3, 9, seed=4)]
+    llm = LLM(tiny_qwen2, block_size=16, enable_prefix_caching=prefix_caching)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=11, **GREEDY),
+                        use_tqdm=False)
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == ([64] * 4 if prefix_caching else [0] * 4)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen2, prompts, 11)
+
+
+def test_prefix_hit_on_whole_prompt_recomputes_last_token(tiny_llama):
+    """A prompt that is exactly cached blocks still computes its last token for logits."""
+    prompt = random_prompts(1, 32, 32, seed=5)[0][:32]
+    llm = LLM(tiny_llama, block_size=16)
+    a = run(llm, [prompt], [6])
+    b = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    assert b[0].num_cached_tokens == 16
+    assert a == [b[0].outputs[0].token_ids] == hf_greedy(tiny_llama, [prompt], 6)
+
+
+@pytest.fixture(scope="module")
+def smol_chat_prompts(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    questions = ["What is the capital of France?", "Write a haiku about autumn leaves.",
+                 "Explain in two sentences why the sky is blue.", "List three uses of a paperclip.",
+                 "Translate 'good morning' into Spanish and German."]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_dir, smol_chat_prompts):
+    return hf_greedy(smollm2_dir, smol_chat_prompts, 24)
+
+
+@pytest.mark.parametrize("variant", ["default", "chunked+preempt", "no-prefix-cache"])
+def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_reference, variant):
+    kwargs = {
+        "default": {},
+        "chunked+preempt": dict(max_num_batched_tokens=32, block_size=16, max_model_len=128,
+                                kv_cache_memory_bytes=14 * 2 * 30 * 16 * 3 * 64 * 4),
+        "no-prefix-cache": dict(enable_prefix_caching=False),
+    }[variant]
+    llm = LLM(smollm2_dir, **kwargs)
+    assert run(llm, smol_chat_prompts, [24] * 5) == smol_reference
+    if variant == "chunked+preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
