@@ -13,7 +13,7 @@ from dfllm.engine import kv_cache
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
 from dfllm.kernels.backend import KernelOps
-from dfllm.kernels.metadata import AttentionMetadata, PrefillSpan
+from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 from dfllm.models.llama import head_dim_of
 from dfllm.models.loader import load_weights
 from dfllm.models.registry import model_class
@@ -96,8 +96,8 @@ class ModelRunner:
         self.allocate_kv_cache(1)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        meta = _metadata(torch.full((num_tokens,), -1), [PrefillSpan(0, num_tokens, num_tokens, None)],
-                         None, None, None, [0, num_tokens], [num_tokens], [[0]], self.block_size, self.device)
+        meta = _metadata(torch.full((num_tokens,), -1), [PrefillSpan(0, num_tokens, num_tokens, None)], [],
+                         [0, num_tokens], [num_tokens], [[0]], self.block_size, self.device)
         hidden = self.model(ids, pos, meta)
         self.model.compute_logits(hidden[-1:])
         self.free_kv_cache()
@@ -145,9 +145,8 @@ class ModelRunner:
             qsl.append(len(ids))
         seq_lens = [s.num_computed_tokens + n for s, n in zip(sched.seqs, sched.num_new_tokens)]
         tables = [s.block_table for s in sched.seqs]
-        dec_tables, dec_mask = _decode_tables(dec_seqs, bs) if dec_seqs else (None, None)
-        meta = _metadata(torch.tensor(slots), prefills, torch.tensor(dec_rows) if dec_rows else None,
-                         dec_tables, dec_mask, qsl, seq_lens, tables, bs, self.device)
+        groups = _decode_groups(dec_rows, dec_seqs, bs)
+        meta = _metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, self.device)
         dev = self.device
         return StepInputs(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                           torch.tensor(logit_rows, device=dev), sample_seqs)
@@ -159,18 +158,28 @@ def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:
     return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:length]
 
 
-def _decode_tables(seqs: list[Sequence], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables padded with block 0, and a mask of the real keys of each decode."""
-    width = max(len(s.block_table) for s in seqs)
-    tables = torch.zeros(len(seqs), width, dtype=torch.long)
-    lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
-    mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-    return tables, mask
+DECODE_GROUPS = 8
+MIN_DECODE_GROUP = 8
 
 
-def _metadata(slot_mapping, prefills, dec_rows, dec_tables, dec_mask, qsl, seq_lens, tables, bs, device):
+def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[DecodeGroup]:
+    """Decodes sorted by context length and split into a few groups of similar length."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
+    size = max(MIN_DECODE_GROUP, -(-len(order) // DECODE_GROUPS))
+    groups = []
+    for start in range(0, len(order), size):
+        members = order[start : start + size]
+        width = len(seqs[members[-1]].block_table)
+        tables = torch.zeros(len(members), width, dtype=torch.long)
+        for i, m in enumerate(members):
+            tables[i, : len(seqs[m].block_table)] = torch.tensor(seqs[m].block_table)
+        lens = torch.tensor([seqs[m].num_computed_tokens + 1 for m in members])
+        mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+        groups.append(DecodeGroup(torch.tensor([rows[m] for m in members]), tables, mask))
+    return groups
+
+
+def _metadata(slot_mapping, prefills, groups, qsl, seq_lens, tables, bs, device):
     width = max(len(t) for t in tables)
     block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
     for i, t in enumerate(tables):
@@ -181,9 +190,10 @@ def _metadata(slot_mapping, prefills, dec_rows, dec_tables, dec_mask, qsl, seq_l
 
     for span in prefills:
         span.kv_slots = to(span.kv_slots)
+    for g in groups:
+        g.rows, g.block_tables, g.mask = to(g.rows), to(g.block_tables), to(g.mask)
     return AttentionMetadata(
-        slot_mapping=to(slot_mapping), prefills=prefills, decode_rows=to(dec_rows),
-        decode_block_tables=to(dec_tables), decode_mask=to(dec_mask),
+        slot_mapping=to(slot_mapping), prefills=prefills, decode_groups=groups,
         query_start_loc=to(torch.tensor(qsl, dtype=torch.int32)),
         seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), block_tables=to(block_tables), block_size=bs,
     )

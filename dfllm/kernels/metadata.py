@@ -22,22 +22,33 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended together.
+
+    ``rows`` are their query rows in the step's batch; ``block_tables`` their block tables
+    padded to the group's longest; ``mask`` marks the real keys ``[len(rows), width * block_size]``.
+    """
+
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention kernels need, built once per step and shared by all layers.
 
     Tokens of the step are flattened into one batch. ``slot_mapping[t]`` is the KV-cache
     slot (``block * block_size + offset``) of token ``t``, or -1 for padding.
-    Sequences are either decodes (one query each, listed in ``decode_rows`` with their
-    padded ``decode_block_tables`` and key mask) or prefill spans.
+    Sequences are either decodes (one query each, in ``decode_groups`` of similar context
+    length so that little padding is gathered) or prefill spans.
     ``query_start_loc``, ``seq_lens`` and ``block_tables`` describe every sequence of the
     step in one ragged layout for kernels that handle mixed batches in one launch.
     """
 
     slot_mapping: torch.Tensor
     prefills: list[PrefillSpan]
-    decode_rows: torch.Tensor | None
-    decode_block_tables: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup]
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache for a batch mixing prefill chunks and decodes.
 
-The PyTorch implementation below is the reference and the CPU path. Decodes are batched:
-their keys are gathered block by block from the cache into a padded tensor and the query
-heads of each KV-head group attend together. Prefill spans run one at a time, causally,
+The PyTorch implementation below is the reference and the CPU path. Decodes are batched in
+groups of similar context length: their keys are gathered block by block from the cache
+into a padded tensor (the gather is the cost on CPU, so groups keep padding small) and the
+query heads of each KV-head group attend together. Prefill spans run one at a time, causally,
 over their cached prefix and their own new tokens.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dfllm.kernels.metadata import AttentionMetadata
+from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup
 
 
 def paged_attention_torch(
@@ -29,23 +30,23 @@ def paged_attention_torch(
     written into ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]``.
     """
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for group in meta.decode_groups:
+        out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.ctx_len, span.kv_slots, scale)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
-    tables = meta.decode_block_tables
-    length = tables.shape[1] * k_cache.shape[1]
-    keys = k_cache[tables].view(batch, length, kv_heads, dim).transpose(1, 2)
-    values = v_cache[tables].view(batch, length, kv_heads, dim).transpose(1, 2)
+    tables = group.block_tables.flatten()
+    length = group.block_tables.shape[1] * k_cache.shape[1]
+    keys = k_cache.index_select(0, tables).view(batch, length, kv_heads, dim).transpose(1, 2)
+    values = v_cache.index_select(0, tables).view(batch, length, kv_heads, dim).transpose(1, 2)
     q = q.view(batch, kv_heads, heads // kv_heads, dim)
-    mask = meta.decode_mask[:, None, None, :]
+    mask = group.mask[:, None, None, :]
     o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
     return o.reshape(batch, heads, dim)
 

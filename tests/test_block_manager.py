@@ -1,0 +1,82 @@
+"""Block manager: allocation, reference counts, prefix-cache hits and LRU eviction."""
+
+from __future__ import annotations
+
+from dfllm.engine.block_manager import BlockManager
+from dfllm.engine.sequence import Request, Sequence
+from dfllm.outputs import RequestMetrics
+from dfllm.sampling_params import SamplingParams
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    req = Request("r", None, tokens, SamplingParams(), RequestMetrics(0.0))
+    return Sequence(req, 0, list(tokens), len(tokens))
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    hits = bm.match_prefix(seq)
+    bm.take_prefix(seq, hits)
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return len(hits)
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(8, 4)
+    seq = make_seq(list(range(10)))
+    bm.allocate(seq, 10)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    assert bm.blocks_needed(seq, 12) == 0 and bm.blocks_needed(seq, 13) == 1
+    bm.free_seq(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+    assert sorted(bm.drain_first_use()) == [0, 1, 2] and bm.drain_first_use() == []
+
+
+def test_shared_prefix_is_reference_counted():
+    bm = BlockManager(16, 4)
+    a = make_seq(list(range(13)))
+    assert admit(bm, a) == 0
+    b = make_seq(list(range(12)) + [99, 98])
+    assert admit(bm, b) == 3
+    assert b.block_table[:3] == a.block_table[:3]
+    assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:3])
+    bm.free_seq(a)
+    assert all(bm.blocks[i].ref_count == 1 for i in b.block_table[:3])
+    assert bm.prefix_hits == 12
+
+
+def test_hit_leaves_last_token_to_compute():
+    bm = BlockManager(16, 4)
+    admit(bm, make_seq(list(range(8))))
+    again = make_seq(list(range(8)))
+    assert len(bm.match_prefix(again)) == 1  # 8 tokens: only the first block may hit
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru():
+    bm = BlockManager(4, 4)
+    a = make_seq(list(range(8)))
+    admit(bm, a)
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 4
+    # still revivable
+    assert len(bm.match_prefix(make_seq(list(range(8)) + [7]))) == 2
+    # a fresh sequence takes the two never-used blocks first, then evicts a's last block
+    c = make_seq([50] * 12)
+    bm.allocate(c, 12)
+    assert len(bm.match_prefix(make_seq(list(range(8)) + [7]))) == 1
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    admit(bm, make_seq(list(range(9))))
+    assert bm.match_prefix(make_seq(list(range(9)))) == []
+
+
+def test_reset_prefix_cache_forgets_hashes():
+    bm = BlockManager(8, 4)
+    a = make_seq(list(range(9)))
+    admit(bm, a)
+    bm.free_seq(a)
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(make_seq(list(range(9)))) == []
