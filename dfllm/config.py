@@ -43,7 +43,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unsupported device {device!r}; use 'cpu', 'cuda' or 'auto'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' requested but no CUDA device is available")
     if dev.type not in ("cpu", "cuda"):

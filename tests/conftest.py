@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from dfllm.models.bundled import resolve_model
 
@@ -26,7 +26,7 @@ def smollm2_dir() -> Path:
 def build_tiny_model(root: Path, tokenizer_dir: Path, arch: str = "llama", heads: int = 4, kv_heads: int = 2,
                      layers: int = 2, hidden: int = 64, seed: int = 0, **overrides) -> Path:
     """Save a random decoder with the SmolLM2 tokenizer into ``root`` and return its path."""
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     vocab = AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -164,8 +165,17 @@ def test_chat_template_is_sandboxed(smol):
 
 
 def test_progress_bar_and_kv_report(tiny_llama, capfd):
-    llm = LLM(tiny_llama, kv_cache_memory_bytes=2**20)
-    assert f"KV cache: {llm.engine.num_blocks} blocks of 16 tokens" in capfd.readouterr().err
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dfllm").addHandler(handler)
+    try:
+        llm = LLM(tiny_llama, kv_cache_memory_bytes=2**20)
+    finally:
+        logging.getLogger("dfllm").removeHandler(handler)
+    assert any(f"KV cache: {llm.engine.num_blocks} blocks of 16 tokens" in r.getMessage() for r in records)
+    assert llm.engine.num_blocks == 2**20 // llm.engine.runner.block_bytes
+    capfd.readouterr()
     llm.generate(["a", "b"], SamplingParams(max_tokens=3), use_tqdm=True)
     err = capfd.readouterr().err
     assert "Processed prompts" in err and "tok/s" in err

@@ -26,6 +26,28 @@ def test_greedy_matches_transformers(tmp_path, smollm2_dir, arch, heads, kv_head
     assert run(llm, prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
 
 
+@pytest.mark.parametrize("arch,extra", [
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
+    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500000.0)),
+    ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})),
+    ("llama", dict(attention_bias=True, mlp_bias=True)),
+    ("mistral", dict(sliding_window=None, head_dim=24)),
+])
+def test_config_variants_match_transformers(tmp_path, smollm2_dir, arch, extra):
+    """Scaled rope types, Llama's attention/MLP biases, and a Mistral config with explicit head_dim."""
+    path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, **extra)
+    prompts = random_prompts(3, 5, 300, seed=6)
+    max_tokens = [8, 5, 11]
+    assert run(LLM(path), prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+
+
+def test_unsupported_rope_type_is_named(tmp_path, smollm2_dir):
+    path = build_tiny_model(tmp_path, smollm2_dir, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="rope type 'dynamic'"):
+        LLM(path)
+
+
 def test_chunked_prefill_mixed_with_decodes(tiny_llama):
     """A 16-token budget splits every prompt into chunks scheduled beside running decodes."""
     prompts = random_prompts(5, 30, 70, seed=1)

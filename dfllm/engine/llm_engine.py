@@ -72,6 +72,8 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests it finished."""
         sched = self.scheduler.schedule()
+        if not sched:  # a step that only preempted admits nothing; the next one will
+            sched = self.scheduler.schedule()
         if not sched:
             raise RuntimeError("the scheduler could not schedule any waiting sequence")
         self.runner.zero_blocks(self.block_manager.drain_first_use())

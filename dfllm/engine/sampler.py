@@ -32,6 +32,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, seqs)
