@@ -80,3 +80,16 @@ def test_reset_prefix_cache_forgets_hashes():
     bm.free_seq(a)
     bm.reset_prefix_cache()
     assert bm.match_prefix(make_seq(list(range(9)))) == []
+
+
+def test_reset_under_a_running_sequence_never_rekeys_its_later_blocks():
+    bm = BlockManager(16, 4)
+    a = make_seq(list(range(8)))
+    admit(bm, a)
+    bm.reset_prefix_cache()
+    a.token_ids += [8, 9, 10, 11]
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.cache_full_blocks(a)
+    # block 2 of a must not be registered as if it started a sequence
+    assert bm.match_prefix(make_seq([8, 9, 10, 11, 0])) == []

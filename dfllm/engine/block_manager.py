@@ -94,16 +94,20 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that are full and computed in the prefix cache."""
+        """Register the blocks of ``seq`` that became full and computed in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        parent = None
-        for i in range(seq.num_computed_tokens // bs):
+        first = seq.num_hashed_blocks
+        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
+        if first and parent is None:  # the chain was reset under this sequence: never key it anew
+            return
+        for i in range(first, seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -111,6 +115,7 @@ class BlockManager:
                 block.token_ids = tokens
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
+        seq.num_hashed_blocks = max(first, seq.num_computed_tokens // bs)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (blocks in use keep their contents)."""
@@ -120,9 +125,9 @@ class BlockManager:
             block.token_ids = ()
 
     # ---- allocation ------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
-        """Whether ``seq`` can grow to ``num_tokens`` tokens leaving ``reserve`` blocks free."""
-        return self.blocks_needed(seq, num_tokens) + reserve <= len(self.free)
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` can grow to ``num_tokens`` tokens."""
+        return self.blocks_needed(seq, num_tokens) <= len(self.free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow the block table of ``seq`` to cover ``num_tokens`` tokens."""
@@ -159,3 +164,4 @@ class BlockManager:
                     self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0

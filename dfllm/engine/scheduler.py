@@ -113,9 +113,11 @@ class Scheduler:
             num_computed = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - num_computed, budget)
             needed = -(-(num_computed + n) // self.bm.block_size) - len(hits)
-            if needed + self.watermark_blocks > self.bm.num_free_after_hits(hits):
-                if self.running or needed > self.bm.num_free_after_hits(hits):
-                    break
+            free = self.bm.num_free_after_hits(hits)
+            # Keep a few blocks in reserve for the running decodes, unless nothing runs.
+            reserve = self.watermark_blocks if self.running else 0
+            if needed + reserve > free:
+                break
             self.waiting.popleft()
             self.bm.take_prefix(seq, hits)
             if seq.num_cached_tokens < 0:

@@ -39,6 +39,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     # Detokenizer state: text so far and the window offsets into token_ids.
     text: str = ""
     prefix_offset: int = 0
