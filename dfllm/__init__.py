@@ -1,8 +1,16 @@
 """dfllm: dataframe-native batch LLM inference on its own paged-KV engine."""
 
 from dfllm.llm import LLM
-from dfllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
+                           EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
+                           PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringOutput,
+                           ScoringRequestOutput)
+from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]
+__all__ = [
+    "LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+    "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
+    "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+]
 __version__ = "0.1.0"

@@ -32,10 +32,7 @@ def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_si
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, dict) and "prompt_token_ids" in p:
-            ids = p["prompt_token_ids"]
-            if not isinstance(ids, Seq) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
-            out.append(TokenizedPrompt(p.get("prompt"), list(ids)))
+            out.append(TokenizedPrompt(p.get("prompt"), check_token_ids(p["prompt_token_ids"], i, vocab_size)))
         elif isinstance(p, dict) and "prompt" in p:
             out.append(TokenizedPrompt(_text(p["prompt"], i), tokenizer.encode(_text(p["prompt"], i))))
         elif isinstance(p, str):
@@ -44,10 +41,18 @@ def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_si
             raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")
         if not out[-1].token_ids:
             raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in out[-1].token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+        check_token_ids(out[-1].token_ids, i, vocab_size)
     return out
+
+
+def check_token_ids(ids, i: int, vocab_size: int) -> list[int]:
+    """The token ids of prompt ``i`` as a list; raise naming the prompt if any is not a valid id."""
+    if not isinstance(ids, Seq) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt {i}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+    return list(ids)
 
 
 def _text(value, i: int) -> str:

@@ -12,19 +12,26 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from dfllm.config import (EngineConfig, check_engine_args, resolve_device, resolve_dtype,
                           resolve_max_model_len)
 from dfllm.engine.llm_engine import LLMEngine
+from dfllm.engine.pooling_engine import PoolingEngine
 from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, per_prompt_params,
                           tokenize_prompts)
+from dfllm.llm_pooling import PoolingMixin
 from dfllm.logger import init_logger
 from dfllm.models.bundled import resolve_model
 from dfllm.models.loader import load_config
+from dfllm.models.pooler import load_pooler_config
+from dfllm.models.registry import is_pooling_only
 from dfllm.outputs import RequestOutput
 from dfllm.sampling_params import SamplingParams
 
 logger = init_logger()
 
 
-class LLM:
-    """A model with its own paged-KV engine, for offline batch generation.
+RUNNERS = ("auto", "generate", "pooling")
+
+
+class LLM(PoolingMixin):
+    """A model with its own engine, for offline batch generation and pooling.
 
     ``model`` is a Hugging Face style directory (config.json, ``*.safetensors``, tokenizer
     files) or the alias of a bundled model; None gives the default chat model,
@@ -37,6 +44,12 @@ class LLM:
     4 GiB, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use).
     ``max_num_batched_tokens`` (the per-step token budget) defaults to 8192 on CUDA and
     2048 on CPU, and never below ``max_num_seqs``.
+
+    ``runner="auto"`` picks pooling for encoder architectures (BERT embedders, classifiers,
+    cross-encoders) and for sentence-transformers directories (``modules.json``), and
+    generation otherwise; ``runner="pooling"`` turns a decoder into an embedder
+    (last-token pooling unless the directory says otherwise). Pooling models serve
+    ``embed``/``classify``/``score``/``encode``; generative models ``generate``/``chat``.
     """
 
     def __init__(
@@ -56,7 +69,10 @@ class LLM:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         attention_backend: str = "auto",
+        runner: str = "auto",
     ):
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
         path = resolve_model(model)
         hf_config = load_config(path)
@@ -74,7 +90,14 @@ class LLM:
             seed=seed, attention_backend=attention_backend,
         )
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path)
-        self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
+        self.runner_type = _resolve_runner(runner, hf_config, path)
+        self.engine: LLMEngine | None = None
+        self.pooling_engine: PoolingEngine | None = None
+        if self.runner_type == "pooling":
+            pooler = load_pooler_config(path, is_decoder=not is_pooling_only(hf_config))
+            self.pooling_engine = PoolingEngine(self.config, pooler)
+        else:
+            self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
         self._request_counter = 0
 
     # ---- public API -------------------------------------------------------------------
@@ -91,6 +114,7 @@ class LLM:
         Every prompt is checked (emptiness, vocabulary, ``max_model_len``) before any work
         starts; a bad one raises ``ValueError`` naming its index.
         """
+        self._require_generative("generate")
         prompt_list = as_prompt_list(prompts)
         params = per_prompt_params(sampling_params, len(prompt_list))
         tokenized = tokenize_prompts(prompt_list, self.tokenizer, self.config.hf_config.vocab_size)
@@ -105,6 +129,7 @@ class LLM:
         tokenizer's chat template (or ``chat_template``) in transformers' sandboxed Jinja
         environment, then generated like ``generate``.
         """
+        self._require_generative("chat")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
         convs = as_conversation_list(messages)
@@ -118,6 +143,11 @@ class LLM:
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
             tokenized.append(TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(tokenized, params, use_tqdm)
+
+    def _require_generative(self, method: str) -> None:
+        if self.engine is None:
+            raise ValueError(f"{method}: {self.config.model_path.name} is loaded as a pooling model; "
+                             "use embed, classify, score or encode")
 
     # ---- running ----------------------------------------------------------------------
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -161,6 +191,17 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _resolve_runner(runner: str, hf_config, path: Path) -> str:
+    """"auto" -> pooling for encoders and sentence-transformers directories, else generate."""
+    pooling_only = is_pooling_only(hf_config)
+    if runner == "generate" and pooling_only:
+        raise ValueError(f"{path.name} ({', '.join(hf_config.architectures)}) cannot generate text; "
+                         "use runner='pooling' (embed, classify, score, encode)")
+    if runner == "auto":
+        return "pooling" if pooling_only or (path / "modules.json").is_file() else "generate"
+    return runner
 
 
 def _flatten_content(msg: dict) -> dict:

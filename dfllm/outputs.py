@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -71,3 +75,72 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = field(default=None)
+
+
+# ---- pooling outputs ----------------------------------------------------------------------
+@dataclass
+class PoolingOutput:
+    """The raw pooled tensor of one prompt (an embedding, class probabilities, or per-token states)."""
+
+    data: "torch.Tensor"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """Everything produced for one pooling prompt."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (or logits with ``use_activation=False``) and the top label's name."""
+
+    probs: list[float]
+    label: str | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -25,7 +25,7 @@ PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "position_ids")
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
@@ -61,6 +61,8 @@ def safetensors_files(path: Path) -> list[Path]:
 def load_weights(model: nn.Module, path: Path) -> None:
     """Fill every parameter of ``model`` from the directory's safetensors files."""
     params = dict(model.named_parameters())
+    rename = getattr(model, "checkpoint_name", None)
+    packed = getattr(model, "packed_modules_mapping", PACKED)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in safetensors_files(path):
@@ -72,7 +74,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                target = _load_tensor(model, params, name, lambda n=name, fh=f: fh.get_tensor(n), file)
+                key = rename(name) if rename else name
+                if key is None:
+                    continue
+                target = _load_tensor(model, params, packed, key, lambda n=name, fh=f: fh.get_tensor(n), file)
                 if target is None:
                     unexpected.append(name)
                 else:
@@ -85,10 +90,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:4])
 
 
-def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], name: str, read, file: Path) -> str | None:
+def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, read,
+                 file: Path) -> str | None:
     """Copy one checkpoint tensor into its (possibly fused) parameter; return its key."""
     target, shard = name, None
-    for part, (fused, index) in PACKED.items():
+    for part, (fused, index) in packed.items():
         if f".{part}." in name:
             target, shard = name.replace(f".{part}.", f".{fused}."), index
             break

@@ -1,0 +1,148 @@
+"""The pooling engine: embeddings, class probabilities and per-token states, batched by length.
+
+Prompts of one call are sorted by length and packed into batches under a token budget
+(``max_num_batched_tokens`` padded tokens, ``max_num_seqs`` sequences), so a batch pads
+only to its own longest member; results come back in input order.
+
+BERT encoders run as padded batches. Decoder embedders (Llama/Qwen2 with last-token or mean
+pooling) run through the decoder's paged-attention forward, one prefill step per batch,
+with a KV cache just large enough for a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dfllm.config import EngineConfig
+from dfllm.engine.model_runner import ModelRunner
+from dfllm.engine.scheduler import SchedulerOutput
+from dfllm.engine.sequence import Request, Sequence
+from dfllm.kernels.backend import select_ops
+from dfllm.models.loader import load_weights
+from dfllm.models.pooler import PoolerConfig, normalize, pool
+from dfllm.models.registry import pooling_model_class
+from dfllm.outputs import RequestMetrics
+from dfllm.pooling_params import PoolingParams
+from dfllm.sampling_params import SamplingParams
+
+TASKS = ("embed", "classify", "token_embed")
+
+
+class PoolingEngine:
+    """A pooling model on one device."""
+
+    def __init__(self, cfg: EngineConfig, pooler: PoolerConfig):
+        self.cfg, self.pooler = cfg, pooler
+        cls, self.is_decoder = pooling_model_class(cfg.hf_config)
+        self.num_labels = getattr(cfg.hf_config, "num_labels", 0) if hasattr(cls, "classify") else 0
+        if self.is_decoder:
+            ops = select_ops(cfg.attention_backend, cfg.device)
+            self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
+                                      max_model_len=cfg.max_model_len, block_size=cfg.block_size)
+            self.runner.allocate_kv_cache(self._blocks_for_one_batch())
+            self.model = self.runner.model
+        else:
+            self.model = _build(cls, cfg)
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        if self.num_labels:
+            return ("classify", "score") if self.num_labels == 1 else ("classify",)
+        return ("embed", "token_embed", "score")
+
+    def _blocks_for_one_batch(self) -> int:
+        bs = self.cfg.block_size
+        return -(-self.cfg.max_num_batched_tokens // bs) + self.cfg.max_num_seqs
+
+    # ---- batching ---------------------------------------------------------------------
+    def encode(self, prompts: list[list[int]], params: list[PoolingParams], task: str,
+               token_types: list[list[int]] | None = None, on_batch=None) -> list[torch.Tensor]:
+        """Run ``task`` over token-id prompts; one CPU tensor per prompt, in input order."""
+        results: list[torch.Tensor | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+        for batch in self._batches(order, prompts):
+            types = [token_types[i] for i in batch] if token_types else None
+            for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch])):
+                results[i] = out
+            if on_batch is not None:
+                on_batch(len(batch))
+        return results  # type: ignore[return-value]
+
+    def _batches(self, order: list[int], prompts: list[list[int]]):
+        batch: list[int] = []
+        for i in order:
+            longest = len(prompts[batch[0]]) if batch else len(prompts[i])
+            if batch and ((len(batch) + 1) * longest > self.cfg.max_num_batched_tokens
+                          or len(batch) >= self.cfg.max_num_seqs):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    # ---- one batch --------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, prompts, types, task: str, params: list[PoolingParams]) -> list[torch.Tensor]:
+        hidden, valid = self._hidden(prompts, types)
+        if task == "token_embed":
+            return [hidden[i, : len(p)].float().cpu() for i, p in enumerate(prompts)]
+        if task == "classify":
+            logits = self.model.classify(hidden).float()
+            return [_activate(row, p.use_activation) for row, p in zip(logits.cpu(), params)]
+        pooled = pool(hidden, valid, self.pooler.pooling_type).float()
+        normed = normalize(pooled)
+        return [(normed[i] if _wants_norm(p, self.pooler) else pooled[i]).cpu() for i, p in enumerate(params)]
+
+    def _hidden(self, prompts: list[list[int]], types) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token hidden states ``[batch, longest, h]`` (right-padded) and the valid mask."""
+        dev = self.cfg.device
+        longest = len(prompts[0])
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        tt = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+            if types:
+                tt[i, : len(p)] = torch.tensor(types[i])
+        valid = (torch.arange(longest).unsqueeze(0) < torch.tensor([len(p) for p in prompts]).unsqueeze(1)).to(dev)
+        if not self.is_decoder:
+            return self.model(ids.to(dev), tt.to(dev), valid), valid
+        return self._decoder_hidden(prompts, longest), valid
+
+    def _decoder_hidden(self, prompts: list[list[int]], longest: int) -> torch.Tensor:
+        seqs, bs, next_block = [], self.cfg.block_size, 0
+        for p in prompts:
+            seq = Sequence(_POOL_REQUEST, 0, p, len(p))
+            n = -(-len(p) // bs)
+            seq.block_table = list(range(next_block, next_block + n))
+            next_block += n
+            seqs.append(seq)
+        inputs = self.runner.prepare(SchedulerOutput(seqs, [len(p) for p in prompts]))
+        flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = flat.new_zeros(len(prompts), longest, flat.shape[-1])
+        start = 0
+        for i, p in enumerate(prompts):
+            hidden[i, : len(p)] = flat[start : start + len(p)]
+            start += len(p)
+        return hidden
+
+
+_POOL_REQUEST = Request("pool", None, [], SamplingParams(), RequestMetrics(0.0))
+
+
+def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
+    with torch.device(cfg.device):
+        model = cls(cfg.hf_config)
+    model.to(cfg.dtype)
+    load_weights(model, cfg.model_path)
+    return model.eval()
+
+
+def _activate(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:
+    if not use_activation:
+        return logits
+    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+
+
+def _wants_norm(params: PoolingParams, pooler: PoolerConfig) -> bool:
+    return pooler.normalize if params.normalize is None else params.normalize

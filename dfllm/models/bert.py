@@ -1,0 +1,174 @@
+"""BERT encoders: ``BertModel`` (sentence-transformers embedders) and
+``BertForSequenceClassification`` (classifiers and cross-encoders).
+
+Sequences run as right-padded batches of similar length with a key mask. The module tree
+mirrors Hugging Face's names, except that query, key and value are fused into ``qkv_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def check_bert_config(config: PretrainedConfig) -> None:
+    """Raise ``ValueError`` for BERT variants dfllm does not implement."""
+    kind = getattr(config, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"BERT position_embedding_type {kind!r} is not supported (only 'absolute')")
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"BERT hidden_act {config.hidden_act!r} is not supported ({sorted(ACTIVATIONS)})")
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x + self.position_embeddings(positions))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.qkv_proj = nn.Linear(h, 3 * h)
+        self.qkv_proj.output_sizes = [h, h, h]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
+        return o.transpose(1, 2).reshape(b, n, -1)
+
+
+class BertDenseNorm(nn.Module):
+    """``LayerNorm(dense(x) + residual)``: the output block after attention and after the MLP."""
+
+    def __init__(self, d_in: int, d_out: int, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(d_in, d_out)
+        self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        setattr(self, "self", BertSelfAttention(config))
+        self.output = BertDenseNorm(config.hidden_size, config.hidden_size, config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.output(getattr(self, "self")(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertDenseNorm(config.intermediate_size, config.hidden_size, config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class BertModel(nn.Module):
+    """The encoder; ``forward`` returns per-token hidden states ``[batch, length, hidden]``."""
+
+    packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1), "value": ("qkv_proj", 2)}
+
+    def __init__(self, config: PretrainedConfig, with_pooler: bool = False):
+        super().__init__()
+        check_bert_config(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if with_pooler else None
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        mask = valid[:, None, None, :]
+        return self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> parameter name (``bert.`` prefix, old gamma/beta names);
+        None skips it (the pooler of an embedder, which does not use it)."""
+        name = name.removeprefix("bert.")
+        if name.startswith("pooler.") and self.pooler is None:
+            return None
+        return _modern_norm_names(name)
+
+
+class BertForSequenceClassification(nn.Module):
+    """BERT with its pooler and a linear head; ``classify`` returns logits ``[batch, num_labels]``."""
+
+    packed_modules_mapping = BertModel.packed_modules_mapping
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.bert = BertModel(config, with_pooler=True)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids, token_type_ids, valid)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.bert.pooler(hidden))
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return _modern_norm_names(name)
+
+
+def _modern_norm_names(name: str) -> str:
+    return name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")

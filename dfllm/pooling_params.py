@@ -1,0 +1,32 @@
+"""Parameters of pooling requests (embed, classify, score, encode), with vLLM's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PoolingParams:
+    """How to pool one prompt.
+
+    - ``normalize``: L2-normalise embeddings. None follows the model directory (the
+      sentence-transformers ``Normalize`` module; decoder embedders normalise by default).
+    - ``truncate_prompt_tokens``: keep at most this many tokens of the prompt (the start,
+      special tokens kept, as sentence-transformers truncates). Prompts are always cut to
+      the model's maximum length; this can lower the limit. -1 means the model's maximum.
+    - ``use_activation``: for classify and cross-encoder scores, apply softmax (several
+      labels) or sigmoid (one label) to the logits; False returns the raw logits.
+    """
+
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool = True
+
+    def __post_init__(self) -> None:
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be a positive int or -1, got {t!r}")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
