@@ -61,18 +61,18 @@ def _text(value, i: int) -> str:
     return value
 
 
-def per_prompt_params(params, n: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt from None, one object, or a list of the right length."""
+def per_prompt_params(params, n: int, cls: type = SamplingParams, name: str = "sampling_params") -> list:
+    """One ``cls`` object per prompt from None (defaults), one object, or a list of length ``n``."""
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [cls()] * n
+    if isinstance(params, cls):
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        raise ValueError(f"got {len(params)} {name} for {n} prompts")
     for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        if not isinstance(p, cls):
+            raise ValueError(f"{name}[{i}] must be a {cls.__name__}, got {type(p).__name__}")
     return params
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-
 import torch
 from tqdm.auto import tqdm
 
+from dfllm.inputs import as_prompt_list, check_token_ids, per_prompt_params
 from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                            EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
                            ScoringRequestOutput)
@@ -94,10 +93,8 @@ class PoolingMixin:
         return limit
 
     def _pooling_inputs(self, prompts, pooling_params, truncate_prompt_tokens):
-        from dfllm.inputs import as_prompt_list, check_token_ids
-
         items = as_prompt_list(prompts)
-        params = _per_prompt(pooling_params, len(items))
+        params = per_prompt_params(pooling_params, len(items), PoolingParams, "pooling_params")
         ids: list[list[int] | None] = [None] * len(items)
         texts: dict[int, list[int]] = {}
         for i, (item, p) in enumerate(zip(items, params)):
@@ -138,17 +135,6 @@ class PoolingMixin:
         rid = str(self._request_counter)
         self._request_counter += 1
         return rid
-
-
-def _per_prompt(params, n: int) -> list[PoolingParams]:
-    if params is None:
-        return [PoolingParams()] * n
-    if isinstance(params, PoolingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n or not all(isinstance(p, PoolingParams) for p in params):
-        raise ValueError(f"pooling_params must be one PoolingParams or a list of {n}")
-    return params
 
 
 def _pairs(data_1, data_2) -> tuple[list[str], list[str]]:
