@@ -40,7 +40,9 @@ class PoolingEngine:
             ops = select_ops(cfg.attention_backend, cfg.device)
             self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
                                       max_model_len=cfg.max_model_len, block_size=cfg.block_size)
-            self.runner.allocate_kv_cache(self._blocks_for_one_batch())
+            num_blocks = self._blocks_for_one_batch()
+            self.runner.allocate_kv_cache(num_blocks)
+            self.runner.zero_blocks(list(range(num_blocks)))  # one-token prompts read it as decodes
             self.model = self.runner.model
         else:
             self.model = _build(cls, cfg)
