@@ -148,8 +148,8 @@ def warm_up_dfllm(llm: LLM, tokenizer) -> None:
 
 
 # ---- transformers ------------------------------------------------------------------------
-def load_hf(path) -> tuple[torch.nn.Module, object]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load_hf(path, device: str = "cpu") -> tuple[torch.nn.Module, object]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -159,7 +159,7 @@ def load_hf(path) -> tuple[torch.nn.Module, object]:
 
 def hf_batch(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """One static, left-padded batch; every row generates exactly ``new_tokens`` tokens."""
-    enc = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    enc = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id)
@@ -278,6 +278,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="run each engine this many times, alternately; report medians")
     p.add_argument("--skip-hf", action="store_true", help="run dfllm only")
+    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda'; both engines use it")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for both engines and the ceiling (default: torch's choice)")
@@ -288,7 +289,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="float32")
+    llm = LLM(args.model, dtype="float32", device=args.device)
     tokenizer = llm.get_tokenizer()
     prompts, max_tokens = build_workload(tokenizer, args.num_prompts)
     useful = sum(max_tokens)
@@ -297,7 +298,7 @@ def main() -> None:
           f"total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)}, {useful} tokens to generate")
 
     warm_up_dfllm(llm, tokenizer)
-    hf = None if args.skip_hf else load_hf(llm.config.model_path)
+    hf = None if args.skip_hf else load_hf(llm.config.model_path, str(llm.config.device))
     if hf:
         warm_up_hf(*hf)
 

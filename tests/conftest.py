@@ -6,6 +6,13 @@ text prompts, chat templates and detokenization are the real thing.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton's interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import shutil
 from pathlib import Path
 

@@ -93,11 +93,12 @@ class ModelRunner:
     def profile_run(self, num_tokens: int) -> None:
         """One forward pass of ``num_tokens`` fresh tokens, to measure peak activation memory."""
         num_tokens = min(num_tokens, self.max_model_len)
-        self.allocate_kv_cache(1)
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        meta = _metadata(torch.full((num_tokens,), -1), [PrefillSpan(0, num_tokens, num_tokens, None)], [],
-                         [0, num_tokens], [num_tokens], [[0]], self.block_size, self.device)
+        meta = _metadata(torch.arange(num_tokens), [PrefillSpan(0, num_tokens, num_tokens, None)], [],
+                         [0, num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device)
         hidden = self.model(ids, pos, meta)
         self.model.compute_logits(hidden[-1:])
         self.free_kv_cache()
@@ -196,4 +197,5 @@ def _metadata(slot_mapping, prefills, groups, qsl, seq_lens, tables, bs, device)
         slot_mapping=to(slot_mapping), prefills=prefills, decode_groups=groups,
         query_start_loc=to(torch.tensor(qsl, dtype=torch.int32)),
         seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), block_tables=to(block_tables), block_size=bs,
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])), max_seq_len=max(seq_lens),
     )

@@ -1,4 +1,7 @@
-"""SiLU-and-multiply, the SwiGLU activation (PyTorch reference)."""
+"""SiLU-and-multiply, the SwiGLU activation (PyTorch reference).
+
+The Triton twin, same signature and semantics, is in ``_triton_activation.py``.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,11 +44,54 @@ TORCH_OPS = KernelOps(
 def select_ops(attention_backend: str, device: torch.device) -> KernelOps:
     """The kernels for ``attention_backend`` ("auto", "torch" or "triton") on ``device``.
 
-    "auto" picks the PyTorch implementations; the Triton kernels are not built yet, so
-    "triton" raises until they are.
+    "auto" picks Triton on CUDA and PyTorch elsewhere. "triton" on a CPU runs the same
+    kernels through Triton's interpreter (``TRITON_INTERPRET=1``): slow, but exact.
     """
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-    if attention_backend == "triton":
-        raise NotImplementedError("attention_backend='triton': the Triton kernels are not available yet")
-    return TORCH_OPS
+    device = torch.device(device)
+    if attention_backend == "torch" or (attention_backend == "auto" and device.type != "cuda"):
+        return TORCH_OPS
+    return triton_ops(device)
+
+
+def triton_ops(device: torch.device) -> KernelOps:
+    """The Triton kernels, imported on first use (through the interpreter on a CPU)."""
+    interpret = torch.device(device).type != "cuda"
+    if interpret:
+        _enable_interpreter()
+    modules = {
+        stem: importlib.import_module(f"dfllm.kernels._triton_{stem}")
+        for stem in ("kv_cache", "paged_attention", "rms_norm", "rotary", "activation")
+    }
+    if interpret and not _interpreted(modules["rms_norm"]._rms_norm_kernel):
+        raise RuntimeError(_INTERPRETER_HINT + " (dfllm's Triton kernels were already compiled for a GPU)")
+    return KernelOps(
+        name="triton",
+        write_kv_cache=modules["kv_cache"].write_kv_cache_triton,
+        paged_attention=modules["paged_attention"].paged_attention_triton,
+        rms_norm=modules["rms_norm"].rms_norm_triton,
+        rotary=modules["rotary"].rotary_triton,
+        silu_and_mul=modules["activation"].silu_and_mul_triton,
+    )
+
+
+_INTERPRETER_HINT = (
+    "attention_backend='triton' on a CPU runs Triton's interpreter, which needs TRITON_INTERPRET=1 "
+    "in the environment before triton is first imported in this process"
+)
+
+
+def _enable_interpreter() -> None:
+    """Set ``TRITON_INTERPRET=1``, or raise if triton was already imported without it."""
+    preset = os.environ.get("TRITON_INTERPRET")
+    if preset is None and "triton" in sys.modules:
+        raise RuntimeError(_INTERPRETER_HINT + " (triton was imported without it)")
+    if preset is not None and preset.lower() not in ("1", "true", "on"):
+        raise RuntimeError(_INTERPRETER_HINT + f" (it is set to {preset!r})")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _interpreted(kernel: object) -> bool:
+    """Whether a ``@triton.jit`` kernel runs in Triton's interpreter."""
+    return type(kernel).__name__ == "InterpretedFunction"

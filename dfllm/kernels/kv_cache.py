@@ -1,4 +1,7 @@
-"""Writing new keys and values into the paged KV cache (PyTorch reference)."""
+"""Writing new keys and values into the paged KV cache (PyTorch reference).
+
+The Triton twin, same signature and semantics, is in ``_triton_kv_cache.py``.
+"""
 
 from __future__ import annotations
 

@@ -43,7 +43,9 @@ class AttentionMetadata:
     Sequences are either decodes (one query each, in ``decode_groups`` of similar context
     length so that little padding is gathered) or prefill spans.
     ``query_start_loc``, ``seq_lens`` and ``block_tables`` describe every sequence of the
-    step in one ragged layout for kernels that handle mixed batches in one launch.
+    step in one ragged layout for kernels that handle mixed batches in one launch;
+    ``max_query_len``/``max_seq_len`` are their host-side maxima (0 when unknown: the Triton
+    kernel then reads them from the tensors, at the cost of a device sync).
     """
 
     slot_mapping: torch.Tensor
@@ -53,3 +55,5 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     block_size: int
+    max_query_len: int = 0
+    max_seq_len: int = 0

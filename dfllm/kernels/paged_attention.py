@@ -5,6 +5,7 @@ groups of similar context length: their keys are gathered block by block from th
 into a padded tensor (the gather is the cost on CPU, so groups keep padding small) and the
 query heads of each KV-head group attend together. Prefill spans run one at a time, causally,
 over their cached prefix and their own new tokens.
+The Triton twin, one launch for the whole mixed batch, is in ``_triton_paged_attention.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""RMSNorm with an optional fused residual add (PyTorch reference)."""
+"""RMSNorm with an optional fused residual add (PyTorch reference).
+
+The Triton twin, same signature and semantics, is in ``_triton_rms_norm.py``.
+"""
 
 from __future__ import annotations
 

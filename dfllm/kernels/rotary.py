@@ -1,4 +1,7 @@
-"""Rotary position embedding, rotate-half (Llama/Qwen2) layout (PyTorch reference)."""
+"""Rotary position embedding, rotate-half (Llama/Qwen2) layout (PyTorch reference).
+
+The Triton twin, same signature and semantics, is in ``_triton_rotary.py``.
+"""
 
 from __future__ import annotations
 
