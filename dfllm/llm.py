@@ -43,7 +43,8 @@ class LLM(PoolingMixin):
     (``gpu_memory_utilization`` of the GPU, or on CPU a quarter of the available RAM up to
     4 GiB, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use).
     ``max_num_batched_tokens`` (the per-step token budget) defaults to 8192 on CUDA and
-    2048 on CPU, and never below ``max_num_seqs``.
+    2048 on CPU (never below ``max_num_seqs``); pooling batches on CPU default to 1024
+    padded tokens.
 
     ``runner="auto"`` picks pooling for encoder architectures (BERT embedders, classifiers,
     cross-encoders) and for sentence-transformers directories (``modules.json``), and
@@ -78,8 +79,9 @@ class LLM(PoolingMixin):
         hf_config = load_config(path)
         dev = resolve_device(device)
         max_len = resolve_max_model_len(max_model_len, hf_config)
+        self.runner_type = _resolve_runner(runner, hf_config, path)
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(8192 if dev.type == "cuda" else 2048, max_num_seqs)
+            max_num_batched_tokens = _default_token_budget(dev, self.runner_type, max_num_seqs)
         elif max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.config = EngineConfig(
@@ -90,7 +92,6 @@ class LLM(PoolingMixin):
             seed=seed, attention_backend=attention_backend,
         )
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path)
-        self.runner_type = _resolve_runner(runner, hf_config, path)
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
         if self.runner_type == "pooling":
@@ -191,6 +192,14 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _default_token_budget(device: torch.device, runner: str, max_num_seqs: int) -> int:
+    """Tokens per step: 8192 on CUDA; on CPU 2048 for generation and 1024 padded tokens for
+    pooling (smaller encoder batches stay in cache and measured faster there)."""
+    if device.type == "cuda":
+        return max(8192, max_num_seqs)
+    return 1024 if runner == "pooling" else max(2048, max_num_seqs)
 
 
 def _resolve_runner(runner: str, hf_config, path: Path) -> str:

@@ -19,6 +19,7 @@ from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.kernels.backend import select_ops
+from dfllm.models.cpu_linear import packing_available, prepack_linears
 from dfllm.models.loader import load_weights
 from dfllm.models.pooler import PoolerConfig, normalize, pool
 from dfllm.models.registry import pooling_model_class
@@ -54,8 +55,9 @@ class PoolingEngine:
         return ("embed", "token_embed", "score")
 
     def _blocks_for_one_batch(self) -> int:
-        bs = self.cfg.block_size
-        return -(-self.cfg.max_num_batched_tokens // bs) + self.cfg.max_num_seqs
+        bs, cfg = self.cfg.block_size, self.cfg
+        # A batch holds max_num_batched_tokens tokens, or one prompt of up to max_model_len.
+        return -(-max(cfg.max_num_batched_tokens, cfg.max_model_len) // bs) + cfg.max_num_seqs
 
     # ---- batching ---------------------------------------------------------------------
     def encode(self, prompts: list[list[int]], params: list[PoolingParams], task: str,
@@ -137,6 +139,8 @@ def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
         model = cls(cfg.hf_config)
     model.to(cfg.dtype)
     load_weights(model, cfg.model_path)
+    if packing_available(cfg.device, cfg.dtype):
+        prepack_linears(model)
     return model.eval()
 
 
