@@ -15,6 +15,7 @@ from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
 from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, per_prompt_params,
                           tokenize_prompts)
+from dfllm.llm_control import ControlMixin
 from dfllm.llm_pooling import PoolingMixin
 from dfllm.logger import init_logger
 from dfllm.models.bundled import resolve_model
@@ -30,7 +31,7 @@ logger = init_logger()
 RUNNERS = ("auto", "generate", "pooling")
 
 
-class LLM(PoolingMixin):
+class LLM(PoolingMixin, ControlMixin):
     """A model with its own engine, for offline batch generation and pooling.
 
     ``model`` is a Hugging Face style directory (config.json, ``*.safetensors``, tokenizer
@@ -71,6 +72,7 @@ class LLM(PoolingMixin):
         tensor_parallel_size: int = 1,
         attention_backend: str = "auto",
         runner: str = "auto",
+        profiler_dir: str | Path = "./dfllm_traces",
     ):
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
@@ -100,6 +102,8 @@ class LLM(PoolingMixin):
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
         self._request_counter = 0
+        self._done: dict[str, RequestOutput] = {}
+        self._init_control(profiler_dir)
 
     # ---- public API -------------------------------------------------------------------
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -115,11 +119,8 @@ class LLM(PoolingMixin):
         Every prompt is checked (emptiness, vocabulary, ``max_model_len``) before any work
         starts; a bad one raises ``ValueError`` naming its index.
         """
-        self._require_generative("generate")
-        prompt_list = as_prompt_list(prompts)
-        params = per_prompt_params(sampling_params, len(prompt_list))
-        tokenized = tokenize_prompts(prompt_list, self.tokenizer, self.config.hf_config.vocab_size)
-        return self._run(tokenized, params, use_tqdm)
+        ids = self._add_requests(*self._tokenize(prompts, sampling_params, "generate"))
+        return self._run_until_done(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -130,6 +131,20 @@ class LLM(PoolingMixin):
         tokenizer's chat template (or ``chat_template``) in transformers' sandboxed Jinja
         environment, then generated like ``generate``.
         """
+        ids = self._add_requests(*self._render_chats(messages, sampling_params, chat_template,
+                                                     add_generation_prompt, continue_final_message))
+        return self._run_until_done(ids, use_tqdm)
+
+    # ---- preparing requests ----------------------------------------------------------
+    def _tokenize(self, prompts, sampling_params, method: str) -> tuple[list[TokenizedPrompt], list[SamplingParams]]:
+        self._require_generative(method)
+        prompt_list = as_prompt_list(prompts)
+        params = per_prompt_params(sampling_params, len(prompt_list))
+        return tokenize_prompts(prompt_list, self.tokenizer, self.config.hf_config.vocab_size), params
+
+    def _render_chats(self, messages, sampling_params, chat_template: str | None = None,
+                      add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> tuple[list[TokenizedPrompt], list[SamplingParams]]:
         self._require_generative("chat")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
@@ -143,35 +158,45 @@ class LLM(PoolingMixin):
                 [_flatten_content(m) for m in conv], chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
             tokenized.append(TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(tokenized, params, use_tqdm)
+        return tokenized, params
 
-    def _require_generative(self, method: str) -> None:
+    def _require_generative(self, method: str) -> LLMEngine:
         if self.engine is None:
             raise ValueError(f"{method}: {self.config.model_path.name} is loaded as a pooling model; "
                              "use embed, classify, score or encode")
+        return self.engine
 
     # ---- running ----------------------------------------------------------------------
-    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _add_requests(self, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> list[str]:
+        """Check every prompt against ``max_model_len``, then queue them all; their request ids."""
+        self._check_can_serve()
         limit = self.config.max_model_len
         for i, p in enumerate(prompts):
             if len(p.token_ids) > limit:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens, longer than max_model_len={limit}")
-        order: dict[str, int] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            rid = str(self._request_counter)
-            self._request_counter += 1
-            order[rid] = i
-            self.engine.add_request(rid, p.prompt, p.token_ids, sp)
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = _ProgressBar(len(prompts), use_tqdm)
+        ids = []
+        for p, sp in zip(prompts, params):
+            ids.append(self._next_id())
+            self.engine.add_request(ids[-1], p.prompt, p.token_ids, sp)
+        return ids
+
+    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until the requests ``ids`` are done; their outputs in that order.
+
+        Other queued requests are batched along; their outputs are kept for
+        ``wait_for_completion``.
+        """
+        wanted = set(ids)
+        bar = _ProgressBar(len(ids), use_tqdm)
         try:
-            while self.engine.has_unfinished():
+            while self.engine.has_unfinished() and not wanted <= self._done.keys():
                 for req in self.engine.step():
-                    results[order[req.request_id]] = self.engine.make_output(req)
-                    bar.update(req)
+                    self._done[req.request_id] = self.engine.make_output(req)
+                    if req.request_id in wanted:
+                        bar.update(req)
         finally:
             bar.close()
-        return results  # type: ignore[return-value]
+        return [self._done.pop(rid) for rid in ids]
 
 
 class _ProgressBar:

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from dfllm.config import EngineConfig
 from dfllm.engine.block_manager import BlockManager
 from dfllm.engine.detokenizer import Detokenizer
+from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.sampler import SampledToken, Sampler
 from dfllm.engine.scheduler import Scheduler
@@ -47,7 +48,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(eos_token_ids, cfg.seed)
         self.detokenizer = Detokenizer(tokenizer)
+        self.metrics = EngineMetrics(cfg.model_path.name)
         self.num_generated_tokens = 0
+        self.sleep_level = 0  # 0 awake; 1 weights on host, KV freed; 2 weights and KV freed
+        self.asleep: set[str] = set()  # which of "weights", "kv_cache" are released
 
     @property
     def num_blocks(self) -> int:
@@ -71,12 +75,24 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests it finished."""
+        self.check_awake()
+        bm = self.block_manager
+        queries, hits = bm.prefix_queries, bm.prefix_hits
         sched = self.scheduler.schedule()
+        preempted = sched.num_preempted
         if not sched:  # a step that only preempted admits nothing; the next one will
             sched = self.scheduler.schedule()
+            preempted += sched.num_preempted
         if not sched:
             raise RuntimeError("the scheduler could not schedule any waiting sequence")
-        self.runner.zero_blocks(self.block_manager.drain_first_use())
+        self.runner.zero_blocks(bm.drain_first_use())
+        with torch.profiler.record_function("dfllm.step"):
+            finished = self._execute(sched)
+        self.metrics.observe_step(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, preempted,
+                                  bm.prefix_queries - queries, bm.prefix_hits - hits)
+        return finished
+
+    def _execute(self, sched) -> list[Request]:
         logits, sample_seqs = self.runner.run(sched)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n
@@ -88,6 +104,7 @@ class LLMEngine:
                 self._append(seq, tok, now)
                 if seq.is_finished and seq.request.is_finished:
                     seq.request.metrics.finished_time = now
+                    self.metrics.observe_finish(now - seq.request.metrics.arrival_time)
                     finished.append(seq.request)
         return finished
 
@@ -96,7 +113,10 @@ class LLMEngine:
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         m = seq.request.metrics
-        if m.first_token_time is None:
+        first = m.first_token_time is None
+        self.metrics.observe_token(first, len(seq.request.prompt_token_ids),
+                                   now - (m.arrival_time if first else m.last_token_time))
+        if first:
             m.first_token_time = now
         m.last_token_time = now
         if tok.logprob is not None:
@@ -117,6 +137,55 @@ class LLMEngine:
             return self._finish(seq, "length", None)
         if seq.num_tokens >= self.cfg.max_model_len:
             return self._finish(seq, "length", None)
+
+    # ---- sleep mode and caches -------------------------------------------------------
+    def check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}, released: "
+                               f"{', '.join(sorted(self.asleep))}); call wake_up() first")
+
+    def sleep(self, level: int) -> None:
+        """Release the KV cache, and the weights (to host memory at level 1, entirely at 2)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished():
+            raise RuntimeError("sleep: requests are still queued or running; wait for them first")
+        self.block_manager.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        if "weights" not in self.asleep and level == 1:
+            self.runner.offload_weights()
+        elif "weights" not in self.asleep:
+            self.runner.drop_weights()
+        self.sleep_level = max(self.sleep_level, level)
+        self.asleep |= {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore the released ``tags`` ("weights", "kv_cache"; None means both)."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be among 'weights' and 'kv_cache', got {sorted(unknown)}")
+        if "weights" in tags and "weights" in self.asleep:
+            if self.sleep_level == 1:
+                self.runner.onload_weights()
+            else:
+                self.runner.reload_weights()
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            num_blocks = self.block_manager.num_blocks
+            self.runner.allocate_kv_cache(num_blocks)
+            self.block_manager = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
+            self.scheduler.bm = self.block_manager
+            self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; refuse (False) while requests are queued or running."""
+        if self.has_unfinished():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason

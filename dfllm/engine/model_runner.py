@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +57,25 @@ class ModelRunner:
         load_weights(model, self.path)
         return model.eval()
 
+    # ---- sleep mode -----------------------------------------------------------------
+    def offload_weights(self) -> None:
+        """Move the weights to host memory (a no-op on a CPU device)."""
+        self.model.to("cpu")
+        _release_device_memory(self.device)
+
+    def onload_weights(self) -> None:
+        self.model.to(self.device)
+
+    def drop_weights(self) -> None:
+        """Release the model entirely; ``reload_weights`` rebuilds it from the model files."""
+        self.model = None
+        _release_device_memory(self.device)
+
+    def reload_weights(self) -> None:
+        self.model = self._build_model()
+        if self.kv is not None:
+            self._attach(self.kv)
+
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
@@ -81,8 +103,10 @@ class ModelRunner:
         kv_cache.zero_blocks(self.kv, block_ids)
 
     def free_kv_cache(self) -> None:
-        self._attach(None)
+        if self.model is not None:
+            self._attach(None)
         self.kv = None
+        _release_device_memory(self.device)
 
     def _attach(self, kv: torch.Tensor | None) -> None:
         for i, layer in enumerate(self.model.model.layers):
@@ -151,6 +175,18 @@ class ModelRunner:
         dev = self.device
         return StepInputs(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                           torch.tensor(logit_rows, device=dev), sample_seqs)
+
+
+def _release_device_memory(device: torch.device) -> None:
+    """Return freed memory to the system: CUDA's cache, or on CPU glibc's free heap pages."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:

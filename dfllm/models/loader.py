@@ -90,9 +90,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:4])
 
 
-def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, read,
-                 file: Path) -> str | None:
-    """Copy one checkpoint tensor into its (possibly fused) parameter; return its key."""
+def destination(model: nn.Module, params: dict[str, nn.Parameter], packed: dict,
+                name: str) -> tuple[str, torch.Tensor] | None:
+    """The parameter key and the (possibly sliced) parameter tensor a checkpoint tensor fills."""
     target, shard = name, None
     for part, (fused, index) in packed.items():
         if f".{part}." in name:
@@ -101,15 +101,52 @@ def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict
     param = params.get(target)
     if param is None:
         return None
-    tensor = read()
-    if tensor.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"tensor {name} in {file.name} has unsupported dtype {tensor.dtype}")
     dest = param.data
     if shard is not None:
         sizes = model.get_submodule(target.rsplit(".", 1)[0]).output_sizes
-        start = sum(sizes[:shard])
-        dest = dest.narrow(0, start, sizes[shard])
+        dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+    return target, dest
+
+
+def check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor, where: str) -> None:
+    """Raise ``ValueError`` unless ``tensor`` is a float tensor of ``dest``'s shape."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"tensor {name} in {where} has unsupported dtype {tensor.dtype}")
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+
+
+def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, read,
+                 file: Path) -> str | None:
+    """Copy one checkpoint tensor into its (possibly fused) parameter; return its key."""
+    found = destination(model, params, packed, name)
+    if found is None:
+        return None
+    target, dest = found
+    tensor = read()
+    check_tensor(name, tensor, dest, file.name)
     dest.copy_(tensor)
     return target
+
+
+def update_weights(model: nn.Module, weights) -> list[str]:
+    """Copy ``(name, tensor)`` pairs (checkpoint names) into ``model``; all are checked first.
+
+    An unknown name, a non-float tensor or a wrong shape raises ``ValueError`` before any
+    parameter changes. Returns the parameter keys updated.
+    """
+    params = dict(model.named_parameters())
+    rename = getattr(model, "checkpoint_name", None)
+    packed = getattr(model, "packed_modules_mapping", PACKED)
+    plan = []
+    for name, tensor in weights:
+        key = rename(name) if rename else name
+        found = destination(model, params, packed, key) if key is not None else None
+        if found is None:
+            raise ValueError(f"update_weights: unknown tensor name {name!r}")
+        check_tensor(name, tensor, found[1], "update_weights")
+        plan.append((found, tensor))
+    with torch.no_grad():
+        for (_, dest), tensor in plan:
+            dest.copy_(tensor)
+    return [target for (target, _), _ in plan]

@@ -1,0 +1,63 @@
+"""The engine's Prometheus metrics (prefix ``dfllm_``), kept in the engine's own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge as PromGauge
+from prometheus_client import Histogram as PromHistogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineMetrics:
+    """Request gauges, token counters, cache statistics and latency histograms of one engine."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r, name = self.registry, {"model_name": model_name}
+
+        def counter(n, doc):
+            return PromCounter(n, doc, labels, registry=r).labels(**name)
+
+        def gauge(n, doc):
+            return PromGauge(n, doc, labels, registry=r).labels(**name)
+
+        def histogram(n, doc, buckets):
+            return PromHistogram(n, doc, labels, buckets=buckets, registry=r).labels(**name)
+
+        self.running = gauge("dfllm_num_requests_running", "Sequences being computed")
+        self.waiting = gauge("dfllm_num_requests_waiting", "Sequences waiting to be scheduled")
+        self.kv_usage = gauge("dfllm_kv_cache_usage_perc", "Fraction of KV-cache blocks in use")
+        self.prompt_tokens = counter("dfllm_prompt_tokens", "Prompt tokens of requests whose prefill finished")
+        self.generation_tokens = counter("dfllm_generation_tokens", "Generated tokens")
+        self.preemptions = counter("dfllm_num_preemptions", "Sequences preempted for lack of KV blocks")
+        self.prefix_queries = counter("dfllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("dfllm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.ttft = histogram("dfllm_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
+        self.tpot = histogram("dfllm_time_per_output_token_seconds", "Time between output tokens", TOKEN_BUCKETS)
+        self.e2e = histogram("dfllm_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+
+    def observe_step(self, num_running: int, num_waiting: int, kv_usage: float, preempted: int,
+                     prefix_queries: int, prefix_hits: int) -> None:
+        """Gauges after a step, and the counters it advanced."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        self.preemptions.inc(preempted)
+        self.prefix_queries.inc(prefix_queries)
+        self.prefix_hits.inc(prefix_hits)
+
+    def observe_token(self, first_of_request: bool, prompt_len: int, seconds: float) -> None:
+        """One generated token; ``seconds`` is the time to first token or since the previous one."""
+        self.generation_tokens.inc()
+        if first_of_request:
+            self.prompt_tokens.inc(prompt_len)
+            self.ttft.observe(seconds)
+        else:
+            self.tpot.observe(seconds)
+
+    def observe_finish(self, seconds: float) -> None:
+        self.e2e.observe(seconds)

@@ -1,0 +1,188 @@
+"""The rest of :class:`dfllm.LLM`'s vLLM surface: the request queue, profiling, sleep mode,
+caches, metrics, weight updates for RL loops, and RPC to the worker."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from dfllm.metrics import Metric, snapshot
+from dfllm.models.loader import update_weights as apply_weight_update
+from dfllm.outputs import RequestOutput
+
+WEIGHT_TRANSFER_BACKENDS = ("inprocess",)
+
+
+class ControlMixin:
+    """Engine control methods of :class:`dfllm.LLM` (vLLM's names and arguments)."""
+
+    def _init_control(self, profiler_dir: str | Path) -> None:
+        self._queued: list[str] = []
+        self.profiler_dir = Path(profiler_dir)
+        self._profiler: torch.profiler.profile | None = None
+        self._profile_prefix: str | None = None
+        self._weight_backend: str | None = None
+        self._updating_weights = False
+        self._weight_version: Any = None
+
+    # ---- queue ------------------------------------------------------------------------
+    def enqueue(self, prompts, sampling_params=None) -> list[str]:
+        """Queue prompts without running them; return their request ids.
+
+        Requests queued by several calls are scheduled together by
+        :meth:`wait_for_completion` (or by any ``generate`` call in between).
+        """
+        ids = self._add_requests(*self._tokenize(prompts, sampling_params, "enqueue"))
+        self._queued += ids
+        return ids
+
+    def enqueue_chat(self, messages, sampling_params=None, **chat_kwargs) -> list[str]:
+        """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
+        ids = self._add_requests(*self._render_chats(messages, sampling_params, **chat_kwargs))
+        self._queued += ids
+        return ids
+
+    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run the engine until every queued request is done; outputs in enqueue order."""
+        ids, self._queued = self._queued, []
+        return self._run_until_done(ids, use_tqdm)
+
+    # ---- profiling ----------------------------------------------------------------------
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start the PyTorch profiler around the engine's steps (CPU, and CUDA when used)."""
+        if self._profiler is not None:
+            raise RuntimeError("start_profile: the profiler is already running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.config.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+        self._profile_prefix = profile_prefix or "dfllm"
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler and write a Chrome trace into ``profiler_dir``; return its path."""
+        if self._profiler is None:
+            raise RuntimeError("stop_profile: start_profile was not called")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self.profiler_dir.mkdir(parents=True, exist_ok=True)
+        path = self.profiler_dir / f"{self._profile_prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{id(profiler):x}.json"
+        profiler.export_chrome_trace(str(path))
+        return path
+
+    # ---- sleep mode and caches ------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory: level 1 moves the weights to host memory and frees the KV
+        cache; level 2 frees both (weights are reloaded from the model files on wake-up).
+        The prefix cache is reset. On a CPU device the weights already live in host memory,
+        so level 1 releases the KV cache only."""
+        self._require_generative("sleep").sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` released: ``tags`` among "weights" and "kv_cache" (None: both)."""
+        self._require_generative("wake_up").wake_up(tags)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; returns False (and does nothing) while requests are running."""
+        return self._require_generative("reset_prefix_cache").reset_prefix_cache()
+
+    def reset_mm_cache(self) -> None:
+        """For API compatibility: dfllm serves no multimodal models yet, so there is no
+        multimodal cache to reset."""
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's Prometheus metrics (``dfllm_*``) as Counter, Gauge and
+        Histogram objects, each with its name and labels."""
+        return snapshot(self._require_generative("get_metrics").metrics.registry)
+
+    # ---- weight updates ------------------------------------------------------------------
+    def init_weight_transfer_engine(self, config: dict | None = None) -> None:
+        """Choose how new weights arrive: ``{"backend": "inprocess"}`` (the default) hands
+        tensors over directly in this process."""
+        backend = (config or {}).get("backend", "inprocess")
+        if backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise NotImplementedError(f"weight transfer backend {backend!r} is not supported "
+                                      f"(available: {', '.join(WEIGHT_TRANSFER_BACKENDS)})")
+        self._require_generative("init_weight_transfer_engine")
+        self._weight_backend = backend
+
+    def start_weight_update(self) -> None:
+        """Begin an update: no request may be queued or running, and none is accepted until
+        :meth:`finish_weight_update`."""
+        if self._weight_backend is None:
+            raise RuntimeError("call init_weight_transfer_engine() before start_weight_update()")
+        engine = self._require_generative("start_weight_update")
+        engine.check_awake()
+        if engine.has_unfinished():
+            raise RuntimeError("start_weight_update: requests are still queued or running")
+        self._updating_weights = True
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` pairs, in the checkpoint's naming, into the model. All are
+        checked first: an unknown name or a wrong shape raises before anything changes."""
+        if not self._updating_weights:
+            raise RuntimeError("call start_weight_update() before update_weights()")
+        apply_weight_update(self.engine.runner.model, list(weights))
+
+    def finish_weight_update(self, weight_version: Any = None) -> None:
+        """End the update: the prefix cache (computed with the old weights) is invalidated and
+        requests are served again; ``weight_version`` is recorded if given."""
+        if not self._updating_weights:
+            raise RuntimeError("finish_weight_update: no weight update is in progress")
+        self.engine.reset_prefix_cache()
+        self._updating_weights = False
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    def update_weight_version(self, version: Any) -> None:
+        """Record the version of the weights being served."""
+        self._weight_version = version
+
+    def get_weight_version(self) -> Any:
+        """The version recorded by :meth:`finish_weight_update` or :meth:`update_weight_version`."""
+        return self._weight_version
+
+    # ---- RPC ----------------------------------------------------------------------------------
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """Run ``method`` on every worker and return one result per worker.
+
+        A worker is the object holding the model on one device (the model runner; dfllm runs
+        one worker per engine until tensor parallelism lands). ``method`` is the name of one
+        of its methods, or a callable taking the worker first. ``timeout`` (seconds) raises
+        ``TimeoutError`` if the call has not returned by then.
+        """
+        kwargs = kwargs or {}
+        results = []
+        for worker in self._workers():
+            fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, w=worker, **k: method(w, *a, **k))
+            results.append(_call_with_timeout(fn, timeout, args, kwargs))
+        return results
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
+        """``func(model)`` on the model of every worker; one result each."""
+        return self.collective_rpc(lambda worker: func(worker.model))
+
+    def _workers(self) -> list:
+        return [self.engine.runner if self.engine is not None else self.pooling_engine]
+
+    def _check_can_serve(self) -> None:
+        if self._updating_weights:
+            raise RuntimeError("a weight update is in progress; call finish_weight_update() first")
+        self.engine.check_awake()
+
+
+def _call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict):
+    if timeout is None:
+        return fn(*args, **kwargs)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"collective_rpc did not return within {timeout} s") from None
+    finally:
+        pool.shutdown(wait=False)
