@@ -1,6 +1,7 @@
 """dfllm: dataframe-native batch LLM inference on its own paged-KV engine."""
 
 from dfllm.llm import LLM
+from dfllm import accessors  # noqa: F401,E402  (registers .llm on Dask, pandas and Polars)
 from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                            EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
                            PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringOutput,

@@ -1,0 +1,110 @@
+"""The methods of ``.llm``, shared by every dataframe library: one signature per method.
+
+Each method checks its arguments against the frame's columns (raising ``ValueError`` at
+call time) and hands an :class:`~dfllm.accessors.task.LLMTask` to the library's
+``_apply``. Defaults: ``generate``/``chat`` use the bundled chat model,
+``embed``/``score`` the bundled all-MiniLM-L6-v2; ``classify`` needs a ``model``.
+"""
+
+from __future__ import annotations
+
+from dfllm.accessors.task import LLMTask, make_task
+
+DEFAULT_EMBED_MODEL = "all-minilm-l6-v2"
+
+
+class LLMFrameMethods:
+    """``df.llm``: methods that add result columns to a dataframe."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def _columns(self) -> list[str]:
+        return list(self._obj.columns)
+
+    def _apply(self, task: LLMTask):
+        raise NotImplementedError
+
+    def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = "generated_text",
+                 on_error: str = "null", **engine_kwargs):
+        """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
+
+        Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
+        ``finish_reason`` and ``llm_error``. ``sampling_params`` is a SamplingParams, a dict,
+        or the name of a column of dicts (one per row).
+        """
+        return self._apply(make_task("generate", (prompt,), self._columns(), output_column=output_column,
+                                     model=model, sampling_params=sampling_params, on_error=on_error,
+                                     engine_kwargs=engine_kwargs))
+
+    def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
+             output_column: str = "generated_text", on_error: str = "null", **engine_kwargs):
+        """Reply to ``messages`` (a column of conversations, or a template for one user turn)."""
+        return self._apply(make_task("chat", (messages,), self._columns(), output_column=output_column, model=model,
+                                     sampling_params=sampling_params, system=system, on_error=on_error,
+                                     engine_kwargs=engine_kwargs))
+
+    def embed(self, text: str, *, model=None, output_column: str = "embedding", on_error: str = "null",
+              **engine_kwargs):
+        """Embed ``text`` (a column or template): a ``list<float32>`` column."""
+        return self._apply(make_task("embed", (text,), self._columns(), output_column=output_column,
+                                     model=model or DEFAULT_EMBED_MODEL, on_error=on_error,
+                                     engine_kwargs=engine_kwargs))
+
+    def score(self, left: str, right: str, *, model=None, output_column: str = "score", on_error: str = "null",
+              **engine_kwargs):
+        """Score each row's ``left`` text against its ``right`` text: one float per row."""
+        return self._apply(make_task("score", (left, right), self._columns(), output_column=output_column,
+                                     model=model or DEFAULT_EMBED_MODEL, on_error=on_error,
+                                     engine_kwargs=engine_kwargs))
+
+    def classify(self, text: str, *, model=None, output_column: str = "label", on_error: str = "null",
+                 **engine_kwargs):
+        """Classify ``text``: the top label's name and a ``probs`` column."""
+        if model is None:
+            raise ValueError("classify needs a classifier model: pass model=...")
+        return self._apply(make_task("classify", (text,), self._columns(), output_column=output_column,
+                                     model=model, on_error=on_error, engine_kwargs=engine_kwargs))
+
+
+SERIES_INPUT = "__dfllm_input__"
+
+
+class LLMSeriesMethods:
+    """``series.llm``: the same methods on a series of inputs, returning the main output series."""
+
+    frame_methods: type
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def _frame(self, other=None):
+        raise NotImplementedError
+
+    def _main(self, frame, column: str):
+        raise NotImplementedError
+
+    def generate(self, **kwargs):
+        """Completions of the series' prompts (a series of text)."""
+        return self._main(self.frame_methods(self._frame()).generate(SERIES_INPUT, **kwargs),
+                          kwargs.get("output_column", "generated_text"))
+
+    def chat(self, **kwargs):
+        """Replies to the series' conversations (or to its texts as single user turns)."""
+        return self._main(self.frame_methods(self._frame()).chat(SERIES_INPUT, **kwargs),
+                          kwargs.get("output_column", "generated_text"))
+
+    def embed(self, **kwargs):
+        """Embeddings of the series' texts."""
+        return self._main(self.frame_methods(self._frame()).embed(SERIES_INPUT, **kwargs),
+                          kwargs.get("output_column", "embedding"))
+
+    def classify(self, **kwargs):
+        """Top labels of the series' texts."""
+        return self._main(self.frame_methods(self._frame()).classify(SERIES_INPUT, **kwargs),
+                          kwargs.get("output_column", "label"))
+
+    def score(self, other, **kwargs):
+        """Scores of the series' texts against ``other`` (a series aligned with it)."""
+        return self._main(self.frame_methods(self._frame(other)).score(SERIES_INPUT, SERIES_INPUT + "2", **kwargs),
+                          kwargs.get("output_column", "score"))

@@ -1,0 +1,28 @@
+"""``.llm`` on pandas DataFrames and Series (pandas' accessor API); runs in this process."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
+from dfllm.accessors.task import LLMTask, run_task
+
+
+@pd.api.extensions.register_dataframe_accessor("llm")
+class PandasLLMAccessor(LLMFrameMethods):
+    def _apply(self, task: LLMTask) -> pd.DataFrame:
+        return run_task(self._obj, task)
+
+
+@pd.api.extensions.register_series_accessor("llm")
+class PandasSeriesLLMAccessor(LLMSeriesMethods):
+    frame_methods = PandasLLMAccessor
+
+    def _frame(self, other=None) -> pd.DataFrame:
+        frame = self._obj.to_frame(SERIES_INPUT)
+        if other is not None:
+            frame[SERIES_INPUT + "2"] = other
+        return frame
+
+    def _main(self, frame: pd.DataFrame, column: str) -> pd.Series:
+        return frame[column].rename(self._obj.name)

@@ -1,0 +1,73 @@
+"""``.llm`` on Polars DataFrames, LazyFrames and expressions (Polars' namespace API).
+
+Frames go through Arrow to pandas (zero-copy where Arrow allows), run in this process,
+and come back as Polars; a LazyFrame maps its batches lazily with the output schema known
+up front; ``pl.col("q").llm.generate(...)`` gives the main output inside ``with_columns``.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
+from dfllm.accessors.task import LLMTask, run_task
+
+POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "list<item: float>": pl.List(pl.Float32)}
+
+
+def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
+    out = run_task(df.to_pandas(use_pyarrow_extension_array=True), task)
+    return pl.from_pandas(out)
+
+
+def _polars_schema(task: LLMTask) -> dict:
+    return {c: POLARS_TYPES[str(d.pyarrow_dtype)] for c, d in task.output_dtypes().items()}
+
+
+@pl.api.register_dataframe_namespace("llm")
+class PolarsLLMNamespace(LLMFrameMethods):
+    def _apply(self, task: LLMTask) -> pl.DataFrame:
+        return _run(self._obj, task)
+
+
+@pl.api.register_lazyframe_namespace("llm")
+class PolarsLazyLLMNamespace(LLMFrameMethods):
+    def _columns(self) -> list[str]:
+        return list(self._obj.collect_schema().names())
+
+    def _apply(self, task: LLMTask) -> pl.LazyFrame:
+        schema = {**self._obj.collect_schema(), **_polars_schema(task)}
+        return self._obj.map_batches(lambda df: _run(df, task), schema=schema)
+
+
+@pl.api.register_expr_namespace("llm")
+class PolarsExprLLMNamespace:
+    """``pl.col(...).llm.<method>(...)``: the main output of each method, for ``with_columns``."""
+
+    def __init__(self, expr: pl.Expr):
+        self._expr = expr
+
+    def _map(self, kind: str, output_column: str, **kwargs) -> pl.Expr:
+        def apply(series: pl.Series) -> pl.Series:
+            frame = series.to_frame(SERIES_INPUT)
+            result = getattr(PolarsLLMNamespace(frame), kind)(SERIES_INPUT, output_column=output_column, **kwargs)
+            return result[output_column]
+
+        schema = _polars_schema(_probe_task(kind, output_column))
+        return self._expr.map_batches(apply, return_dtype=schema[output_column])
+
+    def generate(self, *, output_column: str = "generated_text", **kwargs) -> pl.Expr:
+        return self._map("generate", output_column, **kwargs)
+
+    def chat(self, *, output_column: str = "generated_text", **kwargs) -> pl.Expr:
+        return self._map("chat", output_column, **kwargs)
+
+    def embed(self, *, output_column: str = "embedding", **kwargs) -> pl.Expr:
+        return self._map("embed", output_column, **kwargs)
+
+    def classify(self, *, output_column: str = "label", **kwargs) -> pl.Expr:
+        return self._map("classify", output_column, **kwargs)
+
+
+def _probe_task(kind: str, output_column: str) -> LLMTask:
+    return LLMTask(kind, (SERIES_INPUT,), output_column)

@@ -1,0 +1,262 @@
+"""What an accessor call asks for, checked at call time and run on one pandas partition.
+
+A task is a small picklable description (columns, template, model, sampling settings);
+``run_task`` turns one pandas frame into the same frame with the task's output columns.
+Bad rows (null, empty or non-string input, a prompt past the context, a malformed
+conversation, invalid per-row sampling params) get a null output and a message in
+``llm_error``; every other row is processed. ``on_error="raise"`` raises instead.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from dfllm.accessors.engines import get_engine
+from dfllm.accessors.schema import output_dtypes
+from dfllm.inputs import check_conversation
+from dfllm.sampling_params import SamplingParams
+
+KINDS = ("generate", "chat", "embed", "score", "classify")
+ON_ERROR = ("null", "raise")
+
+
+@dataclass(frozen=True)
+class LLMTask:
+    """One accessor call: which columns (or template) feed which task of which model."""
+
+    kind: str
+    inputs: tuple[str, ...]
+    output_column: str
+    model: str | None = None
+    sampling: tuple = ()  # SamplingParams fields as sorted (key, value) pairs
+    sampling_column: str | None = None
+    system: str | None = None
+    on_error: str = "null"
+    engine_kwargs: tuple = field(default=())
+
+    @property
+    def templates(self) -> list[str]:
+        return [i for i in self.inputs if is_template(i)]
+
+    def columns_needed(self) -> set[str]:
+        cols = {c for i in self.inputs for c in (template_fields(i) if is_template(i) else [i])}
+        return cols | ({self.sampling_column} if self.sampling_column else set())
+
+    def output_dtypes(self) -> dict:
+        return output_dtypes(self.kind, self.output_column)
+
+
+def is_template(text: str) -> bool:
+    return "{" in text
+
+
+def template_fields(template: str) -> list[str]:
+    """The ``{column}`` names a template uses; malformed templates raise ``ValueError``."""
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ValueError(f"bad template {template!r}: {exc}") from None
+    if any(n == "" or n.isdigit() for n in names):
+        raise ValueError(f"template {template!r}: placeholders must name columns, like {{question}}")
+    return names
+
+
+def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str, model=None,
+              sampling_params=None, system: str | None = None, on_error: str = "null",
+              engine_kwargs: dict | None = None) -> LLMTask:
+    """Check an accessor call against the frame's columns and build its task (raises ``ValueError``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown task {kind!r}")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    for i in inputs:
+        if not isinstance(i, str):
+            raise ValueError(f"{kind}: expected a column name or a template string, got {type(i).__name__}")
+    sampling, sampling_column = _sampling(sampling_params, columns, kind)
+    task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
+                   sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())))
+    missing = sorted(task.columns_needed() - set(map(str, columns)))
+    if missing:
+        raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {list(columns)})")
+    clash = sorted(set(task.output_dtypes()) & set(map(str, columns)))
+    if clash:
+        raise ValueError(f"{kind}: output column(s) {clash} already exist; choose another output_column")
+    _check_model(task)
+    return task
+
+
+def _sampling(sampling_params, columns, kind: str) -> tuple[tuple, str | None]:
+    if sampling_params is None:
+        return (), None
+    if isinstance(sampling_params, str):
+        if sampling_params not in columns:
+            raise ValueError(f"{kind}: sampling_params column {sampling_params!r} not in the dataframe")
+        return (), sampling_params
+    if isinstance(sampling_params, dict):
+        sampling_params = SamplingParams.from_dict(sampling_params)
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError("sampling_params must be a SamplingParams, a dict, or the name of a column of dicts")
+    if kind not in ("generate", "chat"):
+        raise ValueError(f"{kind} takes no sampling_params")
+    if sampling_params.n != 1:
+        raise ValueError("sampling_params.n must be 1 in a dataframe (one output per row)")
+    fields = {k: v for k, v in vars(sampling_params).items() if not k.startswith("_")}
+    return tuple(sorted((k, _hashable(v)) for k, v in fields.items())), None
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _check_model(task: LLMTask) -> None:
+    from dfllm.models.bundled import resolve_model
+
+    resolve_model(task.model)  # unknown names raise ValueError now, not at compute time
+
+
+# ---- running on one partition ----------------------------------------------------------------------
+def run_task(df: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
+    """``df`` with the task's output columns; rows in the same order."""
+    dtypes = task.output_dtypes()
+    out: dict[str, list] = {c: [None] * len(df) for c in dtypes}
+    if len(df):
+        llm, lock = get_engine(task.model, dict(task.engine_kwargs))
+        with lock:
+            RUNNERS[task.kind](df, task, llm, out)
+    cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
+    return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
+
+
+def _row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
+    if task.on_error == "raise":
+        raise ValueError(f"row {i} of the partition: {message}")
+    out["llm_error"][i] = message
+
+
+def _text(value, what: str) -> str:
+    """The value as a non-empty string, or raise ``ValueError`` saying what is wrong."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        raise ValueError(f"{what} is null")
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is not a string ({type(value).__name__})")
+    if not value.strip():
+        raise ValueError(f"{what} is empty")
+    return value
+
+
+def _cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: pd.DataFrame) -> dict[int, str]:
+    """Row position -> text, from a column or a ``{column}`` template; bad rows get errors."""
+    texts = {}
+    records = df.to_dict("records") if is_template(spec) else None
+    values = None if records is not None else df[spec].tolist()
+    for i in range(len(df)):
+        try:
+            if records is not None:
+                row = {k: _text(records[i][k], f"column {k!r}") for k in template_fields(spec)}
+                texts[i] = spec.format_map(row)
+            else:
+                texts[i] = _text(values[i], f"column {spec!r}")
+        except ValueError as exc:
+            _row_error(task, out, i, str(exc))
+    return texts
+
+
+def _row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, SamplingParams]:
+    base = SamplingParams(**{k: list(v) if isinstance(v, tuple) else v for k, v in task.sampling})
+    if not task.sampling_column:
+        return {i: base for i in rows}
+    params, column = {}, df[task.sampling_column].tolist()
+    for i in rows:
+        try:
+            value = column[i]
+            params[i] = base if value is None else SamplingParams.from_dict(dict(value))
+        except (ValueError, TypeError) as exc:
+            _row_error(task, out, i, f"sampling_params: {exc}")
+    return params
+
+
+def _generate(df, task, llm, out, prompts: dict[int, list[int]]) -> None:
+    params = _row_params(df, task, list(prompts), out)
+    limit = llm.config.max_model_len
+    rows = []
+    for i in sorted(params):
+        if len(prompts[i]) > limit:
+            _row_error(task, out, i, f"prompt has {len(prompts[i])} tokens, longer than max_model_len={limit}")
+        else:
+            rows.append(i)
+    if not rows:
+        return
+    results = llm.generate([{"prompt_token_ids": prompts[i]} for i in rows], [params[i] for i in rows],
+                           use_tqdm=False)
+    for i, r in zip(rows, results):
+        c = r.outputs[0]
+        out[task.output_column][i] = c.text
+        out["num_input_tokens"][i] = len(r.prompt_token_ids)
+        out["num_generated_tokens"][i] = len(c.token_ids)
+        out["finish_reason"][i] = c.finish_reason
+
+
+def _run_generate(df, task, llm, out) -> None:
+    texts = _cell_texts(df, task.inputs[0], task, out)
+    ids = llm.get_tokenizer()(list(texts.values()))["input_ids"] if texts else []
+    _generate(df, task, llm, out, dict(zip(texts, ids)))
+
+
+def _run_chat(df, task, llm, out) -> None:
+    spec = task.inputs[0]
+    convs: dict[int, list] = {}
+    if is_template(spec):
+        for i, text in _cell_texts(df, spec, task, out).items():
+            system = [{"role": "system", "content": task.system}] if task.system else []
+            convs[i] = system + [{"role": "user", "content": text}]
+    else:
+        for i, conv in enumerate(df[spec].tolist()):
+            try:
+                conv = [dict(m) for m in conv] if hasattr(conv, "__iter__") and not isinstance(conv, (str, dict)) else conv
+                check_conversation(conv, i)
+                convs[i] = ([{"role": "system", "content": task.system}] if task.system else []) + conv
+            except (ValueError, TypeError) as exc:
+                _row_error(task, out, i, f"messages: {exc}")
+    prompts = {}
+    for i, conv in convs.items():
+        try:
+            (p,), _ = llm._render_chats([conv], None)
+            prompts[i] = p.token_ids
+        except Exception as exc:  # a template that cannot render this conversation
+            _row_error(task, out, i, f"chat template: {exc}")
+    _generate(df, task, llm, out, prompts)
+
+
+def _run_embed(df, task, llm, out) -> None:
+    texts = _cell_texts(df, task.inputs[0], task, out)
+    if texts:
+        embs = llm.embed(list(texts.values()), use_tqdm=False)
+        for i, e in zip(texts, embs):
+            out[task.output_column][i] = e.outputs.embedding
+
+
+def _run_classify(df, task, llm, out) -> None:
+    texts = _cell_texts(df, task.inputs[0], task, out)
+    if texts:
+        results = llm.classify(list(texts.values()), use_tqdm=False)
+        for i, r in zip(texts, results):
+            out[task.output_column][i] = r.outputs.label
+            out["probs"][i] = r.outputs.probs
+
+
+def _run_score(df, task, llm, out) -> None:
+    left = _cell_texts(df, task.inputs[0], task, out)
+    right = _cell_texts(df, task.inputs[1], task, out)
+    rows = [i for i in left if i in right]
+    if rows:
+        scores = llm.score([left[i] for i in rows], [right[i] for i in rows], use_tqdm=False)
+        for i, s in zip(rows, scores):
+            out[task.output_column][i] = s.outputs.score
+
+
+RUNNERS = {"generate": _run_generate, "chat": _run_chat, "embed": _run_embed, "classify": _run_classify,
+           "score": _run_score}

@@ -1,0 +1,154 @@
+"""The .llm accessors on pandas, Dask (a real LocalCluster with worker processes) and Polars."""
+
+from __future__ import annotations
+
+import dask.dataframe as dd
+import pandas as pd
+import polars as pl
+import pytest
+
+import dfllm  # noqa: F401  (registers the accessors)
+from dfllm import LLM, SamplingParams
+from dfllm.accessors import engines
+
+SP = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def kw(tiny_llama):
+    return dict(model=str(tiny_llama), max_model_len=64, kv_cache_memory_bytes=2**22)
+
+
+@pytest.fixture(scope="module")
+def questions():
+    return pd.DataFrame({
+        "id": range(8),
+        "q": ["What is 2+2?", None, "Name a colour.", "", "   ", "Tell me about parquet files.", "x " * 200, "Why?"],
+        "topic": ["math", "none", "art", "none", "none", "data", "long", "why"],
+    })
+
+
+def reference(kw, prompts):
+    llm = LLM(kw["model"], max_model_len=kw["max_model_len"], kv_cache_memory_bytes=kw["kv_cache_memory_bytes"])
+    return [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**SP), use_tqdm=False)]
+
+
+def test_pandas_generate_with_per_row_errors(questions, kw):
+    out = questions.llm.generate("Q: {q} ({topic})", sampling_params=SP, **kw)
+    assert list(out.index) == list(questions.index) and list(out.columns[:3]) == ["id", "q", "topic"]
+    assert out.dtypes["generated_text"] == pd.ArrowDtype(__import__("pyarrow").string())
+    errors = out["llm_error"].tolist()
+    assert [e is not pd.NA and e is not None for e in errors] == [False, True, False, True, True, False, True, False]
+    assert "null" in errors[1] and "empty" in errors[3] and "longer than max_model_len=64" in errors[6]
+    good = [0, 2, 5, 7]
+    prompts = [f"Q: {questions.q[i]} ({questions.topic[i]})" for i in good]
+    assert out.generated_text[good].tolist() == reference(kw, prompts)
+    assert (out.num_generated_tokens[good] == 6).all() and out.finish_reason[good].eq("length").all()
+    assert out.generated_text[[1, 3, 4, 6]].isna().all()
+
+
+def test_call_time_errors(questions, kw):
+    with pytest.raises(ValueError, match=r"column\(s\) \['nope'\] not in the dataframe"):
+        questions.llm.generate("nope", **kw)
+    with pytest.raises(ValueError, match=r"\['missing'\]"):
+        questions.llm.generate("Q: {missing}", **kw)
+    with pytest.raises(ValueError, match="temperature"):
+        questions.llm.generate("q", sampling_params={"temperature": -1}, **kw)
+    with pytest.raises(ValueError, match="no-such-model"):
+        questions.llm.generate("q", model="no-such-model")
+    with pytest.raises(ValueError, match="on_error"):
+        questions.llm.generate("q", on_error="ignore", **kw)
+    with pytest.raises(ValueError, match="already exist"):
+        questions.llm.generate("q", output_column="topic", **kw)
+
+
+def test_on_error_raise(questions, kw):
+    with pytest.raises(ValueError, match="null"):
+        questions.llm.generate("q", sampling_params=SP, on_error="raise", **kw)
+
+
+def test_per_row_sampling_params_column(kw):
+    df = pd.DataFrame({"q": ["a b c", "d e f", "g h"],
+                       "sp": [{"temperature": 0.0, "max_tokens": 2}, {"temperature": 0.0, "max_tokens": 5},
+                              {"temperature": -3.0}]})
+    out = df.llm.generate("q", sampling_params="sp", **kw)
+    assert out.num_generated_tokens.tolist()[:2] == [2, 5]
+    assert "temperature" in out.llm_error[2]
+
+
+def test_chat_column_and_template(kw):
+    df = pd.DataFrame({"conv": [[{"role": "user", "content": "Hi"}], [{"role": "wizard", "content": "x"}],
+                                "not a conversation"], "q": ["Hi", "Hello", None]})
+    out = df.llm.chat("conv", sampling_params=SP, **kw)
+    assert out.llm_error.isna().tolist() == [True, False, False]
+    assert "role must be one of" in out.llm_error[1]
+    templ = df.llm.chat("{q}", system="Be brief.", sampling_params=SP, **kw)
+    assert templ.llm_error.isna().tolist() == [True, True, False]
+    llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
+    ref = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                   SamplingParams(**SP), use_tqdm=False)
+    assert templ.generated_text[0] == ref[0].outputs[0].text
+
+
+def test_embed_score_and_series(tmp_path):
+    df = pd.DataFrame({"a": ["Paris is in France.", None, "Trains"], "b": ["The capital of France", "x", "Rails"]})
+    emb = df.llm.embed("a")
+    assert str(emb.dtypes["embedding"]) == "list<item: float>[pyarrow]"
+    llm = LLM("all-minilm-l6-v2")
+    assert emb.embedding[0] == pytest.approx(llm.embed(["Paris is in France."], use_tqdm=False)[0].outputs.embedding,
+                                             abs=1e-6)
+    assert emb.embedding.isna().tolist() == [False, True, False]
+    scored = df.llm.score("a", "b")
+    assert scored.score[0] == pytest.approx(llm.score("Paris is in France.", "The capital of France",
+                                                      use_tqdm=False)[0].outputs.score, abs=1e-5)
+    assert pd.isna(scored.score[1]) and "null" in scored.llm_error[1]
+    series = df["b"].llm.embed()
+    assert series.name == "b" and len(series[0]) == 384
+    with pytest.raises(ValueError, match="needs a classifier"):
+        df.llm.classify("a")
+
+
+def test_polars_frames_and_expressions(kw):
+    df = pl.DataFrame({"q": ["Hi there", None, "Tell me more"]})
+    out = df.llm.generate("q", sampling_params=SP, **kw)
+    assert out.schema["generated_text"] == pl.String and out.schema["num_generated_tokens"] == pl.Int64
+    assert out["llm_error"].is_null().to_list() == [True, False, True]
+    lazy = df.lazy().llm.generate("q", sampling_params=SP, **kw)
+    assert isinstance(lazy, pl.LazyFrame) and lazy.collect().equals(out)
+    expr = df.with_columns(pl.col("q").llm.generate(sampling_params=SP, **kw).alias("answer"))
+    assert expr["answer"].to_list() == out["generated_text"].to_list()
+    emb = df.with_columns(pl.col("q").llm.embed().alias("e"))
+    assert emb.schema["e"] == pl.List(pl.Float32)
+
+
+# ---- Dask on a real cluster of worker processes ------------------------------------------------------
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+def test_dask_generate_on_a_cluster(client, questions, kw, tmp_path):
+    ddf = dd.from_pandas(questions, npartitions=4)
+    result = ddf.llm.generate("Q: {q} ({topic})", sampling_params=SP, **kw)
+    assert "llm-generate" in result._name
+    computed = result.compute()
+    assert result._meta.dtypes.to_dict() == computed.dtypes.to_dict()
+    expected = questions.llm.generate("Q: {q} ({topic})", sampling_params=SP, **kw)
+    pd.testing.assert_frame_equal(computed[["generated_text", "llm_error"]].reset_index(drop=True),
+                                  expected[["generated_text", "llm_error"]].reset_index(drop=True),
+                                  check_dtype=False)
+    loads = client.run(engines.load_count)
+    assert sorted(loads.values()) in ([0, 1], [1, 1])  # each worker loaded the model at most once
+    result.to_parquet(tmp_path / "out")
+    back = pd.read_parquet(tmp_path / "out")
+    assert len(back) == len(questions) and set(back.columns) >= {"generated_text", "llm_error"}
+
+
+def test_dask_embed_series(client):
+    s = dd.from_pandas(pd.Series(["alpha", "beta", "gamma", None], name="t"), npartitions=2)
+    out = s.llm.embed().compute()
+    assert out.name == "t" and len(out.iloc[0]) == 384 and pd.isna(out.iloc[3])
