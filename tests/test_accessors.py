@@ -126,7 +126,8 @@ def test_polars_frames_and_expressions(kw):
 def client():
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      worker_dashboard_address="127.0.0.1:0") as cluster:
         with Client(cluster) as c:
             yield c
 
@@ -146,6 +147,22 @@ def test_dask_generate_on_a_cluster(client, questions, kw, tmp_path):
     result.to_parquet(tmp_path / "out")
     back = pd.read_parquet(tmp_path / "out")
     assert len(back) == len(questions) and set(back.columns) >= {"generated_text", "llm_error"}
+
+
+def test_worker_metrics_endpoint_lists_dfllm_metrics(client, questions, kw):
+    import urllib.request
+
+    dd.from_pandas(questions, npartitions=2).llm.generate("q", sampling_params=SP, **kw).compute()
+    pages = []
+    for addr, info in client.scheduler_info()["workers"].items():
+        host = addr.split("://")[1].rsplit(":", 1)[0]
+        port = info["services"]["dashboard"]
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+            pages.append(response.read().decode())
+    served = [p for p in pages if "dfllm_generation_tokens_total" in p]
+    assert served, "no worker served dfllm metrics"
+    assert all("dask_worker_tasks" in p for p in pages)
+    assert 'dfllm_prompt_tokens_total{model_name="' in served[0]
 
 
 def test_dask_embed_series(client):
