@@ -190,13 +190,19 @@ class LLM(PoolingMixin, ControlMixin):
         bar = _ProgressBar(len(ids), use_tqdm)
         try:
             while self.engine.has_unfinished() and not wanted <= self._done.keys():
-                for req in self.engine.step():
-                    self._done[req.request_id] = self.engine.make_output(req)
+                for req in self._step_and_collect():
                     if req.request_id in wanted:
                         bar.update(req)
         finally:
             bar.close()
         return [self._done.pop(rid) for rid in ids]
+
+    def _step_and_collect(self) -> list:
+        """One engine step; the outputs of the requests it finished are kept in ``_done``."""
+        finished = self.engine.step()
+        for req in finished:
+            self._done[req.request_id] = self.engine.make_output(req)
+        return finished
 
 
 class _ProgressBar:

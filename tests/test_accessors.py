@@ -169,3 +169,29 @@ def test_dask_embed_series(client):
     s = dd.from_pandas(pd.Series(["alpha", "beta", "gamma", None], name="t"), npartitions=2)
     out = s.llm.embed().compute()
     assert out.name == "t" and len(out.iloc[0]) == 384 and pd.isna(out.iloc[3])
+
+
+def test_concurrent_partitions_share_batches(kw):
+    """Two threads' partitions are batched into the same engine steps and match serial results."""
+    import threading
+
+    from dfllm.accessors.engines import get_engine
+
+    frames = [pd.DataFrame({"q": [f"question {i} {j}" for j in range(4)]}) for i in range(2)]
+    serial = [f.llm.generate("q", sampling_params=SP, **kw) for f in frames]
+    llm, _ = get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
+    steps_before = llm.get_metrics()
+    results = [None, None]
+
+    def work(i):
+        results[i] = frames[i].llm.generate("q", sampling_params=SP, **kw)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, serial):
+        assert got.generated_text.tolist() == want.generated_text.tolist()
+    tokens = next(m for m in llm.get_metrics() if m.name == "dfllm_generation_tokens").value
+    assert tokens - next(m for m in steps_before if m.name == "dfllm_generation_tokens").value == 8 * 6

@@ -2,7 +2,10 @@
 
 On a Dask worker the process is the worker, so each worker loads a model once however many
 partitions it runs; without a distributed client the calling process holds the engine.
-Calls into one engine are serialised by its lock (the engine is not thread-safe). A
+Generation from concurrent tasks of one worker (threads) shares the engine's continuous
+batches: each task queues its rows, then the tasks take turns stepping the engine, one step
+at a time under the engine's lock, until their own rows are done. Pooling calls run one at
+a time under the same lock. A
 generative engine's ``dfllm_`` metrics join the process's default Prometheus registry, which
 a Dask worker serves on ``/metrics``.
 """
@@ -35,6 +38,17 @@ def get_engine(model, engine_kwargs: dict) -> tuple[LLM, threading.Lock]:
             _engines[key] = (llm, threading.Lock())
             _loads += 1
         return _engines[key]
+
+
+def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params: list) -> list:
+    """``llm.generate`` for one task, batched with whatever other tasks have queued."""
+    with lock:
+        ids = llm._add_requests(*llm._tokenize(prompts, params, "generate"))
+    while True:
+        with lock:
+            if all(i in llm._done for i in ids):
+                return [llm._done.pop(i) for i in ids]
+            llm._step_and_collect()
 
 
 def load_count() -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from dfllm.accessors.engines import get_engine
+from dfllm.accessors.engines import generate_shared, get_engine
 from dfllm.accessors.schema import output_dtypes
 from dfllm.inputs import check_conversation
 from dfllm.sampling_params import SamplingParams
@@ -125,10 +125,32 @@ def run_task(df: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
     out: dict[str, list] = {c: [None] * len(df) for c in dtypes}
     if len(df):
         llm, lock = get_engine(task.model, dict(task.engine_kwargs))
-        with lock:
-            RUNNERS[task.kind](df, task, llm, out)
+        if task.kind in ("generate", "chat"):
+            RUNNERS[task.kind](df, task, _SharedGenerate(llm, lock), out)
+        else:
+            with lock:
+                RUNNERS[task.kind](df, task, llm, out)
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
+
+
+class _SharedGenerate:
+    """The engine as generation tasks see it: ``generate`` shares batches with other tasks."""
+
+    def __init__(self, llm, lock):
+        self.llm, self.lock = llm, lock
+        self.config = llm.config
+
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def render_chat(self, conv):
+        with self.lock:
+            (p,), _ = self.llm._render_chats([conv], None)
+        return p.token_ids
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return generate_shared(self.llm, self.lock, prompts, params)
 
 
 def _row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
@@ -224,8 +246,7 @@ def _run_chat(df, task, llm, out) -> None:
     prompts = {}
     for i, conv in convs.items():
         try:
-            (p,), _ = llm._render_chats([conv], None)
-            prompts[i] = p.token_ids
+            prompts[i] = llm.render_chat(conv)
         except Exception as exc:  # a template that cannot render this conversation
             _row_error(task, out, i, f"chat template: {exc}")
     _generate(df, task, llm, out, prompts)
