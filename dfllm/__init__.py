@@ -6,12 +6,13 @@ from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, Co
                            EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
                            PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringOutput,
                            ScoringRequestOutput)
+from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 
 __all__ = [
     "LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
     "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
-    "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+    "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "write_parquet", "WriteSummary",
 ]
 __version__ = "0.1.0"

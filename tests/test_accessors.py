@@ -195,3 +195,32 @@ def test_concurrent_partitions_share_batches(kw):
         assert got.generated_text.tolist() == want.generated_text.tolist()
     tokens = next(m for m in llm.get_metrics() if m.name == "dfllm_generation_tokens").value
     assert tokens - next(m for m in steps_before if m.name == "dfllm_generation_tokens").value == 8 * 6
+
+
+def test_write_parquet_resumes_only_missing_partitions(client, questions, kw, tmp_path):
+    import dfllm
+
+    ddf = dd.from_pandas(questions, npartitions=4)
+    result = ddf.llm.generate("Q: {q}", sampling_params=SP, **kw)
+    path = str(tmp_path / "answers")
+    first = dfllm.write_parquet(result, path, progress=False)
+    assert (first.partitions, first.written, first.skipped, first.rows) == (4, 4, 0, 8)
+    assert first.errors == 4  # the null, empty, blank and too-long questions
+    parts = sorted((tmp_path / "answers").glob("part.*.parquet"))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in parts}
+    parts[2].unlink()  # a partition lost in a crash
+    (tmp_path / "answers" / "_dfllm_keys" / "part.00001.key").unlink()  # a partition whose key was never written
+    again = dfllm.write_parquet(ddf.llm.generate("Q: {q}", sampling_params=SP, **kw), path, resume=True,
+                                progress=False)
+    assert (again.written, again.skipped) == (2, 2)
+    for p in parts:
+        if p.name not in ("part.00002.parquet", "part.00001.parquet"):
+            assert p.stat().st_mtime_ns == mtimes[p.name]
+    back = pd.read_parquet(path)
+    assert sorted(back["id"].tolist()) == list(range(8))  # every row exactly once
+    assert not list((tmp_path / "answers").rglob(".tmp-*"))
+    changed = dfllm.write_parquet(ddf.llm.generate("Q: {q}", sampling_params={**SP, "max_tokens": 3}, **kw), path,
+                                  resume=True, progress=False)
+    assert changed.written == 4  # a changed sampling config recomputes everything
+    with pytest.raises(ValueError, match="direct result"):
+        dfllm.write_parquet(result[["id"]], path)

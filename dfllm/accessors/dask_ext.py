@@ -13,6 +13,7 @@ from dask.dataframe.extensions import register_dataframe_accessor, register_seri
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
 from dfllm.accessors.task import LLMTask, run_task
+from dfllm.accessors.writer import ORIGINS
 
 
 def partition_function(task: LLMTask):
@@ -33,7 +34,9 @@ def output_meta(meta: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
 @register_dataframe_accessor("llm")
 class DaskLLMAccessor(LLMFrameMethods):
     def _apply(self, task: LLMTask) -> dd.DataFrame:
-        return self._obj.map_partitions(partition_function(task), meta=output_meta(self._obj._meta, task))
+        result = self._obj.map_partitions(partition_function(task), meta=output_meta(self._obj._meta, task))
+        ORIGINS[result._name] = (self._obj, task)
+        return result
 
 
 @register_series_accessor("llm")
