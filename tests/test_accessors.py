@@ -198,7 +198,6 @@ def test_concurrent_partitions_share_batches(kw):
 
 
 def test_write_parquet_resumes_only_missing_partitions(client, questions, kw, tmp_path):
-    import dfllm
 
     ddf = dd.from_pandas(questions, npartitions=4)
     result = ddf.llm.generate("Q: {q}", sampling_params=SP, **kw)
