@@ -223,3 +223,39 @@ def test_write_parquet_resumes_only_missing_partitions(client, questions, kw, tm
     assert changed.written == 4  # a changed sampling config recomputes everything
     with pytest.raises(ValueError, match="direct result"):
         dfllm.write_parquet(result[["id"]], path)
+
+
+def test_build_processor_like_ray_data_llm(client, kw):
+    """The Ray Data LLM example on Dask: preprocess -> engine -> postprocess, columns carried."""
+    import dfllm
+
+    config = dfllm.ProcessorConfig(model_source=kw["model"], engine_kwargs={"max_model_len": 64,
+                                   "kv_cache_memory_bytes": 2**22}, batch_size=2, concurrency=1)
+
+    def preprocess(row):
+        if row["id"] == 3:
+            raise KeyError("no topic")
+        return dict(messages=[{"role": "system", "content": "You complete haikus."},
+                              {"role": "user", "content": row["item"]}],
+                    sampling_params=dict(temperature=0.0, max_tokens=5, ignore_eos=True))
+
+    def postprocess(row):
+        return dict(id=row["id"], resp=row["generated_text"], n=row["num_generated_tokens"])
+
+    items = pd.DataFrame({"id": range(6), "item": [f"first line number {i}" for i in range(6)]})
+    processor = dfllm.build_processor(config, preprocess=preprocess, postprocess=postprocess)
+    lazy = processor(dd.from_pandas(items, npartitions=2))
+    assert list(lazy.columns) == ["id", "resp", "n", "llm_error"]
+    out = lazy.compute().sort_values("id")
+    llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
+    ok = [i for i in range(6) if i != 3]
+    ref = llm.chat([[{"role": "system", "content": "You complete haikus."},
+                     {"role": "user", "content": f"first line number {i}"}] for i in ok],
+                   SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out.set_index("id").loc[ok, "resp"].tolist() == [r.outputs[0].text for r in ref]
+    assert out.set_index("id").loc[ok, "n"].tolist() == [5] * 5
+    failed = out.set_index("id").loc[3]
+    assert "preprocess: KeyError" in failed["llm_error"] and pd.isna(failed["resp"])
+    assert out.set_index("id").loc[ok, "llm_error"].isna().all()
+    with pytest.raises(ValueError, match="task_type"):
+        dfllm.ProcessorConfig(task_type="translate")
