@@ -93,3 +93,23 @@ def test_reset_under_a_running_sequence_never_rekeys_its_later_blocks():
     bm.cache_full_blocks(a)
     # block 2 of a must not be registered as if it started a sequence
     assert bm.match_prefix(make_seq([8, 9, 10, 11, 0])) == []
+
+
+def test_reuse_first_keeps_the_touched_set_small():
+    """On CPU, freed blocks are reused before never-touched ones (memory stays at the working set)."""
+    bm = BlockManager(16, 4, reuse_first=True)
+    for _ in range(5):
+        seq = make_seq(list(range(100, 108)))  # 2 blocks, hashed then freed
+        admit(bm, seq)
+        bm.free_seq(seq)
+        other = make_seq([7] * 8)
+        bm.allocate(other, 8)
+        bm.free_seq(other)
+    assert bm.next_fresh <= 4 and bm.num_free_blocks == 16
+    fresh_first = BlockManager(16, 4)
+    for _ in range(5):
+        other = make_seq([7] * 8)
+        admit(fresh_first, other)
+        fresh_first.free_seq(other)
+        fresh_first.allocate(make_seq([9] * 8), 8)
+    assert fresh_first.next_fresh > 4

@@ -12,7 +12,10 @@ a Dask worker serves on ``/metrics``.
 
 from __future__ import annotations
 
+import os
 import threading
+
+import torch
 
 from dfllm.accessors.prometheus import expose
 from dfllm.llm import LLM
@@ -32,6 +35,7 @@ def get_engine(model, engine_kwargs: dict) -> tuple[LLM, threading.Lock]:
     key = engine_key(model, engine_kwargs)
     with _guard:
         if key not in _engines:
+            _use_worker_threads()
             llm = LLM(model, **engine_kwargs)
             if llm.engine is not None:
                 expose(llm.engine.metrics.registry)
@@ -49,6 +53,26 @@ def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params:
             if all(i in llm._done for i in ids):
                 return [llm._done.pop(i) for i in ids]
             llm._step_and_collect()
+
+
+def _use_worker_threads() -> None:
+    """On a Dask worker, let torch use all of the worker's threads.
+
+    Dask starts workers with ``OMP_NUM_THREADS=1`` so that parallel tasks do not
+    oversubscribe the cores; but a worker's LLM tasks take turns on one engine, so the
+    engine should use every core the worker was given. ``DFLLM_NUM_THREADS`` overrides.
+    """
+    override = os.environ.get("DFLLM_NUM_THREADS")
+    if override:
+        torch.set_num_threads(int(override))
+        return
+    try:
+        from distributed import get_worker
+
+        nthreads = get_worker().state.nthreads
+    except (ImportError, ValueError, AttributeError):
+        return
+    torch.set_num_threads(max(1, nthreads))
 
 
 def load_count() -> int:

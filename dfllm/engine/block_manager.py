@@ -8,6 +8,11 @@ Prefix caching: once a block is full and computed it is keyed by a hash chain
 ``hash((parent_hash, tokens))``, so two sequences that share a prefix share its blocks
 (reference counted). A block whose count drops to zero goes to the tail of the free list
 but keeps its contents and hash, so it can be revived until it is evicted, oldest first.
+
+Blocks never handed out yet wait apart. On a GPU the whole cache is resident anyway, so
+they are used before any cached block is evicted; on a CPU their memory is not touched
+until first use, so ``reuse_first=True`` evicts free blocks before touching new ones and
+keeps the process's memory at the working set instead of growing to the whole cache.
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Allocates KV blocks to sequences and keeps the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 reuse_first: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reuse_first = reuse_first
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks in eviction order (least recently freed first); values unused.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Free blocks that were used before, in eviction order (least recently freed first).
+        self.free: OrderedDict[int, None] = OrderedDict()
+        self.next_fresh = 0  # blocks [next_fresh, num_blocks) were never handed out
         self.hash_to_block: dict[int, int] = {}
         # Blocks handed out for the first time since the last drain (never written before).
         self.first_use: list[int] = []
@@ -52,13 +60,17 @@ class BlockManager:
         return len(self.blocks)
 
     @property
+    def num_fresh_blocks(self) -> int:
+        return len(self.blocks) - self.next_fresh
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_fresh_blocks
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by sequences."""
-        return 1.0 - len(self.free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / len(self.blocks)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
@@ -83,7 +95,7 @@ class BlockManager:
 
     def num_free_after_hits(self, hits: list[int]) -> int:
         """Free blocks left for new allocations once ``hits`` are taken."""
-        return len(self.free) - sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.num_free_blocks - sum(1 for b in hits if self.blocks[b].ref_count == 0)
 
     def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
         """Give ``seq`` the cached blocks ``hits``; their tokens count as computed."""
@@ -127,12 +139,18 @@ class BlockManager:
     # ---- allocation ------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``seq`` can grow to ``num_tokens`` tokens."""
-        return self.blocks_needed(seq, num_tokens) <= len(self.free)
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+
+    def _take_free_block(self) -> int:
+        if self.free and (self.reuse_first or not self.num_fresh_blocks):
+            return self.free.popitem(last=False)[0]
+        self.next_fresh += 1
+        return self.next_fresh - 1
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow the block table of ``seq`` to cover ``num_tokens`` tokens."""
         for _ in range(self.blocks_needed(seq, num_tokens)):
-            block_id, _ = self.free.popitem(last=False)
+            block_id = self._take_free_block()
             block = self.blocks[block_id]
             if block.hash is not None:
                 if self.hash_to_block.get(block.hash) == block_id:

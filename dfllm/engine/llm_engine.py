@@ -44,7 +44,7 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s", num_blocks,
                     cfg.block_size, num_blocks * cfg.block_size, num_blocks * self.runner.block_bytes / 2**20,
                     str(cfg.dtype).removeprefix("torch."), cfg.device)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = self._new_block_manager(num_blocks)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(eos_token_ids, cfg.seed)
         self.detokenizer = Detokenizer(tokenizer)
@@ -52,6 +52,11 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.sleep_level = 0  # 0 awake; 1 weights on host, KV freed; 2 weights and KV freed
         self.asleep: set[str] = set()  # which of "weights", "kv_cache" are released
+
+    def _new_block_manager(self, num_blocks: int) -> BlockManager:
+        # On CPU, untouched cache memory costs nothing: reuse freed blocks before new ones.
+        return BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
+                            reuse_first=self.cfg.device.type == "cpu")
 
     @property
     def num_blocks(self) -> int:
@@ -174,7 +179,7 @@ class LLMEngine:
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             num_blocks = self.block_manager.num_blocks
             self.runner.allocate_kv_cache(num_blocks)
-            self.block_manager = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
+            self.block_manager = self._new_block_manager(num_blocks)
             self.scheduler.bm = self.block_manager
             self.asleep.discard("kv_cache")
         if not self.asleep:
