@@ -44,15 +44,47 @@ def get_engine(model, engine_kwargs: dict) -> tuple[LLM, threading.Lock]:
         return _engines[key]
 
 
+class Submission:
+    """Rows one task handed to a shared engine; ``ids`` is set once they are queued."""
+
+    def __init__(self, prompts: list[dict], params: list):
+        self.prompts, self.params = prompts, params
+        self.ids: list[str] | None = None
+        self.error: Exception | None = None
+
+
+_pending: dict[int, list[Submission]] = {}
+_pending_lock = threading.Lock()
+
+
 def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params: list) -> list:
-    """``llm.generate`` for one task, batched with whatever other tasks have queued."""
-    with lock:
-        ids = llm._add_requests(*llm._tokenize(prompts, params, "generate"))
+    """``llm.generate`` for one task, batched with whatever other tasks have queued.
+
+    The rows are handed over without waiting for a running step; whichever task steps next
+    queues them, so every task's rows join the next step.
+    """
+    sub = Submission(prompts, params)
+    with _pending_lock:
+        _pending.setdefault(id(llm), []).append(sub)
     while True:
         with lock:
-            if all(i in llm._done for i in ids):
-                return [llm._done.pop(i) for i in ids]
+            _queue_pending(llm)
+            if sub.error is not None:
+                raise sub.error
+            if all(i in llm._done for i in sub.ids):
+                return [llm._done.pop(i) for i in sub.ids]
             llm._step_and_collect()
+
+
+def _queue_pending(llm: LLM) -> None:
+    """Add every handed-over submission to the engine (the caller holds the engine's lock)."""
+    with _pending_lock:
+        subs, _pending[id(llm)] = _pending.get(id(llm), []), []
+    for sub in subs:
+        try:
+            sub.ids = llm._add_requests(*llm._tokenize(sub.prompts, sub.params, "generate"))
+        except Exception as exc:  # reported to the task that submitted these rows
+            sub.error = exc
 
 
 def _use_worker_threads() -> None:
@@ -60,7 +92,9 @@ def _use_worker_threads() -> None:
 
     Dask starts workers with ``OMP_NUM_THREADS=1`` so that parallel tasks do not
     oversubscribe the cores; but a worker's LLM tasks take turns on one engine, so the
-    engine should use every core the worker was given. ``DFLLM_NUM_THREADS`` overrides.
+    engine should use every core the worker was given (capped at the machine's cores: a
+    worker may be given more threads than cores so that more partitions feed its engine
+    at once). ``DFLLM_NUM_THREADS`` overrides.
     """
     override = os.environ.get("DFLLM_NUM_THREADS")
     if override:
@@ -72,7 +106,7 @@ def _use_worker_threads() -> None:
         nthreads = get_worker().state.nthreads
     except (ImportError, ValueError, AttributeError):
         return
-    torch.set_num_threads(max(1, nthreads))
+    torch.set_num_threads(max(1, min(nthreads, os.cpu_count() or 1)))
 
 
 def load_count() -> int:
