@@ -34,8 +34,8 @@ def get_engine(model, engine_kwargs: dict) -> tuple[LLM, threading.Lock]:
     global _loads
     key = engine_key(model, engine_kwargs)
     with _guard:
+        use_worker_threads()
         if key not in _engines:
-            _use_worker_threads()
             llm = LLM(model, **engine_kwargs)
             if llm.engine is not None:
                 expose(llm.engine.metrics.registry)
@@ -87,8 +87,11 @@ def _queue_pending(llm: LLM) -> None:
             sub.error = exc
 
 
-def _use_worker_threads() -> None:
-    """On a Dask worker, let torch use all of the worker's threads.
+def use_worker_threads() -> None:
+    """On a Dask worker, let torch use all of the worker's threads, in the calling thread.
+
+    With OpenMP the thread count is a per-thread setting, and Dask runs tasks on its own
+    executor threads, so every task sets it before computing.
 
     Dask starts workers with ``OMP_NUM_THREADS=1`` so that parallel tasks do not
     oversubscribe the cores; but a worker's LLM tasks take turns on one engine, so the
@@ -98,7 +101,7 @@ def _use_worker_threads() -> None:
     """
     override = os.environ.get("DFLLM_NUM_THREADS")
     if override:
-        torch.set_num_threads(int(override))
+        _set_threads(int(override))
         return
     try:
         from distributed import get_worker
@@ -106,7 +109,14 @@ def _use_worker_threads() -> None:
         nthreads = get_worker().state.nthreads
     except (ImportError, ValueError, AttributeError):
         return
-    torch.set_num_threads(max(1, min(nthreads, os.cpu_count() or 1)))
+    _set_threads(max(1, min(nthreads, os.cpu_count() or 1)))
+
+
+def _set_threads(n: int) -> None:
+    # torch skips the call when n equals its cached count, which another thread may have
+    # set; toggling forces OpenMP's per-thread setting for this thread.
+    torch.set_num_threads(1 if n != 1 else 2)
+    torch.set_num_threads(n)
 
 
 def load_count() -> int:
