@@ -3,9 +3,8 @@
 On a Dask worker the process is the worker, so each worker loads a model once however many
 partitions it runs; without a distributed client the calling process holds the engine.
 Generation from concurrent tasks of one worker (threads) shares the engine's continuous
-batches: each task queues its rows, then the tasks take turns stepping the engine, one step
-at a time under the engine's lock, until their own rows are done. Pooling calls run one at
-a time under the same lock. A
+batches: each task hands its rows to the engine's driver thread, which steps the engine for
+everyone. Pooling calls run one at a time under the engine's lock. A
 generative engine's ``dfllm_`` metrics join the process's default Prometheus registry, which
 a Dask worker serves on ``/metrics``.
 """
@@ -53,38 +52,61 @@ class Submission:
         self.error: Exception | None = None
 
 
-_pending: dict[int, list[Submission]] = {}
-_pending_lock = threading.Lock()
+class EngineDriver:
+    """One thread per engine that steps it for every task of the process.
+
+    Tasks hand over their rows and wait; the driver queues whatever has arrived before each
+    step, so concurrent partitions share continuous batches. Stepping from one thread also
+    keeps one OpenMP thread team busy instead of one per Dask executor thread.
+    """
+
+    def __init__(self, llm: LLM, lock: threading.Lock, threads: int | None):
+        self.llm, self.lock, self.threads = llm, lock, threads
+        self.cv = threading.Condition()
+        self.pending: list[Submission] = []
+        threading.Thread(target=self._loop, name="dfllm-engine", daemon=True).start()
+
+    def generate(self, prompts: list[dict], params: list) -> list:
+        sub = Submission(prompts, params)
+        with self.cv:
+            self.pending.append(sub)
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: sub.error is not None or (sub.ids is not None and
+                                                                all(i in self.llm._done for i in sub.ids)))
+        if sub.error is not None:
+            raise sub.error
+        with self.lock:
+            return [self.llm._done.pop(i) for i in sub.ids]
+
+    def _loop(self) -> None:
+        if self.threads:
+            _set_threads(self.threads)
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.pending or self.llm.engine.has_unfinished())
+                subs, self.pending = self.pending, []
+            with self.lock:
+                for sub in subs:
+                    try:
+                        sub.ids = self.llm._add_requests(*self.llm._tokenize(sub.prompts, sub.params, "generate"))
+                    except Exception as exc:  # reported to the task that submitted these rows
+                        sub.error = exc
+                if self.llm.engine.has_unfinished():
+                    self.llm._step_and_collect()
+            with self.cv:
+                self.cv.notify_all()
+
+
+_drivers: dict[int, EngineDriver] = {}
 
 
 def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params: list) -> list:
-    """``llm.generate`` for one task, batched with whatever other tasks have queued.
-
-    The rows are handed over without waiting for a running step; whichever task steps next
-    queues them, so every task's rows join the next step.
-    """
-    sub = Submission(prompts, params)
-    with _pending_lock:
-        _pending.setdefault(id(llm), []).append(sub)
-    while True:
-        with lock:
-            _queue_pending(llm)
-            if sub.error is not None:
-                raise sub.error
-            if all(i in llm._done for i in sub.ids):
-                return [llm._done.pop(i) for i in sub.ids]
-            llm._step_and_collect()
-
-
-def _queue_pending(llm: LLM) -> None:
-    """Add every handed-over submission to the engine (the caller holds the engine's lock)."""
-    with _pending_lock:
-        subs, _pending[id(llm)] = _pending.get(id(llm), []), []
-    for sub in subs:
-        try:
-            sub.ids = llm._add_requests(*llm._tokenize(sub.prompts, sub.params, "generate"))
-        except Exception as exc:  # reported to the task that submitted these rows
-            sub.error = exc
+    """``llm.generate`` for one task, batched with whatever other tasks have queued."""
+    with _guard:
+        if id(llm) not in _drivers:
+            _drivers[id(llm)] = EngineDriver(llm, lock, worker_thread_count())
+        driver = _drivers[id(llm)]
+    return driver.generate(prompts, params)
 
 
 def use_worker_threads() -> None:
@@ -99,17 +121,24 @@ def use_worker_threads() -> None:
     worker may be given more threads than cores so that more partitions feed its engine
     at once). ``DFLLM_NUM_THREADS`` overrides.
     """
+    n = worker_thread_count()
+    if n:
+        _set_threads(n)
+
+
+def worker_thread_count() -> int | None:
+    """Threads an engine should use here: ``DFLLM_NUM_THREADS``, or a Dask worker's threads
+    capped at the machine's cores; None outside a worker."""
     override = os.environ.get("DFLLM_NUM_THREADS")
     if override:
-        _set_threads(int(override))
-        return
+        return int(override)
     try:
         from distributed import get_worker
 
         nthreads = get_worker().state.nthreads
     except (ImportError, ValueError, AttributeError):
-        return
-    _set_threads(max(1, min(nthreads, os.cpu_count() or 1)))
+        return None
+    return max(1, min(nthreads, os.cpu_count() or 1))
 
 
 def _set_threads(n: int) -> None:
