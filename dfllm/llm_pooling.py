@@ -62,14 +62,15 @@ class PoolingMixin:
         self._require_task("score")
         if self.pooling_engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm)
-        embs = self.embed(left + right, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
+        unique = list(dict.fromkeys(left + right))  # a 1-to-N query is embedded once
+        embs = self.embed(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
                           use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
-        n = len(left)
+        by_text = {t: e for t, e in zip(unique, embs)}
         return [
             ScoringRequestOutput(self._next_id(), ScoringOutput(float(torch.tensor(a.outputs.embedding)
                                                                       @ torch.tensor(b.outputs.embedding))),
                                  a.prompt_token_ids + b.prompt_token_ids)
-            for a, b in zip(embs[:n], embs[n:])
+            for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
 
     # ---- helpers ----------------------------------------------------------------------

@@ -4,9 +4,9 @@ On a Dask worker the process is the worker, so each worker loads a model once ho
 partitions it runs; without a distributed client the calling process holds the engine.
 Generation from concurrent tasks of one worker (threads) shares the engine's continuous
 batches: each task hands its rows to the engine's driver thread, which steps the engine for
-everyone. Pooling calls run one at a time under the engine's lock. A
-generative engine's ``dfllm_`` metrics join the process's default Prometheus registry, which
-a Dask worker serves on ``/metrics``.
+everyone. Pooling calls run one at a time under the engine's lock. A generative engine's
+``dfllm_`` metrics join the process's default Prometheus registry, which a Dask worker
+serves on ``/metrics``.
 """
 
 from __future__ import annotations
