@@ -172,7 +172,8 @@ def test_dask_embed_series(client):
 
 
 def test_concurrent_partitions_share_batches(kw):
-    """Two threads' partitions are batched into the same engine steps and match serial results."""
+    """Two threads' partitions through one shared engine give the serial results, and every
+    generated token is counted once."""
     import threading
 
     from dfllm.accessors.engines import get_engine

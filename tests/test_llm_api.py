@@ -38,7 +38,6 @@ def test_outputs_in_input_order_with_fields(llm):
         assert o.prompt_token_ids == tok.encode(p)
         c = o.outputs[0]
         assert len(c.token_ids) == n and c.finish_reason == "length" and c.stop_reason is None
-        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) or c.text
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     single = llm.generate("Hello there", SamplingParams(max_tokens=9, **GREEDY), use_tqdm=False)
