@@ -10,11 +10,12 @@ from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.pooling_params import PoolingParams
 from dfllm.processor import Processor, ProcessorConfig, build_processor
 from dfllm.sampling_params import SamplingParams
+from dfllm.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
     "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
     "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "write_parquet", "WriteSummary",
-    "ProcessorConfig", "Processor", "build_processor",
+    "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

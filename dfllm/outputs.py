@@ -48,6 +48,12 @@ class CompletionOutput:
     ``finish_reason`` is ``"stop"`` (end-of-sequence token, stop token or stop string) or
     ``"length"`` (``max_tokens`` or ``max_model_len`` reached); ``stop_reason`` is the stop
     string or stop token id that ended it, or None.
+
+    ``structured_output_complete`` is None for an unconstrained request; for a request with
+    ``structured_outputs`` it is True when ``text`` satisfies the constraint in full (the
+    grammar ended it with ``finish_reason="stop"``, or it was complete when ``max_tokens``
+    came), and False when generation stopped first (``max_tokens``, ``max_model_len``, a stop
+    string): then ``text`` is a prefix of a valid output, not a valid output.
     """
 
     index: int
@@ -57,6 +63,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    structured_output_complete: bool | None = None
 
     def finished(self) -> bool:
         """True once the completion has a finish reason."""

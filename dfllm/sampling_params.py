@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from dfllm.structured_outputs import StructuredOutputsParams
+
 _MAX_N = 16384
 
 
@@ -30,6 +32,8 @@ class SamplingParams:
     - ``presence_penalty``, ``frequency_penalty`` (over generated tokens, in [-2, 2]) and
       ``repetition_penalty`` (over prompt and generated tokens, > 0; 1 disables).
     - ``skip_special_tokens``: leave special tokens out of the text.
+    - ``structured_outputs``: a :class:`~dfllm.StructuredOutputsParams` (or a dict of its
+      fields) constraining the output to a JSON schema, a regex, a choice or a grammar.
 
     Invalid values raise ``ValueError`` naming the field, at construction time.
     """
@@ -51,6 +55,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +68,11 @@ class SamplingParams:
         else:
             self._stop_list = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                             f"got {type(self.structured_outputs).__name__}")
         self._validate()
 
     @classmethod

@@ -65,11 +65,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> Request:
         """Queue a prompt; its ``params.n`` sequences are scheduled independently."""
+        structured = params.structured_outputs
+        if structured is not None:
+            self._grammar_compiler().compile(structured)  # before queuing: an error leaves nothing behind
         req = Request(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(time.time()))
         for i in range(params.n):
             gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + i)
             seq = Sequence(req, i, list(prompt_token_ids), len(prompt_token_ids), gen)
             seq.logprobs = [] if params.logprobs is not None else None
+            if structured is not None:
+                seq.grammar = self._grammar_compiler().matcher(structured)
             self.detokenizer.start(seq)
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -77,6 +82,16 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def _grammar_compiler(self):
+        """The structured-outputs compiler for this tokenizer and vocabulary, built on first use."""
+        compiler = getattr(self, "_grammars", None)
+        if compiler is None:
+            from dfllm.engine.structured import GrammarCompiler
+
+            compiler = self._grammars = GrammarCompiler(self.tokenizer, self.cfg.hf_config.vocab_size,
+                                                        self.eos_token_ids)
+        return compiler
 
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests it finished."""
@@ -128,6 +143,13 @@ class LLMEngine:
             seq.cumulative_logprob += tok.logprob
             seq.logprobs.append(self._logprob_dict(tok))
         p = seq.params
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):  # the mask allows only accepted tokens: a bug if reached
+                logger.error("structured outputs: the grammar rejected token %d of request %s", token,
+                             seq.request.request_id)
+                return self._finish(seq, "stop", None)
+            if seq.grammar.terminated:  # complete, and a stop token accepted: done whatever ignore_eos says
+                return self._finish(seq, "stop", None)
         stops_allowed = seq.num_output_tokens >= p.min_tokens
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", None)
@@ -212,6 +234,8 @@ class LLMEngine:
                 logprobs=s.logprobs,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
+                structured_output_complete=None if s.grammar is None else (
+                    s.grammar.rejected is None and s.grammar.completed and not isinstance(s.stop_reason, str)),
             )
             for s in req.seqs
         ]

@@ -1,10 +1,13 @@
 """Turning the logits of one step into next tokens, one row per sequence.
 
-Order of operations per row: penalties (repetition over prompt and output, presence and
-frequency over output), the ``min_tokens`` ban on stop tokens, then greedy argmax or
+Order of operations per row: the structured-output mask (tokens the row's grammar forbids
+set to ``-inf``, for greedy and sampled rows alike), penalties (repetition over prompt and
+output, presence and frequency over output), the ``min_tokens`` ban on stop tokens (not
+for constrained rows, whose grammar decides where they end), then greedy argmax or
 temperature, top-k, top-p and min-p followed by a draw. Draws use the exponential-race
 trick (``argmax(p / q)`` with ``q ~ Exp(1)``); a seeded request draws ``q`` from its own
-generator so its text does not depend on the rest of the batch.
+generator so its text does not depend on the rest of the batch. Log-probabilities are
+taken before all of this, from the model's raw distribution (constrained rows included).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dfllm.engine.sequence import Sequence
+from dfllm.engine.structured import apply_masks
 
 
 @dataclass
@@ -36,6 +40,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, seqs)
+        if any(s.grammar is not None for s in seqs):
+            apply_masks(logits, [s.grammar for s in seqs])
         logits = self._apply_penalties(logits, seqs)
         token_ids = self._choose(logits, seqs)
         return [
@@ -80,7 +86,7 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=logits.shape[1])
                 counts = counts[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-            if seq.num_output_tokens < p.min_tokens:
+            if seq.num_output_tokens < p.min_tokens and seq.grammar is None:  # a grammar decides its own end
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")

@@ -5,11 +5,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from dfllm.outputs import Logprob, RequestMetrics
 from dfllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dfllm.engine.structured import SequenceGrammar
 
 
 class SequenceStatus(Enum):
@@ -48,6 +52,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    grammar: "SequenceGrammar | None" = None  # structured outputs: this sequence's matcher
 
     @property
     def params(self) -> SamplingParams:

@@ -1,0 +1,117 @@
+"""Structured outputs in the engine: compiled grammars, one matcher per sequence, token masks.
+
+Grammars come from xgrammar (vLLM's default backend). Each engine builds xgrammar's view of
+its tokenizer once, on the first constrained request, and compiles each distinct constraint
+once (keyed by its canonical form); every constrained sequence gets its own
+``GrammarMatcher`` over the shared compiled grammar.
+
+The matcher advances only on tokens appended to its sequence (``accept``), never on prompt
+chunks: a sequence still prefilling is not sampled. A sequence preempted by recomputation
+keeps its generated tokens and its matcher, which is therefore already where it should be;
+the recompute feeds the model, not the matcher.
+
+Each step, ``apply_masks`` fills one bitmask row per constrained sequence of the batch and
+sets every disallowed logit to ``-inf``; unconstrained rows are not touched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from dfllm.structured_outputs import StructuredOutputsParams
+
+_CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary, caching compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=self.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.lock = threading.Lock()
+        self.num_compiled = 0
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of ``params``, compiled on first use (LRU of 256)."""
+        key = params.key
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+        kind = params.kind
+        if kind == "json":
+            compiled = self.compiler.compile_json_schema(key[1], any_whitespace=False)
+        elif kind == "regex":
+            compiled = self.compiler.compile_regex(params.regex)
+        else:
+            compiled = self.compiler.compile_grammar(params.grammar if kind == "grammar" else params.to_ebnf())
+        with self.lock:
+            self.cache[key] = compiled
+            self.num_compiled += 1
+            while len(self.cache) > _CACHE_SIZE:
+                self.cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, params: StructuredOutputsParams) -> "SequenceGrammar":
+        return SequenceGrammar(self._xgr.GrammarMatcher(self.compile(params),
+                                                        override_stop_tokens=self.stop_token_ids))
+
+
+class SequenceGrammar:
+    """The grammar state of one sequence: which tokens may come next, and whether it is done.
+
+    ``terminated``: the grammar is complete and a stop token was accepted (the sequence
+    ends with ``finish_reason="stop"``). ``completed``: the text so far is a complete match
+    (true once terminated; may be true earlier, e.g. a regex that allows more).
+    """
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.rejected: int | None = None
+
+    def accept(self, token_id: int) -> bool:
+        ok = self.matcher.accept_token(token_id)
+        if not ok:
+            self.rejected = token_id
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @property
+    def completed(self) -> bool:
+        return self.matcher.is_terminated() or self.matcher.is_completed()
+
+
+_bitmasks: dict[int, torch.Tensor] = {}  # vocabulary size -> the largest bitmask used so far
+_bitmask_lock = threading.Lock()
+
+
+def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
+    """Set to ``-inf``, in place, every logit the row's grammar forbids (None rows: untouched)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    batch, vocab = logits.shape
+    with _bitmask_lock:
+        bitmask = _bitmasks.pop(vocab, None)
+    if bitmask is None or bitmask.shape[0] < batch:
+        bitmask = xgr.allocate_token_bitmask(batch, vocab)
+    for i in rows:
+        grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask[:batch], vocab_size=vocab, indices=rows)
+    with _bitmask_lock:
+        _bitmasks[vocab] = bitmask

@@ -1,0 +1,195 @@
+"""Structured outputs: JSON schema, regex, choice and grammar constraints, in the engine and as
+typed dataframe columns. Every constrained output is parsed and validated here."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from dfllm import LLM, SamplingParams, StructuredOutputsParams
+
+# Bounded, so that even a random model's output completes within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "digits": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        "word": {"type": "string", "maxLength": 6},
+        "inner": {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+                  "required": ["x"]},
+    },
+    "required": ["ok", "n", "tag", "digits", "word", "inner"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{1,5}@[a-z]{2,4}\.(com|org)"
+CHOICE = ["yes", "no", 'maybe "so"', "multi\nline"]
+GRAMMAR = 'root ::= "(" num " " op " " num ")"\nnum ::= [0-9] | [1-9] [0-9]\nop ::= "+" | "-" | "*"'
+GRAMMAR_RE = r"\((\d|[1-9]\d) [+\-*] (\d|[1-9]\d)\)"
+
+
+def check(kind: str, text: str) -> None:
+    """Fail unless ``text`` satisfies the constraint ``kind`` in full."""
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICE, text
+    elif kind == "grammar":
+        assert re.fullmatch(GRAMMAR_RE, text), text
+
+
+CONSTRAINTS = {"json": StructuredOutputsParams(json=SCHEMA), "regex": StructuredOutputsParams(regex=REGEX),
+               "choice": StructuredOutputsParams(choice=CHOICE), "grammar": StructuredOutputsParams(grammar=GRAMMAR)}
+
+
+# ---- parameters ------------------------------------------------------------------------------------------
+class Person(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=120)
+
+
+def test_params_take_exactly_one_valid_constraint():
+    assert StructuredOutputsParams(json=Person).json == Person.model_json_schema()
+    assert StructuredOutputsParams(json=json.dumps(SCHEMA)) == StructuredOutputsParams(json=SCHEMA)
+    sp = SamplingParams.from_dict({"structured_outputs": {"choice": ["a", "b"]}})
+    assert sp.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    assert hash(sp.structured_outputs) == hash(StructuredOutputsParams(choice=["a", "b"]))
+    bad = [({}, "exactly one"), (dict(regex="a", choice=["a"]), "exactly one"), (dict(regex="(a"), "regex"),
+           (dict(choice=[]), "non-empty"), (dict(choice="ab"), "list of strings"), (dict(choice=["a", "a"]), "dup"),
+           (dict(json={"type": "nonsense"}), "json"), (dict(json=int), "pydantic"), (dict(json="{nope"), "JSON"),
+           (dict(grammar="root ::= undefined_rule"), "grammar")]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            StructuredOutputsParams(**kwargs)
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs="json")
+
+
+# ---- engine, random model --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, max_model_len=256, kv_cache_memory_bytes=2**22)
+
+
+PROMPTS = [[20 + (7 * i + 3 * j) % 900 for j in range(5 + 3 * i)] for i in range(10)]
+
+
+def test_every_constraint_holds_in_a_mixed_batch(llm):
+    """Greedy, seeded and unseeded sampled rows of every kind, next to unconstrained rows, in one batch."""
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], free,
+                                                           use_tqdm=False)]
+    rows, params = [], []
+    for k, (kind, so) in enumerate(CONSTRAINTS.items()):
+        for j, sampling in enumerate([dict(temperature=0.0), dict(temperature=1.0, seed=k), dict(temperature=1.0)]):
+            rows.append((kind, PROMPTS[(k + j) % len(PROMPTS)]))
+            params.append(SamplingParams(max_tokens=80, structured_outputs=so, **sampling))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]] + [{"prompt_token_ids": p} for _, p in rows]
+    outs = llm.generate(prompts, [free, free] + params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone  # unconstrained rows: as if alone
+    assert all(o.outputs[0].structured_output_complete is None for o in outs[:2])
+    for (kind, _), out in zip(rows, outs[2:]):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.structured_output_complete, (kind, c.text, c.finish_reason)
+        assert c.token_ids[-1] in llm.engine.eos_token_ids  # the grammar ended it with end-of-sequence
+        check(kind, c.text)
+    # A random model left alone would not have written these: the mask did.
+    plain = llm.generate([{"prompt_token_ids": p} for _, p in rows], SamplingParams(temperature=0.0, max_tokens=20),
+                         use_tqdm=False)
+    assert sum(o.outputs[0].text.startswith("{") for o in plain) < 3
+
+
+def test_seeded_constrained_sample_is_reproducible_and_n_samples_differ(llm):
+    so = CONSTRAINTS["json"]
+    sp = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=80, structured_outputs=so, logprobs=2)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[3]}], sp, use_tqdm=False)[0]
+    again = llm.generate([{"prompt_token_ids": PROMPTS[3]}, {"prompt_token_ids": PROMPTS[4]}], [sp, sp],
+                         use_tqdm=False)[0]
+    assert [c.text for c in first.outputs] == [c.text for c in again.outputs]
+    assert len({c.text for c in first.outputs}) > 1
+    for c in first.outputs:
+        check("json", c.text)
+        assert len(c.logprobs) == len(c.token_ids) and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+
+
+def test_max_tokens_before_completion_is_marked_incomplete(llm):
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2,
+                        [SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=CONSTRAINTS["json"]),
+                         SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=CONSTRAINTS["grammar"])],
+                        use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "length" and c.structured_output_complete is False
+    with pytest.raises(ValueError):
+        json.loads(outs[0].outputs[0].text)
+    assert outs[1].outputs[0].text == "("
+
+
+def test_preemption_and_chunked_prefill_keep_the_grammar_state(tiny_llama, llm):
+    """A KV cache too small for the batch (recompute preemption) and a tiny token budget (chunked
+    prefill) give exactly the constrained outputs of an unconstrained-resources run."""
+    prompts = [{"prompt_token_ids": p * 4} for p in PROMPTS[4:10]]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so) for so in CONSTRAINTS.values()]
+    params = (params * 2)[: len(prompts)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    small = LLM(tiny_llama, max_model_len=256, max_num_batched_tokens=32, block_size=16,
+                kv_cache_memory_bytes=20 * llm.engine.runner.block_bytes)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].text for o in outs] == expected
+    for kind, out in zip((list(CONSTRAINTS) * 2), outs):
+        check(kind, out.outputs[0].text)
+
+
+def test_each_distinct_constraint_compiles_once(llm):
+    compiler = llm.engine._grammar_compiler()
+    before = compiler.num_compiled
+    sp = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"regex": "[0-9]{2}-[0-9]{2}"})
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], sp, use_tqdm=False)
+    same = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"regex": "[0-9]{2}-[0-9]{2}"})
+    llm.generate([{"prompt_token_ids": PROMPTS[5]}], same, use_tqdm=False)
+    assert compiler.num_compiled == before + 1
+
+
+# ---- engine, bundled SmolLM2 -----------------------------------------------------------------------------
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population: int = Field(ge=0, le=10**9)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM(max_model_len=256, kv_cache_memory_bytes=2**25)
+
+
+def test_smollm2_json_choice_regex_with_free_chat(smol):
+    q = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    convs = [q("Describe Paris as JSON with name, country and population."),
+             q("Is the sky blue? Answer yes or no."),
+             q("Write a time of day like 09:30."),
+             q("What is the capital of France?"),
+             q("Describe Tokyo as JSON.")]
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=City)),
+              SamplingParams(temperature=0.0, max_tokens=5, structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(temperature=0.7, seed=0, max_tokens=10, structured_outputs={"regex": r"[0-2]\d:[0-5]\d"}),
+              free,
+              SamplingParams(temperature=0.7, seed=1, max_tokens=60, structured_outputs={"json": City})]
+    outs = smol.chat(convs, params, use_tqdm=False)
+    assert outs[3].outputs[0].text == smol.chat(convs[3], free, use_tqdm=False)[0].outputs[0].text
+    for i in (0, 4):
+        c = outs[i].outputs[0]
+        assert c.structured_output_complete and c.finish_reason == "stop", c.text
+        City.model_validate_json(c.text)
+    assert outs[1].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-2]\d:[0-5]\d", outs[2].outputs[0].text)
