@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Annotated, Literal, Optional
 
+import dask.dataframe as dd
 import jsonschema
+import pandas as pd
+import polars as pl
+import pyarrow as pa
 import pytest
 from pydantic import BaseModel, Field
 
+import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
+from dfllm.accessors.schema import arrow_type
 
 # Bounded, so that even a random model's output completes within max_tokens.
 SCHEMA = {
@@ -193,3 +200,95 @@ def test_smollm2_json_choice_regex_with_free_chat(smol):
         City.model_validate_json(c.text)
     assert outs[1].outputs[0].text in ("yes", "no")
     assert re.fullmatch(r"[0-2]\d:[0-5]\d", outs[2].outputs[0].text)
+
+
+# ---- accessors: typed columns ----------------------------------------------------------------------------
+SP = {"temperature": 0.0, "max_tokens": 80}
+
+
+@pytest.fixture(scope="module")
+def kw(tiny_llama):
+    return dict(model=str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=2**22)
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return pd.DataFrame({"q": ["Tell me a colour.", "How many?", None, "Why?"],
+                         "sp": [SP, {"temperature": 1.0, "seed": 5, "max_tokens": 80}, None,
+                                {"temperature": 0.0, "max_tokens": 3}]})
+
+
+class Item(BaseModel):
+    ok: bool
+    n: int = Field(ge=0, le=999)
+    tag: Literal["red", "green", "blue"]
+    digits: list[Annotated[int, Field(ge=0, le=9)]] = Field(max_length=3)
+    word: str = Field(max_length=6)
+    maybe: Optional[float] = Field(ge=0, le=1)
+
+
+ITEM_TYPE = pa.struct([("ok", pa.bool_()), ("n", pa.int64()), ("tag", pa.string()), ("digits", pa.list_(pa.int64())),
+                       ("word", pa.string()), ("maybe", pa.float64())])
+
+
+def test_arrow_type_from_json_schema():
+    assert arrow_type(Item.model_json_schema()) == ITEM_TYPE
+    assert arrow_type(SCHEMA) == pa.struct([("ok", pa.bool_()), ("n", pa.int64()), ("tag", pa.string()),
+                                            ("digits", pa.list_(pa.int64())), ("word", pa.string()),
+                                            ("inner", pa.struct([("x", pa.float64())]))])
+    tree = {"$defs": {"Node": {"type": "object", "properties": {"kids": {"type": "array",
+                                                                         "items": {"$ref": "#/$defs/Node"}}}}},
+            "$ref": "#/$defs/Node"}
+    assert arrow_type(tree) == pa.struct([("kids", pa.list_(pa.string()))])  # recursion stops at a JSON string
+    assert arrow_type({"anyOf": [{"type": "integer"}, {"type": "string"}]}) == pa.string()
+
+
+def test_pandas_json_schema_gives_a_struct_column_and_errors_for_incomplete_rows(frame, kw):
+    out = frame.llm.generate("q", json_schema=Item, sampling_params="sp", **kw)
+    assert out.dtypes["generated_text"] == pd.ArrowDtype(ITEM_TYPE)
+    errors = out.llm_error.tolist()
+    assert errors[0] is pd.NA and errors[1] is pd.NA
+    assert "null" in errors[2] and "incomplete" in errors[3] and "max_tokens" in errors[3]
+    assert out.generated_text.isna().tolist() == [False, False, True, True]
+    for value in out.generated_text[:2]:
+        Item.model_validate(value)
+    unnested = pd.DataFrame(out.generated_text.struct.explode())  # fields become columns
+    assert list(unnested.columns) == [f.name for f in ITEM_TYPE]
+    # The values are what the engine generated, parsed.
+    llm = LLM(kw["model"], max_model_len=128, kv_cache_memory_bytes=2**22)
+    ref = llm.generate(frame.q[0], SamplingParams(**SP, structured_outputs={"json": Item}), use_tqdm=False)
+    assert out.generated_text[0] == Item.model_validate_json(ref[0].outputs[0].text).model_dump()
+    with pytest.raises(ValueError, match="incomplete"):
+        frame.iloc[[3]].llm.generate("q", json_schema=Item, sampling_params="sp", on_error="raise", **kw)
+
+
+def test_choice_gives_a_categorical_and_bad_calls_raise(frame, kw):
+    out = frame.llm.generate("q", choice=["red", "green", "blue"], sampling_params=SP, **kw)
+    assert out.dtypes["generated_text"] == pd.CategoricalDtype(["red", "green", "blue"])
+    assert set(out.generated_text.dropna()) <= {"red", "green", "blue"} and out.generated_text.notna().sum() == 3
+    with pytest.raises(ValueError, match="not both"):
+        frame.llm.generate("q", choice=["a"], json_schema=Item, **kw)
+    with pytest.raises(ValueError, match="once"):
+        frame.llm.generate("q", choice=["a"], sampling_params={"structured_outputs": {"regex": "a"}}, **kw)
+    with pytest.raises(ValueError, match="regex|json"):
+        frame.llm.generate("q", json_schema={"type": "nonsense"}, **kw)
+
+
+def test_dask_meta_is_exact_and_polars_types(frame, kw):
+    ddf = dd.from_pandas(frame[["q"]], npartitions=2)
+    for constraint in (dict(json_schema=Item), dict(choice=["yes", "no"])):
+        result = ddf.llm.chat("{q}", sampling_params=SP, **constraint, **kw)
+        computed = result.compute(scheduler="sync")
+        assert result._meta.dtypes.to_dict() == computed.dtypes.to_dict()
+    pdf = pl.DataFrame({"q": ["Hi", None, "More"]})
+    out = pdf.llm.generate("q", json_schema=Item, sampling_params=SP, **kw)
+    assert out.schema["generated_text"] == pl.Struct({"ok": pl.Boolean, "n": pl.Int64, "tag": pl.String,
+                                                      "digits": pl.List(pl.Int64), "word": pl.String,
+                                                      "maybe": pl.Float64})
+    assert out.unnest("generated_text")["tag"].drop_nulls().is_in(["red", "green", "blue"]).all()
+    lazy = pdf.lazy().llm.generate("q", choice=["yes", "no"], sampling_params=SP, **kw)
+    assert lazy.collect_schema()["generated_text"] == pl.Enum(["yes", "no"])
+    collected = lazy.collect()
+    assert collected.schema["generated_text"] == pl.Enum(["yes", "no"])
+    expr = pdf.with_columns(pl.col("q").llm.generate(json_schema=Item, sampling_params=SP, **kw).alias("a"))
+    assert expr.schema["a"] == out.schema["generated_text"] and expr["a"].to_list() == out["generated_text"].to_list()

@@ -26,23 +26,30 @@ class LLMFrameMethods:
         raise NotImplementedError
 
     def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = "generated_text",
-                 on_error: str = "null", **engine_kwargs):
+                 on_error: str = "null", json_schema=None, choice=None, **engine_kwargs):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
 
         Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
         ``finish_reason`` and ``llm_error``. ``sampling_params`` is a SamplingParams, a dict,
         or the name of a column of dicts (one per row).
+
+        ``json_schema`` (a pydantic model class or a JSON schema dict) constrains every row's
+        output to the schema and makes the output column an Arrow struct built from it;
+        ``choice`` (a list of strings) makes it a categorical of those values. A row whose
+        output did not complete within ``max_tokens`` gets null and an ``llm_error``.
         """
         return self._apply(make_task("generate", (prompt,), self._columns(), output_column=output_column,
                                      model=model, sampling_params=sampling_params, on_error=on_error,
-                                     engine_kwargs=engine_kwargs))
+                                     engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice))
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
-             output_column: str = "generated_text", on_error: str = "null", **engine_kwargs):
-        """Reply to ``messages`` (a column of conversations, or a template for one user turn)."""
+             output_column: str = "generated_text", on_error: str = "null", json_schema=None, choice=None,
+             **engine_kwargs):
+        """Reply to ``messages`` (a column of conversations, or a template for one user turn);
+        ``json_schema`` and ``choice`` as in ``generate``."""
         return self._apply(make_task("chat", (messages,), self._columns(), output_column=output_column, model=model,
                                      sampling_params=sampling_params, system=system, on_error=on_error,
-                                     engine_kwargs=engine_kwargs))
+                                     engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice))
 
     def embed(self, text: str, *, model=None, output_column: str = "embedding", on_error: str = "null",
               **engine_kwargs):

@@ -7,21 +7,34 @@ up front; ``pl.col("q").llm.generate(...)`` gives the main output inside ``with_
 
 from __future__ import annotations
 
+import pandas as pd
 import polars as pl
+import pyarrow as pa
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
-from dfllm.accessors.task import LLMTask, run_task
+from dfllm.accessors.task import LLMTask, make_task, run_task
 
 POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "list<item: float>": pl.List(pl.Float32)}
 
 
 def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
-    out = run_task(df.to_pandas(use_pyarrow_extension_array=True), task)
-    return pl.from_pandas(out)
+    out = pl.from_pandas(run_task(df.to_pandas(use_pyarrow_extension_array=True), task))
+    enums = {c: t for c, t in _polars_schema(task).items() if isinstance(t, pl.Enum)}
+    return out.cast(enums) if enums else out  # a choice column: pandas category -> Enum of the choices
+
+
+def _polars_dtype(dtype) -> pl.DataType:
+    """The Polars type of an output column's pandas dtype (structs and lists included)."""
+    if isinstance(dtype, pd.CategoricalDtype):
+        return pl.Enum(list(dtype.categories))
+    name = str(dtype.pyarrow_dtype)
+    if name in POLARS_TYPES:
+        return POLARS_TYPES[name]
+    return pl.from_arrow(pa.array([], type=dtype.pyarrow_dtype)).dtype
 
 
 def _polars_schema(task: LLMTask) -> dict:
-    return {c: POLARS_TYPES[str(d.pyarrow_dtype)] for c, d in task.output_dtypes().items()}
+    return {c: _polars_dtype(d) for c, d in task.output_dtypes().items()}
 
 
 @pl.api.register_dataframe_namespace("llm")
@@ -53,8 +66,8 @@ class PolarsExprLLMNamespace:
             result = getattr(PolarsLLMNamespace(frame), kind)(SERIES_INPUT, output_column=output_column, **kwargs)
             return result[output_column]
 
-        schema = _polars_schema(_probe_task(kind, output_column))
-        return self._expr.map_batches(apply, return_dtype=schema[output_column])
+        probe = _probe_task(kind, output_column, kwargs.get("json_schema"), kwargs.get("choice"))
+        return self._expr.map_batches(apply, return_dtype=_polars_schema(probe)[output_column])
 
     def generate(self, *, output_column: str = "generated_text", **kwargs) -> pl.Expr:
         return self._map("generate", output_column, **kwargs)
@@ -69,5 +82,7 @@ class PolarsExprLLMNamespace:
         return self._map("classify", output_column, **kwargs)
 
 
-def _probe_task(kind: str, output_column: str) -> LLMTask:
-    return LLMTask(kind, (SERIES_INPUT,), output_column)
+def _probe_task(kind: str, output_column: str, json_schema=None, choice=None) -> LLMTask:
+    return make_task(kind, (SERIES_INPUT,), [SERIES_INPUT], output_column=output_column,
+                     json_schema=json_schema, choice=choice) if json_schema is not None or choice is not None \
+        else LLMTask(kind, (SERIES_INPUT,), output_column)

@@ -9,6 +9,8 @@ conversation, invalid per-row sampling params) get a null output and a message i
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import string
 from dataclasses import dataclass, field
@@ -16,9 +18,10 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from dfllm.accessors.engines import generate_shared, get_engine
-from dfllm.accessors.schema import output_dtypes
+from dfllm.accessors.schema import output_dtypes, to_arrow_value
 from dfllm.inputs import check_conversation
 from dfllm.sampling_params import SamplingParams
+from dfllm.structured_outputs import StructuredOutputsParams
 
 KINDS = ("generate", "chat", "embed", "score", "classify")
 ON_ERROR = ("null", "raise")
@@ -37,6 +40,7 @@ class LLMTask:
     system: str | None = None
     on_error: str = "null"
     engine_kwargs: tuple = field(default=())
+    structured: tuple = ()  # ("json", schema text) or ("choice", values): a typed main column
 
     @property
     def templates(self) -> list[str]:
@@ -47,7 +51,13 @@ class LLMTask:
         return cols | ({self.sampling_column} if self.sampling_column else set())
 
     def output_dtypes(self) -> dict:
-        return output_dtypes(self.kind, self.output_column)
+        return output_dtypes(self.kind, self.output_column, self.structured)
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        if not self.structured:
+            return None
+        kind, value = self.structured
+        return StructuredOutputsParams(json=value) if kind == "json" else StructuredOutputsParams(choice=list(value))
 
 
 def is_template(text: str) -> bool:
@@ -67,7 +77,7 @@ def template_fields(template: str) -> list[str]:
 
 def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str, model=None,
               sampling_params=None, system: str | None = None, on_error: str = "null",
-              engine_kwargs: dict | None = None) -> LLMTask:
+              engine_kwargs: dict | None = None, json_schema=None, choice=None) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``)."""
     if kind not in KINDS:
         raise ValueError(f"unknown task {kind!r}")
@@ -77,8 +87,10 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
         if not isinstance(i, str):
             raise ValueError(f"{kind}: expected a column name or a template string, got {type(i).__name__}")
     sampling, sampling_column = _sampling(sampling_params, columns, kind)
+    structured = _structured(json_schema, choice, kind, sampling)
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
-                   sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())))
+                   sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
+                   structured=structured)
     missing = sorted(task.columns_needed() - set(map(str, columns)))
     if missing:
         raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {list(columns)})")
@@ -106,6 +118,28 @@ def _sampling(sampling_params, columns, kind: str) -> tuple[tuple, str | None]:
         raise ValueError("sampling_params.n must be 1 in a dataframe (one output per row)")
     fields = {k: v for k, v in vars(sampling_params).items() if not k.startswith("_")}
     return tuple(sorted((k, _hashable(v)) for k, v in fields.items())), None
+
+
+def _structured(json_schema, choice, kind: str, sampling: tuple) -> tuple:
+    """``json_schema=`` / ``choice=`` as the task's hashable constraint (checked now)."""
+    if json_schema is None and choice is None:
+        return ()
+    if kind not in ("generate", "chat"):
+        raise ValueError(f"{kind} takes no json_schema or choice")
+    if json_schema is not None and choice is not None:
+        raise ValueError(f"{kind}: pass json_schema or choice, not both")
+    if dict(sampling).get("structured_outputs") is not None:
+        raise ValueError(f"{kind}: sampling_params already has structured_outputs; pass the constraint once")
+    if choice is not None:
+        so = StructuredOutputsParams(choice=choice)
+        return ("choice", tuple(so.choice))
+    so = StructuredOutputsParams(json=json_schema)
+    structured = ("json", so.key[1])
+    try:
+        output_dtypes(kind, "x", structured)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{kind}: json_schema has no Arrow type: {exc!r}") from None
+    return structured
 
 
 def _hashable(v):
@@ -212,14 +246,43 @@ def _generate(df, task, llm, out, prompts: dict[int, list[int]]) -> None:
             rows.append(i)
     if not rows:
         return
+    so = task.structured_params()
+    if so is not None:  # the accessor's constraint replaces any a row's own sampling_params carry
+        params = {i: dataclasses.replace(params[i], structured_outputs=so) for i in rows}
     results = llm.generate([{"prompt_token_ids": prompts[i]} for i in rows], [params[i] for i in rows],
                            use_tqdm=False)
+    arrow = task.output_dtypes()[task.output_column] if task.structured else None
     for i, r in zip(rows, results):
         c = r.outputs[0]
-        out[task.output_column][i] = c.text
         out["num_input_tokens"][i] = len(r.prompt_token_ids)
         out["num_generated_tokens"][i] = len(c.token_ids)
         out["finish_reason"][i] = c.finish_reason
+        if not task.structured:
+            out[task.output_column][i] = c.text
+            continue
+        try:
+            out[task.output_column][i] = _structured_value(task, c, arrow)
+        except ValueError as exc:
+            _row_error(task, out, i, str(exc))
+
+
+def _structured_value(task: LLMTask, c, dtype):
+    """The typed value of a constrained completion; ``ValueError`` when it did not complete."""
+    kind = task.structured[0]
+    what = "JSON" if kind == "json" else "choice"
+    if not c.structured_output_complete:
+        raise ValueError(f"structured output incomplete: generation stopped (finish_reason={c.finish_reason!r}, "
+                         f"{len(c.token_ids)} tokens) before the {what} was complete; raise max_tokens "
+                         f"(partial output: {c.text[:200]!r})")
+    if kind == "choice":
+        if c.text not in task.structured[1]:
+            raise ValueError(f"structured output {c.text!r} is not one of the choices")
+        return c.text
+    try:
+        value = json.loads(c.text)
+    except ValueError as exc:
+        raise ValueError(f"structured output is not valid JSON ({exc}): {c.text[:200]!r}") from None
+    return to_arrow_value(value, dtype.pyarrow_dtype)
 
 
 def _run_generate(df, task, llm, out) -> None:

@@ -112,6 +112,7 @@ def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) ->
         bitmask = xgr.allocate_token_bitmask(batch, vocab)
     for i in rows:
         grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask[:batch], vocab_size=vocab, indices=rows)
+    mask = bitmask[:batch] if logits.device.type == "cpu" else bitmask[:batch].to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
     with _bitmask_lock:
         _bitmasks[vocab] = bitmask
