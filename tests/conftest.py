@@ -81,3 +81,71 @@ def random_prompts(n: int, low: int, high: int, vocab: int = 1000, seed: int = 0
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
     lengths = [L | 1 for L in lengths]
     return [torch.randint(20, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+# ---- a real multi-process cluster, started from Dask's command lines ---------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CLICluster:
+    """``dask scheduler`` and ``dask worker`` processes on loopback, as an operator starts them."""
+
+    def __init__(self, workers: int = 2, threads: int = 1, resources: str | None = None):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        env = {**os.environ, "DFLLM_NUM_THREADS": "1"}
+        dask = [sys.executable, "-m", "dask"]
+        self.procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", str(self.port),
+                                                "--no-dashboard"], env=env, start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        for _ in range(workers):
+            cmd = dask + ["worker", self.address, "--nthreads", str(threads), "--no-dashboard",
+                          "--memory-limit", "0", "--host", "127.0.0.1"]
+            if resources:
+                cmd += ["--resources", resources]
+            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
+        self.client().wait_for_workers(workers, timeout=120)
+
+    def client(self):
+        from distributed import Client
+
+        if not hasattr(self, "_client"):
+            self._client = Client(self.address, timeout=60)
+        return self._client
+
+    def worker_pids(self) -> dict[str, int]:
+        """Worker address -> pid of the worker process (the nanny's child)."""
+        return self.client().run(os.getpid)
+
+    def close(self) -> None:
+        import signal
+
+        if hasattr(self, "_client"):
+            self._client.close()
+        for p in reversed(self.procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except Exception:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def cli_cluster():
+    """A scheduler and two single-thread workers started with ``dask scheduler``/``dask worker``."""
+    cluster = CLICluster()
+    yield cluster
+    cluster.close()

@@ -1,0 +1,250 @@
+"""The ``dfllm`` command: ``dfllm run INPUT OUTPUT``, ``dfllm models`` and ``dfllm demo``.
+
+``dfllm run`` reads parquet, CSV or JSON Lines (a file, folder or glob; any fsspec URL),
+runs one ``.llm`` task over it on a Dask cluster and writes a parquet dataset with
+:func:`dfllm.write_parquet` (atomic, resumable partitions). Sampling defaults to greedy
+decoding (``--temperature 0``) so that a rerun, or a resumed run, gives the same text.
+Errors end with one line on stderr and exit status 1 (2 for bad options);
+``DFLLM_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+TASKS = ("generate", "chat", "embed", "score", "classify")
+DEFAULT_INPUT = {"generate": "prompt", "chat": "messages", "embed": "text", "classify": "text", "score": "text_1"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage plus message
+        self.exit(2, f"dfllm: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dfllm", description="Batch LLM inference over dataframes.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="run one task over a dataset and write parquet")
+    run.add_argument("input", help="parquet, CSV or JSON Lines: a file, folder or glob (any fsspec URL)")
+    run.add_argument("output", help="output folder for the parquet dataset (any fsspec URL)")
+    _add_job_options(run)
+    sub.add_parser("models", help="list the bundled models and where they are cached")
+    demo = sub.add_parser("demo", help="run the main job on a small built-in data set")
+    demo.add_argument("--output", help="where to write the results (default: a temporary folder)")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--scheduler", help="address of a running Dask scheduler")
+    return parser
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", choices=TASKS, default="generate")
+    p.add_argument("--prompt", help="input column, or a template with {column} placeholders "
+                   "(default: prompt; chat: messages; embed/classify: text; score: text_1)")
+    p.add_argument("--right", help="score: the second text's column or template (default: text_2)")
+    p.add_argument("--system", help="chat: a system message before each conversation")
+    p.add_argument("--model", help="model directory or bundled alias (default per task; see `dfllm models`)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="per-row sampling seed (reproducible sampled text)")
+    p.add_argument("--max-model-len", type=int, help="the engine's context length")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
+    size.add_argument("--npartitions", type=int, help="number of partitions")
+    p.add_argument("--format", choices=("parquet", "csv", "json"), help="input format (default: from extensions)")
+    p.add_argument("--resume", action="store_true", help="skip partitions whose output is already complete")
+    p.add_argument("--on-error", choices=("null", "raise"), default="null")
+    p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
+    p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
+    p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
+    p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"anon\": false}'")
+    return value
+
+
+# ---- dfllm run --------------------------------------------------------------------------------------
+def sampling_from(args) -> dict | None:
+    """The job's sampling params as a dict (checked by SamplingParams); None for pooling tasks."""
+    if args.task not in ("generate", "chat"):
+        return None
+    from dfllm.sampling_params import SamplingParams
+
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    if args.seed is not None:
+        params["seed"] = args.seed
+    SamplingParams(**params)  # raises ValueError naming a bad value before any work
+    return params
+
+
+def engine_kwargs_from(args) -> dict:
+    kwargs = {}
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.pipeline_parallel_size != 1:
+        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    return kwargs
+
+
+def build_job(args):
+    """The lazy result of the task over the input (checks columns, model and params now)."""
+    from dfllm.sources import read_input, repartition
+
+    sampling = sampling_from(args)
+    if args.task == "classify" and not args.model:
+        raise ValueError("--task classify needs --model (a sequence-classification model; none is bundled)")
+    ddf = read_input(args.input, fmt=args.format, storage_options=args.storage_options)
+    ddf = repartition(ddf, partition_size=args.partition_size, npartitions=args.npartitions)
+    first = args.prompt or _default_input(args.task, ddf.columns)
+    common = {"model": args.model, "on_error": args.on_error, **engine_kwargs_from(args)}
+    if args.task == "score":
+        return ddf.llm.score(first, args.right or "text_2", **common)
+    if args.task in ("embed", "classify"):
+        return getattr(ddf.llm, args.task)(first, **common)
+    if args.task == "chat":
+        return ddf.llm.chat(first, system=args.system, sampling_params=sampling, **common)
+    if args.system:
+        raise ValueError("--system applies to --task chat")
+    return ddf.llm.generate(first, sampling_params=sampling, **common)
+
+
+def _default_input(task: str, columns) -> str:
+    name = DEFAULT_INPUT[task]
+    if name not in columns:
+        raise ValueError(f"--prompt not given and the input has no {name!r} column (columns: {list(columns)})")
+    return name
+
+
+def run(args) -> int:
+    from dfllm.accessors.writer import write_parquet
+    from dfllm.cluster import connect
+
+    job = build_job(args)
+    gpus = args.tensor_parallel_size * args.pipeline_parallel_size
+    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
+                 gpus_per_engine=gpus) as (client, resources):
+        _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}")
+        summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
+                                progress=not args.no_progress, resources=resources)
+    print(format_summary(summary))
+    return 0
+
+
+def _describe(client) -> str:
+    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    return f"{len(workers)} worker(s), {sum(w['nthreads'] for w in workers)} thread(s)"
+
+
+def format_summary(s) -> str:
+    """The end-of-job summary: rows, errors, tokens, throughput, time and where the output is."""
+    tokens = s.input_tokens + s.output_tokens
+    lines = [f"rows:        {s.rows} ({s.errors} with llm_error)",
+             f"partitions:  {s.partitions} ({s.written} written, {s.skipped} already complete)"]
+    if tokens:
+        lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
+                  f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
+                  f"{s.rows / max(s.seconds, 1e-9):.2f} rows/s"]
+    else:
+        lines.append(f"throughput:  {s.rows / max(s.seconds, 1e-9):.2f} rows/s")
+    lines += [f"wall time:   {s.seconds:.1f} s", f"output:      {s.path}"]
+    return "\n".join(lines)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---- dfllm models ------------------------------------------------------------------------------------
+def models(args) -> int:
+    from dfllm.models.bundled import BUNDLED_MODELS, DEFAULT_CHAT_MODEL, _package_file, bundled_model_dir
+
+    print(f"{'alias':24} {'package':22} {'status':14} location")
+    for alias, m in BUNDLED_MODELS.items():
+        source = _package_file(m)
+        where = bundled_model_dir(alias) if m.format == "gguf" else source
+        if source is None:
+            status, where = "not installed", m.install_hint
+        elif m.format == "gguf" and not (bundled_model_dir(alias) / "config.json").exists():
+            status = "not converted"
+        else:
+            status = "ready"
+        default = {DEFAULT_CHAT_MODEL: " (default: generate, chat)",
+                   "all-minilm-l6-v2": " (default: embed, score)"}.get(alias, "")
+        print(f"{alias:24} {m.package:22} {status:14} {where}")
+        print(f"    {m.description}{default}")
+    return 0
+
+
+# ---- dfllm demo --------------------------------------------------------------------------------------
+DEMO_HAIKUS = [
+    "Autumn moonlight / a worm digs silently",
+    "An old silent pond / a frog jumps into the pond",
+    "Over the wintry / forest, winds howl in rage",
+    "The light of a candle / is transferred to another",
+    "In the twilight rain / these brilliant-hued hibiscus",
+    "A summer river being crossed / how pleasing",
+    "First autumn morning / the mirror I stare into",
+    "Winter seclusion / listening, that evening",
+]
+
+
+def demo(args) -> int:
+    import pandas as pd
+
+    with tempfile.TemporaryDirectory(prefix="dfllm-demo-") as tmp:
+        source = Path(tmp) / "haikus.parquet"
+        pd.DataFrame({"id": range(len(DEMO_HAIKUS)), "haiku": DEMO_HAIKUS}).to_parquet(source)
+        output = args.output or str(Path(tmp) / "out")
+        run_args = build_parser().parse_args(
+            ["run", str(source), output, "--task", "chat", "--prompt", "Complete this haiku: {haiku}",
+             "--system", "You are a poet who completes unfinished haikus. Reply with the full haiku only.",
+             "--max-tokens", str(args.max_tokens), "--npartitions", "2"]
+            + (["--scheduler", args.scheduler] if args.scheduler else []))
+        run(run_args)
+        results = pd.read_parquet(output).sort_values("id")
+        for row in results.head(4).itertuples():
+            print(f"\n> {row.haiku}\n{str(row.generated_text).strip()}")
+        if args.output:
+            print(f"\nall {len(results)} results in {args.output}")
+    return 0
+
+
+COMMANDS = {"run": run, "models": models, "demo": demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dfllm`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        _say("dfllm: interrupted")
+        return 130
+    except Exception as exc:  # one line for the user; DFLLM_DEBUG=1 for the traceback
+        if os.environ.get("DFLLM_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _say(f"dfllm: error: {type(exc).__name__}: {message}" if message else f"dfllm: error: {type(exc).__name__}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

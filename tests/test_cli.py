@@ -1,0 +1,162 @@
+"""The ``dfllm`` command, run as a subprocess: every task, its parquet output, and its errors.
+
+Jobs run against a real cluster started with ``dask scheduler`` and ``dask worker``
+(``--scheduler``); the demo starts its own LocalCluster, as a new user's first run does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dfllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def dfllm(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dfllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("in") / "questions.parquet"
+    df = pd.DataFrame({"id": range(10), "q": [f"Question number {i}: why is the sky blue?" for i in range(10)]})
+    df.loc[3, "q"] = None
+    df.to_parquet(path)
+    return path, df
+
+
+def test_generate_writes_what_llm_generate_gives(cli_cluster, tiny_llama, questions, tmp_path):
+    path, df = questions
+    out = tmp_path / "out"
+    stdout = ok(dfllm("run", str(path), str(out), "--prompt", "Q: {q} A:", "--model", str(tiny_llama),
+                      "--max-tokens", "5", "--max-model-len", "64", "--npartitions", "3",
+                      "--scheduler", cli_cluster.address))
+    assert "rows:        10 (1 with llm_error)" in stdout and "partitions:  3 (3 written" in stdout
+    result = pd.read_parquet(out).sort_values("id")
+    assert result["id"].tolist() == list(range(10))
+    assert result.loc[result["id"] == 3, "llm_error"].item() == "column 'q' is null"
+    good = result[result["id"] != 3]
+    llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=2**22)
+    ref = llm.generate([f"Q: {q} A:" for q in good["q"]], SamplingParams(temperature=0.0, max_tokens=5),
+                       use_tqdm=False)
+    assert good["generated_text"].tolist() == [o.outputs[0].text for o in ref]
+    assert good["num_generated_tokens"].tolist() == [len(o.outputs[0].token_ids) for o in ref]
+    assert f"tokens:      {int(good['num_input_tokens'].sum())} in" in stdout
+
+    again = ok(dfllm("run", str(path), str(out), "--prompt", "Q: {q} A:", "--model", str(tiny_llama),
+                     "--max-tokens", "5", "--max-model-len", "64", "--npartitions", "3", "--resume",
+                     "--scheduler", cli_cluster.address))
+    assert "partitions:  3 (0 written, 3 already complete)" in again
+
+
+def test_chat_reads_conversations_from_json_lines(cli_cluster, tiny_llama, tmp_path):
+    src = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Say {w}."}]} for w in ("hi", "bye", "yes")]
+    rows.append({"messages": [{"role": "wizard", "content": "bad role"}]})
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    ok(dfllm("run", str(src), str(out), "--task", "chat", "--system", "Be brief.", "--model", str(tiny_llama),
+             "--max-tokens", "4", "--max-model-len", "128", "--scheduler", cli_cluster.address))
+    result = pd.read_parquet(out)
+    assert len(result) == 4
+    assert result["llm_error"].isna().tolist() == [True, True, True, False]
+    assert "role" in result["llm_error"].iloc[3]
+    llm = LLM(tiny_llama, max_model_len=128, kv_cache_memory_bytes=2**22)
+    convs = [[{"role": "system", "content": "Be brief."}, *r["messages"]] for r in rows[:3]]
+    ref = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert result["generated_text"].iloc[:3].tolist() == [o.outputs[0].text for o in ref]
+
+
+def test_embed_csv_with_the_default_model(cli_cluster, tmp_path):
+    src = tmp_path / "texts.csv"
+    texts = ["a cat sat on the mat", "stock markets fell sharply", "the kitten slept"]
+    pd.DataFrame({"text": texts}).to_csv(src, index=False)
+    out = tmp_path / "out"
+    stdout = ok(dfllm("run", str(src), str(out), "--task", "embed", "--scheduler", cli_cluster.address))
+    assert "tokens:" not in stdout and "rows/s" in stdout
+    got = np.array(pd.read_parquet(out)["embedding"].tolist())
+    ref = np.stack([o.outputs.embedding for o in LLM("all-minilm-l6-v2").embed(texts, use_tqdm=False)])
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_score_and_classify(cli_cluster, tmp_path, minilm_classifier):
+    src = tmp_path / "pairs.jsonl"
+    pd.DataFrame({"text_1": ["a cat", "a cat"], "text_2": ["a kitten", "tax law"]}).to_json(
+        src, orient="records", lines=True)
+    ok(dfllm("run", str(src), str(tmp_path / "scores"), "--task", "score", "--scheduler", cli_cluster.address))
+    scores = pd.read_parquet(tmp_path / "scores")["score"].tolist()
+    assert scores[0] > scores[1]
+
+    ok(dfllm("run", str(src), str(tmp_path / "labels"), "--task", "classify", "--prompt", "text_1",
+             "--model", str(minilm_classifier), "--scheduler", cli_cluster.address))
+    labels = pd.read_parquet(tmp_path / "labels")
+    assert set(labels["label"]) <= {"label_0", "label_1", "label_2"}
+    assert all(abs(sum(p) - 1) < 1e-5 for p in labels["probs"])
+
+
+@pytest.fixture(scope="module")
+def minilm_classifier(tmp_path_factory):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    from dfllm.models.bundled import resolve_model
+
+    minilm = resolve_model("all-minilm-l6-v2")
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=128, num_labels=3,
+                     id2label={i: f"label_{i}" for i in range(3)}, label2id={f"label_{i}": i for i in range(3)},
+                     architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "classifier"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "{missing}", "{out}"], "input not found"),
+    (["run", "{input}", "{out}", "--prompt", "nope"], "column(s) ['nope'] not in the dataframe"),
+    (["run", "{input}", "{out}", "--prompt", "q", "--model", "no-such-model"], "Unknown model 'no-such-model'"),
+    (["run", "{input}", "{out}", "--prompt", "q", "--storage-options", "{not json"],
+     "--storage-options: not valid JSON"),
+    (["run", "{input}", "{out}", "--prompt", "q", "--storage-options", "[1, 2]"], "must be a JSON object"),
+    (["run", "{input}", "{out}", "--prompt", "q", "--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["run", "{input}", "{out}", "--task", "classify", "--prompt", "q"], "--task classify needs --model"),
+])
+def test_errors_are_one_line_and_non_zero(questions, tmp_path, args, message):
+    path, _ = questions
+    subs = {"{missing}": str(tmp_path / "missing.parquet"), "{input}": str(path), "{out}": str(tmp_path / "out")}
+    result = dfllm(*[subs.get(a, a) for a in args], timeout=120)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dfllm: error:"), result.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
+def test_models_lists_the_bundled_models():
+    stdout = ok(dfllm("models"))
+    assert "smollm2-135m-instruct" in stdout and "all-minilm-l6-v2" in stdout and "ready" in stdout
+
+
+def test_demo_runs_the_main_job_on_a_local_cluster(smollm2_dir, tmp_path):
+    stdout = ok(dfllm("demo", "--max-tokens", "8", "--output", str(tmp_path / "demo"), timeout=400))
+    assert "rows:        8 (0 with llm_error)" in stdout
+    assert "> Autumn moonlight / a worm digs silently" in stdout
+    assert len(pd.read_parquet(tmp_path / "demo")) == 8
