@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ def as_prompt_list(prompts) -> list:
     """One prompt or a list of them; each a str or a dict with ``prompt`` / ``prompt_token_ids``."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if prompts is None or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
     if isinstance(prompts, Seq) and prompts and all(isinstance(p, int) for p in prompts):
         raise ValueError('token-id prompts must be given as {"prompt_token_ids": [...]}')
     return list(prompts)
@@ -36,7 +39,7 @@ def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_si
         elif isinstance(p, dict) and "prompt" in p:
             out.append(TokenizedPrompt(_text(p["prompt"], i), tokenizer.encode(_text(p["prompt"], i))))
         elif isinstance(p, str):
-            out.append(TokenizedPrompt(p, tokenizer.encode(p)))
+            out.append(TokenizedPrompt(p, tokenizer.encode(check_unicode(p, f"prompt {i}"))))
         else:
             raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")
         if not out[-1].token_ids:
@@ -58,7 +61,25 @@ def check_token_ids(ids, i: int, vocab_size: int) -> list[int]:
 def _text(value, i: int) -> str:
     if not isinstance(value, str):
         raise ValueError(f"prompt {i}: 'prompt' must be a str, got {type(value).__name__}")
-    return value
+    return check_unicode(value, f"prompt {i}")
+
+
+def check_unicode(text: str, what: str) -> str:
+    """``text`` unchanged; ``ValueError`` naming ``what`` if it holds a lone surrogate, which
+    no tokenizer can encode (it is not valid Unicode, so it has no UTF-8 form)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start}") from None
+    return text
+
+
+def check_params_for_model(params: SamplingParams, i: int, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming prompt ``i`` if its sampling params ask more than the model has."""
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"prompt {i}: logprobs={params.logprobs} exceeds the model's vocabulary of {vocab_size} "
+                         "tokens (use -1 for all of them)")
 
 
 def per_prompt_params(params, n: int, cls: type = SamplingParams, name: str = "sampling_params") -> list:
@@ -99,6 +120,8 @@ def check_conversation(conv, i: int) -> None:
         content = msg.get("content")
         if not isinstance(content, str) and not _is_text_parts(content):
             raise ValueError(f"{where}: content must be a str or a list of text parts, got {type(content).__name__}")
+        for text in [content] if isinstance(content, str) else [p["text"] for p in content]:
+            check_unicode(text, f"{where}: content")
 
 
 def _is_text_parts(content) -> bool:

@@ -13,8 +13,8 @@ from dfllm.config import (EngineConfig, check_engine_args, resolve_device, resol
                           resolve_max_model_len)
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
-from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, per_prompt_params,
-                          tokenize_prompts)
+from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, check_params_for_model,
+                          per_prompt_params, tokenize_prompts)
 from dfllm.llm_control import ControlMixin
 from dfllm.llm_pooling import PoolingMixin
 from dfllm.logger import init_logger
@@ -93,7 +93,8 @@ class LLM(PoolingMixin, ControlMixin):
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             seed=seed, attention_backend=attention_backend,
         )
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path,
+                                                                                trust_remote_code=False)
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
         if self.runner_type == "pooling":
@@ -171,9 +172,10 @@ class LLM(PoolingMixin, ControlMixin):
         """Check every prompt against ``max_model_len``, then queue them all; their request ids."""
         self._check_can_serve()
         limit = self.config.max_model_len
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p.token_ids) > limit:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens, longer than max_model_len={limit}")
+            check_params_for_model(sp, i, self.config.hf_config.vocab_size)
         ids = []
         for p, sp in zip(prompts, params):
             ids.append(self._next_id())
@@ -193,6 +195,9 @@ class LLM(PoolingMixin, ControlMixin):
                 for req in self._step_and_collect():
                     if req.request_id in wanted:
                         bar.update(req)
+        except Exception:  # a failed step: drop the batch so later calls are not stuck behind it
+            self.engine.scheduler.abort_all()
+            raise
         finally:
             bar.close()
         return [self._done.pop(rid) for rid in ids]

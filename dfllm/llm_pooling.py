@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from dfllm.inputs import as_prompt_list, check_token_ids, per_prompt_params
+from dfllm.inputs import as_prompt_list, check_token_ids, check_unicode, per_prompt_params
 from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                            EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
                            ScoringRequestOutput)
@@ -107,6 +107,7 @@ class PoolingMixin:
                 if not isinstance(text, str):
                     raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', "
                                      f"got {type(item).__name__}")
+                check_unicode(text, f"prompt {i}")
                 texts.setdefault(limit, []).append(i)
         for limit, idx in texts.items():
             enc = self.tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
@@ -148,6 +149,7 @@ def _pairs(data_1, data_2) -> tuple[list[str], list[str]]:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise ValueError(f"score {side}[{i}] must be a str, got {type(t).__name__}")
+            check_unicode(t, f"score {side}[{i}]")
     if len(left) == 1 and len(right) > 1:
         left = left * len(right)
     if len(left) != len(right):

@@ -54,6 +54,7 @@ class Submission:
         self.prompts, self.params = prompts, params
         self.ids: list[str] | None = None
         self.error: Exception | None = None
+        self.done = False
 
 
 class EngineDriver:
@@ -68,6 +69,7 @@ class EngineDriver:
         self.llm, self.lock, self.threads = llm, lock, threads
         self.cv = threading.Condition()
         self.pending: list[Submission] = []
+        self.active: list[Submission] = []  # queued in the engine, not yet finished
         threading.Thread(target=self._loop, name="dfllm-engine", daemon=True).start()
 
     def generate(self, prompts: list[dict], params: list) -> list:
@@ -75,8 +77,7 @@ class EngineDriver:
         with self.cv:
             self.pending.append(sub)
             self.cv.notify_all()
-            self.cv.wait_for(lambda: sub.error is not None or (sub.ids is not None and
-                                                                all(i in self.llm._done for i in sub.ids)))
+            self.cv.wait_for(lambda: sub.error is not None or sub.done)
         if sub.error is not None:
             raise sub.error
         with self.lock:
@@ -93,10 +94,19 @@ class EngineDriver:
                 for sub in subs:
                     try:
                         sub.ids = self.llm._add_requests(*self.llm._tokenize(sub.prompts, sub.params, "generate"))
+                        self.active.append(sub)
                     except Exception as exc:  # reported to the task that submitted these rows
                         sub.error = exc
                 if self.llm.engine.has_unfinished():
-                    self.llm._step_and_collect()
+                    try:
+                        self.llm._step_and_collect()
+                    except Exception as exc:  # a failed step must not kill this thread: tasks would wait forever
+                        self.llm.engine.scheduler.abort_all()
+                        for sub in self.active:
+                            sub.error = RuntimeError(f"the engine failed while generating these rows: {exc!r}")
+                for sub in self.active:
+                    sub.done = sub.error is None and all(i in self.llm._done for i in sub.ids)
+                self.active = [s for s in self.active if not s.done and s.error is None]
             with self.cv:
                 self.cv.notify_all()
 

@@ -13,13 +13,14 @@ import dataclasses
 import json
 import math
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
 
 from dfllm.accessors.engines import generate_shared, get_engine
 from dfllm.accessors.schema import output_dtypes, to_arrow_value
-from dfllm.inputs import check_conversation
+from dfllm.inputs import check_conversation, check_params_for_model, check_unicode
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 
@@ -193,15 +194,27 @@ def _row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
     out["llm_error"][i] = message
 
 
+def _is_null(value) -> bool:
+    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and math.isnan(value))
+
+
 def _text(value, what: str) -> str:
-    """The value as a non-empty string, or raise ``ValueError`` saying what is wrong."""
-    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+    """The value as a non-empty string, or raise ``ValueError`` saying what is wrong.
+
+    Bytes (a binary column) are read as UTF-8. The value is only ever text for the model:
+    a string that names a file is never opened."""
+    if _is_null(value):
         raise ValueError(f"{what} is null")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{what} is not valid UTF-8: byte {value[exc.start]:#04x} at offset {exc.start}") from None
     if not isinstance(value, str):
         raise ValueError(f"{what} is not a string ({type(value).__name__})")
     if not value.strip():
         raise ValueError(f"{what} is empty")
-    return value
+    return check_unicode(value, what)
 
 
 def _cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: pd.DataFrame) -> dict[int, str]:
@@ -229,7 +242,15 @@ def _row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, S
     for i in rows:
         try:
             value = column[i]
-            params[i] = base if value is None else SamplingParams.from_dict(dict(value))
+            if _is_null(value):
+                params[i] = base
+            elif not isinstance(value, Mapping):
+                raise ValueError(f"must be a dict of SamplingParams fields, got {type(value).__name__}")
+            else:
+                row = SamplingParams.from_dict(dict(value))
+                if row.n != 1:
+                    raise ValueError("n must be 1 in a dataframe (one output per row)")
+                params[i] = row
         except (ValueError, TypeError) as exc:
             _row_error(task, out, i, f"sampling_params: {exc}")
     return params
@@ -242,8 +263,13 @@ def _generate(df, task, llm, out, prompts: dict[int, list[int]]) -> None:
     for i in sorted(params):
         if len(prompts[i]) > limit:
             _row_error(task, out, i, f"prompt has {len(prompts[i])} tokens, longer than max_model_len={limit}")
-        else:
-            rows.append(i)
+            continue
+        try:
+            check_params_for_model(params[i], i, llm.config.hf_config.vocab_size)
+        except ValueError as exc:
+            _row_error(task, out, i, f"sampling_params: {str(exc).split(': ', 1)[1]}")
+            continue
+        rows.append(i)
     if not rows:
         return
     so = task.structured_params()
@@ -301,7 +327,10 @@ def _run_chat(df, task, llm, out) -> None:
     else:
         for i, conv in enumerate(df[spec].tolist()):
             try:
-                conv = [dict(m) for m in conv] if hasattr(conv, "__iter__") and not isinstance(conv, (str, dict)) else conv
+                if _is_null(conv):
+                    raise ValueError("the conversation is null")
+                if hasattr(conv, "__iter__") and not isinstance(conv, (str, bytes, Mapping)):
+                    conv = [dict(m) if isinstance(m, Mapping) else m for m in conv]
                 check_conversation(conv, i)
                 convs[i] = ([{"role": "system", "content": task.system}] if task.system else []) + conv
             except (ValueError, TypeError) as exc:

@@ -132,6 +132,18 @@ class Scheduler:
             budget -= n
         return budget
 
+    def abort_all(self) -> int:
+        """Drop every queued and running sequence and free its blocks (after a failed step, so
+        the engine stays usable); the number dropped."""
+        seqs = list(self.running) + list(self.waiting)
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            self.bm.free_seq(seq)
+        self.running.clear()
+        self.waiting.clear()
+        return len(seqs)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence and release its blocks."""
         seq.status = SequenceStatus.FINISHED

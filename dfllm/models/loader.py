@@ -7,6 +7,7 @@ from the separate Hugging Face tensors.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 logger = logging.getLogger("dfllm")
 
@@ -30,10 +32,25 @@ FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
 def load_config(path: Path) -> PretrainedConfig:
-    """The model's ``config.json`` through transformers (no remote code)."""
-    if not (path / "config.json").is_file():
+    """The model's ``config.json`` through transformers, never running code from the directory.
+
+    ``trust_remote_code`` is always False: a config whose ``auto_map`` names custom code is
+    loaded as its ``model_type`` when transformers knows it (the code is ignored), and
+    refused otherwise (transformers would ask to run it)."""
+    file = path / "config.json"
+    if not file.is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json")
-    return AutoConfig.from_pretrained(path)
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
+    if raw.get("auto_map") and raw.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"model directory {path}: config.json's auto_map names custom code "
+                         f"({sorted(raw['auto_map'].values())}) for model_type {raw.get('model_type')!r}; dfllm never "
+                         "runs code from a model directory (no trust_remote_code)")
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def config_dtype(config: PretrainedConfig) -> torch.dtype:
