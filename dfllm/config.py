@@ -35,6 +35,8 @@ class EngineConfig:
     gpu_memory_utilization: float
     seed: int
     attention_backend: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -97,7 +99,7 @@ def check_engine_args(max_num_seqs: int, block_size: int, gpu_memory_utilization
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if tensor_parallel_size != 1:
-        raise NotImplementedError("tensor_parallel_size > 1 is not supported yet")
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from dfllm.config import (EngineConfig, check_engine_args, resolve_device, resolve_dtype,
                           resolve_max_model_len)
+from dfllm.distributed.parallel_state import check_parallel_config
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
 from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, check_params_for_model,
@@ -70,6 +71,7 @@ class LLM(PoolingMixin, ControlMixin):
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         attention_backend: str = "auto",
         runner: str = "auto",
         profiler_dir: str | Path = "./dfllm_traces",
@@ -82,6 +84,7 @@ class LLM(PoolingMixin, ControlMixin):
         dev = resolve_device(device)
         max_len = resolve_max_model_len(max_model_len, hf_config)
         self.runner_type = _resolve_runner(runner, hf_config, path)
+        _check_parallel(hf_config, self.runner_type, tensor_parallel_size, pipeline_parallel_size)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = _default_token_budget(dev, self.runner_type, max_num_seqs)
         elif max_num_batched_tokens < 1:
@@ -91,7 +94,8 @@ class LLM(PoolingMixin, ControlMixin):
             max_model_len=max_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed, attention_backend=attention_backend,
+            seed=seed, attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
         )
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path,
                                                                                 trust_remote_code=False)
@@ -107,6 +111,13 @@ class LLM(PoolingMixin, ControlMixin):
         self._init_control(profiler_dir)
 
     # ---- public API -------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size`` or
+        ``pipeline_parallel_size`` above 1); the LLM cannot run afterwards. They also stop
+        when the LLM is garbage-collected or the process exits."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer the engine uses (a transformers tokenizer)."""
         return self.tokenizer
@@ -236,6 +247,14 @@ def _default_token_budget(device: torch.device, runner: str, max_num_seqs: int) 
     if device.type == "cuda":
         return max(8192, max_num_seqs)
     return 1024 if runner == "pooling" else max(2048, max_num_seqs)
+
+
+def _check_parallel(hf_config, runner: str, tp: int, pp: int) -> None:
+    """Sizes the model splits by; pooling runs on one rank only."""
+    if runner == "pooling" and (tp, pp) != (1, 1):
+        raise NotImplementedError("pooling models (embed, classify, score, encode) run on one rank: "
+                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
+    check_parallel_config(hf_config, tp, pp)
 
 
 def _resolve_runner(runner: str, hf_config, path: Path) -> str:

@@ -126,7 +126,7 @@ class ControlMixin:
         checked first: an unknown name or a wrong shape raises before anything changes."""
         if not self._updating_weights:
             raise RuntimeError("call start_weight_update() before update_weights()")
-        apply_weight_update(self.engine.runner.model, list(weights))
+        self.collective_rpc(_update_runner_weights, args=(list(weights),))
 
     def finish_weight_update(self, weight_version: Any = None) -> None:
         """End the update: the prefix cache (computed with the old weights) is invalidated and
@@ -151,11 +151,16 @@ class ControlMixin:
                        kwargs: dict | None = None) -> list:
         """Run ``method`` on every worker and return one result per worker.
 
-        A worker is the object holding the model on one device (the model runner; dfllm runs
-        one worker per engine until tensor parallelism lands). ``method`` is the name of one
-        of its methods, or a callable taking the worker first. ``timeout`` (seconds) raises
-        ``TimeoutError`` if the call has not returned by then.
+        A worker is the object holding the model (or one rank's share of it) on one device:
+        the model runner, one per rank of ``tensor_parallel_size * pipeline_parallel_size``,
+        rank 0 (in this process) first. ``method`` is the name of one of its methods, or a
+        callable taking the worker first (sent to the other ranks with cloudpickle; results
+        come back the same way). ``timeout`` (seconds) raises ``TimeoutError`` if the call
+        has not returned by then.
         """
+        parallel = getattr(self.engine.runner, "collective_rpc", None) if self.engine is not None else None
+        if parallel is not None:
+            return parallel(method, timeout, args, kwargs)
         kwargs = kwargs or {}
         results = []
         for worker in self._workers():
@@ -174,6 +179,11 @@ class ControlMixin:
         if self._updating_weights:
             raise RuntimeError("a weight update is in progress; call finish_weight_update() first")
         self.engine.check_awake()
+
+
+def _update_runner_weights(runner, weights: list) -> list[str]:
+    """Copy checkpoint-named tensors into one rank's model (its slice of each, when split)."""
+    return apply_weight_update(runner.model, weights)
 
 
 def _call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict):

@@ -31,8 +31,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         ops = select_ops(cfg.attention_backend, cfg.device)
-        self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
-                                  max_model_len=cfg.max_model_len, block_size=cfg.block_size)
+        if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:  # ranks in worker processes
+            from dfllm.engine.executor import ParallelExecutor
+
+            self.runner = ParallelExecutor(cfg)
+        else:
+            self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
+                                      max_model_len=cfg.max_model_len, block_size=cfg.block_size)
         num_blocks = self.runner.plan_num_blocks(cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
                                                  cfg.max_num_seqs, cfg.max_num_batched_tokens)
         if num_blocks * cfg.block_size < cfg.max_model_len:
@@ -206,6 +211,12 @@ class LLMEngine:
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self.sleep_level = 0
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to do on one rank)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; refuse (False) while requests are queued or running."""

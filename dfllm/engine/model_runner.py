@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.engine import kv_cache
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
@@ -34,15 +35,25 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Holds the model and the KV cache on one device and executes engine steps."""
+    """Holds the model and the KV cache on one device and executes engine steps.
+
+    With a ``parallel`` context it holds one rank's share of a split model: its pipeline
+    stage's layers and its tensor-parallel slice of them, and the KV cache of those (the
+    ``dfllm.engine.executor`` drives such runners).
+    """
 
     def __init__(self, config: PretrainedConfig, path: Path, *, dtype: torch.dtype, device: torch.device,
-                 ops: KernelOps, max_model_len: int, block_size: int):
+                 ops: KernelOps, max_model_len: int, block_size: int, parallel: ParallelContext | None = None):
         self.config, self.path = config, path
         self.dtype, self.device, self.ops = dtype, device, ops
         self.block_size = block_size
+        self.parallel = parallel
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if parallel is not None:
+            start, end = layer_range(self.num_layers, parallel.pp_rank, parallel.pp_size)
+            self.num_layers = end - start
+            self.num_kv_heads //= parallel.tp_size
         self.head_dim = head_dim_of(config)
         self.max_model_len = max_model_len
         self.model = self._build_model()
@@ -50,8 +61,9 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         cls = model_class(self.config, self.max_model_len)
+        extra = {} if self.parallel is None else {"parallel": self.parallel}
         with torch.device(self.device):
-            model = cls(self.config, self.ops, self.max_model_len)
+            model = cls(self.config, self.ops, self.max_model_len, **extra)
         model.to(self.dtype)
         model.model.rotary_emb.float()
         load_weights(model, self.path)
@@ -109,7 +121,7 @@ class ModelRunner:
         _release_device_memory(self.device)
 
     def _attach(self, kv: torch.Tensor | None) -> None:
-        for i, layer in enumerate(self.model.model.layers):
+        for i, layer in enumerate(self.model.model.stage_layers):
             layer.self_attn.k_cache = None if kv is None else kv[0, i]
             layer.self_attn.v_cache = None if kv is None else kv[1, i]
 
@@ -123,8 +135,13 @@ class ModelRunner:
         pos = torch.arange(num_tokens, device=self.device)
         meta = _metadata(torch.arange(num_tokens), [PrefillSpan(0, num_tokens, num_tokens, None)], [],
                          [0, num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device)
-        hidden = self.model(ids, pos, meta)
-        self.model.compute_logits(hidden[-1:])
+        if self.parallel is not None:
+            from dfllm.engine.worker import execute_step
+
+            execute_step(self, [StepInputs(ids, pos, meta, torch.tensor([num_tokens - 1], device=self.device), [])])
+        else:
+            hidden = self.model(ids, pos, meta)
+            self.model.compute_logits(hidden[-1:])
         self.free_kv_cache()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -140,8 +157,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logit_rows])
         return logits.float().cpu(), inputs.sample_seqs
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Flatten the step's tokens and describe where their keys live."""
+    def prepare(self, sched: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
+        """Flatten the step's tokens and describe where their keys live (on ``device``,
+        by default the runner's)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -171,8 +189,8 @@ class ModelRunner:
         seq_lens = [s.num_computed_tokens + n for s, n in zip(sched.seqs, sched.num_new_tokens)]
         tables = [s.block_table for s in sched.seqs]
         groups = _decode_groups(dec_rows, dec_seqs, bs)
-        meta = _metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, self.device)
-        dev = self.device
+        dev = self.device if device is None else device
+        meta = _metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, dev)
         return StepInputs(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                           torch.tensor(logit_rows, device=dev), sample_seqs)
 

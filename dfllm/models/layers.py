@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dfllm.distributed.communication import GroupComm
 from dfllm.kernels.backend import KernelOps
 from dfllm.kernels.metadata import AttentionMetadata
+from dfllm.models.parallel_layers import column_linear, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -39,13 +41,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+    """SwiGLU MLP with the gate and up projections fused into one matmul.
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, ops: KernelOps):
+    Under a tensor-parallel group ``tp`` each rank holds a slice of the intermediate columns.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, ops: KernelOps, tp: GroupComm | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.gate_up_proj.output_sizes = [intermediate, intermediate]
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = column_linear(hidden, [intermediate, intermediate], bias, tp)
+        self.down_proj = row_linear(intermediate, hidden, bias, tp)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,8 @@ class PagedAttention(nn.Module):
     """Grouped-query self-attention whose keys and values live in the paged KV cache.
 
     ``k_cache``/``v_cache`` are views of this layer's slice of the engine's KV tensor,
-    attached by the model runner once the cache is allocated.
+    attached by the model runner once the cache is allocated. Under a tensor-parallel group
+    ``tp`` each rank holds ``1/tp.size`` of the query and key/value heads (and of the cache).
     """
 
     def __init__(
@@ -68,13 +73,16 @@ class PagedAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         ops: KernelOps,
+        tp: GroupComm | None = None,
     ):
         super().__init__()
+        full_q, full_kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = column_linear(hidden, [full_q, full_kv, full_kv], qkv_bias, tp)
+        self.o_proj = row_linear(full_q, hidden, o_bias, tp)
+        ranks = 1 if tp is None else tp.size
+        num_heads, num_kv_heads = num_heads // ranks, num_kv_heads // ranks
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.qkv_proj.output_sizes = [self.q_size, self.kv_size, self.kv_size]
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.scale = head_dim**-0.5
         self.ops = ops
         self.k_cache: torch.Tensor | None = None

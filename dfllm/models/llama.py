@@ -3,6 +3,10 @@
 The two architectures share one implementation: they differ in which projections carry a
 bias. The module tree mirrors Hugging Face's names, except that the q/k/v projections and
 the gate/up projections are fused into ``qkv_proj`` and ``gate_up_proj``.
+
+Given a :class:`ParallelContext`, a model holds one rank's share: its pipeline stage's
+layers (others are empty placeholders, so parameter names keep their layer index) and,
+under tensor parallelism, its slice of every layer (see ``parallel_layers``).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.kernels.backend import KernelOps
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from dfllm.models.parallel_layers import lm_head, vocab_embedding
 from dfllm.models.rope import rope_inv_freq
 
 
@@ -22,7 +28,7 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, ops: KernelOps):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, ops: KernelOps, tp=None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, ops)
@@ -34,9 +40,10 @@ class DecoderLayer(nn.Module):
             qkv_bias,
             o_bias,
             ops,
+            tp,
         )
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
-        self.mlp = GatedMLP(h, config.intermediate_size, getattr(config, "mlp_bias", False), ops)
+        self.mlp = GatedMLP(h, config.intermediate_size, getattr(config, "mlp_bias", False), ops, tp)
 
     def forward(self, x, residual, cos_sin, meta):
         if residual is None:
@@ -50,22 +57,41 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, ops: KernelOps, max_positions: int):
+    """The decoder stack, or one pipeline stage of it: ``stage_layers`` are the layers it runs.
+
+    A first stage embeds the tokens; a later one takes ``intermediate`` (hidden states and
+    residual) from the stage before. A last stage returns normed hidden states, the others
+    ``(hidden, residual)`` for the next stage.
+    """
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, ops: KernelOps, max_positions: int,
+                 parallel: ParallelContext | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        tp = parallel.tp if parallel is not None else None
+        n = config.num_hidden_layers
+        self.start, self.end = (0, n) if parallel is None else layer_range(n, parallel.pp_rank, parallel.pp_size)
+        first = self.start == 0
+        last = self.end == n
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp) if first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, ops) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, o_bias, ops, tp) if self.start <= i < self.end else nn.Identity()
+            for i in range(n)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.stage_layers = list(self.layers)[self.start : self.end]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops) if last else None
         inv_freq, scaling = rope_inv_freq(config, head_dim_of(config))
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling, max_positions)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         cos_sin = self.rotary_emb(positions)
-        residual = None
-        for layer in self.layers:
+        for layer in self.stage_layers:
             x, residual = layer(x, residual, cos_sin, meta)
+        if self.norm is None:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -73,13 +99,18 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM: ``forward`` gives hidden states, ``compute_logits`` the chosen rows' logits."""
 
-    def __init__(self, config: PretrainedConfig, ops: KernelOps, max_positions: int):
+    def __init__(self, config: PretrainedConfig, ops: KernelOps, max_positions: int,
+                 parallel: ParallelContext | None = None):
         super().__init__()
-        self.model = DecoderModel(config, *self.biases(config), ops, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, *self.biases(config), ops, max_positions, parallel)
+        tp = parallel.tp if parallel is not None else None
+        last = self.model.norm is not None
+        self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp) if last else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and last and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if parallel is not None and parallel.pp_size > 1:
+            self.checkpoint_name = self._stage_checkpoint_name
 
     @staticmethod
     def biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -87,8 +118,24 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+        return self.model(input_ids, positions, meta, intermediate)
+
+    def _stage_checkpoint_name(self, name: str) -> str | None:
+        """A pipeline stage loads only its own tensors (None skips one); a last stage with tied
+        embeddings but no embedding layer fills its LM head from the embedding tensor."""
+        m = self.model
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return name if m.start <= index < m.end else None
+        if name.startswith("model.embed_tokens."):
+            if m.embed_tokens is not None:
+                return name
+            tied_head = self.tie_word_embeddings and self.lm_head is not None
+            return name.replace("model.embed_tokens.", "lm_head.") if tied_head else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if m.norm is not None else None
+        return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

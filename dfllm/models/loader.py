@@ -2,7 +2,8 @@
 
 Weights are read from ``*.safetensors`` only; dfllm never unpickles (``*.bin``/``*.pt``
 checkpoints are refused). Fused parameters (``qkv_proj``, ``gate_up_proj``) are filled
-from the separate Hugging Face tensors.
+from the separate Hugging Face tensors. A parameter split over tensor-parallel ranks
+(``tp_shard``, see ``parallel_layers``) reads only its rank's slice of each tensor.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 key = rename(name) if rename else name
                 if key is None:
                     continue
-                target = _load_tensor(model, params, packed, key, lambda n=name, fh=f: fh.get_tensor(n), file)
+                target = _load_tensor(model, params, packed, key, lambda sl=None, n=name, fh=f: _read(fh, n, sl), file)
                 if target is None:
                     unexpected.append(name)
                 else:
@@ -140,10 +141,47 @@ def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict
     if found is None:
         return None
     target, dest = found
-    tensor = read()
+    shard = getattr(params[target], "tp_shard", None)
+    tensor = read(shard)
+    dest = _shard_dest(dest, params[target], tensor)
     check_tensor(name, tensor, dest, file.name)
     dest.copy_(tensor)
     return target
+
+
+def _read(handle, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """A checkpoint tensor, or only the rank's slice ``shard = (dim, rank, size)`` of it."""
+    if shard is None:
+        return handle.get_tensor(name)
+    from dfllm.models.parallel_layers import shard_range
+
+    view = handle.get_slice(name)
+    dim, rank, size = shard
+    shape = view.get_shape()
+    if dim >= len(shape):
+        return handle.get_tensor(name)  # wrong rank: check_tensor names the shape mismatch
+    start, stop = shard_range(shape[dim], rank, size)
+    return view[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def _shard_of(tensor: torch.Tensor, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    """The rank's slice of a full tensor handed over in memory (see :func:`_read`)."""
+    if shard is None or shard[0] >= tensor.dim():
+        return tensor
+    from dfllm.models.parallel_layers import shard_range
+
+    dim, rank, size = shard
+    start, stop = shard_range(tensor.shape[dim], rank, size)
+    return tensor.narrow(dim, start, stop - start)
+
+
+def _shard_dest(dest: torch.Tensor, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    """A split vocabulary that does not divide evenly is padded past its end: such a parameter
+    (``tp_padded``) is filled only as far as its slice reaches."""
+    dim = param.tp_shard[0] if getattr(param, "tp_padded", False) else None
+    if dim is None or tensor.dim() != dest.dim() or tensor.shape[dim] >= dest.shape[dim]:
+        return dest
+    return dest.narrow(dim, 0, tensor.shape[dim])
 
 
 def update_weights(model: nn.Module, weights) -> list[str]:
@@ -160,7 +198,12 @@ def update_weights(model: nn.Module, weights) -> list[str]:
         key = rename(name) if rename else name
         found = destination(model, params, packed, key) if key is not None else None
         if found is None:
+            if key is None:  # another pipeline stage's tensor
+                continue
             raise ValueError(f"update_weights: unknown tensor name {name!r}")
+        shard = getattr(params[found[0]], "tp_shard", None)
+        tensor = _shard_of(tensor, shard)
+        found = (found[0], _shard_dest(found[1], params[found[0]], tensor))
         check_tensor(name, tensor, found[1], "update_weights")
         plan.append((found, tensor))
     with torch.no_grad():

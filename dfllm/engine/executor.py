@@ -1,0 +1,296 @@
+"""The driver of a parallel engine: rank 0 in the calling process, the other ranks in
+processes it spawns.
+
+:class:`ParallelExecutor` stands where a single-rank engine has its ``ModelRunner``: the
+engine calls the same methods and the executor runs them on every rank. Each step it
+splits the scheduled sequences into micro-batches (one per pipeline stage), prepares their
+inputs once, sends them to the worker ranks through their pipes, runs rank 0's part and
+returns the logits. Failures are bounded in time: a rank that dies is seen at once (its
+process sentinel, its pipe, the collectives' closed sockets) or at the latest after the
+collectives' timeout, and the executor then raises ``RuntimeError`` naming the rank and
+stops the others. Worker ranks also exit on their own when the driver's process dies.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+
+from dfllm.config import EngineConfig
+from dfllm.distributed.parallel_state import create_store
+from dfllm.engine.model_runner import ModelRunner, StepInputs
+from dfllm.engine.scheduler import SchedulerOutput
+from dfllm.engine.worker import build_runner, execute_step, worker_main
+
+logger = logging.getLogger("dfllm")
+
+POLL_S = 0.5  # how often a wait re-checks that the worker processes live
+STOP_GRACE_S = 5.0  # how long a worker gets to exit by itself at shutdown
+
+
+@dataclass
+class _Rank:
+    """A worker rank's process and the driver's end of its pipe."""
+
+    rank: int
+    process: mp.process.BaseProcess
+    conn: Connection
+    stale: int = 0  # replies still owed to calls that timed out
+
+    def describe(self) -> str:
+        code = self.process.exitcode
+        state = "is alive" if code is None else f"exited with code {code}"
+        return f"rank {self.rank} (pid {self.process.pid}) {state}"
+
+
+class ParallelExecutor:
+    """Runs one engine's model over ``tensor_parallel_size * pipeline_parallel_size`` ranks."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        self.failure: str | None = None
+        self._zero: list[int] = []
+        threads = _threads_per_rank(cfg.device, self.world_size)
+        store = create_store(self.world_size)
+        self.workers = _spawn(cfg, store.port, threads, self.world_size)
+        self._finalizer = weakref.finalize(self, _stop, self.workers)
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            self.driver: ModelRunner = build_runner(cfg, 0, store, cfg.device)
+            self._gather_replies()
+        except BaseException as exc:
+            self._fail(exc, "starting the engine")
+        self._store = store  # kept alive: the workers' groups were set up through it
+        logger.info("parallel engine: tensor_parallel_size=%d pipeline_parallel_size=%d, worker pids %s",
+                    cfg.tensor_parallel_size, cfg.pipeline_parallel_size, [w.process.pid for w in self.workers])
+
+    # ---- what the engine calls on its runner ------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.driver.model
+
+    @property
+    def block_bytes(self) -> int:
+        return self.driver.block_bytes
+
+    def plan_num_blocks(self, *args) -> int:
+        """The number of KV blocks every rank can hold (the smallest of the ranks' plans)."""
+        return min(self.collective_rpc("plan_num_blocks", args=args))
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero these blocks on every rank, with the next step (saving a round trip)."""
+        self.driver.zero_blocks(block_ids)
+        self._zero.extend(block_ids)
+
+    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list]:
+        """One step on every rank; the logits (float32, CPU) of the rows that sample."""
+        self._check_alive()
+        micro = [self.driver.prepare(part, torch.device("cpu")) for part in _micro_batches(sched, self.cfg.pipeline_parallel_size)]
+        sample_seqs = [s for mb in micro for s in mb.sample_seqs]
+        shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, []) for mb in micro]
+        zero, self._zero = self._zero, []
+        try:
+            self._send(pickle.dumps(("step", (zero, shipped)), protocol=pickle.HIGHEST_PROTOCOL))
+            logits = execute_step(self.driver, micro)
+            self._gather_replies()
+        except BaseException as exc:
+            self._fail(exc, "a step")
+        return logits, sample_seqs
+
+    def __getattr__(self, name: str):
+        """Other runner methods (sleep mode, KV cache) run on every rank; rank 0's result."""
+        if name.startswith("_") or not callable(getattr(ModelRunner, name, None)):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.collective_rpc(name, args=args, kwargs=kwargs)[0]
+
+    # ---- RPC -------------------------------------------------------------------------------
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """``method`` (a ``ModelRunner`` method name, or a callable taking the runner first) on
+        every rank at once; one result per rank, rank 0 first."""
+        self._check_alive()
+        kwargs = kwargs or {}
+        payload = cloudpickle.dumps((method, args, kwargs))
+        fn = getattr(self.driver, method) if isinstance(method, str) else (
+            lambda *a, **k: method(self.driver, *a, **k))
+        try:
+            self._send(pickle.dumps(("rpc", payload)))
+        except BaseException as exc:
+            self._fail(exc, f"collective_rpc({method!r})")
+        try:
+            first = _call_with_timeout(fn, timeout, args, kwargs)
+        except TimeoutError:
+            for w in self.workers:
+                w.stale += 1
+            raise
+        except BaseException:
+            self._gather_replies(raise_errors=False)  # keep the pipes in step
+            raise
+        try:
+            return [first] + self._gather_replies(timeout=timeout)
+        except _RankDied as exc:
+            self._fail(exc, f"collective_rpc({method!r})")
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the worker processes (idempotent); the executor cannot be used afterwards."""
+        if self.failure is None:
+            self.failure = "the engine was shut down"
+        self._finalizer()
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"the parallel engine is stopped: {self.failure}")
+
+    def _fail(self, exc: BaseException, during: str):
+        """Stop every worker and raise: a dead rank is named; an error in a rank is passed on."""
+        dead = [w for w in self.workers if not _alive(w)]
+        if dead:
+            message = f"{', '.join(w.describe() for w in dead)} during {during}"
+            self.failure = message
+            _stop(self.workers)
+            raise RuntimeError(f"parallel engine failed: {message}; the other ranks were stopped") from exc
+        self.failure = f"{type(exc).__name__} during {during}: {exc}"
+        _stop(self.workers)
+        raise exc
+
+    def _send(self, data: bytes) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send_bytes(data)
+            except (BrokenPipeError, OSError) as exc:
+                raise _RankDied(w.describe()) from exc
+
+    def _gather_replies(self, timeout: float | None = None, raise_errors: bool = True) -> list:
+        """Each worker's reply to the last command, in rank order."""
+        results, errors = [], []
+        for w in self.workers:
+            while w.stale:  # a reply to a call that timed out
+                _receive(w, None)
+                w.stale -= 1
+            try:
+                status, value = _receive(w, timeout)
+            except TimeoutError:
+                for late in self.workers[self.workers.index(w):]:
+                    late.stale += 1
+                raise
+            if status == "error":
+                errors.append(f"rank {w.rank}:\n{value}")
+            results.append(value)
+        if errors and raise_errors:
+            raise RuntimeError("worker rank failed: " + "\n".join(errors))
+        return results
+
+
+class _RankDied(RuntimeError):
+    pass
+
+
+def _receive(w: _Rank, timeout: float | None) -> tuple[str, Any]:
+    """Wait for one reply from ``w``; raise ``_RankDied`` if its process ends first."""
+    waited = 0.0
+    while True:
+        ready = wait([w.conn, w.process.sentinel], POLL_S)
+        if w.conn in ready:
+            try:
+                return cloudpickle.loads(w.conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                w.process.join(STOP_GRACE_S)
+                raise _RankDied(w.describe()) from exc
+        if ready:  # the process ended without replying
+            w.process.join(STOP_GRACE_S)
+            raise _RankDied(w.describe())
+        waited += POLL_S
+        if timeout is not None and waited >= timeout:
+            raise TimeoutError(f"collective_rpc did not return within {timeout} s (rank {w.rank})")
+
+
+def _call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict):
+    if timeout is None:
+        return fn(*args, **kwargs)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"collective_rpc did not return within {timeout} s (rank 0)") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _alive(w: _Rank) -> bool:
+    if not w.process.is_alive():
+        return False
+    w.process.join(0.2)  # a rank killed a moment ago may still be exiting
+    return w.process.is_alive()
+
+
+def _spawn(cfg: EngineConfig, port: int, threads: int | None, world_size: int) -> list[_Rank]:
+    ctx = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, world_size):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker_main, args=(child, cfg, rank, port, os.getpid(), threads or 1),
+                           name=f"dfllm-rank{rank}", daemon=True)
+        proc.start()
+        child.close()
+        workers.append(_Rank(rank, proc, parent))
+    return workers
+
+
+def _stop(workers: list[_Rank]) -> None:
+    """Ask each worker to exit, then terminate (and kill) any that does not."""
+    for w in workers:
+        if w.process.is_alive():
+            try:
+                w.conn.send_bytes(pickle.dumps(("shutdown", None)))
+            except (BrokenPipeError, OSError):
+                pass
+    for w in workers:
+        w.process.join(STOP_GRACE_S)
+        if w.process.is_alive():
+            w.process.terminate()
+            w.process.join(STOP_GRACE_S)
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join()
+        w.conn.close()
+
+
+def _threads_per_rank(device: torch.device, world_size: int) -> int | None:
+    """On CPU the ranks share the cores: each gets an equal part of this process's threads."""
+    if device.type != "cpu":
+        return None
+    return max(1, torch.get_num_threads() // world_size)
+
+
+def _micro_batches(sched: SchedulerOutput, stages: int) -> list[SchedulerOutput]:
+    """The step's sequences in ``stages`` consecutive groups of about equal tokens (fewer
+    when there are fewer sequences), so that every pipeline stage has one in flight."""
+    parts = min(stages, len(sched.seqs))
+    if parts <= 1:
+        return [sched]
+    target = sched.total_tokens / parts
+    groups: list[SchedulerOutput] = [SchedulerOutput()]
+    done = 0
+    for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+        left_seqs, left_groups = len(sched.seqs) - i, parts - len(groups)
+        # a new group once this sequence would end past the group's share more than short of it
+        full = groups[-1].seqs and (done + n / 2 >= target * len(groups) or left_seqs <= left_groups)
+        if full and len(groups) < parts:
+            groups.append(SchedulerOutput())
+        groups[-1].seqs.append(seq)
+        groups[-1].num_new_tokens.append(n)
+        done += n
+    return groups

@@ -1,0 +1,169 @@
+"""One rank of a parallel engine: its part of each step, and the process that hosts a rank.
+
+Every rank runs :func:`execute_step` on the same micro-batches. Under pipeline
+parallelism a stage receives each micro-batch's hidden states from the stage before,
+runs its layers and sends them on without waiting, so while one stage works on
+micro-batch ``i`` the previous one already computes ``i + 1``; the last stage sends the
+logits of the sampled rows back to rank 0 (the driver), which samples.
+
+Ranks other than 0 live in processes started (spawn) by ``dfllm.engine.executor``. Such a
+process serves commands from its pipe (a step, a method of its ``ModelRunner``, or a
+callable) until told to stop, the pipe closes, or its parent dies.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+import cloudpickle
+import torch
+
+from dfllm.config import EngineConfig
+from dfllm.distributed.parallel_state import ParallelConfig, connect_store, init_parallel
+from dfllm.engine.model_runner import ModelRunner, StepInputs
+from dfllm.kernels.backend import select_ops
+from dfllm.kernels.metadata import AttentionMetadata
+
+PARENT_POLL_S = 1.0
+
+
+@torch.inference_mode()
+def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor | None:
+    """This rank's part of one step over its micro-batches; on rank 0 the logits (float32,
+    on CPU) of the sampled rows of all micro-batches, in order; None elsewhere."""
+    ctx, model = runner.parallel, runner.model
+    hidden_size, vocab = runner.config.hidden_size, runner.config.vocab_size
+    pending: list = []  # sends in flight, with the tensors they read
+    logits: list[torch.Tensor] = []
+    for i, mb in enumerate(micro):
+        mb = move_inputs(mb, runner.device)
+        intermediate = None
+        if not ctx.is_first_stage:
+            shape = (mb.input_ids.numel(), hidden_size)
+            prev = ctx.pp_rank - 1
+            intermediate = tuple(ctx.pp.recv(shape, runner.dtype, runner.device, prev, 2 * i + k) for k in (0, 1))
+        out = model(mb.input_ids, mb.positions, mb.meta, intermediate)
+        if not ctx.is_last_stage:
+            for k, t in enumerate(out):
+                t = t.contiguous()
+                pending.append((ctx.pp.send(t, ctx.pp_rank + 1, 2 * i + k), t))
+            continue
+        rows = mb.logit_rows.numel()
+        part = model.compute_logits(out[mb.logit_rows]).float() if rows else out.new_empty(0, vocab, dtype=torch.float32)
+        if ctx.is_driver:
+            logits.append(part)
+        elif ctx.tp_rank == 0 and rows:
+            pending.append((ctx.pp.send(part, 0, 1_000_000 + i), part))
+    if ctx.is_driver and not ctx.is_last_stage:
+        last = ctx.pp_size - 1
+        for i, mb in enumerate(micro):
+            rows = mb.logit_rows.numel()
+            logits.append(ctx.pp.recv((rows, vocab), torch.float32, runner.device, last, 1_000_000 + i)
+                          if rows else torch.empty(0, vocab))
+    for work, _ in pending:
+        work.wait()
+    if not ctx.is_driver:
+        return None
+    return torch.cat([t.cpu() for t in logits]) if logits else torch.empty(0, vocab)
+
+
+def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """``inputs`` with every tensor on ``device`` (as is when already there)."""
+    if inputs.input_ids.device == device:
+        return inputs
+
+    def to(x):
+        return None if x is None else x.to(device, non_blocking=True)
+
+    m: AttentionMetadata = inputs.meta
+    prefills = [replace(p, kv_slots=to(p.kv_slots)) for p in m.prefills]
+    groups = [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in m.decode_groups]
+    meta = replace(m, slot_mapping=to(m.slot_mapping), prefills=prefills, decode_groups=groups,
+                   query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables))
+    return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the ``rank``-th GPU after the driver's, or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", ((device.index or 0) + rank) % torch.cuda.device_count())
+
+
+def build_runner(cfg: EngineConfig, rank: int, store, device: torch.device) -> ModelRunner:
+    """This rank's process groups and its share of the model."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    parallel = init_parallel(ParallelConfig(cfg.tensor_parallel_size, cfg.pipeline_parallel_size), rank, store, device)
+    return ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=device,
+                       ops=select_ops(cfg.attention_backend, device), max_model_len=cfg.max_model_len,
+                       block_size=cfg.block_size, parallel=parallel)
+
+
+def worker_main(conn: Connection, cfg: EngineConfig, rank: int, port: int, parent_pid: int, threads: int) -> None:
+    """Entry point of a rank's process: build the runner, then serve the driver's commands."""
+    _watch_parent(parent_pid)
+    if cfg.device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        store = connect_store(port, cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
+        runner = build_runner(cfg, rank, store, rank_device(cfg.device, rank))
+    except BaseException:
+        _reply(conn, "error", traceback.format_exc())
+        return
+    _reply(conn, "ok", os.getpid())
+    while True:
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if kind == "shutdown":
+            _reply(conn, "ok", None)
+            return
+        try:
+            result = _serve(runner, kind, payload)
+        except BaseException:
+            _reply(conn, "error", traceback.format_exc())
+            if kind == "step":  # its peers are stuck mid-step: leave, so that they fail at once
+                os._exit(1)
+            continue
+        _reply(conn, "ok", result)
+
+
+def _serve(runner: ModelRunner, kind: str, payload):
+    if kind == "step":
+        zero_ids, micro = payload
+        runner.zero_blocks(zero_ids)
+        execute_step(runner, micro)
+        return None
+    method, args, kwargs = cloudpickle.loads(payload)
+    fn = getattr(runner, method) if isinstance(method, str) else (lambda *a, **k: method(runner, *a, **k))
+    return fn(*args, **kwargs)
+
+
+def _reply(conn: Connection, status: str, value) -> None:
+    try:
+        data = cloudpickle.dumps((status, value))
+    except Exception as exc:  # an unpicklable result
+        data = cloudpickle.dumps(("error", f"the result could not be sent back: {exc!r}"))
+    try:
+        conn.send_bytes(data)
+    except (BrokenPipeError, OSError):
+        os._exit(1)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent process is gone, whatever the main thread is doing."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dfllm-parent-watch", daemon=True).start()
