@@ -92,7 +92,8 @@ PROMPTS = [[20 + (7 * i + 3 * j) % 900 for j in range(5 + 3 * i)] for i in range
 
 def test_every_constraint_holds_in_a_mixed_batch(llm):
     """Greedy, seeded and unseeded sampled rows of every kind, next to unconstrained rows, in one batch."""
-    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)]
     alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], free,
                                                            use_tqdm=False)]
     rows, params = [], []
@@ -101,8 +102,8 @@ def test_every_constraint_holds_in_a_mixed_batch(llm):
             rows.append((kind, PROMPTS[(k + j) % len(PROMPTS)]))
             params.append(SamplingParams(max_tokens=80, structured_outputs=so, **sampling))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]] + [{"prompt_token_ids": p} for _, p in rows]
-    outs = llm.generate(prompts, [free, free] + params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs[:2]] == alone  # unconstrained rows: as if alone
+    outs = llm.generate(prompts, free + params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone  # unconstrained rows (greedy, seeded): as if alone
     assert all(o.outputs[0].structured_output_complete is None for o in outs[:2])
     for (kind, _), out in zip(rows, outs[2:]):
         c = out.outputs[0]

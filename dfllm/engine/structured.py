@@ -34,6 +34,7 @@ class GrammarCompiler:
 
         self._xgr = xgr
         self.stop_token_ids = sorted(stop_token_ids)
+        self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
@@ -63,8 +64,8 @@ class GrammarCompiler:
         return compiled
 
     def matcher(self, params: StructuredOutputsParams) -> "SequenceGrammar":
-        return SequenceGrammar(self._xgr.GrammarMatcher(self.compile(params),
-                                                        override_stop_tokens=self.stop_token_ids))
+        return SequenceGrammar(self._xgr.GrammarMatcher(self.compile(params), override_stop_tokens=self.stop_token_ids),
+                               self.vocab_size)
 
 
 class SequenceGrammar:
@@ -75,8 +76,9 @@ class SequenceGrammar:
     (true once terminated; may be true earlier, e.g. a regex that allows more).
     """
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
+        self.vocab_size = vocab_size  # logits past it (a padded head) are never allowed
         self.rejected: int | None = None
 
     def accept(self, token_id: int) -> bool:
@@ -113,6 +115,9 @@ def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) ->
     for i in rows:
         grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
     mask = bitmask[:batch] if logits.device.type == "cpu" else bitmask[:batch].to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+    known = min(vocab, min(grammars[i].vocab_size for i in rows))
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=known, indices=rows)
+    if known < vocab:
+        logits[rows, known:] = float("-inf")
     with _bitmask_lock:
         _bitmasks[vocab] = bitmask
