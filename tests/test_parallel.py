@@ -124,15 +124,21 @@ def test_sleep_wake_and_weight_update_reach_every_rank(models, prompts, tp_llm):
 
 
 # ---- pipeline parallelism -------------------------------------------------------------------------
-def test_pipeline_parallel_matches_one_rank(models, prompts):
-    """Three layers over two stages (the last one fills its tied LM head from the embedding)."""
+@pytest.fixture(scope="module")
+def pp_llm(models):
+    llm = LLM(models["llama"], pipeline_parallel_size=3, max_num_batched_tokens=64)
+    yield llm
+    llm.shutdown()
+
+
+def test_pipeline_parallel_matches_one_rank(models, prompts, pp_llm):
+    """One layer per stage over three ranks, a micro-batch per stage in flight; the last stage
+    fills its tied LM head from the embedding tensor. (Two ranks: the SmolLM2 test.)"""
     ref = greedy(LLM(models["llama"], max_num_batched_tokens=64), prompts)
-    llm = LLM(models["llama"], pipeline_parallel_size=2, max_num_batched_tokens=64)
-    try:
-        assert llm.collective_rpc(lambda w: (w.model.model.start, w.model.model.end)) == [(0, 2), (2, 3)]
-        assert greedy(llm, prompts) == ref
-    finally:
-        llm.shutdown()
+    assert pp_llm.collective_rpc(lambda w: (w.model.model.start, w.model.model.end)) == [(0, 1), (1, 2), (2, 3)]
+    assert pp_llm.apply_model(lambda m: (m.model.embed_tokens is None, m.lm_head is None)) == [
+        (False, True), (True, True), (True, False)]
+    assert greedy(pp_llm, prompts) == ref
 
 
 def test_micro_batches_split_steps_by_tokens():
@@ -178,20 +184,21 @@ def test_bad_parallel_sizes_are_refused_before_spawning(models, tmp_path, smollm
     assert psutil.Process().children(recursive=True) == before
 
 
-def test_killed_rank_fails_the_call_and_leaves_no_process(models):
-    llm = LLM(models["llama"], tensor_parallel_size=2)
-    pid = worker_pids(llm)[0]
-    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+def test_killed_rank_fails_the_call_and_leaves_no_process(pp_llm):
+    """The middle of three pipeline stages is killed mid-generation: the call fails naming it,
+    and the last stage is stopped too."""
+    pids = worker_pids(pp_llm)
+    killer = threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL))
     killer.start()
     start = time.monotonic()
     prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 3, 20, seed=5)]
-    with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {pid}\) exited with code -9 during a step"):
-        llm.generate(prompts, SamplingParams(max_tokens=1000, **GREEDY), use_tqdm=False)
+    with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {pids[0]}\) exited with code -9.* during a step"):
+        pp_llm.generate(prompts, SamplingParams(max_tokens=1000, **GREEDY), use_tqdm=False)
     assert time.monotonic() - start < 30
     killer.join()
-    assert_gone([pid])
+    assert_gone(pids)
     with pytest.raises(RuntimeError, match="the parallel engine is stopped"):
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        pp_llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_workers_exit_when_the_driver_process_dies(models, tmp_path):

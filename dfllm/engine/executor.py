@@ -14,6 +14,7 @@ stops the others. Worker ranks also exit on their own when the driver's process 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -61,14 +62,13 @@ class ParallelExecutor:
         self.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
         self.failure: str | None = None
         self._zero: list[int] = []
-        threads = _threads_per_rank(cfg.device, self.world_size)
+        self.threads = _threads_per_rank(cfg.device, self.world_size)
         store = create_store(self.world_size)
-        self.workers = _spawn(cfg, store.port, threads, self.world_size)
+        self.workers = _spawn(cfg, store.port, self.threads, self.world_size)
         self._finalizer = weakref.finalize(self, _stop, self.workers)
         try:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            self.driver: ModelRunner = build_runner(cfg, 0, store, cfg.device)
+            with self._driver_threads():
+                self.driver: ModelRunner = build_runner(cfg, 0, store, cfg.device)
             self._gather_replies()
         except BaseException as exc:
             self._fail(exc, "starting the engine")
@@ -103,7 +103,8 @@ class ParallelExecutor:
         zero, self._zero = self._zero, []
         try:
             self._send(pickle.dumps(("step", (zero, shipped)), protocol=pickle.HIGHEST_PROTOCOL))
-            logits = execute_step(self.driver, micro)
+            with self._driver_threads():
+                logits = execute_step(self.driver, micro)
             self._gather_replies()
         except BaseException as exc:
             self._fail(exc, "a step")
@@ -130,7 +131,8 @@ class ParallelExecutor:
         except BaseException as exc:
             self._fail(exc, f"collective_rpc({method!r})")
         try:
-            first = _call_with_timeout(fn, timeout, args, kwargs)
+            with self._driver_threads():
+                first = _call_with_timeout(fn, timeout, args, kwargs)
         except TimeoutError:
             for w in self.workers:
                 w.stale += 1
@@ -142,6 +144,20 @@ class ParallelExecutor:
             return [first] + self._gather_replies(timeout=timeout)
         except _RankDied as exc:
             self._fail(exc, f"collective_rpc({method!r})")
+
+    @contextlib.contextmanager
+    def _driver_threads(self):
+        """On CPU, rank 0 uses its share of the threads while it computes, and this thread
+        gets its own count back afterwards (the caller's process is not changed for good)."""
+        before = torch.get_num_threads()
+        if self.threads is None or self.threads == before:
+            yield
+            return
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -243,10 +259,30 @@ def _spawn(cfg: EngineConfig, port: int, threads: int | None, world_size: int) -
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(child, cfg, rank, port, os.getpid(), threads or 1),
                            name=f"dfllm-rank{rank}", daemon=True)
-        proc.start()
+        with _children_allowed():
+            proc.start()
         child.close()
         workers.append(_Rank(rank, proc, parent))
     return workers
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (a Dask worker under a nanny) start the ranks.
+
+    multiprocessing forbids it because a daemonic parent may be terminated without
+    cleaning up its children; dfllm's ranks watch their parent and exit when it is gone.
+    """
+    config = mp.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is None:
+            config.pop("daemon", None)
+        else:
+            config["daemon"] = daemon
 
 
 def _stop(workers: list[_Rank]) -> None:
