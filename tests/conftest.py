@@ -95,7 +95,7 @@ def free_port() -> int:
 class CLICluster:
     """``dask scheduler`` and ``dask worker`` processes on loopback, as an operator starts them."""
 
-    def __init__(self, workers: int = 2, threads: int = 1, resources: str | None = None):
+    def __init__(self, workers: int = 2, threads: int = 1, resources: str | list | None = None):
         import subprocess
         import sys
 
@@ -106,11 +106,12 @@ class CLICluster:
         self.procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", str(self.port),
                                                 "--no-dashboard"], env=env, start_new_session=True,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-        for _ in range(workers):
+        per_worker = resources if isinstance(resources, list) else [resources] * workers
+        for res in per_worker:
             cmd = dask + ["worker", self.address, "--nthreads", str(threads), "--no-dashboard",
                           "--memory-limit", "0", "--host", "127.0.0.1"]
-            if resources:
-                cmd += ["--resources", resources]
+            if res:
+                cmd += ["--resources", res]
             self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.DEVNULL))
         self.client().wait_for_workers(workers, timeout=120)

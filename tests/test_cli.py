@@ -160,3 +160,32 @@ def test_demo_runs_the_main_job_on_a_local_cluster(smollm2_dir, tmp_path):
     assert "rows:        8 (0 with llm_error)" in stdout
     assert "> Autumn moonlight / a worm digs silently" in stdout
     assert len(pd.read_parquet(tmp_path / "demo")) == 8
+
+
+def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp_path):
+    """``--gpu`` on an existing cluster: tasks go to workers started with ``--resources GPU=1``
+    (here CPU workers standing in for GPU ones), and only those load the model."""
+    from conftest import CLICluster
+
+    from dfllm.accessors import engines
+
+    path, _ = questions
+    cluster = CLICluster(workers=2, threads=2, resources=["GPU=1", None])
+    try:
+        ok(dfllm("run", str(path), str(tmp_path / "out"), "--prompt", "{q}", "--model", str(tiny_llama),
+                 "--max-tokens", "3", "--max-model-len", "64", "--npartitions", "4", "--gpu",
+                 "--scheduler", cluster.address))
+        info = cluster.client().scheduler_info(n_workers=-1)["workers"]
+        loads = cluster.client().run(engines.load_count)
+        assert {a: loads[a] for a, w in info.items() if w["resources"].get("GPU")} == \
+            {a: 1 for a, w in info.items() if w["resources"].get("GPU")}
+        assert all(loads[a] == 0 for a, w in info.items() if not w["resources"].get("GPU"))
+        assert len(pd.read_parquet(tmp_path / "out")) == 10
+
+        # asking for engines of two GPUs where no worker has two is refused before any work
+        bad = dfllm("run", str(path), str(tmp_path / "out2"), "--prompt", "{q}", "--gpu", "--scheduler",
+                    cluster.address, "--tensor-parallel-size", "2")
+        assert bad.returncode == 1 and "no worker of the cluster declares the resource GPU >= 2" in bad.stderr
+        assert not (tmp_path / "out2").exists()
+    finally:
+        cluster.close()
