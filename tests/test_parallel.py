@@ -99,6 +99,11 @@ def test_each_rank_holds_its_share(tp_llm):
     first, second = tp_llm.apply_model(lambda m: m.model.embed_tokens.weight[-3:].clone())
     assert first.abs().sum() > 0 and second[-1].abs().sum() == 0  # rank 1's last row is padding
     assert tp_llm.collective_rpc("zero_blocks", args=([],)) == [None, None]
+    with pytest.raises(TimeoutError):
+        tp_llm.collective_rpc(lambda w: time.sleep(1.0), timeout=0.05)
+    assert tp_llm.collective_rpc(lambda w, x: x + w.parallel.rank, args=(10,)) == [10, 11]  # late replies skipped
+    with pytest.raises(RuntimeError, match="(?s)rank 1:.*ZeroDivisionError"):
+        tp_llm.collective_rpc(lambda w: 1 / (1 - w.parallel.rank))
 
 
 def test_sleep_wake_and_weight_update_reach_every_rank(models, prompts, tp_llm):
@@ -182,6 +187,9 @@ def test_bad_parallel_sizes_are_refused_before_spawning(models, tmp_path, smollm
     with pytest.raises(NotImplementedError, match="pooling models .* run on one rank"):
         LLM(models["llama"], runner="pooling", tensor_parallel_size=2)
     assert psutil.Process().children(recursive=True) == before
+    with pytest.raises(ValueError, match="KV cache holds"):  # fails after spawning: the ranks are stopped
+        LLM(models["llama"], tensor_parallel_size=2, kv_cache_memory_bytes=1024)
+    assert_gone([c.pid for c in psutil.Process().children(recursive=True) if c not in before])
 
 
 def test_killed_rank_fails_the_call_and_leaves_no_process(pp_llm):

@@ -38,14 +38,18 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
                                       max_model_len=cfg.max_model_len, block_size=cfg.block_size)
-        num_blocks = self.runner.plan_num_blocks(cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
-                                                 cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        if num_blocks * cfg.block_size < cfg.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * cfg.block_size} tokens ({num_blocks} blocks), fewer than "
-                f"max_model_len={cfg.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
-            )
-        self.runner.allocate_kv_cache(num_blocks)
+        try:
+            num_blocks = self.runner.plan_num_blocks(cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
+                                                     cfg.max_num_seqs, cfg.max_num_batched_tokens)
+            if num_blocks * cfg.block_size < cfg.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {num_blocks * cfg.block_size} tokens ({num_blocks} blocks), fewer than "
+                    f"max_model_len={cfg.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+                )
+            self.runner.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.shutdown()  # a parallel engine's worker processes go with it
+            raise
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s", num_blocks,
                     cfg.block_size, num_blocks * cfg.block_size, num_blocks * self.runner.block_bytes / 2**20,
                     str(cfg.dtype).removeprefix("torch."), cfg.device)
