@@ -184,6 +184,8 @@ class LLM(PoolingMixin, ControlMixin):
         self._check_can_serve()
         limit = self.config.max_model_len
         for i, (p, sp) in enumerate(zip(prompts, params)):
+            if not p.token_ids:  # e.g. a chat template that rendered nothing
+                raise ValueError(f"prompt {i} is empty (no tokens)")
             if len(p.token_ids) > limit:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens, longer than max_model_len={limit}")
             check_params_for_model(sp, i, self.config.hf_config.vocab_size)

@@ -531,3 +531,26 @@ def test_bad_rows_on_a_cluster(client, kw, alone):
     chat = from_pandas(conv, npartitions=2).llm.chat("c", sampling_params=SP, **kw).compute()
     assert chat.generated_text.tolist()[::3] == [alone("chat", c) for c in GOOD_CONV]
     assert "got 'wizard'" in chat.llm_error[1] and "is null" in chat.llm_error[2]
+
+
+def test_chat_template_rendering_nothing_for_some_rows(tiny_llama, tmp_path):
+    """A model whose chat template renders only system messages: a conversation without one
+    renders an empty prompt, a per-row error; the others are generated."""
+    path = shutil.copytree(tiny_llama, tmp_path / "system-only")
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}")
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    convs = [[{"role": "system", "content": GOOD[0]}], [{"role": "user", "content": "no system turn"}],
+             [{"role": "system", "content": GOOD[1]}, {"role": "user", "content": "x"}]]
+    df = pd.DataFrame({"c": pd.Series(convs, dtype=object)})
+    out = df.llm.chat("c", model=str(path), sampling_params=SP, **ENGINE)
+    assert "the prompt is empty" in out.llm_error[1] and out.llm_error[[0, 2]].isna().all()
+    llm = LLM(path, **ENGINE)
+    tok = llm.get_tokenizer()
+    ref = llm.generate([{"prompt_token_ids": tok.encode(g, add_special_tokens=False)} for g in GOOD],
+                       SamplingParams(**SP), use_tqdm=False)
+    assert out.generated_text[[0, 2]].tolist() == [r.outputs[0].text for r in ref]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        llm.chat(convs, SamplingParams(**SP), use_tqdm=False)

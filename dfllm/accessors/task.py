@@ -261,6 +261,9 @@ def _generate(df, task, llm, out, prompts: dict[int, list[int]]) -> None:
     limit = llm.config.max_model_len
     rows = []
     for i in sorted(params):
+        if not prompts[i]:
+            _row_error(task, out, i, "the prompt is empty (no tokens; a chat template rendered nothing)")
+            continue
         if len(prompts[i]) > limit:
             _row_error(task, out, i, f"prompt has {len(prompts[i])} tokens, longer than max_model_len={limit}")
             continue
