@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import pandas as pd
+import pyarrow as pa
 
 from dfllm.accessors.schema import output_dtypes
 from dfllm.accessors.task import make_task, run_task
@@ -68,16 +69,20 @@ class Processor:
         if isinstance(df, pd.DataFrame):
             return self.process_partition(df)
         meta = self._meta(df._meta_nonempty.iloc[:1])
-        return df.map_partitions(self.process_partition, list(meta.columns), meta=meta)
+        return df.map_partitions(self.process_partition, dict(meta.dtypes), meta=meta)
 
-    def process_partition(self, df: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
-        """Run one pandas partition through preprocess, the engine and postprocess."""
+    def process_partition(self, df: pd.DataFrame, dtypes: dict | None = None) -> pd.DataFrame:
+        """Run one pandas partition through preprocess, the engine and postprocess
+        (with ``dtypes``: exactly those columns, as those Arrow-backed types)."""
         rows = [self._pre(r) for r in df.to_dict("records")]
         out_rows = []
         for start in range(0, len(rows), self.config.batch_size):
             out_rows += self._infer(rows[start : start + self.config.batch_size])
         result = pd.DataFrame([self._post(r) for r in out_rows], index=df.index)
-        return result if columns is None else result.reindex(columns=columns)
+        if dtypes is None:
+            return result
+        return pd.DataFrame({c: _typed(result[c] if c in result else [None] * len(result), t, result.index)
+                             for c, t in dtypes.items()}, index=result.index)
 
     def _post(self, row: dict) -> dict:
         error = row.get("llm_error")
@@ -133,7 +138,18 @@ class Processor:
         kind, _ = self._task_inputs(rows[0] if rows else {})
         outputs = {c: _SAMPLE_VALUES[c] for c in output_dtypes(kind, _main_output(kind))}
         fake = [{**r, **outputs} for r in rows]
-        return pd.DataFrame([self._post(r) for r in fake]).iloc[:0]
+        table = pa.Table.from_pylist([self._post(r) for r in fake])
+        # columns postprocess left empty on the sample row (like llm_error) are strings
+        schema = pa.schema([pa.field(f.name, pa.string() if pa.types.is_null(f.type) else f.type) for f in table.schema])
+        return table.cast(schema).to_pandas(types_mapper=pd.ArrowDtype).iloc[:0]
+
+
+def _typed(values, dtype, index) -> pd.Series:
+    """``values`` as a column of ``dtype`` (Arrow-backed types built through pyarrow)."""
+    values = list(values)
+    if isinstance(dtype, pd.ArrowDtype):
+        return pd.Series(pa.array(values, type=dtype.pyarrow_dtype, from_pandas=True), index=index, dtype=dtype)
+    return pd.Series(values, index=index).astype(dtype)
 
 
 def _main_output(kind: str) -> str:
