@@ -368,11 +368,9 @@ def test_bad_model_directory(name, make, exc, match, tiny_llama, tmp_path):
     with pytest.raises(exc, match=match):
         LLM(path, **ENGINE)
     df = pd.DataFrame({"q": GOOD})
-    with pytest.raises(exc, match=match):  # pandas runs now: the engine fails to load, no row is run
-        df.llm.generate("q", model=str(path), sampling_params=SP, **ENGINE)
-    lazy = dd.from_pandas(df, npartitions=1).llm.generate("q", model=str(path), sampling_params=SP, **ENGINE)
-    with pytest.raises(exc, match=match):
-        lazy.compute(scheduler="synchronous")
+    for frame in (df, dd.from_pandas(df, npartitions=2), pl.from_pandas(df)):
+        with pytest.raises(exc, match=match):  # at call time: a Dask graph is not even built
+            frame.llm.generate("q", model=str(path), sampling_params=SP, **ENGINE)
 
 
 # ---- Polars ------------------------------------------------------------------------------------------------

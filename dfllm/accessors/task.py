@@ -150,7 +150,10 @@ def _hashable(v):
 def _check_model(task: LLMTask) -> None:
     from dfllm.models.bundled import resolve_model
 
-    resolve_model(task.model)  # unknown names raise ValueError now, not at compute time
+    from dfllm.models.loader import check_model_dir
+
+    # unknown names and unusable directories raise now, not in every partition at compute time
+    check_model_dir(resolve_model(task.model))
 
 
 # ---- running on one partition ----------------------------------------------------------------------

@@ -62,6 +62,25 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
     return dtype
 
 
+def check_model_dir(path: Path) -> None:
+    """Cheap checks of a model directory before any engine is built (the dataframe accessors
+    run them at call time): its config, a supported architecture, and weight files whose
+    safetensors headers read; each failure raises the error loading would."""
+    from dfllm.models.registry import ENCODER_ARCHITECTURES, GENERATIVE_ARCHITECTURES
+
+    archs = list(getattr(load_config(path), "architectures", None) or [])
+    known = {**GENERATIVE_ARCHITECTURES, **ENCODER_ARCHITECTURES}
+    if not any(a in known for a in archs):
+        raise ValueError(f"unsupported architecture {archs or '(none in config.json)'}; "
+                         f"dfllm implements {sorted(known)}")
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # corrupt header, truncated file
+            raise ValueError(f"cannot read weights file {file.name}: {exc}") from exc
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files; refuse pickle-only checkpoints."""
     files = sorted(path.glob("*.safetensors"))
