@@ -260,3 +260,11 @@ def test_build_processor_like_ray_data_llm(client, kw):
     assert out.set_index("id").loc[ok, "llm_error"].isna().all()
     with pytest.raises(ValueError, match="task_type"):
         dfllm.ProcessorConfig(task_type="translate")
+
+
+def test_pandas_generation_shows_progress_over_rows(kw, capsys):
+    df = pd.DataFrame({"q": [f"question {i}" for i in range(12)]})
+    out = df.llm.generate("{q}", sampling_params=SP, **kw)
+    assert out["llm_error"].isna().all()
+    err = capsys.readouterr().err
+    assert "llm rows" in err and "12/12" in err

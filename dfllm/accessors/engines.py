@@ -17,6 +17,7 @@ import sys
 import threading
 
 import torch
+from tqdm.auto import tqdm
 
 from dfllm.accessors.prometheus import expose
 from dfllm.llm import LLM
@@ -54,6 +55,7 @@ class Submission:
         self.prompts, self.params = prompts, params
         self.ids: list[str] | None = None
         self.error: Exception | None = None
+        self.finished = 0  # rows whose output is ready
         self.done = False
 
 
@@ -72,12 +74,15 @@ class EngineDriver:
         self.active: list[Submission] = []  # queued in the engine, not yet finished
         threading.Thread(target=self._loop, name="dfllm-engine", daemon=True).start()
 
-    def generate(self, prompts: list[dict], params: list) -> list:
+    def generate(self, prompts: list[dict], params: list, progress: bool = False) -> list:
         sub = Submission(prompts, params)
-        with self.cv:
+        with tqdm(total=len(prompts), desc="llm rows", unit="row", disable=not progress) as bar, self.cv:
             self.pending.append(sub)
             self.cv.notify_all()
-            self.cv.wait_for(lambda: sub.error is not None or sub.done)
+            while sub.error is None and not sub.done:  # the driver notifies after every step
+                self.cv.wait()
+                if sub.finished > bar.n:
+                    bar.update(sub.finished - bar.n)
         if sub.error is not None:
             raise sub.error
         with self.lock:
@@ -105,7 +110,8 @@ class EngineDriver:
                         for sub in self.active:
                             sub.error = RuntimeError(f"the engine failed while generating these rows: {exc!r}")
                 for sub in self.active:
-                    sub.done = sub.error is None and all(i in self.llm._done for i in sub.ids)
+                    sub.finished = sum(i in self.llm._done for i in sub.ids)
+                    sub.done = sub.error is None and sub.finished == len(sub.ids)
                 self.active = [s for s in self.active if not s.done and s.error is None]
             with self.cv:
                 self.cv.notify_all()
@@ -114,13 +120,15 @@ class EngineDriver:
 _drivers: dict[int, EngineDriver] = {}
 
 
-def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params: list) -> list:
-    """``llm.generate`` for one task, batched with whatever other tasks have queued."""
+def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params: list,
+                    progress: bool = False) -> list:
+    """``llm.generate`` for one task, batched with whatever other tasks have queued;
+    ``progress`` shows a bar over its rows."""
     with _guard:
         if id(llm) not in _drivers:
             _drivers[id(llm)] = EngineDriver(llm, lock, worker_thread_count())
         driver = _drivers[id(llm)]
-    return driver.generate(prompts, params)
+    return driver.generate(prompts, params, progress)
 
 
 def use_worker_threads() -> None:

@@ -11,7 +11,7 @@ from dfllm.accessors.task import LLMTask, run_task
 @pd.api.extensions.register_dataframe_accessor("llm")
 class PandasLLMAccessor(LLMFrameMethods):
     def _apply(self, task: LLMTask) -> pd.DataFrame:
-        return run_task(self._obj, task)
+        return run_task(self._obj, task, progress=True)
 
 
 @pd.api.extensions.register_series_accessor("llm")

@@ -18,7 +18,7 @@ POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "l
 
 
 def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
-    out = pl.from_pandas(run_task(df.to_pandas(use_pyarrow_extension_array=True), task))
+    out = pl.from_pandas(run_task(df.to_pandas(use_pyarrow_extension_array=True), task, progress=True))
     enums = {c: t for c, t in _polars_schema(task).items() if isinstance(t, pl.Enum)}
     return out.cast(enums) if enums else out  # a choice column: pandas category -> Enum of the choices
 

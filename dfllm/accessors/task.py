@@ -157,14 +157,15 @@ def _check_model(task: LLMTask) -> None:
 
 
 # ---- running on one partition ----------------------------------------------------------------------
-def run_task(df: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
-    """``df`` with the task's output columns; rows in the same order."""
+def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.DataFrame:
+    """``df`` with the task's output columns; rows in the same order. ``progress`` shows a
+    bar over the rows being generated (pandas and Polars calls; Dask shows its own)."""
     dtypes = task.output_dtypes()
     out: dict[str, list] = {c: [None] * len(df) for c in dtypes}
     if len(df):
         llm, lock = get_engine(task.model, dict(task.engine_kwargs))
         if task.kind in ("generate", "chat"):
-            RUNNERS[task.kind](df, task, _SharedGenerate(llm, lock), out)
+            RUNNERS[task.kind](df, task, _SharedGenerate(llm, lock, progress), out)
         else:
             with lock:
                 RUNNERS[task.kind](df, task, llm, out)
@@ -175,8 +176,8 @@ def run_task(df: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
 class _SharedGenerate:
     """The engine as generation tasks see it: ``generate`` shares batches with other tasks."""
 
-    def __init__(self, llm, lock):
-        self.llm, self.lock = llm, lock
+    def __init__(self, llm, lock, progress: bool = False):
+        self.llm, self.lock, self.progress = llm, lock, progress
         self.config = llm.config
 
     def get_tokenizer(self):
@@ -188,7 +189,7 @@ class _SharedGenerate:
         return p.token_ids
 
     def generate(self, prompts, params, use_tqdm=False):
-        return generate_shared(self.llm, self.lock, prompts, params)
+        return generate_shared(self.llm, self.lock, prompts, params, progress=self.progress)
 
 
 def _row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
