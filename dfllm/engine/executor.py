@@ -31,7 +31,7 @@ from dfllm.config import EngineConfig
 from dfllm.distributed.parallel_state import create_store
 from dfllm.engine.model_runner import ModelRunner, StepInputs
 from dfllm.engine.scheduler import SchedulerOutput
-from dfllm.engine.worker import build_runner, execute_step, worker_main
+from dfllm.engine.worker import build_runner, dumps_step, execute_step, worker_main
 
 logger = logging.getLogger("dfllm")
 
@@ -67,8 +67,7 @@ class ParallelExecutor:
         self.workers = _spawn(cfg, store.port, self.threads, self.world_size)
         self._finalizer = weakref.finalize(self, _stop, self.workers)
         try:
-            with self._driver_threads():
-                self.driver: ModelRunner = build_runner(cfg, 0, store, cfg.device)
+            self.driver: ModelRunner = build_runner(cfg, 0, store, cfg.device)
             self._gather_replies()
         except BaseException as exc:
             self._fail(exc, "starting the engine")
@@ -102,9 +101,8 @@ class ParallelExecutor:
         shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, []) for mb in micro]
         zero, self._zero = self._zero, []
         try:
-            self._send(pickle.dumps(("step", (zero, shipped)), protocol=pickle.HIGHEST_PROTOCOL))
-            with self._driver_threads():
-                logits = execute_step(self.driver, micro)
+            self._send(dumps_step(("step", (zero, shipped))))
+            logits = execute_step(self.driver, micro)
             self._gather_replies()
         except BaseException as exc:
             self._fail(exc, "a step")
@@ -131,8 +129,7 @@ class ParallelExecutor:
         except BaseException as exc:
             self._fail(exc, f"collective_rpc({method!r})")
         try:
-            with self._driver_threads():
-                first = _call_with_timeout(fn, timeout, args, kwargs)
+            first = _call_with_timeout(fn, timeout, args, kwargs)
         except TimeoutError:
             for w in self.workers:
                 w.stale += 1
@@ -144,20 +141,6 @@ class ParallelExecutor:
             return [first] + self._gather_replies(timeout=timeout)
         except _RankDied as exc:
             self._fail(exc, f"collective_rpc({method!r})")
-
-    @contextlib.contextmanager
-    def _driver_threads(self):
-        """On CPU, rank 0 uses its share of the threads while it computes, and this thread
-        gets its own count back afterwards (the caller's process is not changed for good)."""
-        before = torch.get_num_threads()
-        if self.threads is None or self.threads == before:
-            yield
-            return
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -305,7 +288,9 @@ def _stop(workers: list[_Rank]) -> None:
 
 
 def _threads_per_rank(device: torch.device, world_size: int) -> int | None:
-    """On CPU the ranks share the cores: each gets an equal part of this process's threads."""
+    """On CPU the ranks share the cores: each spawned rank gets an equal part of this
+    process's threads. Rank 0 keeps the caller's count (changing it around every step
+    measured 10 ms a step slower: OpenMP rebuilds its thread team)."""
     if device.type != "cpu":
         return None
     return max(1, torch.get_num_threads() // world_size)

@@ -13,6 +13,7 @@ callable) until told to stop, the pipe closes, or its parent dies.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import threading
@@ -31,6 +32,28 @@ from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import AttentionMetadata
 
 PARENT_POLL_S = 1.0
+_NUMPY_DTYPES = {torch.int64, torch.int32, torch.bool, torch.float32, torch.float16, torch.float64, torch.uint8}
+
+
+class _StepPickler(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays: an order of magnitude faster than torch's own
+    storage pickling for a step's small index tensors."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES:
+            return _tensor_from_numpy, (obj.detach().numpy(),)
+        return NotImplemented
+
+
+def _tensor_from_numpy(array) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+def dumps_step(obj) -> bytes:
+    """The bytes of a command sent to the worker ranks (read back with ``pickle.loads``)."""
+    buf = io.BytesIO()
+    _StepPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
 
 
 @torch.inference_mode()
