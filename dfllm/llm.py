@@ -210,6 +210,9 @@ class LLM(PoolingMixin, ControlMixin):
                         bar.update(req)
         except Exception:  # a failed step: drop the batch so later calls are not stuck behind it
             self.engine.scheduler.abort_all()
+            for rid in ids + self._queued:
+                self._done.pop(rid, None)
+            self._queued = []  # enqueued requests were dropped with it
             raise
         finally:
             bar.close()

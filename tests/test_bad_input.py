@@ -499,6 +499,23 @@ def test_failed_step_is_reported_and_engine_recovers(kw, alone):
     assert out.generated_text.tolist() == [alone("generate", p) for p in GOOD]
 
 
+@pytest.mark.timeout(120)
+def test_failed_step_drops_queued_requests_cleanly(llm, alone):
+    """Requests queued with ``enqueue`` are dropped with a failed batch: ``wait_for_completion``
+    returns nothing instead of failing on their missing outputs, and the engine serves on."""
+    llm.enqueue(GOOD[0], SamplingParams(**SP))
+    hooks = llm.apply_model(lambda m: m.register_forward_hook(_raise))
+    try:
+        with pytest.raises(InjectedFault):
+            llm.generate(GOOD[1], SamplingParams(**SP), use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert llm.wait_for_completion(use_tqdm=False) == [] and not llm._done
+    llm.enqueue(GOOD, SamplingParams(**SP))
+    assert [o.outputs[0].text for o in llm.wait_for_completion(use_tqdm=False)] == [alone("generate", p) for p in GOOD]
+
+
 # ---- Dask on a real cluster -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def client():

@@ -109,6 +109,8 @@ class EngineDriver:
                         self.llm.engine.scheduler.abort_all()
                         for sub in self.active:
                             sub.error = RuntimeError(f"the engine failed while generating these rows: {exc!r}")
+                            for rid in sub.ids:
+                                self.llm._done.pop(rid, None)
                 for sub in self.active:
                     sub.finished = sum(i in self.llm._done for i in sub.ids)
                     sub.done = sub.error is None and sub.finished == len(sub.ids)
