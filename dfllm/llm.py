@@ -44,6 +44,9 @@ class LLM(PoolingMixin, ControlMixin):
     one tensor of ``kv_cache_memory_bytes`` when given, else sized from free memory
     (``gpu_memory_utilization`` of the GPU, or on CPU a quarter of the available RAM up to
     4 GiB, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use).
+    ``tensor_parallel_size``/``pipeline_parallel_size`` split a generative model over that
+    many ranks: this process is rank 0, the others are processes it spawns (one GPU each on
+    CUDA; gloo collectives on CPU); :meth:`shutdown` stops them.
     ``max_num_batched_tokens`` (the per-step token budget) defaults to 8192 on CUDA and
     2048 on CPU (never below ``max_num_seqs``); pooling batches on CPU default to 1024
     padded tokens.

@@ -20,6 +20,7 @@ import torch
 
 from dfllm import LLM, SamplingParams
 from dfllm.engine.executor import _micro_batches
+from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.models.parallel_layers import shard_range
 from tests.conftest import build_tiny_model, random_prompts
@@ -71,7 +72,10 @@ def tp_llm(models):
 # ---- tensor parallelism ---------------------------------------------------------------------------
 def test_tensor_parallel_matches_one_rank(models, prompts, tp_llm):
     """Chunked prefill (64-token budget) beside decodes, prefix caching, uneven vocabulary split."""
-    ref = greedy(LLM(models["llama"], max_model_len=256, max_num_batched_tokens=64), prompts)
+    children = psutil.Process().children(recursive=True)
+    one = LLM(models["llama"], max_model_len=256, max_num_batched_tokens=64)
+    assert type(one.engine.runner) is ModelRunner and psutil.Process().children(recursive=True) == children
+    ref = greedy(one, prompts)
     assert greedy(tp_llm, prompts) == ref
     again = tp_llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(max_tokens=16, **GREEDY),
                             use_tqdm=False)[0]
