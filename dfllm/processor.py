@@ -38,8 +38,9 @@ class ProcessorConfig:
 
     ``model_source`` is a model directory or bundled alias (None: the default model of the
     task); ``engine_kwargs`` go to :class:`dfllm.LLM`; ``batch_size`` rows of a partition
-    go to the engine per call. ``concurrency`` is accepted for parity: on Dask the cluster's
-    workers, one engine each, set the parallelism.
+    go to the engine per call. ``chat_template`` (Jinja text, rendered sandboxed) replaces
+    the tokenizer's template for ``messages`` rows. ``concurrency`` is accepted for parity:
+    on Dask the cluster's workers, one engine each, set the parallelism.
     """
 
     model_source: str | None = None
@@ -55,8 +56,8 @@ class ProcessorConfig:
             raise ValueError(f"task_type must be one of {TASK_TYPES}, got {self.task_type!r}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.chat_template is not None:
-            raise NotImplementedError("a custom chat_template is not supported by build_processor yet")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError("chat_template must be a Jinja template string")
 
 
 class Processor:
@@ -113,7 +114,8 @@ class Processor:
         kind, inputs = self._task_inputs(frame)
         sampling = "sampling_params" if "sampling_params" in frame and kind in ("generate", "chat") else None
         task = make_task(kind, inputs, frame.columns, output_column=_main_output(kind), model=self.config.model_source,
-                         sampling_params=sampling, engine_kwargs=self.config.engine_kwargs)
+                         sampling_params=sampling, engine_kwargs=self.config.engine_kwargs,
+                         chat_template=self.config.chat_template if kind == "chat" else None)
         result = run_task(frame.drop(columns=[c for c in task.output_dtypes() if c in frame]), task)
         outputs = result[list(task.output_dtypes())].astype(object).where(result.notna(), None).to_dict("records")
         return [self._no_outputs(r) if bad else {**r, **o} for r, o, bad in zip(rows, outputs, failed)]

@@ -268,3 +268,27 @@ def test_pandas_generation_shows_progress_over_rows(kw, capsys):
     assert out["llm_error"].isna().all()
     err = capsys.readouterr().err
     assert "llm rows" in err and "12/12" in err
+
+
+def test_custom_chat_template_in_accessor_and_processor(kw):
+    import dfllm
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    convs = [[{"role": "user", "content": f"Say {w}."}] for w in ("hi", "bye")]
+    llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
+    ref = llm.chat(convs, SamplingParams(**SP), chat_template=template, use_tqdm=False)
+    default = llm.chat(convs, SamplingParams(**SP), use_tqdm=False)
+    assert [len(r.prompt_token_ids) for r in ref] != [len(r.prompt_token_ids) for r in default]
+
+    df = pd.DataFrame({"conv": convs})
+    out = df.llm.chat("conv", chat_template=template, sampling_params=SP, **kw)
+    assert out["num_input_tokens"].tolist() == [len(r.prompt_token_ids) for r in ref]
+    assert out["generated_text"].tolist() == [r.outputs[0].text for r in ref]
+
+    config = dfllm.ProcessorConfig(model_source=kw["model"], chat_template=template,
+                                   engine_kwargs={"max_model_len": 64, "kv_cache_memory_bytes": 2**22})
+    processor = dfllm.build_processor(config, preprocess=lambda row: dict(messages=row["conv"], sampling_params=SP))
+    got = processor(df)
+    assert got["generated_text"].tolist() == [r.outputs[0].text for r in ref]
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['chat_template'\]"):
+        df.llm.generate("conv", chat_template=template, **kw)  # refused at call time, not by LLM(...)

@@ -44,12 +44,14 @@ class LLMFrameMethods:
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
              output_column: str = "generated_text", on_error: str = "null", json_schema=None, choice=None,
-             **engine_kwargs):
+             chat_template: str | None = None, **engine_kwargs):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
-        ``json_schema`` and ``choice`` as in ``generate``."""
+        ``json_schema`` and ``choice`` as in ``generate``; ``chat_template`` (Jinja text)
+        replaces the tokenizer's template."""
         return self._apply(make_task("chat", (messages,), self._columns(), output_column=output_column, model=model,
                                      sampling_params=sampling_params, system=system, on_error=on_error,
-                                     engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice))
+                                     engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
+                                     chat_template=chat_template))
 
     def embed(self, text: str, *, model=None, output_column: str = "embedding", on_error: str = "null",
               **engine_kwargs):

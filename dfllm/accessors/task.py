@@ -42,6 +42,7 @@ class LLMTask:
     on_error: str = "null"
     engine_kwargs: tuple = field(default=())
     structured: tuple = ()  # ("json", schema text) or ("choice", values): a typed main column
+    chat_template: str | None = None  # chat: a Jinja template replacing the tokenizer's
 
     @property
     def templates(self) -> list[str]:
@@ -66,19 +67,39 @@ def is_template(text: str) -> bool:
 
 
 def template_fields(template: str) -> list[str]:
-    """The ``{column}`` names a template uses; malformed templates raise ``ValueError``."""
+    """The ``{column}`` names a template uses, those nested in format specs (``{q:>{width}}``)
+    included; malformed templates raise ``ValueError``. A field is a plain column name:
+    attribute or index access (``{q.__class__}``, ``{q[0]}``) is refused, so a template
+    can only ever read the row's values."""
+    names: list[str] = []
+
+    def walk(text: str, depth: int) -> None:
+        for _, name, spec, conversion in string.Formatter().parse(text):
+            if name is None:
+                continue
+            if conversion not in (None, "r", "s", "a"):
+                raise ValueError(f"unknown conversion !{conversion}")
+            names.append(name)
+            if spec and depth < 2:
+                walk(spec, depth + 1)
+
     try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        walk(template, 0)
     except ValueError as exc:
         raise ValueError(f"bad template {template!r}: {exc}") from None
     if any(n == "" or n.isdigit() for n in names):
         raise ValueError(f"template {template!r}: placeholders must name columns, like {{question}}")
-    return names
+    for n in names:
+        if "." in n or "[" in n:
+            raise ValueError(f"template {template!r}: {{{n}}} is not a plain column name (attribute and index "
+                             "access are not allowed; pass a column whose name has '.' or '[' directly)")
+    return list(dict.fromkeys(names))
 
 
 def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str, model=None,
               sampling_params=None, system: str | None = None, on_error: str = "null",
-              engine_kwargs: dict | None = None, json_schema=None, choice=None) -> LLMTask:
+              engine_kwargs: dict | None = None, json_schema=None, choice=None,
+              chat_template: str | None = None) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``)."""
     if kind not in KINDS:
         raise ValueError(f"unknown task {kind!r}")
@@ -91,15 +112,31 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     structured = _structured(json_schema, choice, kind, sampling)
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
                    sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
-                   structured=structured)
+                   structured=structured, chat_template=chat_template)
+    if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
+        raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
     missing = sorted(task.columns_needed() - set(map(str, columns)))
     if missing:
         raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {list(columns)})")
     clash = sorted(set(task.output_dtypes()) & set(map(str, columns)))
     if clash:
         raise ValueError(f"{kind}: output column(s) {clash} already exist; choose another output_column")
+    _check_engine_kwargs(kind, engine_kwargs or {})
     _check_model(task)
     return task
+
+
+def _check_engine_kwargs(kind: str, engine_kwargs: dict) -> None:
+    """Extra keyword arguments go to ``LLM(...)``: unknown names fail now, not on a worker."""
+    import inspect
+
+    from dfllm.llm import LLM
+
+    known = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise ValueError(f"{kind}: unknown argument(s) {unknown}: extra keyword arguments go to dfllm.LLM, "
+                         f"which takes {sorted(known)}")
 
 
 def _sampling(sampling_params, columns, kind: str) -> tuple[tuple, str | None]:
@@ -183,9 +220,9 @@ class _SharedGenerate:
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
 
-    def render_chat(self, conv):
+    def render_chat(self, conv, chat_template: str | None = None):
         with self.lock:
-            (p,), _ = self.llm._render_chats([conv], None)
+            (p,), _ = self.llm._render_chats([conv], None, chat_template)
         return p.token_ids
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -345,7 +382,7 @@ def _run_chat(df, task, llm, out) -> None:
     prompts = {}
     for i, conv in convs.items():
         try:
-            prompts[i] = llm.render_chat(conv)
+            prompts[i] = llm.render_chat(conv, task.chat_template)
         except Exception as exc:  # a template that cannot render this conversation
             _row_error(task, out, i, f"chat template: {exc}")
     _generate(df, task, llm, out, prompts)
