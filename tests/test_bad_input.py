@@ -97,6 +97,7 @@ ROW_CASES = [
     # template "Q: {q} ({topic})": a bad cell in any column it names
     RowCase("template-null-cell", None, "column 'topic' is null", "template"),
     RowCase("template-non-string-cell", 7, "column 'topic' is not a string (int)", "template"),
+    RowCase("template-format-spec-misfit", "x" * 3, "template 'Q: {q:>{topic}}': ", "template-width"),
     # chat: a column of conversations
     RowCase("chat-missing-role", [{"content": "hi"}], "message 0: role must be one of", "chat"),
     RowCase("chat-unknown-role", [{"role": "wizard", "content": "hi"}], "got 'wizard'", "chat"),
@@ -137,6 +138,9 @@ def case_frame(case: RowCase, index) -> tuple[pd.DataFrame, dict]:
     elif case.kind == "template":
         df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]], "topic": pd.Series(["math", case.bad, "art"], dtype=object)})
         args = {"prompt": "Q: {q} ({topic})"}
+    elif case.kind == "template-width":  # a width taken from a column: "xxx" is no width
+        df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]], "topic": ["1", case.bad, "2"]})
+        args = {"prompt": "Q: {q:>{topic}}"}
     elif case.kind == "chat":
         df, args = pd.DataFrame({"c": pd.Series([GOOD_CONV[0], case.bad, GOOD_CONV[1]], dtype=object)}), {"messages": "c"}
     elif case.kind == "sampling":
@@ -153,6 +157,8 @@ def good_expected(case: RowCase, alone) -> list[str]:
         return [alone("chat", c) for c in GOOD_CONV]
     if case.kind == "template":
         return [alone("generate", "Q: What is 2+2? (math)"), alone("generate", "Q: Name a colour. (art)")]
+    if case.kind == "template-width":
+        return [alone("generate", f"Q: {p}") for p in GOOD]
     return [alone("generate", p) for p in GOOD]
 
 
@@ -267,8 +273,12 @@ CALL_CASES = [
     CallCase("column-missing", dict(prompt="nope"), r"column\(s\) \['nope'\] not in the dataframe"),
     CallCase("template-unclosed-brace", dict(prompt="Q: {q"), "bad template"),
     CallCase("template-positional", dict(prompt="Q: {}"), "placeholders must name columns"),
-    CallCase("template-attribute-access", dict(prompt="{q.__class__}"), r"\['q.__class__'\] not in the dataframe"),
-    CallCase("template-item-access", dict(prompt="{q[0]}"), r"\['q\[0\]'\] not in the dataframe"),
+    CallCase("template-attribute-access", dict(prompt="{q.__class__}"), r"\{q.__class__\} is not a plain column name"),
+    CallCase("template-item-access", dict(prompt="{q[0]}"), r"\{q\[0\]\} is not a plain column name"),
+    CallCase("template-nested-attribute", dict(prompt="{q:{q.__class__.__init__}}"), "is not a plain column name"),
+    CallCase("template-nested-missing-column", dict(prompt="{q:>{width}}"), r"column\(s\) \['width'\] not in"),
+    CallCase("template-unknown-conversion", dict(prompt="{q!x}"), "unknown conversion !x"),
+    CallCase("template-lone-surrogate", dict(prompt="Q\ud800: {q}"), "not valid Unicode: lone surrogate"),
     CallCase("prompt-not-a-string", dict(prompt=3), "expected a column name or a template string, got int"),
     CallCase("max-tokens-zero", dict(sampling_params={"max_tokens": 0}), "max_tokens must be >= 1, got 0"),
     CallCase("max-tokens-negative", dict(sampling_params={"max_tokens": -1}), "max_tokens must be >= 1, got -1"),

@@ -108,6 +108,7 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     for i in inputs:
         if not isinstance(i, str):
             raise ValueError(f"{kind}: expected a column name or a template string, got {type(i).__name__}")
+        check_unicode(i, f"{kind}: the template or column name {i!r}")
     sampling, sampling_column = _sampling(sampling_params, columns, kind)
     structured = _structured(json_schema, choice, kind, sampling)
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
@@ -267,7 +268,10 @@ def _cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: pd.DataFrame) -
         try:
             if records is not None:
                 row = {k: _text(records[i][k], f"column {k!r}") for k in template_fields(spec)}
-                texts[i] = spec.format_map(row)
+                try:
+                    texts[i] = spec.format_map(row)
+                except ValueError as exc:  # a format spec this row's value does not fit
+                    raise ValueError(f"template {spec!r}: {exc}") from None
             else:
                 texts[i] = _text(values[i], f"column {spec!r}")
         except ValueError as exc:
