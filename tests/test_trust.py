@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dask
 import dask.dataframe as dd
 import jinja2
 import pandas as pd
@@ -88,6 +89,20 @@ def test_model_chat_template_is_sandboxed_in_dataframes(tiny_llama, tmp_path):
     out = df.llm.chat("c", model=str(path), sampling_params={"max_tokens": 2}, **ENGINE)
     assert out.generated_text.isna().all()
     assert all("chat template" in e and "unsafe" in e for e in out.llm_error)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("i", [2, 4, 8])
+def test_chat_template_argument_is_sandboxed_in_dataframes(tiny_llama, tmp_path, i):
+    marker = tmp_path / "MARKER"
+    df = pd.DataFrame({"c": pd.Series([[{"role": "user", "content": "hi"}]] * 2, dtype=object)})
+    with dask.config.set({"dataframe.convert-string": False}):  # keep the lists of messages as they are
+        ddf = dd.from_pandas(df, npartitions=2)
+    for frame in (df, ddf):
+        out = frame.llm.chat("c", chat_template=evil_templates(marker)[i], model=str(tiny_llama),
+                             sampling_params={"max_tokens": 2}, **ENGINE)
+        out = out.compute(scheduler="synchronous") if hasattr(out, "compute") else out
+        assert out.generated_text.isna().all() and all("unsafe" in e for e in out.llm_error)
     assert not marker.exists()
 
 

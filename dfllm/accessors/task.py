@@ -377,6 +377,9 @@ def _run_chat(df, task, llm, out) -> None:
             try:
                 if _is_null(conv):
                     raise ValueError("the conversation is null")
+                if isinstance(conv, str):
+                    raise ValueError("the conversation is a string, not a list of messages (on Dask, "
+                                     "'dataframe.convert-string' turns an object column of lists into strings)")
                 if hasattr(conv, "__iter__") and not isinstance(conv, (str, bytes, Mapping)):
                     conv = [dict(m) if isinstance(m, Mapping) else m for m in conv]
                 check_conversation(conv, i)
