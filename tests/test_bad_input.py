@@ -121,6 +121,7 @@ ROW_CASES = [
     RowCase("sp-top-p-above-one", {"top_p": 1.5}, "top_p must be in (0.0, 1.0]", "sampling"),
     RowCase("sp-stop-empty-string", {"stop": ["", "x"]}, "every stop string must be a non-empty str", "sampling"),
     RowCase("sp-unknown-field", {"temprature": 0.5}, "unknown field(s) ['temprature']", "sampling"),
+    RowCase("sp-null-field", {**SP, "top_p": None}, "top_p must be a number, got None", "sampling"),  # a parquet struct
     RowCase("sp-not-a-dict", "greedy please", "must be a dict of SamplingParams fields, got str", "sampling"),
     RowCase("sp-n-above-one", {"n": 2, "temperature": 1.0}, "n must be 1 in a dataframe", "sampling"),
     RowCase("sp-logprobs-past-vocab", {"logprobs": 10**9, **SP}, "logprobs=1000000000 exceeds the model's vocabulary",
@@ -224,6 +225,14 @@ def test_every_bad_row_in_one_frame(kw, alone):
             assert pd.isna(out.llm_error.iloc[i]) and out.generated_text.iloc[i] == alone("generate", v)
         else:
             assert cases[i // 2].error in out.llm_error.iloc[i]
+
+
+def test_null_sampling_params_row_means_defaults(kw):
+    """A null in a sampling-params column (None, NaN, NA) is no error: that row uses the defaults."""
+    df = pd.DataFrame({"q": GOOD + GOOD[:1], "sp": pd.Series([None, math.nan, pd.NA], dtype=object)})
+    out = df.llm.generate("q", sampling_params="sp", **kw)
+    assert out.llm_error.isna().all()
+    assert all(1 <= n <= SamplingParams().max_tokens for n in out.num_generated_tokens)
 
 
 # ---- frame shapes ---------------------------------------------------------------------------------------
