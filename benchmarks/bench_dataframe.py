@@ -63,6 +63,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import tempfile
 import threading
 import time
@@ -128,22 +129,28 @@ def engine_kwargs(args) -> dict:
 
 
 # ---- baseline: one LLM.generate in this process -----------------------------------------
-def run_baseline(questions: pd.DataFrame, args) -> dict:
-    """Rows/s of one ``LLM.generate`` over the rendered questions, and its texts."""
-    llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(**sampling(args))
-    warm = render(make_questions(4, seed=SEED + 1))
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    llm.reset_prefix_cache()
-    prompts = render(questions)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    texts = [o.outputs[0].text for o in outs]
-    del llm, outs
-    gc.collect()
-    return {"rows": len(prompts), "seconds": seconds, "rows_s": len(prompts) / seconds, "texts": texts,
-            "torch_threads": torch.get_num_threads()}
+class Baseline:
+    """One in-process engine, loaded and warmed once; ``run`` times ``LLM.generate`` over rows."""
+
+    def __init__(self, args):
+        self.llm = LLM(args.model, **engine_kwargs(args))
+        self.params = SamplingParams(**sampling(args))
+        warm = render(make_questions(4, seed=SEED + 1))
+        self.llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    def run(self, questions: pd.DataFrame) -> dict:
+        """Rows/s of one ``LLM.generate`` over the rendered questions (prefix cache emptied first)."""
+        self.llm.reset_prefix_cache()
+        prompts = render(questions)
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return {"rows": len(prompts), "seconds": seconds, "rows_s": len(prompts) / seconds,
+                "texts": [o.outputs[0].text for o in outs], "torch_threads": torch.get_num_threads()}
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
 
 
 # ---- worker memory ------------------------------------------------------------------------
@@ -251,26 +258,48 @@ def check_output(out_path: Path, rows: int, max_tokens: int, baseline_texts: lis
             "compared": compared}
 
 
-def measure_size(questions: pd.DataFrame, partitions: int, workdir: Path, tag: str,
-                 baseline_texts: list[str], args) -> dict:
-    """One dataset size on a fresh cluster: warm up, time the write, check it, shut down."""
-    in_path, out_path = workdir / f"in-{tag}", workdir / f"out-{tag}"
+def measure_size(questions: pd.DataFrame, partitions: int, workdir: Path, tag: str, args,
+                 baseline: Baseline | None = None, repeats: int = 1, reference: list[str] | None = None) -> dict:
+    """One dataset size on a fresh cluster: warm up, time the write ``repeats`` times (each
+    right after a baseline run when ``baseline`` is given, so both see the same machine
+    state), check the output, shut down. Seconds are medians; the ratio is the median of
+    the per-repeat ratios."""
+    in_path = workdir / f"in-{tag}"
     write_dataset(questions, in_path, partitions)
     cluster, client = start_cluster(args)
+    bases, timings = [], []
     try:
         state = warm_up_workers(client, args)
         pids = {w: s["pid"] for w, s in state.items()}
         idle_rss = {w: psutil.Process(pid).memory_info().rss for w, pid in pids.items()}
-        timed = run_dask(client, in_path, out_path, pids, args)
+        for r in range(repeats):
+            if baseline is not None:
+                bases.append(baseline.run(questions))
+                print(f"  baseline {r + 1}/{repeats}: {bases[-1]['rows_s']:.2f} rows/s", flush=True)
+            client.run(_worker_state)  # empty the workers' prefix caches, as the baseline's
+            timings.append(run_dask(client, in_path, workdir / f"out-{tag}-{r}", pids, args))
+            print(f"  dask {tag} {r + 1}/{repeats}: {len(questions) / timings[-1]['seconds']:.2f} rows/s", flush=True)
     finally:
         client.close()
         cluster.close()
-    check = check_output(out_path, len(questions), args.max_tokens, baseline_texts)
+    texts = bases[0]["texts"] if bases else (reference or [])
+    check = check_output(workdir / f"out-{tag}-0", len(questions), args.max_tokens, texts)
     rows = len(questions)
-    return {"tag": tag, "rows": rows, **timed, "rows_s": rows / timed["seconds"],
-            "peak_rss_max": max(timed["peak_rss"].values()), "idle_rss_max": max(idle_rss.values()),
-            "worker_torch_threads": sorted({s["torch_threads"] for s in state.values()}),
-            "engine_loads": sorted(s["engines"] for s in state.values()), **check}
+    seconds = statistics.median(t["seconds"] for t in timings)
+    peaks = {w: max(t["peak_rss"][w] for t in timings) for w in pids}
+    out = {"tag": tag, "rows": rows, "seconds": seconds, "rows_s": rows / seconds, "repeats": repeats,
+           "rows_s_runs": [rows / t["seconds"] for t in timings], "peak_rss": peaks,
+           "samples": sum(t["samples"] for t in timings), "partitions": timings[0]["partitions"],
+           "peak_rss_max": max(peaks.values()), "idle_rss_max": max(idle_rss.values()),
+           "worker_torch_threads": sorted({s["torch_threads"] for s in state.values()}),
+           "engine_loads": sorted(s["engines"] for s in state.values()), **check}
+    if bases:
+        base_seconds = statistics.median(b["seconds"] for b in bases)
+        out["baseline"] = {"rows": rows, "seconds": base_seconds, "rows_s": rows / base_seconds,
+                           "rows_s_runs": [b["rows_s"] for b in bases], "torch_threads": bases[0]["torch_threads"]}
+        out["ratio"] = statistics.median(b["seconds"] / t["seconds"] for b, t in zip(bases, timings))
+        out["texts"] = texts
+    return out
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -286,7 +315,9 @@ def print_report(base: dict, runs: list[dict], meta: dict) -> None:
         print(f"{'dask ' + r['tag']:<22}{r['rows']:>7}{r['partitions']:>7}{r['seconds']:>10.2f}{r['rows_s']:>10.2f}"
               f"{r['peak_rss_max'] / MiB:>14.0f}{threads:>11}{r['match']:>8.3f}")
     print()
-    print(f"throughput dask/baseline (1x): {one['rows_s'] / base['rows_s']:.2f}  (target >= 0.85)")
+    print(f"throughput dask/baseline (1x): {one['ratio']:.2f}  (median of {one['repeats']} alternating pairs; "
+          f"runs dask {', '.join(f'{x:.2f}' for x in one['rows_s_runs'])}, baseline "
+          f"{', '.join(f'{x:.2f}' for x in base['rows_s_runs'])} rows/s; target >= 0.85)")
     if one["worker_torch_threads"] != [base["torch_threads"]]:
         print(f"note: torch threads differ: baseline {base['torch_threads']}, workers "
               f"{one['worker_torch_threads']} (see --torch-threads)")
@@ -318,6 +349,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch threads for the baseline and each worker (default: torch's default here, "
                         "Dask's OMP_NUM_THREADS=1 on workers)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating baseline/Dask pairs for the 1x size")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     args = p.parse_args()
     if args.rows < args.partitions or args.partitions < 1:
@@ -341,17 +373,20 @@ def main() -> None:
           f"median {int(words.median())}), {args.max_tokens} tokens each, greedy"
           + ("" if args.skip_scale else f"; memory run: {len(questions)} rows in {args.partitions * scale} partitions"))
 
-    base = run_baseline(small, args)
-    print(f"baseline: {base['seconds']:.2f}s, {base['rows_s']:.2f} rows/s", flush=True)
+    baseline = Baseline(args)
     runs = []
     with tempfile.TemporaryDirectory(prefix="dfllm-bench-df-") as tmp:
-        sizes = [("1x", small, args.partitions)]
+        runs.append(measure_size(small, args.partitions, Path(tmp), "1x", args, baseline, args.repeats))
+        baseline.close()
+        base = runs[0]["baseline"]
+        r = runs[0]
+        print(f"1x: baseline {base['rows_s']:.2f} rows/s, dask {r['rows_s']:.2f} rows/s (medians of {args.repeats}), "
+              f"ratio {r['ratio']:.2f}; peak worker RSS {r['peak_rss_max'] / MiB:.0f} MiB", flush=True)
         if not args.skip_scale:
-            sizes.append((f"{scale}x", questions, args.partitions * scale))
-        for tag, df, parts in sizes:
-            runs.append(measure_size(df, parts, Path(tmp), tag, base["texts"], args))
+            runs.append(measure_size(questions, args.partitions * scale, Path(tmp), f"{scale}x", args,
+                                     reference=runs[0]["texts"]))
             r = runs[-1]
-            print(f"dask {tag}: {r['seconds']:.2f}s, {r['rows_s']:.2f} rows/s, "
+            print(f"dask {r['tag']}: {r['seconds']:.2f}s, {r['rows_s']:.2f} rows/s, "
                   f"peak worker RSS {r['peak_rss_max'] / MiB:.0f} MiB", flush=True)
 
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
@@ -363,9 +398,9 @@ def main() -> None:
         one = runs[0]
         figures = {
             "args": vars(args), "meta": meta,
-            "baseline": {k: v for k, v in base.items() if k != "texts"},
-            "dask": runs,
-            "throughput_ratio": one["rows_s"] / base["rows_s"],
+            "baseline": base,
+            "dask": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
+            "throughput_ratio": one["ratio"],
             "peak_rss_ratio": runs[1]["peak_rss_max"] / one["peak_rss_max"] if len(runs) > 1 else None,
         }
         with open(args.json, "w") as f:
