@@ -70,8 +70,10 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
                               workers=gpu_worker_specs(found, gpus_per_engine, threads), silence_logs=logging.ERROR)
         task_res = task_resources(gpus_per_engine, threads)
     else:
-        cluster = LocalCluster(n_workers=workers or 1, threads_per_worker=threads, processes=True,
-                               dashboard_address=dashboard, resources=resources, silence_logs=logging.ERROR)
+        n = workers or 1  # engines on one machine split its cores instead of each taking them all
+        cluster = LocalCluster(n_workers=n, threads_per_worker=threads, processes=True,
+                               dashboard_address=dashboard, resources=resources, silence_logs=logging.ERROR,
+                               env={"DFLLM_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))})
         task_res = None
     with cluster, Client(cluster) as client:
         yield client, task_res
