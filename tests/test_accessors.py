@@ -292,3 +292,18 @@ def test_custom_chat_template_in_accessor_and_processor(kw):
     assert got["generated_text"].tolist() == [r.outputs[0].text for r in ref]
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['chat_template'\]"):
         df.llm.generate("conv", chat_template=template, **kw)  # refused at call time, not by LLM(...)
+
+
+def test_conversations_stored_as_text(kw):
+    """JSON text (CSV inputs) and the strings Dask's convert-string makes of a column of lists
+    are read back as conversations, and give the same replies as the lists themselves."""
+    convs = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "It's 'quoted' \"text\"."}]]
+    ref = pd.DataFrame({"c": convs}).llm.chat("c", sampling_params=SP, **kw)["generated_text"].tolist()
+    import json
+
+    as_json = pd.DataFrame({"c": [json.dumps(c) for c in convs]}).llm.chat("c", sampling_params=SP, **kw)
+    assert as_json["generated_text"].tolist() == ref and as_json["llm_error"].isna().all()
+    converted = dd.from_pandas(pd.DataFrame({"c": convs}), npartitions=1)  # convert-string: lists -> strings
+    assert str(converted["c"].dtype) == "string"
+    got = converted.llm.chat("c", sampling_params=SP, **kw).compute(scheduler="sync")
+    assert got["generated_text"].tolist() == ref and got["llm_error"].isna().all()

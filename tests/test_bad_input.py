@@ -109,7 +109,8 @@ ROW_CASES = [
     RowCase("chat-content-surrogate", [{"role": "user", "content": "hi \ud83d"}], "content is not valid Unicode", "chat"),
     RowCase("chat-message-not-dict", ["hello"], "a message must be a dict, got str", "chat"),
     RowCase("chat-empty-conversation", [], "must be a non-empty list of messages", "chat"),
-    RowCase("chat-string-not-conversation", "hello", "the conversation is a string, not a list of messages", "chat"),
+    RowCase("chat-string-not-conversation", "hello", "the conversation is a string that is neither JSON nor a list", "chat"),
+    RowCase("chat-string-holding-a-dict", '{"role": "user"}', "the conversation is a string holding dict", "chat"),
     RowCase("chat-null-conversation", None, "the conversation is null", "chat"),
     RowCase("chat-past-context-length", [{"role": "user", "content": LONG}], "longer than max_model_len=64", "chat"),
     # a column of per-row sampling params (dicts)

@@ -9,6 +9,7 @@ conversation, invalid per-row sampling params) get a null output and a message i
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -378,8 +379,7 @@ def _run_chat(df, task, llm, out) -> None:
                 if _is_null(conv):
                     raise ValueError("the conversation is null")
                 if isinstance(conv, str):
-                    raise ValueError("the conversation is a string, not a list of messages (on Dask, "
-                                     "'dataframe.convert-string' turns an object column of lists into strings)")
+                    conv = _conversation_text(conv)
                 if hasattr(conv, "__iter__") and not isinstance(conv, (str, bytes, Mapping)):
                     conv = [dict(m) if isinstance(m, Mapping) else m for m in conv]
                 check_conversation(conv, i)
@@ -393,6 +393,24 @@ def _run_chat(df, task, llm, out) -> None:
         except Exception as exc:  # a template that cannot render this conversation
             _row_error(task, out, i, f"chat template: {exc}")
     _generate(df, task, llm, out, prompts)
+
+
+def _conversation_text(text: str) -> list:
+    """A conversation stored as text: JSON (CSV/JSON inputs), or the Python literal Dask's
+    ``dataframe.convert-string`` leaves of a column of lists (read as data with
+    ``ast.literal_eval``: literals only, nothing is evaluated)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise ValueError("the conversation is a string that is neither JSON nor a list of messages "
+                             "(on Dask, 'dataframe.convert-string' turns an object column of lists into "
+                             "strings)") from None
+    if not isinstance(value, list):
+        raise ValueError(f"the conversation is a string holding {type(value).__name__}, not a list of messages")
+    return value
 
 
 def _run_embed(df, task, llm, out) -> None:
