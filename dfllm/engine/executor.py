@@ -20,9 +20,10 @@ import multiprocessing as mp
 import os
 import pickle
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -96,7 +97,8 @@ class ParallelExecutor:
     def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list]:
         """One step on every rank; the logits (float32, CPU) of the rows that sample."""
         self._check_alive()
-        micro = [self.driver.prepare(part, torch.device("cpu")) for part in _micro_batches(sched, self.cfg.pipeline_parallel_size)]
+        parts = _micro_batches(sched, self.cfg.pipeline_parallel_size)
+        micro = [self.driver.prepare(part, torch.device("cpu")) for part in parts]
         sample_seqs = [s for mb in micro for s in mb.sample_seqs]
         shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, []) for mb in micro]
         zero, self._zero = self._zero, []

@@ -103,7 +103,8 @@ class ModelRunner:
             budget = kv_cache.cuda_kv_budget(self.device, gpu_memory_utilization)
         else:
             most = max_num_seqs * (self.max_model_len + self.block_size) * self.block_bytes // self.block_size
-            budget = kv_cache.cpu_kv_budget(most)
+            ranks = 1 if self.parallel is None else self.parallel.config.world_size
+            budget = kv_cache.cpu_kv_budget(most * ranks) // ranks  # the ranks share the host's memory
         return max(0, budget // self.block_bytes)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -60,40 +60,55 @@ def dumps_step(obj) -> bytes:
 def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor | None:
     """This rank's part of one step over its micro-batches; on rank 0 the logits (float32,
     on CPU) of the sampled rows of all micro-batches, in order; None elsewhere."""
-    ctx, model = runner.parallel, runner.model
-    hidden_size, vocab = runner.config.hidden_size, runner.config.vocab_size
-    pending: list = []  # sends in flight, with the tensors they read
+    ctx = runner.parallel
+    pending: list = []  # sends in flight, with the tensors they read (kept alive until done)
     logits: list[torch.Tensor] = []
     for i, mb in enumerate(micro):
         mb = move_inputs(mb, runner.device)
-        intermediate = None
-        if not ctx.is_first_stage:
-            shape = (mb.input_ids.numel(), hidden_size)
-            prev = ctx.pp_rank - 1
-            intermediate = tuple(ctx.pp.recv(shape, runner.dtype, runner.device, prev, 2 * i + k) for k in (0, 1))
-        out = model(mb.input_ids, mb.positions, mb.meta, intermediate)
+        out = runner.model(mb.input_ids, mb.positions, mb.meta, _receive_hidden(runner, mb, i))
         if not ctx.is_last_stage:
             for k, t in enumerate(out):
                 t = t.contiguous()
                 pending.append((ctx.pp.send(t, ctx.pp_rank + 1, 2 * i + k), t))
             continue
-        rows = mb.logit_rows.numel()
-        part = model.compute_logits(out[mb.logit_rows]).float() if rows else out.new_empty(0, vocab, dtype=torch.float32)
+        part = _logits(runner, out, mb.logit_rows)
         if ctx.is_driver:
             logits.append(part)
-        elif ctx.tp_rank == 0 and rows:
-            pending.append((ctx.pp.send(part, 0, 1_000_000 + i), part))
+        elif ctx.tp_rank == 0 and part.numel():  # the last stage's first rank answers rank 0
+            pending.append((ctx.pp.send(part, 0, LOGITS_TAG + i), part))
     if ctx.is_driver and not ctx.is_last_stage:
-        last = ctx.pp_size - 1
-        for i, mb in enumerate(micro):
-            rows = mb.logit_rows.numel()
-            logits.append(ctx.pp.recv((rows, vocab), torch.float32, runner.device, last, 1_000_000 + i)
-                          if rows else torch.empty(0, vocab))
+        logits = [_receive_logits(runner, mb, i) for i, mb in enumerate(micro)]
     for work, _ in pending:
         work.wait()
     if not ctx.is_driver:
         return None
-    return torch.cat([t.cpu() for t in logits]) if logits else torch.empty(0, vocab)
+    return torch.cat([t.cpu() for t in logits]) if logits else torch.empty(0, runner.config.vocab_size)
+
+
+LOGITS_TAG = 1_000_000  # pipeline tags: 2i and 2i + 1 carry micro-batch i's hidden states and residual
+
+
+def _receive_hidden(runner: ModelRunner, mb: StepInputs, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Micro-batch ``i``'s hidden states and residual from the previous stage (None on the first)."""
+    ctx = runner.parallel
+    if ctx.is_first_stage:
+        return None
+    shape = (mb.input_ids.numel(), runner.config.hidden_size)
+    return tuple(ctx.pp.recv(shape, runner.dtype, runner.device, ctx.pp_rank - 1, 2 * i + k) for k in (0, 1))
+
+
+def _logits(runner: ModelRunner, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if rows.numel() == 0:
+        return torch.empty(0, runner.config.vocab_size, device=runner.device)
+    return runner.model.compute_logits(hidden[rows]).float()
+
+
+def _receive_logits(runner: ModelRunner, mb: StepInputs, i: int) -> torch.Tensor:
+    rows, vocab = mb.logit_rows.numel(), runner.config.vocab_size
+    if rows == 0:
+        return torch.empty(0, vocab)
+    return runner.parallel.pp.recv((rows, vocab), torch.float32, runner.device, runner.parallel.pp_size - 1,
+                                   LOGITS_TAG + i)
 
 
 def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
