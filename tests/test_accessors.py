@@ -307,3 +307,27 @@ def test_conversations_stored_as_text(kw):
     assert str(converted["c"].dtype) == "string"
     got = converted.llm.chat("c", sampling_params=SP, **kw).compute(scheduler="sync")
     assert got["generated_text"].tolist() == ref and got["llm_error"].isna().all()
+
+
+def test_nested_arrow_columns_read_back_from_dask_to_parquet(tmp_path):
+    """pandas records nested Arrow dtypes in parquet metadata under names its own reader did
+    not parse; with dfllm imported, Dask's own to_parquet output reads back typed."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dfllm.accessors.arrow_dtypes import parse_arrow_type
+
+    for t in [pa.list_(pa.float32()), pa.large_list(pa.string()), pa.list_(pa.timestamp("ns")),
+              pa.struct([("name", pa.string()), ("n", pa.int64()), ("tags", pa.list_(pa.string())),
+                         ("inner", pa.struct([pa.field("x", pa.bool_(), nullable=False)]))])]:
+        assert parse_arrow_type(str(t)) == t
+    with pytest.raises(TypeError):
+        pd.api.types.pandas_dtype("list<item: nonsense>[pyarrow]")
+
+    texts = pd.DataFrame({"t": ["a cat", "a dog", None]})
+    dd.from_pandas(texts, npartitions=2).llm.embed("t").to_parquet(tmp_path / "emb")
+    for frame in (pd.read_parquet(tmp_path / "emb"), dd.read_parquet(tmp_path / "emb").compute()):
+        assert str(frame["embedding"].dtype) == "list<item: float>[pyarrow]"
+        ref = texts.llm.embed("t")["embedding"]
+        np.testing.assert_allclose(np.array(frame["embedding"].iloc[0]), np.array(ref.iloc[0]), atol=1e-6)
+        assert frame["embedding"].isna().tolist() == [False, False, True]
