@@ -12,15 +12,24 @@ describe a city as JSON, rendered with the chat template. Greedy decoding in flo
   dynamics and the difference is the cost of the masks (bitmask fill, mask application,
   matcher advance) per step.
 
+On a machine where other processes compete for the cores, pass ``--threads 1``: torch's
+OpenMP team oversubscribed by other jobs ran 20x slower there and the figures were noise.
+
 The two alternate ``--repeats`` times (after one warm-up of each, which also compiles the
 schema; the prefix cache is reset before each timed run) and the script prints the median
 throughput of each and their ratio (constrained / unconstrained). A last run with a
 realistic schema (one city record, which ends when complete) reports its throughput and how
 many outputs parsed and validated.
 
+Because wall-clock throughput on a shared machine is noisy, the script also replays the
+constrained run's tokens through fresh matchers, batch by batch as the engine does (bitmask
+fill, mask applied to a full-vocabulary logits row, token accepted), and prints that grammar
+work in microseconds per generated token: a figure that does not depend on the model.
+
 Run (from the repository root)::
 
-    python benchmarks/bench_structured.py                 # about 1-2 minutes on 2 CPU cores
+    python benchmarks/bench_structured.py                 # about 2 minutes on 2 CPU cores
+    python benchmarks/bench_structured.py --threads 1     # on a machine shared with other jobs
     python benchmarks/bench_structured.py --num-prompts 8 --max-tokens 16 --repeats 1   # quick check
 """
 
@@ -36,6 +45,7 @@ import time
 import torch
 
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
+from dfllm.engine.structured import apply_masks
 
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Rome", "Seoul", "Accra", "Perth", "Hanoi",
           "Dakar", "Sofia", "Riga", "Bogota"]
@@ -75,6 +85,23 @@ def timed(llm: LLM, batch: list[dict], params: SamplingParams) -> tuple[float, i
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs), outs
 
 
+def grammar_us_per_token(llm: LLM, outs: list, structured: StructuredOutputsParams) -> float:
+    """Replay ``outs`` through fresh matchers as one batch: grammar work per token, in microseconds."""
+    compiler = llm.engine._grammar_compiler()
+    grammars = [compiler.matcher(structured) for _ in outs]
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logits = torch.zeros(len(outs), llm.config.hf_config.vocab_size)
+    start, n = time.perf_counter(), 0
+    for t in range(max(map(len, tokens))):
+        live = [g if t < len(ids) else None for g, ids in zip(grammars, tokens)]
+        apply_masks(logits, live)
+        for g, ids in zip(live, tokens):
+            if g is not None:
+                assert g.accept(ids[t])
+                n += 1
+    return (time.perf_counter() - start) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -103,6 +130,7 @@ def main() -> None:
             if name == "json schema":
                 assert all(o.outputs[0].structured_output_complete is False for o in outs)
                 assert all(o.outputs[0].text.startswith("[{") for o in outs)
+                constrained_outs = outs
 
     real = SamplingParams(temperature=0.0, max_tokens=4 * args.max_tokens,
                           structured_outputs=StructuredOutputsParams(json=CITY))
@@ -125,6 +153,9 @@ def main() -> None:
         singles = ", ".join(f"{r:.1f}" for r in rates[key])
         print(f"{name:<34}{tokens[key]:>8}{rate:>10.1f}   {singles}")
     print(f"{'ratio (json schema / unconstrained)':<42}{json_rate / free_rate:>10.3f}x")
+    us = grammar_us_per_token(llm, constrained_outs, constrained.structured_outputs)
+    print(f"grammar work (bitmask fill + mask + accept), replayed: {us:.0f} us per generated token = "
+          f"{us * 1e-6 * free_rate:.1%} of an unconstrained token's time at the measured rate")
     print(f"realistic schema (one record, ends when complete): {n} tokens, {n / seconds:.1f} tokens/s, "
           f"{valid}/{len(outs)} outputs complete and valid")
 
