@@ -76,6 +76,21 @@ def test_per_row_sampling_params_column(kw):
     assert "temperature" in out.llm_error[2]
 
 
+def test_sampling_struct_column_from_parquet(kw, tmp_path):
+    """Read back from parquet, a column of dicts is a struct with every field in every row;
+    a null field is one that row did not set."""
+    rows = [{"temperature": 0.0, "max_tokens": 2}, {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
+            {"max_tokens": 3, "temperature": 0.0, "stop": ["zzz"]}]
+    pd.DataFrame({"q": ["a b c", "d e f", "g h"], "sp": rows}).to_parquet(tmp_path / "in.parquet")
+    back = pd.read_parquet(tmp_path / "in.parquet")
+    assert back["sp"].iloc[0]["ignore_eos"] is None  # what parquet gives
+    out = back.llm.generate("q", sampling_params="sp", **kw)
+    assert out["llm_error"].isna().all()
+    llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
+    ref = llm.generate(["a b c", "d e f", "g h"], [SamplingParams(**r) for r in rows], use_tqdm=False)
+    assert out["generated_text"].tolist() == [r.outputs[0].text for r in ref]
+
+
 def test_chat_column_and_template(kw):
     df = pd.DataFrame({"conv": [[{"role": "user", "content": "Hi"}], [{"role": "wizard", "content": "x"}],
                                 "not a conversation"], "q": ["Hi", "Hello", None]})

@@ -122,7 +122,6 @@ ROW_CASES = [
     RowCase("sp-top-p-above-one", {"top_p": 1.5}, "top_p must be in (0.0, 1.0]", "sampling"),
     RowCase("sp-stop-empty-string", {"stop": ["", "x"]}, "every stop string must be a non-empty str", "sampling"),
     RowCase("sp-unknown-field", {"temprature": 0.5}, "unknown field(s) ['temprature']", "sampling"),
-    RowCase("sp-null-field", {**SP, "top_p": None}, "top_p must be a number, got None", "sampling"),  # a parquet struct
     RowCase("sp-not-a-dict", "greedy please", "must be a dict of SamplingParams fields, got str", "sampling"),
     RowCase("sp-n-above-one", {"n": 2, "temperature": 1.0}, "n must be 1 in a dataframe", "sampling"),
     RowCase("sp-logprobs-past-vocab", {"logprobs": 10**9, **SP}, "logprobs=1000000000 exceeds the model's vocabulary",

@@ -293,7 +293,8 @@ def _row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, S
             elif not isinstance(value, Mapping):
                 raise ValueError(f"must be a dict of SamplingParams fields, got {type(value).__name__}")
             else:
-                row = SamplingParams.from_dict(dict(value))
+                # null fields are unset (a parquet struct column has every field in every row)
+                row = SamplingParams.from_dict({k: v for k, v in dict(value).items() if not _is_null(v)})
                 if row.n != 1:
                     raise ValueError("n must be 1 in a dataframe (one output per row)")
                 params[i] = row
