@@ -63,11 +63,13 @@ class ParallelExecutor:
         self.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
         self.failure: str | None = None
         self._zero: list[int] = []
+        _check_devices(cfg.device, self.world_size)
         self.threads = _threads_per_rank(cfg.device, self.world_size)
         store = create_store(self.world_size)
         self.workers = _spawn(cfg, store.port, self.threads, self.world_size)
         self._finalizer = weakref.finalize(self, _stop, self.workers)
         try:
+            self._gather_replies()  # every rank started (a rank failing to import fails here, not in a timeout)
             self.driver: ModelRunner = build_runner(cfg, 0, store, cfg.device)
             self._gather_replies()
         except BaseException as exc:
@@ -287,6 +289,16 @@ def _stop(workers: list[_Rank]) -> None:
             w.process.kill()
             w.process.join()
         w.conn.close()
+
+
+def _check_devices(device: torch.device, world_size: int) -> None:
+    """On CUDA each rank needs a GPU of its own, from the engine's device on."""
+    if device.type != "cuda":
+        return
+    available = torch.cuda.device_count() - (device.index or 0)
+    if world_size > available:
+        raise ValueError(f"tensor_parallel_size * pipeline_parallel_size = {world_size} ranks need {world_size} "
+                         f"GPUs from {device} on; {available} are visible")
 
 
 def _threads_per_rank(device: torch.device, world_size: int) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -151,10 +152,11 @@ def worker_main(conn: Connection, cfg: EngineConfig, rank: int, port: int, paren
         torch.set_num_threads(threads)
     try:
         store = connect_store(port, cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
+        _reply(conn, "ok", "connected")  # imports done: the driver may now wait in the rendezvous
         runner = build_runner(cfg, rank, store, rank_device(cfg.device, rank))
     except BaseException:
         _reply(conn, "error", traceback.format_exc())
-        return
+        sys.exit(1)
     _reply(conn, "ok", os.getpid())
     while True:
         try:
