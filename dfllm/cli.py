@@ -53,6 +53,10 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="per-row sampling seed (reproducible sampled text)")
     p.add_argument("--max-model-len", type=int, help="the engine's context length")
+    p.add_argument("--json-schema", help="generate/chat: constrain output to a JSON schema (JSON text or a "
+                   ".json file); the output column is a struct of its fields")
+    p.add_argument("--choice", help="generate/chat: constrain output to one of these comma-separated values "
+                   "(a categorical column)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
     size.add_argument("--npartitions", type=int, help="number of partitions")
@@ -115,15 +119,38 @@ def build_job(args):
     ddf = repartition(ddf, partition_size=args.partition_size, npartitions=args.npartitions)
     first = args.prompt or _default_input(args.task, ddf.columns)
     common = {"model": args.model, "on_error": args.on_error, **engine_kwargs_from(args)}
+    constraint = structured_from(args)
     if args.task == "score":
         return ddf.llm.score(first, args.right or "text_2", **common)
     if args.task in ("embed", "classify"):
         return getattr(ddf.llm, args.task)(first, **common)
     if args.task == "chat":
-        return ddf.llm.chat(first, system=args.system, sampling_params=sampling, **common)
+        return ddf.llm.chat(first, system=args.system, sampling_params=sampling, **constraint, **common)
     if args.system:
         raise ValueError("--system applies to --task chat")
-    return ddf.llm.generate(first, sampling_params=sampling, **common)
+    return ddf.llm.generate(first, sampling_params=sampling, **constraint, **common)
+
+
+def structured_from(args) -> dict:
+    """``json_schema=``/``choice=`` for the accessor from ``--json-schema``/``--choice``."""
+    if (args.json_schema or args.choice) and args.task not in ("generate", "chat"):
+        raise ValueError("--json-schema and --choice apply to --task generate or chat")
+    if args.json_schema and args.choice:
+        raise ValueError("give either --json-schema or --choice, not both")
+    if args.choice:
+        return {"choice": [c.strip() for c in args.choice.split(",") if c.strip()]}
+    if args.json_schema:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            if not path.is_file():
+                raise ValueError(f"--json-schema: {text!r} is neither JSON text nor a file")
+            text = path.read_text()
+        try:
+            return {"json_schema": json.loads(text)}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema: not valid JSON ({exc})") from None
+    return {}
 
 
 def _default_input(task: str, columns) -> str:

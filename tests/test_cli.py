@@ -189,3 +189,29 @@ def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp
         assert not (tmp_path / "out2").exists()
     finally:
         cluster.close()
+
+
+def test_structured_outputs_from_the_command_line(cli_cluster, tiny_llama, questions, tmp_path):
+    path, _ = questions
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer", "n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    common = ["--prompt", "{q}", "--model", str(tiny_llama), "--max-model-len", "128", "--npartitions", "2",
+              "--scheduler", cli_cluster.address]
+    ok(dfllm("run", str(path), str(tmp_path / "json"), "--json-schema", str(tmp_path / "schema.json"),
+             "--max-tokens", "64", *common))
+    out = pd.read_parquet(tmp_path / "json", dtype_backend="pyarrow")
+    assert str(out["generated_text"].dtype).startswith("struct<answer: string, n: int64>")
+    done = out[out["llm_error"].isna()]
+    assert len(done) >= 1 and all(0 <= v["n"] <= 99 for v in done["generated_text"])
+    assert out.loc[out["q"].isna(), "llm_error"].str.contains("null").all()
+    unfinished = out[out["llm_error"].notna() & out["q"].notna()]
+    assert unfinished["generated_text"].isna().all()  # never a partial JSON in the column
+
+    ok(dfllm("run", str(path), str(tmp_path / "choice"), "--choice", "yes,no", "--max-tokens", "4", *common))
+    labels = pd.read_parquet(tmp_path / "choice")["generated_text"].dropna()
+    assert len(labels) == 9 and set(labels) <= {"yes", "no"}
+
+    bad = dfllm("run", str(path), str(tmp_path / "bad"), "--json-schema", "{nope", *common)
+    assert bad.returncode == 1 and "--json-schema: not valid JSON" in bad.stderr

@@ -293,3 +293,20 @@ def test_dask_meta_is_exact_and_polars_types(frame, kw):
     assert collected.schema["generated_text"] == pl.Enum(["yes", "no"])
     expr = pdf.with_columns(pl.col("q").llm.generate(json_schema=Item, sampling_params=SP, **kw).alias("a"))
     assert expr.schema["a"] == out.schema["generated_text"] and expr["a"].to_list() == out["generated_text"].to_list()
+
+
+def test_a_value_the_column_type_cannot_hold_is_that_rows_error():
+    """JSON integers are unbounded; a completed output whose integer is past int64 gets an
+    llm_error naming the column type instead of failing the partition."""
+    from dfllm.accessors.task import _structured_value, make_task
+    from dfllm.outputs import CompletionOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    task = make_task("generate", ("q",), ["q"], output_column="out", json_schema=schema)
+    dtype = task.output_dtypes()["out"]
+    fits = CompletionOutput(0, '{"n": 42}', [1], None, None, "stop", structured_output_complete=True)
+    assert _structured_value(task, fits, dtype) == {"n": 42}
+    huge = CompletionOutput(0, '{"n": 123456789012345678901234567890}', [1], None, None, "stop",
+                            structured_output_complete=True)
+    with pytest.raises(ValueError, match=r"does not fit the column type struct<n: int64>"):
+        _structured_value(task, huge, dtype)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
+import pyarrow as pa
 
 from dfllm.accessors.engines import generate_shared, get_engine
 from dfllm.accessors.schema import output_dtypes, to_arrow_value
@@ -358,7 +359,13 @@ def _structured_value(task: LLMTask, c, dtype):
         value = json.loads(c.text)
     except ValueError as exc:
         raise ValueError(f"structured output is not valid JSON ({exc}): {c.text[:200]!r}") from None
-    return to_arrow_value(value, dtype.pyarrow_dtype)
+    typed = to_arrow_value(value, dtype.pyarrow_dtype)
+    try:  # e.g. an integer past int64: this row's error, not the partition's
+        pa.array([typed], type=dtype.pyarrow_dtype)
+    except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+        raise ValueError(f"structured output does not fit the column type {dtype.pyarrow_dtype} "
+                         f"({type(exc).__name__}: {exc}): {c.text[:200]!r}") from None
+    return typed
 
 
 def _run_generate(df, task, llm, out) -> None:
