@@ -3,18 +3,26 @@
 On a Dask worker the process is the worker, so each worker loads a model once however many
 partitions it runs; without a distributed client the calling process holds the engine.
 Generation from concurrent tasks of one worker (threads) shares the engine's continuous
-batches: each task hands its rows to the engine's driver thread, which steps the engine for
-everyone. Pooling calls run one at a time under the engine's lock. A generative engine's
-``dfllm_`` metrics join the process's default Prometheus registry, which a Dask worker
-serves on ``/metrics``.
+batches: each task hands its rows to the process's driver thread, which steps the engine
+for everyone. A generative engine's ``dfllm_`` metrics join the process's default
+Prometheus registry, which a Dask worker serves on ``/metrics``.
+
+All torch work of the accessors runs on that one driver thread: building engines, stepping
+them, and pooling calls (``embed``, ``score``, ``classify``). With OpenMP, every thread
+that runs a parallel region keeps its own team of worker threads; once there are more of
+those than cores, libgomp stops spinning between regions and each small op pays a futex
+wake-up (a decode step ran 30-40% slower in a Dask worker whose engine was built on one
+task thread and stepped on another). One thread, one team.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -32,15 +40,16 @@ def engine_key(model, engine_kwargs: dict) -> tuple:
 
 
 def get_engine(model, engine_kwargs: dict) -> tuple[LLM, threading.Lock]:
-    """The process's engine for ``(model, engine_kwargs)`` and its lock, created on first use."""
+    """The process's engine for ``(model, engine_kwargs)`` and its lock, created on first use
+    (on the driver thread)."""
     global _loads
     key = engine_key(model, engine_kwargs)
     with _guard:
-        use_worker_threads()
         if key not in _engines:
             if worker_thread_count() is not None:
                 _keep_torch_buffers_on_the_heap()
-            llm = LLM(model, **engine_kwargs)
+                _stop_dask_profiler()
+            llm = driver().call(lambda: LLM(model, **engine_kwargs))
             if llm.engine is not None:
                 expose(llm.engine.metrics.registry)
             _engines[key] = (llm, threading.Lock())
@@ -59,25 +68,47 @@ class Submission:
         self.done = False
 
 
-class EngineDriver:
-    """One thread per engine that steps it for every task of the process.
+class EngineQueue:
+    """One engine's rows: handed over and not yet queued, and queued but not finished."""
 
-    Tasks hand over their rows and wait; the driver queues whatever has arrived before each
-    step, so concurrent partitions share continuous batches. Stepping from one thread also
-    keeps one OpenMP thread team busy instead of one per Dask executor thread.
+    def __init__(self, llm: LLM, lock: threading.Lock):
+        self.llm, self.lock = llm, lock
+        self.pending: list[Submission] = []
+        self.active: list[Submission] = []
+
+    def busy(self) -> bool:
+        return bool(self.pending) or self.llm.engine.has_unfinished()
+
+
+class Driver:
+    """The thread that runs all of the process's accessor torch work.
+
+    Tasks hand over rows (``generate``) or whole calls (``call``) and wait; before each step
+    the driver runs the calls that arrived and queues the rows, so concurrent partitions
+    share continuous batches.
     """
 
-    def __init__(self, llm: LLM, lock: threading.Lock, threads: int | None):
-        self.llm, self.lock, self.threads = llm, lock, threads
+    def __init__(self, threads: int | None):
+        self.threads = threads
         self.cv = threading.Condition()
-        self.pending: list[Submission] = []
-        self.active: list[Submission] = []  # queued in the engine, not yet finished
+        self.calls: list[tuple[Callable, concurrent.futures.Future]] = []
+        self.queues: dict[int, EngineQueue] = {}
         threading.Thread(target=self._loop, name="dfllm-engine", daemon=True).start()
 
-    def generate(self, prompts: list[dict], params: list, progress: bool = False) -> list:
+    def call(self, fn: Callable):
+        """``fn()`` run on the driver thread; its result, or its exception raised here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cv:
+            self.calls.append((fn, future))
+            self.cv.notify_all()
+        return future.result()
+
+    def generate(self, llm: LLM, lock: threading.Lock, prompts: list[dict], params: list,
+                 progress: bool = False) -> list:
         sub = Submission(prompts, params)
         with tqdm(total=len(prompts), desc="llm rows", unit="row", disable=not progress) as bar, self.cv:
-            self.pending.append(sub)
+            queue = self.queues.setdefault(id(llm), EngineQueue(llm, lock))
+            queue.pending.append(sub)
             self.cv.notify_all()
             while sub.error is None and not sub.done:  # the driver notifies after every step
                 self.cv.wait()
@@ -85,73 +116,92 @@ class EngineDriver:
                     bar.update(sub.finished - bar.n)
         if sub.error is not None:
             raise sub.error
-        with self.lock:
-            return [self.llm._done.pop(i) for i in sub.ids]
+        with lock:
+            return [llm._done.pop(i) for i in sub.ids]
 
     def _loop(self) -> None:
         if self.threads:
             _set_threads(self.threads)
         while True:
             with self.cv:
-                self.cv.wait_for(lambda: self.pending or self.llm.engine.has_unfinished())
-                subs, self.pending = self.pending, []
-            with self.lock:
-                for sub in subs:
-                    try:
-                        sub.ids = self.llm._add_requests(*self.llm._tokenize(sub.prompts, sub.params, "generate"))
-                        self.active.append(sub)
-                    except Exception as exc:  # reported to the task that submitted these rows
-                        sub.error = exc
-                if self.llm.engine.has_unfinished():
-                    try:
-                        self.llm._step_and_collect()
-                    except Exception as exc:  # a failed step must not kill this thread: tasks would wait forever
-                        self.llm.engine.scheduler.abort_all()
-                        for sub in self.active:
-                            sub.error = RuntimeError(f"the engine failed while generating these rows: {exc!r}")
-                            for rid in sub.ids:
-                                self.llm._done.pop(rid, None)
-                for sub in self.active:
-                    sub.finished = sum(i in self.llm._done for i in sub.ids)
-                    sub.done = sub.error is None and sub.finished == len(sub.ids)
-                self.active = [s for s in self.active if not s.done and s.error is None]
+                self.cv.wait_for(lambda: self.calls or any(q.busy() for q in self.queues.values()))
+                calls, self.calls = self.calls, []
+                work = [(q, q.pending) for q in self.queues.values() if q.busy()]
+                for q, _ in work:
+                    q.pending = []
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+            for queue, subs in work:
+                _step(queue, subs)
             with self.cv:
                 self.cv.notify_all()
 
 
-_drivers: dict[int, EngineDriver] = {}
+def _step(queue: EngineQueue, subs: list[Submission]) -> None:
+    """Queue newly handed-over rows and run one step of ``queue``'s engine."""
+    llm = queue.llm
+    with queue.lock:
+        for sub in subs:
+            try:
+                sub.ids = llm._add_requests(*llm._tokenize(sub.prompts, sub.params, "generate"))
+                queue.active.append(sub)
+            except Exception as exc:  # reported to the task that submitted these rows
+                sub.error = exc
+        if llm.engine.has_unfinished():
+            try:
+                llm._step_and_collect()
+            except Exception as exc:  # a failed step must not kill this thread: tasks would wait forever
+                llm.engine.scheduler.abort_all()
+                for sub in queue.active:
+                    sub.error = RuntimeError(f"the engine failed while generating these rows: {exc!r}")
+                    for rid in sub.ids:
+                        llm._done.pop(rid, None)
+        for sub in queue.active:
+            sub.finished = sum(i in llm._done for i in sub.ids)
+            sub.done = sub.error is None and sub.finished == len(sub.ids)
+        queue.active = [s for s in queue.active if not s.done and s.error is None]
+
+
+_driver: Driver | None = None
+_driver_guard = threading.Lock()
+
+
+def driver() -> Driver:
+    """The process's driver thread, started on first use."""
+    global _driver
+    with _driver_guard:
+        if _driver is None:
+            _driver = Driver(worker_thread_count())
+        return _driver
 
 
 def generate_shared(llm: LLM, lock: threading.Lock, prompts: list[dict], params: list,
                     progress: bool = False) -> list:
     """``llm.generate`` for one task, batched with whatever other tasks have queued;
     ``progress`` shows a bar over its rows."""
-    with _guard:
-        if id(llm) not in _drivers:
-            _drivers[id(llm)] = EngineDriver(llm, lock, worker_thread_count())
-        driver = _drivers[id(llm)]
-    return driver.generate(prompts, params, progress)
+    return driver().generate(llm, lock, prompts, params, progress)
 
 
-def use_worker_threads() -> None:
-    """On a Dask worker, let torch use all of the worker's threads, in the calling thread.
+class OnDriver:
+    """``llm`` as pooling tasks see it: its methods run on the driver thread."""
 
-    With OpenMP the thread count is a per-thread setting, and Dask runs tasks on its own
-    executor threads, so every task sets it before computing.
+    def __init__(self, llm: LLM):
+        self._llm = llm
 
-    Dask starts workers with ``OMP_NUM_THREADS=1`` so that parallel tasks do not
-    oversubscribe the cores; but a worker's LLM tasks take turns on one engine, so the
-    engine should use every core the worker was given (capped at the machine's cores: a
-    worker may be given more threads than cores so that more partitions feed its engine
-    at once). ``DFLLM_NUM_THREADS`` overrides.
-    """
-    n = worker_thread_count()
-    if n:
-        _set_threads(n)
+    def __getattr__(self, name: str):
+        attr = getattr(self._llm, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: driver().call(lambda: attr(*args, **kwargs))
 
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 * 2**20
+TRIM_THRESHOLD_BYTES = 256 * 2**20
 
 
 def _keep_torch_buffers_on_the_heap() -> None:
@@ -161,14 +211,39 @@ def _keep_torch_buffers_on_the_heap() -> None:
     also freezes glibc's mmap threshold at 128 KiB, so every activation buffer torch
     allocates is a fresh ``mmap`` whose pages fault in again on each step: the engine ran
     1.5x slower in a worker than in a plain process. Raising the mmap threshold keeps those
-    buffers on the heap (freed heap memory above the trim threshold is still returned).
+    buffers on the heap; raising the trim threshold (to 256 MiB) stops the heap's top from
+    being handed back and faulted in again after every step (another ~10%). Free heap
+    beyond 256 MiB is still returned, and the engine's memory stays flat across a job.
     """
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _stop_dask_profiler() -> None:
+    """Stop the Dask worker's statistical profiler in a process that hosts an engine.
+
+    Every 10 ms it walks the stacks of the threads running tasks, under the GIL; here those
+    threads only wait for the engine's driver thread, which loses the GIL to it between
+    torch calls (4-8% of throughput measured). ``DFLLM_KEEP_DASK_PROFILER=1`` keeps it.
+    """
+    if os.environ.get("DFLLM_KEEP_DASK_PROFILER"):
+        return
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except (ImportError, ValueError):
+        return
+    for name in ("profile", "profile-cycle"):
+        callback = worker.periodic_callbacks.pop(name, None)
+        if callback is not None:
+            worker.loop.add_callback(callback.stop)  # periodic callbacks belong to the event loop
 
 
 def worker_thread_count() -> int | None:

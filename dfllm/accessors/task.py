@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.engines import generate_shared, get_engine
+from dfllm.accessors.engines import OnDriver, generate_shared, get_engine
 from dfllm.accessors.schema import output_dtypes, to_arrow_value
 from dfllm.inputs import check_conversation, check_params_for_model, check_unicode
 from dfllm.sampling_params import SamplingParams
@@ -208,7 +208,7 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
             RUNNERS[task.kind](df, task, _SharedGenerate(llm, lock, progress), out)
         else:
             with lock:
-                RUNNERS[task.kind](df, task, llm, out)
+                RUNNERS[task.kind](df, task, OnDriver(llm), out)
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
 
