@@ -215,3 +215,31 @@ def test_structured_outputs_from_the_command_line(cli_cluster, tiny_llama, quest
 
     bad = dfllm("run", str(path), str(tmp_path / "bad"), "--json-schema", "{nope", *common)
     assert bad.returncode == 1 and "--json-schema: not valid JSON" in bad.stderr
+
+
+def test_gpu_worker_hosts_a_tensor_parallel_engine(tiny_llama, questions, tmp_path):
+    """``--gpu --tensor-parallel-size 2`` against a worker declaring ``GPU=2``: that worker
+    hosts one engine of two ranks (gloo on CPU here) and its output equals one rank's."""
+    from conftest import CLICluster
+
+    path, df = questions
+    cluster = CLICluster(workers=1, threads=2, resources=["GPU=2"])
+    try:
+        stdout = ok(dfllm("run", str(path), str(tmp_path / "out"), "--prompt", "{q}", "--model", str(tiny_llama),
+                          "--max-tokens", "4", "--max-model-len", "64", "--npartitions", "2", "--gpu",
+                          "--tensor-parallel-size", "2", "--scheduler", cluster.address))
+        assert "rows:        10 (1 with llm_error)" in stdout
+        def engine_ranks() -> list[int]:  # on the worker: how many ranks answer, per engine
+            from dfllm.accessors import engines
+
+            return [len(llm.apply_model(lambda model: 0)) for llm, _ in engines._engines.values()]
+
+        ranks = cluster.client().run(engine_ranks)
+        assert list(ranks.values()) == [[2]]  # one engine, answering from two ranks
+    finally:
+        cluster.close()
+    out = pd.read_parquet(tmp_path / "out").sort_values("id")
+    good = out[out["llm_error"].isna()]
+    llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=2**22)
+    ref = llm.generate(good["q"].tolist(), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert good["generated_text"].tolist() == [o.outputs[0].text for o in ref]
