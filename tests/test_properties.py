@@ -47,8 +47,10 @@ def engine(tiny_llama):
 
 
 token_prompts = st.lists(st.integers(3, 999), min_size=1, max_size=32)
+# at least one letter or digit: text of control characters alone tokenizes to nothing, which
+# LLM.generate refuses as an empty prompt (tests/test_bad_input.py covers that)
 text_prompts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=60).filter(
-    lambda s: s.strip() != "")
+    lambda s: any(c.isalnum() for c in s))
 
 
 @st.composite
