@@ -3,13 +3,13 @@ caches, metrics, weight updates for RL loops, and RPC to the worker."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
+from dfllm.engine.executor import call_with_timeout
 from dfllm.metrics import Metric, snapshot
 from dfllm.models.loader import update_weights as apply_weight_update
 from dfllm.outputs import RequestOutput
@@ -165,7 +165,7 @@ class ControlMixin:
         results = []
         for worker in self._workers():
             fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, w=worker, **k: method(w, *a, **k))
-            results.append(_call_with_timeout(fn, timeout, args, kwargs))
+            results.append(call_with_timeout(fn, timeout, args, kwargs))
         return results
 
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
@@ -184,15 +184,3 @@ class ControlMixin:
 def _update_runner_weights(runner, weights: list) -> list[str]:
     """Copy checkpoint-named tensors into one rank's model (its slice of each, when split)."""
     return apply_weight_update(runner.model, weights)
-
-
-def _call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict):
-    if timeout is None:
-        return fn(*args, **kwargs)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"collective_rpc did not return within {timeout} s") from None
-    finally:
-        pool.shutdown(wait=False)

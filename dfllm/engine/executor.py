@@ -133,7 +133,7 @@ class ParallelExecutor:
         except BaseException as exc:
             self._fail(exc, f"collective_rpc({method!r})")
         try:
-            first = _call_with_timeout(fn, timeout, args, kwargs)
+            first = call_with_timeout(fn, timeout, args, kwargs, " (rank 0)")
         except TimeoutError:
             for w in self.workers:
                 w.stale += 1
@@ -220,14 +220,15 @@ def _receive(w: _Rank, timeout: float | None) -> tuple[str, Any]:
             raise TimeoutError(f"collective_rpc did not return within {timeout} s (rank {w.rank})")
 
 
-def _call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict):
+def call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict, where: str = ""):
+    """``fn(*args, **kwargs)`` in this process; ``TimeoutError`` past ``timeout`` seconds."""
     if timeout is None:
         return fn(*args, **kwargs)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
         return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
     except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"collective_rpc did not return within {timeout} s (rank 0)") from None
+        raise TimeoutError(f"collective_rpc did not return within {timeout} s{where}") from None
     finally:
         pool.shutdown(wait=False)
 
