@@ -38,16 +38,14 @@ def gpu_worker_specs(num_gpus: int, gpus_per_engine: int, threads: int) -> dict:
 
 @contextlib.contextmanager
 def connect(scheduler: str | None = None, *, workers: int | None = None, threads: int | None = None,
-            gpu: bool = False, gpus_per_engine: int = 1, dashboard: str = ":8787",
-            resources: dict | None = None) -> Iterator[tuple[object, dict | None]]:
+            gpu: bool = False, gpus_per_engine: int = 1,
+            dashboard: str = ":8787") -> Iterator[tuple[object, dict | None]]:
     """A distributed ``Client`` for the job and the resources its tasks should ask for.
 
     ``scheduler``: the address of a running cluster (``tcp://host:8786``). Otherwise a
     cluster is started for the job and closed after it: with ``gpu``, one worker per
     ``gpus_per_engine`` visible GPUs; else ``workers`` (default 1) CPU worker processes.
     ``threads`` (default 4) is the number of partitions each worker runs at once.
-    ``resources`` are worker resources to declare on local CPU workers (tests use them to
-    stand in for GPUs).
     """
     from distributed import Client, LocalCluster, Scheduler, SpecCluster
 
@@ -72,7 +70,7 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
     else:
         n = workers or 1  # engines on one machine split its cores instead of each taking them all
         cluster = LocalCluster(n_workers=n, threads_per_worker=threads, processes=True,
-                               dashboard_address=dashboard, resources=resources, silence_logs=logging.ERROR,
+                               dashboard_address=dashboard, silence_logs=logging.ERROR,
                                env={"DFLLM_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))})
         task_res = None
     with cluster, Client(cluster) as client:
