@@ -96,7 +96,8 @@ ROW_CASES = [
     RowCase("binary-empty", b"", "column 'q' is empty", "binary"),
     # template "Q: {q} ({topic})": a bad cell in any column it names
     RowCase("template-null-cell", None, "column 'topic' is null", "template"),
-    RowCase("template-non-string-cell", 7, "column 'topic' is not a string (int)", "template"),
+    RowCase("template-list-cell", [1, 2], "column 'topic' holds a list; templates format text, numbers", "template"),
+    RowCase("template-nan-cell", math.nan, "column 'topic' is null", "template"),
     RowCase("template-format-spec-misfit", "x" * 3, "template 'Q: {q:>{topic}}': ", "template-width"),
     # chat: a column of conversations
     RowCase("chat-missing-role", [{"content": "hi"}], "message 0: role must be one of", "chat"),
@@ -122,7 +123,10 @@ ROW_CASES = [
     RowCase("sp-top-p-above-one", {"top_p": 1.5}, "top_p must be in (0.0, 1.0]", "sampling"),
     RowCase("sp-stop-empty-string", {"stop": ["", "x"]}, "every stop string must be a non-empty str", "sampling"),
     RowCase("sp-unknown-field", {"temprature": 0.5}, "unknown field(s) ['temprature']", "sampling"),
-    RowCase("sp-not-a-dict", "greedy please", "must be a dict of SamplingParams fields, got str", "sampling"),
+    RowCase("sp-text-not-a-dict", "greedy please", "a string that is neither JSON nor a dict of SamplingParams", "sampling"),
+    RowCase("sp-text-holding-a-list", "[0.5]", "a string holding list, not a dict of SamplingParams", "sampling"),
+    RowCase("sp-json-bad-field", '{"max_tokens": 0}', "max_tokens must be >= 1, got 0", "sampling"),
+    RowCase("sp-not-a-dict", 7, "must be a dict of SamplingParams fields, got int", "sampling"),
     RowCase("sp-n-above-one", {"n": 2, "temperature": 1.0}, "n must be 1 in a dataframe", "sampling"),
     RowCase("sp-logprobs-past-vocab", {"logprobs": 10**9, **SP}, "logprobs=1000000000 exceeds the model's vocabulary",
             "sampling"),

@@ -2,7 +2,8 @@
 
 Partitions run wherever Dask schedules them; on a distributed cluster each worker process
 keeps one engine per model configuration (see :mod:`dfllm.accessors.engines`). Tasks are
-named ``llm-<task>`` in the dashboard's task stream.
+named ``llm-<task>`` in the dashboard's task stream. ``resources=`` keeps the engine work
+on workers declaring those resources (see :mod:`dfllm.accessors.placement`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import pandas as pd
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
-from dfllm.accessors.task import LLMTask, run_task
+from dfllm.accessors.placement import PLACEMENT, check_resources, model_check, run_placed
+from dfllm.accessors.task import LLMTask
 from dfllm.accessors.writer import ORIGINS
 
 
-def partition_function(task: LLMTask):
-    """``run_task`` bound to ``task``, named ``llm-<kind>`` for the dashboard."""
+def partition_function(task: LLMTask, resources: dict | None = None):
+    """``run_task`` bound to ``task`` (placed on workers declaring ``resources``), named
+    ``llm-<kind>`` for the dashboard."""
     def run(df: pd.DataFrame) -> pd.DataFrame:
-        return run_task(df, task)
+        return run_placed(df, task, resources)
 
     run.__name__ = run.__qualname__ = f"llm-{task.kind}"
     return run
@@ -33,9 +36,16 @@ def output_meta(meta: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
 
 @register_dataframe_accessor("llm")
 class DaskLLMAccessor(LLMFrameMethods):
-    def _apply(self, task: LLMTask) -> dd.DataFrame:
-        result = self._obj.map_partitions(partition_function(task), meta=output_meta(self._obj._meta, task))
+    def _model_check(self, resources: dict | None):
+        return model_check(check_resources(resources))
+
+    def _apply(self, task: LLMTask, resources: dict | None = None) -> dd.DataFrame:
+        resources = check_resources(resources)
+        result = self._obj.map_partitions(partition_function(task, resources),
+                                          meta=output_meta(self._obj._meta, task))
         ORIGINS[result._name] = (self._obj, task)
+        if resources is not None:
+            PLACEMENT[result._name] = resources
         return result
 
 

@@ -22,11 +22,24 @@ class LLMFrameMethods:
     def _columns(self) -> list[str]:
         return list(self._obj.columns)
 
-    def _apply(self, task: LLMTask):
+    def _apply(self, task: LLMTask, resources: dict | None = None):
         raise NotImplementedError
 
+    def _model_check(self, resources: dict | None):
+        """How the call checks its model (None: here, now). Dask overrides it: a model
+        directory that only the workers have is checked on a worker."""
+        if resources is not None:
+            raise ValueError(f"resources= places Dask tasks on workers that declare them; a "
+                             f"{type(self._obj).__module__.split('.')[0]} frame runs in this process")
+        return None
+
+    def _call(self, kind: str, inputs: tuple, resources: dict | None, **kwargs):
+        check = self._model_check(resources)
+        return self._apply(make_task(kind, inputs, self._columns(), model_check=check, **kwargs), resources)
+
     def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = "generated_text",
-                 on_error: str = "null", json_schema=None, choice=None, **engine_kwargs):
+                 on_error: str = "null", json_schema=None, choice=None, resources: dict | None = None,
+                 **engine_kwargs):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
 
         Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
@@ -37,43 +50,45 @@ class LLMFrameMethods:
         output to the schema and makes the output column an Arrow struct built from it;
         ``choice`` (a list of strings) makes it a categorical of those values. A row whose
         output did not complete within ``max_tokens`` gets null and an ``llm_error``.
+
+        ``resources`` (Dask only), e.g. ``{"GPU": 0.25}``, makes the ``llm-*`` tasks run on
+        workers declaring those resources (see :func:`dfllm.cluster.task_resources`),
+        whatever computes or writes the result.
         """
-        return self._apply(make_task("generate", (prompt,), self._columns(), output_column=output_column,
-                                     model=model, sampling_params=sampling_params, on_error=on_error,
-                                     engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice))
+        return self._call("generate", (prompt,), resources, output_column=output_column, model=model,
+                          sampling_params=sampling_params, on_error=on_error, engine_kwargs=engine_kwargs,
+                          json_schema=json_schema, choice=choice)
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
              output_column: str = "generated_text", on_error: str = "null", json_schema=None, choice=None,
-             chat_template: str | None = None, **engine_kwargs):
+             chat_template: str | None = None, resources: dict | None = None, **engine_kwargs):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
-        ``json_schema`` and ``choice`` as in ``generate``; ``chat_template`` (Jinja text)
-        replaces the tokenizer's template."""
-        return self._apply(make_task("chat", (messages,), self._columns(), output_column=output_column, model=model,
-                                     sampling_params=sampling_params, system=system, on_error=on_error,
-                                     engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
-                                     chat_template=chat_template))
+        ``json_schema``, ``choice`` and ``resources`` as in ``generate``; ``chat_template``
+        (Jinja text) replaces the tokenizer's template."""
+        return self._call("chat", (messages,), resources, output_column=output_column, model=model,
+                          sampling_params=sampling_params, system=system, on_error=on_error,
+                          engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
+                          chat_template=chat_template)
 
     def embed(self, text: str, *, model=None, output_column: str = "embedding", on_error: str = "null",
-              **engine_kwargs):
+              resources: dict | None = None, **engine_kwargs):
         """Embed ``text`` (a column or template): a ``list<float32>`` column."""
-        return self._apply(make_task("embed", (text,), self._columns(), output_column=output_column,
-                                     model=model or DEFAULT_EMBED_MODEL, on_error=on_error,
-                                     engine_kwargs=engine_kwargs))
+        return self._call("embed", (text,), resources, output_column=output_column,
+                          model=model or DEFAULT_EMBED_MODEL, on_error=on_error, engine_kwargs=engine_kwargs)
 
     def score(self, left: str, right: str, *, model=None, output_column: str = "score", on_error: str = "null",
-              **engine_kwargs):
+              resources: dict | None = None, **engine_kwargs):
         """Score each row's ``left`` text against its ``right`` text: one float per row."""
-        return self._apply(make_task("score", (left, right), self._columns(), output_column=output_column,
-                                     model=model or DEFAULT_EMBED_MODEL, on_error=on_error,
-                                     engine_kwargs=engine_kwargs))
+        return self._call("score", (left, right), resources, output_column=output_column,
+                          model=model or DEFAULT_EMBED_MODEL, on_error=on_error, engine_kwargs=engine_kwargs)
 
     def classify(self, text: str, *, model=None, output_column: str = "label", on_error: str = "null",
-                 **engine_kwargs):
+                 resources: dict | None = None, **engine_kwargs):
         """Classify ``text``: the top label's name and a ``probs`` column."""
         if model is None:
             raise ValueError("classify needs a classifier model: pass model=...")
-        return self._apply(make_task("classify", (text,), self._columns(), output_column=output_column,
-                                     model=model, on_error=on_error, engine_kwargs=engine_kwargs))
+        return self._call("classify", (text,), resources, output_column=output_column, model=model,
+                          on_error=on_error, engine_kwargs=engine_kwargs)
 
 
 SERIES_INPUT = "__dfllm_input__"

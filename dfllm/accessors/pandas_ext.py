@@ -10,7 +10,7 @@ from dfllm.accessors.task import LLMTask, run_task
 
 @pd.api.extensions.register_dataframe_accessor("llm")
 class PandasLLMAccessor(LLMFrameMethods):
-    def _apply(self, task: LLMTask) -> pd.DataFrame:
+    def _apply(self, task: LLMTask, resources: dict | None = None) -> pd.DataFrame:
         return run_task(self._obj, task, progress=True)
 
 

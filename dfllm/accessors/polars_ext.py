@@ -39,7 +39,7 @@ def _polars_schema(task: LLMTask) -> dict:
 
 @pl.api.register_dataframe_namespace("llm")
 class PolarsLLMNamespace(LLMFrameMethods):
-    def _apply(self, task: LLMTask) -> pl.DataFrame:
+    def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.DataFrame:
         return _run(self._obj, task)
 
 
@@ -48,7 +48,7 @@ class PolarsLazyLLMNamespace(LLMFrameMethods):
     def _columns(self) -> list[str]:
         return list(self._obj.collect_schema().names())
 
-    def _apply(self, task: LLMTask) -> pl.LazyFrame:
+    def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.LazyFrame:
         schema = {**self._obj.collect_schema(), **_polars_schema(task)}
         return self._obj.map_batches(lambda df: _run(df, task), schema=schema)
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
+import decimal
 import json
 import math
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -101,8 +103,10 @@ def template_fields(template: str) -> list[str]:
 def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str, model=None,
               sampling_params=None, system: str | None = None, on_error: str = "null",
               engine_kwargs: dict | None = None, json_schema=None, choice=None,
-              chat_template: str | None = None) -> LLMTask:
-    """Check an accessor call against the frame's columns and build its task (raises ``ValueError``)."""
+              chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None) -> LLMTask:
+    """Check an accessor call against the frame's columns and build its task (raises ``ValueError``).
+
+    ``model_check`` checks the task's model (default: :func:`check_model`, here and now)."""
     if kind not in KINDS:
         raise ValueError(f"unknown task {kind!r}")
     if on_error not in ON_ERROR:
@@ -125,7 +129,7 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     if clash:
         raise ValueError(f"{kind}: output column(s) {clash} already exist; choose another output_column")
     _check_engine_kwargs(kind, engine_kwargs or {})
-    _check_model(task)
+    (model_check or check_model)(task)
     return task
 
 
@@ -187,12 +191,11 @@ def _hashable(v):
     return tuple(v) if isinstance(v, list) else v
 
 
-def _check_model(task: LLMTask) -> None:
+def check_model(task: LLMTask) -> None:
+    """Unknown names and unusable directories raise now, not in every partition at compute time."""
     from dfllm.models.bundled import resolve_model
-
     from dfllm.models.loader import check_model_dir
 
-    # unknown names and unusable directories raise now, not in every partition at compute time
     check_model_dir(resolve_model(task.model))
 
 
@@ -269,16 +272,37 @@ def _cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: pd.DataFrame) -
     for i in range(len(df)):
         try:
             if records is not None:
-                row = {k: _text(records[i][k], f"column {k!r}") for k in template_fields(spec)}
+                row = {k: _template_value(records[i][k], f"column {k!r}") for k in template_fields(spec)}
                 try:
                     texts[i] = spec.format_map(row)
-                except ValueError as exc:  # a format spec this row's value does not fit
+                except (ValueError, TypeError) as exc:  # a format spec this row's value does not fit
                     raise ValueError(f"template {spec!r}: {exc}") from None
+                check_unicode(texts[i], f"template {spec!r}")
             else:
                 texts[i] = _text(values[i], f"column {spec!r}")
         except ValueError as exc:
             _row_error(task, out, i, str(exc))
     return texts
+
+
+TEMPLATE_SCALARS = (str, bool, int, float, decimal.Decimal, datetime.date, datetime.time, datetime.timedelta)
+
+
+def _template_value(value, what: str):
+    """A row's value for a template field, formatted later exactly as ``str.format`` would:
+    text (bytes read as UTF-8) and scalars (ints, floats, bools, dates, times, decimals)
+    pass as they are, so ``{price:.2f}`` works; a null (None, NA, NaN, NaT) is the row's
+    error naming the column, and so is a nested value (a list, a dict) or an empty text."""
+    if _is_null(value):
+        raise ValueError(f"{what} is null")
+    if isinstance(value, (str, bytes, bytearray)):
+        return _text(value, what)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy scalar
+        value = value.item()
+    if not isinstance(value, TEMPLATE_SCALARS):
+        raise ValueError(f"{what} holds a {type(value).__name__}; templates format text, numbers, booleans, "
+                         "dates and decimals (pass a column of text for anything else)")
+    return value
 
 
 def _row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, SamplingParams]:
@@ -289,6 +313,8 @@ def _row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, S
     for i in rows:
         try:
             value = column[i]
+            if isinstance(value, str):  # Dask's convert-string, or JSON text from CSV
+                value = literal_text(value, dict, "a dict of SamplingParams fields")
             if _is_null(value):
                 params[i] = base
             elif not isinstance(value, Mapping):
@@ -403,22 +429,30 @@ def _run_chat(df, task, llm, out) -> None:
     _generate(df, task, llm, out, prompts)
 
 
-def _conversation_text(text: str) -> list:
-    """A conversation stored as text: JSON (CSV/JSON inputs), or the Python literal Dask's
-    ``dataframe.convert-string`` leaves of a column of lists (read as data with
-    ``ast.literal_eval``: literals only, nothing is evaluated)."""
+def literal_text(text: str, kind: type, what: str):
+    """A value stored as text: JSON (CSV and JSON inputs), or the Python literal Dask's
+    ``dataframe.convert-string`` leaves of a column of lists or dicts (read as data with
+    ``ast.literal_eval``: literals only, nothing is evaluated). ``ValueError`` unless it
+    holds a ``kind``."""
     try:
         value = json.loads(text)
     except ValueError:
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
-            raise ValueError("the conversation is a string that is neither JSON nor a list of messages "
-                             "(on Dask, 'dataframe.convert-string' turns an object column of lists into "
-                             "strings)") from None
-    if not isinstance(value, list):
-        raise ValueError(f"the conversation is a string holding {type(value).__name__}, not a list of messages")
+            raise ValueError(f"a string that is neither JSON nor {what} (on Dask, 'dataframe.convert-string' "
+                             "turns an object column of lists or dicts into strings)") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"a string holding {type(value).__name__}, not {what}")
     return value
+
+
+def _conversation_text(text: str) -> list:
+    """A conversation stored as text (see :func:`literal_text`)."""
+    try:
+        return literal_text(text, list, "a list of messages")
+    except ValueError as exc:
+        raise ValueError(f"the conversation is {exc}") from None
 
 
 def _run_embed(df, task, llm, out) -> None:
