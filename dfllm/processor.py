@@ -1,35 +1,82 @@
 """Ray Data LLM's ``build_processor``, re-expressed on Dask.
 
 ``build_processor(config, preprocess, postprocess)`` returns a callable that maps a Dask
-DataFrame, row by row, through ``preprocess`` (a function of the row dict returning the
-fields ``messages`` or ``prompt``, and optionally ``sampling_params``), the engine, and
-``postprocess`` (a function of the row dict, with the engine's outputs added, returning the
-output row). As in Ray Data LLM, the input row's columns are carried through to
-``postprocess`` beside ``generated_text`` (or ``embedding``, ``probs``, ``score``),
-``num_input_tokens`` and ``num_generated_tokens``. A row whose preprocessing, inference
-or postprocessing fails carries the message in ``llm_error`` (its engine outputs are None
-when ``postprocess`` sees it) and every other row goes on. The output always has an
-``llm_error`` column, added after ``postprocess``'s columns if it does not keep one.
+DataFrame (or a pandas one), row by row, through ``preprocess`` (a function of the row dict
+returning the fields ``messages`` or ``prompt``, and optionally ``sampling_params``), the
+engine, and ``postprocess`` (a function of the row dict, with the engine's outputs added,
+returning the output row). As in Ray Data LLM, the input row's columns are carried through
+to ``postprocess`` beside ``generated_text`` (or ``embedding``, ``label``/``probs``,
+``score``), ``num_input_tokens`` and ``num_generated_tokens`` (and ``llm_error``, None for
+every row ``postprocess`` sees).
 
 Task inputs by ``task_type``: ``generate`` reads ``messages`` (with
 ``apply_chat_template``) or ``prompt``; ``embed`` and ``classify`` read ``prompt``;
 ``score`` reads ``text_1`` and ``text_2``.
+
+**Failed rows.** A row whose preprocess, inference or postprocess fails keeps going as an
+error row: ``postprocess`` is not run on it (as Ray Data LLM's error rows bypass
+postprocess), it holds its *input* row's values (its ``id`` and other input columns, so it
+can be found and retried), ``llm_error`` holds the message (``"preprocess: KeyError: ..."``,
+the engine's message, ``"postprocess: ..."``), and its other columns are null. Every other
+row goes on.
+
+**Output columns**, in order: the columns ``postprocess`` returns (the whole row when there
+is no ``postprocess``), then each input column ``postprocess`` does not return, then
+``llm_error`` (always present). Those extra input columns hold the input values on rows
+that have an ``llm_error`` and are null on rows without one: a successful row is what
+``postprocess`` made of it, a failed row still says which input row it was.
+
+**Output types** are Arrow-backed pandas dtypes, so Dask's ``to_parquet`` works. They come
+from, in order of precedence:
+
+- ``meta=`` given to :func:`build_processor` or to the processor call: a pandas DataFrame
+  (its columns and dtypes), a dict or list of ``(column, dtype)`` pairs, or a
+  ``pyarrow.Schema``, describing the columns ``postprocess`` returns. dtypes may be pyarrow
+  types, ``pd.ArrowDtype`` or pandas/numpy dtypes (converted to their Arrow equivalents, so
+  that every column can hold the nulls of failed rows; ``object`` is a string); a pandas
+  ``CategoricalDtype`` is kept. Input columns not in ``meta`` are added, typed from the
+  input's dtypes (an ``object`` column is a string), and ``llm_error`` last. Nothing runs
+  at call time.
+- Otherwise, **the first real rows**: on Dask, at call time, the head (``sample_rows``
+  rows) of the first non-empty partition(s) goes through the whole pipeline (preprocess,
+  the engine, postprocess) where the partitions will run (on the cluster of the active
+  ``distributed`` client, else locally), and the types are those of the values these rows
+  produced (as ``pyarrow`` infers them). A column null in every successful sampled row is
+  typed as the input column of that name if there is one, else as a string. These rows are
+  computed again with their partition (and the upstream of the first partition once more:
+  ``persist()`` an expensive input, or pass ``meta=``). If none of the sampled rows gets
+  through postprocess, the call raises ``ValueError`` naming the first row's error. On
+  pandas the types come from all of the frame's rows, so a processor gives the same
+  frame on pandas and on Dask whenever the sample's types hold for the other rows.
+
+**Nothing is dropped silently.** A row whose postprocess returns a column the schema does
+not have, or a value that does not fit its column's type (a float with a fraction in an
+integer column, text in a list column, a dict with a field the struct type lacks, an
+integer in a string column...), gets an ``llm_error`` naming the column; the offending
+value is null and the row keeps its other values (and its input columns, being an error
+row). Columns ``postprocess`` does not return for a row are null in that row.
 """
 
 from __future__ import annotations
 
+import uuid
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.schema import output_dtypes
 from dfllm.accessors.task import make_task, run_task
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
-_SAMPLE_VALUES = {"generated_text": "", "num_input_tokens": 0, "num_generated_tokens": 0, "finish_reason": "length",
-                  "embedding": [0.0], "probs": [0.0], "label": "", "score": 0.0, "llm_error": None}
+SAMPLE_ROWS = 8
+ERROR = "llm_error"
+_STRING = pd.ArrowDtype(pa.string())
+
+#: What ``meta=`` accepts: a DataFrame, a dict or list of (column, dtype) pairs, a pyarrow schema.
+Meta = Union[pd.DataFrame, Mapping[str, Any], Sequence[tuple[str, Any]], pa.Schema]
 
 
 @dataclass
@@ -60,70 +107,113 @@ class ProcessorConfig:
             raise ValueError("chat_template must be a Jinja template string")
 
 
+class RowResult(NamedTuple):
+    """One row through the pipeline: its input values, postprocess's output (None for an
+    error row, which bypasses postprocess) and its error message (None if it succeeded)."""
+
+    inputs: dict
+    output: dict | None
+    error: str | None
+
+
 class Processor:
-    """Callable from a Dask (or pandas) DataFrame to the postprocessed results."""
+    """Callable from a Dask (or pandas) DataFrame to the postprocessed results.
 
-    def __init__(self, config: ProcessorConfig, preprocess: Callable | None, postprocess: Callable | None):
+    See the module docstring for the output's columns, their types, and error rows.
+    """
+
+    def __init__(self, config: ProcessorConfig, preprocess: Callable[[dict], dict] | None,
+                 postprocess: Callable[[dict], dict] | None, *, meta: Meta | None = None,
+                 sample_rows: int = SAMPLE_ROWS):
+        if sample_rows < 1:
+            raise ValueError(f"sample_rows must be >= 1, got {sample_rows}")
         self.config, self.preprocess, self.postprocess = config, preprocess, postprocess
+        self.meta = None if meta is None else _meta_dtypes(meta)
+        self.sample_rows = sample_rows
 
-    def __call__(self, df):
+    def __call__(self, df, *, meta: Meta | None = None):
+        """Map ``df`` through the pipeline: a pandas DataFrame is processed now; a Dask
+        DataFrame gives a lazy one whose columns and dtypes are known (from ``meta``, this
+        call's or the processor's, else from running its first rows now)."""
+        given = _meta_dtypes(meta) if meta is not None else self.meta
         if isinstance(df, pd.DataFrame):
-            return self.process_partition(df)
-        meta = self._meta(df._meta_nonempty.iloc[:1])
-        return df.map_partitions(self.process_partition, dict(meta.dtypes), meta=meta)
+            return self.process_partition(df, None if given is None else self._with_inputs(given, df.iloc[:0]))
+        if not hasattr(df, "map_partitions") or not hasattr(df, "_meta"):
+            raise TypeError(f"a processor maps a pandas or Dask DataFrame, got {type(df).__name__}")
+        schema = self._with_inputs(given, df._meta) if given is not None else self._sample_schema(df)
+        empty = pd.DataFrame({c: pd.Series([], dtype=t) for c, t in schema.items()}, index=df._meta.index[:0])
+        return df.map_partitions(self.process_partition, schema, meta=empty)
 
-    def process_partition(self, df: pd.DataFrame, dtypes: dict | None = None) -> pd.DataFrame:
-        """Run one pandas partition through preprocess, the engine and postprocess
-        (with ``dtypes``: exactly those columns, as those Arrow-backed types)."""
-        rows = [self._pre(r) for r in df.to_dict("records")]
-        out_rows = []
-        for start in range(0, len(rows), self.config.batch_size):
-            out_rows += self._infer(rows[start : start + self.config.batch_size])
-        result = pd.DataFrame([self._post(r) for r in out_rows], index=df.index)
-        if dtypes is None:
-            return result
-        return pd.DataFrame({c: _typed(result[c] if c in result else [None] * len(result), t, result.index)
-                             for c, t in dtypes.items()}, index=result.index)
+    # ---- one partition ------------------------------------------------------------------------------
+    def process_partition(self, df: pd.DataFrame, schema: dict | None = None) -> pd.DataFrame:
+        """Run one pandas partition through preprocess, the engine and postprocess; with
+        ``schema`` (column -> dtype) the result has exactly those columns and types, else
+        they are taken from this partition's rows."""
+        rows = self.run_rows(df)
+        if schema is None:
+            schema, _ = self._schema_from(rows, df)
+        return _frame(rows, schema, df.index, [c for c in df.columns if c != ERROR])
 
-    def _post(self, row: dict) -> dict:
-        error = row.get("llm_error")
-        out = row
-        if self.postprocess is not None:
-            try:
-                out = dict(self.postprocess(row))
-            except Exception as exc:  # a user function failing on one row
-                out, error = {}, error or f"postprocess: {type(exc).__name__}: {exc}"
-        out.setdefault("llm_error", error)
-        if out["llm_error"] is None:
-            out["llm_error"] = error
-        return out
+    def run_rows(self, df: pd.DataFrame) -> list[RowResult]:
+        """Each row of ``df`` through preprocess, the engine (``batch_size`` rows per call)
+        and postprocess, as :class:`RowResult`."""
+        inputs = df.to_dict("records")
+        pre = [self._pre(r) for r in inputs]
+        engine_rows: list[tuple[dict, str | None]] = []
+        for start in range(0, len(pre), self.config.batch_size):
+            engine_rows += self._infer(pre[start : start + self.config.batch_size])
+        return [self._post(inp, row, err) for inp, (row, err) in zip(inputs, engine_rows)]
 
-    def _pre(self, row: dict) -> dict:
+    def _pre(self, row: dict) -> tuple[dict, str | None]:
         if self.preprocess is None:
-            return row
+            return row, None
         try:
-            return {**row, **self.preprocess(row)}
+            out = self.preprocess(dict(row))  # a copy: the input values stay as they were
+            return {**row, **out}, None
         except Exception as exc:  # a user function failing on one row
-            return {**row, "llm_error": f"preprocess: {type(exc).__name__}: {exc}"}
+            return row, f"preprocess: {type(exc).__name__}: {exc}"
 
-    def _infer(self, rows: list[dict]) -> list[dict]:
-        failed = [r.get("llm_error") is not None for r in rows]
-        if all(failed):
-            return [self._no_outputs(r) for r in rows]
-        frame = pd.DataFrame([{} if bad else r for r, bad in zip(rows, failed)])
-        kind, inputs = self._task_inputs(frame)
-        sampling = "sampling_params" if "sampling_params" in frame and kind in ("generate", "chat") else None
-        task = make_task(kind, inputs, frame.columns, output_column=_main_output(kind), model=self.config.model_source,
+    def _infer(self, rows: list[tuple[dict, str | None]]) -> list[tuple[dict, str | None]]:
+        """Engine outputs added to the rows without an error; the engine's per-row errors."""
+        good = [i for i, (_, err) in enumerate(rows) if err is None]
+        results = list(rows)
+        if not good:
+            return results
+        present = set().union(*(rows[i][0].keys() for i in good))
+        kind, inputs = self._task_inputs(present)
+        missing = [c for c in inputs if c not in present]
+        if missing:
+            message = (f"no {' or '.join(map(repr, missing))} for the {self.config.task_type} task "
+                       f"(preprocess must return {'it' if len(missing) == 1 else 'them'})")
+            for i in good:
+                results[i] = (rows[i][0], message)
+            return results
+        sampling = "sampling_params" if "sampling_params" in present and kind in ("generate", "chat") else None
+        needed = list(inputs) + ([sampling] if sampling else [])
+        frame = pd.DataFrame({c: [rows[i][0].get(c) for i in good] for c in needed})
+        task = make_task(kind, inputs, needed, output_column=_main_output(kind), model=self.config.model_source,
                          sampling_params=sampling, engine_kwargs=self.config.engine_kwargs,
                          chat_template=self.config.chat_template if kind == "chat" else None)
-        result = run_task(frame.drop(columns=[c for c in task.output_dtypes() if c in frame]), task)
-        outputs = result[list(task.output_dtypes())].astype(object).where(result.notna(), None).to_dict("records")
-        return [self._no_outputs(r) if bad else {**r, **o} for r, o, bad in zip(rows, outputs, failed)]
+        result = run_task(frame, task)
+        cols = list(task.output_dtypes())
+        outputs = result[cols].astype(object).where(result[cols].notna(), None).to_dict("records")
+        for i, out in zip(good, outputs):
+            results[i] = ({**rows[i][0], **out}, out.get(ERROR))
+        return results
 
-    def _no_outputs(self, row: dict) -> dict:
-        """A failed row with its engine outputs set to None."""
-        kind, _ = self._task_inputs(row)
-        return {**row, **{c: None for c in output_dtypes(kind, _main_output(kind))}, "llm_error": row["llm_error"]}
+    def _post(self, inputs: dict, row: dict, error: str | None) -> RowResult:
+        if error is not None:  # an error row bypasses postprocess
+            return RowResult(inputs, None, error)
+        if self.postprocess is None:
+            return RowResult(inputs, row, row.get(ERROR))
+        try:
+            out = self.postprocess(row)
+            if not isinstance(out, Mapping):
+                raise TypeError(f"postprocess must return a dict, got {type(out).__name__}")
+            out = dict(out)
+        except Exception as exc:  # a user function failing on one row
+            return RowResult(inputs, None, f"postprocess: {type(exc).__name__}: {exc}")
+        return RowResult(inputs, out, out.get(ERROR))
 
     def _task_inputs(self, columns) -> tuple[str, tuple[str, ...]]:
         t = self.config.task_type
@@ -133,25 +223,275 @@ class Processor:
             return "chat", ("messages",)
         return t, ("prompt",)
 
-    def _meta(self, sample: pd.DataFrame) -> pd.DataFrame:
-        """Output columns, from preprocess and postprocess run on a sample row with stand-in
-        engine outputs (no model runs)."""
-        rows = [self._pre(r) for r in sample.to_dict("records")]
-        kind, _ = self._task_inputs(rows[0] if rows else {})
-        outputs = {c: _SAMPLE_VALUES[c] for c in output_dtypes(kind, _main_output(kind))}
-        fake = [{**r, **outputs} for r in rows]
-        table = pa.Table.from_pylist([self._post(r) for r in fake])
-        # columns postprocess left empty on the sample row (like llm_error) are strings
-        schema = pa.schema([pa.field(f.name, pa.string() if pa.types.is_null(f.type) else f.type) for f in table.schema])
-        return table.cast(schema).to_pandas(types_mapper=pd.ArrowDtype).iloc[:0]
+    # ---- the output schema --------------------------------------------------------------------------
+    def _schema_from(self, rows: list[RowResult], df: pd.DataFrame) -> tuple[dict, RowResult | None]:
+        """Output column -> dtype from the values the rows produced (see the module
+        docstring), and the first row without output (or None)."""
+        ok = [r.output for r in rows if r.output is not None]
+        names = list(dict.fromkeys(k for out in ok for k in out if k != ERROR))
+        inputs = _input_dtypes(df)
+        schema = {}
+        for name in names:
+            values = [out.get(name) for out in ok]
+            schema[name] = _infer_dtype(values, name, inputs.get(name))
+        for name, dtype in inputs.items():
+            schema.setdefault(name, dtype)
+        schema[ERROR] = _STRING
+        failed = next((r for r in rows if r.output is None), None)
+        return schema, failed
+
+    def _sample_rows(self, df: pd.DataFrame) -> tuple[dict | None, int, tuple | None]:
+        """Run on the head of the input where partitions run: (schema or None when no row
+        got through postprocess, the number of rows, (index label, error) of the first
+        failed row)."""
+        rows = self.run_rows(df)
+        schema, failed = self._schema_from(rows, df)
+        first = None
+        if failed is not None:
+            label = df.index[[r is failed for r in rows].index(True)]
+            first = (label.item() if isinstance(label, np.generic) else label, failed.error)
+        if not any(r.output is not None for r in rows):
+            schema = None
+        return schema, len(rows), first
+
+    def _sample_schema(self, ddf) -> dict:
+        """The output schema from the first rows of the first non-empty partitions of
+        ``ddf``, run through the pipeline as one task (on the cluster when a distributed
+        client is active)."""
+        import dask
+
+        start, step, n = 0, 1, self.sample_rows
+        while start < ddf.npartitions:
+            stop = min(start + step, ddf.npartitions)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Insufficient elements")
+                head = ddf.partitions[start:stop].head(n, npartitions=stop - start, compute=False)
+                sample = dask.delayed(self._sample_rows, pure=False)(
+                    head, dask_key_name=f"llm-processor-sample-{uuid.uuid4().hex}")
+                schema, count, first = sample.compute()
+            if count:
+                if schema is None:
+                    label, error = first
+                    raise ValueError(
+                        f"build_processor: none of the {count} sampled rows (the first rows of the input) got "
+                        f"through preprocess, the engine and postprocess, so the output columns cannot be "
+                        f"taken from them; the first error, in row {label!r}: {error}. Fix the functions or "
+                        "the config, or pass meta= (the output columns and their types) to build_processor "
+                        "or to the processor call")
+                return schema
+            start, step = stop, step * 2
+        raise ValueError("build_processor: the input has no rows to take the output columns from; pass meta= "
+                         "(the output columns and their types) to build_processor or to the processor call")
+
+    def _with_inputs(self, given: dict, input_meta: pd.DataFrame) -> dict:
+        """``meta=``'s columns, then the input's other columns (typed from the input), then
+        ``llm_error``."""
+        schema = {c: t for c, t in given.items() if c != ERROR}
+        for name, dtype in _input_dtypes(input_meta).items():
+            schema.setdefault(name, dtype)
+        schema[ERROR] = _STRING
+        return schema
 
 
-def _typed(values, dtype, index) -> pd.Series:
-    """``values`` as a column of ``dtype`` (Arrow-backed types built through pyarrow)."""
-    values = list(values)
+# ---- types ------------------------------------------------------------------------------------------
+def _meta_dtypes(meta: Meta) -> dict:
+    """``meta=`` as column -> dtype (``pd.ArrowDtype`` or ``pd.CategoricalDtype``)."""
+    if isinstance(meta, pa.Schema):
+        pairs = [(f.name, f.type) for f in meta]
+    elif isinstance(meta, pd.DataFrame):
+        pairs = list(meta.dtypes.items())
+    elif isinstance(meta, Mapping):
+        pairs = list(meta.items())
+    elif isinstance(meta, (list, tuple)) and all(isinstance(p, tuple) and len(p) == 2 for p in meta):
+        pairs = list(meta)
+    else:
+        raise TypeError("meta= must be a pandas DataFrame, a dict or list of (column, dtype) pairs, or a "
+                        f"pyarrow schema, got {type(meta).__name__}")
+    out = {}
+    for name, dtype in pairs:
+        try:
+            out[name] = _as_dtype(dtype)
+        except (TypeError, ValueError, pa.ArrowException) as exc:
+            raise ValueError(f"meta=: column {name!r}: {dtype!r} is not a dtype dfllm can hold ({exc})") from None
+    return out
+
+
+def _as_dtype(dtype) -> pd.api.extensions.ExtensionDtype:
+    if isinstance(dtype, pa.DataType):
+        return pd.ArrowDtype(_nullable(dtype))
+    dtype = pd.api.types.pandas_dtype(dtype)
+    if isinstance(dtype, pd.CategoricalDtype):
+        return dtype
     if isinstance(dtype, pd.ArrowDtype):
-        return pd.Series(pa.array(values, type=dtype.pyarrow_dtype, from_pandas=True), index=index, dtype=dtype)
-    return pd.Series(values, index=index).astype(dtype)
+        return pd.ArrowDtype(_nullable(dtype.pyarrow_dtype))
+    arrow = pa.Schema.from_pandas(pd.DataFrame({"x": pd.Series([], dtype=dtype)}), preserve_index=False).field("x").type
+    return pd.ArrowDtype(_nullable(arrow))
+
+
+def _nullable(t: pa.DataType) -> pa.DataType:
+    """``t`` with a null type (nothing known) read as a string, and large strings as strings."""
+    if pa.types.is_null(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(_nullable(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _nullable(f.type)) for f in t])
+    return t
+
+
+def _input_dtypes(df: pd.DataFrame) -> dict:
+    """The input's columns (but ``llm_error``) as Arrow-backed dtypes, from the column's
+    dtype and values (an ``object`` column without values, or of values with no Arrow type,
+    is a string)."""
+    out = {}
+    for name in df.columns:
+        if name == ERROR:
+            continue
+        series = df[name]
+        if isinstance(series.dtype, pd.CategoricalDtype):  # as its values (Dask's may be unknown)
+            series = pd.Series(series.dtype.categories[:0] if not len(series) else series.astype(object))
+        try:
+            t = pa.Array.from_pandas(series).type
+        except (pa.ArrowException, TypeError, ValueError):
+            t = pa.string()
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        out[name] = pd.ArrowDtype(_nullable(t))
+    return out
+
+
+def _infer_dtype(values: list, column, fallback) -> pd.api.extensions.ExtensionDtype:
+    """The Arrow-backed dtype of postprocess's ``values`` for ``column`` (``fallback``, else
+    a string, when they are all null)."""
+    try:
+        t = pa.array(values, from_pandas=True).type
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        t = None
+        for v in values:
+            try:
+                t = pa.array([v], from_pandas=True).type
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"build_processor: postprocess's column {column!r} has a value of type "
+                                 f"{type(v).__name__} with no Arrow type ({exc}); return plain values "
+                                 "(str, int, float, bool, list, dict...), or pass meta=") from None
+            if not pa.types.is_null(t):
+                break
+    if t is None or pa.types.is_null(t):
+        return fallback if fallback is not None else _STRING
+    return pd.ArrowDtype(_nullable(t))
+
+
+def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether values inferred as ``src`` may go into a ``dst`` column (a safe cast then
+    checks the values themselves: fractions, ranges). No change of kind: a number is no
+    string, a string no list, and a struct takes no field it lacks."""
+    if src == dst or pa.types.is_null(src):
+        return True
+    t = pa.types
+    numeric = lambda x: t.is_integer(x) or t.is_floating(x) or t.is_decimal(x)  # noqa: E731
+    for kind in (numeric, lambda x: t.is_string(x) or t.is_large_string(x) or t.is_string_view(x),
+                 lambda x: t.is_binary(x) or t.is_large_binary(x) or t.is_fixed_size_binary(x),
+                 t.is_timestamp, t.is_date, t.is_time, t.is_duration, t.is_boolean):
+        if kind(src) and kind(dst):
+            return True
+    if (t.is_list(src) or t.is_large_list(src) or t.is_fixed_size_list(src)) and (
+            t.is_list(dst) or t.is_large_list(dst) or t.is_fixed_size_list(dst)):
+        return _compatible(src.value_type, dst.value_type)
+    if t.is_struct(src) and t.is_struct(dst):
+        fields = {f.name: f.type for f in dst}
+        return all(f.name in fields and _compatible(f.type, fields[f.name]) for f in src)
+    return False
+
+
+def _to_arrow(values: list, dtype) -> pa.Array:
+    """``values`` as an Arrow array of ``dtype``'s type; ``ValueError`` saying why a value
+    does not fit."""
+    target = dtype.pyarrow_dtype
+    try:
+        arr = pa.array(values, from_pandas=True)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"has no Arrow type ({type(exc).__name__}: {exc})") from None
+    if not _compatible(arr.type, target):
+        raise ValueError(f"is {arr.type}, not {target}")
+    try:
+        return arr.cast(target, safe=True)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"does not fit {target} ({exc})") from None
+
+
+def _column(values: list, dtype, index: pd.Index, column, errors: list) -> pd.Series:
+    """A typed column; values that do not fit are null, with a message in ``errors``."""
+    if isinstance(dtype, pd.CategoricalDtype):
+        for i, v in enumerate(values):
+            if not _is_null(v) and v not in dtype.categories:
+                errors[i] = _join(errors[i], f"column {column!r}: {_show(v)} is not one of the categories "
+                                             f"{list(dtype.categories)}")
+                values[i] = None
+        return pd.Series(values, index=index, dtype=dtype)
+    try:
+        arr = _to_arrow(values, dtype)
+    except ValueError:  # find the rows, one value at a time
+        cells = []
+        for i, v in enumerate(values):
+            try:
+                cells.append(_to_arrow([v], dtype))
+            except ValueError as exc:
+                errors[i] = _join(errors[i], f"column {column!r}: the value {_show(v)} {exc}")
+                values[i] = None
+                cells.append(pa.nulls(1, dtype.pyarrow_dtype))
+        arr = pa.concat_arrays(cells)
+    return pd.Series(arr, index=index, dtype=dtype)
+
+
+def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list) -> pd.DataFrame:
+    """The rows as a frame of exactly ``schema``'s columns (see the module docstring)."""
+    n = len(rows)
+    values = {c: [None] * n for c in schema if c != ERROR}
+    errors: list[str | None] = [r.error for r in rows]
+    fill = []  # (row, columns) taking input values: error rows with an output
+    for i, r in enumerate(rows):
+        if r.output is None:
+            for c in input_columns:
+                if c in values:
+                    values[c][i] = r.inputs.get(c)
+            continue
+        extra = [k for k in r.output if k != ERROR and k not in values]
+        if extra:
+            errors[i] = _join(errors[i], f"postprocess returned column(s) {extra} that the output does not have "
+                                         f"(its columns: {list(schema)}); pass meta= to set them")
+        for k, v in r.output.items():
+            if k in values:
+                values[k][i] = v
+        fill.append((i, [c for c in input_columns if c in values and c not in r.output]))
+    columns = {c: _column(values[c], schema[c], index, c, errors) for c in values}
+    refill = set()
+    for i, cols in fill:  # error rows that had an output also say which input row they were
+        if errors[i] is not None:
+            for c in cols:
+                values[c][i] = rows[i].inputs.get(c)
+                refill.add(c)
+    for c in refill:  # values that did not fit were set to null in the first pass
+        columns[c] = _column(values[c], schema[c], index, c, errors)
+    columns[ERROR] = pd.Series(errors, index=index, dtype=_STRING)
+    return pd.DataFrame(columns, index=index)
+
+
+def _is_null(value) -> bool:
+    try:
+        return value is None or bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _join(first: str | None, second: str | None) -> str | None:
+    if first is None:
+        return second
+    return first if second is None else f"{first}; {second}"
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
 
 
 def _main_output(kind: str) -> str:
@@ -159,7 +499,15 @@ def _main_output(kind: str) -> str:
             "score": "score"}[kind]
 
 
-def build_processor(config: ProcessorConfig, preprocess: Callable | None = None,
-                    postprocess: Callable | None = None) -> Processor:
-    """A processor mapping a Dask DataFrame through ``preprocess``, the engine and ``postprocess``."""
-    return Processor(config, preprocess, postprocess)
+def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None, *, meta: Meta | None = None,
+                    sample_rows: int = SAMPLE_ROWS) -> Processor:
+    """A processor mapping a Dask (or pandas) DataFrame through ``preprocess``, the engine
+    and ``postprocess``.
+
+    ``meta`` describes the columns ``postprocess`` returns (a pandas DataFrame, a dict or
+    list of ``(column, dtype)`` pairs, or a ``pyarrow.Schema``); without it the output's
+    types come from running the first ``sample_rows`` rows of a Dask input through the
+    whole pipeline when the processor is called. See :mod:`dfllm.processor`.
+    """
+    return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows)

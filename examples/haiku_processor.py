@@ -2,7 +2,10 @@
 
 Ray Data LLM's ``build_processor(config, preprocess, postprocess)`` re-expressed on Dask:
 each row becomes a chat with a system prompt (temperature 0.3, at most 250 tokens), runs
-on the engine held by each Dask worker, and the answers are written to parquet.
+on the engine held by each Dask worker, and the answers are written to parquet. The output's
+columns and types come from running the first rows when the processor is called (pass
+``meta=`` to build_processor to give them instead); a row that fails keeps its ``id`` and
+``item`` and says why in ``llm_error``, and postprocess is not run on it.
 
     python examples/haiku_processor.py [--output haikus/] [--max-tokens 250] [--workers 1]
 """
@@ -57,7 +60,8 @@ def main() -> None:
     output = args.output or tempfile.mkdtemp(prefix="haikus-")
     with LocalCluster(n_workers=args.workers, threads_per_worker=2, dashboard_address=":0") as cluster, \
             Client(cluster):
-        processor(ddf).to_parquet(output)       # lazy until here; one engine per worker
+        result = processor(ddf)                 # runs the first rows now, for the output's columns
+        result.to_parquet(output)               # the rest runs here; one engine per worker
     result = pd.read_parquet(output).sort_values("id")
     for row in result.itertuples():
         print(f"> {row.item}\n{row.answer.strip()}\n({row.tokens} tokens)\n")

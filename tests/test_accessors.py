@@ -261,7 +261,8 @@ def test_build_processor_like_ray_data_llm(client, kw):
     items = pd.DataFrame({"id": range(6), "item": [f"first line number {i}" for i in range(6)]})
     processor = dfllm.build_processor(config, preprocess=preprocess, postprocess=postprocess)
     lazy = processor(dd.from_pandas(items, npartitions=2))
-    assert list(lazy.columns) == ["id", "resp", "n", "llm_error"]
+    # postprocess's columns, the input column it drops (held on error rows), llm_error
+    assert list(lazy.columns) == ["id", "resp", "n", "item", "llm_error"]
     out = lazy.compute().sort_values("id")
     llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
     ok = [i for i in range(6) if i != 3]
@@ -272,7 +273,8 @@ def test_build_processor_like_ray_data_llm(client, kw):
     assert out.set_index("id").loc[ok, "n"].tolist() == [5] * 5
     failed = out.set_index("id").loc[3]
     assert "preprocess: KeyError" in failed["llm_error"] and pd.isna(failed["resp"])
-    assert out.set_index("id").loc[ok, "llm_error"].isna().all()
+    assert failed["item"] == "first line number 3"  # an error row keeps its input values
+    assert out.set_index("id").loc[ok, "llm_error"].isna().all() and out.set_index("id").loc[ok, "item"].isna().all()
     with pytest.raises(ValueError, match="task_type"):
         dfllm.ProcessorConfig(task_type="translate")
 
