@@ -4,8 +4,8 @@ from dfllm.llm import LLM
 from dfllm import accessors  # noqa: F401,E402  (registers .llm on Dask, pandas and Polars)
 from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                            EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
-                           PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringOutput,
-                           ScoringRequestOutput)
+                           PoolingRequestOutput, RequestFailedError, RequestMetrics, RequestOutput,
+                           ScoringOutput, ScoringRequestOutput)
 from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.pooling_params import PoolingParams
 from dfllm.processor import Processor, ProcessorConfig, build_processor
@@ -16,6 +16,6 @@ __all__ = [
     "LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
     "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
     "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "write_parquet", "WriteSummary",
-    "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams",
+    "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams", "RequestFailedError",
 ]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from dfllm.models.bundled import resolve_model
 from dfllm.models.loader import load_config
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
-from dfllm.outputs import RequestOutput
+from dfllm.outputs import RequestOutput, raise_for_errors
 from dfllm.sampling_params import SamplingParams
 
 logger = init_logger()
@@ -56,6 +56,15 @@ class LLM(PoolingMixin, ControlMixin):
     generation otherwise; ``runner="pooling"`` turns a decoder into an embedder
     (last-token pooling unless the directory says otherwise). Pooling models serve
     ``embed``/``classify``/``score``/``encode``; generative models ``generate``/``chat``.
+
+    Failures stay with the requests that cause them. A prompt for which the model produces
+    non-finite logits (NaN, +inf, or no finite value: NaN weights, an overflow) ends with
+    ``finish_reason="error"`` while the rest of the batch goes on; ``generate``/``chat``
+    then raise :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming the
+    prompt by index, with every output in its ``outputs``. If a step raises, nothing queued
+    is lost: the engine drops its batch and re-runs the call's unfinished requests from
+    scratch on their own (a ``generate`` call that still fails alone raises that error), and
+    re-queues requests of ``enqueue`` from scratch for a later call.
     """
 
     def __init__(
@@ -132,10 +141,14 @@ class LLM(PoolingMixin, ControlMixin):
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
         ``sampling_params`` is one object for all prompts or a list with one per prompt.
         Every prompt is checked (emptiness, vocabulary, ``max_model_len``) before any work
-        starts; a bad one raises ``ValueError`` naming its index.
+        starts; a bad one raises ``ValueError`` naming its index. A prompt for which the model
+        produces non-finite logits makes the call raise
+        :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming its index, once
+        every other prompt is done; their outputs are in the error's ``outputs``. An exception
+        in the engine is raised if these prompts cause it on their own (see the class).
         """
         ids = self._add_requests(*self._tokenize(prompts, sampling_params, "generate"))
-        return self._run_until_done(ids, use_tqdm)
+        return raise_for_errors(self._run_until_done([ids], use_tqdm), lambda i: f"prompt {i}")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -144,11 +157,12 @@ class LLM(PoolingMixin, ControlMixin):
 
         Each conversation is a list of ``{"role", "content"}`` messages, rendered with the
         tokenizer's chat template (or ``chat_template``) in transformers' sandboxed Jinja
-        environment, then generated like ``generate``.
+        environment, then generated like ``generate`` (failures included: an error names the
+        conversation by index).
         """
         ids = self._add_requests(*self._render_chats(messages, sampling_params, chat_template,
                                                      add_generation_prompt, continue_final_message))
-        return self._run_until_done(ids, use_tqdm)
+        return raise_for_errors(self._run_until_done([ids], use_tqdm), lambda i: f"conversation {i}")
 
     # ---- preparing requests ----------------------------------------------------------
     def _tokenize(self, prompts, sampling_params, method: str) -> tuple[list[TokenizedPrompt], list[SamplingParams]]:
@@ -198,28 +212,77 @@ class LLM(PoolingMixin, ControlMixin):
             self.engine.add_request(ids[-1], p.prompt, p.token_ids, sp)
         return ids
 
-    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step the engine until the requests ``ids`` are done; their outputs in that order.
+    def _run_until_done(self, groups: list[list[str]], use_tqdm: bool, *,
+                        raise_failures: bool = True) -> list[RequestOutput]:
+        """Step the engine until the requests of ``groups`` are done; their outputs in order.
 
-        Other queued requests are batched along; their outputs are kept for
-        ``wait_for_completion``.
+        A group is the requests of one call (``generate``, one ``enqueue``). Other queued
+        requests are batched along; their outputs are kept for ``wait_for_completion``. A
+        step that raises loses nothing (:meth:`_recover`): a group that fails again on its
+        own raises that error (``raise_failures``) or gets error outputs.
         """
+        ids = [rid for group in groups for rid in group]
         wanted = set(ids)
         bar = _ProgressBar(len(ids), use_tqdm)
         try:
-            while self.engine.has_unfinished() and not wanted <= self._done.keys():
-                for req in self._step_and_collect():
+            while not wanted <= self._done.keys():
+                if not self.engine.has_unfinished():  # cannot happen: a bug, not a hang
+                    raise RuntimeError(f"requests {sorted(wanted - self._done.keys())} were lost by the engine")
+                try:
+                    finished = self._step_and_collect()
+                except Exception as exc:
+                    finished = self._recover(exc, groups, raise_failures)
+                for req in finished:
                     if req.request_id in wanted:
                         bar.update(req)
-        except Exception:  # a failed step: drop the batch so later calls are not stuck behind it
-            self.engine.scheduler.abort_all()
-            for rid in ids + self._queued:
+        except Exception:
+            for rid in ids:
                 self._done.pop(rid, None)
-            self._queued = []  # enqueued requests were dropped with it
             raise
         finally:
             bar.close()
         return [self._done.pop(rid) for rid in ids]
+
+    def _recover(self, exc: Exception, groups: list[list[str]], raise_failures: bool) -> list:
+        """After a step that raised: drop every unfinished request from the engine, re-run
+        those of ``groups`` from scratch one group at a time (outputs already finished stay),
+        then re-queue the others from scratch for a later call; the requests finished.
+
+        A group that fails again on its own is the cause: its error is raised
+        (``raise_failures``), or each of its unfinished requests gets an error output naming it.
+        """
+        dropped = {req.request_id: req for req in self.engine.abort_all()}
+        logger.warning("an engine step failed (%r): re-running %d unfinished requests, one call's at a time",
+                       exc, len(dropped))
+        finished: list = []
+        try:
+            for group in groups:
+                requests = [dropped.pop(rid) for rid in group if rid in dropped]
+                if not requests:
+                    continue
+                try:
+                    finished += self._run_alone(requests)
+                except Exception as failure:
+                    failed = self.engine.abort_all()
+                    if raise_failures:
+                        raise
+                    for req in failed:
+                        self._done[req.request_id] = self.engine.error_output(
+                            req, f"the engine failed while serving request {req.request_id}: {failure!r}")
+        finally:
+            for req in dropped.values():  # another call's: from scratch, with the next call's steps
+                self.engine.requeue(req)
+        return finished
+
+    def _run_alone(self, requests: list) -> list:
+        """Queue ``requests`` again from scratch in the (emptied) engine and step until they
+        are done; the requests finished. A step that raises propagates (the caller aborts)."""
+        for req in requests:
+            self.engine.requeue(req)
+        finished = []
+        while self.engine.has_unfinished():
+            finished += self._step_and_collect()
+        return finished
 
     def _step_and_collect(self) -> list:
         """One engine step; the outputs of the requests it finished are kept in ``_done``."""

@@ -12,7 +12,7 @@ import torch
 from dfllm.engine.executor import call_with_timeout
 from dfllm.metrics import Metric, snapshot
 from dfllm.models.loader import update_weights as apply_weight_update
-from dfllm.outputs import RequestOutput
+from dfllm.outputs import RequestOutput, raise_for_errors
 
 WEIGHT_TRANSFER_BACKENDS = ("inprocess",)
 
@@ -21,7 +21,7 @@ class ControlMixin:
     """Engine control methods of :class:`dfllm.LLM` (vLLM's names and arguments)."""
 
     def _init_control(self, profiler_dir: str | Path) -> None:
-        self._queued: list[str] = []
+        self._queued: list[list[str]] = []  # the request ids of each enqueue call not yet waited for
         self.profiler_dir = Path(profiler_dir)
         self._profiler: torch.profiler.profile | None = None
         self._profile_prefix: str | None = None
@@ -34,22 +34,34 @@ class ControlMixin:
         """Queue prompts without running them; return their request ids.
 
         Requests queued by several calls are scheduled together by
-        :meth:`wait_for_completion` (or by any ``generate`` call in between).
+        :meth:`wait_for_completion` (or by any ``generate`` call in between). If a step of a
+        ``generate`` call in between raises, they are re-queued from scratch (greedy and
+        seeded ones give the outputs they would have had); :meth:`wait_for_completion` then
+        serves them, and reports any that fails (see there).
         """
         ids = self._add_requests(*self._tokenize(prompts, sampling_params, "enqueue"))
-        self._queued += ids
+        self._queued.append(ids)
         return ids
 
     def enqueue_chat(self, messages, sampling_params=None, **chat_kwargs) -> list[str]:
         """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
         ids = self._add_requests(*self._render_chats(messages, sampling_params, **chat_kwargs))
-        self._queued += ids
+        self._queued.append(ids)
         return ids
 
     def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run the engine until every queued request is done; outputs in enqueue order."""
-        ids, self._queued = self._queued, []
-        return self._run_until_done(ids, use_tqdm)
+        """Run the engine until every queued request is done; outputs in enqueue order.
+
+        No queued request is dropped silently: each one's output is returned, or the call
+        raises :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming the
+        failed ones by request id once all are done, with every output (the failed ones'
+        with ``finish_reason="error"`` and the reason) in its ``outputs``. A request fails
+        when the model produces non-finite logits for it, or when a step raises and its
+        ``enqueue`` call's requests, re-run from scratch on their own, make it raise again.
+        """
+        groups, self._queued = self._queued, []
+        outputs = self._run_until_done(groups, use_tqdm, raise_failures=False)
+        return raise_for_errors(outputs, lambda i: f"request {outputs[i].request_id}")
 
     # ---- profiling ----------------------------------------------------------------------
     def start_profile(self, profile_prefix: str | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,8 +46,10 @@ class RequestMetrics:
 class CompletionOutput:
     """One completion of a prompt.
 
-    ``finish_reason`` is ``"stop"`` (end-of-sequence token, stop token or stop string) or
-    ``"length"`` (``max_tokens`` or ``max_model_len`` reached); ``stop_reason`` is the stop
+    ``finish_reason`` is ``"stop"`` (end-of-sequence token, stop token or stop string),
+    ``"length"`` (``max_tokens`` or ``max_model_len`` reached) or ``"error"`` (the completion
+    failed: ``error`` says why; after non-finite logits ``text`` and ``token_ids`` hold what
+    was generated before, after an engine error they are empty); ``stop_reason`` is the stop
     string or stop token id that ended it, or None.
 
     ``structured_output_complete`` is None for an unconstrained request; for a request with
@@ -64,6 +67,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     structured_output_complete: bool | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         """True once the completion has a finish reason."""
@@ -82,6 +86,40 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = field(default=None)
+
+
+class RequestFailedError(RuntimeError):
+    """Some requests of a call failed while every other one completed.
+
+    Raised by ``LLM.generate``/``chat`` (naming the failed prompts by index) and by
+    ``LLM.wait_for_completion`` (naming them by request id). ``outputs`` holds the call's
+    outputs in input order, the other requests' complete and the failed ones' with
+    ``finish_reason="error"`` and the reason in ``CompletionOutput.error``; ``failed`` lists
+    the positions of the failed ones in ``outputs``.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput], failed: list[int]):
+        super().__init__(message)
+        self.outputs = outputs
+        self.failed = failed
+
+
+def failed_outputs(outputs: list[RequestOutput]) -> list[int]:
+    """Positions of the outputs with a completion that ended with ``finish_reason="error"``."""
+    return [i for i, o in enumerate(outputs) if any(c.finish_reason == "error" for c in o.outputs)]
+
+
+def raise_for_errors(outputs: list[RequestOutput], name: Callable[[int], str]) -> list[RequestOutput]:
+    """``outputs``, or ``RequestFailedError`` if any failed; ``name(i)`` names output ``i``
+    in the message (e.g. "prompt 3")."""
+    failed = failed_outputs(outputs)
+    if not failed:
+        return outputs
+    lines = [f"{name(i)}: {next(c.error for c in outputs[i].outputs if c.finish_reason == 'error')}"
+             for i in failed[:5]]
+    more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
+    raise RequestFailedError(f"{len(failed)} of {len(outputs)} requests failed (the others completed; their "
+                             f"outputs are in this error's .outputs): " + "; ".join(lines) + more, outputs, failed)
 
 
 # ---- pooling outputs ----------------------------------------------------------------------

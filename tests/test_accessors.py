@@ -158,7 +158,10 @@ def test_dask_generate_on_a_cluster(client, questions, kw, tmp_path):
                                   expected[["generated_text", "llm_error"]].reset_index(drop=True),
                                   check_dtype=False)
     loads = client.run(engines.load_count)
-    assert sorted(loads.values()) in ([0, 1], [1, 1])  # each worker loaded the model at most once
+    steps = client.run(engines.partitions_per_step)
+    ran = [w for w in loads if steps[w]]  # the workers that generated rows
+    # 4 partitions on 2 workers: one ran two or more, and still built one engine
+    assert ran and all(loads[w] == 1 for w in ran) and all(loads[w] == 0 for w in loads if w not in ran)
     result.to_parquet(tmp_path / "out")
     back = pd.read_parquet(tmp_path / "out")
     assert len(back) == len(questions) and set(back.columns) >= {"generated_text", "llm_error"}
@@ -187,17 +190,33 @@ def test_dask_embed_series(client):
 
 
 def test_concurrent_partitions_share_batches(kw):
-    """Two threads' partitions through one shared engine give the serial results, and every
-    generated token is counted once."""
+    """Two threads' partitions through one shared engine share its steps (the driver is held
+    until both have handed over their rows, so they start in the same step, and its record
+    shows steps serving both), give the serial results, and every generated token is
+    counted once."""
     import threading
+    import time
 
-    from dfllm.accessors.engines import get_engine
+    from dfllm.accessors.engines import driver, get_engine, partitions_per_step
 
     frames = [pd.DataFrame({"q": [f"question {i} {j}" for j in range(4)]}) for i in range(2)]
     serial = [f.llm.generate("q", sampling_params=SP, **kw) for f in frames]
     llm, _ = get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
     steps_before = llm.get_metrics()
+    recorded = len(partitions_per_step())
     results = [None, None]
+
+    holding_now = threading.Event()
+
+    def hold():  # runs on the driver thread: no step until both partitions are queued
+        holding_now.set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(getattr(driver().queues.get(id(llm)), "pending", ())) < 2:
+            time.sleep(0.005)
+
+    holding = threading.Thread(target=lambda: driver().call(hold))
+    holding.start()
+    assert holding_now.wait(30)
 
     def work(i):
         results[i] = frames[i].llm.generate("q", sampling_params=SP, **kw)
@@ -205,10 +224,12 @@ def test_concurrent_partitions_share_batches(kw):
     threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
+    for t in threads + [holding]:
         t.join()
     for got, want in zip(results, serial):
         assert got.generated_text.tolist() == want.generated_text.tolist()
+    shared = partitions_per_step()[recorded:]
+    assert len(shared) == 6 and shared.count(2) == 6  # both partitions in every step (4 rows x 6 tokens each)
     tokens = next(m for m in llm.get_metrics() if m.name == "dfllm_generation_tokens").value
     assert tokens - next(m for m in steps_before if m.name == "dfllm_generation_tokens").value == 8 * 6
 

@@ -523,10 +523,14 @@ def test_failed_step_is_reported_and_engine_recovers(kw, alone):
 
 
 @pytest.mark.timeout(120)
-def test_failed_step_drops_queued_requests_cleanly(llm, alone):
-    """Requests queued with ``enqueue`` are dropped with a failed batch: ``wait_for_completion``
-    returns nothing instead of failing on their missing outputs, and the engine serves on."""
-    llm.enqueue(GOOD[0], SamplingParams(**SP))
+def test_failed_step_keeps_queued_requests(llm, alone):
+    """A step that fails during ``generate`` drops no request queued with ``enqueue``: they
+    are re-queued from scratch and ``wait_for_completion`` returns their outputs (those they
+    would have had); if they fail again there, it raises an error naming them, with every
+    output, and the engine serves on."""
+    from dfllm.outputs import RequestFailedError
+
+    queued = llm.enqueue(GOOD[0], SamplingParams(**SP))
     hooks = llm.apply_model(lambda m: m.register_forward_hook(_raise))
     try:
         with pytest.raises(InjectedFault):
@@ -534,7 +538,23 @@ def test_failed_step_drops_queued_requests_cleanly(llm, alone):
     finally:
         for h in hooks:
             h.remove()
-    assert llm.wait_for_completion(use_tqdm=False) == [] and not llm._done
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == queued and outs[0].outputs[0].text == alone("generate", GOOD[0])
+    assert not llm._done and not llm.engine.has_unfinished()
+
+    first, second = llm.enqueue(GOOD[0], SamplingParams(**SP)), llm.enqueue(GOOD[1], SamplingParams(**SP))
+    hooks = llm.apply_model(lambda m: m.register_forward_hook(_raise))
+    try:
+        with pytest.raises(RequestFailedError, match=rf"2 of 2 requests failed.*request {first[0]}: the engine "
+                           rf"failed while serving request {first[0]}: InjectedFault") as info:
+            llm.wait_for_completion(use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert [o.request_id for o in info.value.outputs] == first + second and info.value.failed == [0, 1]
+    assert all(o.outputs[0].finish_reason == "error" and "injected fault" in o.outputs[0].error
+               for o in info.value.outputs)
+    assert not llm._done and not llm.engine.has_unfinished()
     llm.enqueue(GOOD, SamplingParams(**SP))
     assert [o.outputs[0].text for o in llm.wait_for_completion(use_tqdm=False)] == [alone("generate", p) for p in GOOD]
 

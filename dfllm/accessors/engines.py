@@ -7,6 +7,14 @@ batches: each task hands its rows to the process's driver thread, which steps th
 for everyone. A generative engine's ``dfllm_`` metrics join the process's default
 Prometheus registry, which a Dask worker serves on ``/metrics``.
 
+A failure stays with the task that causes it. If a step raises, the driver drops the
+engine's batch and re-runs each task's unfinished rows from scratch, one task at a time
+(rows already finished keep their outputs): the task whose rows fail on their own gets the
+error, and the others the outputs they would have had. Rows for which the model produces
+non-finite logits are not a failed step: they end with ``finish_reason="error"`` and the
+rest of the batch goes on. For tests and diagnostics, :func:`load_count` counts the engines
+this process built and :func:`partitions_per_step` how many tasks shared each step.
+
 All torch work of the accessors runs on that one driver thread: building engines, stepping
 them, and pooling calls (``embed``, ``score``, ``classify``). With OpenMP, every thread
 that runs a parallel region keeps its own team of worker threads; once there are more of
@@ -17,8 +25,10 @@ task thread and stepped on another). One thread, one team.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
+import logging
 import os
 import sys
 import threading
@@ -30,9 +40,13 @@ from tqdm.auto import tqdm
 from dfllm.accessors.prometheus import expose
 from dfllm.llm import LLM
 
+logger = logging.getLogger("dfllm")
+
 _engines: dict[tuple, tuple[LLM, threading.Lock]] = {}
 _guard = threading.Lock()
 _loads = 0
+STEP_RECORD = 100_000  # steps whose task count is kept (the most recent)
+_step_tasks: collections.deque[int] = collections.deque(maxlen=STEP_RECORD)
 
 
 def engine_key(model, engine_kwargs: dict) -> tuple:
@@ -75,6 +89,7 @@ class EngineQueue:
         self.llm, self.lock = llm, lock
         self.pending: list[Submission] = []
         self.active: list[Submission] = []
+        self.owner: dict[str, Submission] = {}  # request id -> the active submission it belongs to
 
     def busy(self) -> bool:
         return bool(self.pending) or self.llm.engine.has_unfinished()
@@ -147,22 +162,47 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
         for sub in subs:
             try:
                 sub.ids = llm._add_requests(*llm._tokenize(sub.prompts, sub.params, "generate"))
-                queue.active.append(sub)
             except Exception as exc:  # reported to the task that submitted these rows
                 sub.error = exc
+                continue
+            queue.active.append(sub)
+            queue.owner.update(dict.fromkeys(sub.ids, sub))
         if llm.engine.has_unfinished():
             try:
                 llm._step_and_collect()
+                _step_tasks.append(len({queue.owner[r] for r in llm.engine.last_step_requests if r in queue.owner}))
             except Exception as exc:  # a failed step must not kill this thread: tasks would wait forever
-                llm.engine.scheduler.abort_all()
-                for sub in queue.active:
-                    sub.error = RuntimeError(f"the engine failed while generating these rows: {exc!r}")
-                    for rid in sub.ids:
-                        llm._done.pop(rid, None)
+                _isolate(queue, exc)
         for sub in queue.active:
             sub.finished = sum(i in llm._done for i in sub.ids)
             sub.done = sub.error is None and sub.finished == len(sub.ids)
+            if sub.done or sub.error is not None:
+                for rid in sub.ids:
+                    queue.owner.pop(rid, None)
         queue.active = [s for s in queue.active if not s.done and s.error is None]
+
+
+def _isolate(queue: EngineQueue, exc: Exception) -> None:
+    """After a step that raised: drop the engine's batch and re-run each task's unfinished
+    rows from scratch, one task at a time (rows already finished keep their outputs). A task
+    whose rows fail again on their own gets the error; the others complete."""
+    llm = queue.llm
+    dropped = {req.request_id: req for req in llm.engine.abort_all()}
+    logger.warning("an engine step failed (%r): re-running the unfinished rows of %d tasks one task at a time",
+                   exc, len(queue.active))
+    for sub in queue.active:
+        requests = [dropped.pop(rid) for rid in sub.ids if rid in dropped]
+        if not requests:
+            continue
+        try:
+            llm._run_alone(requests)
+        except Exception as failure:
+            llm.engine.abort_all()
+            sub.error = RuntimeError(f"the engine failed while generating these rows: {failure!r}")
+            for rid in sub.ids:
+                llm._done.pop(rid, None)
+    for req in dropped.values():  # not a task's (the engine used directly meanwhile): queued again
+        llm.engine.requeue(req)
 
 
 _driver: Driver | None = None
@@ -271,3 +311,9 @@ def _set_threads(n: int) -> None:
 def load_count() -> int:
     """How many engines this process has created (for tests and diagnostics)."""
     return _loads
+
+
+def partitions_per_step() -> list[int]:
+    """For each generation step the driver ran in this process (the last 100,000), how many
+    tasks (partitions) had rows in its batch; for tests and diagnostics."""
+    return list(_step_tasks)

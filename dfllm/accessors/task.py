@@ -360,6 +360,9 @@ def _generate(df, task, llm, out, prompts: dict[int, list[int]]) -> None:
         out["num_input_tokens"][i] = len(r.prompt_token_ids)
         out["num_generated_tokens"][i] = len(c.token_ids)
         out["finish_reason"][i] = c.finish_reason
+        if c.finish_reason == "error":  # e.g. non-finite logits: this row's error, not the batch's
+            _row_error(task, out, i, c.error or "generation failed")
+            continue
         if not task.structured:
             out[task.output_column][i] = c.text
             continue

@@ -9,6 +9,14 @@ Prefix caching: once a block is full and computed it is keyed by a hash chain
 (reference counted). A block whose count drops to zero goes to the tail of the free list
 but keeps its contents and hash, so it can be revived until it is evicted, oldest first.
 
+Every block handed out to a sequence (except a prefix-cache hit, whose contents are the
+point) is zeroed before the step that first writes it (:meth:`BlockManager.drain_to_zero`):
+a sequence's masked-out slots (past its length in its last block) are still multiplied by a
+zero attention weight, and a stale NaN there, left by a sequence whose model output went
+non-finite, would make another sequence's output NaN (0 * NaN = NaN). Zeroing a block costs
+a small fraction of the step that fills it (its slots are written once per block, read at
+every later step).
+
 Blocks never handed out yet wait apart. On a GPU the whole cache is resident anyway, so
 they are used before any cached block is evicted; on a CPU their memory is not touched
 until first use, so ``reuse_first=True`` evicts free blocks before touching new ones and
@@ -29,7 +37,6 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
-    used: bool = False  # handed out at least once (its cache memory has been initialised)
 
 
 def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -50,8 +57,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict()
         self.next_fresh = 0  # blocks [next_fresh, num_blocks) were never handed out
         self.hash_to_block: dict[int, int] = {}
-        # Blocks handed out for the first time since the last drain (never written before).
-        self.first_use: list[int] = []
+        # Blocks handed out since the last drain, to be zeroed before the next step.
+        self.to_zero: list[int] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -159,13 +166,12 @@ class BlockManager:
                 block.token_ids = ()
             block.ref_count = 1
             seq.block_table.append(block_id)
-            if not block.used:
-                block.used = True
-                self.first_use.append(block_id)
+            self.to_zero.append(block_id)
 
-    def drain_first_use(self) -> list[int]:
-        """Blocks allocated for the first time since the last call (to be zeroed)."""
-        blocks, self.first_use = self.first_use, []
+    def drain_to_zero(self) -> list[int]:
+        """Blocks allocated since the last call, to be zeroed (stale or never-written slots
+        must read as zeros; see the module's docstring)."""
+        blocks, self.to_zero = self.to_zero, []
         return blocks
 
     def free_seq(self, seq: Sequence) -> None:

@@ -38,8 +38,9 @@ def allocate(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: in
     """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` for all keys and values.
 
     It is left uninitialised (untouched pages cost nothing on CPU); each block is zeroed
-    when first handed out (:func:`zero_blocks`), because masked-out slots are still
-    multiplied by a zero attention weight and garbage there could be NaN.
+    whenever it is handed out to a sequence (:func:`zero_blocks`), because masked-out slots
+    are still multiplied by a zero attention weight and garbage there (uninitialised memory,
+    or what a sequence whose output went NaN left behind) could be NaN.
     """
     return torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 

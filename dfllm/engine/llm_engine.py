@@ -1,4 +1,11 @@
-"""The engine loop: requests in, scheduled steps, sampled tokens, finished requests out."""
+"""The engine loop: requests in, scheduled steps, sampled tokens, finished requests out.
+
+A sequence whose logits are not finite (NaN, +inf, or no finite value: NaN weights, an
+overflow) is not sampled: it ends with ``finish_reason="error"`` and a message, and the
+other sequences of the batch go on. A step that raises is another matter: the engine's
+state is then unknown, so the caller aborts everything (:meth:`LLMEngine.abort_all`) and
+re-queues what it still wants from scratch (:meth:`LLMEngine.requeue`).
+"""
 
 from __future__ import annotations
 
@@ -59,6 +66,8 @@ class LLMEngine:
         self.detokenizer = Detokenizer(tokenizer)
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.num_generated_tokens = 0
+        self.requests: dict[str, Request] = {}  # queued or running, or finished by a step that raised
+        self.last_step_requests: list[str] = []  # the request ids of the last scheduled step's sequences
         self.sleep_level = 0  # 0 awake; 1 weights on host, KV freed; 2 weights and KV freed
         self.asleep: set[str] = set()  # which of "weights", "kv_cache" are released
 
@@ -87,7 +96,24 @@ class LLMEngine:
             self.detokenizer.start(seq)
             req.seqs.append(seq)
             self.scheduler.add(seq)
+        self.requests[request_id] = req
         return req
+
+    def abort_all(self) -> list[Request]:
+        """Drop every request not yet returned by :meth:`step` (queued, running, or finished
+        by a step that raised) and free its blocks, so the engine stays usable after a failed
+        step; the dropped requests, in arrival order."""
+        self.scheduler.abort_all()
+        dropped = list(self.requests.values())
+        self.requests.clear()
+        return dropped
+
+    def requeue(self, req: Request) -> Request:
+        """Queue ``req`` again from scratch, under its id, with fresh sequences (and fresh
+        seeded generators, so a greedy or seeded request gives the output it would have had)."""
+        new = self.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.params)
+        new.metrics.arrival_time = req.metrics.arrival_time
+        return new
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -114,9 +140,12 @@ class LLMEngine:
             preempted += sched.num_preempted
         if not sched:
             raise RuntimeError("the scheduler could not schedule any waiting sequence")
-        self.runner.zero_blocks(bm.drain_first_use())
+        self.last_step_requests = [s.request.request_id for s in sched.seqs]
+        self.runner.zero_blocks(bm.drain_to_zero())
         with torch.profiler.record_function("dfllm.step"):
             finished = self._execute(sched)
+        for req in finished:
+            self.requests.pop(req.request_id, None)
         self.metrics.observe_step(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, preempted,
                                   bm.prefix_queries - queries, bm.prefix_hits - hits)
         return finished
@@ -126,16 +155,32 @@ class LLMEngine:
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        finished = []
+        finished: list[Request] = []
+        if not sample_seqs:
+            return finished
+        now = time.time()
+        bad = non_finite_rows(logits)
+        if bad:
+            for i, what in bad.items():
+                seq = sample_seqs[i]
+                seq.error = (f"the model produced non-finite logits ({what}) at output token "
+                             f"{seq.num_output_tokens} (0-based)")
+                logger.warning("request %s: %s", seq.request.request_id, seq.error)
+                self._finish(seq, "error", None)
+                self._note_if_finished(seq, now, finished)
+            keep = [i for i in range(len(sample_seqs)) if i not in bad]
+            logits, sample_seqs = logits[keep], [sample_seqs[i] for i in keep]
         if sample_seqs:
-            now = time.time()
             for seq, tok in zip(sample_seqs, self.sampler(logits, sample_seqs)):
                 self._append(seq, tok, now)
-                if seq.is_finished and seq.request.is_finished:
-                    seq.request.metrics.finished_time = now
-                    self.metrics.observe_finish(now - seq.request.metrics.arrival_time)
-                    finished.append(seq.request)
+                self._note_if_finished(seq, now, finished)
         return finished
+
+    def _note_if_finished(self, seq: Sequence, now: float, finished: list[Request]) -> None:
+        if seq.is_finished and seq.request.is_finished:
+            seq.request.metrics.finished_time = now
+            self.metrics.observe_finish(now - seq.request.metrics.arrival_time)
+            finished.append(seq.request)
 
     def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
         token = tok.token_id
@@ -250,9 +295,30 @@ class LLMEngine:
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 structured_output_complete=None if s.grammar is None else (
-                    s.grammar.rejected is None and s.grammar.completed and not isinstance(s.stop_reason, str)),
+                    s.grammar.rejected is None and s.grammar.completed and not isinstance(s.stop_reason, str)
+                    and s.finish_reason != "error"),
+                error=s.error,
             )
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
                              req.num_cached_tokens, req.metrics)
+
+    @staticmethod
+    def error_output(req: Request, message: str) -> RequestOutput:
+        """The ``RequestOutput`` of a request that failed as a whole: each of its ``n``
+        completions empty, with ``finish_reason="error"`` and ``message``."""
+        outs = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                 finish_reason="error", error=message) for i in range(req.params.n)]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, 0, req.metrics)
+
+
+def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
+    """Rows of ``logits`` that cannot be sampled, with what is wrong: any NaN, any +inf, or
+    no finite value at all. One pass (a row's max is NaN, +inf or -inf exactly then)."""
+    top = logits.amax(dim=-1)
+    bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
+    if not bad:
+        return {}
+    return {i: "NaN" if bool(logits[i].isnan().any()) else "+inf" if bool(logits[i].isposinf().any())
+            else "no finite value" for i in bad}

@@ -219,16 +219,23 @@ MIN_DECODE_GROUP = 8
 
 
 def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[DecodeGroup]:
-    """Decodes sorted by context length and split into a few groups of similar length."""
+    """Decodes sorted by context length and split into a few groups of similar length.
+
+    A table shorter than its group's is padded with its own last block, never another
+    sequence's: the padding is masked out, but still multiplied by a zero attention weight,
+    and another sequence's keys could be NaN (its own, when NaN, make it NaN anyway).
+    """
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
     size = max(MIN_DECODE_GROUP, -(-len(order) // DECODE_GROUPS))
     groups = []
     for start in range(0, len(order), size):
         members = order[start : start + size]
         width = len(seqs[members[-1]].block_table)
-        tables = torch.zeros(len(members), width, dtype=torch.long)
+        tables = torch.empty(len(members), width, dtype=torch.long)
         for i, m in enumerate(members):
-            tables[i, : len(seqs[m].block_table)] = torch.tensor(seqs[m].block_table)
+            table = seqs[m].block_table
+            tables[i, : len(table)] = torch.tensor(table)
+            tables[i, len(table) :] = table[-1]
         lens = torch.tensor([seqs[m].num_computed_tokens + 1 for m in members])
         mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
         groups.append(DecodeGroup(torch.tensor([rows[m] for m in members]), tables, mask))

@@ -52,6 +52,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it ended with finish_reason "error" (non-finite logits)
     grammar: "SequenceGrammar | None" = None  # structured outputs: this sequence's matcher
 
     @property
