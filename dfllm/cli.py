@@ -4,8 +4,17 @@
 runs one ``.llm`` task over it on a Dask cluster and writes a parquet dataset with
 :func:`dfllm.write_parquet` (atomic, resumable partitions). Sampling defaults to greedy
 decoding (``--temperature 0``) so that a rerun, or a resumed run, gives the same text.
-Errors end with one line on stderr and exit status 1 (2 for bad options);
-``DFLLM_DEBUG=1`` shows the traceback.
+
+Exit statuses, for schedulers (Airflow, cron, CI):
+
+- 0: the job ran and at most ``--max-error-rate`` (default 0.5) of the output's rows have
+  an ``llm_error`` (an empty input is no error);
+- 1: an error (bad input, unknown column or model, a failed cluster...), one
+  ``dfllm: error: ...`` line on stderr; ``DFLLM_DEBUG=1`` shows the traceback;
+- 2: bad options (usage);
+- 3: the job ran and wrote all its output, but more than ``--max-error-rate`` of the
+  rows have an ``llm_error``: the summary as usual, then one line on stderr saying so;
+- 130: interrupted.
 """
 
 from __future__ import annotations
@@ -16,8 +25,14 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dfllm.accessors.writer import WriteSummary
 
 TASKS = ("generate", "chat", "embed", "score", "classify")
+DEFAULT_MAX_ERROR_RATE = 0.5
+EXIT_TOO_MANY_ERRORS = 3
 DEFAULT_INPUT = {"generate": "prompt", "chat": "messages", "embed": "text", "classify": "text", "score": "text_1"}
 
 
@@ -63,6 +78,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("parquet", "csv", "json"), help="input format (default: from extensions)")
     p.add_argument("--resume", action="store_true", help="skip partitions whose output is already complete")
     p.add_argument("--on-error", choices=("null", "raise"), default="null")
+    p.add_argument("--max-error-rate", type=_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
+                   help="exit with status 3 (after writing the output) if more than this share of the rows "
+                   f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)")
     p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
     p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
@@ -71,6 +89,16 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
 
 
 def _json_object(text: str) -> dict:
@@ -171,8 +199,21 @@ def run(args) -> int:
         _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}")
         summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
                                 progress=not args.no_progress, resources=resources)
-    print(format_summary(summary))
+    print(format_summary(summary), flush=True)
+    failed = too_many_errors(summary, args.max_error_rate)
+    if failed:
+        _say(f"dfllm: error: {failed}")
+        return EXIT_TOO_MANY_ERRORS
     return 0
+
+
+def too_many_errors(summary: WriteSummary, max_error_rate: float) -> str | None:
+    """Why the job counts as failed (more than ``max_error_rate`` of its rows have an
+    ``llm_error``; resumed partitions included), or None. No rows is no failure."""
+    if summary.rows == 0 or summary.errors / summary.rows <= max_error_rate:
+        return None
+    return (f"{summary.errors} of {summary.rows} rows ({100 * summary.errors / summary.rows:.1f}%) have llm_error, "
+            f"above --max-error-rate {max_error_rate:g}; the output was written to {summary.path}")
 
 
 def _describe(client) -> str:
@@ -245,13 +286,13 @@ def demo(args) -> int:
              "--system", "You are a poet who completes unfinished haikus. Reply with the full haiku only.",
              "--max-tokens", str(args.max_tokens), "--npartitions", "2"]
             + (["--scheduler", args.scheduler] if args.scheduler else []))
-        run(run_args)
+        status = run(run_args)
         results = pd.read_parquet(output).sort_values("id")
         for row in results.head(4).itertuples():
             print(f"\n> {row.haiku}\n{str(row.generated_text).strip()}")
         if args.output:
             print(f"\nall {len(results)} results in {args.output}")
-    return 0
+    return status
 
 
 COMMANDS = {"run": run, "models": models, "demo": demo}

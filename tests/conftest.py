@@ -127,6 +127,27 @@ class CLICluster:
         """Worker address -> pid of the worker process (the nanny's child)."""
         return self.client().run(os.getpid)
 
+    def wait_for_worker_pids(self, n: int, gone: list[int] | tuple[int, ...] = (),
+                             timeout: float = 120) -> dict[str, int]:
+        """Worker address -> pid, once exactly ``n`` workers answer and none is one of the
+        ``gone`` (killed) pids. Right after a kill the scheduler may still list the dead
+        worker (``client.run`` then fails, or ``wait_for_workers(n)`` returns at once) and
+        the nanny's new worker may not be registered yet: this waits out both."""
+        import time
+
+        end, last = time.monotonic() + timeout, None
+        while time.monotonic() < end:
+            try:
+                pids = self.worker_pids()
+            except Exception as exc:  # a dead worker still registered: its connection is closed
+                last = exc
+            else:
+                if len(pids) == n and not set(pids.values()) & set(gone):
+                    return pids
+                last = pids
+            time.sleep(0.1)
+        raise TimeoutError(f"no {n} workers without pids {list(gone)} after {timeout} s (last: {last!r})")
+
     def close(self) -> None:
         import signal
 

@@ -243,3 +243,60 @@ def test_gpu_worker_hosts_a_tensor_parallel_engine(tiny_llama, questions, tmp_pa
     llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=2**22)
     ref = llm.generate(good["q"].tolist(), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert good["generated_text"].tolist() == [o.outputs[0].text for o in ref]
+
+
+# ---- exit status: a job whose rows failed is a failed job -------------------------------------------
+def run_prompts(tmp_path, prompts: list[str], *args: str, out: str = "out") -> subprocess.CompletedProcess:
+    """``dfllm run`` over rows whose ``q`` column holds ``prompts`` (an empty one fails its row)."""
+    src = tmp_path / "prompts.parquet"
+    if not src.exists():
+        pd.DataFrame({"id": [f"row-{i}" for i in range(len(prompts))], "q": prompts}).to_parquet(src)
+    return dfllm("run", str(src), str(tmp_path / out), "--prompt", "q", *args)
+
+
+def test_every_row_failing_exits_3_after_writing_the_output(cli_cluster, tiny_llama, tmp_path):
+    common = ("--model", str(tiny_llama), "--max-tokens", "2", "--max-model-len", "64", "--npartitions", "2",
+              "--scheduler", cli_cluster.address, "--no-progress")
+    result = run_prompts(tmp_path, [""] * 6, *common)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "rows:        6 (6 with llm_error)" in result.stdout  # the summary as usual
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"dfllm: error: 6 of 6 rows (100.0%) have llm_error, above --max-error-rate 0.5; "
+        f"the output was written to {tmp_path / 'out'}")
+    out = pd.read_parquet(tmp_path / "out")
+    assert len(out) == 6 and out["llm_error"].notna().all()
+
+    # the same job resumed: the skipped partitions' errors count too; 1.0 accepts any share
+    again = run_prompts(tmp_path, [""] * 6, *common, "--resume", "--max-error-rate", "1.0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rows:        6 (6 with llm_error)" in again.stdout and "0 written, 2 already complete" in again.stdout
+    assert "dfllm: error" not in again.stderr
+
+
+def test_error_rate_at_or_below_the_threshold_exits_0(cli_cluster, tiny_llama, tmp_path):
+    common = ("--model", str(tiny_llama), "--max-tokens", "2", "--max-model-len", "64", "--npartitions", "2",
+              "--scheduler", cli_cluster.address, "--no-progress", "--resume")
+    prompts = ["Why is the sky blue?", "", "Name a river.", "Say hi."]  # one row of four fails
+    assert "rows:        4 (1 with llm_error)" in ok(run_prompts(tmp_path, prompts, *common))  # default 0.5
+    at_threshold = ok(run_prompts(tmp_path, prompts, *common, "--max-error-rate", "0.25"))
+    assert "rows:        4 (1 with llm_error)" in at_threshold
+    strict = run_prompts(tmp_path, prompts, *common, "--max-error-rate", "0.2")
+    assert strict.returncode == 3
+    assert "dfllm: error: 1 of 4 rows (25.0%) have llm_error, above --max-error-rate 0.2" in strict.stderr
+    assert len(pd.read_parquet(tmp_path / "out")) == 4
+
+
+def test_empty_input_is_not_an_error(cli_cluster, tiny_llama, tmp_path):
+    stdout = ok(run_prompts(tmp_path, [], "--model", str(tiny_llama), "--max-tokens", "2", "--max-model-len", "64",
+                            "--max-error-rate", "0", "--scheduler", cli_cluster.address, "--no-progress"))
+    assert "rows:        0 (0 with llm_error)" in stdout
+    assert len(pd.read_parquet(tmp_path / "out")) == 0
+
+
+@pytest.mark.parametrize("rate", ["1.5", "-0.1", "nan", "lots"])
+def test_max_error_rate_must_be_a_share(questions, tmp_path, rate):
+    path, _ = questions
+    result = dfllm("run", str(path), str(tmp_path / "out"), "--prompt", "q", "--max-error-rate", rate, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("dfllm: error: argument --max-error-rate: must be")
+    assert not (tmp_path / "out").exists()

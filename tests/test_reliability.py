@@ -136,17 +136,19 @@ def test_job_survives_killed_workers(kills, tiny_llama, tmp_path):
                                          "--model", str(tiny_llama), *LONG, "--npartitions", "8",
                                          "--scheduler", cluster.address, "--no-progress"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        killed = []
+        killed: list[int] = []
         for k in range(kills):
             wait_for(lambda: len(parts(out)) >= k + 1, 240, f"part {k + 1}", job)
-            victim = sorted(cluster.worker_pids().values())[k % 2]
+            # two workers answering, the killed ones replaced (not merely wait_for_workers(2),
+            # which returns while the scheduler still lists a killed worker)
+            victim = sorted(cluster.wait_for_worker_pids(2, gone=killed).values())[k % 2]
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
-            cluster.client().wait_for_workers(2, timeout=120)  # the nanny starts a new worker process
+            cluster.wait_for_worker_pids(2, gone=killed)  # the nanny's new worker process answers
         stdout, stderr = job.communicate(timeout=400)
         assert job.returncode == 0, stderr[-2000:]
         assert len(parts(out)) <= 8
-        assert not set(killed) & set(cluster.worker_pids().values())
+        cluster.wait_for_worker_pids(2, gone=killed, timeout=60)  # two workers serve, none of the killed
         assert "rows:        16 (0 with llm_error)" in stdout
         check_complete(out, n)
     finally:
