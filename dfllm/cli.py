@@ -136,8 +136,9 @@ def engine_kwargs_from(args) -> dict:
     return kwargs
 
 
-def build_job(args):
-    """The lazy result of the task over the input (checks columns, model and params now)."""
+def build_job(args, resources: dict | None = None):
+    """The lazy result of the task over the input (checks columns, model and params now);
+    ``resources`` go on its llm tasks (``--gpu``)."""
     from dfllm.sources import read_input, repartition
 
     sampling = sampling_from(args)
@@ -146,7 +147,7 @@ def build_job(args):
     ddf = read_input(args.input, fmt=args.format, storage_options=args.storage_options)
     ddf = repartition(ddf, partition_size=args.partition_size, npartitions=args.npartitions)
     first = args.prompt or _default_input(args.task, ddf.columns)
-    common = {"model": args.model, "on_error": args.on_error, **engine_kwargs_from(args)}
+    common = {"model": args.model, "on_error": args.on_error, "resources": resources, **engine_kwargs_from(args)}
     constraint = structured_from(args)
     if args.task == "score":
         return ddf.llm.score(first, args.right or "text_2", **common)
@@ -192,13 +193,17 @@ def run(args) -> int:
     from dfllm.accessors.writer import write_parquet
     from dfllm.cluster import connect
 
-    job = build_job(args)
+    if not args.scheduler:  # bad options and inputs fail before a local cluster starts
+        build_job(args)
     gpus = args.tensor_parallel_size * args.pipeline_parallel_size
     with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
                  gpus_per_engine=gpus) as (client, resources):
+        # built with the client current, so that a model directory only the workers have is
+        # checked on a worker, and with --gpu's resources on the llm tasks themselves
+        job = build_job(args, resources)
         _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}")
         summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
-                                progress=not args.no_progress, resources=resources)
+                                progress=not args.no_progress)
     print(format_summary(summary), flush=True)
     failed = too_many_errors(summary, args.max_error_rate)
     if failed:

@@ -13,7 +13,7 @@ import pandas as pd
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
-from dfllm.accessors.placement import PLACEMENT, check_resources, model_check, run_placed
+from dfllm.accessors.placement import check_resources, model_check, run_placed
 from dfllm.accessors.task import LLMTask
 from dfllm.accessors.writer import ORIGINS
 
@@ -43,9 +43,7 @@ class DaskLLMAccessor(LLMFrameMethods):
         resources = check_resources(resources)
         result = self._obj.map_partitions(partition_function(task, resources),
                                           meta=output_meta(self._obj._meta, task))
-        ORIGINS[result._name] = (self._obj, task)
-        if resources is not None:
-            PLACEMENT[result._name] = resources
+        ORIGINS[result._name] = (self._obj, task, resources)
         return result
 
 

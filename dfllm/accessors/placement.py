@@ -24,8 +24,6 @@ import pandas as pd
 from dfllm.accessors.task import LLMTask, check_model, run_task
 
 MODEL_CHECK_TIMEOUT_S = 120.0
-# result name -> the resources its llm tasks ask for (read by dfllm.write_parquet)
-PLACEMENT: dict[str, dict] = {}
 
 
 def check_resources(resources) -> dict | None:

@@ -101,7 +101,8 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     if result._name not in ORIGINS:
         raise ValueError("write_parquet takes the direct result of a Dask .llm call (ddf.llm.generate(...) etc.); "
                          "for other frames use their own to_parquet")
-    source, task = ORIGINS[result._name]
+    source, task, placed = ORIGINS[result._name]
+    resources = resources or placed  # the accessor's resources= unless overridden here
     fs, root = _filesystem(path, storage_options)
     _refuse_foreign_files(fs, root, path)
     fs.makedirs(root, exist_ok=True)
