@@ -6,6 +6,7 @@ text prompts, chat templates and detokenization are the real thing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -81,6 +82,17 @@ def random_prompts(n: int, low: int, high: int, vocab: int = 1000, seed: int = 0
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
     lengths = [L | 1 for L in lengths]
     return [torch.randint(20, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+# ---- real clusters of worker processes -----------------------------------------------------------------
+@contextlib.contextmanager
+def local_client(workers: int = 2, threads: int = 1):
+    """A ``LocalCluster`` of worker processes (each serving its own /metrics) and its client."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True, dashboard_address=None,
+                      worker_dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        yield client
 
 
 # ---- a real multi-process cluster, started from Dask's command lines ---------------------------------

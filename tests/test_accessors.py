@@ -9,6 +9,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
+from conftest import local_client
 from dfllm.accessors import engines
 
 SP = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
@@ -139,12 +140,8 @@ def test_polars_frames_and_expressions(kw):
 # ---- Dask on a real cluster of worker processes ------------------------------------------------------
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      worker_dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as c:
-            yield c
+    with local_client(workers=2, threads=1) as c:
+        yield c
 
 
 def test_dask_generate_on_a_cluster(client, questions, kw, tmp_path):

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dfllm
-from conftest import CLICluster
+from conftest import CLICluster, local_client
 from dfllm import LLM, SamplingParams
 
 MAX_LEN = 64
@@ -109,11 +109,8 @@ def check(out: pd.DataFrame, df: pd.DataFrame, want: dict[int, str | None], path
 
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=1, threads_per_worker=3, processes=True, dashboard_address=None) as cluster:
-        with Client(cluster) as c:
-            yield c
+    with local_client(workers=1, threads=3) as c:
+        yield c
 
 
 @SETTINGS

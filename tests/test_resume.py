@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import dfllm
+from conftest import local_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,12 +25,8 @@ N = 4
 
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      worker_dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as c:
-            yield c
+    with local_client(workers=2, threads=1) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
