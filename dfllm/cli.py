@@ -76,7 +76,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
     size.add_argument("--npartitions", type=int, help="number of partitions")
     p.add_argument("--format", choices=("parquet", "csv", "json"), help="input format (default: from extensions)")
-    p.add_argument("--resume", action="store_true", help="skip partitions whose output is already complete")
+    p.add_argument("--resume", action="store_true",
+                   help="keep what an earlier run wrote for the same rows and task; the output stays exact")
     p.add_argument("--on-error", choices=("null", "raise"), default="null")
     p.add_argument("--max-error-rate", type=_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
                    help="exit with status 3 (after writing the output) if more than this share of the rows "
