@@ -231,7 +231,13 @@ class LLM(PoolingMixin, ControlMixin):
                 try:
                     finished = self._step_and_collect()
                 except Exception as exc:
-                    finished = self._recover(exc, groups, raise_failures)
+                    finished, failures = self._recover(exc, groups)
+                    for failure, failed in failures.values():
+                        if raise_failures:
+                            raise failure
+                        for req in failed:
+                            self._done[req.request_id] = self.engine.error_output(
+                                req, f"the engine failed while serving request {req.request_id}: {failure!r}")
                 for req in finished:
                     if req.request_id in wanted:
                         bar.update(req)
@@ -243,36 +249,33 @@ class LLM(PoolingMixin, ControlMixin):
             bar.close()
         return [self._done.pop(rid) for rid in ids]
 
-    def _recover(self, exc: Exception, groups: list[list[str]], raise_failures: bool) -> list:
+    def _recover(self, exc: Exception, groups: list[list[str]]) -> tuple[list, dict[int, tuple[Exception, list]]]:
         """After a step that raised: drop every unfinished request from the engine, re-run
-        those of ``groups`` from scratch one group at a time (outputs already finished stay),
-        then re-queue the others from scratch for a later call; the requests finished.
+        those of ``groups`` (one call's, or one dataframe partition's, requests each) from
+        scratch one group at a time (outputs already finished stay), then re-queue the others
+        from scratch for a later call.
 
-        A group that fails again on its own is the cause: its error is raised
-        (``raise_failures``), or each of its unfinished requests gets an error output naming it.
+        Returns the requests finished, and for each group that failed again on its own (the
+        cause) its index -> (that error, its unfinished requests, dropped from the engine).
         """
         dropped = {req.request_id: req for req in self.engine.abort_all()}
-        logger.warning("an engine step failed (%r): re-running %d unfinished requests, one call's at a time",
+        logger.warning("an engine step failed (%r): re-running %d unfinished requests, one group at a time",
                        exc, len(dropped))
         finished: list = []
+        failures: dict[int, tuple[Exception, list]] = {}
         try:
-            for group in groups:
+            for g, group in enumerate(groups):
                 requests = [dropped.pop(rid) for rid in group if rid in dropped]
                 if not requests:
                     continue
                 try:
                     finished += self._run_alone(requests)
                 except Exception as failure:
-                    failed = self.engine.abort_all()
-                    if raise_failures:
-                        raise
-                    for req in failed:
-                        self._done[req.request_id] = self.engine.error_output(
-                            req, f"the engine failed while serving request {req.request_id}: {failure!r}")
+                    failures[g] = (failure, self.engine.abort_all())
         finally:
             for req in dropped.values():  # another call's: from scratch, with the next call's steps
                 self.engine.requeue(req)
-        return finished
+        return finished, failures
 
     def _run_alone(self, requests: list) -> list:
         """Queue ``requests`` again from scratch in the (emptied) engine and step until they

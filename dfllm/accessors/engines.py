@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
-import logging
 import os
 import sys
 import threading
@@ -39,8 +38,6 @@ from tqdm.auto import tqdm
 
 from dfllm.accessors.prometheus import expose
 from dfllm.llm import LLM
-
-logger = logging.getLogger("dfllm")
 
 _engines: dict[tuple, tuple[LLM, threading.Lock]] = {}
 _guard = threading.Lock()
@@ -187,22 +184,12 @@ def _isolate(queue: EngineQueue, exc: Exception) -> None:
     rows from scratch, one task at a time (rows already finished keep their outputs). A task
     whose rows fail again on their own gets the error; the others complete."""
     llm = queue.llm
-    dropped = {req.request_id: req for req in llm.engine.abort_all()}
-    logger.warning("an engine step failed (%r): re-running the unfinished rows of %d tasks one task at a time",
-                   exc, len(queue.active))
-    for sub in queue.active:
-        requests = [dropped.pop(rid) for rid in sub.ids if rid in dropped]
-        if not requests:
-            continue
-        try:
-            llm._run_alone(requests)
-        except Exception as failure:
-            llm.engine.abort_all()
-            sub.error = RuntimeError(f"the engine failed while generating these rows: {failure!r}")
-            for rid in sub.ids:
-                llm._done.pop(rid, None)
-    for req in dropped.values():  # not a task's (the engine used directly meanwhile): queued again
-        llm.engine.requeue(req)
+    _, failures = llm._recover(exc, [sub.ids for sub in queue.active])
+    for g, (failure, _) in failures.items():
+        sub = queue.active[g]
+        sub.error = RuntimeError(f"the engine failed while generating these rows: {failure!r}")
+        for rid in sub.ids:
+            llm._done.pop(rid, None)
 
 
 _driver: Driver | None = None
