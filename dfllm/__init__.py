@@ -8,7 +8,7 @@ from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, Co
                            ScoringOutput, ScoringRequestOutput)
 from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.pooling_params import PoolingParams
-from dfllm.processor import Processor, ProcessorConfig, build_processor
+from dfllm.jobs.processor import Processor, ProcessorConfig, build_processor
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 

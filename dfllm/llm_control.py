@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from dfllm.engine.executor import call_with_timeout
-from dfllm.metrics import Metric, snapshot
+from dfllm.engine.metrics import Metric, snapshot
 from dfllm.models.loader import update_weights as apply_weight_update
 from dfllm.outputs import RequestOutput, raise_for_errors
 

@@ -9,7 +9,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from conftest import local_client
+from helpers import local_client
 from dfllm.accessors import engines
 
 SP = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dfllm.models import bundled
+from dfllm.models import gguf_convert
 from dfllm.models.bundled import (
     BUNDLED_MODELS,
     DEFAULT_CHAT_MODEL,
@@ -115,7 +115,7 @@ def test_second_resolve_reuses_cache(converted: Path, monkeypatch) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("reconverted")
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", boom)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_hf", boom)
     assert resolve_model(ALIAS) == converted
     assert resolve_model("SmolLM2-135M-Instruct") == converted  # case-insensitive
     assert resolve_model(None) == converted  # the default chat model
@@ -230,7 +230,7 @@ def fake_converter(monkeypatch, tmp_path):
         time.sleep(0.2)
         (Path(out) / "config.json").write_text("{}")
 
-    monkeypatch.setattr(bundled, "convert_gguf_to_hf", fake)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_hf", fake)
     return calls
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def dfllm(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dfllm.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -165,7 +165,7 @@ def test_demo_runs_the_main_job_on_a_local_cluster(smollm2_dir, tmp_path):
 def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp_path):
     """``--gpu`` on an existing cluster: tasks go to workers started with ``--resources GPU=1``
     (here CPU workers standing in for GPU ones), and only those load the model."""
-    from conftest import CLICluster
+    from helpers import CLICluster
 
     from dfllm.accessors import engines
 
@@ -220,7 +220,7 @@ def test_structured_outputs_from_the_command_line(cli_cluster, tiny_llama, quest
 def test_gpu_worker_hosts_a_tensor_parallel_engine(tiny_llama, questions, tmp_path):
     """``--gpu --tensor-parallel-size 2`` against a worker declaring ``GPU=2``: that worker
     hosts one engine of two ranks (gloo on CPU here) and its output equals one rank's."""
-    from conftest import CLICluster
+    from helpers import CLICluster
 
     path, df = questions
     cluster = CLICluster(workers=1, threads=2, resources=["GPU=2"])

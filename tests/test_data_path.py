@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
-from conftest import CLICluster
+from helpers import CLICluster
 from dfllm import LLM, SamplingParams
 from dfllm.accessors import engines
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dfllm
-from conftest import CLICluster, local_client
+from helpers import CLICluster, local_client
 from dfllm import LLM, SamplingParams
 
 MAX_LEN = 64

@@ -27,7 +27,7 @@ from dfllm.accessors import engines
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.outputs import RequestFailedError
 
-from conftest import build_tiny_model
+from helpers import build_tiny_model
 
 ENGINE = dict(max_model_len=64, kv_cache_memory_bytes=2**22)
 SP = dict(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from dfllm import LLM, SamplingParams
-from dfllm.metrics import Counter, Gauge, Histogram
-from tests.conftest import build_tiny_model, hf_greedy, random_prompts
+from dfllm.engine.metrics import Counter, Gauge, Histogram
+from helpers import build_tiny_model, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -12,7 +12,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from tests.conftest import random_prompts
+from helpers import random_prompts
 
 BLOCK = 4
 MAX_LEN = 64

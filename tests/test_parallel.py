@@ -23,7 +23,7 @@ from dfllm.engine.executor import _micro_batches
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.models.parallel_layers import shard_range
-from tests.conftest import build_tiny_model, random_prompts
+from helpers import build_tiny_model, random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_TOKENS = [7, 12, 1, 16, 9]

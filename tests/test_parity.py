@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dfllm import LLM, SamplingParams
-from tests.conftest import build_tiny_model, hf_greedy, random_prompts
+from helpers import build_tiny_model, hf_greedy, random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

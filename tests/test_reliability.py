@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import CLICluster, free_port
+from helpers import CLICluster, free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,7 +29,7 @@ LONG = ["--max-tokens", "300", "--max-model-len", "400"]
 
 
 def dfllm_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dfllm.cli", *args]
+    return [sys.executable, "-m", "dfllm.jobs.cli", *args]
 
 
 def write_rows(path: Path, n: int) -> pd.DataFrame:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import dfllm
-from conftest import local_client
+from helpers import local_client
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dfllm import LLM, SamplingParams
-from tests.conftest import build_tiny_model, random_prompts
+from helpers import build_tiny_model, random_prompts
 
 BAD_PARAMS = [
     ("n", dict(n=0)),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dfllm import LLM, SamplingParams
-from tests.conftest import build_tiny_model, random_prompts
+from helpers import build_tiny_model, random_prompts
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -52,7 +52,7 @@ class LLMFrameMethods:
         output did not complete within ``max_tokens`` gets null and an ``llm_error``.
 
         ``resources`` (Dask only), e.g. ``{"GPU": 0.25}``, makes the ``llm-*`` tasks run on
-        workers declaring those resources (see :func:`dfllm.cluster.task_resources`),
+        workers declaring those resources (see :func:`dfllm.jobs.cluster.task_resources`),
         whatever computes or writes the result.
         """
         return self._call("generate", (prompt,), resources, output_column=output_column, model=model,

@@ -95,7 +95,7 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     nothing else a reader reads (see the module docstring). ``resources`` (on a
     distributed cluster) restricts every task of the write to workers that declare them,
     e.g. ``{"GPU": 0.25}`` to run on GPU workers with four tasks feeding each worker's
-    engine at once (see :func:`dfllm.cluster.task_resources`).
+    engine at once (see :func:`dfllm.jobs.cluster.task_resources`).
     """
     start = time.perf_counter()
     if result._name not in ORIGINS:

@@ -13,7 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from dfllm.distributed.parallel_state import ParallelContext, layer_range
-from dfllm.engine import kv_cache
+from dfllm.engine import kv_memory
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
 from dfllm.kernels.backend import KernelOps
@@ -91,7 +91,7 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_cache.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_memory.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def plan_num_blocks(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
                         max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -100,20 +100,20 @@ class ModelRunner:
             budget = kv_cache_memory_bytes
         elif self.device.type == "cuda":
             self.profile_run(max_num_batched_tokens)
-            budget = kv_cache.cuda_kv_budget(self.device, gpu_memory_utilization)
+            budget = kv_memory.cuda_kv_budget(self.device, gpu_memory_utilization)
         else:
             most = max_num_seqs * (self.max_model_len + self.block_size) * self.block_bytes // self.block_size
             ranks = 1 if self.parallel is None else self.parallel.config.world_size
-            budget = kv_cache.cpu_kv_budget(most * ranks) // ranks  # the ranks share the host's memory
+            budget = kv_memory.cpu_kv_budget(most * ranks) // ranks  # the ranks share the host's memory
         return max(0, budget // self.block_bytes)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv = kv_cache.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
+        self.kv = kv_memory.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
                                     self.head_dim, self.dtype, self.device)
         self._attach(self.kv)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        kv_cache.zero_blocks(self.kv, block_ids)
+        kv_memory.zero_blocks(self.kv, block_ids)
 
     def free_kv_cache(self) -> None:
         if self.model is not None:

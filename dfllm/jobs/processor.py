@@ -508,6 +508,6 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     ``meta`` describes the columns ``postprocess`` returns (a pandas DataFrame, a dict or
     list of ``(column, dtype)`` pairs, or a ``pyarrow.Schema``); without it the output's
     types come from running the first ``sample_rows`` rows of a Dask input through the
-    whole pipeline when the processor is called. See :mod:`dfllm.processor`.
+    whole pipeline when the processor is called. See :mod:`dfllm.jobs.processor`.
     """
     return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows)

@@ -140,7 +140,7 @@ def engine_kwargs_from(args) -> dict:
 def build_job(args, resources: dict | None = None):
     """The lazy result of the task over the input (checks columns, model and params now);
     ``resources`` go on its llm tasks (``--gpu``)."""
-    from dfllm.sources import read_input, repartition
+    from dfllm.jobs.sources import read_input, repartition
 
     sampling = sampling_from(args)
     if args.task == "classify" and not args.model:
@@ -192,7 +192,7 @@ def _default_input(task: str, columns) -> str:
 
 def run(args) -> int:
     from dfllm.accessors.writer import write_parquet
-    from dfllm.cluster import connect
+    from dfllm.jobs.cluster import connect
 
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
         build_job(args)

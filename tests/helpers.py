@@ -1,0 +1,151 @@
+"""Test helpers: tiny random decoders saved as real Hugging Face directories, transformers'
+own greedy decoding, random prompts, and real Dask clusters (``LocalCluster`` and the
+``dask scheduler``/``dask worker`` command lines)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def build_tiny_model(root: Path, tokenizer_dir: Path, arch: str = "llama", heads: int = 4, kv_heads: int = 2,
+                     layers: int = 2, hidden: int = 64, seed: int = 0, **overrides) -> Path:
+    """Save a random decoder with the SmolLM2 tokenizer into ``root`` and return its path."""
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    vocab = AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                  initializer_range=0.2, tie_word_embeddings=arch == "llama", bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)
+    path = root / f"{arch}-h{heads}-kv{kv_heads}-s{seed}"
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: list[int] | int) -> list[list[int]]:
+    """Hugging Face transformers' own greedy ``generate``, one prompt at a time (no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    outs = []
+    with torch.inference_mode():
+        for ids, n in zip(prompts, max_new_tokens):
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                               pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int = 1000, seed: int = 0) -> list[list[int]]:
+    """``n`` token-id prompts of odd lengths in ``[low, high]``, ids in ``[20, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    lengths = [L | 1 for L in lengths]
+    return [torch.randint(20, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+# ---- real clusters of worker processes -----------------------------------------------------------------
+@contextlib.contextmanager
+def local_client(workers: int = 2, threads: int = 1):
+    """A ``LocalCluster`` of worker processes (each serving its own /metrics) and its client."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True, dashboard_address=None,
+                      worker_dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        yield client
+
+
+# ---- a real multi-process cluster, started from Dask's command lines ---------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CLICluster:
+    """``dask scheduler`` and ``dask worker`` processes on loopback, as an operator starts them."""
+
+    def __init__(self, workers: int = 2, threads: int = 1, resources: str | list | None = None):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        env = {**os.environ, "DFLLM_NUM_THREADS": "1"}
+        dask = [sys.executable, "-m", "dask"]
+        self.procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", str(self.port),
+                                                "--no-dashboard"], env=env, start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        per_worker = resources if isinstance(resources, list) else [resources] * workers
+        for res in per_worker:
+            cmd = dask + ["worker", self.address, "--nthreads", str(threads), "--no-dashboard",
+                          "--memory-limit", "0", "--host", "127.0.0.1"]
+            if res:
+                cmd += ["--resources", res]
+            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
+        self.client().wait_for_workers(workers, timeout=120)
+
+    def client(self):
+        from distributed import Client
+
+        if not hasattr(self, "_client"):
+            self._client = Client(self.address, timeout=60)
+        return self._client
+
+    def worker_pids(self) -> dict[str, int]:
+        """Worker address -> pid of the worker process (the nanny's child)."""
+        return self.client().run(os.getpid)
+
+    def wait_for_worker_pids(self, n: int, gone: list[int] | tuple[int, ...] = (),
+                             timeout: float = 120) -> dict[str, int]:
+        """Worker address -> pid, once exactly ``n`` workers answer and none is one of the
+        ``gone`` (killed) pids. Right after a kill the scheduler may still list the dead
+        worker (``client.run`` then fails, or ``wait_for_workers(n)`` returns at once) and
+        the nanny's new worker may not be registered yet: this waits out both."""
+        import time
+
+        end, last = time.monotonic() + timeout, None
+        while time.monotonic() < end:
+            try:
+                pids = self.worker_pids()
+            except Exception as exc:  # a dead worker still registered: its connection is closed
+                last = exc
+            else:
+                if len(pids) == n and not set(pids.values()) & set(gone):
+                    return pids
+                last = pids
+            time.sleep(0.1)
+        raise TimeoutError(f"no {n} workers without pids {list(gone)} after {timeout} s (last: {last!r})")
+
+    def close(self) -> None:
+        import signal
+
+        if hasattr(self, "_client"):
+            self._client.close()
+        for p in reversed(self.procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except Exception:
+                os.killpg(p.pid, signal.SIGKILL)
