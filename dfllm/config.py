@@ -1,4 +1,4 @@
-"""Engine configuration: the constructor arguments of :class:`dfllm.LLM`, resolved."""
+"""Engine configuration: the constructor arguments of :class:`dfllm.LLM`, resolved and checked."""
 
 from __future__ import annotations
 
@@ -8,22 +8,33 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from dfllm.distributed.parallel_state import check_parallel_config
 from dfllm.kernels.backend import BACKENDS
-from dfllm.models.loader import config_dtype
+from dfllm.models.bundled import resolve_model
+from dfllm.models.loader import load_config
+from dfllm.models.registry import ENCODER_ARCHITECTURES, GENERATIVE_ARCHITECTURES, is_generative, is_pooling_only
+from dfllm.models.spec import ModelSpec
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+RUNNERS = ("auto", "generate", "pooling")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Resolved settings of one engine instance."""
+    """Resolved settings of one engine instance; build it with :meth:`create`.
+
+    ``model`` describes the checkpoint (the model code reads it, never ``hf_config``);
+    ``runner_type`` is "generate" or "pooling".
+    """
 
     model_path: Path
     hf_config: PretrainedConfig
+    model: ModelSpec
+    runner_type: str
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
@@ -35,8 +46,63 @@ class EngineConfig:
     gpu_memory_utilization: float
     seed: int
     attention_backend: str
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the model is split over."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def create(
+        cls,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        attention_backend: str = "auto",
+        runner: str = "auto",
+    ) -> EngineConfig:
+        """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
+        they name, before anything is loaded but its ``config.json``: bad arguments, a model
+        that cannot be found, an architecture, quantization or sliding window dfllm does not
+        support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
+        for an encoder too; ``NotImplementedError`` for a parallel pooling model)."""
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
+        path = resolve_model(model)
+        hf_config = load_config(path)
+        spec = ModelSpec.from_hf(hf_config)
+        dev = resolve_device(device)
+        max_len = resolve_max_model_len(max_model_len, spec)
+        runner_type = _resolve_runner(runner, spec, path)
+        _check_parallel(spec, runner_type, tensor_parallel_size, pipeline_parallel_size)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = _default_token_budget(dev, runner_type, max_num_seqs)
+        elif max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        resolved_dtype = resolve_dtype(dtype, spec, dev)
+        _check_model(spec, runner_type, max_len)
+        return cls(
+            model_path=path, hf_config=hf_config, dtype=resolved_dtype, device=dev, max_model_len=max_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed, attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            model=spec, runner_type=runner_type,
+        )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -56,7 +122,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: torch.device) -> torch.dtype:
     """"auto" is the checkpoint's dtype on CUDA (float32 checkpoints run in bfloat16 there);
     on CPU it is float32, which the CPU matmul kernels run fastest and most exactly."""
     if isinstance(dtype, torch.dtype):
@@ -64,7 +130,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device:
     elif dtype == "auto":
         if device.type == "cpu":
             return torch.float32
-        resolved = config_dtype(hf_config)
+        resolved = spec.dtype
         if resolved == torch.float32:
             resolved = torch.bfloat16
     elif dtype in DTYPES:
@@ -76,9 +142,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device:
     return resolved
 
 
-def resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfig) -> int:
+def resolve_max_model_len(max_model_len: int | None, spec: ModelSpec) -> int:
     """Defaults to the model's ``max_position_embeddings``; may not exceed it."""
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    limit = spec.max_position_embeddings
     if max_model_len is None:
         if limit is None:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
@@ -103,3 +169,51 @@ def check_engine_args(max_num_seqs: int, block_size: int, gpu_memory_utilization
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+
+
+def _resolve_runner(runner: str, spec: ModelSpec, path: Path) -> str:
+    """"auto" -> pooling for encoders and sentence-transformers directories, else generate."""
+    pooling_only = is_pooling_only(spec)
+    if runner == "generate" and pooling_only:
+        raise ValueError(f"{path.name} ({', '.join(spec.architectures)}) cannot generate text; "
+                         "use runner='pooling' (embed, classify, score, encode)")
+    if runner == "auto":
+        return "pooling" if pooling_only or (path / "modules.json").is_file() else "generate"
+    return runner
+
+
+def _check_parallel(spec: ModelSpec, runner_type: str, tp: int, pp: int) -> None:
+    """Sizes the model splits by; pooling runs on one rank only."""
+    if runner_type == "pooling" and (tp, pp) != (1, 1):
+        raise NotImplementedError("pooling models (embed, classify, score, encode) run on one rank: "
+                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
+    check_parallel_config(spec, tp, pp)
+
+
+def _default_token_budget(device: torch.device, runner_type: str, max_num_seqs: int) -> int:
+    """Tokens per step: 8192 on CUDA; on CPU 2048 for generation and 1024 padded tokens for
+    pooling (smaller encoder batches stay in cache and measured faster there)."""
+    if device.type == "cuda":
+        return max(8192, max_num_seqs)
+    return 1024 if runner_type == "pooling" else max(2048, max_num_seqs)
+
+
+def _check_model(spec: ModelSpec, runner_type: str, max_model_len: int) -> None:
+    """Reject a decoder dfllm cannot run: an unsupported architecture, a quantized checkpoint,
+    or a sliding window shorter than the sequences (encoders are checked as they are built)."""
+    if is_pooling_only(spec):
+        return
+    if not is_generative(spec):
+        raise ValueError(
+            f"unsupported architecture {list(spec.architectures) or '(none in config.json)'}; "
+            f"dfllm implements {sorted(GENERATIVE_ARCHITECTURES) + sorted(ENCODER_ARCHITECTURES)}"
+        )
+    if spec.quantization is not None:
+        raise ValueError(f"quantized checkpoints ({spec.quantization}) are not supported; use float weights")
+    # A decoder embedder is held to the model's full length (as the engine always has).
+    limit = max_model_len if runner_type == "generate" else spec.max_position_embeddings or max_model_len
+    window = spec.sliding_window
+    if spec.use_sliding_window and window is not None and window < limit:
+        raise ValueError(
+            f"sliding-window attention (window {window}) is not supported; set max_model_len <= {window}"
+        )

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig
 
 from dfllm.distributed.communication import GroupComm
+from dfllm.models.spec import ModelSpec
 
 # How long a rank waits for its peers in a collective or at start-up before failing.
 # A dead peer is noticed at once on CPU (gloo sees the closed socket); this bounds the rest.
@@ -85,21 +85,19 @@ def layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]
     return start, start + base + (stage < extra)
 
 
-def check_parallel_config(hf_config: PretrainedConfig, tp: int, pp: int) -> None:
+def check_parallel_config(spec: ModelSpec, tp: int, pp: int) -> None:
     """Reject sizes the model cannot be split by, naming the count that does not divide."""
     for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if tp == 1 and pp == 1:
         return
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    for what, n in (("attention heads", heads), ("key/value heads", kv_heads),
-                    ("MLP intermediate size", hf_config.intermediate_size)):
+    for what, n in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_key_value_heads),
+                    ("MLP intermediate size", spec.intermediate_size)):
         if n % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {n} {what}")
-    if pp > hf_config.num_hidden_layers:
-        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {hf_config.num_hidden_layers} layers")
+    if pp > spec.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {spec.num_hidden_layers} layers")
 
 
 def create_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:

@@ -2,18 +2,17 @@
 processes it spawns.
 
 :class:`ParallelExecutor` stands where a single-rank engine has its ``ModelRunner``: the
-engine calls the same methods and the executor runs them on every rank. Each step it
-splits the scheduled sequences into micro-batches (one per pipeline stage), prepares their
-inputs once, sends them to the worker ranks through their pipes, runs rank 0's part and
-returns the logits. Failures are bounded in time: a rank that dies is seen at once (its
-process sentinel, its pipe, the collectives' closed sockets) or at the latest after the
-collectives' timeout, and the executor then raises ``RuntimeError`` naming the rank and
-stops the others. Worker ranks also exit on their own when the driver's process dies.
+engine calls the same methods (:class:`dfllm.engine.runner.Runner`) and the executor runs
+them on every rank. Each step it splits the scheduled sequences into micro-batches (one per
+pipeline stage), prepares their inputs once, sends them to the worker ranks through their
+pipes, runs rank 0's part and returns the logits. Failures are bounded in time: a rank
+that dies is seen at once (its process sentinel, its pipe, the collectives' closed sockets)
+or at the latest after the collectives' timeout, and the executor then raises
+``RuntimeError`` naming the rank and stops the others. Worker ranks also exit on their own when the driver's process dies.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import multiprocessing as mp
@@ -30,9 +29,12 @@ import torch
 
 from dfllm.config import EngineConfig
 from dfllm.distributed.parallel_state import create_store
-from dfllm.engine.model_runner import ModelRunner, StepInputs
+from dfllm.engine.model_runner import ModelRunner, call_with_timeout, rpc_target
+from dfllm.engine.pipeline import execute_step
 from dfllm.engine.scheduler import SchedulerOutput
-from dfllm.engine.worker import build_runner, dumps_step, execute_step, worker_main
+from dfllm.engine.sequence import Sequence
+from dfllm.engine.step_inputs import StepInputs, prepare_inputs
+from dfllm.engine.worker import build_runner, dumps_step, worker_main
 
 logger = logging.getLogger("dfllm")
 
@@ -60,7 +62,7 @@ class ParallelExecutor:
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        self.world_size = cfg.world_size
         self.failure: str | None = None
         self._zero: list[int] = []
         _check_devices(cfg.device, self.world_size)
@@ -78,29 +80,48 @@ class ParallelExecutor:
         logger.info("parallel engine: tensor_parallel_size=%d pipeline_parallel_size=%d, worker pids %s",
                     cfg.tensor_parallel_size, cfg.pipeline_parallel_size, [w.process.pid for w in self.workers])
 
-    # ---- what the engine calls on its runner ------------------------------------------
+    # ---- what the engine calls on its runner (dfllm.engine.runner.Runner) -------------
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> torch.nn.Module | None:
+        """Rank 0's share of the model."""
         return self.driver.model
 
     @property
     def block_bytes(self) -> int:
         return self.driver.block_bytes
 
-    def plan_num_blocks(self, *args) -> int:
+    def plan_num_blocks(self) -> int:
         """The number of KV blocks every rank can hold (the smallest of the ranks' plans)."""
-        return min(self.collective_rpc("plan_num_blocks", args=args))
+        return min(self.collective_rpc("plan_num_blocks"))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("allocate_kv_cache", args=(num_blocks,))
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero these blocks on every rank, with the next step (saving a round trip)."""
         self.driver.zero_blocks(block_ids)
         self._zero.extend(block_ids)
 
-    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list]:
+    def free_kv_cache(self) -> None:
+        self.collective_rpc("free_kv_cache")
+
+    def offload_weights(self) -> None:
+        self.collective_rpc("offload_weights")
+
+    def onload_weights(self) -> None:
+        self.collective_rpc("onload_weights")
+
+    def drop_weights(self) -> None:
+        self.collective_rpc("drop_weights")
+
+    def reload_weights(self) -> None:
+        self.collective_rpc("reload_weights")
+
+    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """One step on every rank; the logits (float32, CPU) of the rows that sample."""
         self._check_alive()
         parts = _micro_batches(sched, self.cfg.pipeline_parallel_size)
-        micro = [self.driver.prepare(part, torch.device("cpu")) for part in parts]
+        micro = [prepare_inputs(part, self.cfg.block_size, torch.device("cpu")) for part in parts]
         sample_seqs = [s for mb in micro for s in mb.sample_seqs]
         shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, []) for mb in micro]
         zero, self._zero = self._zero, []
@@ -112,12 +133,6 @@ class ParallelExecutor:
             self._fail(exc, "a step")
         return logits, sample_seqs
 
-    def __getattr__(self, name: str):
-        """Other runner methods (sleep mode, KV cache) run on every rank; rank 0's result."""
-        if name.startswith("_") or not callable(getattr(ModelRunner, name, None)):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self.collective_rpc(name, args=args, kwargs=kwargs)[0]
-
     # ---- RPC -------------------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -126,8 +141,7 @@ class ParallelExecutor:
         self._check_alive()
         kwargs = kwargs or {}
         payload = cloudpickle.dumps((method, args, kwargs))
-        fn = getattr(self.driver, method) if isinstance(method, str) else (
-            lambda *a, **k: method(self.driver, *a, **k))
+        fn = rpc_target(self.driver, method)
         try:
             self._send(pickle.dumps(("rpc", payload)))
         except BaseException as exc:
@@ -218,19 +232,6 @@ def _receive(w: _Rank, timeout: float | None) -> tuple[str, Any]:
         waited += POLL_S
         if timeout is not None and waited >= timeout:
             raise TimeoutError(f"collective_rpc did not return within {timeout} s (rank {w.rank})")
-
-
-def call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict, where: str = ""):
-    """``fn(*args, **kwargs)`` in this process; ``TimeoutError`` past ``timeout`` seconds."""
-    if timeout is None:
-        return fn(*args, **kwargs)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"collective_rpc did not return within {timeout} s{where}") from None
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _alive(w: _Rank) -> bool:

@@ -18,7 +18,7 @@ from dfllm.config import EngineConfig
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
-from dfllm.kernels.backend import select_ops
+from dfllm.engine.step_inputs import prepare_inputs
 from dfllm.models.cpu_linear import packing_available, prepack_linears
 from dfllm.models.loader import load_weights
 from dfllm.models.pooler import PoolerConfig, normalize, pool
@@ -35,12 +35,10 @@ class PoolingEngine:
 
     def __init__(self, cfg: EngineConfig, pooler: PoolerConfig):
         self.cfg, self.pooler = cfg, pooler
-        cls, self.is_decoder = pooling_model_class(cfg.hf_config)
-        self.num_labels = getattr(cfg.hf_config, "num_labels", 0) if hasattr(cls, "classify") else 0
+        cls, self.is_decoder = pooling_model_class(cfg.model)
+        self.num_labels = cfg.model.num_labels if hasattr(cls, "classify") else 0
         if self.is_decoder:
-            ops = select_ops(cfg.attention_backend, cfg.device)
-            self.runner = ModelRunner(cfg.hf_config, cfg.model_path, dtype=cfg.dtype, device=cfg.device, ops=ops,
-                                      max_model_len=cfg.max_model_len, block_size=cfg.block_size)
+            self.runner = ModelRunner(cfg)
             num_blocks = self._blocks_for_one_batch()
             self.runner.allocate_kv_cache(num_blocks)
             self.runner.zero_blocks(list(range(num_blocks)))  # one-token prompts read it as decodes
@@ -121,7 +119,7 @@ class PoolingEngine:
             seq.block_table = list(range(next_block, next_block + n))
             next_block += n
             seqs.append(seq)
-        inputs = self.runner.prepare(SchedulerOutput(seqs, [len(p) for p in prompts]))
+        inputs = prepare_inputs(SchedulerOutput(seqs, [len(p) for p in prompts]), bs, self.cfg.device)
         flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         hidden = flat.new_zeros(len(prompts), longest, flat.shape[-1])
         start = 0
@@ -136,7 +134,7 @@ _POOL_REQUEST = Request("pool", None, [], SamplingParams(), RequestMetrics(0.0))
 
 def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
     with torch.device(cfg.device):
-        model = cls(cfg.hf_config)
+        model = cls(cfg.model)
     model.to(cfg.dtype)
     load_weights(model, cfg.model_path)
     if packing_available(cfg.device, cfg.dtype):

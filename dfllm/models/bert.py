@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
+
+from dfllm.models.spec import ModelSpec
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -21,23 +22,23 @@ ACTIVATIONS = {
 }
 
 
-def check_bert_config(config: PretrainedConfig) -> None:
+def check_bert_config(spec: ModelSpec) -> None:
     """Raise ``ValueError`` for BERT variants dfllm does not implement."""
-    kind = getattr(config, "position_embedding_type", "absolute")
+    kind = spec.position_embedding_type
     if kind != "absolute":
         raise ValueError(f"BERT position_embedding_type {kind!r} is not supported (only 'absolute')")
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"BERT hidden_act {config.hidden_act!r} is not supported ({sorted(ACTIVATIONS)})")
+    if spec.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"BERT hidden_act {spec.hidden_act!r} is not supported ({sorted(ACTIVATIONS)})")
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        h = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, h)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
-        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        h = spec.hidden_size
+        self.word_embeddings = nn.Embedding(spec.vocab_size, h)
+        self.position_embeddings = nn.Embedding(spec.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(spec.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=spec.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -46,10 +47,10 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        h = config.hidden_size
-        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        h = spec.hidden_size
+        self.num_heads, self.head_dim = spec.num_attention_heads, h // spec.num_attention_heads
         self.qkv_proj = nn.Linear(h, 3 * h)
         self.qkv_proj.output_sizes = [h, h, h]
 
@@ -73,21 +74,21 @@ class BertDenseNorm(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        setattr(self, "self", BertSelfAttention(config))
-        self.output = BertDenseNorm(config.hidden_size, config.hidden_size, config.layer_norm_eps)
+        setattr(self, "self", BertSelfAttention(spec))
+        self.output = BertDenseNorm(spec.hidden_size, spec.hidden_size, spec.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.output(getattr(self, "self")(x, mask), x)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACTIVATIONS[config.hidden_act]
-        self.dense.fusable_activation = "gelu" if config.hidden_act == "gelu" else None
+        self.dense = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.act = ACTIVATIONS[spec.hidden_act]
+        self.dense.fusable_activation = "gelu" if spec.hidden_act == "gelu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.dense, "fused_activation", None):
@@ -96,11 +97,11 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.attention = BertAttention(config)
-        self.intermediate = BertIntermediate(config)
-        self.output = BertDenseNorm(config.intermediate_size, config.hidden_size, config.layer_norm_eps)
+        self.attention = BertAttention(spec)
+        self.intermediate = BertIntermediate(spec)
+        self.output = BertDenseNorm(spec.intermediate_size, spec.hidden_size, spec.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.attention(x, mask)
@@ -108,9 +109,9 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(BertLayer(spec) for _ in range(spec.num_hidden_layers))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for layer in self.layer:
@@ -119,9 +120,9 @@ class BertEncoder(nn.Module):
 
 
 class BertPooler(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(spec.hidden_size, spec.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(hidden[:, 0]))
@@ -132,12 +133,12 @@ class BertModel(nn.Module):
 
     packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1), "value": ("qkv_proj", 2)}
 
-    def __init__(self, config: PretrainedConfig, with_pooler: bool = False):
+    def __init__(self, spec: ModelSpec, with_pooler: bool = False):
         super().__init__()
-        check_bert_config(config)
-        self.embeddings = BertEmbeddings(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if with_pooler else None
+        check_bert_config(spec)
+        self.embeddings = BertEmbeddings(spec)
+        self.encoder = BertEncoder(spec)
+        self.pooler = BertPooler(spec) if with_pooler else None
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         # A batch of equal lengths needs no mask, which lets SDPA take its fastest kernel.
@@ -158,10 +159,10 @@ class BertForSequenceClassification(nn.Module):
 
     packed_modules_mapping = BertModel.packed_modules_mapping
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.bert = BertModel(config, with_pooler=True)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.bert = BertModel(spec, with_pooler=True)
+        self.classifier = nn.Linear(spec.hidden_size, spec.num_labels)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return self.bert(input_ids, token_type_ids, valid)

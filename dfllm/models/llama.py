@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.kernels.backend import KernelOps
@@ -21,29 +20,18 @@ from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from dfllm.models.parallel_layers import lm_head, vocab_embedding
 from dfllm.models.rope import rope_inv_freq
-
-
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from dfllm.models.spec import ModelSpec
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, ops: KernelOps, tp=None):
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, tp=None):
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
+        h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, ops)
-        self.self_attn = PagedAttention(
-            h,
-            config.num_attention_heads,
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim_of(config),
-            qkv_bias,
-            o_bias,
-            ops,
-            tp,
-        )
+        self.self_attn = PagedAttention(h, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                                        qkv_bias, o_bias, ops, tp)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
-        self.mlp = GatedMLP(h, config.intermediate_size, getattr(config, "mlp_bias", False), ops, tp)
+        self.mlp = GatedMLP(h, spec.intermediate_size, spec.mlp_bias, ops, tp)
 
     def forward(self, x, residual, cos_sin, meta):
         if residual is None:
@@ -64,22 +52,22 @@ class DecoderModel(nn.Module):
     ``(hidden, residual)`` for the next stage.
     """
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, ops: KernelOps, max_positions: int,
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, max_positions: int,
                  parallel: ParallelContext | None = None):
         super().__init__()
         tp = parallel.tp if parallel is not None else None
-        n = config.num_hidden_layers
+        n = spec.num_hidden_layers
         self.start, self.end = (0, n) if parallel is None else layer_range(n, parallel.pp_rank, parallel.pp_size)
         first = self.start == 0
         last = self.end == n
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp) if first else None
+        self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size, tp) if first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, ops, tp) if self.start <= i < self.end else nn.Identity()
+            DecoderLayer(spec, qkv_bias, o_bias, ops, tp) if self.start <= i < self.end else nn.Identity()
             for i in range(n)
         )
         self.stage_layers = list(self.layers)[self.start : self.end]
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops) if last else None
-        inv_freq, scaling = rope_inv_freq(config, head_dim_of(config))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops) if last else None
+        inv_freq, scaling = rope_inv_freq(spec)
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling, max_positions)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
@@ -99,24 +87,22 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM: ``forward`` gives hidden states, ``compute_logits`` the chosen rows' logits."""
 
-    def __init__(self, config: PretrainedConfig, ops: KernelOps, max_positions: int,
-                 parallel: ParallelContext | None = None):
+    def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
-        self.model = DecoderModel(config, *self.biases(config), ops, max_positions, parallel)
+        self.model = DecoderModel(spec, *self.biases(spec), ops, max_positions, parallel)
         tp = parallel.tp if parallel is not None else None
         last = self.model.norm is not None
-        self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp) if last else None
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = lm_head(spec.vocab_size, spec.hidden_size, tp) if last else None
+        self.tie_word_embeddings = spec.tie_word_embeddings
         if self.tie_word_embeddings and last and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         if parallel is not None and parallel.pp_size > 1:
             self.checkpoint_name = self._stage_checkpoint_name
 
     @staticmethod
-    def biases(config: PretrainedConfig) -> tuple[bool, bool]:
+    def biases(spec: ModelSpec) -> tuple[bool, bool]:
         """``(qkv_bias, o_proj_bias)``: Llama puts ``attention_bias`` on all four."""
-        bias = bool(getattr(config, "attention_bias", False))
-        return bias, bias
+        return spec.attention_bias, spec.attention_bias
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         return self.model(input_ids, positions, meta, intermediate)
@@ -145,5 +131,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: biases on the q, k and v projections only."""
 
     @staticmethod
-    def biases(config: PretrainedConfig) -> tuple[bool, bool]:
+    def biases(spec: ModelSpec) -> tuple[bool, bool]:
         return True, False

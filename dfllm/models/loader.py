@@ -1,4 +1,4 @@
-"""Loading a Hugging Face style model directory: config, dtype and safetensors weights.
+"""Loading a Hugging Face style model directory: its config and safetensors weights.
 
 Weights are read from ``*.safetensors`` only; dfllm never unpickles (``*.bin``/``*.pt``
 checkpoints are refused). Fused parameters (``qkv_proj``, ``gate_up_proj``) are filled
@@ -17,6 +17,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from dfllm.models.spec import ModelSpec
 
 logger = logging.getLogger("dfllm")
 
@@ -54,21 +56,13 @@ def load_config(path: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
-def config_dtype(config: PretrainedConfig) -> torch.dtype:
-    """The dtype the checkpoint was saved in (float32 when the config names none)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype
-
-
 def check_model_dir(path: Path) -> None:
     """Cheap checks of a model directory before any engine is built (the dataframe accessors
     run them at call time): its config, a supported architecture, and weight files whose
     safetensors headers read; each failure raises the error loading would."""
     from dfllm.models.registry import ENCODER_ARCHITECTURES, GENERATIVE_ARCHITECTURES
 
-    archs = list(getattr(load_config(path), "architectures", None) or [])
+    archs = list(ModelSpec.from_hf(load_config(path)).architectures)
     known = {**GENERATIVE_ARCHITECTURES, **ENCODER_ARCHITECTURES}
     if not any(a in known for a in archs):
         raise ValueError(f"unsupported architecture {archs or '(none in config.json)'}; "

@@ -1,0 +1,133 @@
+"""The inputs of one step: the scheduled tokens flattened into one batch, and where their keys live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from dfllm.engine.scheduler import SchedulerOutput
+from dfllm.engine.sequence import Sequence
+from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
+
+
+@dataclass
+class StepInputs:
+    """A step's (or micro-batch's) token ids, positions and attention metadata; the rows of
+    the batch whose logits are sampled, and their sequences."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor
+    sample_seqs: list[Sequence]
+
+
+def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
+    """Flatten the step's tokens and describe where their keys live (tensors on ``device``)."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    prefills: list[PrefillSpan] = []
+    dec_rows: list[int] = []
+    dec_seqs: list[Sequence] = []
+    logit_rows: list[int] = []
+    sample_seqs: list[Sequence] = []
+    qsl = [0]
+    for seq, n in zip(sched.seqs, sched.num_new_tokens):
+        start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
+        ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if n == 1:
+            dec_rows.append(row)
+            dec_seqs.append(seq)
+        else:
+            kv_slots = None if start == 0 else _slots(table, end, bs)
+            prefills.append(PrefillSpan(row, n, end, kv_slots))
+        if end == seq.num_tokens:
+            logit_rows.append(row + n - 1)
+            sample_seqs.append(seq)
+        qsl.append(len(ids))
+    seq_lens = [s.num_computed_tokens + n for s, n in zip(sched.seqs, sched.num_new_tokens)]
+    tables = [s.block_table for s in sched.seqs]
+    groups = _decode_groups(dec_rows, dec_seqs, bs)
+    meta = attention_metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, device)
+    return StepInputs(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
+                      torch.tensor(logit_rows, device=device), sample_seqs)
+
+
+def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """``inputs`` with every tensor on ``device`` (as is when already there)."""
+    if inputs.input_ids.device == device:
+        return inputs
+
+    def to(x):
+        return None if x is None else x.to(device, non_blocking=True)
+
+    m: AttentionMetadata = inputs.meta
+    prefills = [replace(p, kv_slots=to(p.kv_slots)) for p in m.prefills]
+    groups = [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in m.decode_groups]
+    meta = replace(m, slot_mapping=to(m.slot_mapping), prefills=prefills, decode_groups=groups,
+                   query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables))
+    return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs)
+
+
+def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:
+    """Cache slots of the first ``length`` tokens of a block table."""
+    blocks = torch.tensor(table[: -(-length // bs)])
+    return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:length]
+
+
+DECODE_GROUPS = 8
+MIN_DECODE_GROUP = 8
+
+
+def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[DecodeGroup]:
+    """Decodes sorted by context length and split into a few groups of similar length.
+
+    A table shorter than its group's is padded with its own last block, never another
+    sequence's: the padding is masked out, but still multiplied by a zero attention weight,
+    and another sequence's keys could be NaN (its own, when NaN, make it NaN anyway).
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
+    size = max(MIN_DECODE_GROUP, -(-len(order) // DECODE_GROUPS))
+    groups = []
+    for start in range(0, len(order), size):
+        members = order[start : start + size]
+        width = len(seqs[members[-1]].block_table)
+        tables = torch.empty(len(members), width, dtype=torch.long)
+        for i, m in enumerate(members):
+            table = seqs[m].block_table
+            tables[i, : len(table)] = torch.tensor(table)
+            tables[i, len(table) :] = table[-1]
+        lens = torch.tensor([seqs[m].num_computed_tokens + 1 for m in members])
+        mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+        groups.append(DecodeGroup(torch.tensor([rows[m] for m in members]), tables, mask))
+    return groups
+
+
+def attention_metadata(slot_mapping: torch.Tensor, prefills: list[PrefillSpan], groups: list[DecodeGroup],
+                       qsl: list[int], seq_lens: list[int], tables: list[list[int]], bs: int,
+                       device: torch.device) -> AttentionMetadata:
+    """The metadata of a step, its tensors moved to ``device``."""
+    width = max(len(t) for t in tables)
+    block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+
+    def to(x):
+        return None if x is None else x.to(device)
+
+    for span in prefills:
+        span.kv_slots = to(span.kv_slots)
+    for g in groups:
+        g.rows, g.block_tables, g.mask = to(g.rows), to(g.block_tables), to(g.mask)
+    return AttentionMetadata(
+        slot_mapping=to(slot_mapping), prefills=prefills, decode_groups=groups,
+        query_start_loc=to(torch.tensor(qsl, dtype=torch.int32)),
+        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), block_tables=to(block_tables), block_size=bs,
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])), max_seq_len=max(seq_lens),
+    )
