@@ -6,8 +6,6 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
 from dfllm.sampling_params import SamplingParams
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -30,38 +28,15 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[TokenizedPrompt]:
-    """Tokenize text prompts (with the tokenizer's special tokens) and check token-id prompts."""
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, dict) and "prompt_token_ids" in p:
-            out.append(TokenizedPrompt(p.get("prompt"), check_token_ids(p["prompt_token_ids"], i, vocab_size)))
-        elif isinstance(p, dict) and "prompt" in p:
-            out.append(TokenizedPrompt(_text(p["prompt"], i), tokenizer.encode(_text(p["prompt"], i))))
-        elif isinstance(p, str):
-            out.append(TokenizedPrompt(p, tokenizer.encode(check_unicode(p, f"prompt {i}"))))
-        else:
-            raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")
-        if not out[-1].token_ids:
-            raise ValueError(f"prompt {i} is empty")
-        check_token_ids(out[-1].token_ids, i, vocab_size)
-    return out
-
-
-def check_token_ids(ids, i: int, vocab_size: int) -> list[int]:
-    """The token ids of prompt ``i`` as a list; raise naming the prompt if any is not a valid id."""
+def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
+    """The token ids of a prompt as a list; raise naming it (``what``, e.g. "prompt 3") if any
+    is not a valid id."""
     if not isinstance(ids, Seq) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+        raise ValueError(f"{what}: prompt_token_ids must be a list of ints")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt {i}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+        raise ValueError(f"{what}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
     return list(ids)
-
-
-def _text(value, i: int) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"prompt {i}: 'prompt' must be a str, got {type(value).__name__}")
-    return check_unicode(value, f"prompt {i}")
 
 
 def check_unicode(text: str, what: str) -> str:
@@ -75,10 +50,10 @@ def check_unicode(text: str, what: str) -> str:
     return text
 
 
-def check_params_for_model(params: SamplingParams, i: int, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming prompt ``i`` if its sampling params ask more than the model has."""
+def check_params_for_model(params: SamplingParams, what: str, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the prompt (``what``) if its sampling params ask more than the model has."""
     if params.logprobs is not None and params.logprobs > vocab_size:
-        raise ValueError(f"prompt {i}: logprobs={params.logprobs} exceeds the model's vocabulary of {vocab_size} "
+        raise ValueError(f"{what}: logprobs={params.logprobs} exceeds the model's vocabulary of {vocab_size} "
                          "tokens (use -1 for all of them)")
 
 

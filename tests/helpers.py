@@ -12,6 +12,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
+from dfllm.engine.sequence import Request, Sequence
+from dfllm.outputs import RequestMetrics
+from dfllm.sampling_params import SamplingParams
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -149,3 +153,9 @@ class CLICluster:
                 p.wait(timeout=20)
             except Exception:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    """A one-sequence request over ``tokens``, for scheduler and block-manager tests."""
+    req = Request("r", None, tokens, SamplingParams(), RequestMetrics(0.0))
+    return Sequence(req, 0, list(tokens), len(tokens))

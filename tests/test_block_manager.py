@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 from dfllm.engine.block_manager import BlockManager
-from dfllm.engine.sequence import Request, Sequence
-from dfllm.outputs import RequestMetrics
-from dfllm.sampling_params import SamplingParams
-
-
-def make_seq(tokens: list[int]) -> Sequence:
-    req = Request("r", None, tokens, SamplingParams(), RequestMetrics(0.0))
-    return Sequence(req, 0, list(tokens), len(tokens))
+from dfllm.engine.sequence import Sequence
+from helpers import make_seq
 
 
 def admit(bm: BlockManager, seq: Sequence) -> int:

@@ -87,10 +87,9 @@ def test_max_model_len_ends_generation(llm):
 
 def test_prompt_longer_than_max_model_len_raises_before_work(llm):
     prompts = [{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 97}]
-    counter = llm._request_counter
     with pytest.raises(ValueError, match="prompt 1 has 97 tokens.*max_model_len=96"):
         llm.generate(prompts, use_tqdm=False)
-    assert not llm.engine.has_unfinished() and llm._request_counter == counter
+    assert not llm.engine.has_unfinished_requests() and llm.engine.get_num_unfinished_requests() == 0
 
 
 @pytest.mark.parametrize("prompts,sampling,match", [

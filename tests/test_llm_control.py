@@ -40,7 +40,7 @@ def test_enqueue_batches_calls_together_and_returns_in_order(llm):
     first = llm.enqueue(prompts[:3], GREEDY)
     chat_ids = llm.enqueue_chat(conv, GREEDY)
     second = llm.enqueue(prompts[3:], GREEDY)
-    assert len(llm.engine.scheduler.waiting) == 6  # nothing ran yet; all wait together
+    assert llm.engine.stats().num_waiting == 6  # nothing ran yet; all wait together
     outs = llm.wait_for_completion(use_tqdm=False)
     assert [o.request_id for o in outs] == first + chat_ids + second
     assert texts(outs) == expected[:3] + expected_chat + expected[3:]
@@ -140,9 +140,9 @@ def test_metrics_count_the_tokens_processed(tiny_llama):
     assert all(isinstance(x, (Counter, Gauge, Histogram)) and x.labels == {"model_name": tiny_llama.name} for x in m)
     assert metric(m, "dfllm_generation_tokens").value == sum(len(o.outputs[0].token_ids) for o in outs)
     assert metric(m, "dfllm_prompt_tokens").value == sum(len(o.prompt_token_ids) for o in outs)
-    assert metric(m, "dfllm_num_preemptions").value == llm.engine.scheduler.num_preemptions > 0
-    assert metric(m, "dfllm_prefix_cache_hits").value == llm.engine.block_manager.prefix_hits > 0
-    assert metric(m, "dfllm_prefix_cache_queries").value == llm.engine.block_manager.prefix_queries
+    assert metric(m, "dfllm_num_preemptions").value == llm.engine.stats().num_preemptions > 0
+    assert metric(m, "dfllm_prefix_cache_hits").value == llm.engine.stats().prefix_cache_hits > 0
+    assert metric(m, "dfllm_prefix_cache_queries").value == llm.engine.stats().prefix_cache_queries
     for name in ("dfllm_time_to_first_token_seconds", "dfllm_e2e_request_latency_seconds"):
         h = metric(m, name)
         assert h.count == 6 and h.buckets["+Inf"] == 6 and h.sum > 0

@@ -66,9 +66,9 @@ def test_preemption_by_recomputation(tiny_llama, prefix_caching):
               enable_prefix_caching=prefix_caching)
     assert llm.engine.num_blocks == 40
     out = run(llm, prompts, max_tokens)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert out == hf_greedy(tiny_llama, prompts, max_tokens)
-    assert llm.engine.block_manager.num_free_blocks == 40
+    assert llm.engine.stats().num_free_blocks == 40
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -124,4 +124,4 @@ def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_refer
     llm = LLM(smollm2_dir, **kwargs)
     assert run(llm, smol_chat_prompts, [24] * 5) == smol_reference
     if variant == "chunked+preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats().num_preemptions > 0

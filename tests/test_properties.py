@@ -100,8 +100,8 @@ def test_n_requests_in_n_outputs_in_order(engine, reqs, config):
         else:
             last = c.token_ids[-1]
             assert last in sp.stop_token_ids or (not sp.ignore_eos and last in llm.engine.eos_token_ids)
-    assert not llm.engine.has_unfinished()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats().num_free_blocks == llm.engine.num_blocks
 
 
 _alone: dict = {}

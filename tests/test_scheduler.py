@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dfllm.engine.block_manager import BlockManager
 from dfllm.engine.scheduler import Scheduler
 from dfllm.engine.sequence import SequenceStatus
-from tests.test_block_manager import make_seq
+from helpers import make_seq
 
 
 def advance(sched, out):
@@ -17,7 +16,7 @@ def advance(sched, out):
 
 
 def test_budget_and_chunking():
-    s = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    s = Scheduler(64, 4, max_num_seqs=8, max_num_batched_tokens=10)
     a, b = make_seq(list(range(25))), make_seq(list(range(100, 106)))
     s.add(a)
     s.add(b)
@@ -36,7 +35,7 @@ def test_budget_and_chunking():
 
 
 def test_max_num_seqs_caps_running():
-    s = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    s = Scheduler(64, 4, max_num_seqs=2, max_num_batched_tokens=100)
     seqs = [make_seq([i] * 3) for i in range(3)]
     for q in seqs:
         s.add(q)
@@ -45,7 +44,7 @@ def test_max_num_seqs_caps_running():
 
 
 def test_preempts_newest_and_requeues_it_first():
-    s = Scheduler(BlockManager(4, 4, enable_prefix_caching=False), max_num_seqs=4,
+    s = Scheduler(4, 4, enable_prefix_caching=False, max_num_seqs=4,
                   max_num_batched_tokens=100, watermark=0)
     a, b = make_seq(list(range(8))), make_seq(list(range(10, 18)))
     s.add(a)

@@ -152,14 +152,14 @@ def test_preemption_and_chunked_prefill_keep_the_grammar_state(tiny_llama, llm):
     small = LLM(tiny_llama, max_model_len=256, max_num_batched_tokens=32, block_size=16,
                 kv_cache_memory_bytes=20 * llm.engine.runner.block_bytes)
     outs = small.generate(prompts, params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.stats().num_preemptions > 0
     assert [o.outputs[0].text for o in outs] == expected
     for kind, out in zip((list(CONSTRAINTS) * 2), outs):
         check(kind, out.outputs[0].text)
 
 
 def test_each_distinct_constraint_compiles_once(llm):
-    compiler = llm.engine._grammar_compiler()
+    compiler = llm.engine.input_processor.grammars
     before = compiler.num_compiled
     sp = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"regex": "[0-9]{2}-[0-9]{2}"})
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], sp, use_tqdm=False)
@@ -298,15 +298,16 @@ def test_dask_meta_is_exact_and_polars_types(frame, kw):
 def test_a_value_the_column_type_cannot_hold_is_that_rows_error():
     """JSON integers are unbounded; a completed output whose integer is past int64 gets an
     llm_error naming the column type instead of failing the partition."""
-    from dfllm.accessors.task import _structured_value, make_task
+    from dfllm.accessors.schema import structured_value
+    from dfllm.accessors.task import make_task
     from dfllm.outputs import CompletionOutput
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     task = make_task("generate", ("q",), ["q"], output_column="out", json_schema=schema)
     dtype = task.output_dtypes()["out"]
     fits = CompletionOutput(0, '{"n": 42}', [1], None, None, "stop", structured_output_complete=True)
-    assert _structured_value(task, fits, dtype) == {"n": 42}
+    assert structured_value(task.structured, fits, dtype) == {"n": 42}
     huge = CompletionOutput(0, '{"n": 123456789012345678901234567890}', [1], None, None, "stop",
                             structured_output_complete=True)
     with pytest.raises(ValueError, match=r"does not fit the column type struct<n: int64>"):
-        _structured_value(task, huge, dtype)
+        structured_value(task.structured, huge, dtype)

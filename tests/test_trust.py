@@ -61,7 +61,7 @@ def test_chat_template_cannot_reach_python_internals(llm, tmp_path, i):
     with pytest.raises(jinja2.exceptions.SecurityError, match="unsafe|not safely"):
         llm.chat([{"role": "user", "content": "hi"}], SP, chat_template=template, use_tqdm=False)
     assert not marker.exists()
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_unsafe_attribute_alone_renders_nothing(llm):
@@ -73,7 +73,7 @@ def test_unsafe_attribute_alone_renders_nothing(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SP, chat_template="x{{ raise_exception.__globals__ }}y",
                    use_tqdm=False)
     assert out[0].prompt == "xy"
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_model_chat_template_is_sandboxed_in_dataframes(tiny_llama, tmp_path):

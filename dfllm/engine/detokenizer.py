@@ -1,10 +1,9 @@
-"""Incremental detokenization and stop-string detection.
+"""Incremental detokenization.
 
 Each new token is decoded in a small window of preceding tokens (starting inside the
 prompt), so multi-token characters and leading-space rules come out as a full decode would
-give them; text is only emitted once it no longer ends in an incomplete character. Stop
-strings are searched in the region the new text could complete, so a stop string split
-across tokens is found and cut exactly.
+give them; text is only emitted once it no longer ends in an incomplete character. What the new text
+means (a stop string) is the output processor's to decide.
 """
 
 from __future__ import annotations
@@ -37,19 +36,3 @@ class Detokenizer:
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         seq.text += delta
         return delta
-
-    @staticmethod
-    def find_stop(seq: Sequence, new_len: int) -> str | None:
-        """Cut ``seq.text`` at the first stop string the last ``new_len`` chars completed."""
-        params = seq.params
-        best: tuple[int, str] | None = None
-        for stop in params.stop_strings:
-            start = max(0, len(seq.text) - new_len - len(stop) + 1)
-            idx = seq.text.find(stop, start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return None
-        idx, stop = best
-        seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
-        return stop

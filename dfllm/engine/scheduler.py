@@ -36,20 +36,31 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
-class Scheduler:
-    """Decides, step by step, which sequences run and how many tokens each computes."""
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters and sizes of the scheduler and its KV-cache blocks, for tests and diagnostics."""
 
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        watermark: float = 0.01,
-    ):
-        self.bm = block_manager
+    num_blocks: int
+    num_free_blocks: int
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens found there
+    kv_cache_usage: float
+
+
+class Scheduler:
+    """Decides, step by step, which sequences run and how many tokens each computes; owns the
+    block manager that maps their tokens to KV-cache blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01):
+        self._block_args = (num_blocks, block_size, enable_prefix_caching, reuse_first)
+        self.bm = BlockManager(*self._block_args)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.watermark_blocks = int(watermark * num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -61,6 +72,42 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's sequences. A pass that only preempted admits nothing; then a second
+        pass (now with room) does. Raises ``RuntimeError`` if nothing at all can run."""
+        out = self._schedule_once()
+        if not out:
+            preempted = out.num_preempted
+            out = self._schedule_once()
+            out.num_preempted += preempted
+        if not out:
+            raise RuntimeError("the scheduler could not schedule any waiting sequence")
+        return out
+
+    def update_from_step(self, out: SchedulerOutput) -> None:
+        """After the model ran ``out``: its tokens are in the KV cache, and the blocks they
+        filled join the prefix cache."""
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+
+    def blocks_to_zero(self) -> list[int]:
+        """Blocks newly handed out since the last call, which the runner zeroes before use."""
+        return self.bm.drain_to_zero()
+
+    def reset_prefix_cache(self) -> None:
+        self.bm.reset_prefix_cache()
+
+    def reset_cache(self) -> None:
+        """A fresh block manager (after the KV cache was freed and allocated again); nothing may run."""
+        assert not self.has_unfinished()
+        self.bm = BlockManager(*self._block_args)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.bm
+        return SchedulerStats(bm.num_blocks, bm.num_free_blocks, len(self.waiting), len(self.running),
+                              self.num_preemptions, bm.prefix_queries, bm.prefix_hits, bm.usage)
+
+    def _schedule_once(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
@@ -132,20 +179,24 @@ class Scheduler:
             budget -= n
         return budget
 
-    def abort_all(self) -> int:
-        """Drop every queued and running sequence and free its blocks (after a failed step, so
-        the engine stays usable); the number dropped."""
-        seqs = list(self.running) + list(self.waiting)
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop these sequences (queued or running) and free their blocks."""
         for seq in seqs:
+            if seq.is_finished:
+                continue
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
             self.bm.free_seq(seq)
-        self.running.clear()
-        self.waiting.clear()
-        return len(seqs)
+        dropped = set(map(id, seqs))
+        self.running = [s for s in self.running if id(s) not in dropped]
+        self.waiting = deque(s for s in self.waiting if id(s) not in dropped)
+
+    def abort_all(self) -> None:
+        """Drop every queued and running sequence and free its blocks."""
+        self.abort(list(self.running) + list(self.waiting))
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished sequence and release its blocks."""
+        """Remove a sequence the output processor ended and release its blocks."""
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
         self.bm.free_seq(seq)

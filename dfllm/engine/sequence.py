@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ from dfllm.outputs import Logprob, RequestMetrics
 from dfllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from dfllm.engine.structured import SequenceGrammar
+    from dfllm.engine.structured import Grammar, SequenceGrammar
 
 
 class SequenceStatus(Enum):
@@ -85,6 +86,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    group: Hashable = None  # requests re-run together after a failed step (one call, one partition)
+    grammar: "Grammar | None" = None  # structured outputs: the compiled constraint of its sequences
     seqs: list[Sequence] = field(default_factory=list)
 
     @property

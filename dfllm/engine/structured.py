@@ -63,8 +63,20 @@ class GrammarCompiler:
                 self.cache.popitem(last=False)
         return compiled
 
-    def matcher(self, params: StructuredOutputsParams) -> "SequenceGrammar":
-        return SequenceGrammar(self._xgr.GrammarMatcher(self.compile(params), override_stop_tokens=self.stop_token_ids),
+    def prepare(self, params: StructuredOutputsParams) -> "Grammar":
+        """``params`` compiled (raising now on a bad constraint), ready to start matchers."""
+        return Grammar(self._xgr, self.compile(params), self.stop_token_ids, self.vocab_size)
+
+
+class Grammar:
+    """A compiled constraint: each sequence under it gets its own matcher (:meth:`matcher`)."""
+
+    def __init__(self, xgr, compiled, stop_token_ids: list[int], vocab_size: int):
+        self._xgr, self.compiled = xgr, compiled
+        self.stop_token_ids, self.vocab_size = stop_token_ids, vocab_size
+
+    def matcher(self) -> "SequenceGrammar":
+        return SequenceGrammar(self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids),
                                self.vocab_size)
 
 

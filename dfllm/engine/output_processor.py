@@ -1,0 +1,148 @@
+"""What each sampled token does to its sequence: the one place that decides when a sequence ends.
+
+For every sampled row of a step, in order: the token is appended (metrics, log-probabilities),
+the structured-output grammar advances, and the stop checks run: a grammar that terminated,
+an end-of-sequence token (unless ``ignore_eos``), a stop token id, a stop string in the new
+text, ``max_tokens``, and the context limit. ``min_tokens`` holds back every stop but the
+grammar's and the length limits. A row whose logits could not be sampled (non-finite) ends
+with ``finish_reason="error"``. The engine then hands the ended sequences to the scheduler,
+which only frees their blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import PreTrainedTokenizerBase
+
+from dfllm.engine.detokenizer import Detokenizer
+from dfllm.engine.metrics import EngineMetrics
+from dfllm.engine.sampler import SampledToken
+from dfllm.engine.sequence import Request, Sequence
+from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+logger = logging.getLogger("dfllm")
+
+
+class OutputProcessor:
+    """Appends sampled tokens, detokenizes, and makes every stop and finish decision."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int,
+                 metrics: EngineMetrics):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.detokenizer = Detokenizer(tokenizer)
+
+    def start(self, seq: Sequence) -> None:
+        """Get a new sequence's text state ready (its decode window starts in the prompt)."""
+        self.detokenizer.start(seq)
+
+    def process(self, seqs: list[Sequence], sampled: list[SampledToken | str], now: float) -> list[Sequence]:
+        """Apply one step's sampled tokens (or, for a row that could not be sampled, what was
+        wrong with its logits); the sequences that ended, with ``finish_reason`` set."""
+        ended = []
+        for seq, tok in zip(seqs, sampled):
+            if isinstance(tok, str):
+                seq.error = f"the model produced non-finite logits ({tok}) at output token {seq.num_output_tokens} (0-based)"
+                logger.warning("request %s: %s", seq.request.request_id, seq.error)
+                seq.finish_reason = "error"
+            else:
+                self._append(seq, tok, now)
+            if seq.finish_reason is not None:
+                ended.append(seq)
+        return ended
+
+    def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
+        token = tok.token_id
+        seq.token_ids.append(token)
+        m = seq.request.metrics
+        first = m.first_token_time is None
+        self.metrics.observe_token(first, len(seq.request.prompt_token_ids),
+                                   now - (m.arrival_time if first else m.last_token_time))
+        if first:
+            m.first_token_time = now
+        m.last_token_time = now
+        if tok.logprob is not None:
+            seq.cumulative_logprob += tok.logprob
+            seq.logprobs.append(self._logprob_dict(tok))
+        seq.finish_reason, seq.stop_reason = self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
+        """(finish_reason, stop_reason) after ``token`` was appended; (None, None) to go on."""
+        p = seq.params
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):  # the mask allows only accepted tokens: a bug if reached
+                logger.error("structured outputs: the grammar rejected token %d of request %s", token,
+                             seq.request.request_id)
+                return "stop", None
+            if seq.grammar.terminated:  # complete, and a stop token accepted: done whatever ignore_eos says
+                return "stop", None
+        stops_allowed = seq.num_output_tokens >= p.min_tokens
+        if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        delta = self.detokenizer.step(seq)
+        if stops_allowed and token in p.stop_token_ids:
+            return "stop", token
+        if stops_allowed and delta and p.stop_strings:
+            stop = _cut_at_stop_string(seq, len(delta))
+            if stop is not None:
+                return "stop", stop
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _logprob_dict(self, tok: SampledToken) -> dict[int, Logprob]:
+        texts = self.tokenizer.batch_decode([[t] for t, _, _ in tok.top])
+        return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(tok.top, texts)}
+
+    # ---- outputs ---------------------------------------------------------------------
+    @staticmethod
+    def make_output(req: Request) -> RequestOutput:
+        """The ``RequestOutput`` of a (finished) request."""
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                structured_output_complete=None if s.grammar is None else (
+                    s.grammar.rejected is None and s.grammar.completed and not isinstance(s.stop_reason, str)
+                    and s.finish_reason != "error"),
+                error=s.error,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                             req.num_cached_tokens, req.metrics)
+
+    @staticmethod
+    def error_output(req: Request, message: str) -> RequestOutput:
+        """The ``RequestOutput`` of a request that failed as a whole: each of its ``n``
+        completions empty, with ``finish_reason="error"`` and ``message``."""
+        outs = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                 finish_reason="error", error=message) for i in range(req.params.n)]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, 0, req.metrics)
+
+
+def _cut_at_stop_string(seq: Sequence, new_len: int) -> str | None:
+    """The first stop string the last ``new_len`` characters of ``seq.text`` completed, with
+    the text cut there (after it with ``include_stop_str_in_output``); None if there is none."""
+    params = seq.params
+    best: tuple[int, str] | None = None
+    for stop in params.stop_strings:
+        start = max(0, len(seq.text) - new_len - len(stop) + 1)
+        idx = seq.text.find(stop, start)
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    if best is None:
+        return None
+    idx, stop = best
+    seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+    return stop
