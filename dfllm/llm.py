@@ -1,38 +1,53 @@
-"""The offline ``LLM`` class, with vLLM's constructor and methods."""
+"""The offline ``LLM`` class, with vLLM's constructor and methods.
+
+``LLM`` owns one engine (generative or pooling), its tokenizer, the requests of its
+calls, and two components it composes: :class:`~dfllm.llm_pooling.PoolingFrontend`
+(``embed``, ``classify``, ``score``, ``encode``) and :class:`~dfllm.llm_control.EngineControl`
+(profiling, sleep mode, caches, metrics, weight updates, RPC), whose methods it exposes
+under vLLM's names. Generation (``generate``, ``chat``, ``enqueue``, ``wait_for_completion``)
+is its own: it checks inputs with the engine's input processor, adds them as one group per
+call and steps the engine until they are done.
+"""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from dfllm.config import (EngineConfig, check_engine_args, resolve_device, resolve_dtype,
-                          resolve_max_model_len)
-from dfllm.distributed.parallel_state import check_parallel_config
+from dfllm.config import EngineConfig
+from dfllm.engine.input_processor import EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
-from dfllm.inputs import (TokenizedPrompt, as_conversation_list, as_prompt_list, check_params_for_model,
-                          per_prompt_params, tokenize_prompts)
-from dfllm.llm_control import ControlMixin
-from dfllm.llm_pooling import PoolingMixin
+from dfllm.llm_control import EngineControl
+from dfllm.llm_pooling import PoolingFrontend, check_pooling_task, not_pooling_error
 from dfllm.logger import init_logger
-from dfllm.models.bundled import resolve_model
-from dfllm.models.loader import load_config
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
 from dfllm.outputs import RequestOutput, raise_for_errors
 from dfllm.sampling_params import SamplingParams
 
-logger = init_logger()
+init_logger()
 
 
-RUNNERS = ("auto", "generate", "pooling")
+def _delegate(component: str, method: Callable) -> Callable:
+    """An ``LLM`` method that calls ``method`` of the component held in ``self.<component>``
+    (its signature and docstring)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return getattr(self._component(component, method.__name__, kwargs), method.__name__)(*args, **kwargs)
+
+    return call
 
 
-class LLM(PoolingMixin, ControlMixin):
+class LLM:
     """A model with its own engine, for offline batch generation and pooling.
 
     ``model`` is a Hugging Face style directory (config.json, ``*.safetensors``, tokenizer
@@ -88,52 +103,32 @@ class LLM(PoolingMixin, ControlMixin):
         runner: str = "auto",
         profiler_dir: str | Path = "./dfllm_traces",
     ):
-        if runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
-        check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
-        path = resolve_model(model)
-        hf_config = load_config(path)
-        dev = resolve_device(device)
-        max_len = resolve_max_model_len(max_model_len, hf_config)
-        self.runner_type = _resolve_runner(runner, hf_config, path)
-        _check_parallel(hf_config, self.runner_type, tensor_parallel_size, pipeline_parallel_size)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = _default_token_budget(dev, self.runner_type, max_num_seqs)
-        elif max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.config = EngineConfig(
-            model_path=path, hf_config=hf_config, dtype=resolve_dtype(dtype, hf_config, dev), device=dev,
-            max_model_len=max_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed, attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-        )
+        self.config = EngineConfig.create(
+            model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner)
+        path = self.config.model_path
+        self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path,
                                                                                 trust_remote_code=False)
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
+        self._pooling: PoolingFrontend | None = None
+        self._ids = itertools.count()  # request ids, shared by every kind of call
+        self._groups = itertools.count()  # one group per generate/chat/enqueue call
         if self.runner_type == "pooling":
-            pooler = load_pooler_config(path, is_decoder=not is_pooling_only(hf_config))
+            pooler = load_pooler_config(path, is_decoder=not is_pooling_only(self.config.model))
             self.pooling_engine = PoolingEngine(self.config, pooler)
+            self._pooling = PoolingFrontend(self.config, self.tokenizer, self.pooling_engine, self._next_id)
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
-        self._request_counter = 0
-        self._done: dict[str, RequestOutput] = {}
-        self._init_control(profiler_dir)
+        self._control = EngineControl(self.config, self.engine, self.pooling_engine, profiler_dir)
+        self._queued: list[tuple[int, list[str]]] = []  # (group, request ids) of enqueue calls not yet waited for
+        self._outputs: dict[str, RequestOutput] = {}  # finished, not yet returned
 
-    # ---- public API -------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the engine's worker processes (``tensor_parallel_size`` or
-        ``pipeline_parallel_size`` above 1); the LLM cannot run afterwards. They also stop
-        when the LLM is garbage-collected or the process exits."""
-        if self.engine is not None:
-            self.engine.shutdown()
-
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer the engine uses (a transformers tokenizer)."""
-        return self.tokenizer
-
+    # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts, returned in input order.
@@ -147,8 +142,8 @@ class LLM(PoolingMixin, ControlMixin):
         every other prompt is done; their outputs are in the error's ``outputs``. An exception
         in the engine is raised if these prompts cause it on their own (see the class).
         """
-        ids = self._add_requests(*self._tokenize(prompts, sampling_params, "generate"))
-        return raise_for_errors(self._run_until_done([ids], use_tqdm), lambda i: f"prompt {i}")
+        requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
+        return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"prompt {i}")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -160,139 +155,130 @@ class LLM(PoolingMixin, ControlMixin):
         environment, then generated like ``generate`` (failures included: an error names the
         conversation by index).
         """
-        ids = self._add_requests(*self._render_chats(messages, sampling_params, chat_template,
-                                                     add_generation_prompt, continue_final_message))
-        return raise_for_errors(self._run_until_done([ids], use_tqdm), lambda i: f"conversation {i}")
+        requests = self._engine("chat").input_processor.process_chats(
+            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
+        return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"conversation {i}")
 
-    # ---- preparing requests ----------------------------------------------------------
-    def _tokenize(self, prompts, sampling_params, method: str) -> tuple[list[TokenizedPrompt], list[SamplingParams]]:
-        self._require_generative(method)
-        prompt_list = as_prompt_list(prompts)
-        params = per_prompt_params(sampling_params, len(prompt_list))
-        return tokenize_prompts(prompt_list, self.tokenizer, self.config.hf_config.vocab_size), params
+    def enqueue(self, prompts, sampling_params=None) -> list[str]:
+        """Queue prompts without running them; return their request ids.
 
-    def _render_chats(self, messages, sampling_params, chat_template: str | None = None,
-                      add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> tuple[list[TokenizedPrompt], list[SamplingParams]]:
-        self._require_generative("chat")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
-        convs = as_conversation_list(messages)
-        params = per_prompt_params(sampling_params, len(convs))
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
-        tokenized = []
-        for conv in convs:
-            text = self.tokenizer.apply_chat_template(
-                [_flatten_content(m) for m in conv], chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-            tokenized.append(TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return tokenized, params
+        Requests queued by several calls are scheduled together by
+        :meth:`wait_for_completion` (or by any ``generate`` call in between). If a step of a
+        ``generate`` call in between raises, they are re-run from scratch (greedy and seeded
+        ones give the outputs they would have had); :meth:`wait_for_completion` then returns
+        them, and reports any that fails (see there).
+        """
+        requests = self._engine("enqueue").input_processor.process_prompts(prompts, sampling_params)
+        self._queued.append(self._add(requests))
+        return self._queued[-1][1]
 
-    def _require_generative(self, method: str) -> LLMEngine:
-        if self.engine is None:
-            raise ValueError(f"{method}: {self.config.model_path.name} is loaded as a pooling model; "
-                             "use embed, classify, score or encode")
-        return self.engine
+    def enqueue_chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[str]:
+        """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
+        requests = self._engine("enqueue_chat").input_processor.process_chats(
+            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
+        self._queued.append(self._add(requests))
+        return self._queued[-1][1]
 
-    # ---- running ----------------------------------------------------------------------
-    def _add_requests(self, prompts: list[TokenizedPrompt], params: list[SamplingParams]) -> list[str]:
-        """Check every prompt against ``max_model_len``, then queue them all; their request ids."""
-        self._check_can_serve()
-        limit = self.config.max_model_len
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if not p.token_ids:  # e.g. a chat template that rendered nothing
-                raise ValueError(f"prompt {i} is empty (no tokens)")
-            if len(p.token_ids) > limit:
-                raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens, longer than max_model_len={limit}")
-            check_params_for_model(sp, i, self.config.hf_config.vocab_size)
-        ids = []
-        for p, sp in zip(prompts, params):
-            ids.append(self._next_id())
-            self.engine.add_request(ids[-1], p.prompt, p.token_ids, sp)
-        return ids
+    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run the engine until every queued request is done; outputs in enqueue order.
 
-    def _run_until_done(self, groups: list[list[str]], use_tqdm: bool, *,
-                        raise_failures: bool = True) -> list[RequestOutput]:
+        No queued request is dropped silently: each one's output is returned, or the call
+        raises :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming the
+        failed ones by request id once all are done, with every output (the failed ones'
+        with ``finish_reason="error"`` and the reason) in its ``outputs``. A request fails
+        when the model produces non-finite logits for it, or when a step raises and its
+        ``enqueue`` call's requests, re-run from scratch on their own, make it raise again.
+        """
+        groups, self._queued = self._queued, []
+        outputs = self._run(groups, use_tqdm, raise_failures=False)
+        return raise_for_errors(outputs, lambda i: f"request {outputs[i].request_id}")
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer the engine uses (a transformers tokenizer)."""
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size`` or
+        ``pipeline_parallel_size`` above 1); the LLM cannot run afterwards. They also stop
+        when the LLM is garbage-collected or the process exits."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # ---- pooling: dfllm.llm_pooling.PoolingFrontend ------------------------------------------
+    encode = _delegate("_pooling", PoolingFrontend.encode)
+    embed = _delegate("_pooling", PoolingFrontend.embed)
+    classify = _delegate("_pooling", PoolingFrontend.classify)
+    score = _delegate("_pooling", PoolingFrontend.score)
+
+    # ---- engine control: dfllm.llm_control.EngineControl ----------------------------------------
+    start_profile = _delegate("_control", EngineControl.start_profile)
+    stop_profile = _delegate("_control", EngineControl.stop_profile)
+    sleep = _delegate("_control", EngineControl.sleep)
+    wake_up = _delegate("_control", EngineControl.wake_up)
+    reset_prefix_cache = _delegate("_control", EngineControl.reset_prefix_cache)
+    reset_mm_cache = _delegate("_control", EngineControl.reset_mm_cache)
+    get_metrics = _delegate("_control", EngineControl.get_metrics)
+    init_weight_transfer_engine = _delegate("_control", EngineControl.init_weight_transfer_engine)
+    start_weight_update = _delegate("_control", EngineControl.start_weight_update)
+    update_weights = _delegate("_control", EngineControl.update_weights)
+    finish_weight_update = _delegate("_control", EngineControl.finish_weight_update)
+    update_weight_version = _delegate("_control", EngineControl.update_weight_version)
+    get_weight_version = _delegate("_control", EngineControl.get_weight_version)
+    collective_rpc = _delegate("_control", EngineControl.collective_rpc)
+    apply_model = _delegate("_control", EngineControl.apply_model)
+
+    # ---- running the calls' requests ---------------------------------------------------------
+    def _component(self, name: str, method: str, kwargs: dict) -> Any:
+        if name == "_pooling" and self._pooling is None:  # a generative model: name the task asked for
+            raise not_pooling_error(check_pooling_task(kwargs.get("pooling_task")) if method == "encode" else method)
+        return getattr(self, name)
+
+    def _engine(self, method: str) -> LLMEngine:
+        return self._control.require_generative(method)
+
+    def _next_id(self) -> str:
+        return str(next(self._ids))
+
+    def _add(self, requests: list[EngineRequest]) -> tuple[int, list[str]]:
+        """Queue one call's checked requests as one group; (the group, their request ids)."""
+        self._control.check_can_serve()
+        group, ids = next(self._groups), [self._next_id() for _ in requests]
+        for rid, request in zip(ids, requests):
+            self.engine.add_request(rid, request, group=group)
+        return group, ids
+
+    def _run(self, groups: list[tuple[int, list[str]]], use_tqdm: bool, *,
+             raise_failures: bool = True) -> list[RequestOutput]:
         """Step the engine until the requests of ``groups`` are done; their outputs in order.
 
-        A group is the requests of one call (``generate``, one ``enqueue``). Other queued
-        requests are batched along; their outputs are kept for ``wait_for_completion``. A
-        step that raises loses nothing (:meth:`_recover`): a group that fails again on its
-        own raises that error (``raise_failures``) or gets error outputs.
+        Other queued requests are batched along; their outputs are kept for
+        ``wait_for_completion``. If a step raises, these groups are re-run at once (the others
+        later, from scratch); a group that fails again on its own has its error raised
+        (``raise_failures``), or its requests end with error outputs.
         """
-        ids = [rid for group in groups for rid in group]
-        wanted = set(ids)
+        ids = [rid for _, group_ids in groups for rid in group_ids]
+        wanted, groups_now = set(ids), {group for group, _ in groups}
         bar = _ProgressBar(len(ids), use_tqdm)
         try:
-            while not wanted <= self._done.keys():
-                if not self.engine.has_unfinished():  # cannot happen: a bug, not a hang
-                    raise RuntimeError(f"requests {sorted(wanted - self._done.keys())} were lost by the engine")
-                try:
-                    finished = self._step_and_collect()
-                except Exception as exc:
-                    finished, failures = self._recover(exc, groups)
-                    for failure, failed in failures.values():
-                        if raise_failures:
-                            raise failure
-                        for req in failed:
-                            self._done[req.request_id] = self.engine.error_output(
-                                req, f"the engine failed while serving request {req.request_id}: {failure!r}")
-                for req in finished:
-                    if req.request_id in wanted:
-                        bar.update(req)
-        except Exception:
+            while not wanted <= self._outputs.keys():
+                if not self.engine.has_unfinished_requests():  # cannot happen: a bug, not a hang
+                    raise RuntimeError(f"requests {sorted(wanted - self._outputs.keys())} were lost by the engine")
+                for out in self.engine.step(rerun=groups_now):
+                    self._outputs[out.request_id] = out
+                    if out.request_id in wanted:
+                        bar.update(out)
+                for group, _ in groups:
+                    failure = self.engine.take_failure(group)
+                    if failure is not None and raise_failures:
+                        raise failure
+        except BaseException:
             for rid in ids:
-                self._done.pop(rid, None)
+                self._outputs.pop(rid, None)
             raise
         finally:
             bar.close()
-        return [self._done.pop(rid) for rid in ids]
-
-    def _recover(self, exc: Exception, groups: list[list[str]]) -> tuple[list, dict[int, tuple[Exception, list]]]:
-        """After a step that raised: drop every unfinished request from the engine, re-run
-        those of ``groups`` (one call's, or one dataframe partition's, requests each) from
-        scratch one group at a time (outputs already finished stay), then re-queue the others
-        from scratch for a later call.
-
-        Returns the requests finished, and for each group that failed again on its own (the
-        cause) its index -> (that error, its unfinished requests, dropped from the engine).
-        """
-        dropped = {req.request_id: req for req in self.engine.abort_all()}
-        logger.warning("an engine step failed (%r): re-running %d unfinished requests, one group at a time",
-                       exc, len(dropped))
-        finished: list = []
-        failures: dict[int, tuple[Exception, list]] = {}
-        try:
-            for g, group in enumerate(groups):
-                requests = [dropped.pop(rid) for rid in group if rid in dropped]
-                if not requests:
-                    continue
-                try:
-                    finished += self._run_alone(requests)
-                except Exception as failure:
-                    failures[g] = (failure, self.engine.abort_all())
-        finally:
-            for req in dropped.values():  # another call's: from scratch, with the next call's steps
-                self.engine.requeue(req)
-        return finished, failures
-
-    def _run_alone(self, requests: list) -> list:
-        """Queue ``requests`` again from scratch in the (emptied) engine and step until they
-        are done; the requests finished. A step that raises propagates (the caller aborts)."""
-        for req in requests:
-            self.engine.requeue(req)
-        finished = []
-        while self.engine.has_unfinished():
-            finished += self._step_and_collect()
-        return finished
-
-    def _step_and_collect(self) -> list:
-        """One engine step; the outputs of the requests it finished are kept in ``_done``."""
-        finished = self.engine.step()
-        for req in finished:
-            self._done[req.request_id] = self.engine.make_output(req)
-        return finished
+        return [self._outputs.pop(rid) for rid in ids]
 
 
 class _ProgressBar:
@@ -303,9 +289,9 @@ class _ProgressBar:
         self.start = time.perf_counter()
         self.tokens_in = self.tokens_out = 0
 
-    def update(self, req) -> None:
-        self.tokens_in += len(req.prompt_token_ids)
-        self.tokens_out += sum(s.num_output_tokens for s in req.seqs)
+    def update(self, out: RequestOutput) -> None:
+        self.tokens_in += len(out.prompt_token_ids)
+        self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(f"in: {self.tokens_in / elapsed:.0f} tok/s, out: {self.tokens_out / elapsed:.0f} tok/s",
                                  refresh=False)
@@ -313,40 +299,6 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _default_token_budget(device: torch.device, runner: str, max_num_seqs: int) -> int:
-    """Tokens per step: 8192 on CUDA; on CPU 2048 for generation and 1024 padded tokens for
-    pooling (smaller encoder batches stay in cache and measured faster there)."""
-    if device.type == "cuda":
-        return max(8192, max_num_seqs)
-    return 1024 if runner == "pooling" else max(2048, max_num_seqs)
-
-
-def _check_parallel(hf_config, runner: str, tp: int, pp: int) -> None:
-    """Sizes the model splits by; pooling runs on one rank only."""
-    if runner == "pooling" and (tp, pp) != (1, 1):
-        raise NotImplementedError("pooling models (embed, classify, score, encode) run on one rank: "
-                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
-    check_parallel_config(hf_config, tp, pp)
-
-
-def _resolve_runner(runner: str, hf_config, path: Path) -> str:
-    """"auto" -> pooling for encoders and sentence-transformers directories, else generate."""
-    pooling_only = is_pooling_only(hf_config)
-    if runner == "generate" and pooling_only:
-        raise ValueError(f"{path.name} ({', '.join(hf_config.architectures)}) cannot generate text; "
-                         "use runner='pooling' (embed, classify, score, encode)")
-    if runner == "auto":
-        return "pooling" if pooling_only or (path / "modules.json").is_file() else "generate"
-    return runner
-
-
-def _flatten_content(msg: dict) -> dict:
-    content = msg["content"]
-    if isinstance(content, list):
-        content = "\n".join(part["text"] for part in content)
-    return {**msg, "content": content}
 
 
 def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:

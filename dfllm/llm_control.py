@@ -1,27 +1,35 @@
-"""The rest of :class:`dfllm.LLM`'s vLLM surface: the request queue, profiling, sleep mode,
-caches, metrics, weight updates for RL loops, and RPC to the worker."""
+"""Engine control for :class:`dfllm.LLM`: profiling, sleep mode, caches, metrics, weight
+updates for RL loops, and RPC to the workers."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-from dfllm.engine.executor import call_with_timeout
+from dfllm.config import EngineConfig
+from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.metrics import Metric, snapshot
+from dfllm.engine.model_runner import call_with_timeout, rpc_target
+from dfllm.engine.pooling_engine import PoolingEngine
 from dfllm.models.loader import update_weights as apply_weight_update
-from dfllm.outputs import RequestOutput, raise_for_errors
 
 WEIGHT_TRANSFER_BACKENDS = ("inprocess",)
 
 
-class ControlMixin:
-    """Engine control methods of :class:`dfllm.LLM` (vLLM's names and arguments)."""
+class EngineControl:
+    """vLLM's engine control methods (same names and arguments) over the engine of a
+    generative model (``engine``) or of a pooling one (``pooling_engine``; only
+    ``collective_rpc``/``apply_model`` and the profiler serve it)."""
 
-    def _init_control(self, profiler_dir: str | Path) -> None:
-        self._queued: list[list[str]] = []  # the request ids of each enqueue call not yet waited for
+    def __init__(self, cfg: EngineConfig, engine: LLMEngine | None, pooling_engine: PoolingEngine | None,
+                 profiler_dir: str | Path):
+        self.cfg = cfg
+        self.engine = engine
+        self.pooling_engine = pooling_engine
         self.profiler_dir = Path(profiler_dir)
         self._profiler: torch.profiler.profile | None = None
         self._profile_prefix: str | None = None
@@ -29,47 +37,13 @@ class ControlMixin:
         self._updating_weights = False
         self._weight_version: Any = None
 
-    # ---- queue ------------------------------------------------------------------------
-    def enqueue(self, prompts, sampling_params=None) -> list[str]:
-        """Queue prompts without running them; return their request ids.
-
-        Requests queued by several calls are scheduled together by
-        :meth:`wait_for_completion` (or by any ``generate`` call in between). If a step of a
-        ``generate`` call in between raises, they are re-queued from scratch (greedy and
-        seeded ones give the outputs they would have had); :meth:`wait_for_completion` then
-        serves them, and reports any that fails (see there).
-        """
-        ids = self._add_requests(*self._tokenize(prompts, sampling_params, "enqueue"))
-        self._queued.append(ids)
-        return ids
-
-    def enqueue_chat(self, messages, sampling_params=None, **chat_kwargs) -> list[str]:
-        """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
-        ids = self._add_requests(*self._render_chats(messages, sampling_params, **chat_kwargs))
-        self._queued.append(ids)
-        return ids
-
-    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run the engine until every queued request is done; outputs in enqueue order.
-
-        No queued request is dropped silently: each one's output is returned, or the call
-        raises :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming the
-        failed ones by request id once all are done, with every output (the failed ones'
-        with ``finish_reason="error"`` and the reason) in its ``outputs``. A request fails
-        when the model produces non-finite logits for it, or when a step raises and its
-        ``enqueue`` call's requests, re-run from scratch on their own, make it raise again.
-        """
-        groups, self._queued = self._queued, []
-        outputs = self._run_until_done(groups, use_tqdm, raise_failures=False)
-        return raise_for_errors(outputs, lambda i: f"request {outputs[i].request_id}")
-
     # ---- profiling ----------------------------------------------------------------------
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """Start the PyTorch profiler around the engine's steps (CPU, and CUDA when used)."""
         if self._profiler is not None:
             raise RuntimeError("start_profile: the profiler is already running")
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.config.device.type == "cuda":
+        if self.cfg.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self._profiler.start()
@@ -92,15 +66,15 @@ class ControlMixin:
         cache; level 2 frees both (weights are reloaded from the model files on wake-up).
         The prefix cache is reset. On a CPU device the weights already live in host memory,
         so level 1 releases the KV cache only."""
-        self._require_generative("sleep").sleep(level)
+        self.require_generative("sleep").sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` released: ``tags`` among "weights" and "kv_cache" (None: both)."""
-        self._require_generative("wake_up").wake_up(tags)
+        self.require_generative("wake_up").wake_up(tags)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; returns False (and does nothing) while requests are running."""
-        return self._require_generative("reset_prefix_cache").reset_prefix_cache()
+        return self.require_generative("reset_prefix_cache").reset_prefix_cache()
 
     def reset_mm_cache(self) -> None:
         """For API compatibility: dfllm serves no multimodal models yet, so there is no
@@ -109,7 +83,7 @@ class ControlMixin:
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the engine's Prometheus metrics (``dfllm_*``) as Counter, Gauge and
         Histogram objects, each with its name and labels."""
-        return snapshot(self._require_generative("get_metrics").metrics.registry)
+        return snapshot(self.require_generative("get_metrics").metrics.registry)
 
     # ---- weight updates ------------------------------------------------------------------
     def init_weight_transfer_engine(self, config: dict | None = None) -> None:
@@ -119,7 +93,7 @@ class ControlMixin:
         if backend not in WEIGHT_TRANSFER_BACKENDS:
             raise NotImplementedError(f"weight transfer backend {backend!r} is not supported "
                                       f"(available: {', '.join(WEIGHT_TRANSFER_BACKENDS)})")
-        self._require_generative("init_weight_transfer_engine")
+        self.require_generative("init_weight_transfer_engine")
         self._weight_backend = backend
 
     def start_weight_update(self) -> None:
@@ -127,9 +101,9 @@ class ControlMixin:
         :meth:`finish_weight_update`."""
         if self._weight_backend is None:
             raise RuntimeError("call init_weight_transfer_engine() before start_weight_update()")
-        engine = self._require_generative("start_weight_update")
+        engine = self.require_generative("start_weight_update")
         engine.check_awake()
-        if engine.has_unfinished():
+        if engine.has_unfinished_requests():
             raise RuntimeError("start_weight_update: requests are still queued or running")
         self._updating_weights = True
 
@@ -165,29 +139,29 @@ class ControlMixin:
 
         A worker is the object holding the model (or one rank's share of it) on one device:
         the model runner, one per rank of ``tensor_parallel_size * pipeline_parallel_size``,
-        rank 0 (in this process) first. ``method`` is the name of one of its methods, or a
-        callable taking the worker first (sent to the other ranks with cloudpickle; results
-        come back the same way). ``timeout`` (seconds) raises ``TimeoutError`` if the call
-        has not returned by then.
+        rank 0 (in this process) first; a pooling model has one, its engine. ``method`` is
+        the name of one of its methods, or a callable taking the worker first (sent to the
+        other ranks with cloudpickle; results come back the same way). ``timeout`` (seconds)
+        raises ``TimeoutError`` if the call has not returned by then.
         """
-        parallel = getattr(self.engine.runner, "collective_rpc", None) if self.engine is not None else None
-        if parallel is not None:
-            return parallel(method, timeout, args, kwargs)
-        kwargs = kwargs or {}
-        results = []
-        for worker in self._workers():
-            fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, w=worker, **k: method(w, *a, **k))
-            results.append(call_with_timeout(fn, timeout, args, kwargs))
-        return results
+        if self.engine is not None:
+            return self.engine.runner.collective_rpc(method, timeout, args, kwargs)
+        return [call_with_timeout(rpc_target(self.pooling_engine, method), timeout, args, kwargs or {})]
 
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
         """``func(model)`` on the model of every worker; one result each."""
         return self.collective_rpc(lambda worker: func(worker.model))
 
-    def _workers(self) -> list:
-        return [self.engine.runner if self.engine is not None else self.pooling_engine]
+    # ---- checks -------------------------------------------------------------------------------
+    def require_generative(self, method: str) -> LLMEngine:
+        """The generation engine; ``ValueError`` naming ``method`` for a pooling model."""
+        if self.engine is None:
+            raise ValueError(f"{method}: {self.cfg.model_path.name} is loaded as a pooling model; "
+                             "use embed, classify, score or encode")
+        return self.engine
 
-    def _check_can_serve(self) -> None:
+    def check_can_serve(self) -> None:
+        """Raise ``RuntimeError`` during a weight update or while the engine is asleep."""
         if self._updating_weights:
             raise RuntimeError("a weight update is in progress; call finish_weight_update() first")
         self.engine.check_awake()

@@ -2,47 +2,83 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from dfllm.inputs import as_prompt_list, check_token_ids, check_unicode, per_prompt_params
-from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
-                           EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
-                           ScoringRequestOutput)
+from dfllm.config import EngineConfig
+from dfllm.engine.pooling_engine import PoolingEngine
+from dfllm.inputs import (
+    as_prompt_list,
+    check_token_ids,
+    check_unicode,
+    per_prompt_params,
+)
+from dfllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from dfllm.pooling_params import PoolingParams
 
 POOLING_TASKS = ("embed", "classify", "token_embed")
 
 
-class PoolingMixin:
-    """Pooling methods with vLLM's names; they need a model loaded with ``runner="pooling"``."""
+def check_pooling_task(pooling_task: str | None) -> str:
+    """``pooling_task`` of ``encode``, or ``ValueError`` if it is not one of :data:`POOLING_TASKS`."""
+    if pooling_task not in POOLING_TASKS:
+        raise ValueError(f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}")
+    return pooling_task
 
-    # ---- public API -------------------------------------------------------------------
+
+def not_pooling_error(task: str) -> ValueError:
+    """The error for a pooling method (``task``) called on a generative model."""
+    return ValueError(f"{task}: this is a generative model; load a pooling model "
+                      "(an embedding model, a classifier, or LLM(..., runner='pooling'))")
+
+
+class PoolingFrontend:
+    """Pooling requests (vLLM's ``encode``/``embed``/``classify``/``score``) on a pooling
+    engine: prompts are checked, tokenized and truncated here; ``next_id`` names the requests."""
+
+    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase, engine: PoolingEngine,
+                 next_id: Callable[[], str]):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self._next_id = next_id
+
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                pooling_task: str | None = None, use_tqdm: bool = True,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required)."""
-        if pooling_task not in POOLING_TASKS:
-            raise ValueError(f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}")
-        self._require_task(pooling_task)
+        self.require(check_pooling_task(pooling_task))
         ids, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
         data = self._pool(ids, params, pooling_task, use_tqdm)
         return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), p) for d, p in zip(data, ids)]
 
-    def embed(self, prompts, pooling_params=None, *, use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding (a list of floats) per prompt, in input order."""
         outs = self.encode(prompts, pooling_params, pooling_task="embed", use_tqdm=use_tqdm,
                            truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
                 for o in outs]
 
-    def classify(self, prompts, pooling_params=None, *, use_tqdm: bool = True,
+    def classify(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+                 use_tqdm: bool = True,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt; ``outputs.label`` names the most likely class (``id2label``)."""
         outs = self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm,
                            truncate_prompt_tokens=truncate_prompt_tokens)
-        id2label = getattr(self.config.hf_config, "id2label", None) or {}
+        id2label = self.cfg.model.id2label or {}
         return [
             ClassificationRequestOutput(o.request_id, ClassificationOutput(
                 o.outputs.data.tolist(), id2label.get(int(o.outputs.data.argmax()))), o.prompt_token_ids)
@@ -59,8 +95,8 @@ class PoolingMixin:
         """
         left, right = _pairs(data_1, data_2)
         params = pooling_params or PoolingParams()
-        self._require_task("score")
-        if self.pooling_engine.num_labels == 1:
+        self.require("score")
+        if self.engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm)
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is embedded once
         embs = self.embed(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
@@ -73,20 +109,18 @@ class PoolingMixin:
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
 
-    # ---- helpers ----------------------------------------------------------------------
-    def _require_task(self, task: str) -> None:
-        if self.pooling_engine is None:
-            raise ValueError(f"{task}: this is a generative model; load a pooling model "
-                             "(an embedding model, a classifier, or LLM(..., runner='pooling'))")
-        if task not in self.pooling_engine.supported_tasks:
-            labels = self.pooling_engine.num_labels
+    def require(self, task: str) -> None:
+        """Raise ``ValueError`` if the model does not serve ``task`` (e.g. "classify" on an embedder)."""
+        if task not in self.engine.supported_tasks:
+            labels = self.engine.num_labels
             kind = f"a classifier with {labels} labels" if labels else "an embedding model"
             raise ValueError(f"{task} is not supported by this model, {kind} (it supports "
-                             f"{', '.join(self.pooling_engine.supported_tasks)}); score needs an embedding "
+                             f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
                              "model or a cross-encoder (one label)")
 
+    # ---- helpers ----------------------------------------------------------------------
     def _limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
-        limit = min(self.config.max_model_len, self.pooling_engine.pooler.max_length or self.config.max_model_len)
+        limit = min(self.cfg.max_model_len, self.engine.pooler.max_length or self.cfg.max_model_len)
         for t in (truncate_prompt_tokens, params.truncate_prompt_tokens):
             if t is not None and t != -1:
                 PoolingParams(truncate_prompt_tokens=t)  # validates
@@ -101,7 +135,7 @@ class PoolingMixin:
         for i, (item, p) in enumerate(zip(items, params)):
             limit = self._limit(p, truncate_prompt_tokens)
             if isinstance(item, dict) and "prompt_token_ids" in item:
-                ids[i] = check_token_ids(item["prompt_token_ids"], i, self.config.hf_config.vocab_size)[:limit]
+                ids[i] = check_token_ids(item["prompt_token_ids"], f"prompt {i}", self.cfg.model.vocab_size)[:limit]
             else:
                 text = item.get("prompt") if isinstance(item, dict) else item
                 if not isinstance(text, str):
@@ -129,14 +163,9 @@ class PoolingMixin:
     def _pool(self, ids, params, task, use_tqdm, types=None):
         bar = tqdm(total=len(ids), desc=f"Pooling ({task})", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            return self.pooling_engine.encode(ids, params, task, types, on_batch=bar.update)
+            return self.engine.encode(ids, params, task, types, on_batch=bar.update)
         finally:
             bar.close()
-
-    def _next_id(self) -> str:
-        rid = str(self._request_counter)
-        self._request_counter += 1
-        return rid
 
 
 def _pairs(data_1, data_2) -> tuple[list[str], list[str]]:
