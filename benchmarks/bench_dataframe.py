@@ -212,13 +212,12 @@ def _worker_state() -> dict:
     """On a worker: pid, torch threads, and a freshly emptied prefix cache on every engine."""
     import torch as _torch
 
-    from dfllm.accessors import engines
+    from dfllm.accessors import engine_cache
 
-    for llm, lock in list(engines._engines.values()):
+    for llm in engine_cache.engines():  # idle: the workers run no task now
         if llm.engine is not None:
-            with lock:
-                llm.reset_prefix_cache()
-    return {"pid": os.getpid(), "torch_threads": _torch.get_num_threads(), "engines": engines.load_count()}
+            llm.reset_prefix_cache()
+    return {"pid": os.getpid(), "torch_threads": _torch.get_num_threads(), "engines": engine_cache.load_count()}
 
 
 def warm_up_workers(client, args) -> dict:

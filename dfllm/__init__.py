@@ -7,6 +7,7 @@ from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, Co
                            PoolingRequestOutput, RequestFailedError, RequestMetrics, RequestOutput,
                            ScoringOutput, ScoringRequestOutput)
 from dfllm.accessors.writer import WriteSummary, write_parquet
+from dfllm.accessors.engine_cache import release_engines
 from dfllm.pooling_params import PoolingParams
 from dfllm.jobs.processor import Processor, ProcessorConfig, build_processor
 from dfllm.sampling_params import SamplingParams
@@ -17,5 +18,6 @@ __all__ = [
     "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
     "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "write_parquet", "WriteSummary",
     "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams", "RequestFailedError",
+    "release_engines",
 ]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ import pytest
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
 from helpers import local_client
-from dfllm.accessors import engines
+from dfllm.accessors import driver, engine_cache
 
 SP = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 
@@ -154,8 +154,8 @@ def test_dask_generate_on_a_cluster(client, questions, kw, tmp_path):
     pd.testing.assert_frame_equal(computed[["generated_text", "llm_error"]].reset_index(drop=True),
                                   expected[["generated_text", "llm_error"]].reset_index(drop=True),
                                   check_dtype=False)
-    loads = client.run(engines.load_count)
-    steps = client.run(engines.partitions_per_step)
+    loads = client.run(engine_cache.load_count)
+    steps = client.run(driver.partitions_per_step)
     ran = [w for w in loads if steps[w]]  # the workers that generated rows
     # 4 partitions on 2 workers: one ran two or more, and still built one engine
     assert ran and all(loads[w] == 1 for w in ran) and all(loads[w] == 0 for w in loads if w not in ran)
@@ -186,6 +186,18 @@ def test_dask_embed_series(client):
     assert out.name == "t" and len(out.iloc[0]) == 384 and pd.isna(out.iloc[3])
 
 
+def test_release_engines_on_every_worker(client):
+    """``client.run(dfllm.release_engines)`` drops every worker's idle engines; the next
+    computation loads them again."""
+    s = dd.from_pandas(pd.Series(["alpha", "beta", "gamma", "delta"], name="t"), npartitions=2)
+    s.llm.embed().compute()
+    assert sum(client.run(dfllm.release_engines).values()) >= 1
+    assert set(client.run(lambda: len(engine_cache.engines())).values()) == {0}
+    loads = sum(client.run(engine_cache.load_count).values())
+    assert s.llm.embed().compute().notna().all()
+    assert sum(client.run(engine_cache.load_count).values()) > loads
+
+
 def test_concurrent_partitions_share_batches(kw):
     """Two threads' partitions through one shared engine share its steps (the driver is held
     until both have handed over their rows, so they start in the same step, and its record
@@ -194,11 +206,12 @@ def test_concurrent_partitions_share_batches(kw):
     import threading
     import time
 
-    from dfllm.accessors.engines import driver, get_engine, partitions_per_step
+    from dfllm.accessors.driver import driver, partitions_per_step
+    from dfllm.accessors.engine_cache import get_engine
 
     frames = [pd.DataFrame({"q": [f"question {i} {j}" for j in range(4)]}) for i in range(2)]
     serial = [f.llm.generate("q", sampling_params=SP, **kw) for f in frames]
-    llm, _ = get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
+    llm = get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
     steps_before = llm.get_metrics()
     recorded = len(partitions_per_step())
     results = [None, None]
@@ -208,7 +221,7 @@ def test_concurrent_partitions_share_batches(kw):
     def hold():  # runs on the driver thread: no step until both partitions are queued
         holding_now.set()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(getattr(driver().queues.get(id(llm)), "pending", ())) < 2:
+        while time.monotonic() < deadline and driver().waiting(llm.engine) < 2:
             time.sleep(0.005)
 
     holding = threading.Thread(target=lambda: driver().call(hold))
@@ -366,3 +379,163 @@ def test_nested_arrow_columns_read_back_from_dask_to_parquet(tmp_path):
         ref = texts.llm.embed("t")["embedding"]
         np.testing.assert_allclose(np.array(frame["embedding"].iloc[0]), np.array(ref.iloc[0]), atol=1e-6)
         assert frame["embedding"].isna().tolist() == [False, False, True]
+
+
+# ---- the task registry, the engines' lifecycle, write_parquet's origin -----------------------------------------
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A tiny random BERT sequence classifier (3 labels) with MiniLM's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    from dfllm.models.bundled import resolve_model
+
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=128, num_labels=3,
+                     id2label={i: f"label_{i}" for i in range(3)}, label2id={f"label_{i}": i for i in range(3)},
+                     architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "classifier"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(resolve_model("all-minilm-l6-v2") / name, path / name)
+    return path
+
+
+def test_registry_drives_the_output_columns(kw, classifier):
+    """Every kind of KINDS adds exactly its registered columns, with their dtypes and
+    ``llm_error`` last: on real rows, on an empty frame (no model runs) and in Dask's meta."""
+    from dfllm.accessors.kinds import KINDS
+
+    df = pd.DataFrame({"t": ["Paris is in France.", None], "u": ["The capital of France", "x"]})
+    options = {"generate": dict(sampling_params=SP, **kw), "chat": dict(sampling_params=SP, **kw),
+               "classify": {"model": str(classifier)}}
+    inputs = {"chat": ("{t}",), "score": ("t", "u")}
+    assert list(KINDS) == ["generate", "chat", "embed", "score", "classify"]
+    for name, spec in KINDS.items():
+        want = spec.output_dtypes(spec.output_column)
+        assert list(want)[0] == spec.output_column and list(want)[-1] == "llm_error"
+
+        def call(frame):
+            return getattr(frame.llm, name)(*inputs.get(name, ("t",)), **options.get(name, {}))
+
+        for frame in (df, df.iloc[:0]):
+            out = call(frame)
+            assert list(out.columns) == ["t", "u", *want], name
+            assert out.dtypes[list(want)].to_dict() == want, name
+        assert out[spec.output_column].isna().all()
+        real = call(df)
+        assert real[spec.output_column].notna().tolist() == [True, False] and "null" in real.llm_error[1], name
+        assert call(dd.from_pandas(df, npartitions=1))._meta.dtypes[list(want)].to_dict() == want, name
+
+
+def test_release_engines_drops_only_idle_engines():
+    """``dfllm.release_engines()`` shuts down and forgets every idle engine of the process
+    (a later call loads its engine again) and leaves an engine that a running task holds."""
+    from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
+
+    frame = pd.DataFrame({"t": ["alpha", "beta"]})
+    want = frame.llm.embed("t").embedding.tolist()
+    assert dfllm.release_engines() >= 1 and engine_cache.engines() == []
+    loads = engine_cache.load_count()
+    assert frame.llm.embed("t").embedding.tolist() == want
+    assert engine_cache.load_count() == loads + 1
+    with engine_cache.lease(DEFAULT_EMBED_MODEL, {}) as running:  # as a task holds it
+        assert dfllm.release_engines() == 0 and engine_cache.engines() == [running.llm]
+    assert dfllm.release_engines() == 1 and engine_cache.engines() == []
+
+
+def test_released_engine_leaves_the_metrics_registry_and_memory(kw):
+    """A generative engine's ``dfllm_`` metrics are served by the process's default registry
+    while the process holds it; once released they are not, and nothing keeps the engine."""
+    import gc
+    import weakref
+
+    import prometheus_client
+
+    def served() -> set[str]:
+        return {m.name for m in prometheus_client.REGISTRY.collect() if m.samples and m.name.startswith("dfllm_")}
+
+    dfllm.release_engines()
+    assert not served()
+    pd.DataFrame({"q": ["Hi there"]}).llm.generate("q", sampling_params=SP, **kw)
+    assert "dfllm_generation_tokens" in served()
+    engine = weakref.ref(engine_cache.engines()[0].engine)
+    assert dfllm.release_engines() == 1 and not served()
+    gc.collect()
+    assert engine() is None
+
+
+def test_engine_bound_drops_the_least_recently_used_idle_engine(monkeypatch, caplog):
+    """At most ``DFLLM_MAX_ENGINES`` engine configurations per process: a new one first drops
+    the least recently used idle engine; one in use is never dropped (the bound is then
+    exceeded, with a warning)."""
+    from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
+
+    frame = pd.DataFrame({"t": ["alpha", "beta"]})
+
+    def held() -> list[int]:  # least recently used first
+        return [llm.config.max_model_len for llm in engine_cache.engines()]
+
+    monkeypatch.setenv("DFLLM_MAX_ENGINES", "2")
+    dfllm.release_engines()
+    loads = engine_cache.load_count()
+    for n in (64, 128, 64):
+        frame.llm.embed("t", max_model_len=n)
+    assert held() == [128, 64] and engine_cache.load_count() == loads + 2
+    frame.llm.embed("t", max_model_len=96)  # a third configuration: 128 was used least recently
+    assert held() == [64, 96] and engine_cache.load_count() == loads + 3
+
+    monkeypatch.setenv("DFLLM_MAX_ENGINES", "1")
+    with engine_cache.lease(DEFAULT_EMBED_MODEL, {"max_model_len": 96}), caplog.at_level("WARNING", logger="dfllm"):
+        frame.llm.embed("t", max_model_len=32)  # 64 is idle and goes; 96 is in use and stays
+        assert held() == [96, 32] and "DFLLM_MAX_ENGINES=1" in caplog.text
+    frame.llm.embed("t", max_model_len=64)
+    assert held() == [64] and engine_cache.load_count() == loads + 5
+
+    monkeypatch.setenv("DFLLM_MAX_ENGINES", "0")
+    with pytest.raises(ValueError, match="DFLLM_MAX_ENGINES must be a positive integer, got '0'"):
+        frame.llm.embed("t", max_model_len=48)
+    dfllm.release_engines()
+
+
+def test_prometheus_unexpose():
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+    from dfllm.accessors.prometheus import expose, unexpose
+
+    registry = CollectorRegistry()
+    Counter("dfllm_test_unexposed", "a test counter", registry=registry).inc()
+    expose(registry)
+    assert "dfllm_test_unexposed" in {m.name for m in REGISTRY.collect()}
+    unexpose(registry)
+    assert "dfllm_test_unexposed" not in {m.name for m in REGISTRY.collect()}
+
+
+def test_write_parquet_finds_the_source_and_task_in_the_result(tmp_path):
+    """``write_parquet`` reads the source frame and the task from the result's own expression:
+    no module global keeps the source frame alive, and a frame derived from the result (or
+    not from ``.llm`` at all) is refused."""
+    import gc
+    import weakref
+
+    df = pd.DataFrame({"id": range(4), "t": ["alpha", "beta", None, "delta"]})
+    ddf = dd.from_pandas(df, npartitions=2)
+    result = ddf.llm.embed("t")
+    source = weakref.ref(ddf)
+    del ddf
+    gc.collect()
+    assert source() is None
+    summary = dfllm.write_parquet(result, str(tmp_path / "out"), progress=False)
+    assert (summary.partitions, summary.written, summary.rows, summary.errors) == (2, 2, 4, 1)
+    back = pd.read_parquet(tmp_path / "out").sort_values("id")
+    assert back["id"].tolist() == [0, 1, 2, 3] and back["embedding"].isna().tolist() == [False, False, True, False]
+    again = dfllm.write_parquet(result, str(tmp_path / "out"), resume=True, progress=False)
+    assert (again.written, again.skipped) == (0, 2)
+    series = dd.from_pandas(df, npartitions=2)["t"].llm.embed()
+    for derived in (result[["id", "embedding"]], result.assign(x=1), result["embedding"], series, df):
+        with pytest.raises(ValueError, match="direct result of a Dask .llm call"):
+            dfllm.write_parquet(derived, str(tmp_path / "other"))
+    assert not (tmp_path / "other").exists()

@@ -431,10 +431,9 @@ def llm(tiny_llama):
     (["ok", "fine"], [SamplingParams(), SamplingParams(logprobs=10**6)], "prompt 1: logprobs=1000000 exceeds"),
 ])
 def test_llm_generate_refuses_before_work(llm, prompts, params, match):
-    counter = llm._request_counter
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.engine.has_unfinished() and llm._request_counter == counter
+    assert llm.engine.get_num_unfinished_requests() == 0  # no request was queued
     assert llm.generate("ok", SamplingParams(**SP), use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
@@ -447,7 +446,7 @@ def test_llm_generate_refuses_before_work(llm, prompts, params, match):
 def test_llm_chat_refuses_before_work(llm, messages, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, SamplingParams(**SP), use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
@@ -491,14 +490,14 @@ def test_failed_step_is_reported_and_engine_recovers(kw, alone):
     """A step that raises (here a forward hook, installed through the public ``apply_model``)
     fails the calls whose rows were in it, clearly and without hanging, and leaves the
     engine serving the next call normally, in the LLM and in the dataframe path."""
-    from dfllm.accessors.engines import get_engine
+    from dfllm.accessors.engine_cache import get_engine
 
-    shared, _ = get_engine(kw["model"], ENGINE)
+    shared = get_engine(kw["model"], ENGINE)
     hooks = shared.apply_model(lambda m: m.register_forward_hook(_raise))
     try:
         with pytest.raises(InjectedFault):
             shared.generate(GOOD, SamplingParams(**SP), use_tqdm=False)
-        assert not shared.engine.has_unfinished()
+        assert not shared.engine.has_unfinished_requests()
         results: list = []
 
         def run():
@@ -540,7 +539,7 @@ def test_failed_step_keeps_queued_requests(llm, alone):
             h.remove()
     outs = llm.wait_for_completion(use_tqdm=False)
     assert [o.request_id for o in outs] == queued and outs[0].outputs[0].text == alone("generate", GOOD[0])
-    assert not llm._done and not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
 
     first, second = llm.enqueue(GOOD[0], SamplingParams(**SP)), llm.enqueue(GOOD[1], SamplingParams(**SP))
     hooks = llm.apply_model(lambda m: m.register_forward_hook(_raise))
@@ -554,7 +553,7 @@ def test_failed_step_keeps_queued_requests(llm, alone):
     assert [o.request_id for o in info.value.outputs] == first + second and info.value.failed == [0, 1]
     assert all(o.outputs[0].finish_reason == "error" and "injected fault" in o.outputs[0].error
                for o in info.value.outputs)
-    assert not llm._done and not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
     llm.enqueue(GOOD, SamplingParams(**SP))
     assert [o.outputs[0].text for o in llm.wait_for_completion(use_tqdm=False)] == [alone("generate", p) for p in GOOD]
 

@@ -167,7 +167,7 @@ def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp
     (here CPU workers standing in for GPU ones), and only those load the model."""
     from helpers import CLICluster
 
-    from dfllm.accessors import engines
+    from dfllm.accessors import engine_cache
 
     path, _ = questions
     cluster = CLICluster(workers=2, threads=2, resources=["GPU=1", None])
@@ -176,7 +176,7 @@ def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp
                  "--max-tokens", "3", "--max-model-len", "64", "--npartitions", "4", "--gpu",
                  "--scheduler", cluster.address))
         info = cluster.client().scheduler_info(n_workers=-1)["workers"]
-        loads = cluster.client().run(engines.load_count)
+        loads = cluster.client().run(engine_cache.load_count)
         assert {a: loads[a] for a, w in info.items() if w["resources"].get("GPU")} == \
             {a: 1 for a, w in info.items() if w["resources"].get("GPU")}
         assert all(loads[a] == 0 for a, w in info.items() if not w["resources"].get("GPU"))
@@ -230,9 +230,9 @@ def test_gpu_worker_hosts_a_tensor_parallel_engine(tiny_llama, questions, tmp_pa
                           "--tensor-parallel-size", "2", "--scheduler", cluster.address))
         assert "rows:        10 (1 with llm_error)" in stdout
         def engine_ranks() -> list[int]:  # on the worker: how many ranks answer, per engine
-            from dfllm.accessors import engines
+            from dfllm.accessors import engine_cache
 
-            return [len(llm.apply_model(lambda model: 0)) for llm, _ in engines._engines.values()]
+            return [len(llm.apply_model(lambda model: 0)) for llm in engine_cache.engines()]
 
         ranks = cluster.client().run(engine_ranks)
         assert list(ranks.values()) == [[2]]  # one engine, answering from two ranks

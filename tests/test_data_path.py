@@ -16,7 +16,7 @@ import pytest
 import dfllm  # noqa: F401  (registers the accessors)
 from helpers import CLICluster
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import engines
+from dfllm.accessors import engine_cache
 
 SP = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
 
@@ -149,7 +149,7 @@ def test_resources_on_the_accessor_keep_dask_writes_on_gpu_workers(mixed_cluster
         result = ddf.llm.generate("q", sampling_params=SP, resources={"GPU": 0.5}, **kw)
         result.to_parquet(tmp_path / "out")
         computed = result.compute()
-    loads = client.run(engines.load_count)
+    loads = client.run(engine_cache.load_count)
     gpu = gpu_worker(client)
     assert loads[gpu] == 1 and all(n == 0 for a, n in loads.items() if a != gpu), loads
     back = pd.read_parquet(tmp_path / "out").sort_values("id")

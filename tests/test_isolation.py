@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import engines
+from dfllm.accessors import driver, engine_cache
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.outputs import RequestFailedError
 
@@ -82,7 +82,7 @@ def test_nan_logits_fail_only_their_prompt(nan_model, tok):
     assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
     assert [outs[i].outputs[0].token_ids for i in (0, 2, 3)] == want
     assert all(outs[i].outputs[0].finish_reason == "length" and outs[i].outputs[0].error is None for i in (0, 2, 3))
-    assert not llm.engine.has_unfinished() and not llm._done
+    assert not llm.engine.has_unfinished_requests()
     with pytest.raises(RequestFailedError, match=r"conversation 0: the model produced non-finite logits"):
         llm.chat([[{"role": "user", "content": f"A{NAN_WORD}?"}]], SamplingParams(**SP), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in llm.generate(good, SamplingParams(**SP), use_tqdm=False)] == want
@@ -98,19 +98,24 @@ def test_nan_in_the_kv_cache_reaches_no_other_sequence(nan_model):
     poison = [NAN_TOKEN, 5, 6, 7, 8]
     want = alone(nan_model, [{"prompt_token_ids": p} for p in (a, b, c)], sp)
     llm = LLM(nan_model, **ENGINE)
-    engine, bm = llm.engine, llm.engine.block_manager
-    engine.add_request("w", None, [300, 301], SamplingParams(temperature=0.0, max_tokens=1))
-    engine.add_request("a", None, a, sp)
-    engine.add_request("b", None, b, sp)
+    engine = llm.engine
+    bm = engine.scheduler.bm  # white box: which free block is handed out next
+
+    def add(rid, ids, params=sp):
+        engine.add_request(rid, engine.input_processor.process({"prompt_token_ids": ids}, params))
+
+    add("w", [300, 301], SamplingParams(temperature=0.0, max_tokens=1))
+    add("a", a)
+    add("b", b)
     done = {r.request_id: r for r in engine.step()}
     assert set(done) == {"w"} and next(iter(bm.free)) == 0  # w's block 0 is free again, next in line
-    engine.add_request("p", None, poison, sp)
+    add("p", poison)
     done.update((r.request_id, r) for r in engine.step())  # p prefills in block 0 beside a's and b's decodes
     assert "p" in done and next(iter(bm.free)) == 0  # p failed; its block, NaN in slots 0-4, is next
-    engine.add_request("c", None, c, sp)  # c takes it: slots 2-4 are masked but stale
-    while engine.has_unfinished():
+    add("c", c)  # c takes it: slots 2-4 are masked but stale
+    while engine.has_unfinished_requests():
         done.update((r.request_id, r) for r in engine.step())
-    outs = {k: engine.make_output(r).outputs[0] for k, r in done.items()}
+    outs = {k: r.outputs[0] for k, r in done.items()}
     assert outs["p"].finish_reason == "error" and "non-finite logits (NaN) at output token 0" in outs["p"].error
     assert [outs[k].token_ids for k in "abc"] == want
     assert all(outs[k].finish_reason == "length" for k in "abc")
@@ -152,7 +157,7 @@ class FaultyDetokenizer(Detokenizer):
 def faulty(tiny_llama):
     """An LLM whose detokenizer fails on the requests holding the marker."""
     llm = LLM(tiny_llama, **ENGINE)
-    llm.engine.detokenizer = FaultyDetokenizer(llm.tokenizer)
+    llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
     return llm
 
 
@@ -173,16 +178,16 @@ def test_failed_step_fails_only_the_call_that_causes_it(faulty, tiny_llama, tok)
     outs = info.value.outputs
     assert [o.request_id for o in outs] == good_queued + bad_queued and info.value.failed == [2]
     assert [o.outputs[0].token_ids for o in outs[:2]] == want[:2]
-    assert not faulty.engine.has_unfinished() and not faulty._done
+    assert not faulty.engine.has_unfinished_requests()
 
     faulty.enqueue(GOOD[:2], params[0])
     with pytest.raises(MarkerFault):  # generate's own prompt fails on its own: its error, as raised
         faulty.generate([GOOD[0], f"What is a{MARKER_WORD}?"], params[1], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in faulty.wait_for_completion(use_tqdm=False)] == want[:2]
-    assert not faulty.engine.has_unfinished() and not faulty._done
+    assert not faulty.engine.has_unfinished_requests()
 
 
-def _hold_driver_until(pending: int, queue_of) -> threading.Event:
+def _hold_driver_until(pending: int, engine) -> threading.Event:
     """Keep the accessors' driver thread busy until ``pending`` tasks have handed it rows,
     so that they all start in the same step; returns the event that releases it early."""
     release = threading.Event()
@@ -192,20 +197,19 @@ def _hold_driver_until(pending: int, queue_of) -> threading.Event:
         busy.set()
         deadline = time.monotonic() + 60
         while not release.is_set() and time.monotonic() < deadline:
-            queue = queue_of()
-            if queue is not None and len(queue.pending) >= pending:
+            if driver.driver().waiting(engine) >= pending:
                 return
             time.sleep(0.005)
 
-    threading.Thread(target=lambda: engines.driver().call(hold), daemon=True).start()
+    threading.Thread(target=lambda: driver.driver().call(hold), daemon=True).start()
     assert busy.wait(30), "the driver thread did not pick up the hold"
     return release
 
 
 def _run_frames(frames: list[pd.DataFrame], kw: dict) -> list:
     """Each frame's ``.llm.generate`` in its own thread, all starting in the same engine step."""
-    llm, _ = engines.get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
-    release = _hold_driver_until(len(frames), lambda: engines.driver().queues.get(id(llm)))
+    llm = engine_cache.get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
+    release = _hold_driver_until(len(frames), llm.engine)
     results: list = [None] * len(frames)
 
     def work(i):
@@ -229,23 +233,23 @@ def test_failed_step_fails_only_its_partition(tiny_llama, tok):
     row of the second. Only that partition fails (with the error); the others get the
     outputs they have alone, and the engine serves on."""
     kw = dict(model=str(tiny_llama), seed=11, **ENGINE)  # an engine of its own in this process
-    llm, _ = engines.get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
+    llm = engine_cache.get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
     frames = [pd.DataFrame({"q": GOOD}), pd.DataFrame({"q": [GOOD[0], f"What is a{MARKER_WORD}?"]}),
               pd.DataFrame({"q": GOOD[::-1]})]
     want = alone(tiny_llama, [{"prompt_token_ids": ids(tok, t)} for t in GOOD], SamplingParams(**SP))
-    steps = len(engines.partitions_per_step())
-    llm.engine.detokenizer = FaultyDetokenizer(llm.tokenizer)
+    steps = len(driver.partitions_per_step())
+    llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
     try:
         results = _run_frames(frames, kw)
     finally:
-        llm.engine.detokenizer = Detokenizer(llm.tokenizer)
+        llm.engine.output_processor.detokenizer = Detokenizer(llm.tokenizer)
     assert isinstance(results[1], RuntimeError) and "the engine failed while generating these rows" in str(
         results[1]) and "MarkerFault" in str(results[1])
     assert results[0].generated_text.tolist() == [tok.decode(w) for w in want]
     assert results[2].generated_text.tolist() == [tok.decode(w) for w in want[::-1]]
     assert results[0].llm_error.isna().all() and results[2].llm_error.isna().all()
-    assert max(engines.partitions_per_step()[steps:]) == 3  # the three did share the failed step
-    assert not llm.engine.has_unfinished() and not llm._done
+    assert max(driver.partitions_per_step()[steps:]) == 3  # the three did share the failed step
+    assert not llm.engine.has_unfinished_requests()
     again = pd.DataFrame({"q": GOOD}).llm.generate("q", sampling_params=SP, **kw)
     assert again.generated_text.tolist() == results[0].generated_text.tolist()
 
@@ -265,8 +269,8 @@ def test_partitions_share_steps_and_one_model_load_on_a_cluster(tiny_llama):
     with LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         got = dd.from_pandas(df, npartitions=6).llm.generate("q", sampling_params=SP, **kw).compute()
-        (shared,) = client.run(engines.partitions_per_step).values()
-        (loads,) = client.run(engines.load_count).values()
+        (shared,) = client.run(driver.partitions_per_step).values()
+        (loads,) = client.run(engine_cache.load_count).values()
     assert got.generated_text.tolist() == serial.generated_text.tolist() and got.llm_error.isna().all()
     assert max(shared) >= 2, f"no step served two partitions: {shared}"
     assert loads == 1

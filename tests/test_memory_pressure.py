@@ -66,8 +66,8 @@ def test_tiny_kv_cache_completes_every_request_exactly(tiny_llama, roomy, prefix
     assert preempted > 0, "the cache was large enough: nothing was preempted, so nothing was tested"
     assert metric(tight, "dfllm_num_preemptions") == preempted
     assert sum(o.metrics.num_preemptions for o in got) == preempted
-    assert not tight.engine.has_unfinished()
-    assert tight.engine.block_manager.num_free_blocks == tight.engine.num_blocks  # nothing leaked
+    assert not tight.engine.has_unfinished_requests()
+    assert tight.engine.stats().num_free_blocks == tight.engine.num_blocks  # nothing leaked
 
 
 def test_one_sequence_at_a_time_still_serves_a_queue(tiny_llama, roomy):
@@ -85,14 +85,14 @@ def test_one_sequence_at_a_time_still_serves_a_queue(tiny_llama, roomy):
 
 def test_dataframe_rows_complete_under_memory_pressure(tiny_llama, roomy):
     """The same pressure through ``df.llm.generate`` (the shared engine and its driver thread)."""
-    from dfllm.accessors.engines import get_engine
+    from dfllm.accessors.engine_cache import get_engine
 
     texts = [f"Row {i}: tell me something about the number {i * 7}." for i in range(10)]
     sp = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
     engine_kwargs = dict(block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=SMALL)
     df = pd.DataFrame({"q": texts}, index=range(100, 110))
     out = df.llm.generate("q", model=str(tiny_llama), sampling_params=sp, **engine_kwargs)
-    llm, _ = get_engine(str(tiny_llama), engine_kwargs)
+    llm = get_engine(str(tiny_llama), engine_kwargs)
     assert llm.engine.num_blocks == MAX_LEN // BLOCK + 4 and llm.engine.scheduler.num_preemptions > 0
     expected = roomy.generate(texts, SamplingParams(**sp), use_tqdm=False)
     assert list(out.index) == list(df.index) and out.llm_error.isna().all()

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 import dfllm
-from dfllm.accessors import engines
+from dfllm.accessors import engine_cache
 
 SP = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
 ENGINE = {"max_model_len": 64, "kv_cache_memory_bytes": 2**22}
@@ -52,11 +52,11 @@ def test_schema_from_real_rows_dask_equals_pandas(client, config, haikus):
     """A postprocess that cannot run on Dask's stand-in row ("foo" has no "#") still gives
     every real column, typed, on Dask as on pandas."""
     processor = dfllm.build_processor(config, preprocess=prompt, postprocess=split_hash)
-    loaded_here = engines.load_count()
+    loaded_here = engine_cache.load_count()
     lazy = processor(dd.from_pandas(haikus, npartitions=3))
     assert list(lazy.columns) == ["id", "n", "text", "item", "llm_error"]
     # the first rows ran at the call, on the cluster's worker, not in this process
-    assert engines.load_count() == loaded_here and list(client.run(engines.load_count).values()) == [1]
+    assert engine_cache.load_count() == loaded_here and list(client.run(engine_cache.load_count).values()) == [1]
     got = lazy.compute()
     assert got["n"].tolist() == list(range(8)) and got["llm_error"].isna().all() and got["text"].notna().all()
     expected = processor(haikus)

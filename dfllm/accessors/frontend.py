@@ -2,15 +2,17 @@
 
 Each method checks its arguments against the frame's columns (raising ``ValueError`` at
 call time) and hands an :class:`~dfllm.accessors.task.LLMTask` to the library's
-``_apply``. Defaults: ``generate``/``chat`` use the bundled chat model,
-``embed``/``score`` the bundled all-MiniLM-L6-v2; ``classify`` needs a ``model``.
+``_apply``. Defaults (from :data:`~dfllm.accessors.kinds.KINDS`): ``generate``/``chat``
+use the bundled chat model, ``embed``/``score`` the bundled all-MiniLM-L6-v2; ``classify``
+needs a ``model``.
 """
 
 from __future__ import annotations
 
+from dfllm.accessors.kinds import KINDS
 from dfllm.accessors.task import LLMTask, make_task
 
-DEFAULT_EMBED_MODEL = "all-minilm-l6-v2"
+_COLUMN = {name: kind.output_column for name, kind in KINDS.items()}  # each method's main output column
 
 
 class LLMFrameMethods:
@@ -33,11 +35,17 @@ class LLMFrameMethods:
                              f"{type(self._obj).__module__.split('.')[0]} frame runs in this process")
         return None
 
-    def _call(self, kind: str, inputs: tuple, resources: dict | None, **kwargs):
+    def _call(self, kind: str, inputs: tuple, resources: dict | None, *, model=None, **kwargs):
+        spec = KINDS[kind]
+        if model is None and spec.model_required:
+            raise ValueError(f"{kind} needs {spec.model_required}: pass model=...")
+        if not model and spec.default_model:
+            model = spec.default_model
         check = self._model_check(resources)
-        return self._apply(make_task(kind, inputs, self._columns(), model_check=check, **kwargs), resources)
+        return self._apply(make_task(kind, inputs, self._columns(), model=model, model_check=check, **kwargs),
+                           resources)
 
-    def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = "generated_text",
+    def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = _COLUMN["generate"],
                  on_error: str = "null", json_schema=None, choice=None, resources: dict | None = None,
                  **engine_kwargs):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
@@ -60,7 +68,7 @@ class LLMFrameMethods:
                           json_schema=json_schema, choice=choice)
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
-             output_column: str = "generated_text", on_error: str = "null", json_schema=None, choice=None,
+             output_column: str = _COLUMN["chat"], on_error: str = "null", json_schema=None, choice=None,
              chat_template: str | None = None, resources: dict | None = None, **engine_kwargs):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
         ``json_schema``, ``choice`` and ``resources`` as in ``generate``; ``chat_template``
@@ -70,23 +78,21 @@ class LLMFrameMethods:
                           engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
                           chat_template=chat_template)
 
-    def embed(self, text: str, *, model=None, output_column: str = "embedding", on_error: str = "null",
+    def embed(self, text: str, *, model=None, output_column: str = _COLUMN["embed"], on_error: str = "null",
               resources: dict | None = None, **engine_kwargs):
         """Embed ``text`` (a column or template): a ``list<float32>`` column."""
-        return self._call("embed", (text,), resources, output_column=output_column,
-                          model=model or DEFAULT_EMBED_MODEL, on_error=on_error, engine_kwargs=engine_kwargs)
+        return self._call("embed", (text,), resources, output_column=output_column, model=model,
+                          on_error=on_error, engine_kwargs=engine_kwargs)
 
-    def score(self, left: str, right: str, *, model=None, output_column: str = "score", on_error: str = "null",
+    def score(self, left: str, right: str, *, model=None, output_column: str = _COLUMN["score"], on_error: str = "null",
               resources: dict | None = None, **engine_kwargs):
         """Score each row's ``left`` text against its ``right`` text: one float per row."""
-        return self._call("score", (left, right), resources, output_column=output_column,
-                          model=model or DEFAULT_EMBED_MODEL, on_error=on_error, engine_kwargs=engine_kwargs)
+        return self._call("score", (left, right), resources, output_column=output_column, model=model,
+                          on_error=on_error, engine_kwargs=engine_kwargs)
 
-    def classify(self, text: str, *, model=None, output_column: str = "label", on_error: str = "null",
+    def classify(self, text: str, *, model=None, output_column: str = _COLUMN["classify"], on_error: str = "null",
                  resources: dict | None = None, **engine_kwargs):
         """Classify ``text``: the top label's name and a ``probs`` column."""
-        if model is None:
-            raise ValueError("classify needs a classifier model: pass model=...")
         return self._call("classify", (text,), resources, output_column=output_column, model=model,
                           on_error=on_error, engine_kwargs=engine_kwargs)
 
@@ -108,27 +114,28 @@ class LLMSeriesMethods:
     def _main(self, frame, column: str):
         raise NotImplementedError
 
+    def _run(self, kind: str, kwargs: dict, other=None):
+        frame = self.frame_methods(self._frame(other))
+        inputs = (SERIES_INPUT, SERIES_INPUT + "2")[:KINDS[kind].inputs]
+        return self._main(getattr(frame, kind)(*inputs, **kwargs),
+                          kwargs.get("output_column", _COLUMN[kind]))
+
     def generate(self, **kwargs):
         """Completions of the series' prompts (a series of text)."""
-        return self._main(self.frame_methods(self._frame()).generate(SERIES_INPUT, **kwargs),
-                          kwargs.get("output_column", "generated_text"))
+        return self._run("generate", kwargs)
 
     def chat(self, **kwargs):
         """Replies to the series' conversations (or to its texts as single user turns)."""
-        return self._main(self.frame_methods(self._frame()).chat(SERIES_INPUT, **kwargs),
-                          kwargs.get("output_column", "generated_text"))
+        return self._run("chat", kwargs)
 
     def embed(self, **kwargs):
         """Embeddings of the series' texts."""
-        return self._main(self.frame_methods(self._frame()).embed(SERIES_INPUT, **kwargs),
-                          kwargs.get("output_column", "embedding"))
+        return self._run("embed", kwargs)
 
     def classify(self, **kwargs):
         """Top labels of the series' texts."""
-        return self._main(self.frame_methods(self._frame()).classify(SERIES_INPUT, **kwargs),
-                          kwargs.get("output_column", "label"))
+        return self._run("classify", kwargs)
 
     def score(self, other, **kwargs):
         """Scores of the series' texts against ``other`` (a series aligned with it)."""
-        return self._main(self.frame_methods(self._frame(other)).score(SERIES_INPUT, SERIES_INPUT + "2", **kwargs),
-                          kwargs.get("output_column", "score"))
+        return self._run("score", kwargs, other)

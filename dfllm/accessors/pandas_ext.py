@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
-from dfllm.accessors.task import LLMTask, run_task
+from dfllm.accessors.runners import run_task
+from dfllm.accessors.task import LLMTask
 
 
 @pd.api.extensions.register_dataframe_accessor("llm")

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from dfllm.accessors.task import LLMTask, check_model, run_task
+from dfllm.accessors.runners import run_task
+from dfllm.accessors.task import LLMTask, check_model
 
 MODEL_CHECK_TIMEOUT_S = 120.0
 

@@ -12,7 +12,9 @@ import polars as pl
 import pyarrow as pa
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
-from dfllm.accessors.task import LLMTask, make_task, run_task
+from dfllm.accessors.kinds import KINDS
+from dfllm.accessors.runners import run_task
+from dfllm.accessors.task import LLMTask, make_task
 
 POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "list<item: float>": pl.List(pl.Float32)}
 
@@ -69,16 +71,16 @@ class PolarsExprLLMNamespace:
         probe = _probe_task(kind, output_column, kwargs.get("json_schema"), kwargs.get("choice"))
         return self._expr.map_batches(apply, return_dtype=_polars_schema(probe)[output_column])
 
-    def generate(self, *, output_column: str = "generated_text", **kwargs) -> pl.Expr:
+    def generate(self, *, output_column: str = KINDS["generate"].output_column, **kwargs) -> pl.Expr:
         return self._map("generate", output_column, **kwargs)
 
-    def chat(self, *, output_column: str = "generated_text", **kwargs) -> pl.Expr:
+    def chat(self, *, output_column: str = KINDS["chat"].output_column, **kwargs) -> pl.Expr:
         return self._map("chat", output_column, **kwargs)
 
-    def embed(self, *, output_column: str = "embedding", **kwargs) -> pl.Expr:
+    def embed(self, *, output_column: str = KINDS["embed"].output_column, **kwargs) -> pl.Expr:
         return self._map("embed", output_column, **kwargs)
 
-    def classify(self, *, output_column: str = "label", **kwargs) -> pl.Expr:
+    def classify(self, *, output_column: str = KINDS["classify"].output_column, **kwargs) -> pl.Expr:
         return self._map("classify", output_column, **kwargs)
 
 

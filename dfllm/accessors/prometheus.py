@@ -2,7 +2,8 @@
 
 A Dask worker serves that registry on its ``/metrics`` endpoint, so every worker's engine
 metrics appear there beside Dask's own. Engines keep their own registries; one collector
-per process merges their metric families.
+per process merges their metric families; an engine's leave when it is shut down
+(:func:`unexpose`).
 """
 
 from __future__ import annotations
@@ -35,3 +36,12 @@ def expose(registry) -> None:
         if not _registered:
             prometheus_client.REGISTRY.register(_EngineMetricsCollector())
             _registered = True
+
+
+def unexpose(registry) -> None:
+    """Stop serving an engine's registry (its engine was shut down); unknown ones are ignored."""
+    with _lock:
+        for i, known in enumerate(_registries):
+            if known is registry:
+                del _registries[i]
+                return

@@ -1,7 +1,9 @@
-"""Output columns of each accessor task and their Arrow-backed pandas dtypes.
+"""The accessors' output column names and Arrow-backed pandas dtypes, and structured-output types.
 
-With structured outputs the main column is typed from the constraint: a JSON schema gives an
-Arrow struct (see :func:`arrow_type`), a choice a pandas categorical of exactly those values.
+Which columns each task adds is in :mod:`dfllm.accessors.kinds`. With structured outputs
+the main column is typed from the constraint: a JSON schema gives an Arrow struct (see
+:func:`arrow_type`), a choice a pandas categorical of exactly those values;
+:func:`structured_value` turns a constrained completion into that column's value.
 """
 
 from __future__ import annotations
@@ -16,26 +18,12 @@ INT = pd.ArrowDtype(pa.int64())
 FLOAT = pd.ArrowDtype(pa.float64())
 VECTOR = pd.ArrowDtype(pa.list_(pa.float32()))
 
-
-def output_dtypes(kind: str, output_column: str, structured: tuple = ()) -> dict[str, pd.api.extensions.ExtensionDtype]:
-    """Columns a task adds, in order, with their dtypes (``llm_error`` always last).
-
-    ``structured`` is ``("json", schema_text)`` or ``("choice", (values...))`` for a
-    constrained generation, else empty.
-    """
-    if kind in ("generate", "chat"):
-        cols = {output_column: structured_dtype(structured) if structured else STRING, "num_input_tokens": INT, "num_generated_tokens": INT, "finish_reason": STRING}
-    elif kind == "embed":
-        cols = {output_column: VECTOR}
-    elif kind == "score":
-        cols = {output_column: FLOAT}
-    elif kind == "classify":
-        cols = {output_column: STRING, "probs": VECTOR}
-    else:
-        raise ValueError(f"unknown task {kind!r}")
-    return {**cols, "llm_error": STRING}
-
-
+# columns beside a task's main output (whose default name is its TaskKind's output_column)
+LLM_ERROR = "llm_error"  # every task's last column: why the row has no output (null if it has one)
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_GENERATED_TOKENS = "num_generated_tokens"
+FINISH_REASON = "finish_reason"
+PROBS = "probs"
 
 
 # ---- structured outputs: column types from the constraint ------------------------------------------------
@@ -122,3 +110,31 @@ def to_arrow_value(value, type_: pa.DataType):
     if pa.types.is_integer(type_):
         return int(value)
     return value
+
+
+# ---- structured outputs: a completion's typed value --------------------------------------------------------
+def structured_value(structured: tuple, completion, dtype):
+    """The typed value of a constrained completion (a ``CompletionOutput``) for the main
+    column of ``dtype``; ``ValueError`` when it did not complete or does not fit.
+    ``structured`` is the task's ``("json", schema_text)`` or ``("choice", values)``."""
+    kind = structured[0]
+    what = "JSON" if kind == "json" else "choice"
+    if not completion.structured_output_complete:
+        raise ValueError(f"structured output incomplete: generation stopped (finish_reason="
+                         f"{completion.finish_reason!r}, {len(completion.token_ids)} tokens) before the {what} "
+                         f"was complete; raise max_tokens (partial output: {completion.text[:200]!r})")
+    if kind == "choice":
+        if completion.text not in structured[1]:
+            raise ValueError(f"structured output {completion.text!r} is not one of the choices")
+        return completion.text
+    try:
+        value = json.loads(completion.text)
+    except ValueError as exc:
+        raise ValueError(f"structured output is not valid JSON ({exc}): {completion.text[:200]!r}") from None
+    typed = to_arrow_value(value, dtype.pyarrow_dtype)
+    try:  # e.g. an integer past int64: this row's error, not the partition's
+        pa.array([typed], type=dtype.pyarrow_dtype)
+    except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+        raise ValueError(f"structured output does not fit the column type {dtype.pyarrow_dtype} "
+                         f"({type(exc).__name__}: {exc}): {completion.text[:200]!r}") from None
+    return typed

@@ -58,14 +58,15 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dfllm.accessors.task import LLMTask, run_task
+from dfllm.accessors.dask_ext import llm_origin
+from dfllm.accessors.runners import run_task
+from dfllm.accessors.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.accessors.task import LLMTask
 
 KEYS = "_dfllm_keys"
 FOOTER_KEY = b"dfllm"  # the part's record in its parquet footer's key-value metadata
 SET_ASIDE = f"{KEYS}/set-aside"  # earlier parts replaced during a resumed write, by key, until it ends
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # what partition_key gives
-# result name -> (input dataframe, task), registered by the Dask accessor
-ORIGINS: dict[str, tuple] = {}
 
 
 @dataclass
@@ -98,10 +99,11 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     engine at once (see :func:`dfllm.jobs.cluster.task_resources`).
     """
     start = time.perf_counter()
-    if result._name not in ORIGINS:
+    origin = llm_origin(result)
+    if origin is None:
         raise ValueError("write_parquet takes the direct result of a Dask .llm call (ddf.llm.generate(...) etc.); "
                          "for other frames use their own to_parquet")
-    source, task, placed = ORIGINS[result._name]
+    source, task, placed = origin
     resources = resources or placed  # the accessor's resources= unless overridden here
     fs, root = _filesystem(path, storage_options)
     _refuse_foreign_files(fs, root, path)
@@ -206,8 +208,8 @@ def _write_partition(df: pd.DataFrame, task: LLMTask, path: str, i: int, storage
             _replace_part(fs, root, i, data, record, resume)
             return {**record, "written": False}
     out = run_task(df, task)
-    record = {"key": key, "rows": len(out), "errors": int(out["llm_error"].notna().sum()),
-              "input_tokens": _total(out, "num_input_tokens"), "output_tokens": _total(out, "num_generated_tokens")}
+    record = {"key": key, "rows": len(out), "errors": int(out[LLM_ERROR].notna().sum()),
+              "input_tokens": _total(out, NUM_INPUT_TOKENS), "output_tokens": _total(out, NUM_GENERATED_TOKENS)}
     table = readable_table(out)
     table = table.replace_schema_metadata({**table.schema.metadata, FOOTER_KEY: json.dumps(record).encode()})
     buf = io.BytesIO()

@@ -27,10 +27,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dfllm.accessors.kinds import KINDS
+
 if TYPE_CHECKING:
     from dfllm.accessors.writer import WriteSummary
 
-TASKS = ("generate", "chat", "embed", "score", "classify")
+TASKS = tuple(KINDS)
 DEFAULT_MAX_ERROR_RATE = 0.5
 EXIT_TOO_MANY_ERRORS = 3
 DEFAULT_INPUT = {"generate": "prompt", "chat": "messages", "embed": "text", "classify": "text", "score": "text_1"}
@@ -143,8 +145,8 @@ def build_job(args, resources: dict | None = None):
     from dfllm.jobs.sources import read_input, repartition
 
     sampling = sampling_from(args)
-    if args.task == "classify" and not args.model:
-        raise ValueError("--task classify needs --model (a sequence-classification model; none is bundled)")
+    if KINDS[args.task].model_required and not args.model:
+        raise ValueError(f"--task {args.task} needs --model (a sequence-classification model; none is bundled)")
     ddf = read_input(args.input, fmt=args.format, storage_options=args.storage_options)
     ddf = repartition(ddf, partition_size=args.partition_size, npartitions=args.npartitions)
     first = args.prompt or _default_input(args.task, ddf.columns)
@@ -163,7 +165,7 @@ def build_job(args, resources: dict | None = None):
 
 def structured_from(args) -> dict:
     """``json_schema=``/``choice=`` for the accessor from ``--json-schema``/``--choice``."""
-    if (args.json_schema or args.choice) and args.task not in ("generate", "chat"):
+    if (args.json_schema or args.choice) and not KINDS[args.task].generative:
         raise ValueError("--json-schema and --choice apply to --task generate or chat")
     if args.json_schema and args.choice:
         raise ValueError("give either --json-schema or --choice, not both")
@@ -295,7 +297,7 @@ def demo(args) -> int:
         status = run(run_args)
         results = pd.read_parquet(output).sort_values("id")
         for row in results.head(4).itertuples():
-            print(f"\n> {row.haiku}\n{str(row.generated_text).strip()}")
+            print(f"\n> {row.haiku}\n{str(getattr(row, KINDS['chat'].output_column)).strip()}")
         if args.output:
             print(f"\nall {len(results)} results in {args.output}")
     return status

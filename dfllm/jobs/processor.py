@@ -68,11 +68,14 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.task import make_task, run_task
+from dfllm.accessors.kinds import KINDS
+from dfllm.accessors.runners import run_task
+from dfllm.accessors.schema import LLM_ERROR
+from dfllm.accessors.task import make_task
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
 SAMPLE_ROWS = 8
-ERROR = "llm_error"
+ERROR = LLM_ERROR
 _STRING = pd.ArrowDtype(pa.string())
 
 #: What ``meta=`` accepts: a DataFrame, a dict or list of (column, dtype) pairs, a pyarrow schema.
@@ -188,10 +191,10 @@ class Processor:
             for i in good:
                 results[i] = (rows[i][0], message)
             return results
-        sampling = "sampling_params" if "sampling_params" in present and kind in ("generate", "chat") else None
+        sampling = "sampling_params" if "sampling_params" in present and KINDS[kind].generative else None
         needed = list(inputs) + ([sampling] if sampling else [])
         frame = pd.DataFrame({c: [rows[i][0].get(c) for i in good] for c in needed})
-        task = make_task(kind, inputs, needed, output_column=_main_output(kind), model=self.config.model_source,
+        task = make_task(kind, inputs, needed, output_column=KINDS[kind].output_column, model=self.config.model_source,
                          sampling_params=sampling, engine_kwargs=self.config.engine_kwargs,
                          chat_template=self.config.chat_template if kind == "chat" else None)
         result = run_task(frame, task)
@@ -492,11 +495,6 @@ def _join(first: str | None, second: str | None) -> str | None:
 def _show(value) -> str:
     text = repr(value)
     return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
-
-
-def _main_output(kind: str) -> str:
-    return {"generate": "generated_text", "chat": "generated_text", "embed": "embedding", "classify": "label",
-            "score": "score"}[kind]
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,

@@ -1,0 +1,225 @@
+"""The thread that runs all of a process's accessor torch work, and steps engines for
+every task at once.
+
+Building engines, stepping them, and pooling calls (``embed``, ``score``, ``classify``)
+all run on this one thread. With OpenMP, every thread that runs a parallel region keeps
+its own team of worker threads; once there are more of those than cores, libgomp stops
+spinning between regions and each small op pays a futex wake-up (a decode step ran 30-40%
+slower in a Dask worker whose engine was built on one task thread and stepped on
+another). One thread, one team. Its start tunes a Dask worker's process once (see
+:mod:`dfllm.accessors.worker_tuning`).
+
+Generation from concurrent tasks of one process (a Dask worker's threads) shares an
+engine's continuous batches: a task turns its rows into checked requests (the engine's
+``InputProcessor``, holding the engine's lock) and hands them over with
+:meth:`Driver.generate`; before each step the driver queues what arrived, under request
+ids of its own, with the task's :class:`Submission` as their group, and steps every engine
+that has work, using only the engine's public API.
+
+A failure stays with the task that causes it. If a step raises, the engine re-runs each
+group's unfinished requests from scratch on its own (rows already finished keep their
+outputs); the task whose rows fail on their own gets ``RuntimeError("the engine failed
+while generating these rows: ...")``, the others the outputs they would have had. Rows for
+which the model produces non-finite logits are not a failed step: they end with
+``finish_reason="error"`` and the rest of the batch goes on. For tests and diagnostics,
+:func:`partitions_per_step` says how many tasks shared each step.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from dfllm.accessors.worker_tuning import tune_worker_process, worker_thread_count
+from dfllm.engine.input_processor import EngineRequest
+from dfllm.engine.llm_engine import LLMEngine
+from dfllm.outputs import RequestOutput
+
+STEP_RECORD = 100_000  # steps whose task count is kept (the most recent)
+_step_tasks: collections.deque[int] = collections.deque(maxlen=STEP_RECORD)
+_request_ids = itertools.count()  # the driver's request ids, unique in the process
+
+
+class Submission:
+    """The requests one task handed over for one engine, and their outputs as they finish;
+    the requests' group in the engine."""
+
+    def __init__(self, requests: list[EngineRequest]):
+        self.requests = requests
+        self.ids: list[str] = []  # set when they are queued
+        self.outputs: dict[str, RequestOutput] = {}
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class EngineQueue:
+    """One engine's submissions: handed over and not yet queued, and queued but not finished."""
+
+    def __init__(self, engine: LLMEngine, lock: threading.Lock):
+        self.engine, self.lock = engine, lock
+        self.pending: list[Submission] = []
+        self.active: list[Submission] = []
+        self.owner: dict[str, Submission] = {}  # request id -> the active submission it belongs to
+
+    def busy(self) -> bool:
+        return bool(self.pending or self.active)
+
+
+class Driver:
+    """The thread that runs all of the process's accessor torch work.
+
+    Tasks hand over requests (:meth:`generate`) or whole calls (:meth:`call`) and wait;
+    before each step the driver runs the calls that arrived and queues the requests, so
+    concurrent partitions share continuous batches.
+    """
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+        self.cv = threading.Condition()
+        self.calls: list[tuple[Callable, concurrent.futures.Future]] = []
+        self.queues: dict[int, EngineQueue] = {}  # id(engine) -> its queue, while it has work
+        self.thread = threading.Thread(target=self._loop, name="dfllm-engine", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable):
+        """``fn()`` run on the driver thread; its result, or its exception raised here."""
+        if threading.current_thread() is self.thread:
+            return fn()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cv:
+            self.calls.append((fn, future))
+            self.cv.notify_all()
+        return future.result()
+
+    def generate(self, engine: LLMEngine, lock: threading.Lock, requests: list[EngineRequest],
+                 progress: bool = False) -> list[RequestOutput]:
+        """The outputs of ``requests`` (checked by ``engine``'s input processor), in order,
+        generated in the batches of every task using ``engine``; ``progress`` shows a bar."""
+        sub = Submission(requests)
+        with tqdm(total=len(requests), desc="llm rows", unit="row", disable=not progress) as bar, self.cv:
+            self.queues.setdefault(id(engine), EngineQueue(engine, lock)).pending.append(sub)
+            self.cv.notify_all()
+            while sub.error is None and not sub.done:  # the driver notifies after every step
+                self.cv.wait()
+                if len(sub.outputs) > bar.n:
+                    bar.update(len(sub.outputs) - bar.n)
+        if sub.error is not None:
+            raise sub.error
+        return [sub.outputs[i] for i in sub.ids]
+
+    def waiting(self, engine: LLMEngine) -> int:
+        """How many tasks have handed over requests for ``engine`` that are not queued yet
+        (for tests that line tasks up)."""
+        with self.cv:
+            queue = self.queues.get(id(engine))
+            return len(queue.pending) if queue is not None else 0
+
+    def _loop(self) -> None:
+        if self.threads:
+            _set_threads(self.threads)
+        while True:
+            self._round()
+
+    def _round(self) -> None:
+        """Wait for work; run the calls that arrived, then one step of every engine with
+        work. (Its own frame: nothing of a round outlives it, so an idle engine that a call
+        shuts down is referenced here no more.)"""
+        with self.cv:
+            self.cv.wait_for(lambda: self.calls or any(q.busy() for q in self.queues.values()))
+            self.queues = {k: q for k, q in self.queues.items() if q.busy()}  # forget idle engines
+            calls, self.calls = self.calls, []
+            work = [(q, q.pending) for q in self.queues.values()]
+            for q, _ in work:
+                q.pending = []
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+        for queue, subs in work:
+            _step(queue, subs)
+        with self.cv:
+            self.cv.notify_all()
+
+
+def _step(queue: EngineQueue, subs: list[Submission]) -> None:
+    """Queue newly handed-over requests and run one step of ``queue``'s engine; settle
+    every submission that is done or failed."""
+    engine = queue.engine
+    with queue.lock:
+        for sub in subs:
+            sub.ids = [f"df-{next(_request_ids)}" for _ in sub.requests]
+            try:
+                for rid, request in zip(sub.ids, sub.requests):
+                    engine.add_request(rid, request, group=sub)
+            except Exception as exc:  # reported to the task that handed these over
+                engine.abort_request(sub.ids)
+                sub.error = exc
+                continue
+            sub.requests = []  # the engine holds them now
+            queue.active.append(sub)
+            queue.owner.update(dict.fromkeys(sub.ids, sub))
+        outputs: list[RequestOutput] = []
+        if engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+                _step_tasks.append(sum(sub in engine.last_step_groups for sub in queue.active))
+            except Exception as exc:  # not the model (the engine recovers from that): no task may wait forever
+                for sub in queue.active:
+                    sub.error = exc
+        for out in outputs:
+            sub = queue.owner.pop(out.request_id, None)
+            if sub is not None:
+                sub.outputs[out.request_id] = out
+        idle = not engine.has_unfinished_requests()
+        for sub in queue.active:
+            failure = engine.take_failure(sub)
+            if failure is not None and sub.error is None:
+                sub.error = RuntimeError(f"the engine failed while generating these rows: {failure!r}")
+            sub.done = sub.error is None and len(sub.outputs) == len(sub.ids)
+            if not sub.done and sub.error is None and idle:  # a bug, not a hang
+                sub.error = RuntimeError(f"requests {sorted(set(sub.ids) - sub.outputs.keys())[:5]} were lost "
+                                         "by the engine")
+            if sub.error is not None:
+                engine.abort_request([rid for rid in sub.ids if rid not in sub.outputs])
+                sub.outputs.clear()
+            if sub.done or sub.error is not None:
+                for rid in sub.ids:
+                    queue.owner.pop(rid, None)
+        queue.active = [s for s in queue.active if not s.done and s.error is None]
+
+
+_driver: Driver | None = None
+_driver_guard = threading.Lock()
+
+
+def driver() -> Driver:
+    """The process's driver thread, started on first use (in a Dask worker, after tuning
+    the worker's process once: :func:`~dfllm.accessors.worker_tuning.tune_worker_process`)."""
+    global _driver
+    with _driver_guard:
+        if _driver is None:
+            threads = worker_thread_count()
+            if threads is not None:
+                tune_worker_process()
+            _driver = Driver(threads)
+        return _driver
+
+
+def _set_threads(n: int) -> None:
+    # torch skips the call when n equals its cached count, which another thread may have
+    # set; toggling forces OpenMP's per-thread setting for this thread.
+    torch.set_num_threads(1 if n != 1 else 2)
+    torch.set_num_threads(n)
+
+
+def partitions_per_step() -> list[int]:
+    """For each generation step the driver ran in this process (the last 100,000), how many
+    tasks (partitions) had rows in its batch; for tests and diagnostics."""
+    return list(_step_tasks)

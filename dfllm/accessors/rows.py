@@ -1,0 +1,211 @@
+"""A partition's rows as a task's inputs: texts from columns and templates, conversations,
+per-row sampling params, each checked.
+
+A bad row (null, empty or non-string input, a malformed template value or conversation,
+invalid per-row sampling params) gets a message in ``llm_error`` (:func:`row_error`) and is
+left out of what these functions return; ``on_error="raise"`` raises instead. A value is
+only ever text for the model: a string that names a file is never opened.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import decimal
+import json
+import math
+import string
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from dfllm.accessors.schema import LLM_ERROR
+from dfllm.inputs import check_conversation, check_unicode
+from dfllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dfllm.accessors.task import LLMTask
+
+TEMPLATE_SCALARS = (str, bool, int, float, decimal.Decimal, datetime.date, datetime.time, datetime.timedelta)
+
+
+def is_template(text: str) -> bool:
+    """Whether an input is a ``{column}`` template rather than a column name."""
+    return "{" in text
+
+
+def template_fields(template: str) -> list[str]:
+    """The ``{column}`` names a template uses, those nested in format specs (``{q:>{width}}``)
+    included; malformed templates raise ``ValueError``. A field is a plain column name:
+    attribute or index access (``{q.__class__}``, ``{q[0]}``) is refused, so a template
+    can only ever read the row's values."""
+    names: list[str] = []
+
+    def walk(text: str, depth: int) -> None:
+        for _, name, spec, conversion in string.Formatter().parse(text):
+            if name is None:
+                continue
+            if conversion not in (None, "r", "s", "a"):
+                raise ValueError(f"unknown conversion !{conversion}")
+            names.append(name)
+            if spec and depth < 2:
+                walk(spec, depth + 1)
+
+    try:
+        walk(template, 0)
+    except ValueError as exc:
+        raise ValueError(f"bad template {template!r}: {exc}") from None
+    if any(n == "" or n.isdigit() for n in names):
+        raise ValueError(f"template {template!r}: placeholders must name columns, like {{question}}")
+    for n in names:
+        if "." in n or "[" in n:
+            raise ValueError(f"template {template!r}: {{{n}}} is not a plain column name (attribute and index "
+                             "access are not allowed; pass a column whose name has '.' or '[' directly)")
+    return list(dict.fromkeys(names))
+
+
+def row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
+    """Row ``i``'s error: its ``llm_error`` (the task's output columns ``out``), or with
+    ``on_error="raise"`` a ``ValueError`` naming the row."""
+    if task.on_error == "raise":
+        raise ValueError(f"row {i} of the partition: {message}")
+    out[LLM_ERROR][i] = message
+
+
+def is_null(value) -> bool:
+    """Whether a cell is missing (None, NA, NaT or a float NaN)."""
+    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and math.isnan(value))
+
+
+def _text(value, what: str) -> str:
+    """The value as a non-empty string, or raise ``ValueError`` saying what is wrong.
+
+    Bytes (a binary column) are read as UTF-8."""
+    if is_null(value):
+        raise ValueError(f"{what} is null")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{what} is not valid UTF-8: byte {value[exc.start]:#04x} at offset {exc.start}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is not a string ({type(value).__name__})")
+    if not value.strip():
+        raise ValueError(f"{what} is empty")
+    return check_unicode(value, what)
+
+
+def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict) -> dict[int, str]:
+    """Row position -> text, from a column or a ``{column}`` template; bad rows get errors."""
+    texts = {}
+    records = df.to_dict("records") if is_template(spec) else None
+    values = None if records is not None else df[spec].tolist()
+    for i in range(len(df)):
+        try:
+            if records is not None:
+                row = {k: _template_value(records[i][k], f"column {k!r}") for k in template_fields(spec)}
+                try:
+                    texts[i] = spec.format_map(row)
+                except (ValueError, TypeError) as exc:  # a format spec this row's value does not fit
+                    raise ValueError(f"template {spec!r}: {exc}") from None
+                check_unicode(texts[i], f"template {spec!r}")
+            else:
+                texts[i] = _text(values[i], f"column {spec!r}")
+        except ValueError as exc:
+            row_error(task, out, i, str(exc))
+    return texts
+
+
+def _template_value(value, what: str):
+    """A row's value for a template field, formatted later exactly as ``str.format`` would:
+    text (bytes read as UTF-8) and scalars (ints, floats, bools, dates, times, decimals)
+    pass as they are, so ``{price:.2f}`` works; a null (None, NA, NaN, NaT) is the row's
+    error naming the column, and so is a nested value (a list, a dict) or an empty text."""
+    if is_null(value):
+        raise ValueError(f"{what} is null")
+    if isinstance(value, (str, bytes, bytearray)):
+        return _text(value, what)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy scalar
+        value = value.item()
+    if not isinstance(value, TEMPLATE_SCALARS):
+        raise ValueError(f"{what} holds a {type(value).__name__}; templates format text, numbers, booleans, "
+                         "dates and decimals (pass a column of text for anything else)")
+    return value
+
+
+def conversations(df: pd.DataFrame, task: LLMTask, out: dict) -> dict[int, list[dict]]:
+    """Row position -> conversation for a chat task (the task's system message first): a
+    template's text as one user turn, or a column of conversations (lists of messages, or
+    their JSON or Python-literal text); bad rows get errors."""
+    spec = task.inputs[0]
+    system = [{"role": "system", "content": task.system}] if task.system else []
+    if is_template(spec):
+        return {i: system + [{"role": "user", "content": text}] for i, text in cell_texts(df, spec, task, out).items()}
+    convs: dict[int, list] = {}
+    for i, conv in enumerate(df[spec].tolist()):
+        try:
+            if is_null(conv):
+                raise ValueError("the conversation is null")
+            if isinstance(conv, str):
+                conv = _conversation_text(conv)
+            if hasattr(conv, "__iter__") and not isinstance(conv, (str, bytes, Mapping)):
+                conv = [dict(m) if isinstance(m, Mapping) else m for m in conv]
+            check_conversation(conv, i)
+            convs[i] = system + conv
+        except (ValueError, TypeError) as exc:
+            row_error(task, out, i, f"messages: {exc}")
+    return convs
+
+
+def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, SamplingParams]:
+    """Row position -> its SamplingParams, for ``rows``: the task's, or with a sampling
+    column the row's own dict of fields (a null cell: the task's); bad rows get errors."""
+    base = SamplingParams(**{k: list(v) if isinstance(v, tuple) else v for k, v in task.sampling})
+    if not task.sampling_column:
+        return {i: base for i in rows}
+    params, column = {}, df[task.sampling_column].tolist()
+    for i in rows:
+        try:
+            value = column[i]
+            if isinstance(value, str):  # Dask's convert-string, or JSON text from CSV
+                value = literal_text(value, dict, "a dict of SamplingParams fields")
+            if is_null(value):
+                params[i] = base
+            elif not isinstance(value, Mapping):
+                raise ValueError(f"must be a dict of SamplingParams fields, got {type(value).__name__}")
+            else:
+                # null fields are unset (a parquet struct column has every field in every row)
+                row = SamplingParams.from_dict({k: v for k, v in dict(value).items() if v is not None and v is not pd.NA})
+                if row.n != 1:
+                    raise ValueError("n must be 1 in a dataframe (one output per row)")
+                params[i] = row
+        except (ValueError, TypeError) as exc:
+            row_error(task, out, i, f"sampling_params: {exc}")
+    return params
+
+
+def literal_text(text: str, kind: type, what: str):
+    """A value stored as text: JSON (CSV and JSON inputs), or the Python literal Dask's
+    ``dataframe.convert-string`` leaves of a column of lists or dicts (read as data with
+    ``ast.literal_eval``: literals only, nothing is evaluated). ``ValueError`` unless it
+    holds a ``kind``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise ValueError(f"a string that is neither JSON nor {what} (on Dask, 'dataframe.convert-string' "
+                             "turns an object column of lists or dicts into strings)") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"a string holding {type(value).__name__}, not {what}")
+    return value
+
+
+def _conversation_text(text: str) -> list:
+    """A conversation stored as text (see :func:`literal_text`)."""
+    try:
+        return literal_text(text, list, "a list of messages")
+    except ValueError as exc:
+        raise ValueError(f"the conversation is {exc}") from None
