@@ -10,7 +10,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.outputs import RequestMetrics
@@ -159,3 +165,22 @@ def make_seq(tokens: list[int]) -> Sequence:
     """A one-sequence request over ``tokens``, for scheduler and block-manager tests."""
     req = Request("r", None, tokens, SamplingParams(), RequestMetrics(0.0))
     return Sequence(req, 0, list(tokens), len(tokens))
+
+
+def build_tiny_classifier(root: Path) -> Path:
+    """Save a tiny random BERT sequence classifier (3 labels, ``label_0``..``label_2``) with
+    the bundled MiniLM's tokenizer into ``root`` and return its path."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    from dfllm.models.bundled import resolve_model
+
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=128, num_labels=3,
+                     id2label={i: f"label_{i}" for i in range(3)}, label2id={f"label_{i}": i for i in range(3)},
+                     architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    path = root / "classifier"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(resolve_model("all-minilm-l6-v2") / name, path / name)
+    return path

@@ -6,10 +6,10 @@ import dask.dataframe as dd
 import pandas as pd
 import polars as pl
 import pytest
+from helpers import build_tiny_classifier, local_client
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from helpers import local_client
 from dfllm.accessors import driver, engine_cache
 
 SP = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
@@ -385,23 +385,7 @@ def test_nested_arrow_columns_read_back_from_dask_to_parquet(tmp_path):
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     """A tiny random BERT sequence classifier (3 labels) with MiniLM's tokenizer."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForSequenceClassification, BertConfig
-
-    from dfllm.models.bundled import resolve_model
-
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128, num_labels=3,
-                     id2label={i: f"label_{i}" for i in range(3)}, label2id={f"label_{i}": i for i in range(3)},
-                     architectures=["BertForSequenceClassification"])
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "classifier"
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(resolve_model("all-minilm-l6-v2") / name, path / name)
-    return path
+    return build_tiny_classifier(tmp_path_factory.mktemp("models"))
 
 
 def test_registry_drives_the_output_columns(kw, classifier):

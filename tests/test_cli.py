@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import build_tiny_classifier
 
 from dfllm import LLM, SamplingParams
 
@@ -109,24 +110,7 @@ def test_score_and_classify(cli_cluster, tmp_path, minilm_classifier):
 
 @pytest.fixture(scope="module")
 def minilm_classifier(tmp_path_factory):
-    import shutil
-
-    import torch
-    from transformers import AutoModelForSequenceClassification, BertConfig
-
-    from dfllm.models.bundled import resolve_model
-
-    minilm = resolve_model("all-minilm-l6-v2")
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128, num_labels=3,
-                     id2label={i: f"label_{i}" for i in range(3)}, label2id={f"label_{i}": i for i in range(3)},
-                     architectures=["BertForSequenceClassification"])
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "classifier"
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(minilm / name, path / name)
-    return path
+    return build_tiny_classifier(tmp_path_factory.mktemp("models"))
 
 
 @pytest.mark.parametrize("args, message", [
