@@ -322,7 +322,8 @@ def print_report(base: dict, runs: list[dict], meta: dict) -> None:
               f"{one['worker_torch_threads']} (see --torch-threads)")
     if len(runs) > 1:
         big = runs[1]
-        print(f"peak worker RSS: 1x {one['peak_rss_max'] / MiB:.0f} MiB, {big['tag']} {big['peak_rss_max'] / MiB:.0f} MiB, "
+        print(f"peak worker RSS: 1x {one['peak_rss_max'] / MiB:.0f} MiB, "
+              f"{big['tag']} {big['peak_rss_max'] / MiB:.0f} MiB, "
               f"ratio {big['peak_rss_max'] / one['peak_rss_max']:.3f}  (target <= 1.3)")
     for r in runs:
         print(f"dask {r['tag']}: every row once {r['every_row_once']} ({r['rows_out']} rows out), row errors "

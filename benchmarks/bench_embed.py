@@ -71,7 +71,8 @@ def main() -> None:
         t_s, emb_s = time_it(run_st)
         times["dfllm"].append(t_d)
         times["sentence-transformers"].append(t_s)
-        print(f"run {r + 1}: dfllm {len(texts) / t_d:.1f} texts/s, sentence-transformers {len(texts) / t_s:.1f} texts/s")
+        print(f"run {r + 1}: dfllm {len(texts) / t_d:.1f} texts/s, "
+              f"sentence-transformers {len(texts) / t_s:.1f} texts/s")
     cos = torch.nn.functional.cosine_similarity(emb_d, emb_s.float()).min().item()
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{'engine':<24}{'seconds':>10}{'texts/s':>10}{'tokens/s':>11}")

@@ -124,11 +124,7 @@ def build_workload(tokenizer, num_prompts: int, seed: int = SEED) -> tuple[list[
 # ---- dfllm -------------------------------------------------------------------------------
 def reset_prefix_cache(llm: LLM) -> None:
     """Forget cached prompt blocks, so a timed run never reuses a previous run's prompts."""
-    reset = getattr(llm, "reset_prefix_cache", None)
-    if reset is None:
-        reset = getattr(getattr(llm.engine, "block_manager", None), "reset_prefix_cache", None)
-    if reset is not None:
-        reset()
+    llm.reset_prefix_cache()
 
 
 def run_dfllm(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
@@ -276,9 +272,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--model", default=None, help="model directory or bundled alias (default: bundled SmolLM2)")
     p.add_argument("--hf-batch-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="run each engine this many times, alternately; report medians")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each engine this many times, alternately; report medians")
     p.add_argument("--skip-hf", action="store_true", help="run dfllm only")
-    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda'; both engines use it")
+    p.add_argument("--device", default="auto",
+                   help="'auto' (CUDA when available), 'cpu' or 'cuda'; both engines use it")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for both engines and the ceiling (default: torch's choice)")

@@ -87,10 +87,10 @@ def timed(llm: LLM, batch: list[dict], params: SamplingParams) -> tuple[float, i
 
 def grammar_us_per_token(llm: LLM, outs: list, structured: StructuredOutputsParams) -> float:
     """Replay ``outs`` through fresh matchers as one batch: grammar work per token, in microseconds."""
-    compiler = llm.engine._grammar_compiler()
-    grammars = [compiler.matcher(structured) for _ in outs]
+    grammar = llm.engine.input_processor.grammars.prepare(structured)
+    grammars = [grammar.matcher() for _ in outs]
     tokens = [o.outputs[0].token_ids for o in outs]
-    logits = torch.zeros(len(outs), llm.config.hf_config.vocab_size)
+    logits = torch.zeros(len(outs), llm.config.model.vocab_size)
     start, n = time.perf_counter(), 0
     for t in range(max(map(len, tokens))):
         live = [g if t < len(ids) else None for g, ids in zip(grammars, tokens)]

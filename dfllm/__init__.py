@@ -1,15 +1,26 @@
 """dfllm: dataframe-native batch LLM inference on its own paged-KV engine."""
 
-from dfllm.llm import LLM
-from dfllm import accessors  # noqa: F401,E402  (registers .llm on Dask, pandas and Polars)
-from dfllm.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
-                           EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
-                           PoolingRequestOutput, RequestFailedError, RequestMetrics, RequestOutput,
-                           ScoringOutput, ScoringRequestOutput)
-from dfllm.accessors.writer import WriteSummary, write_parquet
+from dfllm import accessors  # noqa: F401  (registers .llm on Dask, pandas and Polars)
 from dfllm.accessors.engine_cache import release_engines
-from dfllm.pooling_params import PoolingParams
+from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.jobs.processor import Processor, ProcessorConfig, build_processor
+from dfllm.llm import LLM
+from dfllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestFailedError,
+    RequestMetrics,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 

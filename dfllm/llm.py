@@ -293,8 +293,8 @@ class _ProgressBar:
         self.tokens_in += len(out.prompt_token_ids)
         self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"in: {self.tokens_in / elapsed:.0f} tok/s, out: {self.tokens_out / elapsed:.0f} tok/s",
-                                 refresh=False)
+        self.bar.set_postfix_str(f"in: {self.tokens_in / elapsed:.0f} tok/s, "
+                                 f"out: {self.tokens_out / elapsed:.0f} tok/s", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

@@ -127,7 +127,7 @@ def raise_for_errors(outputs: list[RequestOutput], name: Callable[[int], str]) -
 class PoolingOutput:
     """The raw pooled tensor of one prompt (an embedding, class probabilities, or per-token states)."""
 
-    data: "torch.Tensor"
+    data: torch.Tensor
 
 
 @dataclass

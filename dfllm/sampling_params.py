@@ -76,7 +76,7 @@ class SamplingParams:
         self._validate()
 
     @classmethod
-    def from_dict(cls, values: dict) -> "SamplingParams":
+    def from_dict(cls, values: dict) -> SamplingParams:
         """Build from a plain dict (as held in a dataframe column); unknown keys raise."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(values) - known)

@@ -85,7 +85,7 @@ class StructuredOutputsParams:
         return f"StructuredOutputsParams({self.kind}={getattr(self, self.kind)!r})"
 
     @classmethod
-    def from_dict(cls, values: dict) -> "StructuredOutputsParams":
+    def from_dict(cls, values: dict) -> StructuredOutputsParams:
         """Build from a plain dict such as ``{"json": {...}}``; unknown keys raise."""
         unknown = sorted(set(values) - set(KINDS))
         if unknown:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dfllm.models.bundled import resolve_model
+
 from helpers import CLICluster, build_tiny_model
 
 

@@ -6,11 +6,12 @@ import dask.dataframe as dd
 import pandas as pd
 import polars as pl
 import pytest
-from helpers import build_tiny_classifier, local_client
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
 from dfllm.accessors import driver, engine_cache
+
+from helpers import build_tiny_classifier, local_client
 
 SP = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 
@@ -402,7 +403,7 @@ def test_registry_drives_the_output_columns(kw, classifier):
         want = spec.output_dtypes(spec.output_column)
         assert list(want)[0] == spec.output_column and list(want)[-1] == "llm_error"
 
-        def call(frame):
+        def call(frame, name=name):  # bound now (called only in this iteration)
             return getattr(frame.llm, name)(*inputs.get(name, ("t",)), **options.get(name, {}))
 
         for frame in (df, df.iloc[:0]):

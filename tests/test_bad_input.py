@@ -102,15 +102,17 @@ ROW_CASES = [
     # chat: a column of conversations
     RowCase("chat-missing-role", [{"content": "hi"}], "message 0: role must be one of", "chat"),
     RowCase("chat-unknown-role", [{"role": "wizard", "content": "hi"}], "got 'wizard'", "chat"),
-    RowCase("chat-content-int", [{"role": "user", "content": 5}], "content must be a str or a list of text parts, got int",
-            "chat"),
+    RowCase("chat-content-int", [{"role": "user", "content": 5}],
+            "content must be a str or a list of text parts, got int", "chat"),
     RowCase("chat-content-null", [{"role": "user", "content": None}], "content must be a str", "chat"),
     RowCase("chat-content-image-part", [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}],
             "content must be a str or a list of text parts", "chat"),
-    RowCase("chat-content-surrogate", [{"role": "user", "content": "hi \ud83d"}], "content is not valid Unicode", "chat"),
+    RowCase("chat-content-surrogate", [{"role": "user", "content": "hi \ud83d"}], "content is not valid Unicode",
+            "chat"),
     RowCase("chat-message-not-dict", ["hello"], "a message must be a dict, got str", "chat"),
     RowCase("chat-empty-conversation", [], "must be a non-empty list of messages", "chat"),
-    RowCase("chat-string-not-conversation", "hello", "the conversation is a string that is neither JSON nor a list", "chat"),
+    RowCase("chat-string-not-conversation", "hello", "the conversation is a string that is neither JSON nor a list",
+            "chat"),
     RowCase("chat-string-holding-a-dict", '{"role": "user"}', "the conversation is a string holding dict", "chat"),
     RowCase("chat-null-conversation", None, "the conversation is null", "chat"),
     RowCase("chat-past-context-length", [{"role": "user", "content": LONG}], "longer than max_model_len=64", "chat"),
@@ -123,7 +125,8 @@ ROW_CASES = [
     RowCase("sp-top-p-above-one", {"top_p": 1.5}, "top_p must be in (0.0, 1.0]", "sampling"),
     RowCase("sp-stop-empty-string", {"stop": ["", "x"]}, "every stop string must be a non-empty str", "sampling"),
     RowCase("sp-unknown-field", {"temprature": 0.5}, "unknown field(s) ['temprature']", "sampling"),
-    RowCase("sp-text-not-a-dict", "greedy please", "a string that is neither JSON nor a dict of SamplingParams", "sampling"),
+    RowCase("sp-text-not-a-dict", "greedy please", "a string that is neither JSON nor a dict of SamplingParams",
+            "sampling"),
     RowCase("sp-text-holding-a-list", "[0.5]", "a string holding list, not a dict of SamplingParams", "sampling"),
     RowCase("sp-json-bad-field", '{"max_tokens": 0}', "max_tokens must be >= 1, got 0", "sampling"),
     RowCase("sp-not-a-dict", 7, "must be a dict of SamplingParams fields, got int", "sampling"),
@@ -141,15 +144,18 @@ def case_frame(case: RowCase, index) -> tuple[pd.DataFrame, dict]:
         values = [GOOD[0].encode(), case.bad, GOOD[1].encode()]
         df, args = pd.DataFrame({"q": pd.array(values, dtype=BINARY)}), {"prompt": "q"}
     elif case.kind == "template":
-        df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]], "topic": pd.Series(["math", case.bad, "art"], dtype=object)})
+        df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]],
+                           "topic": pd.Series(["math", case.bad, "art"], dtype=object)})
         args = {"prompt": "Q: {q} ({topic})"}
     elif case.kind == "template-width":  # a width taken from a column: "xxx" is no width
         df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]], "topic": ["1", case.bad, "2"]})
         args = {"prompt": "Q: {q:>{topic}}"}
     elif case.kind == "chat":
-        df, args = pd.DataFrame({"c": pd.Series([GOOD_CONV[0], case.bad, GOOD_CONV[1]], dtype=object)}), {"messages": "c"}
+        df = pd.DataFrame({"c": pd.Series([GOOD_CONV[0], case.bad, GOOD_CONV[1]], dtype=object)})
+        args = {"messages": "c"}
     elif case.kind == "sampling":
-        df = pd.DataFrame({"q": [GOOD[0], GOOD[0], GOOD[1]], "sp": pd.Series([dict(SP), case.bad, dict(SP)], dtype=object)})
+        df = pd.DataFrame({"q": [GOOD[0], GOOD[0], GOOD[1]],
+                           "sp": pd.Series([dict(SP), case.bad, dict(SP)], dtype=object)})
         args = {"prompt": "q", "sampling_params": "sp"}
     else:
         raise AssertionError(case.kind)
@@ -296,7 +302,8 @@ CALL_CASES = [
     CallCase("max-tokens-zero", dict(sampling_params={"max_tokens": 0}), "max_tokens must be >= 1, got 0"),
     CallCase("max-tokens-negative", dict(sampling_params={"max_tokens": -1}), "max_tokens must be >= 1, got -1"),
     CallCase("temperature-nan", dict(sampling_params={"temperature": math.nan}), "temperature must be finite"),
-    CallCase("temperature-negative", dict(sampling_params={"temperature": -1.0}), r"temperature must be in \[0.0, 2.0\]"),
+    CallCase("temperature-negative", dict(sampling_params={"temperature": -1.0}),
+             r"temperature must be in \[0.0, 2.0\]"),
     CallCase("top-p-zero", dict(sampling_params={"top_p": 0.0}), r"top_p must be in \(0.0, 1.0\]"),
     CallCase("top-p-above-one", dict(sampling_params={"top_p": 1.01}), r"top_p must be in \(0.0, 1.0\]"),
     CallCase("stop-empty-string", dict(sampling_params={"stop": [""]}), "every stop string must be a non-empty str"),
@@ -306,7 +313,8 @@ CALL_CASES = [
     CallCase("sampling-column-missing", dict(sampling_params="sp"), "sampling_params column 'sp' not in the dataframe"),
     CallCase("on-error-unknown", dict(on_error="skip"), "on_error must be one of"),
     CallCase("output-column-clash", dict(output_column="q"), "already exist"),
-    CallCase("unknown-model", dict(model="no/such/model-dir"), "not a bundled model alias and not an existing directory"),
+    CallCase("unknown-model", dict(model="no/such/model-dir"),
+             "not a bundled model alias and not an existing directory"),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dfllm.engine.block_manager import BlockManager
 from dfllm.engine.sequence import Sequence
+
 from helpers import make_seq
 
 

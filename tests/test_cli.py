@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import build_tiny_classifier
 
 from dfllm import LLM, SamplingParams
+
+from helpers import build_tiny_classifier
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -149,9 +150,9 @@ def test_demo_runs_the_main_job_on_a_local_cluster(smollm2_dir, tmp_path):
 def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp_path):
     """``--gpu`` on an existing cluster: tasks go to workers started with ``--resources GPU=1``
     (here CPU workers standing in for GPU ones), and only those load the model."""
-    from helpers import CLICluster
-
     from dfllm.accessors import engine_cache
+
+    from helpers import CLICluster
 
     path, _ = questions
     cluster = CLICluster(workers=2, threads=2, resources=["GPU=1", None])

@@ -14,9 +14,10 @@ import pandas as pd
 import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
-from helpers import CLICluster
 from dfllm import LLM, SamplingParams
 from dfllm.accessors import engine_cache
+
+from helpers import CLICluster
 
 SP = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
 

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dfllm
-from helpers import CLICluster, local_client
 from dfllm import LLM, SamplingParams
+
+from helpers import CLICluster, local_client
 
 MAX_LEN = 64
 SP = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
@@ -132,7 +133,8 @@ def test_write_parquet_killed_worker_then_resumed_with_other_partitions(kw, expe
     partitioning: each time every row exactly once, with its own result."""
     texts_ = ["Hello there", "¿Qué tal?", "数据框", "x", "", None, "word " * 80, "Hello there"]
     df = pd.DataFrame({"id": range(24), "q": pd.Series([texts_[i % len(texts_)] for i in range(24)], dtype=object),
-                       "n": [i * 10**9 for i in range(24)], "x": [float("nan") if i == 5 else i / 3 for i in range(24)]})
+                       "n": [i * 10**9 for i in range(24)],
+                       "x": [float("nan") if i == 5 else i / 3 for i in range(24)]})
     want = expected(df)
     slow = {**SP, "max_tokens": 24}  # slow enough to kill a worker mid-write
     llm = LLM(kw["model"], max_model_len=MAX_LEN, kv_cache_memory_bytes=2**22)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dfllm import LLM, RequestOutput, SamplingParams
+
 from helpers import random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

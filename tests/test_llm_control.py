@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from dfllm import LLM, SamplingParams
 from dfllm.engine.metrics import Counter, Gauge, Histogram
+
 from helpers import build_tiny_model, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -159,7 +160,10 @@ def test_update_weights_serves_the_new_model(tmp_path, smollm2_dir):
     b = build_tiny_model(tmp_path, smollm2_dir, seed=2)
     prompts = random_prompts(3, 5, 30, seed=4)
     llm = LLM(a, max_model_len=128, kv_cache_memory_bytes=2**22)
-    run = lambda: texts(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+
+    def run():
+        return texts(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+
     before = run()
     assert before == hf_greedy(a, prompts, 8)
     with pytest.raises(RuntimeError, match="init_weight_transfer_engine"):

@@ -12,6 +12,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
+
 from helpers import random_prompts
 
 BLOCK = 4
@@ -72,8 +73,8 @@ def test_tiny_kv_cache_completes_every_request_exactly(tiny_llama, roomy, prefix
 
 def test_one_sequence_at_a_time_still_serves_a_queue(tiny_llama, roomy):
     """A cache of exactly max_model_len tokens: sequences that grow past half of it evict each other."""
-    tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES,
-                max_num_seqs=64)
+    tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN,
+                kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES, max_num_seqs=64)
     long = [SamplingParams(temperature=0.0, max_tokens=MAX_LEN - len(p), ignore_eos=True) for p in PROMPTS[:5]]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
     got = tight.generate(prompts, long, use_tqdm=False)

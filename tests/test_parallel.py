@@ -23,6 +23,7 @@ from dfllm.engine.executor import _micro_batches
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.models.parallel_layers import shard_range
+
 from helpers import build_tiny_model, random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

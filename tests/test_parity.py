@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dfllm import LLM, SamplingParams
+
 from helpers import build_tiny_model, hf_greedy, random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -19,7 +20,8 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 def test_greedy_matches_transformers(tmp_path, smollm2_dir, arch, heads, kv_heads):
-    path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, heads=heads, kv_heads=kv_heads, hidden=48 if heads == 6 else 64)
+    path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, heads=heads, kv_heads=kv_heads,
+                            hidden=48 if heads == 6 else 64)
     prompts = random_prompts(6, 3, 41, seed=heads)
     max_tokens = [7, 12, 1, 20, 9, 15]
     llm = LLM(path, max_num_seqs=8)

@@ -11,6 +11,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification, BertConf
 
 from dfllm import LLM, PoolingParams, SamplingParams
 from dfllm.models.bundled import resolve_model
+
 from helpers import build_tiny_model
 
 WORDS = ("data engineers run batch jobs over parquet files on object storage while dask schedules "

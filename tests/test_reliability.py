@@ -72,9 +72,8 @@ def s3():
     server.start()
     opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
                                                                       "region_name": "us-east-1"}}
-    import s3fs
-
     import boto3
+    import s3fs
 
     boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="testing",
                  aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="dfllm-test")
@@ -138,7 +137,7 @@ def test_job_survives_killed_workers(kills, tiny_llama, tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         killed: list[int] = []
         for k in range(kills):
-            wait_for(lambda: len(parts(out)) >= k + 1, 240, f"part {k + 1}", job)
+            wait_for(lambda k=k: len(parts(out)) >= k + 1, 240, f"part {k + 1}", job)
             # two workers answering, the killed ones replaced (not merely wait_for_workers(2),
             # which returns while the scheduler still lists a killed worker)
             victim = sorted(cluster.wait_for_worker_pids(2, gone=killed).values())[k % 2]

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import dfllm
+
 from helpers import local_client
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dfllm import LLM, SamplingParams
+
 from helpers import build_tiny_model, random_prompts
 
 BAD_PARAMS = [
@@ -76,7 +77,8 @@ def test_seeded_request_is_independent_of_the_batch(llm):
 def test_top_k_one_is_greedy_and_n_gives_distinct_samples(llm):
     prompt = as_prompts(random_prompts(1, 11, 11, seed=8))
     greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    top1 = llm.generate(prompt, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    top1 = llm.generate(prompt, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
     assert tokens(greedy) == tokens(top1)
     many = llm.generate(prompt, SamplingParams(n=4, temperature=1.5, seed=3, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0]
@@ -93,8 +95,10 @@ def test_top_p_and_min_p_restrict_to_likely_tokens(llm, tiny_llama):
     nucleus = set(top[: int((probs[top].cumsum(0) < 0.5).sum()) + 1].tolist())
     allowed_min_p = set(torch.nonzero(probs >= 0.3 * probs.max()).flatten().tolist())
     for seed in range(12):
-        first = lambda **kw: llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=1, seed=seed, **kw),
-                                          use_tqdm=False)[0].outputs[0].token_ids[0]
+        def first(seed=seed, **kw):
+            return llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=1, seed=seed, **kw),
+                                use_tqdm=False)[0].outputs[0].token_ids[0]
+
         assert first(top_p=0.5) in nucleus
         assert first(min_p=0.3) in allowed_min_p
 
@@ -153,7 +157,8 @@ def test_logprobs_are_raw_model_logprobs(llm, tiny_llama):
             assert isinstance(lp.decoded_token, str)
         total += entries[tok].logprob
     assert out.cumulative_logprob == pytest.approx(total)
-    assert llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].logprobs is None
+    no_logprobs = llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert no_logprobs[0].outputs[0].logprobs is None
 
 
 def test_sampled_token_always_in_logprobs(llm):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dfllm.engine.scheduler import Scheduler
 from dfllm.engine.sequence import SequenceStatus
+
 from helpers import make_seq
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import dask.dataframe as dd
 import jsonschema
@@ -225,7 +225,7 @@ class Item(BaseModel):
     tag: Literal["red", "green", "blue"]
     digits: list[Annotated[int, Field(ge=0, le=9)]] = Field(max_length=3)
     word: str = Field(max_length=6)
-    maybe: Optional[float] = Field(ge=0, le=1)
+    maybe: float | None = Field(ge=0, le=1)
 
 
 ITEM_TYPE = pa.struct([("ok", pa.bool_()), ("n", pa.int64()), ("tag", pa.string()), ("digits", pa.list_(pa.int64())),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dfllm import LLM, SamplingParams
+
 from helpers import build_tiny_model, random_prompts
 
 

@@ -17,8 +17,18 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dfllm.accessors import runners
-from dfllm.accessors.schema import (FINISH_REASON, FLOAT, INT, LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS,
-                                    PROBS, STRING, VECTOR, structured_dtype)
+from dfllm.accessors.schema import (
+    FINISH_REASON,
+    FLOAT,
+    INT,
+    LLM_ERROR,
+    NUM_GENERATED_TOKENS,
+    NUM_INPUT_TOKENS,
+    PROBS,
+    STRING,
+    VECTOR,
+    structured_dtype,
+)
 
 DEFAULT_EMBED_MODEL = "all-minilm-l6-v2"  # bundled: embed's and score's default model
 GENERATED_TEXT = "generated_text"

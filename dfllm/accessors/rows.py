@@ -176,7 +176,8 @@ def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, Sa
                 raise ValueError(f"must be a dict of SamplingParams fields, got {type(value).__name__}")
             else:
                 # null fields are unset (a parquet struct column has every field in every row)
-                row = SamplingParams.from_dict({k: v for k, v in dict(value).items() if v is not None and v is not pd.NA})
+                row = SamplingParams.from_dict({k: v for k, v in dict(value).items()
+                                                if v is not None and v is not pd.NA})
                 if row.n != 1:
                     raise ValueError("n must be 1 in a dataframe (one output per row)")
                 params[i] = row

@@ -125,10 +125,13 @@ def _group(store: dist.Store, name: str, rank: int, size: int, device: torch.dev
            timeout_s: float) -> GroupComm:
     prefixed = dist.PrefixStore(name, store)
     timeout = datetime.timedelta(seconds=timeout_s)
+    pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-        return GroupComm(pg, rank, size, deterministic=False)
-    pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-    return GroupComm(pg, rank, size, deterministic=True)
+        pg, deterministic = dist.ProcessGroupNCCL(prefixed, rank, size, opts), False
+    else:
+        pg, deterministic = dist.ProcessGroupGloo(prefixed, rank, size, timeout), True
+    # A backend has the collectives GroupComm calls (allreduce, allgather, send, recv), but
+    # torch's stubs declare them on ProcessGroup only.
+    return GroupComm(pg, rank, size, deterministic=deterministic)  # type: ignore[arg-type]

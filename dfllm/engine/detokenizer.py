@@ -8,6 +8,8 @@ means (a stop string) is the output processor's to decide.
 
 from __future__ import annotations
 
+from typing import cast
+
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.engine.sequence import Sequence
@@ -28,11 +30,17 @@ class Detokenizer:
         """Append the text of the newest token to ``seq.text``; return what was added."""
         skip = seq.params.skip_special_tokens
         ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+        prefix = _decode(self.tokenizer, ids[seq.prefix_offset : seq.read_offset], skip)
+        full = _decode(self.tokenizer, ids[seq.prefix_offset :], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         seq.text += delta
         return delta
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool) -> str:
+    """The text of one sequence of ids (transformers' ``decode`` is annotated ``str | list[str]``
+    for batches too)."""
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -8,7 +8,8 @@ pipeline stage), prepares their inputs once, sends them to the worker ranks thro
 pipes, runs rank 0's part and returns the logits. Failures are bounded in time: a rank
 that dies is seen at once (its process sentinel, its pipe, the collectives' closed sockets)
 or at the latest after the collectives' timeout, and the executor then raises
-``RuntimeError`` naming the rank and stops the others. Worker ranks also exit on their own when the driver's process dies.
+``RuntimeError`` naming the rank and stops the others. Worker ranks also exit on their own when the
+driver's process dies.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import torch
@@ -131,6 +132,7 @@ class ParallelExecutor:
             self._gather_replies()
         except BaseException as exc:
             self._fail(exc, "a step")
+        assert logits is not None  # rank 0 (the driver) gets the logits
         return logits, sample_seqs
 
     # ---- RPC -------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ class ParallelExecutor:
         if self.failure is not None:
             raise RuntimeError(f"the parallel engine is stopped: {self.failure}")
 
-    def _fail(self, exc: BaseException, during: str):
+    def _fail(self, exc: BaseException, during: str) -> NoReturn:
         """Stop every worker and raise: a dead rank is named; an error in a rank is passed on."""
         dead = [w for w in self.workers if not _alive(w)]
         if dead:

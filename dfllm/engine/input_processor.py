@@ -15,6 +15,7 @@ across threads serialise calls with their own lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -63,9 +64,10 @@ class InputProcessor:
         in transformers' sandboxed Jinja environment, and tokenized."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template=...")
-        text = self.tokenizer.apply_chat_template(
+        # tokenize=False: the rendered text (transformers annotates every return type at once)
+        text = cast(str, self.tokenizer.apply_chat_template(
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
         return TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     # ---- checked requests ------------------------------------------------------------

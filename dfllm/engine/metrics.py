@@ -98,7 +98,8 @@ def snapshot(registry: CollectorRegistry) -> list[Metric]:
     for family in registry.collect():
         by_labels: dict[tuple, list] = {}
         for sample in family.samples:
-            by_labels.setdefault(tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le")), []).append(sample)
+            key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            by_labels.setdefault(key, []).append(sample)
         for key, samples in by_labels.items():
             labels = dict(key)
             metric = _convert(family.type, family.name, labels, samples)

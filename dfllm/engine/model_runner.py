@@ -21,6 +21,7 @@ from dfllm.engine.sequence import Sequence
 from dfllm.engine.step_inputs import StepInputs, attention_metadata, prepare_inputs
 from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import PrefillSpan
+from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
 from dfllm.models.registry import model_class
 
@@ -51,10 +52,10 @@ class ModelRunner:
             self.num_layers = end - start
             self.num_kv_heads //= parallel.tp_size
         self.head_dim = self.spec.head_dim
-        self.model = self._build_model()
+        self.model: LlamaForCausalLM | None = self._build_model()  # None while dropped
         self.kv: torch.Tensor | None = None
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self) -> LlamaForCausalLM:
         with torch.device(self.device):
             model = model_class(self.spec)(self.spec, self.ops, self.max_model_len, self.parallel)
         model.to(self.dtype)
@@ -65,10 +66,12 @@ class ModelRunner:
     # ---- sleep mode -----------------------------------------------------------------
     def offload_weights(self) -> None:
         """Move the weights to host memory (a no-op on a CPU device)."""
+        assert self.model is not None
         self.model.to("cpu")
         _release_device_memory(self.device)
 
     def onload_weights(self) -> None:
+        assert self.model is not None
         self.model.to(self.device)
 
     def drop_weights(self) -> None:
@@ -107,7 +110,9 @@ class ModelRunner:
         self._attach(self.kv)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        kv_memory.zero_blocks(self.kv, block_ids)
+        if block_ids:  # none to zero is a no-op, with or without a cache
+            assert self.kv is not None
+            kv_memory.zero_blocks(self.kv, block_ids)
 
     def free_kv_cache(self) -> None:
         if self.model is not None:
@@ -116,6 +121,7 @@ class ModelRunner:
         _release_device_memory(self.device)
 
     def _attach(self, kv: torch.Tensor | None) -> None:
+        assert self.model is not None
         for i, layer in enumerate(self.model.model.stage_layers):
             layer.self_attn.k_cache = None if kv is None else kv[0, i]
             layer.self_attn.v_cache = None if kv is None else kv[1, i]
@@ -134,6 +140,7 @@ class ModelRunner:
         if self.parallel is not None:
             execute_step(self, [StepInputs(ids, pos, meta, torch.tensor([num_tokens - 1], device=self.device), [])])
         else:
+            assert self.model is not None
             hidden = self.model(ids, pos, meta)
             self.model.compute_logits(hidden[-1:])
         self.free_kv_cache()
@@ -144,11 +151,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute one step; return the logits (float32, on CPU) of the rows that sample."""
+        model = self.model
+        assert model is not None  # not while the weights are dropped
         inputs = prepare_inputs(sched, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:
             return torch.empty(0), []
-        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        logits = model.compute_logits(hidden[inputs.logit_rows])
         return logits.float().cpu(), inputs.sample_seqs
 
     # ---- RPC and lifecycle ------------------------------------------------------------

@@ -45,7 +45,8 @@ class OutputProcessor:
         ended = []
         for seq, tok in zip(seqs, sampled):
             if isinstance(tok, str):
-                seq.error = f"the model produced non-finite logits ({tok}) at output token {seq.num_output_tokens} (0-based)"
+                seq.error = (f"the model produced non-finite logits ({tok}) "
+                             f"at output token {seq.num_output_tokens} (0-based)")
                 logger.warning("request %s: %s", seq.request.request_id, seq.error)
                 seq.finish_reason = "error"
             else:
@@ -59,13 +60,15 @@ class OutputProcessor:
         seq.token_ids.append(token)
         m = seq.request.metrics
         first = m.first_token_time is None
-        self.metrics.observe_token(first, len(seq.request.prompt_token_ids),
-                                   now - (m.arrival_time if first else m.last_token_time))
+        since = m.arrival_time if first else m.last_token_time
+        assert since is not None  # set with the first token
+        self.metrics.observe_token(first, len(seq.request.prompt_token_ids), now - since)
         if first:
             m.first_token_time = now
         m.last_token_time = now
         if tok.logprob is not None:
             seq.cumulative_logprob += tok.logprob
+            assert seq.logprobs is not None  # a list where logprobs were asked for
             seq.logprobs.append(self._logprob_dict(tok))
         seq.finish_reason, seq.stop_reason = self._check_stop(seq, token)
 
@@ -83,8 +86,10 @@ class OutputProcessor:
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         delta = self.detokenizer.step(seq)
-        if stops_allowed and token in p.stop_token_ids:
-            return "stop", token
+        if stops_allowed:
+            assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
+            if token in p.stop_token_ids:
+                return "stop", token
         if stops_allowed and delta and p.stop_strings:
             stop = _cut_at_stop_string(seq, len(delta))
             if stop is not None:
@@ -96,8 +101,10 @@ class OutputProcessor:
         return None, None
 
     def _logprob_dict(self, tok: SampledToken) -> dict[int, Logprob]:
-        texts = self.tokenizer.batch_decode([[t] for t, _, _ in tok.top])
-        return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(tok.top, texts)}
+        top = tok.top
+        assert top is not None  # sampled with its logprob
+        texts = self.tokenizer.batch_decode([[t] for t, _, _ in top])
+        return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(top, texts)}
 
     # ---- outputs ---------------------------------------------------------------------
     @staticmethod

@@ -16,6 +16,8 @@ import torch
 from dfllm.engine.step_inputs import StepInputs, move_inputs
 
 if TYPE_CHECKING:  # for annotations only: the model runner calls this module
+    from dfllm.distributed.communication import GroupComm
+    from dfllm.distributed.parallel_state import ParallelContext
     from dfllm.engine.model_runner import ModelRunner
 
 LOGITS_TAG = 1_000_000  # pipeline tags: 2i and 2i + 1 carry micro-batch i's hidden states and residual
@@ -26,21 +28,23 @@ def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor |
     """This rank's part of one step over its micro-batches; on rank 0 the logits (float32,
     on CPU) of the sampled rows of all micro-batches, in order; None elsewhere."""
     ctx = runner.parallel
+    assert ctx is not None  # a parallel runner
     pending: list = []  # sends in flight, with the tensors they read (kept alive until done)
     logits: list[torch.Tensor] = []
     for i, mb in enumerate(micro):
         mb = move_inputs(mb, runner.device)
+        assert runner.model is not None  # its weights loaded
         out = runner.model(mb.input_ids, mb.positions, mb.meta, _receive_hidden(runner, mb, i))
         if not ctx.is_last_stage:
             for k, t in enumerate(out):
                 t = t.contiguous()
-                pending.append((ctx.pp.send(t, ctx.pp_rank + 1, 2 * i + k), t))
+                pending.append((_pipeline(ctx).send(t, ctx.pp_rank + 1, 2 * i + k), t))
             continue
         part = _logits(runner, out, mb.logit_rows)
         if ctx.is_driver:
             logits.append(part)
         elif ctx.tp_rank == 0 and part.numel():  # the last stage's first rank answers rank 0
-            pending.append((ctx.pp.send(part, 0, LOGITS_TAG + i), part))
+            pending.append((_pipeline(ctx).send(part, 0, LOGITS_TAG + i), part))
     if ctx.is_driver and not ctx.is_last_stage:
         logits = [_receive_logits(runner, mb, i) for i, mb in enumerate(micro)]
     for work, _ in pending:
@@ -53,15 +57,19 @@ def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor |
 def _receive_hidden(runner: ModelRunner, mb: StepInputs, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Micro-batch ``i``'s hidden states and residual from the previous stage (None on the first)."""
     ctx = runner.parallel
+    assert ctx is not None
     if ctx.is_first_stage:
         return None
     shape = (mb.input_ids.numel(), runner.spec.hidden_size)
-    return tuple(ctx.pp.recv(shape, runner.dtype, runner.device, ctx.pp_rank - 1, 2 * i + k) for k in (0, 1))
+    pp, src = _pipeline(ctx), ctx.pp_rank - 1
+    return (pp.recv(shape, runner.dtype, runner.device, src, 2 * i),
+            pp.recv(shape, runner.dtype, runner.device, src, 2 * i + 1))
 
 
 def _logits(runner: ModelRunner, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if rows.numel() == 0:
         return torch.empty(0, runner.spec.vocab_size, device=runner.device)
+    assert runner.model is not None
     return runner.model.compute_logits(hidden[rows]).float()
 
 
@@ -69,5 +77,12 @@ def _receive_logits(runner: ModelRunner, mb: StepInputs, i: int) -> torch.Tensor
     rows, vocab = mb.logit_rows.numel(), runner.spec.vocab_size
     if rows == 0:
         return torch.empty(0, vocab)
-    return runner.parallel.pp.recv((rows, vocab), torch.float32, runner.device, runner.parallel.pp_size - 1,
-                                   LOGITS_TAG + i)
+    ctx = runner.parallel
+    assert ctx is not None
+    return _pipeline(ctx).recv((rows, vocab), torch.float32, runner.device, ctx.pp_size - 1, LOGITS_TAG + i)
+
+
+def _pipeline(ctx: ParallelContext) -> GroupComm:
+    """The pipeline group, which exists wherever stages send to one another (``pp_size > 1``)."""
+    assert ctx.pp is not None
+    return ctx.pp

@@ -11,6 +11,8 @@ with a KV cache just large enough for a batch.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.engine.step_inputs import prepare_inputs
+from dfllm.models.bert import BertForSequenceClassification
 from dfllm.models.cpu_linear import packing_available, prepack_linears
 from dfllm.models.loader import load_weights
 from dfllm.models.pooler import PoolerConfig, normalize, pool
@@ -37,11 +40,13 @@ class PoolingEngine:
         self.cfg, self.pooler = cfg, pooler
         cls, self.is_decoder = pooling_model_class(cfg.model)
         self.num_labels = cfg.model.num_labels if hasattr(cls, "classify") else 0
+        self.model: nn.Module
         if self.is_decoder:
             self.runner = ModelRunner(cfg)
             num_blocks = self._blocks_for_one_batch()
             self.runner.allocate_kv_cache(num_blocks)
             self.runner.zero_blocks(list(range(num_blocks)))  # one-token prompts read it as decodes
+            assert self.runner.model is not None  # just built
             self.model = self.runner.model
         else:
             self.model = _build(cls, cfg)
@@ -90,7 +95,8 @@ class PoolingEngine:
         if task == "token_embed":
             return [hidden[i, : len(p)].float().cpu() for i, p in enumerate(prompts)]
         if task == "classify":
-            logits = self.model.classify(hidden).float()
+            # a classifier (the only models with ``classify``); torch's stubs see Module attributes as Tensor | Module
+            logits = cast(BertForSequenceClassification, self.model).classify(hidden).float()
             return [_activate(row, p.use_activation) for row, p in zip(logits.cpu(), params)]
         pooled = pool(hidden, valid, self.pooler.pooling_type).float()
         normed = normalize(pooled)

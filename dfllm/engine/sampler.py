@@ -65,6 +65,7 @@ class Sampler:
         chosen = float(lp[token_id])
         rank = int((lp > chosen).sum()) + 1
         k = seq.params.logprobs
+        assert k is not None  # raw holds only the rows that asked for logprobs
         k = lp.numel() if k == -1 else k
         top: list[tuple[int, float, int]] = []
         if k > 0:
@@ -87,6 +88,7 @@ class Sampler:
                 counts = counts[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if seq.num_output_tokens < p.min_tokens and seq.grammar is None:  # a grammar decides its own end
+                assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")

@@ -34,7 +34,7 @@ class Sequence:
     the scheduler feeds ``token_ids[num_computed_tokens:]`` (or a chunk of it) next.
     """
 
-    request: "Request"
+    request: Request
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -54,7 +54,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # why it ended with finish_reason "error" (non-finite logits)
-    grammar: "SequenceGrammar | None" = None  # structured outputs: this sequence's matcher
+    grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
 
     @property
     def params(self) -> SamplingParams:
@@ -87,7 +87,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     group: Hashable = None  # requests re-run together after a failed step (one call, one partition)
-    grammar: "Grammar | None" = None  # structured outputs: the compiled constraint of its sequences
+    grammar: Grammar | None = None  # structured outputs: the compiled constraint of its sequences
     seqs: list[Sequence] = field(default_factory=list)
 
     @property

@@ -53,9 +53,12 @@ class GrammarCompiler:
         if kind == "json":
             compiled = self.compiler.compile_json_schema(key[1], any_whitespace=False)
         elif kind == "regex":
+            assert params.regex is not None  # kind names the one field that is set
             compiled = self.compiler.compile_regex(params.regex)
         else:
-            compiled = self.compiler.compile_grammar(params.grammar if kind == "grammar" else params.to_ebnf())
+            grammar = params.grammar if kind == "grammar" else params.to_ebnf()
+            assert grammar is not None  # a grammar, or a choice as EBNF
+            compiled = self.compiler.compile_grammar(grammar)
         with self.lock:
             self.cache[key] = compiled
             self.num_compiled += 1
@@ -63,7 +66,7 @@ class GrammarCompiler:
                 self.cache.popitem(last=False)
         return compiled
 
-    def prepare(self, params: StructuredOutputsParams) -> "Grammar":
+    def prepare(self, params: StructuredOutputsParams) -> Grammar:
         """``params`` compiled (raising now on a bad constraint), ready to start matchers."""
         return Grammar(self._xgr, self.compile(params), self.stop_token_ids, self.vocab_size)
 
@@ -75,7 +78,7 @@ class Grammar:
         self._xgr, self.compiled = xgr, compiled
         self.stop_token_ids, self.vocab_size = stop_token_ids, vocab_size
 
-    def matcher(self) -> "SequenceGrammar":
+    def matcher(self) -> SequenceGrammar:
         return SequenceGrammar(self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids),
                                self.vocab_size)
 
@@ -114,7 +117,8 @@ _bitmask_lock = threading.Lock()
 
 def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
     """Set to ``-inf``, in place, every logit the row's grammar forbids (None rows: untouched)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    active = [(i, g) for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    rows = [i for i, _ in active]
     if not rows:
         return
     import xgrammar as xgr
@@ -124,10 +128,10 @@ def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) ->
         bitmask = _bitmasks.pop(vocab, None)
     if bitmask is None or bitmask.shape[0] < batch:
         bitmask = xgr.allocate_token_bitmask(batch, vocab)
-    for i in rows:
-        grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+    for i, g in active:
+        g.matcher.fill_next_token_bitmask(bitmask, i)
     mask = bitmask[:batch] if logits.device.type == "cpu" else bitmask[:batch].to(logits.device, non_blocking=True)
-    known = min(vocab, min(grammars[i].vocab_size for i in rows))
+    known = min(vocab, min(g.vocab_size for _, g in active))
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=known, indices=rows)
     if known < vocab:
         logits[rows, known:] = float("-inf")

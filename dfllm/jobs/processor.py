@@ -61,8 +61,9 @@ from __future__ import annotations
 
 import uuid
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -79,7 +80,7 @@ ERROR = LLM_ERROR
 _STRING = pd.ArrowDtype(pa.string())
 
 #: What ``meta=`` accepts: a DataFrame, a dict or list of (column, dtype) pairs, a pyarrow schema.
-Meta = Union[pd.DataFrame, Mapping[str, Any], Sequence[tuple[str, Any]], pa.Schema]
+Meta = pd.DataFrame | Mapping[str, Any] | Sequence[tuple[str, Any]] | pa.Schema
 
 
 @dataclass

@@ -79,7 +79,8 @@ def read_input(path: str, *, fmt: str | None = None, storage_options: dict | Non
     raise InputError(f"unknown format {fmt!r}; use parquet, csv or json")
 
 
-def repartition(ddf: dd.DataFrame, *, partition_size: int | None = None, npartitions: int | None = None) -> dd.DataFrame:
+def repartition(ddf: dd.DataFrame, *, partition_size: int | None = None,
+                npartitions: int | None = None) -> dd.DataFrame:
     """Split ``ddf`` into ``npartitions``, or into partitions of about ``partition_size`` rows
     (this counts the rows once). Each partition is one task, one resumable output file."""
     if npartitions is not None:

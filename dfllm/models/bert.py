@@ -35,6 +35,7 @@ class BertEmbeddings(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h = spec.hidden_size
+        assert spec.max_position_embeddings is not None  # every BERT config names it
         self.word_embeddings = nn.Embedding(spec.vocab_size, h)
         self.position_embeddings = nn.Embedding(spec.max_position_embeddings, h)
         self.token_type_embeddings = nn.Embedding(spec.type_vocab_size, h)
@@ -52,7 +53,8 @@ class BertSelfAttention(nn.Module):
         h = spec.hidden_size
         self.num_heads, self.head_dim = spec.num_attention_heads, h // spec.num_attention_heads
         self.qkv_proj = nn.Linear(h, 3 * h)
-        self.qkv_proj.output_sizes = [h, h, h]
+        # torch's stubs type nn.Module.__setattr__'s value as Tensor | Module (it takes any value)
+        self.qkv_proj.output_sizes = [h, h, h]  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, n, _ = x.shape
@@ -76,19 +78,21 @@ class BertDenseNorm(nn.Module):
 class BertAttention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        setattr(self, "self", BertSelfAttention(spec))
+        self.self = BertSelfAttention(spec)
         self.output = BertDenseNorm(spec.hidden_size, spec.hidden_size, spec.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.output(getattr(self, "self")(x, mask), x)
+        return self.output(self.self(x, mask), x)
 
 
 class BertIntermediate(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.dense = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        assert spec.hidden_act is not None  # check_bert_config accepted it
         self.act = ACTIVATIONS[spec.hidden_act]
-        self.dense.fusable_activation = "gelu" if spec.hidden_act == "gelu" else None
+        # torch's stubs type nn.Module.__setattr__'s value as Tensor | Module (it takes any value)
+        self.dense.fusable_activation = "gelu" if spec.hidden_act == "gelu" else None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.dense, "fused_activation", None):
@@ -168,7 +172,9 @@ class BertForSequenceClassification(nn.Module):
         return self.bert(input_ids, token_type_ids, valid)
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.bert.pooler(hidden))
+        pooler = self.bert.pooler
+        assert pooler is not None  # built with_pooler=True
+        return self.classifier(pooler(hidden))
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

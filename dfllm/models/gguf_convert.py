@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+
 def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
     """Convert a llama-architecture GGUF file into a float32 Hugging Face directory.
 

@@ -29,6 +29,9 @@ class RotaryEmbedding(nn.Module):
     own rope initialisers for the scaled variants (linear, llama3, yarn, longrope).
     """
 
+    cos: torch.Tensor  # buffers (registered in __init__)
+    sin: torch.Tensor
+
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
         super().__init__()
         pos = torch.arange(max_positions, dtype=torch.float32)

@@ -11,6 +11,8 @@ under tensor parallelism, its slice of every layer (see ``parallel_layers``).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -65,13 +67,15 @@ class DecoderModel(nn.Module):
             DecoderLayer(spec, qkv_bias, o_bias, ops, tp) if self.start <= i < self.end else nn.Identity()
             for i in range(n)
         )
-        self.stage_layers = list(self.layers)[self.start : self.end]
+        # this stage's DecoderLayers (nn.ModuleList's stubs know its items only as Modules)
+        self.stage_layers = cast(list[DecoderLayer], list(self.layers)[self.start : self.end])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops) if last else None
         inv_freq, scaling = rope_inv_freq(spec)
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling, max_positions)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         if intermediate is None:
+            assert self.embed_tokens is not None  # only a first stage runs without intermediate states
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
@@ -94,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         last = self.model.norm is not None
         self.lm_head = lm_head(spec.vocab_size, spec.hidden_size, tp) if last else None
         self.tie_word_embeddings = spec.tie_word_embeddings
-        if self.tie_word_embeddings and last and self.model.embed_tokens is not None:
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         if parallel is not None and parallel.pp_size > 1:
             self.checkpoint_name = self._stage_checkpoint_name
@@ -124,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None  # only a last stage computes logits
         return self.lm_head(hidden)
 
 

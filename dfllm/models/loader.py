@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -134,7 +135,8 @@ def destination(model: nn.Module, params: dict[str, nn.Parameter], packed: dict,
         return None
     dest = param.data
     if shard is not None:
-        sizes = model.get_submodule(target.rsplit(".", 1)[0]).output_sizes
+        # a plain attribute set by the layer's builder (torch's stubs say Tensor | Module)
+        sizes = cast(list[int], model.get_submodule(target.rsplit(".", 1)[0]).output_sizes)
         dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
     return target, dest
 
@@ -191,7 +193,8 @@ def _shard_of(tensor: torch.Tensor, shard: tuple[int, int, int] | None) -> torch
 def _shard_dest(dest: torch.Tensor, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
     """A split vocabulary that does not divide evenly is padded past its end: such a parameter
     (``tp_padded``) is filled only as far as its slice reaches."""
-    dim = param.tp_shard[0] if getattr(param, "tp_padded", False) else None
+    shard = getattr(param, "tp_shard", None)
+    dim = shard[0] if shard is not None and getattr(param, "tp_padded", False) else None
     if dim is None or tensor.dim() != dest.dim() or tensor.shape[dim] >= dest.shape[dim]:
         return dest
     return dest.narrow(dim, 0, tensor.shape[dim])

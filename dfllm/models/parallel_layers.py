@@ -33,8 +33,9 @@ def shard_range(full: int, rank: int, size: int) -> tuple[int, int]:
 def _mark(param: nn.Parameter, dim: int, tp: GroupComm, full: int | None = None) -> nn.Parameter:
     """Tag ``param`` as this rank's slice along ``dim``; ``full`` (the unsplit size) marks a
     slice that may be padded past the end (``tp_padded``)."""
-    param.tp_shard = (dim, tp.rank, tp.size)
-    param.tp_padded = full is not None and full % tp.size != 0
+    # torch's stubs allow no new attributes on a Parameter (a tensor takes any at run time)
+    param.tp_shard = (dim, tp.rank, tp.size)  # type: ignore[attr-defined]
+    param.tp_padded = full is not None and full % tp.size != 0  # type: ignore[attr-defined]
     return param
 
 
@@ -101,7 +102,8 @@ def column_linear(in_features: int, output_sizes: list[int], bias: bool, tp: Gro
         return ColumnParallelLinear(in_features, output_sizes, bias, tp)
     layer = nn.Linear(in_features, sum(output_sizes), bias=bias)
     if len(output_sizes) > 1:
-        layer.output_sizes = list(output_sizes)
+        # torch's stubs type nn.Module.__setattr__'s value as Tensor | Module (it takes any value)
+        layer.output_sizes = list(output_sizes)  # type: ignore[assignment]
     return layer
 
 

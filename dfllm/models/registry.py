@@ -9,7 +9,7 @@ from dfllm.models.bert import BertForSequenceClassification, BertModel
 from dfllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from dfllm.models.spec import ModelSpec
 
-GENERATIVE_ARCHITECTURES: dict[str, type[nn.Module]] = {
+GENERATIVE_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -40,6 +40,6 @@ def pooling_model_class(spec: ModelSpec) -> tuple[type[nn.Module], bool]:
     return model_class(spec), True
 
 
-def model_class(spec: ModelSpec) -> type[nn.Module]:
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
     """The dfllm decoder class of a (supported) model: its first architecture dfllm implements."""
     return next(GENERATIVE_ARCHITECTURES[a] for a in spec.architectures if a in GENERATIVE_ARCHITECTURES)
