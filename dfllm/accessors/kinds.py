@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dfllm.accessors import runners
+from dfllm.accessors.runners import run_chat, run_classify, run_embed, run_generate, run_score
 from dfllm.accessors.schema import (
     FINISH_REASON,
     FLOAT,
@@ -60,11 +60,11 @@ class TaskKind:
 _GENERATION_COLUMNS = ((NUM_INPUT_TOKENS, INT), (NUM_GENERATED_TOKENS, INT), (FINISH_REASON, STRING))
 
 KINDS: dict[str, TaskKind] = {k.name: k for k in (
-    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, runners.run_generate),
-    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, runners.run_chat),
-    TaskKind("embed", 1, "embedding", VECTOR, (), False, runners.run_embed, DEFAULT_EMBED_MODEL),
-    TaskKind("score", 2, "score", FLOAT, (), False, runners.run_score, DEFAULT_EMBED_MODEL),
-    TaskKind("classify", 1, "label", STRING, ((PROBS, VECTOR),), False, runners.run_classify,
+    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_generate),
+    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_chat),
+    TaskKind("embed", 1, "embedding", VECTOR, (), False, run_embed, DEFAULT_EMBED_MODEL),
+    TaskKind("score", 2, "score", FLOAT, (), False, run_score, DEFAULT_EMBED_MODEL),
+    TaskKind("classify", 1, "label", STRING, ((PROBS, VECTOR),), False, run_classify,
              model_required="a classifier model"),
 )}
 
