@@ -17,13 +17,15 @@ class SamplingParams:
     The fields, their names and their defaults follow vLLM's ``SamplingParams``:
 
     - ``n``: number of completions returned for the prompt.
-    - ``temperature``: 0 means greedy decoding; otherwise logits are divided by it.
+    - ``temperature``: 0 means greedy decoding; otherwise logits are divided by it (any
+      non-negative value, as in vLLM).
     - ``top_p``, ``top_k`` (0 or -1 disables), ``min_p``: nucleus, top-k and min-p filtering.
     - ``seed``: a per-request seed. A seeded request yields the same text whatever else is
       in the batch. With ``n > 1`` completion ``i`` uses ``seed + i``.
     - ``stop``: strings that end the completion; they are cut from the text unless
       ``include_stop_str_in_output``.
-    - ``stop_token_ids``: token ids that end the completion (kept in ``token_ids``).
+    - ``stop_token_ids``: token ids that end the completion (kept in ``token_ids``; their
+      text is left out of ``text`` unless ``include_stop_str_in_output``).
     - ``ignore_eos``: keep generating past the end-of-sequence token.
     - ``max_tokens`` (default 16) and ``min_tokens``: bounds on generated tokens.
     - ``logprobs``: return this many top log-probabilities per generated token (plus the
@@ -96,7 +98,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n, 1, _MAX_N)
-        _check_float("temperature", self.temperature, 0.0, 2.0)
+        _check_float("temperature", self.temperature, 0.0, None)  # no upper bound, as in vLLM
         if 0.0 < self.temperature < 1e-2:
             self.temperature = 1e-2
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -141,5 +143,5 @@ def _check_float(
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
         left = "(" if low_open else "["
-        bound = f"{left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
+        bound = f"in {left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")

@@ -78,6 +78,20 @@ def test_stop_token_ids(llm):
     out = llm.generate("Count", SamplingParams(max_tokens=10, stop_token_ids=[stop_id], **GREEDY),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    # vLLM's text: the stop token's text is left out, unless include_stop_str_in_output
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(ref[:first], skip_special_tokens=True)
+    keep = SamplingParams(max_tokens=10, stop_token_ids=[stop_id], include_stop_str_in_output=True, **GREEDY)
+    kept = llm.generate("Count", keep, use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == out.token_ids and kept.text == tok.decode(ref[: first + 1], skip_special_tokens=True)
+
+
+def test_temperature_above_two_is_accepted(llm):
+    """vLLM bounds temperature only below (>= 0); a hot sample is still a valid completion."""
+    out = llm.generate("Count", SamplingParams(temperature=5.0, seed=1, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="temperature must be >= 0.0"):
+        SamplingParams(temperature=-0.1)
 
 
 def test_max_model_len_ends_generation(llm):

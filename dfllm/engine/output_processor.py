@@ -85,11 +85,12 @@ class OutputProcessor:
         stops_allowed = seq.num_output_tokens >= p.min_tokens
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
+        assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
+        if stops_allowed and token in p.stop_token_ids:  # its text only with include_stop_str_in_output
+            if p.include_stop_str_in_output:
+                self.detokenizer.step(seq)
+            return "stop", token
         delta = self.detokenizer.step(seq)
-        if stops_allowed:
-            assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
-            if token in p.stop_token_ids:
-                return "stop", token
         if stops_allowed and delta and p.stop_strings:
             stop = _cut_at_stop_string(seq, len(delta))
             if stop is not None:
