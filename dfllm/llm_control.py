@@ -82,8 +82,10 @@ class EngineControl:
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the engine's Prometheus metrics (``dfllm_*``) as Counter, Gauge and
-        Histogram objects, each with its name and labels."""
-        return snapshot(self.require_generative("get_metrics").metrics.registry)
+        Histogram objects, each with its name and labels; those vLLM also has are reported a
+        second time under vLLM's names (``vllm:num_requests_running``, ``vllm:prompt_tokens``,
+        ``vllm:request_generation_tokens``...)."""
+        return snapshot(self.require_generative("get_metrics").metrics.registry, vllm_names=True)
 
     # ---- weight updates ------------------------------------------------------------------
     def init_weight_transfer_engine(self, config: dict | None = None) -> None:

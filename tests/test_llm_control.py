@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import time
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dfllm import LLM, SamplingParams
-from dfllm.engine.metrics import Counter, Gauge, Histogram
+from dfllm.engine.metrics import VLLM_NAMES, Counter, Gauge, Histogram
 
 from helpers import build_tiny_model, hf_greedy, random_prompts
 
@@ -152,6 +153,12 @@ def test_metrics_count_the_tokens_processed(tiny_llama):
     assert metric(m, "dfllm_num_requests_running").value == 0
     assert metric(m, "dfllm_num_requests_waiting").value == 0
     assert metric(m, "dfllm_kv_cache_usage_perc").value == 0.0
+    # per-request token histograms, and vLLM's names for code written against vLLM's get_metrics()
+    assert metric(m, "dfllm_request_prompt_tokens").sum == sum(len(o.prompt_token_ids) for o in outs)
+    assert metric(m, "dfllm_request_generation_tokens").count == 6
+    for dfllm_name, vllm_name in VLLM_NAMES.items():
+        assert metric(m, vllm_name) == dataclasses.replace(metric(m, dfllm_name), name=vllm_name)
+    assert metric(m, "vllm:generation_tokens").value == sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 # ---- weight updates ------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ class LLMEngine:
             if req.is_finished and req.request_id in self.requests:
                 del self.requests[req.request_id]
                 req.metrics.finished_time = now
-                self.metrics.observe_finish(now - req.metrics.arrival_time)
+                self.metrics.observe_finish(now - req.metrics.arrival_time, len(req.prompt_token_ids),
+                                            sum(s.num_output_tokens for s in req.seqs))
                 finished.append(req)
         return finished
 

@@ -3,6 +3,7 @@ snapshots of them as plain objects (``Counter``, ``Gauge``, ``Histogram``), like
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -12,6 +13,23 @@ from prometheus_client import Histogram as PromHistogram
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM's names of the same metrics, also reported by snapshot(..., vllm_names=True) (get_metrics)
+VLLM_NAMES = {
+    "dfllm_num_requests_running": "vllm:num_requests_running",
+    "dfllm_num_requests_waiting": "vllm:num_requests_waiting",
+    "dfllm_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "dfllm_prompt_tokens": "vllm:prompt_tokens",
+    "dfllm_generation_tokens": "vllm:generation_tokens",
+    "dfllm_num_preemptions": "vllm:num_preemptions",
+    "dfllm_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "dfllm_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "dfllm_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "dfllm_time_per_output_token_seconds": "vllm:inter_token_latency_seconds",
+    "dfllm_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "dfllm_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "dfllm_request_generation_tokens": "vllm:request_generation_tokens",
+}
 
 
 class EngineMetrics:
@@ -42,6 +60,10 @@ class EngineMetrics:
         self.ttft = histogram("dfllm_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.tpot = histogram("dfllm_time_per_output_token_seconds", "Time between output tokens", TOKEN_BUCKETS)
         self.e2e = histogram("dfllm_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.request_prompt = histogram("dfllm_request_prompt_tokens", "Prompt tokens per finished request",
+                                        LENGTH_BUCKETS)
+        self.request_generation = histogram("dfllm_request_generation_tokens",
+                                            "Generated tokens per finished request", LENGTH_BUCKETS)
 
     def observe_step(self, num_running: int, num_waiting: int, kv_usage: float, preempted: int,
                      prefix_queries: int, prefix_hits: int) -> None:
@@ -62,8 +84,11 @@ class EngineMetrics:
         else:
             self.tpot.observe(seconds)
 
-    def observe_finish(self, seconds: float) -> None:
+    def observe_finish(self, seconds: float, prompt_tokens: int, generated_tokens: int) -> None:
+        """A finished request: its latency and its prompt and generated token counts."""
         self.e2e.observe(seconds)
+        self.request_prompt.observe(prompt_tokens)
+        self.request_generation.observe(generated_tokens)
 
 
 # ---- snapshots -----------------------------------------------------------------------
@@ -92,8 +117,10 @@ class Histogram(Metric):
     buckets: dict[str, int] = field(default_factory=dict)
 
 
-def snapshot(registry: CollectorRegistry) -> list[Metric]:
-    """Every counter, gauge and histogram of ``registry``, one object per label set."""
+def snapshot(registry: CollectorRegistry, vllm_names: bool = False) -> list[Metric]:
+    """Every counter, gauge and histogram of ``registry``, one object per label set; with
+    ``vllm_names``, each of :data:`VLLM_NAMES` a second time under vLLM's name (``vllm:...``),
+    so code written against vLLM's ``get_metrics()`` finds what it reads."""
     out: list[Metric] = []
     for family in registry.collect():
         by_labels: dict[tuple, list] = {}
@@ -105,6 +132,8 @@ def snapshot(registry: CollectorRegistry) -> list[Metric]:
             metric = _convert(family.type, family.name, labels, samples)
             if metric is not None:
                 out.append(metric)
+    if vllm_names:
+        out += [dataclasses.replace(m, name=VLLM_NAMES[m.name]) for m in out if m.name in VLLM_NAMES]
     return out
 
 
