@@ -97,7 +97,7 @@ def test_tensor_and_pipeline_parallel_together_qwen2(models, prompts):
 
 
 def test_each_rank_holds_its_share(tp_llm):
-    ranks = tp_llm.collective_rpc(lambda w: (w.parallel.rank, os.getpid()))
+    ranks = tp_llm.collective_rpc(lambda w: (w.rank, os.getpid()))
     assert [r for r, _ in ranks] == [0, 1]
     assert ranks[0][1] == os.getpid() and ranks[1][1] == worker_pids(tp_llm)[0]
     shapes = tp_llm.apply_model(lambda m: (tuple(m.model.layers[0].self_attn.qkv_proj.weight.shape),

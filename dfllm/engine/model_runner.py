@@ -55,6 +55,22 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = self._build_model()  # None while dropped
         self.kv: torch.Tensor | None = None
 
+    # ---- what vLLM's workers expose to collective_rpc callables ----------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank's index in the engine (0 on one rank)."""
+        return 0 if self.parallel is None else self.parallel.rank
+
+    @property
+    def local_rank(self) -> int:
+        """The rank's index on its machine: all ranks run on this one."""
+        return self.rank
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The runner itself: vLLM's callables reach the model as ``worker.model_runner.model``."""
+        return self
+
     def _build_model(self) -> LlamaForCausalLM:
         with torch.device(self.device):
             model = model_class(self.spec)(self.spec, self.ops, self.max_model_len, self.parallel)
