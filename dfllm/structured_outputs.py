@@ -1,16 +1,26 @@
-"""Constraints on what a request may generate: a JSON schema, a regex, a choice or a grammar.
+"""Constraints on what a request may generate: a JSON schema, a regex, a choice, a grammar,
+any JSON object, or structural tags.
 
 ``StructuredOutputsParams`` has vLLM's name and fields. Exactly one of ``json``, ``regex``,
-``choice`` and ``grammar`` is set:
+``choice``, ``grammar``, ``json_object`` and ``structural_tag`` is set:
 
 - ``json``: a JSON schema as a dict (or its JSON text), or a pydantic model class (its
   ``model_json_schema()``). Output is compact JSON (``", "`` and ``": "`` separators, no
   other whitespace), so no tokens go to indentation and a small model cannot wander in
-  whitespace.
+  whitespace; ``disable_any_whitespace=False`` allows any whitespace between tokens, as
+  vLLM does by default. ``disable_additional_properties=True`` closes every object of the
+  schema that does not say otherwise (``"additionalProperties": false``).
+- ``json_object=True``: any JSON object (vLLM compiles the schema ``{"type": "object"}``).
 - ``regex``: the whole output matches this regular expression.
 - ``choice``: the output is exactly one of these strings.
 - ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF-like) whose ``root`` rule the
   output matches.
+- ``structural_tag``: xgrammar's structural tag as JSON text, in vLLM's older form
+  (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``) or xgrammar's
+  current one: free text until a trigger, then the tagged structure.
+
+``whitespace_pattern`` (an option of vLLM's outlines backend) is refused: xgrammar, the
+backend dfllm uses, has no whitespace pattern.
 
 The constraint is checked when the object is built (a bad schema, regex or grammar raises
 ``ValueError``); the engine compiles it once per distinct constraint and masks the logits of
@@ -23,7 +33,8 @@ import json as _json
 import re
 from dataclasses import dataclass
 
-KINDS = ("json", "regex", "choice", "grammar")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+ANY_JSON_OBJECT = {"type": "object"}
 
 
 @dataclass(eq=False)
@@ -34,14 +45,30 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None  # None: compact JSON (dfllm's default)
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("structured_outputs: set exactly one of json, regex, choice and grammar"
-                             f" (got {given or 'none'})")
+            raise ValueError(f"structured_outputs: set exactly one of {', '.join(KINDS)} (got {given or 'none'})")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported: dfllm's grammar backend is "
+                             "xgrammar, which has none; use disable_any_whitespace")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
         if self.json is not None:
             self.json = _schema_dict(self.json)
+            if self.disable_additional_properties:
+                self.json = _closed(self.json)
+        elif self.structural_tag is not None:
+            if not isinstance(self.structural_tag, str) or not self.structural_tag.strip():
+                raise ValueError(f"structured_outputs.structural_tag must be JSON text, got {self.structural_tag!r}")
         elif self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
                 raise ValueError(f"structured_outputs.regex must be a non-empty str, got {self.regex!r}")
@@ -54,7 +81,7 @@ class StructuredOutputsParams:
                                  f"got {self.choice!r}")
             if len(set(self.choice)) != len(self.choice):
                 raise ValueError(f"structured_outputs.choice has duplicates: {self.choice!r}")
-        elif not isinstance(self.grammar, str) or not self.grammar.strip():
+        elif self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError(f"structured_outputs.grammar must be a non-empty str, got {self.grammar!r}")
         self._check_compiles()
 
@@ -64,16 +91,22 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) is not None)
 
     @property
-    def key(self) -> tuple[str, str]:
-        """A canonical, hashable form: equal constraints share one compiled grammar.
+    def any_whitespace(self) -> bool:
+        """Whether JSON output may hold any whitespace between tokens (else compact)."""
+        return self.disable_any_whitespace is False
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """A canonical, hashable form, ``(kind, value, any_whitespace)``: equal constraints
+        share one compiled grammar.
 
         Key order is kept (not sorted): a schema's ``properties`` order is the order of the
         fields in the output.
         """
-        value = getattr(self, self.kind)
-        if self.kind in ("json", "choice"):
+        value = ANY_JSON_OBJECT if self.kind == "json_object" else getattr(self, self.kind)
+        if self.kind in ("json", "choice", "json_object"):
             value = _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-        return self.kind, value
+        return self.kind, value, self.any_whitespace
 
     def __eq__(self, other) -> bool:
         return isinstance(other, StructuredOutputsParams) and self.key == other.key
@@ -87,9 +120,10 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, values: dict) -> StructuredOutputsParams:
         """Build from a plain dict such as ``{"json": {...}}``; unknown keys raise."""
-        unknown = sorted(set(values) - set(KINDS))
+        unknown = sorted(set(values) - set(KINDS) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; expected one of {list(KINDS)}")
+            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; expected one of "
+                             f"{list(KINDS)} and the options {list(OPTIONS)}")
         return cls(**{k: v for k, v in values.items() if v is not None})
 
     def to_ebnf(self) -> str | None:
@@ -103,15 +137,47 @@ class StructuredOutputsParams:
         import xgrammar as xgr
 
         try:
-            if self.json is not None:
-                xgr.Grammar.from_json_schema(_json.dumps(self.json), any_whitespace=False)
+            if self.json is not None or self.json_object:
+                xgr.Grammar.from_json_schema(self.key[1], any_whitespace=self.any_whitespace)
+            elif self.structural_tag is not None:
+                structural_tag_grammar(self.structural_tag)
             elif self.regex is not None:
                 xgr.Grammar.from_regex(self.regex)
             else:
                 xgr.Grammar.from_ebnf(self.grammar if self.grammar is not None else self.to_ebnf())
-        except RuntimeError as exc:  # xgrammar's parse errors
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # xgrammar's parse errors, a bad tag
             message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip()) or repr(exc)
             raise ValueError(f"structured_outputs.{self.kind}: invalid {self.kind}: {message}") from None
+
+
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+def structural_tag_grammar(structural_tag: str, compiler=None):
+    """The grammar of a structural tag (JSON text), compiled with ``compiler`` (an xgrammar
+    ``GrammarCompiler``) or, without one, only parsed: vLLM's older form
+    (``structures``/``triggers``) or xgrammar's current one."""
+    import xgrammar as xgr
+
+    tag = _json.loads(structural_tag)
+    build = xgr.Grammar.from_structural_tag if compiler is None else compiler.compile_structural_tag
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=_json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        return build(items, tag["triggers"])
+    return build(structural_tag)
+
+
+def _closed(schema):
+    """``schema`` with ``"additionalProperties": false`` on every object schema that does not set it."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _schema_dict(schema) -> dict:

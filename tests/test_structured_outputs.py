@@ -90,6 +90,56 @@ def llm(tiny_llama):
 PROMPTS = [[20 + (7 * i + 3 * j) % 900 for j in range(5 + 3 * i)] for i in range(10)]
 
 
+# ---- vLLM's other constraints and options ---------------------------------------------------------------
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+LEGACY_TAG = json.dumps({"type": "structural_tag", "triggers": ["<f="],
+                         "structures": [{"begin": "<f=weather>", "schema": WEATHER, "end": "</f>"}]})
+
+
+def test_json_object_structural_tag_and_options(llm):
+    """vLLM's json_object (any JSON object), structural_tag (free text until a trigger, then
+    the tagged JSON), disable_additional_properties and disable_any_whitespace, each held
+    by the random model's output; whitespace_pattern and a bad tag are refused."""
+    def run(so, max_tokens=48, seed=0):
+        sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=so)
+        return llm.generate([{"prompt_token_ids": PROMPTS[1]}], sp, use_tqdm=False)[0].outputs[0]
+
+    obj = run(StructuredOutputsParams(json_object=True), max_tokens=200)
+    if obj.structured_output_complete:
+        assert isinstance(json.loads(obj.text), dict)
+    else:  # a random model may not close the object in time: what it wrote is still a valid prefix
+        assert obj.text.startswith("{") and obj.finish_reason == "length"
+    closed = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "boolean"}}},
+                                     disable_additional_properties=True)
+    assert closed.json["additionalProperties"] is False
+    out = run(closed, max_tokens=24)
+    assert out.structured_output_complete and set(json.loads(out.text)) <= {"a"}
+    spaced = StructuredOutputsParams(json=WEATHER, disable_any_whitespace=False)
+    assert spaced.key != StructuredOutputsParams(json=WEATHER).key and spaced.any_whitespace
+    assert StructuredOutputsParams(json_object=False, regex="a").kind == "regex"
+    # the compiled grammars accept exactly what they should (text fed token by token)
+    tok = llm.get_tokenizer()
+
+    def accepts(so, text: str) -> bool:
+        matcher = llm.engine.input_processor.grammars.prepare(so).matcher()
+        return all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    tag = StructuredOutputsParams(structural_tag=LEGACY_TAG)
+    assert accepts(tag, 'free text <f=weather>{"city": "Oslo"}</f> more text')
+    assert not accepts(tag, 'free text <f=weather>{"town": 1}</f>')
+    assert accepts(StructuredOutputsParams(json_object=True), '{"any": [1, 2, {"b": null}]}')
+    assert not accepts(StructuredOutputsParams(json_object=True), "[1, 2]")
+    assert accepts(StructuredOutputsParams(json=WEATHER), '{"city": "Oslo"}')  # one space after : and ,
+    assert not accepts(StructuredOutputsParams(json=WEATHER), '{ "city" : "Oslo" }')
+    assert accepts(spaced, '{ "city" : "Oslo" }')  # vLLM's default: any whitespace
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(json=WEATHER, whitespace_pattern=r"[ ]?")
+    with pytest.raises(ValueError, match="structural_tag"):
+        StructuredOutputsParams(structural_tag="{not json")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json_object=True, regex="a")
+
+
 def test_every_constraint_holds_in_a_mixed_batch(llm):
     """Greedy, seeded and unseeded sampled rows of every kind, next to unconstrained rows, in one batch."""
     free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from dfllm.structured_outputs import StructuredOutputsParams
+from dfllm.structured_outputs import StructuredOutputsParams, structural_tag_grammar
 
 _CACHE_SIZE = 256
 
@@ -38,7 +38,7 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.cache: OrderedDict[tuple[str, str, bool], object] = OrderedDict()
         self.lock = threading.Lock()
         self.num_compiled = 0
 
@@ -50,8 +50,11 @@ class GrammarCompiler:
                 self.cache.move_to_end(key)
                 return self.cache[key]
         kind = params.kind
-        if kind == "json":
-            compiled = self.compiler.compile_json_schema(key[1], any_whitespace=False)
+        if kind in ("json", "json_object"):
+            compiled = self.compiler.compile_json_schema(key[1], any_whitespace=params.any_whitespace)
+        elif kind == "structural_tag":
+            assert params.structural_tag is not None
+            compiled = structural_tag_grammar(params.structural_tag, self.compiler)
         elif kind == "regex":
             assert params.regex is not None  # kind names the one field that is set
             compiled = self.compiler.compile_regex(params.regex)
