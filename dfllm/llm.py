@@ -26,6 +26,7 @@ from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
+from dfllm.engine_args import check_vllm_args
 from dfllm.llm_control import EngineControl
 from dfllm.llm_pooling import PoolingFrontend, check_pooling_task, not_pooling_error
 from dfllm.logger import init_logger
@@ -80,6 +81,15 @@ class LLM:
     is lost: the engine drops its batch and re-runs the call's unfinished requests from
     scratch on their own (a ``generate`` call that still fails alone raises that error), and
     re-queues requests of ``enqueue`` from scratch for a later call.
+
+    vLLM's common engine arguments are accepted too, with vLLM's defaults, so that vLLM
+    examples run unchanged: ``enforce_eager``, ``compilation_config``, ``swap_space``,
+    ``disable_log_stats`` and the like are no-ops (dfllm captures no CUDA graphs, never
+    swaps, logs no periodic stats), ``tokenizer_mode="slow"`` asks transformers for a slow
+    tokenizer, and values dfllm cannot honour (``trust_remote_code=True``, a ``quantization``,
+    a ``revision``, ``load_format`` other than safetensors, ``scheduling_policy="priority"``
+    ...) raise ``ValueError`` naming the argument and value. :data:`dfllm.engine_args.VLLM_ARGS`
+    lists each one and what dfllm does with it. Unknown names raise ``TypeError``.
     """
 
     def __init__(
@@ -102,7 +112,42 @@ class LLM:
         attention_backend: str = "auto",
         runner: str = "auto",
         profiler_dir: str | Path = "./dfllm_traces",
+        # vLLM engine arguments, with vLLM's defaults: checked by dfllm.engine_args
+        enforce_eager: bool = False,
+        compilation_config: Any = None,
+        max_seq_len_to_capture: int | None = 8192,
+        disable_log_stats: bool = True,
+        max_logprobs: int | None = 20,
+        enable_chunked_prefill: bool | None = None,
+        swap_space: float = 4,
+        enable_sleep_mode: bool = False,
+        disable_custom_all_reduce: bool = False,
+        tokenizer_mode: str = "auto",
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        load_format: str = "auto",
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        download_dir: str | None = None,
+        kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
+        cpu_offload_gb: float = 0,
+        structured_outputs_config: dict | None = None,
+        scheduling_policy: str = "fcfs",
+        hf_overrides: dict | None = None,
+        distributed_executor_backend: str | None = None,
     ):
+        vllm = check_vllm_args(
+            enforce_eager=enforce_eager, compilation_config=compilation_config,
+            max_seq_len_to_capture=max_seq_len_to_capture, disable_log_stats=disable_log_stats,
+            max_logprobs=max_logprobs, enable_chunked_prefill=enable_chunked_prefill, swap_space=swap_space,
+            enable_sleep_mode=enable_sleep_mode, disable_custom_all_reduce=disable_custom_all_reduce,
+            tokenizer_mode=tokenizer_mode, skip_tokenizer_init=skip_tokenizer_init,
+            trust_remote_code=trust_remote_code, load_format=load_format, revision=revision,
+            tokenizer_revision=tokenizer_revision, download_dir=download_dir, kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization, cpu_offload_gb=cpu_offload_gb,
+            structured_outputs_config=structured_outputs_config, scheduling_policy=scheduling_policy,
+            hf_overrides=hf_overrides, distributed_executor_backend=distributed_executor_backend)
         self.config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -111,8 +156,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer or path,
-                                                                                trust_remote_code=False)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            tokenizer or path, trust_remote_code=False, use_fast=vllm["use_fast"])
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
         self._pooling: PoolingFrontend | None = None

@@ -1,0 +1,175 @@
+"""vLLM engine arguments that :class:`dfllm.LLM` accepts for compatibility.
+
+vLLM's ``LLM(model, **kwargs)`` forwards its keyword arguments to ``EngineArgs``; offline
+examples commonly pass some that concern machinery dfllm does not have (CUDA graphs,
+swap space, Ray) or choices it does not offer (quantization, remote code). ``dfllm.LLM``
+takes the common ones as explicit keyword-only parameters, with vLLM's defaults, and
+:func:`check_vllm_args` decides each one in one place, from :data:`VLLM_ARGS`:
+
+- **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``);
+- **no-op**: any value of the right type is accepted and changes nothing (``enforce_eager``);
+- **refuses**: a value dfllm cannot honour raises ``ValueError`` naming the argument and
+  the value, instead of being ignored silently (``trust_remote_code=True``).
+
+Names dfllm does not know still raise ``TypeError``, as in vLLM. The README's "Coming
+from vLLM" table is :func:`markdown_table`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
+          "check out the revision you want into a directory and pass its path")
+
+
+@dataclass(frozen=True)
+class VllmArg:
+    """One vLLM engine argument: its vLLM default (also ``dfllm.LLM``'s), what dfllm does
+    with it (``"maps"``, ``"no-op"`` or ``"refuses"`` values other than ``accepted``), the
+    README cell, and a check raising ``ValueError`` for a value dfllm cannot honour."""
+
+    name: str
+    default: Any
+    effect: str
+    doc: str
+    check: Callable[[str, Any], None]
+
+
+def _refuse(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not supported by dfllm: {why}")
+
+
+def _is(value: Any, allowed: tuple) -> bool:
+    """``value`` among ``allowed``, with bools and ints kept apart (``1`` is not ``True``)."""
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+def _only(allowed: tuple, why: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if not _is(value, allowed):
+            raise _refuse(name, value, why)
+    return check
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _optional_bool(name: str, value: Any) -> None:
+    if value is not None:
+        _bool(name, value)
+
+
+def _number(minimum: float) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise ValueError(f"{name} must be a number >= {minimum}, got {value!r}")
+    return check
+
+
+def _optional_int(minimum: int) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+    return check
+
+
+def _anything(name: str, value: Any) -> None:
+    pass
+
+
+def _structured_outputs_config(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be None or a dict such as {{'backend': 'xgrammar'}}, got {value!r}")
+    unknown = sorted(set(value) - {"backend", "disable_fallback"})
+    if unknown:
+        raise _refuse(name, value, f"only 'backend' can be set (found {unknown}); dfllm's structured outputs "
+                                   "follow xgrammar's defaults")
+    backend = value.get("backend", "auto")
+    if not _is(backend, ("auto", "xgrammar")):
+        raise _refuse(name, value, f"backend {backend!r}: dfllm's only structured-outputs backend is xgrammar "
+                                   "(use 'auto' or 'xgrammar')")
+
+
+VLLM_ARGS: tuple[VllmArg, ...] = (
+    VllmArg("enforce_eager", False, "no-op", "accepted: dfllm always runs eagerly (it captures no CUDA graphs)",
+            _bool),
+    VllmArg("compilation_config", None, "no-op", "accepted, ignored: dfllm compiles nothing (Triton kernels are "
+            "built on first use)", _anything),
+    VllmArg("max_seq_len_to_capture", 8192, "no-op", "accepted, ignored: no CUDA graphs", _optional_int(1)),
+    VllmArg("disable_log_stats", True, "no-op", "accepted: dfllm logs no periodic stats either way, and "
+            "`get_metrics()` works whatever the value", _bool),
+    VllmArg("max_logprobs", 20, "no-op", "accepted (an int >= -1), not enforced: a request may ask any "
+            "`logprobs` up to the vocabulary size (or -1 for all)", _optional_int(-1)),
+    VllmArg("enable_chunked_prefill", None, "no-op", "accepted: chunked prefill is always on (as in vLLM V1); "
+            "`False` changes nothing", _optional_bool),
+    VllmArg("swap_space", 4, "no-op", "accepted, ignored: preempted requests are recomputed, never swapped",
+            _number(0)),
+    VllmArg("enable_sleep_mode", False, "no-op", "accepted: `sleep()`/`wake_up()` are always available",
+            _bool),
+    VllmArg("disable_custom_all_reduce", False, "no-op", "accepted, ignored: parallel ranks use "
+            "torch.distributed collectives", _bool),
+    VllmArg("tokenizer_mode", "auto", "maps", "`\"auto\"`, `\"hf\"`; `\"slow\"` asks transformers for "
+            "`use_fast=False`; `\"mistral\"` and others refused",
+            _only(("auto", "hf", "slow"), "dfllm uses Hugging Face tokenizers: 'auto', 'hf' or 'slow'")),
+    VllmArg("skip_tokenizer_init", False, "refuses", "`True` refused: dfllm needs the tokenizer",
+            _only((False,), "dfllm needs the tokenizer (to detokenize, stop on strings and render chats)")),
+    VllmArg("trust_remote_code", False, "refuses", "`True` refused: dfllm never runs remote code",
+            _only((False,), "dfllm never runs remote code; it serves the architectures it implements")),
+    VllmArg("load_format", "auto", "refuses", "`\"auto\"`, `\"safetensors\"`; others refused (safetensors only)",
+            _only(("auto", "safetensors"), "dfllm reads safetensors weights only ('auto' or 'safetensors')")),
+    VllmArg("revision", None, "refuses", "only `None`: models are local directories or bundled aliases",
+            _only((None,), _LOCAL)),
+    VllmArg("tokenizer_revision", None, "refuses", "only `None` (as `revision`)", _only((None,), _LOCAL)),
+    VllmArg("download_dir", None, "refuses", "only `None`: nothing is downloaded", _only((None,), _LOCAL)),
+    VllmArg("kv_cache_dtype", "auto", "refuses", "only `\"auto\"`: the KV cache has the model's dtype",
+            _only(("auto",), "the KV cache always has the model's dtype ('auto')")),
+    VllmArg("quantization", None, "refuses", "only `None`: float weights only",
+            _only((None,), "dfllm serves float weights only (quantization=None)")),
+    VllmArg("cpu_offload_gb", 0, "refuses", "only `0`: weights live on the device",
+            _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)")),
+    VllmArg("structured_outputs_config", None, "refuses", "`None` or `{\"backend\": \"auto\"/\"xgrammar\"}`; "
+            "other backends refused (xgrammar only)", _structured_outputs_config),
+    VllmArg("scheduling_policy", "fcfs", "refuses", "only `\"fcfs\"`; `\"priority\"` refused (not yet)",
+            _only(("fcfs",), "dfllm schedules first come, first served only ('fcfs'); priority scheduling "
+                             "is not implemented yet")),
+    VllmArg("hf_overrides", None, "refuses", "only `None` for now",
+            _only((None,), "overriding the model's config.json is not supported yet")),
+    VllmArg("distributed_executor_backend", None, "refuses", "`None`, `\"mp\"`; `\"ray\"` and others refused",
+            _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')")),
+)
+
+BY_NAME: dict[str, VllmArg] = {a.name: a for a in VLLM_ARGS}
+DEFAULTS: dict[str, Any] = {a.name: a.default for a in VLLM_ARGS}
+
+
+def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
+    """Check vLLM engine arguments by name; return what dfllm uses of them.
+
+    An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
+    naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
+    tokenizer); everything else accepted is a no-op.
+    """
+    unknown = sorted(set(kwargs) - set(BY_NAME))
+    if unknown:
+        raise TypeError(f"unexpected vLLM engine argument(s) {unknown}")
+    for name, value in kwargs.items():
+        BY_NAME[name].check(name, value)
+    return {"use_fast": kwargs.get("tokenizer_mode", "auto") != "slow"}
+
+
+def _show(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def markdown_table() -> str:
+    """The README's table of these arguments: argument | vLLM default | in dfllm."""
+    rows = ["| argument | vLLM default | in dfllm |", "|---|---|---|"]
+    rows += [f"| `{a.name}` | `{_show(a.default)}` | {a.doc} |" for a in VLLM_ARGS]
+    return "\n".join(rows)

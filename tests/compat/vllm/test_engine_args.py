@@ -1,0 +1,94 @@
+"""vLLM's engine arguments on ``dfllm.LLM``: accepted, mapped or refused, one table for all."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dfllm import LLM, SamplingParams
+from dfllm.engine_args import DEFAULTS, VLLM_ARGS, check_vllm_args, markdown_table
+
+from helpers import build_tiny_model  # noqa: F401  (tests/ is on sys.path in this subfolder too)
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = ["Hello there", "Numbers: 1 2 3"]
+SMALL = dict(max_num_seqs=4, max_model_len=64)
+
+REFUSED = [
+    ("skip_tokenizer_init", True), ("trust_remote_code", True), ("load_format", "pt"), ("load_format", "dummy"),
+    ("tokenizer_mode", "mistral"), ("revision", "main"), ("tokenizer_revision", "v1"), ("download_dir", "/tmp/x"),
+    ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("cpu_offload_gb", 4),
+    ("structured_outputs_config", {"backend": "guidance"}),
+    ("structured_outputs_config", {"backend": "xgrammar", "disable_any_whitespace": True}),
+    ("scheduling_policy", "priority"), ("hf_overrides", {"rope_theta": 1e6}),
+    ("distributed_executor_backend", "ray"),
+    ("enforce_eager", "yes"), ("swap_space", -1), ("max_logprobs", -2),
+]
+
+ACCEPTED = dict(enforce_eager=True, disable_log_stats=False, swap_space=0, compilation_config={"level": 3},
+                max_seq_len_to_capture=None, max_logprobs=-1, enable_chunked_prefill=False, enable_sleep_mode=True,
+                disable_custom_all_reduce=True, tokenizer_mode="hf", skip_tokenizer_init=False,
+                trust_remote_code=False, load_format="safetensors", revision=None, tokenizer_revision=None,
+                download_dir=None, kv_cache_dtype="auto", quantization=None, cpu_offload_gb=0.0,
+                structured_outputs_config={"backend": "xgrammar"}, scheduling_policy="fcfs", hf_overrides=None,
+                distributed_executor_backend="mp")
+
+
+def test_signature_lists_the_table_with_vllm_defaults():
+    params = inspect.signature(LLM.__init__).parameters
+    for arg in VLLM_ARGS:
+        assert arg.name in params, arg.name
+        assert params[arg.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[arg.name].default == arg.default, arg.name
+    assert check_vllm_args(**DEFAULTS) == {"use_fast": True}
+    assert check_vllm_args(**ACCEPTED) == {"use_fast": True}
+    assert check_vllm_args(tokenizer_mode="slow") == {"use_fast": False}
+
+
+@pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])
+def test_refused_value_raises_value_error_naming_it(name, value):
+    with pytest.raises(ValueError) as info:
+        check_vllm_args(**{name: value})
+    assert name in str(info.value) and repr(value) in str(info.value)
+
+
+def test_llm_refuses_before_loading_anything():
+    # a model that does not exist: the argument is refused first, by name
+    with pytest.raises(ValueError, match="trust_remote_code=True.*never runs remote code"):
+        LLM("/nonexistent/model", trust_remote_code=True)
+    with pytest.raises(ValueError, match="revision='main'.*local directory"):
+        LLM("/nonexistent/model", revision="main")
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        LLM("/nonexistent/model", scheduling_policy="priority")
+
+
+def test_unknown_kwarg_raises_type_error():
+    with pytest.raises(TypeError):
+        LLM("/nonexistent/model", enforce_eagre=True)
+    with pytest.raises(TypeError, match="not_an_arg"):
+        check_vllm_args(not_an_arg=1)
+
+
+def test_accepted_arguments_change_no_output(tiny_llama):
+    plain = LLM(tiny_llama, **SMALL).generate(PROMPTS, GREEDY, use_tqdm=False)
+    vllm_style = LLM(tiny_llama, **SMALL, **ACCEPTED).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in vllm_style] == [o.outputs[0].token_ids for o in plain]
+    slow = LLM(tiny_llama, **SMALL, enforce_eager=True, tokenizer_mode="slow")
+    assert slow.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert slow.get_metrics()  # disable_log_stats=True (the default) keeps the metrics
+
+
+def test_dataframe_engine_kwargs_accept_vllm_arguments(tiny_llama):
+    out = pd.DataFrame({"q": ["hi"]}).llm.generate("q", model=str(tiny_llama), sampling_params={"max_tokens": 2},
+                                                  enforce_eager=True, **SMALL)
+    assert len(out) == 1 and isinstance(out["generated_text"][0], str)
+    with pytest.raises(ValueError, match="unknown argument"):
+        pd.DataFrame({"q": ["hi"]}).llm.generate("q", model=str(tiny_llama), enforce_eagre=True)
+
+
+def test_readme_table_is_the_engine_args_table():
+    assert markdown_table() in README.read_text()
