@@ -175,7 +175,8 @@ class LLM:
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts, returned in input order.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
@@ -186,13 +187,17 @@ class LLM:
         :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming its index, once
         every other prompt is done; their outputs are in the error's ``outputs``. An exception
         in the engine is raised if these prompts cause it on their own (see the class).
+        ``lora_request=None`` and ``priority=None`` (or all zeros) are accepted for vLLM's
+        signature; a LoRA adapter or a priority raises ``ValueError`` (neither is supported).
         """
+        _check_unsupported(lora_request, priority)
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
         return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"prompt {i}")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, use_tqdm: bool = True) -> list[RequestOutput]:
+             continue_final_message: bool = False, use_tqdm: bool = True, lora_request: Any = None
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations.
 
         Each conversation is a list of ``{"role", "content"}`` messages, rendered with the
@@ -200,6 +205,7 @@ class LLM:
         environment, then generated like ``generate`` (failures included: an error names the
         conversation by index).
         """
+        _check_unsupported(lora_request)
         requests = self._engine("chat").input_processor.process_chats(
             messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
         return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"conversation {i}")
@@ -238,6 +244,11 @@ class LLM:
         groups, self._queued = self._queued, []
         outputs = self._run(groups, use_tqdm, raise_failures=False)
         return raise_for_errors(outputs, lambda i: f"request {outputs[i].request_id}")
+
+    @property
+    def llm_engine(self) -> LLMEngine | None:
+        """The generation engine, under vLLM's name (None for a pooling model)."""
+        return self.engine
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer the engine uses (a transformers tokenizer)."""
@@ -344,6 +355,15 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _check_unsupported(lora_request: Any = None, priority: list[int] | None = None) -> None:
+    """vLLM's ``lora_request``/``priority`` arguments: only their no-op values are accepted."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported by dfllm; pass lora_request=None")
+    if priority is not None and any(priority):
+        raise ValueError("priority: priority scheduling is not supported by dfllm (its scheduling_policy is "
+                         "'fcfs'); pass priority=None")
 
 
 def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
