@@ -52,6 +52,10 @@ def check_unicode(text: str, what: str) -> str:
 
 def check_params_for_model(params: SamplingParams, what: str, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the prompt (``what``) if its sampling params ask more than the model has."""
+    outside = sorted({t for t in [*(params.allowed_token_ids or []), *(params.logit_bias or {})] if t >= vocab_size})
+    if outside:
+        raise ValueError(f"{what}: token id(s) {outside[:5]} in allowed_token_ids or logit_bias are outside the "
+                         f"model's vocabulary [0, {vocab_size}) (out of vocabulary)")
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise ValueError(f"{what}: logprobs={params.logprobs} exceeds the model's vocabulary of {vocab_size} "
                          "tokens (use -1 for all of them)")

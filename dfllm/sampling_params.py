@@ -36,6 +36,15 @@ class SamplingParams:
     - ``skip_special_tokens``: leave special tokens out of the text.
     - ``structured_outputs``: a :class:`~dfllm.StructuredOutputsParams` (or a dict of its
       fields) constraining the output to a JSON schema, a regex, a choice or a grammar.
+    - ``detokenize``: False leaves ``text`` empty (token ids only; no stop strings then).
+    - ``bad_words``: words never generated (each word's tokens, at the start of the text and
+      after a space, as vLLM bans them: the last token of a word whose other tokens were just
+      generated).
+    - ``allowed_token_ids``: only these tokens may be generated.
+    - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling.
+    - ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: ``max_model_len``).
+    - ``prompt_logprobs``, per-request ``logits_processors`` and ``best_of`` other than
+      ``n`` raise ``ValueError``: not supported (vLLM V1 refuses the last two as well).
 
     Invalid values raise ``ValueError`` naming the field, at construction time.
     """
@@ -58,6 +67,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list | None = None
+    best_of: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +138,36 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self._stop_list:
+            raise ValueError("stop: stop strings are only supported when detokenize is True")
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids: the list is empty (no token could be generated)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, 0, None)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}  # JSON keys are text
+            for t, bias in self.logit_bias.items():
+                _check_int("logit_bias", t, 0, None)
+                _check_float("logit_bias", bias, -math.inf, None)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by dfllm yet; leave it None")
+        if self.logits_processors:
+            raise ValueError("logits_processors: per-request logits processors are not supported "
+                             "(vLLM V1 does not support them either)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported (vLLM V1 removed it); got best_of={self.best_of}, n={self.n}")
         if self.n > 1 and self.is_greedy:
             raise ValueError("n: greedy sampling (temperature=0) gives one completion; set n=1")
 

@@ -31,6 +31,15 @@ BAD_PARAMS = [
     ("frequency_penalty", dict(frequency_penalty=-2.5)),
     ("repetition_penalty", dict(repetition_penalty=0.0)),
     ("n", dict(n=2, temperature=0.0)),
+    ("stop strings are only supported when detokenize", dict(stop=["x"], detokenize=False)),
+    ("bad_words", dict(bad_words=["ok", " "])),
+    ("allowed_token_ids", dict(allowed_token_ids=[])),
+    ("allowed_token_ids", dict(allowed_token_ids=[-1])),
+    ("logit_bias", dict(logit_bias={3: float("nan")})),
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)),
+    ("prompt_logprobs", dict(prompt_logprobs=1)),
+    ("logits_processors", dict(logits_processors=[lambda ids, logits: logits])),
+    ("best_of", dict(best_of=3)),
 ]
 
 
@@ -167,3 +176,45 @@ def test_sampled_token_always_in_logprobs(llm):
                        use_tqdm=False)[0].outputs[0]
     for tok, entries in zip(out.token_ids, out.logprobs):
         assert list(entries) == [tok] and entries[tok].rank >= 1 and not math.isnan(entries[tok].logprob)
+
+
+# ---- vLLM's other sampling fields --------------------------------------------------------------------------
+def test_allowed_token_ids_logit_bias_and_bad_words(llm):
+    """allowed_token_ids restricts every draw; a large logit_bias forces a token; bad_words
+    never appear, single- or multi-token; out-of-vocabulary ids are refused by name."""
+    prompt = as_prompts(random_prompts(1, 9, 9, seed=21))
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    allowed = [101, 202, 303]
+    out = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True,
+                                              allowed_token_ids=allowed), use_tqdm=False)
+    assert set(tokens(out)[0]) <= set(allowed)
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                 logit_bias={"777": 1e4}), use_tqdm=False)
+    assert tokens(forced)[0] == [777] * 4
+    first = tokens(free)[0][0]
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                 bad_words=[llm.get_tokenizer().decode([first])]), use_tqdm=False)
+    assert first not in tokens(banned)[0] and tokens(banned)[0] != tokens(free)[0]
+    tok = llm.get_tokenizer()
+    two = tuple(tokens(free)[0][2:4])  # two generated tokens, a word after a space: " lower Sham"
+    word = tok.decode(two)
+    assert tuple(tok.encode(word, add_special_tokens=False)) == two
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert text[:3] == tokens(free)[0][:3] and text[3] != two[1]  # the first token may come, not the second
+    with pytest.raises(ValueError, match="prompt 0: token id.*out of vocabulary"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_and_detokenize(llm):
+    """truncate_prompt_tokens keeps the prompt's last tokens (as vLLM); detokenize=False
+    gives the same tokens with no text."""
+    prompt = random_prompts(1, 21, 21, seed=22)[0]
+    sp = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    cut = llm.generate(as_prompts([prompt]), SamplingParams(truncate_prompt_tokens=7, **sp), use_tqdm=False)[0]
+    tail = llm.generate(as_prompts([prompt[-7:]]), SamplingParams(**sp), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-7:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    raw = llm.generate(as_prompts([prompt]), SamplingParams(detokenize=False, **sp), use_tqdm=False)[0].outputs[0]
+    full = llm.generate(as_prompts([prompt]), SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    assert raw.token_ids == full.token_ids and raw.text == "" and full.text
+

@@ -40,6 +40,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: Grammar | None = None  # the compiled structured-output constraint, if any
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
 
 class InputProcessor:
@@ -75,6 +76,10 @@ class InputProcessor:
                 what: str = "prompt") -> EngineRequest:
         """``prompt`` with ``params`` as a checked request; ``ValueError`` naming ``what``."""
         tokenized = self._tokenized(prompt, what)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the last tokens, as vLLM truncates (-1: as many as max_model_len)
+            keep = self.max_model_len if keep == -1 else keep
+            tokenized = TokenizedPrompt(tokenized.prompt, tokenized.token_ids[-keep:])
         n = len(tokenized.token_ids)
         if n == 0:  # e.g. a chat template that rendered nothing
             raise ValueError(f"{what} is empty (no tokens)")
@@ -82,7 +87,7 @@ class InputProcessor:
             raise ValueError(f"{what} has {n} tokens, longer than max_model_len={self.max_model_len}")
         check_params_for_model(params, what, self.vocab_size)
         grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
-        return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar)
+        return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params))
 
     def process_prompts(self, prompts, sampling_params) -> list[EngineRequest]:
         """``LLM.generate``'s prompts (one or a list) with their params, every one checked
@@ -102,6 +107,18 @@ class InputProcessor:
         rendered = [self.render_chat(c, chat_template, add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message) for c in convs]
         return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(rendered, params))]
+
+    def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens at the start of a text and, when that tokenizes differently
+        into as many tokens, after a space (vLLM's rule)."""
+        out: list[tuple[int, ...]] = []
+        for word in params.bad_words or []:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return tuple(out)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -86,7 +86,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         self._queue(Request(request_id, request.prompt, list(request.prompt_token_ids), request.params,
-                            RequestMetrics(time.time()), group, request.grammar))
+                            RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop these requests (unknown or finished ids are ignored) and free their blocks."""
@@ -222,7 +222,7 @@ class LLMEngine:
         """``req`` queued again from scratch, with fresh sequences (and fresh seeded generators,
         so a greedy or seeded request gives the output it would have had)."""
         self._queue(Request(req.request_id, req.prompt, req.prompt_token_ids, req.params,
-                            RequestMetrics(req.metrics.arrival_time), req.group, req.grammar))
+                            RequestMetrics(req.metrics.arrival_time), req.group, req.grammar, req.bad_words_ids))
 
     def _queue(self, req: Request) -> None:
         params = req.params

@@ -87,10 +87,10 @@ class OutputProcessor:
             return "stop", None
         assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
         if stops_allowed and token in p.stop_token_ids:  # its text only with include_stop_str_in_output
-            if p.include_stop_str_in_output:
+            if p.include_stop_str_in_output and p.detokenize:
                 self.detokenizer.step(seq)
             return "stop", token
-        delta = self.detokenizer.step(seq)
+        delta = self.detokenizer.step(seq) if p.detokenize else ""
         if stops_allowed and delta and p.stop_strings:
             stop = _cut_at_stop_string(seq, len(delta))
             if stop is not None:

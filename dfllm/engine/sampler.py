@@ -1,7 +1,8 @@
 """Turning the logits of one step into next tokens, one row per sequence.
 
 Order of operations per row: the structured-output mask (tokens the row's grammar forbids
-set to ``-inf``, for greedy and sampled rows alike), penalties (repetition over prompt and
+set to ``-inf``, for greedy and sampled rows alike), ``logit_bias``, ``allowed_token_ids``
+and ``bad_words``, penalties (repetition over prompt and
 output, presence and frequency over output), the ``min_tokens`` ban on stop tokens (not
 for constrained rows, whose grammar decides where they end), then greedy argmax or
 temperature, top-k, top-p and min-p followed by a draw. Draws use the exponential-race
@@ -79,6 +80,17 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         for i, seq in enumerate(seqs):
             p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            if p.allowed_token_ids is not None:
+                allowed = logits[i, p.allowed_token_ids].clone()
+                logits[i] = float("-inf")
+                logits[i, p.allowed_token_ids] = allowed
+            for word in seq.request.bad_words_ids:  # its last token, once the others were just generated
+                if len(word) == 1 or (seq.num_output_tokens >= len(word) - 1
+                                      and tuple(seq.output_token_ids[-(len(word) - 1):]) == word[:-1]):
+                    logits[i, word[-1]] = float("-inf")
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
                 vals = logits[i, seen]

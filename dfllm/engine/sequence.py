@@ -88,6 +88,7 @@ class Request:
     metrics: RequestMetrics
     group: Hashable = None  # requests re-run together after a failed step (one call, one partition)
     grammar: Grammar | None = None  # structured outputs: the compiled constraint of its sequences
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences its sequences may not complete
     seqs: list[Sequence] = field(default_factory=list)
 
     @property
