@@ -3,7 +3,13 @@
 from dfllm import accessors  # noqa: F401  (registers .llm on Dask, pandas and Polars)
 from dfllm.accessors.engine_cache import release_engines
 from dfllm.accessors.writer import WriteSummary, write_parquet
-from dfllm.jobs.processor import Processor, ProcessorConfig, build_processor
+from dfllm.jobs.processor import (
+    Processor,
+    ProcessorConfig,
+    build_llm_processor,
+    build_processor,
+    vLLMEngineProcessorConfig,
+)
 from dfllm.llm import LLM
 from dfllm.outputs import (
     ClassificationOutput,
@@ -29,6 +35,6 @@ __all__ = [
     "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
     "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "write_parquet", "WriteSummary",
     "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams", "RequestFailedError",
-    "release_engines",
+    "release_engines", "vLLMEngineProcessorConfig", "build_llm_processor",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,13 @@ error row: ``postprocess`` is not run on it (as Ray Data LLM's error rows bypass
 postprocess), it holds its *input* row's values (its ``id`` and other input columns, so it
 can be found and retried), ``llm_error`` holds the message (``"preprocess: KeyError: ..."``,
 the engine's message, ``"postprocess: ..."``), and its other columns are null. Every other
-row goes on.
+row goes on. That is the default, ``should_continue_on_error=None``. As in Ray Data LLM,
+``should_continue_on_error=True`` does the same with the column named
+``__inference_error__`` (in the rows ``postprocess`` sees too), and ``False`` makes the
+first failed row fail the job: :class:`RowFailedError` naming the row (its index label)
+and its error, raised when its partition is computed (or at call time, if it is among the
+sampled rows); the output then has no error column. Everything below says ``llm_error``
+for whichever error column there is.
 
 **Output columns**, in order: the columns ``postprocess`` returns (the whole row when there
 is no ``postprocess``), then each input column ``postprocess`` does not return, then
@@ -59,18 +65,19 @@ row). Columns ``postprocess`` does not return for a row are null in that row.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from dfllm.accessors.kinds import KINDS
-from dfllm.accessors.runners import run_task
+from dfllm.accessors.placement import check_resources, run_placed
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.task import make_task
 
@@ -78,20 +85,85 @@ TASK_TYPES = ("generate", "embed", "classify", "score")
 SAMPLE_ROWS = 8
 ERROR = LLM_ERROR
 _STRING = pd.ArrowDtype(pa.string())
+#: How much of an ``accelerator_type:<name>`` resource a task asks for: a label, as in Ray.
+ACCELERATOR_LABEL = 0.001
 
 #: What ``meta=`` accepts: a DataFrame, a dict or list of (column, dtype) pairs, a pyarrow schema.
-Meta = pd.DataFrame | Mapping[str, Any] | Sequence[tuple[str, Any]] | pa.Schema
+Meta: TypeAlias = pd.DataFrame | Mapping[str, Any] | Sequence[tuple[str, Any]] | pa.Schema
+
+
+_STAGE_KEYS = {"enabled", "batch_size", "concurrency", "num_cpus", "num_gpus", "memory", "runtime_env", "model_source"}
+_CHAT_STAGE_KEYS = _STAGE_KEYS | {"chat_template", "chat_template_kwargs"}
+RAY_ERROR = "__inference_error__"
+
+
+def _stage(name: str, value, keys: set) -> tuple[bool | None, dict]:
+    """A Ray stage field (``bool``, a dict with ``enabled`` and the stage's settings, or
+    None: not given) as (enabled or None, its settings); ``ValueError`` on anything else."""
+    if value is None or isinstance(value, bool):
+        return value, {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - keys)
+        if unknown:
+            raise ValueError(f"{name}: unknown key(s) {unknown}; a stage config takes {sorted(keys)}")
+        enabled = value.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{name}: 'enabled' must be a bool, got {enabled!r}")
+        return enabled, dict(value)
+    raise ValueError(f"{name} must be a bool or a dict with 'enabled', got {type(value).__name__}")
+
+
+def _positive(name: str, value, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
+
+
+def _optional_dict(name: str, value) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a dict or None, got {type(value).__name__}")
 
 
 @dataclass
-class ProcessorConfig:
-    """Ray Data LLM's ``vLLMEngineProcessorConfig`` fields that apply to dfllm.
+class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
+    """Ray Data LLM's ``vLLMEngineProcessorConfig``, on Dask. ``ProcessorConfig`` is the same
+    class. Every field of Ray's is accepted; what each means here:
 
-    ``model_source`` is a model directory or bundled alias (None: the default model of the
-    task); ``engine_kwargs`` go to :class:`dfllm.LLM`; ``batch_size`` rows of a partition
-    go to the engine per call. ``chat_template`` (Jinja text, rendered sandboxed) replaces
-    the tokenizer's template for ``messages`` rows. ``concurrency`` is accepted for parity:
-    on Dask the cluster's workers, one engine each, set the parallelism.
+    - ``model_source``: a model directory or bundled alias (None: the task's default model).
+      ``engine_kwargs`` go to :class:`dfllm.LLM`. ``task_type``: ``generate``, ``embed``,
+      ``classify`` or ``score``. ``batch_size`` (32, as Ray): rows of a partition per engine
+      call.
+    - ``chat_template_stage`` (default True; a bool or a dict with ``enabled``, and
+      ``chat_template`` as in Ray's stage config): whether ``messages`` rows are rendered with
+      the chat template; False sends ``prompt`` instead. The older ``apply_chat_template``
+      is the same switch (a conflicting pair is a ``ValueError``); ``chat_template`` (Jinja
+      text, rendered sandboxed) replaces the tokenizer's template.
+    - ``tokenize_stage``, ``detokenize_stage`` (and the older ``tokenize``/``detokenize``):
+      accepted, on or off: dfllm's engine tokenizes the prompt and detokenizes the output
+      itself, so the rows are the same either way.
+    - ``prepare_multimodal_stage``, ``prepare_image_stage``, ``has_image``: only off: dfllm
+      runs no multimodal models (enabling one is a ``ValueError``).
+    - ``should_continue_on_error``: None (dfllm's default): a failed row is kept, with its
+      message in ``llm_error`` (see :mod:`dfllm.jobs.processor`). False (Ray's default): the
+      first failed row fails the job (``RowFailedError`` naming the row and its error, when
+      the partition is computed), and the output has no error column. True: failed rows are
+      kept as with None, the column named ``__inference_error__`` as in Ray.
+    - ``accelerator_type`` (e.g. ``"H100"``): the engine calls run on Dask workers declaring
+      the resource ``accelerator_type:H100`` (``dask worker --resources
+      accelerator_type:H100=1``), as Ray's nodes label theirs; with ``resources`` (dfllm's
+      own, e.g. ``{"GPU": 1}``), on workers declaring those (see
+      :mod:`dfllm.accessors.placement`). A task whose resources no worker declares waits.
+    - ``concurrency``: an int >= 1 or an ``(m, n)`` pair, 1 <= m <= n, checked as Ray does;
+      on Dask the cluster's workers (one engine each) set the parallelism.
+    - Ray-cluster-only, accepted and checked, no effect on Dask: ``max_concurrent_batches``
+      (int >= 1), ``max_tasks_in_flight_per_actor``, ``max_pending_requests`` (int >= 1 or
+      None), ``log_engine_metrics`` (bool), ``runtime_env``, ``placement_group_config``,
+      ``resources_per_bundle`` (dicts), and the stages' ``batch_size``/``concurrency``/
+      ``num_cpus``/``memory``/``runtime_env``. ``dynamic_lora_loading_path``: None only (no
+      LoRA adapters).
+    - ``chat_template_kwargs``: None or ``{}`` only, for now: dfllm's chat rendering takes no
+      extra template variables (a non-empty dict is a ``ValueError`` rather than ignored).
     """
 
     model_source: str | None = None
@@ -101,14 +173,109 @@ class ProcessorConfig:
     task_type: str = "generate"
     apply_chat_template: bool = True
     chat_template: str | None = None
+    chat_template_stage: bool | dict | None = None
+    tokenize_stage: bool | dict | None = None
+    detokenize_stage: bool | dict | None = None
+    prepare_multimodal_stage: bool | dict | None = None
+    prepare_image_stage: bool | dict | None = None
+    tokenize: bool = True
+    detokenize: bool = True
+    has_image: bool = False
+    chat_template_kwargs: dict | None = None
+    should_continue_on_error: bool | None = None
+    accelerator_type: str | None = None
+    resources: dict | None = None
+    runtime_env: dict | None = None
+    placement_group_config: dict | None = None
+    resources_per_bundle: dict | None = None
+    max_concurrent_batches: int = 8
+    max_tasks_in_flight_per_actor: int | None = None
+    max_pending_requests: int | None = None
+    log_engine_metrics: bool = True
+    dynamic_lora_loading_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.task_type not in TASK_TYPES:
             raise ValueError(f"task_type must be one of {TASK_TYPES}, got {self.task_type!r}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        _positive("batch_size", self.batch_size)
+        c = self.concurrency
+        if isinstance(c, (tuple, list)):
+            if len(c) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in c) or not 1 <= c[0] <= c[1]:
+                raise ValueError(f"concurrency must be an int >= 1 or a pair (m, n) of ints, 1 <= m <= n, got {c!r}")
+            self.concurrency = (c[0], c[1])
+        else:
+            _positive("concurrency", c)
+        for name in ("apply_chat_template", "tokenize", "detokenize", "has_image", "log_engine_metrics"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.should_continue_on_error is not None and not isinstance(self.should_continue_on_error, bool):
+            raise ValueError(f"should_continue_on_error must be a bool (or None: dfllm's llm_error column), "
+                             f"got {self.should_continue_on_error!r}")
+        _positive("max_concurrent_batches", self.max_concurrent_batches)
+        _positive("max_tasks_in_flight_per_actor", self.max_tasks_in_flight_per_actor, optional=True)
+        _positive("max_pending_requests", self.max_pending_requests, optional=True)
+        for name in ("runtime_env", "placement_group_config", "resources_per_bundle", "chat_template_kwargs"):
+            _optional_dict(name, getattr(self, name))
+        enabled, settings = _stage("chat_template_stage", self.chat_template_stage, _CHAT_STAGE_KEYS)
+        if enabled is not None:
+            if enabled != self.apply_chat_template and not self.apply_chat_template:
+                raise ValueError("apply_chat_template=False and chat_template_stage enabled disagree; set one")
+            self.apply_chat_template = enabled
+        for key in ("chat_template", "chat_template_kwargs"):
+            if settings.get(key) is not None:
+                if getattr(self, key) is not None and getattr(self, key) != settings[key]:
+                    raise ValueError(f"{key} is given twice (in chat_template_stage too), with different values")
+                setattr(self, key, settings[key])
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError("chat_template must be a Jinja template string")
+        if self.chat_template_kwargs:
+            raise ValueError(f"chat_template_kwargs {self.chat_template_kwargs!r}: dfllm's chat template rendering "
+                             "takes no extra template variables yet; render the prompt in preprocess (return "
+                             "'prompt') or set chat_template= instead")
+        _stage("tokenize_stage", self.tokenize_stage, _STAGE_KEYS)
+        _stage("detokenize_stage", self.detokenize_stage, _STAGE_KEYS)
+        for name in ("prepare_multimodal_stage", "prepare_image_stage", "has_image"):
+            on = self.has_image if name == "has_image" else _stage(name, getattr(self, name), _STAGE_KEYS)[0]
+            if on:
+                raise ValueError(f"{name}: dfllm runs no multimodal models, so images and other media cannot be "
+                                 "prepared; leave it off (the default)")
+        if self.dynamic_lora_loading_path is not None:
+            raise ValueError("dynamic_lora_loading_path: dfllm loads no LoRA adapters; leave it None")
+        if self.accelerator_type is not None and (not isinstance(self.accelerator_type, str)
+                                                  or not self.accelerator_type):
+            raise ValueError(f"accelerator_type must be a non-empty string like 'H100', got {self.accelerator_type!r}")
+        self.resources = check_resources(self.resources)
+
+    def task_resources(self) -> dict | None:
+        """The Dask worker resources the engine calls ask for (None: any worker)."""
+        out = dict(self.resources or {})
+        if self.accelerator_type is not None:
+            out.setdefault(f"accelerator_type:{self.accelerator_type}", ACCELERATOR_LABEL)
+        return out or None
+
+    @property
+    def error_column(self) -> str | None:
+        """The output's error column: ``llm_error``, ``__inference_error__`` (with
+        ``should_continue_on_error=True``) or None (``False``: a failed row raises)."""
+        if self.should_continue_on_error is None:
+            return ERROR
+        return RAY_ERROR if self.should_continue_on_error else None
+
+
+#: dfllm's name of the same class.
+ProcessorConfig = vLLMEngineProcessorConfig
+
+
+class RowFailedError(RuntimeError):
+    """A row failed in a processor built with ``should_continue_on_error=False``: ``row`` is
+    its index label, ``error`` the message it would have had in the error column."""
+
+    def __init__(self, message: str, row=None, error: str | None = None):
+        super().__init__(message)
+        self.row, self.error = row, error
+
+    def __reduce__(self):
+        return type(self), (str(self), self.row, self.error)
 
 
 class RowResult(NamedTuple):
@@ -132,6 +299,9 @@ class Processor:
         if sample_rows < 1:
             raise ValueError(f"sample_rows must be >= 1, got {sample_rows}")
         self.config, self.preprocess, self.postprocess = config, preprocess, postprocess
+        # the error column while rows run (with should_continue_on_error=False, dropped after
+        # the check that no row failed)
+        self._err = config.error_column or ERROR
         self.meta = None if meta is None else _meta_dtypes(meta)
         self.sample_rows = sample_rows
 
@@ -145,6 +315,8 @@ class Processor:
         if not hasattr(df, "map_partitions") or not hasattr(df, "_meta"):
             raise TypeError(f"a processor maps a pandas or Dask DataFrame, got {type(df).__name__}")
         schema = self._with_inputs(given, df._meta) if given is not None else self._sample_schema(df)
+        if self.config.error_column is None:
+            schema.pop(self._err, None)
         empty = pd.DataFrame({c: pd.Series([], dtype=t) for c, t in schema.items()}, index=df._meta.index[:0])
         return df.map_partitions(self.process_partition, schema, meta=empty)
 
@@ -152,11 +324,23 @@ class Processor:
     def process_partition(self, df: pd.DataFrame, schema: dict | None = None) -> pd.DataFrame:
         """Run one pandas partition through preprocess, the engine and postprocess; with
         ``schema`` (column -> dtype) the result has exactly those columns and types, else
-        they are taken from this partition's rows."""
+        they are taken from this partition's rows. With ``should_continue_on_error=False`` a
+        failed row raises :class:`RowFailedError`."""
         rows = self.run_rows(df)
         if schema is None:
             schema, _ = self._schema_from(rows, df)
-        return _frame(rows, schema, df.index, [c for c in df.columns if c != ERROR])
+        out = _frame(rows, schema, df.index, [c for c in df.columns if c != self._err], self._err)
+        if self.config.error_column is not None:
+            return out
+        failed = out[self._err].notna().to_numpy()
+        if failed.any():
+            raise self._row_failed(out.index[failed.argmax()], out[self._err][failed].iloc[0])
+        return out.drop(columns=[self._err])
+
+    def _row_failed(self, label, error: str) -> RowFailedError:
+        label = label.item() if isinstance(label, np.generic) else label
+        return RowFailedError(f"build_processor: row {label!r} failed: {error} (should_continue_on_error=False; "
+                              f"set it to True to keep failed rows, with the error in {RAY_ERROR!r})", label, error)
 
     def run_rows(self, df: pd.DataFrame) -> list[RowResult]:
         """Each row of ``df`` through preprocess, the engine (``batch_size`` rows per call)
@@ -198,18 +382,21 @@ class Processor:
         task = make_task(kind, inputs, needed, output_column=KINDS[kind].output_column, model=self.config.model_source,
                          sampling_params=sampling, engine_kwargs=self.config.engine_kwargs,
                          chat_template=self.config.chat_template if kind == "chat" else None)
-        result = run_task(frame, task)
+        result = run_placed(frame, task, self.config.task_resources())
         cols = list(task.output_dtypes())
         outputs = result[cols].astype(object).where(result[cols].notna(), None).to_dict("records")
         for i, out in zip(good, outputs):
-            results[i] = ({**rows[i][0], **out}, out.get(ERROR))
+            error = out.get(ERROR)
+            if self._err != ERROR:
+                out = {self._err if k == ERROR else k: v for k, v in out.items()}
+            results[i] = ({**rows[i][0], **out}, error)
         return results
 
     def _post(self, inputs: dict, row: dict, error: str | None) -> RowResult:
         if error is not None:  # an error row bypasses postprocess
             return RowResult(inputs, None, error)
         if self.postprocess is None:
-            return RowResult(inputs, row, row.get(ERROR))
+            return RowResult(inputs, row, row.get(self._err))
         try:
             out = self.postprocess(row)
             if not isinstance(out, Mapping):
@@ -217,7 +404,7 @@ class Processor:
             out = dict(out)
         except Exception as exc:  # a user function failing on one row
             return RowResult(inputs, None, f"postprocess: {type(exc).__name__}: {exc}")
-        return RowResult(inputs, out, out.get(ERROR))
+        return RowResult(inputs, out, out.get(self._err))
 
     def _task_inputs(self, columns) -> tuple[str, tuple[str, ...]]:
         t = self.config.task_type
@@ -232,15 +419,15 @@ class Processor:
         """Output column -> dtype from the values the rows produced (see the module
         docstring), and the first row without output (or None)."""
         ok = [r.output for r in rows if r.output is not None]
-        names = list(dict.fromkeys(k for out in ok for k in out if k != ERROR))
-        inputs = _input_dtypes(df)
+        names = list(dict.fromkeys(k for out in ok for k in out if k != self._err))
+        inputs = _input_dtypes(df, self._err)
         schema = {}
         for name in names:
             values = [out.get(name) for out in ok]
             schema[name] = _infer_dtype(values, name, inputs.get(name))
         for name, dtype in inputs.items():
             schema.setdefault(name, dtype)
-        schema[ERROR] = _STRING
+        schema[self._err] = _STRING
         failed = next((r for r in rows if r.output is None), None)
         return schema, failed
 
@@ -249,6 +436,7 @@ class Processor:
         got through postprocess, the number of rows, (index label, error) of the first
         failed row)."""
         rows = self.run_rows(df)
+        schema: dict | None
         schema, failed = self._schema_from(rows, df)
         first = None
         if failed is not None:
@@ -273,6 +461,8 @@ class Processor:
                 sample = dask.delayed(self._sample_rows, pure=False)(
                     head, dask_key_name=f"llm-processor-sample-{uuid.uuid4().hex}")
                 schema, count, first = sample.compute()
+            if first is not None and self.config.error_column is None:  # the job would fail: now
+                raise self._row_failed(*first)
             if count:
                 if schema is None:
                     label, error = first
@@ -289,11 +479,11 @@ class Processor:
 
     def _with_inputs(self, given: dict, input_meta: pd.DataFrame) -> dict:
         """``meta=``'s columns, then the input's other columns (typed from the input), then
-        ``llm_error``."""
-        schema = {c: t for c, t in given.items() if c != ERROR}
-        for name, dtype in _input_dtypes(input_meta).items():
+        the error column."""
+        schema = {c: t for c, t in given.items() if c != self._err}
+        for name, dtype in _input_dtypes(input_meta, self._err).items():
             schema.setdefault(name, dtype)
-        schema[ERROR] = _STRING
+        schema[self._err] = _STRING
         return schema
 
 
@@ -343,13 +533,13 @@ def _nullable(t: pa.DataType) -> pa.DataType:
     return t
 
 
-def _input_dtypes(df: pd.DataFrame) -> dict:
+def _input_dtypes(df: pd.DataFrame, error: str = ERROR) -> dict:
     """The input's columns (but ``llm_error``) as Arrow-backed dtypes, from the column's
     dtype and values (an ``object`` column without values, or of values with no Arrow type,
     is a string)."""
     out = {}
     for name in df.columns:
-        if name == ERROR:
+        if name == error:
             continue
         series = df[name]
         if isinstance(series.dtype, pd.CategoricalDtype):  # as its values (Dask's may be unknown)
@@ -447,10 +637,11 @@ def _column(values: list, dtype, index: pd.Index, column, errors: list) -> pd.Se
     return pd.Series(arr, index=index, dtype=dtype)
 
 
-def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list) -> pd.DataFrame:
+def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list,
+           error: str = ERROR) -> pd.DataFrame:
     """The rows as a frame of exactly ``schema``'s columns (see the module docstring)."""
     n = len(rows)
-    values = {c: [None] * n for c in schema if c != ERROR}
+    values = {c: [None] * n for c in schema if c != error}
     errors: list[str | None] = [r.error for r in rows]
     fill = []  # (row, columns) taking input values: error rows with an output
     for i, r in enumerate(rows):
@@ -459,7 +650,7 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
                 if c in values:
                     values[c][i] = r.inputs.get(c)
             continue
-        extra = [k for k in r.output if k != ERROR and k not in values]
+        extra = [k for k in r.output if k != error and k not in values]
         if extra:
             errors[i] = _join(errors[i], f"postprocess returned column(s) {extra} that the output does not have "
                                          f"(its columns: {list(schema)}); pass meta= to set them")
@@ -476,7 +667,7 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
                 refill.add(c)
     for c in refill:  # values that did not fit were set to null in the first pass
         columns[c] = _column(values[c], schema[c], index, c, errors)
-    columns[ERROR] = pd.Series(errors, index=index, dtype=_STRING)
+    columns[error] = pd.Series(errors, index=index, dtype=_STRING)
     return pd.DataFrame(columns, index=index)
 
 
@@ -498,8 +689,10 @@ def _show(value) -> str:
     return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
 
 
-def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
-                    postprocess: Callable[[dict], dict] | None = None, *, meta: Meta | None = None,
+def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None,
+                    preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
+                    builder_kwargs: dict | None = None, *, meta: Meta | None = None,
                     sample_rows: int = SAMPLE_ROWS) -> Processor:
     """A processor mapping a Dask (or pandas) DataFrame through ``preprocess``, the engine
     and ``postprocess``.
@@ -508,5 +701,30 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     list of ``(column, dtype)`` pairs, or a ``pyarrow.Schema``); without it the output's
     types come from running the first ``sample_rows`` rows of a Dask input through the
     whole pipeline when the processor is called. See :mod:`dfllm.jobs.processor`.
+
+    Ray Data LLM's other arguments are accepted: ``preprocess_map_kwargs`` and
+    ``postprocess_map_kwargs`` (Ray's ``map`` options: Ray-cluster-only, no effect on Dask;
+    dicts or None) and ``builder_kwargs`` (only ``chat_template_kwargs``, as the config's).
     """
+    for name, value in (("preprocess_map_kwargs", preprocess_map_kwargs),
+                        ("postprocess_map_kwargs", postprocess_map_kwargs), ("builder_kwargs", builder_kwargs)):
+        _optional_dict(name, value)
+    if builder_kwargs:
+        unknown = sorted(set(builder_kwargs) - {"chat_template_kwargs"})
+        if unknown:
+            raise TypeError(f"builder_kwargs: unknown key(s) {unknown}; dfllm takes only 'chat_template_kwargs'")
+        config = dataclasses.replace(config, chat_template_kwargs=builder_kwargs["chat_template_kwargs"])
     return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows)
+
+
+def build_llm_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                        postprocess: Callable[[dict], dict] | None = None,
+                        preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
+                        builder_kwargs: dict | None = None, *, meta: Meta | None = None,
+                        sample_rows: int = SAMPLE_ROWS) -> Processor:
+    """Ray Data LLM's older name of :func:`build_processor` (deprecated there, and here:
+    a ``DeprecationWarning``, then the same processor)."""
+    warnings.warn("build_llm_processor is deprecated (as in Ray Data LLM); use build_processor",
+                  DeprecationWarning, stacklevel=2)
+    return build_processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs,
+                           builder_kwargs, meta=meta, sample_rows=sample_rows)
