@@ -5,9 +5,22 @@ DataFrame (or a pandas one), row by row, through ``preprocess`` (a function of t
 returning the fields ``messages`` or ``prompt``, and optionally ``sampling_params``), the
 engine, and ``postprocess`` (a function of the row dict, with the engine's outputs added,
 returning the output row). As in Ray Data LLM, the input row's columns are carried through
-to ``postprocess`` beside ``generated_text`` (or ``embedding``, ``label``/``probs``,
-``score``), ``num_input_tokens`` and ``num_generated_tokens`` (and ``llm_error``, None for
-every row ``postprocess`` sees).
+to ``postprocess`` beside the engine's columns (and ``llm_error``, None for every row
+``postprocess`` sees):
+
+- ``generate``: Ray's vLLM engine stage's ``generated_text``, ``prompt`` (the text sent, after
+  the chat template for ``messages`` rows), ``prompt_token_ids``, ``generated_tokens`` (the
+  generated token ids), ``num_input_tokens``, ``num_generated_tokens`` and
+  ``time_taken_llm`` (seconds of the engine call that generated the row's batch), and
+  dfllm's ``finish_reason``. Token id lists reach ``postprocess`` as numpy arrays (as Ray
+  Data's rows do); Ray's ``logprobs``, ``prompt_logprobs``, ``metrics``, ``request_id``,
+  ``batch_uuid`` and ``params`` are not given.
+- ``embed``, ``classify``, ``score``: Ray's ``embeddings`` (the vector; the class
+  probabilities; ``[score]``) and ``time_taken_llm``, beside dfllm's ``embedding``,
+  ``label``/``probs`` and ``score``.
+
+``model_source=None`` is the task's default model: the bundled chat model for ``generate``,
+the bundled ``all-minilm-l6-v2`` for ``embed`` and ``score``; ``classify`` needs one.
 
 Task inputs by ``task_type``: ``generate`` reads ``messages`` (with
 ``apply_chat_template``) or ``prompt``; ``embed`` and ``classify`` read ``prompt``;
@@ -66,6 +79,8 @@ row). Columns ``postprocess`` does not return for a row are null in that row.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -76,10 +91,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.kinds import KINDS
+from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
 from dfllm.accessors.placement import check_resources, run_placed
-from dfllm.accessors.schema import LLM_ERROR
-from dfllm.accessors.task import make_task
+from dfllm.accessors.schema import FLOAT, LLM_ERROR, NUM_INPUT_TOKENS, PROBS, STRING, VECTOR
+from dfllm.accessors.task import LLMTask, make_task
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
 SAMPLE_ROWS = 8
@@ -130,7 +145,9 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
     """Ray Data LLM's ``vLLMEngineProcessorConfig``, on Dask. ``ProcessorConfig`` is the same
     class. Every field of Ray's is accepted; what each means here:
 
-    - ``model_source``: a model directory or bundled alias (None: the task's default model).
+    - ``model_source``: a model directory or bundled alias (None: the task's default model:
+      the bundled chat model for generate, ``all-minilm-l6-v2`` for embed and score;
+      classify has none, so None is a ``ValueError``).
       ``engine_kwargs`` go to :class:`dfllm.LLM`. ``task_type``: ``generate``, ``embed``,
       ``classify`` or ``score``. ``batch_size`` (32, as Ray): rows of a partition per engine
       call.
@@ -198,6 +215,10 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         if self.task_type not in TASK_TYPES:
             raise ValueError(f"task_type must be one of {TASK_TYPES}, got {self.task_type!r}")
         _positive("batch_size", self.batch_size)
+        required = KINDS[self.task_type].model_required
+        if self.model_source is None and required:
+            raise ValueError(f"task_type={self.task_type!r} needs {required}: set model_source (None is the "
+                             "default model only of generate, embed and score)")
         c = self.concurrency
         if isinstance(c, (tuple, list)):
             if len(c) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in c) or not 1 <= c[0] <= c[1]:
@@ -285,6 +306,79 @@ class RowResult(NamedTuple):
     inputs: dict
     output: dict | None
     error: str | None
+
+
+# ---- Ray Data LLM's engine columns ------------------------------------------------------------------
+_INTS = pd.ArrowDtype(pa.list_(pa.int64()))
+#: The columns Ray's vLLM engine stage adds beside dfllm's own, by task kind, with their dtypes.
+RAY_COLUMNS: dict[str, tuple[tuple[str, pd.api.extensions.ExtensionDtype], ...]] = {
+    "generate": (("prompt", STRING), ("prompt_token_ids", _INTS), ("generated_tokens", _INTS),
+                 ("time_taken_llm", FLOAT)),
+    "embed": (("embeddings", VECTOR), ("time_taken_llm", FLOAT)),
+    "classify": (("embeddings", VECTOR), ("time_taken_llm", FLOAT)),
+    "score": (("embeddings", pd.ArrowDtype(pa.list_(pa.float64()))), ("time_taken_llm", FLOAT)),
+}
+RAY_COLUMNS["chat"] = RAY_COLUMNS["generate"]
+_RAY_PREFIX = "__ray__"  # the columns' names inside the task (an input column may be called "prompt")
+
+
+@dataclass(frozen=True)
+class _RayTask(LLMTask):
+    """An accessor task whose kind also fills Ray's engine columns (:data:`RAY_COLUMNS`,
+    named with ``_RAY_PREFIX`` while the task runs): its runner wraps the kind's own."""
+
+    @property
+    def spec(self) -> TaskKind:
+        base = task_kind(self.kind)
+        extra = tuple((_RAY_PREFIX + name, dtype) for name, dtype in RAY_COLUMNS[self.kind])
+        return dataclasses.replace(base, other_columns=base.other_columns + extra,
+                                   runner=functools.partial(_ray_runner, base.runner))
+
+
+def _ray_runner(runner: Callable, df: pd.DataFrame, task: LLMTask, out: dict, engine) -> None:
+    """``runner`` (the kind's own), then Ray's columns of the rows it filled: for generation,
+    from the engine's outputs (the rendered prompt, its token ids, the generated token ids,
+    the seconds of the engine call that generated the row); for pooling, ``embeddings``
+    (embed: the vector, classify: the probabilities, score: ``[score]``) and the seconds
+    of the pooling call."""
+    col = {name: _RAY_PREFIX + name for name, _ in RAY_COLUMNS[task.kind]}
+    if not task.spec.generative:
+        start = time.perf_counter()
+        runner(df, task, out, engine)
+        took = time.perf_counter() - start
+        for i in range(len(df)):
+            if task.kind == "embed":
+                value = out[task.output_column][i]
+            elif task.kind == "classify":
+                value = out[PROBS][i]
+            else:
+                score = out[task.output_column][i]
+                value = None if score is None else [float(score)]
+            if value is not None:
+                out[col["embeddings"]][i] = value
+                out[col["time_taken_llm"]][i] = took
+        return
+    calls: list[tuple[list, float]] = []
+
+    def generate(requests):
+        start = time.perf_counter()
+        outputs = engine.generate(requests)
+        calls.append((outputs, time.perf_counter() - start))
+        return outputs
+
+    runner(df, task, out, dataclasses.replace(engine, generate=generate))
+    generated = [(r, took) for outputs, took in calls for r in outputs]
+    rows = [i for i in range(len(df)) if out[NUM_INPUT_TOKENS][i] is not None]  # the rows that were generated
+    if len(rows) != len(generated):  # not the runner's one call per generated row: leave the columns null
+        return
+    for i, (r, took) in zip(rows, generated):
+        prompt = r.prompt
+        if prompt is None and task.kind == "generate" and task.inputs[0] in df.columns:
+            prompt = df[task.inputs[0]].iloc[i]  # generate sends the text's token ids
+        out[col["prompt"]][i] = prompt
+        out[col["prompt_token_ids"]][i] = list(r.prompt_token_ids)
+        out[col["generated_tokens"]][i] = list(r.outputs[0].token_ids)
+        out[col["time_taken_llm"]][i] = took
 
 
 class Processor:
@@ -379,16 +473,18 @@ class Processor:
         sampling = "sampling_params" if "sampling_params" in present and KINDS[kind].generative else None
         needed = list(inputs) + ([sampling] if sampling else [])
         frame = pd.DataFrame({c: [rows[i][0].get(c) for i in good] for c in needed})
-        task = make_task(kind, inputs, needed, output_column=KINDS[kind].output_column, model=self.config.model_source,
+        model = self.config.model_source or KINDS[kind].default_model  # None: the task's default model
+        task = make_task(kind, inputs, needed, output_column=KINDS[kind].output_column, model=model,
                          sampling_params=sampling, engine_kwargs=self.config.engine_kwargs,
                          chat_template=self.config.chat_template if kind == "chat" else None)
+        task = _RayTask(**{f.name: getattr(task, f.name) for f in dataclasses.fields(task)})
         result = run_placed(frame, task, self.config.task_resources())
         cols = list(task.output_dtypes())
         outputs = result[cols].astype(object).where(result[cols].notna(), None).to_dict("records")
+        names = {ERROR: self._err, **{_RAY_PREFIX + n: n for n, _ in RAY_COLUMNS[kind]}}
         for i, out in zip(good, outputs):
             error = out.get(ERROR)
-            if self._err != ERROR:
-                out = {self._err if k == ERROR else k: v for k, v in out.items()}
+            out = {names.get(k, k): v for k, v in out.items()}
             results[i] = ({**rows[i][0], **out}, error)
         return results
 

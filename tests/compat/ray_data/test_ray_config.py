@@ -54,7 +54,8 @@ def test_ray_quickstart_script_on_dask(tiny_llama, items, expected):
     got = lazy.compute().sort_index()
     assert got["answer"].tolist() == expected and got["item"].tolist() == ITEMS
     assert (got["num_generated_tokens"] <= 8).all() and got["llm_error"].isna().all()  # dfllm's default mode
-    pd.testing.assert_frame_equal(got, processor(items))  # and the same on pandas
+    timing = ["time_taken_llm"]  # seconds of the engine call: the same columns, not the same values
+    pd.testing.assert_frame_equal(got.drop(columns=timing), processor(items).drop(columns=timing))  # on pandas
 
 
 def test_build_llm_processor_is_build_processor(tiny_llama, items, expected):
