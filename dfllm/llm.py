@@ -175,7 +175,7 @@ class LLM:
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, lora_request: Any = None, priority: list[int] | None = None
+                 use_tqdm: bool = True, lora_request: Any = None, priority: int | list[int] | None = None
                  ) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts, returned in input order.
 
@@ -190,24 +190,26 @@ class LLM:
         ``lora_request=None`` and ``priority=None`` (or all zeros) are accepted for vLLM's
         signature; a LoRA adapter or a priority raises ``ValueError`` (neither is supported).
         """
-        _check_unsupported(lora_request, priority)
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
+        _check_unsupported(lora_request, priority, len(requests))
         return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"prompt {i}")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, use_tqdm: bool = True, lora_request: Any = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, use_tqdm: bool = True, lora_request: Any = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations.
 
         Each conversation is a list of ``{"role", "content"}`` messages, rendered with the
         tokenizer's chat template (or ``chat_template``) in transformers' sandboxed Jinja
         environment, then generated like ``generate`` (failures included: an error names the
-        conversation by index).
+        conversation by index). ``chat_template_kwargs`` are extra variables for the template
+        (e.g. ``{"enable_thinking": False}``).
         """
         _check_unsupported(lora_request)
         requests = self._engine("chat").input_processor.process_chats(
-            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
+            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)
         return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"conversation {i}")
 
     def enqueue(self, prompts, sampling_params=None) -> list[str]:
@@ -224,10 +226,12 @@ class LLM:
         return self._queued[-1][1]
 
     def enqueue_chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
-                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[str]:
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> list[str]:
         """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
         requests = self._engine("enqueue_chat").input_processor.process_chats(
-            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message)
+            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)
         self._queued.append(self._add(requests))
         return self._queued[-1][1]
 
@@ -357,11 +361,18 @@ class _ProgressBar:
         self.bar.close()
 
 
-def _check_unsupported(lora_request: Any = None, priority: list[int] | None = None) -> None:
-    """vLLM's ``lora_request``/``priority`` arguments: only their no-op values are accepted."""
+def _check_unsupported(lora_request: Any = None, priority: int | list[int] | None = None,
+                       num_prompts: int = 0) -> None:
+    """vLLM's ``lora_request``/``priority`` arguments: only their no-op values are accepted
+    (``priority``: an int, or a list with one per prompt, all 0)."""
     if lora_request is not None:
         raise ValueError("lora_request: LoRA adapters are not supported by dfllm; pass lora_request=None")
-    if priority is not None and any(priority):
+    if priority is None:
+        return
+    priorities = [priority] if isinstance(priority, int) else list(priority)
+    if not isinstance(priority, int) and len(priorities) != num_prompts:
+        raise ValueError(f"priority: got {len(priorities)} priorities for {num_prompts} prompts")
+    if any(priorities):
         raise ValueError("priority: priority scheduling is not supported by dfllm (its scheduling_policy is "
                          "'fcfs'); pass priority=None")
 

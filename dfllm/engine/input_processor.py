@@ -60,7 +60,8 @@ class InputProcessor:
         return self.tokenizer(list(texts))["input_ids"] if texts else []
 
     def render_chat(self, conversation: list[dict], chat_template: str | None = None, *,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> TokenizedPrompt:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> TokenizedPrompt:
         """One conversation rendered with the tokenizer's chat template (or ``chat_template``)
         in transformers' sandboxed Jinja environment, and tokenized."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -68,7 +69,8 @@ class InputProcessor:
         # tokenize=False: the rendered text (transformers annotates every return type at once)
         text = cast(str, self.tokenizer.apply_chat_template(
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {})))
         return TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     # ---- checked requests ------------------------------------------------------------
@@ -97,7 +99,8 @@ class InputProcessor:
         return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(items, params))]
 
     def process_chats(self, messages, sampling_params, chat_template: str | None = None,
-                      add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[EngineRequest]:
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      chat_template_kwargs: dict | None = None) -> list[EngineRequest]:
         """``LLM.chat``'s conversations (one or a list) rendered and checked; errors name the
         conversation by index."""
         if add_generation_prompt and continue_final_message:
@@ -105,7 +108,8 @@ class InputProcessor:
         convs = as_conversation_list(messages)
         params = per_prompt_params(sampling_params, len(convs))
         rendered = [self.render_chat(c, chat_template, add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message) for c in convs]
+                                     continue_final_message=continue_final_message,
+                                     chat_template_kwargs=chat_template_kwargs) for c in convs]
         return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(rendered, params))]
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:

@@ -4,7 +4,8 @@ For every sampled row of a step, in order: the token is appended (metrics, log-p
 the structured-output grammar advances, and the stop checks run: a grammar that terminated,
 an end-of-sequence token (unless ``ignore_eos``), a stop token id, a stop string in the new
 text, ``max_tokens``, and the context limit. ``min_tokens`` holds back every stop but the
-grammar's and the length limits. A row whose logits could not be sampled (non-finite) ends
+grammar's and the length limits (as in vLLM, a stop string is not looked for in the text of
+the first ``min_tokens`` tokens). A row whose logits could not be sampled (non-finite) ends
 with ``finish_reason="error"``. The engine then hands the ended sequences to the scheduler,
 which only frees their blocks.
 """
@@ -69,7 +70,7 @@ class OutputProcessor:
         if tok.logprob is not None:
             seq.cumulative_logprob += tok.logprob
             assert seq.logprobs is not None  # a list where logprobs were asked for
-            seq.logprobs.append(self._logprob_dict(tok))
+            seq.logprobs.append(self._logprob_dict(tok, seq.params.detokenize))
         seq.finish_reason, seq.stop_reason = self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
@@ -91,7 +92,9 @@ class OutputProcessor:
                 self.detokenizer.step(seq)
             return "stop", token
         delta = self.detokenizer.step(seq) if p.detokenize else ""
-        if stops_allowed and delta and p.stop_strings:
+        if seq.num_output_tokens == p.min_tokens:  # as vLLM: no stop string in these tokens' text
+            seq.stop_offset = len(seq.text)
+        if seq.num_output_tokens > p.min_tokens and delta and p.stop_strings:
             stop = _cut_at_stop_string(seq, len(delta))
             if stop is not None:
                 return "stop", stop
@@ -101,10 +104,10 @@ class OutputProcessor:
             return "length", None
         return None, None
 
-    def _logprob_dict(self, tok: SampledToken) -> dict[int, Logprob]:
+    def _logprob_dict(self, tok: SampledToken, detokenize: bool) -> dict[int, Logprob]:
         top = tok.top
         assert top is not None  # sampled with its logprob
-        texts = self.tokenizer.batch_decode([[t] for t, _, _ in top])
+        texts = self.tokenizer.batch_decode([[t] for t, _, _ in top]) if detokenize else [None] * len(top)
         return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(top, texts)}
 
     # ---- outputs ---------------------------------------------------------------------
@@ -145,7 +148,7 @@ def _cut_at_stop_string(seq: Sequence, new_len: int) -> str | None:
     params = seq.params
     best: tuple[int, str] | None = None
     for stop in params.stop_strings:
-        start = max(0, len(seq.text) - new_len - len(stop) + 1)
+        start = max(seq.stop_offset, len(seq.text) - new_len - len(stop) + 1)
         idx = seq.text.find(stop, start)
         if idx >= 0 and (best is None or idx < best[0]):
             best = (idx, stop)

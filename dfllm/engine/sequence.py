@@ -48,6 +48,7 @@ class Sequence:
     # Detokenizer state: text so far and the window offsets into token_ids.
     text: str = ""
     prefix_offset: int = 0
+    stop_offset: int = 0  # stop strings are looked for from here (after the first min_tokens tokens' text)
     read_offset: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
