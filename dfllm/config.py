@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -73,6 +75,7 @@ class EngineConfig:
         pipeline_parallel_size: int = 1,
         attention_backend: str = "auto",
         runner: str = "auto",
+        hf_overrides: dict[str, Any] | Callable[[PretrainedConfig], PretrainedConfig] | None = None,
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
@@ -83,7 +86,7 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
         path = resolve_model(model)
-        hf_config = load_config(path)
+        hf_config = apply_hf_overrides(load_config(path), hf_overrides)
         spec = ModelSpec.from_hf(hf_config)
         dev = resolve_device(device)
         max_len = resolve_max_model_len(max_model_len, spec)
@@ -103,6 +106,22 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             model=spec, runner_type=runner_type,
         )
+
+
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
+    """``hf_config`` with vLLM's ``hf_overrides`` applied: a dict of fields (a nested dict
+    updates the sub-config of that name) or a callable returning the new config."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return overrides(hf_config)
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(hf_config, key, value)
+    return hf_config
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

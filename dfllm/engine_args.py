@@ -97,6 +97,11 @@ def _structured_outputs_config(name: str, value: Any) -> None:
                                    "(use 'auto' or 'xgrammar')")
 
 
+def _hf_overrides(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, dict) and not callable(value):
+        raise _refuse(name, value, "give a dict of config.json fields or a callable taking and returning the config")
+
+
 VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("enforce_eager", False, "no-op", "accepted: dfllm always runs eagerly (it captures no CUDA graphs)",
             _bool),
@@ -139,8 +144,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("scheduling_policy", "fcfs", "refuses", "only `\"fcfs\"`; `\"priority\"` refused (not yet)",
             _only(("fcfs",), "dfllm schedules first come, first served only ('fcfs'); priority scheduling "
                              "is not implemented yet")),
-    VllmArg("hf_overrides", None, "refuses", "only `None` for now",
-            _only((None,), "overriding the model's config.json is not supported yet")),
+    VllmArg("hf_overrides", None, "maps", "a dict of `config.json` fields (a nested dict updates a sub-config) "
+            "or a callable taking and returning the Hugging Face config; applied before dfllm reads the config",
+            _hf_overrides),
     VllmArg("distributed_executor_backend", None, "refuses", "`None`, `\"mp\"`; `\"ray\"` and others refused",
             _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')")),
 )

@@ -134,7 +134,7 @@ class LLM:
         cpu_offload_gb: float = 0,
         structured_outputs_config: dict | None = None,
         scheduling_policy: str = "fcfs",
-        hf_overrides: dict | None = None,
+        hf_overrides: dict[str, Any] | Callable | None = None,
         distributed_executor_backend: str | None = None,
     ):
         vllm = check_vllm_args(
@@ -153,7 +153,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner)
+            pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner,
+            hf_overrides=hf_overrides)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

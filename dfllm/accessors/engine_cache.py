@@ -60,7 +60,8 @@ _loads = 0
 
 def engine_key(model, engine_kwargs: dict) -> tuple:
     """The cache key of a model configuration."""
-    return (None if model is None else str(model), tuple(sorted(engine_kwargs.items())))
+    # values may be dicts (hf_overrides, structured_outputs_config): keyed by their repr
+    return (None if model is None else str(model), tuple(sorted((k, repr(v)) for k, v in engine_kwargs.items())))
 
 
 def max_engines() -> int:

@@ -24,7 +24,7 @@ REFUSED = [
     ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("cpu_offload_gb", 4),
     ("structured_outputs_config", {"backend": "guidance"}),
     ("structured_outputs_config", {"backend": "xgrammar", "disable_any_whitespace": True}),
-    ("scheduling_policy", "priority"), ("hf_overrides", {"rope_theta": 1e6}),
+    ("scheduling_policy", "priority"), ("hf_overrides", "rope_theta=1e6"),
     ("distributed_executor_backend", "ray"),
     ("enforce_eager", "yes"), ("swap_space", -1), ("max_logprobs", -2),
 ]
@@ -92,3 +92,23 @@ def test_dataframe_engine_kwargs_accept_vllm_arguments(tiny_llama):
 
 def test_readme_table_is_the_engine_args_table():
     assert markdown_table() in README.read_text()
+
+
+def test_hf_overrides_change_the_config_dfllm_reads(tiny_llama):
+    """vLLM's hf_overrides: a dict of config.json fields, or a callable; applied before dfllm
+    describes the model, so the engine is built from the overridden config."""
+    assert LLM(tiny_llama).config.max_model_len == 1024
+    small = LLM(tiny_llama, hf_overrides={"max_position_embeddings": 64})
+    assert small.config.max_model_len == 64 and small.config.model.max_position_embeddings == 64
+
+    def shorter(config):
+        config.max_position_embeddings = 32
+        return config
+
+    assert LLM(tiny_llama, hf_overrides=shorter).config.max_model_len == 32
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    base = LLM(tiny_llama).generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids
+    other = LLM(tiny_llama, hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}})
+    assert other.config.model.rope_parameters["rope_theta"] == 10.0
+    assert other.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids != base
+
