@@ -23,6 +23,8 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 RUNNERS = ("auto", "generate", "pooling")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,13 @@ class EngineConfig:
     """Resolved settings of one engine instance; build it with :meth:`create`.
 
     ``model`` describes the checkpoint (the model code reads it, never ``hf_config``);
-    ``runner_type`` is "generate" or "pooling".
+    ``runner_type`` is "generate" or "pooling". ``max_logprobs`` caps the ``logprobs`` and
+    ``prompt_logprobs`` a request may ask (-1: the whole vocabulary), checked by the input
+    processor; ``scheduling_policy`` is "fcfs" (arrival order) or "priority" (a request's
+    ``priority``, lower first, then arrival), as vLLM's. ``deduplicate_requests`` computes
+    identical deterministic requests once (see :mod:`dfllm.engine.llm_engine`);
+    ``prefix_aware_scheduling`` admits waiting requests longest cached prefix first (see
+    :mod:`dfllm.engine.scheduler`).
     """
 
     model_path: Path
@@ -50,6 +58,10 @@ class EngineConfig:
     attention_backend: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    scheduling_policy: str = "fcfs"
+    deduplicate_requests: bool = True
+    prefix_aware_scheduling: bool = True
 
     @property
     def world_size(self) -> int:
@@ -76,14 +88,22 @@ class EngineConfig:
         attention_backend: str = "auto",
         runner: str = "auto",
         hf_overrides: dict[str, Any] | Callable[[PretrainedConfig], PretrainedConfig] | None = None,
+        max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
+        scheduling_policy: str = "fcfs",
+        deduplicate_requests: bool = True,
+        prefix_aware_scheduling: bool = True,
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
         that cannot be found, an architecture, quantization or sliding window dfllm does not
         support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
-        for an encoder too; ``NotImplementedError`` for a parallel pooling model)."""
+        for an encoder too; ``NotImplementedError`` for a parallel pooling model).
+        ``max_logprobs=None`` is vLLM's default, 20."""
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        max_logprobs = _check_max_logprobs(max_logprobs)
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
         path = resolve_model(model)
         hf_config = apply_hf_overrides(load_config(path), hf_overrides)
@@ -104,8 +124,18 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            model=spec, runner_type=runner_type,
+            model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
+            deduplicate_requests=bool(deduplicate_requests), prefix_aware_scheduling=bool(prefix_aware_scheduling),
         )
+
+
+def _check_max_logprobs(max_logprobs: int | None) -> int:
+    """vLLM's ``max_logprobs``: an int >= -1 (-1: no cap but the vocabulary); None is the default, 20."""
+    if max_logprobs is None:
+        return DEFAULT_MAX_LOGPROBS
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {max_logprobs!r}")
+    return max_logprobs
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:

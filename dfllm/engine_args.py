@@ -6,7 +6,8 @@ swap space, Ray) or choices it does not offer (quantization, remote code). ``dfl
 takes the common ones as explicit keyword-only parameters, with vLLM's defaults, and
 :func:`check_vllm_args` decides each one in one place, from :data:`VLLM_ARGS`:
 
-- **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``);
+- **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``, ``max_logprobs``,
+  ``scheduling_policy``);
 - **no-op**: any value of the right type is accepted and changes nothing (``enforce_eager``);
 - **refuses**: a value dfllm cannot honour raises ``ValueError`` naming the argument and
   the value, instead of being ignored silently (``trust_remote_code=True``).
@@ -110,8 +111,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("max_seq_len_to_capture", 8192, "no-op", "accepted, ignored: no CUDA graphs", _optional_int(1)),
     VllmArg("disable_log_stats", True, "no-op", "accepted: dfllm logs no periodic stats either way, and "
             "`get_metrics()` works whatever the value", _bool),
-    VllmArg("max_logprobs", 20, "no-op", "accepted (an int >= -1), not enforced: a request may ask any "
-            "`logprobs` up to the vocabulary size (or -1 for all)", _optional_int(-1)),
+    VllmArg("max_logprobs", 20, "maps", "enforced as in vLLM: a request asking more `logprobs` or "
+            "`prompt_logprobs` (-1 counts as the vocabulary size) raises `ValueError` (\"Requested sample logprobs "
+            "of K, which is greater than max allowed: 20\"); `-1` allows the whole vocabulary", _optional_int(-1)),
     VllmArg("enable_chunked_prefill", None, "no-op", "accepted: chunked prefill is always on (as in vLLM V1); "
             "`False` changes nothing", _optional_bool),
     VllmArg("swap_space", 4, "no-op", "accepted, ignored: preempted requests are recomputed, never swapped",
@@ -141,9 +143,11 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
             _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)")),
     VllmArg("structured_outputs_config", None, "refuses", "`None` or `{\"backend\": \"auto\"/\"xgrammar\"}`; "
             "other backends refused (xgrammar only)", _structured_outputs_config),
-    VllmArg("scheduling_policy", "fcfs", "refuses", "only `\"fcfs\"`; `\"priority\"` refused (not yet)",
-            _only(("fcfs",), "dfllm schedules first come, first served only ('fcfs'); priority scheduling "
-                             "is not implemented yet")),
+    VllmArg("scheduling_policy", "fcfs", "maps", "`\"fcfs\"` (arrival order) or `\"priority\"`: the "
+            "`priority=` of `generate`/`chat`/`enqueue`, lower first, then arrival (as vLLM); a nonzero priority "
+            "under `\"fcfs\"` raises `ValueError`; others refused",
+            _only(("fcfs", "priority"), "dfllm schedules first come, first served ('fcfs') or by request "
+                                        "priority ('priority')")),
     VllmArg("hf_overrides", None, "maps", "a dict of `config.json` fields (a nested dict updates a sub-config) "
             "or a callable taking and returning the Hugging Face config; applied before dfllm reads the config",
             _hf_overrides),
@@ -160,7 +164,8 @@ def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
 
     An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
     naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
-    tokenizer); everything else accepted is a no-op.
+    tokenizer); ``max_logprobs``, ``scheduling_policy`` and ``hf_overrides`` go to
+    :meth:`dfllm.config.EngineConfig.create`; everything else accepted is a no-op.
     """
     unknown = sorted(set(kwargs) - set(BY_NAME))
     if unknown:

@@ -28,17 +28,6 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
-    """The token ids of a prompt as a list; raise naming it (``what``, e.g. "prompt 3") if any
-    is not a valid id."""
-    if not isinstance(ids, Seq) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"{what}: prompt_token_ids must be a list of ints")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{what}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
-    return list(ids)
-
-
 def check_unicode(text: str, what: str) -> str:
     """``text`` unchanged; ``ValueError`` naming ``what`` if it holds a lone surrogate, which
     no tokenizer can encode (it is not valid Unicode, so it has no UTF-8 form)."""
@@ -48,17 +37,6 @@ def check_unicode(text: str, what: str) -> str:
         raise ValueError(f"{what} is not valid Unicode: lone surrogate {text[exc.start]!r} at character "
                          f"{exc.start}") from None
     return text
-
-
-def check_params_for_model(params: SamplingParams, what: str, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the prompt (``what``) if its sampling params ask more than the model has."""
-    outside = sorted({t for t in [*(params.allowed_token_ids or []), *(params.logit_bias or {})] if t >= vocab_size})
-    if outside:
-        raise ValueError(f"{what}: token id(s) {outside[:5]} in allowed_token_ids or logit_bias are outside the "
-                         f"model's vocabulary [0, {vocab_size}) (out of vocabulary)")
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise ValueError(f"{what}: logprobs={params.logprobs} exceeds the model's vocabulary of {vocab_size} "
-                         "tokens (use -1 for all of them)")
 
 
 def per_prompt_params(params, n: int, cls: type = SamplingParams, name: str = "sampling_params") -> list:

@@ -27,12 +27,14 @@ from dfllm.engine.input_processor import EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
 from dfllm.engine_args import check_vllm_args
+from dfllm.errors import InvalidRequestError, invalid_request
+from dfllm.inputs import as_prompt_list
 from dfllm.llm_control import EngineControl
 from dfllm.llm_pooling import PoolingFrontend, check_pooling_task, not_pooling_error
 from dfllm.logger import init_logger
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
-from dfllm.outputs import RequestOutput, raise_for_errors
+from dfllm.outputs import PoolingRequestOutput, RequestOutput, raise_for_errors
 from dfllm.sampling_params import SamplingParams
 
 init_logger()
@@ -73,6 +75,20 @@ class LLM:
     (last-token pooling unless the directory says otherwise). Pooling models serve
     ``embed``/``classify``/``score``/``encode``; generative models ``generate``/``chat``.
 
+    ``deduplicate_requests`` (default True; dfllm's, not vLLM's) computes identical
+    deterministic requests (same prompt tokens and sampling parameters, greedy or seeded)
+    once, however many times they are queued: each gets its own copy of the output, with
+    ``num_cached_tokens`` = prompt length - 1. ``prefix_aware_scheduling`` (default True)
+    admits waiting requests longest cached prefix first when prefix caching is on and the
+    policy is "fcfs", so that rows sharing a document run while its blocks are cached (see
+    :mod:`dfllm.engine.scheduler`).
+
+    Requests are checked before any work starts: one dfllm refuses (an empty prompt, a token
+    id out of the vocabulary, a prompt longer than ``max_model_len``, more logprobs than
+    ``max_logprobs``, a priority without priority scheduling...) raises
+    :class:`~dfllm.errors.InvalidRequestError`, a ``ValueError`` (vLLM's
+    ``VLLMValidationError``), whose message names the prompt and carries vLLM's phrase.
+
     Failures stay with the requests that cause them. A prompt for which the model produces
     non-finite logits (NaN, +inf, or no finite value: NaN weights, an overflow) ends with
     ``finish_reason="error"`` while the rest of the batch goes on; ``generate``/``chat``
@@ -86,10 +102,13 @@ class LLM:
     examples run unchanged: ``enforce_eager``, ``compilation_config``, ``swap_space``,
     ``disable_log_stats`` and the like are no-ops (dfllm captures no CUDA graphs, never
     swaps, logs no periodic stats), ``tokenizer_mode="slow"`` asks transformers for a slow
-    tokenizer, and values dfllm cannot honour (``trust_remote_code=True``, a ``quantization``,
-    a ``revision``, ``load_format`` other than safetensors, ``scheduling_policy="priority"``
-    ...) raise ``ValueError`` naming the argument and value. :data:`dfllm.engine_args.VLLM_ARGS`
-    lists each one and what dfllm does with it. Unknown names raise ``TypeError``.
+    tokenizer, ``max_logprobs`` caps the ``logprobs``/``prompt_logprobs`` a request may ask
+    (20; -1 for the whole vocabulary), ``scheduling_policy="priority"`` schedules by the
+    ``priority=`` of ``generate``/``chat``/``enqueue``, and values dfllm cannot honour
+    (``trust_remote_code=True``, a ``quantization``, a ``revision``, ``load_format`` other
+    than safetensors ...) raise ``ValueError`` naming the argument and value.
+    :data:`dfllm.engine_args.VLLM_ARGS` lists each one and what dfllm does with it. Unknown
+    names raise ``TypeError``.
     """
 
     def __init__(
@@ -111,6 +130,8 @@ class LLM:
         pipeline_parallel_size: int = 1,
         attention_backend: str = "auto",
         runner: str = "auto",
+        deduplicate_requests: bool = True,
+        prefix_aware_scheduling: bool = True,
         profiler_dir: str | Path = "./dfllm_traces",
         # vLLM engine arguments, with vLLM's defaults: checked by dfllm.engine_args
         enforce_eager: bool = False,
@@ -154,7 +175,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner,
-            hf_overrides=hf_overrides)
+            hf_overrides=hf_overrides, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
+            deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -182,62 +204,89 @@ class LLM:
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
         ``sampling_params`` is one object for all prompts or a list with one per prompt.
-        Every prompt is checked (emptiness, vocabulary, ``max_model_len``) before any work
-        starts; a bad one raises ``ValueError`` naming its index. A prompt for which the model
-        produces non-finite logits makes the call raise
-        :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming its index, once
-        every other prompt is done; their outputs are in the error's ``outputs``. An exception
-        in the engine is raised if these prompts cause it on their own (see the class).
-        ``lora_request=None`` and ``priority=None`` (or all zeros) are accepted for vLLM's
-        signature; a LoRA adapter or a priority raises ``ValueError`` (neither is supported).
+        Every prompt is checked (emptiness, vocabulary, ``max_model_len``, ``max_logprobs``)
+        before any work starts; a bad one raises :class:`~dfllm.errors.InvalidRequestError`
+        (a ``ValueError``) naming its index. A prompt for which the model produces non-finite
+        logits makes the call raise :class:`~dfllm.outputs.RequestFailedError` (a
+        ``RuntimeError``) naming its index, once every other prompt is done; their outputs
+        are in the error's ``outputs``. An exception in the engine is raised if these prompts
+        cause it on their own (see the class).
+
+        ``priority`` (vLLM's): an int for every prompt or a list with one per prompt; under
+        ``LLM(scheduling_policy="priority")`` lower values are scheduled first (together with
+        the requests already queued by ``enqueue``), and under the default ``"fcfs"`` only
+        zeros are accepted. ``lora_request=None`` is accepted for vLLM's signature; a LoRA
+        adapter raises ``ValueError`` (not supported).
         """
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
-        _check_unsupported(lora_request, priority, len(requests))
-        return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"prompt {i}")
+        _check_lora(lora_request)
+        priorities = self._priorities(priority, len(requests))
+        return raise_for_errors(self._run([self._add(requests, priorities)], use_tqdm), lambda i: f"prompt {i}")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, use_tqdm: bool = True, lora_request: Any = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations.
 
         Each conversation is a list of ``{"role", "content"}`` messages, rendered with the
         tokenizer's chat template (or ``chat_template``) in transformers' sandboxed Jinja
         environment, then generated like ``generate`` (failures included: an error names the
-        conversation by index). ``chat_template_kwargs`` are extra variables for the template
-        (e.g. ``{"enable_thinking": False}``).
+        conversation by index; ``priority`` as there, one per conversation).
+        ``chat_template_kwargs`` are extra variables for the template (e.g.
+        ``{"enable_thinking": False}``).
         """
-        _check_unsupported(lora_request)
+        _check_lora(lora_request)
         requests = self._engine("chat").input_processor.process_chats(
             messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)
-        return raise_for_errors(self._run([self._add(requests)], use_tqdm), lambda i: f"conversation {i}")
+        priorities = self._priorities(priority, len(requests))
+        return raise_for_errors(self._run([self._add(requests, priorities)], use_tqdm),
+                                lambda i: f"conversation {i}")
 
-    def enqueue(self, prompts, sampling_params=None) -> list[str]:
+    def enqueue(self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None
+                ) -> list[str]:
         """Queue prompts without running them; return their request ids.
 
-        Requests queued by several calls are scheduled together by
-        :meth:`wait_for_completion` (or by any ``generate`` call in between). If a step of a
-        ``generate`` call in between raises, they are re-run from scratch (greedy and seeded
-        ones give the outputs they would have had); :meth:`wait_for_completion` then returns
-        them, and reports any that fails (see there).
+        Each prompt is checked now, as ``generate`` checks it: a bad one raises
+        :class:`~dfllm.errors.InvalidRequestError` naming its index and nothing of the call
+        is queued. ``priority`` as in ``generate``. Requests queued by several calls are
+        scheduled together by :meth:`wait_for_completion` (or by any ``generate`` call in
+        between). If a step of a ``generate`` call in between raises, they are re-run from
+        scratch (greedy and seeded ones give the outputs they would have had);
+        :meth:`wait_for_completion` then returns them, and reports any that fails (see there).
+
+        On a pooling model (an embedder, a classifier) the second argument is a
+        :class:`~dfllm.PoolingParams` (one, a list with one per prompt, or None): each
+        request computes its params' ``task``, or when that is None the model's own task
+        ("embed" for an embedding model, "classify" for a classifier or cross-encoder), and
+        waits for :meth:`wait_for_completion` (``embed``/``encode`` calls in between run
+        their own prompts only). ``priority`` is checked as above; the queued requests all
+        run in that one call, so it changes nothing there.
         """
+        if self._pooling is not None:
+            with invalid_request():
+                self._priorities(priority, len(as_prompt_list(prompts)))
+            return self._pooling.enqueue(prompts, sampling_params)
         requests = self._engine("enqueue").input_processor.process_prompts(prompts, sampling_params)
-        self._queued.append(self._add(requests))
+        self._queued.append(self._add(requests, self._priorities(priority, len(requests))))
         return self._queued[-1][1]
 
     def enqueue_chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     chat_template_kwargs: dict[str, Any] | None = None) -> list[str]:
+                     chat_template_kwargs: dict[str, Any] | None = None,
+                     priority: int | list[int] | None = None) -> list[str]:
         """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
         requests = self._engine("enqueue_chat").input_processor.process_chats(
             messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)
-        self._queued.append(self._add(requests))
+        self._queued.append(self._add(requests, self._priorities(priority, len(requests))))
         return self._queued[-1][1]
 
-    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run the engine until every queued request is done; outputs in enqueue order.
+    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        """Run the engine until every queued request is done; outputs in enqueue order, each
+        request's once.
 
         No queued request is dropped silently: each one's output is returned, or the call
         raises :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming the
@@ -245,7 +294,13 @@ class LLM:
         with ``finish_reason="error"`` and the reason) in its ``outputs``. A request fails
         when the model produces non-finite logits for it, or when a step raises and its
         ``enqueue`` call's requests, re-run from scratch on their own, make it raise again.
+
+        On a pooling model the outputs are :class:`~dfllm.outputs.PoolingRequestOutput`
+        (the raw tensor of each request's task, as ``encode`` returns), batched by task; see
+        :meth:`dfllm.llm_pooling.PoolingFrontend.wait_for_completion` for its failures.
         """
+        if self._pooling is not None:
+            return self._pooling.wait_for_completion(use_tqdm)
         groups, self._queued = self._queued, []
         outputs = self._run(groups, use_tqdm, raise_failures=False)
         return raise_for_errors(outputs, lambda i: f"request {outputs[i].request_id}")
@@ -301,12 +356,41 @@ class LLM:
     def _next_id(self) -> str:
         return str(next(self._ids))
 
-    def _add(self, requests: list[EngineRequest]) -> tuple[int, list[str]]:
-        """Queue one call's checked requests as one group; (the group, their request ids)."""
+    def _priorities(self, priority: int | list[int] | None, num_requests: int) -> list[int]:
+        """vLLM's ``priority`` argument as one int per request: None is all 0, an int is the
+        same for every request, a list has one per request; a nonzero one needs
+        ``scheduling_policy="priority"``. :class:`~dfllm.errors.InvalidRequestError` otherwise."""
+        if priority is None:
+            return [0] * num_requests
+        if isinstance(priority, int) and not isinstance(priority, bool):
+            priorities = [priority] * num_requests
+        elif isinstance(priority, list | tuple):
+            priorities = list(priority)
+            if len(priorities) != num_requests:
+                raise InvalidRequestError(
+                    f"priority: got {len(priorities)} priorities for {num_requests} prompts (the lengths of prompts "
+                    "and priority must be the same)", parameter="priority", value=priority)
+        else:
+            raise InvalidRequestError(f"priority must be an int or a list of ints (one per prompt), got "
+                                      f"{type(priority).__name__}", parameter="priority", value=priority)
+        for p in priorities:
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise InvalidRequestError(f"priority: every priority must be an int, got {p!r}",
+                                          parameter="priority", value=p)
+            if p != 0 and self.config.scheduling_policy != "priority":
+                raise InvalidRequestError(
+                    f"priority: Got priority {p} but Priority scheduling is not enabled. (dfllm's scheduling_policy "
+                    "is 'fcfs'; LLM(..., scheduling_policy='priority') schedules by priority)",
+                    parameter="priority", value=p)
+        return priorities
+
+    def _add(self, requests: list[EngineRequest], priorities: list[int] | None = None) -> tuple[int, list[str]]:
+        """Queue one call's checked requests as one group, with their priorities (default 0);
+        (the group, their request ids)."""
         self._control.check_can_serve()
         group, ids = next(self._groups), [self._next_id() for _ in requests]
-        for rid, request in zip(ids, requests):
-            self.engine.add_request(rid, request, group=group)
+        for rid, request, p in zip(ids, requests, priorities or [0] * len(requests)):
+            self.engine.add_request(rid, request, group=group, priority=p)
         return group, ids
 
     def _run(self, groups: list[tuple[int, list[str]]], use_tqdm: bool, *,
@@ -362,20 +446,12 @@ class _ProgressBar:
         self.bar.close()
 
 
-def _check_unsupported(lora_request: Any = None, priority: int | list[int] | None = None,
-                       num_prompts: int = 0) -> None:
-    """vLLM's ``lora_request``/``priority`` arguments: only their no-op values are accepted
-    (``priority``: an int, or a list with one per prompt, all 0)."""
+def _check_lora(lora_request: Any = None) -> None:
+    """vLLM's ``lora_request``: only None is accepted (dfllm has no LoRA)."""
     if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not supported by dfllm; pass lora_request=None")
-    if priority is None:
-        return
-    priorities = [priority] if isinstance(priority, int) else list(priority)
-    if not isinstance(priority, int) and len(priorities) != num_prompts:
-        raise ValueError(f"priority: got {len(priorities)} priorities for {num_prompts} prompts")
-    if any(priorities):
-        raise ValueError("priority: priority scheduling is not supported by dfllm (its scheduling_policy is "
-                         "'fcfs'); pass priority=None")
+        raise InvalidRequestError(f"lora_request: LoRA adapters are not supported by dfllm; pass lora_request=None "
+                                  f"(Got lora_request {lora_request!r} but LoRA is not enabled!)",
+                                  parameter="lora_request")
 
 
 def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:

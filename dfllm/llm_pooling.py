@@ -1,18 +1,21 @@
-"""The pooling half of :class:`dfllm.LLM`: ``embed``, ``classify``, ``score`` and ``encode``."""
+"""The pooling half of :class:`dfllm.LLM`: ``embed``, ``classify``, ``score`` and ``encode``,
+and the request queue (``enqueue``/``wait_for_completion``) of a pooling model."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.config import EngineConfig
+from dfllm.engine.input_processor import check_prompt_length, check_token_ids
 from dfllm.engine.pooling_engine import PoolingEngine
+from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import (
     as_prompt_list,
-    check_token_ids,
     check_unicode,
     per_prompt_params,
 )
@@ -23,25 +26,37 @@ from dfllm.outputs import (
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
+    RequestFailedError,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from dfllm.pooling_params import PoolingParams
-
-POOLING_TASKS = ("embed", "classify", "token_embed")
+from dfllm.pooling_params import POOLING_TASKS, PoolingParams
 
 
 def check_pooling_task(pooling_task: str | None) -> str:
-    """``pooling_task`` of ``encode``, or ``ValueError`` if it is not one of :data:`POOLING_TASKS`."""
+    """``pooling_task`` of ``encode``, or :class:`~dfllm.errors.InvalidRequestError` if it is
+    not one of :data:`POOLING_TASKS`."""
     if pooling_task not in POOLING_TASKS:
-        raise ValueError(f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}")
+        raise InvalidRequestError(f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}",
+                                  parameter="pooling_task", value=pooling_task)
     return pooling_task
 
 
-def not_pooling_error(task: str) -> ValueError:
+def not_pooling_error(task: str) -> InvalidRequestError:
     """The error for a pooling method (``task``) called on a generative model."""
-    return ValueError(f"{task}: this is a generative model; load a pooling model "
-                      "(an embedding model, a classifier, or LLM(..., runner='pooling'))")
+    return InvalidRequestError(f"{task}: this is a generative model; load a pooling model "
+                               "(an embedding model, a classifier, or LLM(..., runner='pooling')). "
+                               "This model does not support pooling")
+
+
+@dataclass
+class _Queued:
+    """A checked pooling request waiting for :meth:`PoolingFrontend.wait_for_completion`."""
+
+    request_id: str
+    token_ids: list[int]
+    params: PoolingParams
+    task: str
 
 
 class PoolingFrontend:
@@ -54,14 +69,23 @@ class PoolingFrontend:
         self.tokenizer = tokenizer
         self.engine = engine
         self._next_id = next_id
+        self._queued: list[_Queued] = []  # enqueued, not yet waited for; in enqueue order
 
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                pooling_task: str | None = None, use_tqdm: bool = True,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required)."""
-        self.require(check_pooling_task(pooling_task))
+        """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required).
+
+        Every prompt is checked before any work starts; a bad one (or params whose ``task``
+        is another one) raises :class:`~dfllm.errors.InvalidRequestError` naming its index."""
+        task = self.require(check_pooling_task(pooling_task))
         ids, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-        data = self._pool(ids, params, pooling_task, use_tqdm)
+        for i, p in enumerate(params):
+            if p.task is not None and p.task != task:
+                raise InvalidRequestError(f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
+                                          f"{task!r}. You cannot overwrite self.task={p.task!r} with task={task!r}!",
+                                          parameter="task", value=p.task)
+        data = self._pool(ids, params, task, use_tqdm)
         return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), p) for d, p in zip(data, ids)]
 
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
@@ -93,7 +117,8 @@ class PoolingFrontend:
         its sigmoid is the score; any other embedding model scores by the cosine similarity
         of the two embeddings.
         """
-        left, right = _pairs(data_1, data_2)
+        with invalid_request():
+            left, right = _pairs(data_1, data_2)
         params = pooling_params or PoolingParams()
         self.require("score")
         if self.engine.num_labels == 1:
@@ -109,49 +134,140 @@ class PoolingFrontend:
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
 
-    def require(self, task: str) -> None:
-        """Raise ``ValueError`` if the model does not serve ``task`` (e.g. "classify" on an embedder)."""
+    def require(self, task: str) -> str:
+        """``task``, or :class:`~dfllm.errors.InvalidRequestError` if the model does not serve
+        it (e.g. "classify" on an embedder)."""
         if task not in self.engine.supported_tasks:
             labels = self.engine.num_labels
             kind = f"a classifier with {labels} labels" if labels else "an embedding model"
-            raise ValueError(f"{task} is not supported by this model, {kind} (it supports "
-                             f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
-                             "model or a cross-encoder (one label)")
+            raise InvalidRequestError(f"{task} is not supported by this model, {kind} (it supports "
+                                      f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
+                                      f"model or a cross-encoder (one label). Unsupported task: {task!r}",
+                                      parameter="task", value=task)
+        return task
+
+    # ---- the queue ------------------------------------------------------------------------
+    def enqueue(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+                truncate_prompt_tokens: int | None = None) -> list[str]:
+        """Queue prompts without running them; return their request ids.
+
+        Each prompt is checked (and tokenized, and truncated) now, as ``encode`` checks it: a
+        bad one raises :class:`~dfllm.errors.InvalidRequestError` naming its index and
+        nothing of the call is queued. A request computes its params' ``task``, or when that
+        is None the model's own task: "embed" for an embedding model, "classify" for a
+        classifier or cross-encoder (a task the model does not serve is refused here).
+        """
+        ids, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+        tasks = [self.require(p.task or self.engine.supported_tasks[0]) for p in params]
+        queued = [_Queued(self._next_id(), i, p, t) for i, p, t in zip(ids, params, tasks)]
+        self._queued += queued
+        return [q.request_id for q in queued]
+
+    def has_queued(self) -> bool:
+        """True while some enqueued request has not been returned by :meth:`wait_for_completion`."""
+        return bool(self._queued)
+
+    def wait_for_completion(self, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Run every queued request; one :class:`~dfllm.outputs.PoolingRequestOutput` each
+        (its raw tensor, as ``encode`` returns), in enqueue order, each returned once.
+
+        Requests of the same task run batched together, whichever ``enqueue`` call queued
+        them. If a batch raises, its requests are run again one at a time; one that still
+        raises does not stop the others: once all are done the call raises
+        :class:`~dfllm.outputs.RequestFailedError` (a ``RuntimeError``) naming the failed
+        ones by request id, with every output in its ``outputs`` (a failed one's is
+        ``finished=False`` with an empty tensor) and their positions in ``failed``. If the
+        call is interrupted (``KeyboardInterrupt``) the requests stay queued.
+        """
+        queued, self._queued = self._queued, []
+        try:
+            results, errors = self._run_queued(queued, use_tqdm)
+        except BaseException:
+            self._queued = queued + self._queued
+            raise
+        outputs = [PoolingRequestOutput(q.request_id, PoolingOutput(results.get(q.request_id, torch.empty(0))),
+                                        q.token_ids, finished=q.request_id not in errors) for q in queued]
+        failed = [i for i, q in enumerate(queued) if q.request_id in errors]
+        if failed:
+            lines = [f"request {queued[i].request_id}: {errors[queued[i].request_id]!r}" for i in failed[:5]]
+            more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
+            raise RequestFailedError(
+                f"{len(failed)} of {len(queued)} requests failed (the others completed; their outputs are in this "
+                "error's .outputs): " + "; ".join(lines) + more,
+                outputs, failed)  # type: ignore[arg-type]  # pooling outputs, same contract
+        return outputs
+
+    def _run_queued(self, queued: list[_Queued], use_tqdm: bool
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, BaseException]]:
+        """Pool ``queued``, batched by task; (request id -> tensor, request id -> error)."""
+        results: dict[str, torch.Tensor] = {}
+        errors: dict[str, BaseException] = {}
+        by_task: dict[str, list[_Queued]] = {}
+        for q in queued:
+            by_task.setdefault(q.task, []).append(q)
+        bar = tqdm(total=len(queued), desc="Pooling (queued requests)", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            for task, items in by_task.items():
+                start = bar.n
+                try:
+                    data = self.engine.encode([q.token_ids for q in items], [q.params for q in items], task,
+                                              on_batch=bar.update)
+                    results.update((q.request_id, d) for q, d in zip(items, data))
+                    continue
+                except Exception:  # which request caused it is found below, one at a time
+                    bar.n = start
+                for q in items:
+                    try:
+                        results[q.request_id] = self.engine.encode([q.token_ids], [q.params], task)[0]
+                    except Exception as exc:  # this request fails on its own: its error, the others go on
+                        errors[q.request_id] = exc
+                    bar.update(1)
+        finally:
+            bar.close()
+        return results, errors
 
     # ---- helpers ----------------------------------------------------------------------
     def _limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
         limit = min(self.cfg.max_model_len, self.engine.pooler.max_length or self.cfg.max_model_len)
         for t in (truncate_prompt_tokens, params.truncate_prompt_tokens):
             if t is not None and t != -1:
-                PoolingParams(truncate_prompt_tokens=t)  # validates
+                with invalid_request():
+                    PoolingParams(truncate_prompt_tokens=t)  # validates
                 limit = min(limit, t)
         return limit
 
-    def _pooling_inputs(self, prompts, pooling_params, truncate_prompt_tokens):
-        items = as_prompt_list(prompts)
-        params = per_prompt_params(pooling_params, len(items), PoolingParams, "pooling_params")
-        ids: list[list[int] | None] = [None] * len(items)
-        texts: dict[int, list[int]] = {}
-        for i, (item, p) in enumerate(zip(items, params)):
-            limit = self._limit(p, truncate_prompt_tokens)
-            if isinstance(item, dict) and "prompt_token_ids" in item:
-                ids[i] = check_token_ids(item["prompt_token_ids"], f"prompt {i}", self.cfg.model.vocab_size)[:limit]
-            else:
-                text = item.get("prompt") if isinstance(item, dict) else item
-                if not isinstance(text, str):
-                    raise ValueError(f"prompt {i}: expected a str or a dict with 'prompt' or 'prompt_token_ids', "
-                                     f"got {type(item).__name__}")
-                check_unicode(text, f"prompt {i}")
-                texts.setdefault(limit, []).append(i)
-        for limit, idx in texts.items():
-            enc = self.tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
-                                 truncation=True, max_length=limit)["input_ids"]
-            for i, e in zip(idx, enc):
-                ids[i] = e
-        for i, e in enumerate(ids):
-            if not e:
-                raise ValueError(f"prompt {i} is empty")
-        return ids, params
+    def _pooling_inputs(self, prompts, pooling_params, truncate_prompt_tokens
+                        ) -> tuple[list[list[int]], list[PoolingParams]]:
+        """Every prompt checked, tokenized and truncated (token ids, params), before any work;
+        :class:`~dfllm.errors.InvalidRequestError` naming the first bad one by index."""
+        with invalid_request():
+            items = as_prompt_list(prompts)
+            if pooling_params is not None and not isinstance(pooling_params, PoolingParams | list | tuple):
+                raise InvalidRequestError("pooling_params must be a PoolingParams or a list of them (one per "
+                                          f"prompt), got {type(pooling_params).__name__}",
+                                          parameter="pooling_params")
+            params = per_prompt_params(pooling_params, len(items), PoolingParams, "pooling_params")
+            ids: list[list[int] | None] = [None] * len(items)
+            texts: dict[int, list[int]] = {}
+            for i, (item, p) in enumerate(zip(items, params)):
+                limit = self._limit(p, truncate_prompt_tokens)
+                if isinstance(item, dict) and "prompt_token_ids" in item:
+                    ids[i] = check_token_ids(item["prompt_token_ids"], f"prompt {i}", self.cfg.model.vocab_size)[:limit]
+                else:
+                    text = item.get("prompt") if isinstance(item, dict) else item
+                    if not isinstance(text, str):
+                        raise InvalidRequestError(f"prompt {i}: expected a str or a dict with 'prompt' or "
+                                                  f"'prompt_token_ids', got {type(item).__name__}")
+                    check_unicode(text, f"prompt {i}")
+                    texts.setdefault(limit, []).append(i)
+            for limit, idx in texts.items():
+                enc = self.tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
+                                     truncation=True, max_length=limit)["input_ids"]
+                for i, e in zip(idx, enc):
+                    ids[i] = e
+            for i, e in enumerate(ids):
+                check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
+            return [e or [] for e in ids], params
 
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm):
         limit = self._limit(params, truncate_prompt_tokens)
@@ -173,14 +289,14 @@ def _pairs(data_1, data_2) -> tuple[list[str], list[str]]:
     left = [data_1] if isinstance(data_1, str) else list(data_1)
     right = [data_2] if isinstance(data_2, str) else list(data_2)
     if not left or not right:
-        raise ValueError("score needs at least one text on each side")
+        raise InvalidRequestError("score needs at least one text on each side")
     for side, texts in (("data_1", left), ("data_2", right)):
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                raise ValueError(f"score {side}[{i}] must be a str, got {type(t).__name__}")
+                raise InvalidRequestError(f"score {side}[{i}] must be a str, got {type(t).__name__}")
             check_unicode(t, f"score {side}[{i}]")
     if len(left) == 1 and len(right) > 1:
         left = left * len(right)
     if len(left) != len(right):
-        raise ValueError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and {len(right)}")
+        raise InvalidRequestError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and {len(right)}")
     return left, right

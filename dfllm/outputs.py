@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -76,7 +76,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """Everything produced for one prompt: its tokens and its ``n`` completions."""
+    """Everything produced for one prompt: its tokens and its ``n`` completions, and with
+    ``SamplingParams.prompt_logprobs`` the prompt tokens' log-probabilities (None for the
+    first token, then one ``{token_id: Logprob}`` per prompt token, the token itself first)."""
 
     request_id: str
     prompt: str | None
@@ -85,7 +87,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class RequestFailedError(RuntimeError):

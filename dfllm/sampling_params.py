@@ -25,7 +25,10 @@ class SamplingParams:
     - ``stop``: strings that end the completion; they are cut from the text unless
       ``include_stop_str_in_output``.
     - ``stop_token_ids``: token ids that end the completion (kept in ``token_ids``; their
-      text is left out of ``text`` unless ``include_stop_str_in_output``).
+      text is left out of ``text`` unless ``include_stop_str_in_output``). An entry may also
+      be a list of ids, a group: the completion ends when its tokens end with the group,
+      ``stop_reason`` is the group as a string (``"[2318, 310, 2305]"``) and the group's
+      text is left out likewise. Groups are checked before single ids, as in vLLM.
     - ``ignore_eos``: keep generating past the end-of-sequence token.
     - ``max_tokens`` (default 16) and ``min_tokens``: bounds on generated tokens.
     - ``logprobs``: return this many top log-probabilities per generated token (plus the
@@ -43,8 +46,12 @@ class SamplingParams:
     - ``allowed_token_ids``: only these tokens may be generated.
     - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling.
     - ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: ``max_model_len``).
-    - ``prompt_logprobs``, per-request ``logits_processors`` and ``best_of`` other than
-      ``n`` raise ``ValueError``: not supported (vLLM V1 refuses the last two as well).
+    - ``prompt_logprobs``: the log-probability of every prompt token given the ones before
+      it (``RequestOutput.prompt_logprobs``: None for the first token, then a dict holding
+      the prompt token and this many top alternatives; -1 the whole vocabulary). Such a
+      request takes no prefix-cache hit, as in vLLM.
+    - Per-request ``logits_processors`` and ``best_of`` other than ``n`` raise
+      ``ValueError``: not supported (vLLM V1 refuses them as well).
 
     Invalid values raise ``ValueError`` naming the field, at construction time.
     """
@@ -56,7 +63,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int | list[int]] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -76,6 +83,8 @@ class SamplingParams:
     logits_processors: list | None = None
     best_of: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    _stop_ids: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
+    _stop_groups: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.seed == -1:
@@ -109,6 +118,21 @@ class SamplingParams:
         return self._stop_list
 
     @property
+    def single_stop_token_ids(self) -> list[int]:
+        """The entries of ``stop_token_ids`` that are single ids."""
+        return self._stop_ids
+
+    @property
+    def stop_token_groups(self) -> list[tuple[int, ...]]:
+        """The entries of ``stop_token_ids`` that are groups (token sequences)."""
+        return self._stop_groups
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Every token id ``stop_token_ids`` mentions, singly or in a group."""
+        return set(self._stop_ids).union(*self._stop_groups)
+
+    @property
     def is_greedy(self) -> bool:
         """True when decoding takes the most likely token at every step."""
         return self.temperature == 0.0
@@ -126,8 +150,17 @@ class SamplingParams:
         for s in self._stop_list:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+        self._stop_ids, self._stop_groups = [], []
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, None)
+            if isinstance(t, (list, tuple)):
+                if not t:
+                    raise ValueError("stop_token_ids: a group of stop token ids must not be empty")
+                for u in t:
+                    _check_int("stop_token_ids", u, 0, None)
+                self._stop_groups.append(tuple(t))
+            else:
+                _check_int("stop_token_ids", t, 0, None)
+                self._stop_ids.append(t)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.max_tokens is not None:
@@ -162,7 +195,7 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
         if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by dfllm yet; leave it None")
+            _check_int("prompt_logprobs", self.prompt_logprobs, -1, None)
         if self.logits_processors:
             raise ValueError("logits_processors: per-request logits processors are not supported "
                              "(vLLM V1 does not support them either)")

@@ -155,6 +155,22 @@ def test_pipeline_parallel_matches_one_rank(models, prompts, pp_llm):
     assert greedy(pp_llm, prompts) == ref
 
 
+@pytest.mark.parametrize("which", ["tp", "pp"])
+def test_prompt_logprobs_on_parallel_ranks_match_one_rank(models, prompts, which, request):
+    """The last stage sends the logits of prompt positions beside the sampled rows, micro-batch
+    by micro-batch, and the driver splits them back per sequence."""
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    parallel = request.getfixturevalue(f"{which}_llm")
+    ref = LLM(models["llama"], max_model_len=256, max_num_batched_tokens=64).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    got = parallel.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for a, b in zip(ref, got):
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) and b.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(x)[0] == list(y)[0]
+            assert x[list(x)[0]].logprob == pytest.approx(y[list(y)[0]].logprob, abs=1e-4)
+
+
 def test_micro_batches_split_steps_by_tokens():
     seqs = [object()] * 5
 

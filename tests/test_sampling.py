@@ -37,7 +37,7 @@ BAD_PARAMS = [
     ("allowed_token_ids", dict(allowed_token_ids=[-1])),
     ("logit_bias", dict(logit_bias={3: float("nan")})),
     ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)),
-    ("prompt_logprobs", dict(prompt_logprobs=1)),
+    ("prompt_logprobs", dict(prompt_logprobs=-2)),
     ("logits_processors", dict(logits_processors=[lambda ids, logits: logits])),
     ("best_of", dict(best_of=3)),
 ]

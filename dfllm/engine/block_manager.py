@@ -100,6 +100,26 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def prompt_block_hashes(self, seq: Sequence) -> list[int]:
+        """The hash chain of the full blocks ``match_prefix`` would look up for ``seq``
+        (computed once per length and kept on the sequence)."""
+        bs, chain = self.block_size, seq.block_hashes
+        for i in range(len(chain), (seq.num_tokens - 1) // bs):
+            chain.append(block_hash(chain[-1] if chain else None, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return chain
+
+    def num_cached_prefix_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks of ``seq`` the prefix cache holds (as ``match_prefix``,
+        from the kept hash chain)."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in self.prompt_block_hashes(seq):
+            if h not in self.hash_to_block:
+                break
+            n += 1
+        return n
+
     def num_free_after_hits(self, hits: list[int]) -> int:
         """Free blocks left for new allocations once ``hits`` are taken."""
         return self.num_free_blocks - sum(1 for b in hits if self.blocks[b].ref_count == 0)

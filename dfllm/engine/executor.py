@@ -33,8 +33,7 @@ from dfllm.distributed.parallel_state import create_store
 from dfllm.engine.model_runner import ModelRunner, call_with_timeout, rpc_target
 from dfllm.engine.pipeline import execute_step
 from dfllm.engine.scheduler import SchedulerOutput
-from dfllm.engine.sequence import Sequence
-from dfllm.engine.step_inputs import StepInputs, prepare_inputs
+from dfllm.engine.step_inputs import StepInputs, StepOutput, prepare_inputs
 from dfllm.engine.worker import build_runner, dumps_step, worker_main
 
 logger = logging.getLogger("dfllm")
@@ -118,12 +117,12 @@ class ParallelExecutor:
     def reload_weights(self) -> None:
         self.collective_rpc("reload_weights")
 
-    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """One step on every rank; the logits (float32, CPU) of the rows that sample."""
+    def run(self, sched: SchedulerOutput) -> StepOutput:
+        """One step on every rank; the logits (float32, CPU) of the rows that sample and of
+        the prompt positions whose log-probabilities were asked for."""
         self._check_alive()
         parts = _micro_batches(sched, self.cfg.pipeline_parallel_size)
         micro = [prepare_inputs(part, self.cfg.block_size, torch.device("cpu")) for part in parts]
-        sample_seqs = [s for mb in micro for s in mb.sample_seqs]
         shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, []) for mb in micro]
         zero, self._zero = self._zero, []
         try:
@@ -133,7 +132,7 @@ class ParallelExecutor:
         except BaseException as exc:
             self._fail(exc, "a step")
         assert logits is not None  # rank 0 (the driver) gets the logits
-        return logits, sample_seqs
+        return StepOutput.split(logits, micro)
 
     # ---- RPC -------------------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),

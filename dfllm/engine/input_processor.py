@@ -5,8 +5,12 @@ rendered with the chat template) becomes an :class:`EngineRequest`: token ids ch
 against the vocabulary and ``max_model_len``, sampling params checked against the model,
 and a structured-output constraint compiled. Whoever adds requests to the engine
 (``LLM.generate``/``chat``/``enqueue``, the dataframe accessors' driver) builds them here,
-so a bad input raises ``ValueError`` naming it before the engine sees it, and
-:meth:`~dfllm.engine.llm_engine.LLMEngine.add_request` checks nothing again.
+so a bad input raises :class:`~dfllm.errors.InvalidRequestError` (a ``ValueError``) naming
+it before the engine sees it, and :meth:`~dfllm.engine.llm_engine.LLMEngine.add_request`
+checks nothing again. Messages keep dfllm's wording (which prompt, which field) and add
+vLLM's phrase for the same failure ("The decoder prompt cannot be empty", "Token id N is
+out of vocabulary", "The decoder prompt (length N) is longer than the maximum model length
+of L", "Requested sample logprobs of K, which is greater than max allowed: M").
 
 Not thread-safe (transformers' fast tokenizers are not): callers sharing an engine
 across threads serialise calls with their own lock.
@@ -14,18 +18,18 @@ across threads serialise calls with their own lock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.engine.structured import Grammar, GrammarCompiler
+from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import (
     TokenizedPrompt,
     as_conversation_list,
     as_prompt_list,
-    check_params_for_model,
-    check_token_ids,
     check_unicode,
     per_prompt_params,
 )
@@ -47,11 +51,14 @@ class InputProcessor:
     """Tokenizes, renders chat templates and checks prompts for one engine's model."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], *, max_logprobs: int = -1):
+        """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
+        engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.max_logprobs = max_logprobs
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     # ---- text to tokens --------------------------------------------------------------
@@ -65,7 +72,7 @@ class InputProcessor:
         """One conversation rendered with the tokenizer's chat template (or ``chat_template``)
         in transformers' sandboxed Jinja environment, and tokenized."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+            raise InvalidRequestError("the tokenizer has no chat template; pass chat_template=...")
         # tokenize=False: the rendered text (transformers annotates every return type at once)
         text = cast(str, self.tokenizer.apply_chat_template(
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
@@ -76,41 +83,44 @@ class InputProcessor:
     # ---- checked requests ------------------------------------------------------------
     def process(self, prompt: TokenizedPrompt | dict | str, params: SamplingParams,
                 what: str = "prompt") -> EngineRequest:
-        """``prompt`` with ``params`` as a checked request; ``ValueError`` naming ``what``."""
-        tokenized = self._tokenized(prompt, what)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # the last tokens, as vLLM truncates (-1: as many as max_model_len)
-            keep = self.max_model_len if keep == -1 else keep
-            tokenized = TokenizedPrompt(tokenized.prompt, tokenized.token_ids[-keep:])
-        n = len(tokenized.token_ids)
-        if n == 0:  # e.g. a chat template that rendered nothing
-            raise ValueError(f"{what} is empty (no tokens)")
-        if n > self.max_model_len:
-            raise ValueError(f"{what} has {n} tokens, longer than max_model_len={self.max_model_len}")
-        check_params_for_model(params, what, self.vocab_size)
-        grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
-        return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params))
+        """``prompt`` with ``params`` as a checked request; :class:`~dfllm.errors.InvalidRequestError`
+        (a ``ValueError``) naming ``what`` if either is refused."""
+        with invalid_request():
+            if not isinstance(params, SamplingParams):
+                raise InvalidRequestError(f"{what}: sampling params must be a SamplingParams, got "
+                                          f"{type(params).__name__}", parameter="sampling_params")
+            tokenized = self._tokenized(prompt, what)
+            keep = params.truncate_prompt_tokens
+            if keep is not None:  # the last tokens, as vLLM truncates (-1: as many as max_model_len)
+                keep = self.max_model_len if keep == -1 else keep
+                tokenized = TokenizedPrompt(tokenized.prompt, tokenized.token_ids[-keep:])
+            check_prompt_length(len(tokenized.token_ids), what, self.max_model_len)
+            check_params_for_model(params, what, self.vocab_size, self.max_logprobs)
+            grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
+            return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params))
 
     def process_prompts(self, prompts, sampling_params) -> list[EngineRequest]:
         """``LLM.generate``'s prompts (one or a list) with their params, every one checked
         before any is returned; an error names the prompt by index."""
-        items = as_prompt_list(prompts)
-        params = per_prompt_params(sampling_params, len(items))
-        return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(items, params))]
+        with invalid_request():
+            items = as_prompt_list(prompts)
+            params = _per_prompt(sampling_params, len(items))
+            return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(items, params))]
 
     def process_chats(self, messages, sampling_params, chat_template: str | None = None,
                       add_generation_prompt: bool = True, continue_final_message: bool = False,
                       chat_template_kwargs: dict | None = None) -> list[EngineRequest]:
         """``LLM.chat``'s conversations (one or a list) rendered and checked; errors name the
         conversation by index."""
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
-        convs = as_conversation_list(messages)
-        params = per_prompt_params(sampling_params, len(convs))
-        rendered = [self.render_chat(c, chat_template, add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     chat_template_kwargs=chat_template_kwargs) for c in convs]
-        return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(rendered, params))]
+        with invalid_request():
+            if add_generation_prompt and continue_final_message:
+                raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be True")
+            convs = as_conversation_list(messages)
+            params = _per_prompt(sampling_params, len(convs))
+            rendered = [self.render_chat(c, chat_template, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         chat_template_kwargs=chat_template_kwargs) for c in convs]
+            return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(rendered, params))]
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens at the start of a text and, when that tokenizes differently
@@ -139,12 +149,81 @@ class InputProcessor:
                                    check_token_ids(prompt["prompt_token_ids"], what, self.vocab_size))
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt" in prompt else prompt
         if isinstance(prompt, dict) and not isinstance(text, str) and "prompt" in prompt:
-            raise ValueError(f"{what}: 'prompt' must be a str, got {type(text).__name__}")
+            raise InvalidRequestError(f"{what}: 'prompt' must be a str, got {type(text).__name__}")
         if not isinstance(text, str):
-            raise ValueError(f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', "
-                             f"got {type(prompt).__name__}")
+            raise InvalidRequestError(f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', "
+                                      f"got {type(prompt).__name__}")
         ids = self.tokenizer.encode(check_unicode(text, what))
         return TokenizedPrompt(text, check_token_ids(ids, what, self.vocab_size))
+
+
+# ---- the checks, shared with the pooling frontend (dfllm.llm_pooling) ----------------------
+def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
+    """The token ids of a prompt as a list; :class:`~dfllm.errors.InvalidRequestError` naming
+    it (``what``, e.g. "prompt 3") if they are not ints or one is outside the vocabulary."""
+    if not isinstance(ids, Seq) or isinstance(ids, str) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequestError(f"{what}: prompt_token_ids must be a list of ints", parameter="prompt_token_ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"{what}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}). "
+                                  f"Token id {bad[0]} is out of vocabulary", parameter="prompt_token_ids",
+                                  value=bad[0])
+    return list(ids)
+
+
+def check_prompt_length(n: int, what: str, max_model_len: int | None) -> None:
+    """Refuse an empty prompt, and one longer than ``max_model_len`` (unless None), naming ``what``."""
+    if n == 0:  # e.g. an empty string without special tokens, or a chat template that rendered nothing
+        raise InvalidRequestError(f"{what} is empty (no tokens). The decoder prompt cannot be empty")
+    if max_model_len is not None and n > max_model_len:
+        raise InvalidRequestError(
+            f"{what} has {n} tokens, longer than max_model_len={max_model_len}. The decoder prompt (length {n}) "
+            f"is longer than the maximum model length of {max_model_len}.", value=n)
+
+
+def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, max_logprobs: int = -1) -> None:
+    """Refuse sampling params that ask more than the model has, naming the prompt (``what``):
+    token ids outside the vocabulary (``allowed_token_ids``, ``logit_bias``,
+    ``stop_token_ids``), and ``logprobs``/``prompt_logprobs`` above ``max_logprobs`` or the
+    vocabulary size (-1 asks for the whole vocabulary; ``max_logprobs=-1`` caps at it), as vLLM."""
+    allowed = sorted({t for t in params.allowed_token_ids or [] if not 0 <= t < vocab_size})
+    if allowed:
+        raise InvalidRequestError(
+            f"{what}: token id(s) {allowed[:5]} in allowed_token_ids are outside the model's vocabulary "
+            f"[0, {vocab_size}) (out of vocabulary). allowed_token_ids contains out-of-vocab token id!",
+            parameter="allowed_token_ids", value=allowed)
+    for field in ("logit_bias", "stop_token_ids"):
+        ids: set[int] = params.all_stop_token_ids if field == "stop_token_ids" else set(params.logit_bias or ())
+        bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+        if bad:
+            raise InvalidRequestError(
+                f"{what}: token id(s) {bad[:5]} in {field} are outside the model's vocabulary [0, {vocab_size}). "
+                f"token_id(s) {bad} in {field} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                parameter=field, value=bad)
+    limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        asked = getattr(params, field, None)
+        if asked is None:
+            continue
+        k = vocab_size if asked == -1 else asked
+        if k <= limit:
+            continue
+        why = (f"{field}={asked} exceeds the model's vocabulary of {vocab_size} tokens (use -1 for all of them)"
+               if k > vocab_size else
+               f"{field}={asked} exceeds max_logprobs={max_logprobs} (raise it with LLM(max_logprobs=...); -1 "
+               "allows the whole vocabulary)")
+        raise InvalidRequestError(f"{what}: {why}. Requested {kind} logprobs of {k}, which is greater than max "
+                                  f"allowed: {limit}", parameter=field, value=k)
+
+
+def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (see ``dfllm.inputs.per_prompt_params``); anything else
+    (a PoolingParams, a dict) is refused by name."""
+    if sampling_params is not None and not isinstance(sampling_params, SamplingParams | list | tuple):
+        raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                  f"got {type(sampling_params).__name__}", parameter="sampling_params")
+    return per_prompt_params(sampling_params, n)
 
 
 def _flatten_content(msg: dict) -> dict:

@@ -17,6 +17,14 @@ group that fails again on its own is the cause: its requests end with
 the other groups' requests give the outputs they would have had. A caller waiting for
 some groups only (``LLM.generate`` while other calls' requests are queued) names them
 (``step(rerun=...)``); the others are queued again from scratch for later steps.
+
+Identical deterministic requests are computed once (``deduplicate_requests``, on by
+default): a request whose prompt tokens and sampling parameters equal those of an
+unfinished one, and whose output cannot differ from it (greedy, or seeded), follows that
+one instead of being scheduled, and gets a copy of its output under its own id, prompt and
+metrics, with ``num_cached_tokens`` = prompt length - 1 (everything but the last token
+came for free). Unseeded sampled requests are never merged. Aborting the leader hands its
+place to its first follower; a step that raises re-runs followers as requests of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Hashable, Iterable
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -68,38 +77,73 @@ class LLMEngine:
         self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=cfg.enable_prefix_caching,
                                    # on CPU, untouched cache memory costs nothing: reuse freed blocks first
-                                   reuse_first=cfg.device.type == "cpu")
-        self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids)
+                                   reuse_first=cfg.device.type == "cpu", policy=cfg.scheduling_policy,
+                                   prefix_aware=cfg.prefix_aware_scheduling)
+        self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids,
+                                              max_logprobs=cfg.max_logprobs)
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
         self.sampler = Sampler(eos_token_ids, cfg.seed)
         self.requests: dict[str, Request] = {}  # queued or running, or finished by a step that raised
+        self.deduplicate = cfg.deduplicate_requests
+        self.leaders: dict[Hashable, str] = {}  # dedupe key -> the unfinished request computing it
+        self.followers: dict[str, list[Request]] = {}  # leader id -> requests given a copy of its output
+        self.following: dict[str, str] = {}  # follower id -> its leader's id
         self.failures: dict[Hashable, BaseException] = {}  # group -> why it failed on its own
         self.last_step_groups: set[Hashable] = set()  # the groups of the last step's sequences
         self.sleep_level = 0  # 0 awake; 1 weights on host, KV freed; 2 weights and KV freed
         self.asleep: set[str] = set()  # which of "weights", "kv_cache" are released
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, request: EngineRequest, *, group: Hashable = None) -> None:
+    def add_request(self, request_id: str, request: EngineRequest, *, group: Hashable = None,
+                    priority: int = 0) -> None:
         """Queue a checked request under ``request_id`` (unique among unfinished requests);
-        its ``params.n`` sequences are scheduled independently."""
-        if request_id in self.requests:
+        its ``params.n`` sequences are scheduled independently. Under the ``"priority"``
+        scheduling policy a lower ``priority`` runs earlier (vLLM's convention); under
+        ``"fcfs"`` it is ignored."""
+        if request_id in self.requests or request_id in self.following:
             raise ValueError(f"request id {request_id!r} is already queued or running")
-        self._queue(Request(request_id, request.prompt, list(request.prompt_token_ids), request.params,
-                            RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids))
+        req = Request(request_id, request.prompt, list(request.prompt_token_ids), request.params,
+                      RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids, priority)
+        key = _dedupe_key(req) if self.deduplicate else None
+        leader = self.leaders.get(key) if key is not None else None
+        if leader is not None:
+            self.followers.setdefault(leader, []).append(req)
+            self.following[request_id] = leader
+            self.metrics.deduplicated.inc()
+            return
+        if key is not None:
+            self.leaders[key] = request_id
+            req.dedupe_key = key
+        self._queue(req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop these requests (unknown or finished ids are ignored) and free their blocks."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if rid in self.following:  # a follower: just no copy for it
+                leader = self.following.pop(rid)
+                self.followers[leader] = [f for f in self.followers[leader] if f.request_id != rid]
+                continue
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.abort(req.seqs)
+                self._forget_leader(req)
+                followers = self.followers.pop(rid, [])
+                if followers:  # the first follower computes in its place, the others follow it
+                    heir, *rest = followers
+                    del self.following[heir.request_id]
+                    heir.dedupe_key = req.dedupe_key
+                    self.leaders[heir.dedupe_key] = heir.request_id
+                    self._queue(heir)
+                    if rest:
+                        self.followers[heir.request_id] = rest
+                        self.following.update((f.request_id, heir.request_id) for f in rest)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self.following)
 
     def take_failure(self, group: Hashable) -> BaseException | None:
         """The exception that made ``group`` fail on its own after a failed step (see the
@@ -123,7 +167,24 @@ class LLMEngine:
             finished = self._step()
         except Exception as exc:
             return self._recover(exc, rerun)
-        return [self.output_processor.make_output(r) for r in finished]
+        return self._outputs(finished)
+
+    def _outputs(self, finished: list[Request]) -> list[RequestOutput]:
+        """The outputs of finished requests, each followed by its followers' copies."""
+        outputs = []
+        for req in finished:
+            out = self.output_processor.make_output(req)
+            outputs.append(out)
+            for f in self.followers.pop(req.request_id, []):
+                del self.following[f.request_id]
+                f.metrics.first_token_time, f.metrics.finished_time = req.metrics.first_token_time, time.time()
+                outputs.append(replace(
+                    out, request_id=f.request_id, prompt=f.prompt, prompt_token_ids=f.prompt_token_ids,
+                    num_cached_tokens=len(f.prompt_token_ids) - 1, metrics=f.metrics,
+                    outputs=[replace(c, token_ids=list(c.token_ids)) for c in out.outputs]))
+                self.metrics.observe_finish(f.metrics.finished_time - f.metrics.arrival_time,
+                                            len(f.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        return outputs
 
     def _step(self) -> list[Request]:
         before = self.scheduler.stats()
@@ -131,11 +192,13 @@ class LLMEngine:
         self.last_step_groups = {s.request.group for s in sched.seqs}
         self.runner.zero_blocks(self.scheduler.blocks_to_zero())
         with torch.profiler.record_function("dfllm.step"):
-            logits, sample_seqs = self.runner.run(sched)
+            out = self.runner.run(sched)
         self.scheduler.update_from_step(sched)
-        sampled = self._sample(logits, sample_seqs)
+        for span, logits in out.prompt_logits:
+            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
+        sampled = self._sample(out.logits, out.sample_seqs)
         now = time.time()
-        ended = self.output_processor.process(sample_seqs, sampled, now)
+        ended = self.output_processor.process(out.sample_seqs, sampled, now)
         for seq in ended:
             self.scheduler.finish(seq)
         finished = self._finished(ended, now)
@@ -163,6 +226,7 @@ class LLMEngine:
             req = seq.request
             if req.is_finished and req.request_id in self.requests:
                 del self.requests[req.request_id]
+                self._forget_leader(req)
                 req.metrics.finished_time = now
                 self.metrics.observe_finish(now - req.metrics.arrival_time, len(req.prompt_token_ids),
                                             sum(s.num_output_tokens for s in req.seqs))
@@ -208,21 +272,30 @@ class LLMEngine:
         for req in requests:
             self._requeue(req)
         while self.scheduler.has_unfinished():
-            outputs += [self.output_processor.make_output(r) for r in self._step()]
+            outputs += self._outputs(self._step())
 
     def _drop_all(self) -> list[Request]:
         """Every request not yet returned (queued, running, or finished by a step that raised),
-        dropped with its blocks freed; in arrival order."""
+        dropped with its blocks freed, followers as requests of their own; in arrival order."""
         self.scheduler.abort_all()
-        dropped = list(self.requests.values())
+        dropped = list(self.requests.values()) + [f for fs in self.followers.values() for f in fs]
+        dropped.sort(key=lambda r: r.metrics.arrival_time)
         self.requests.clear()
+        self.leaders.clear()
+        self.followers.clear()
+        self.following.clear()
         return dropped
+
+    def _forget_leader(self, req: Request) -> None:
+        if req.dedupe_key is not None and self.leaders.get(req.dedupe_key) == req.request_id:
+            del self.leaders[req.dedupe_key]
 
     def _requeue(self, req: Request) -> None:
         """``req`` queued again from scratch, with fresh sequences (and fresh seeded generators,
         so a greedy or seeded request gives the output it would have had)."""
         self._queue(Request(req.request_id, req.prompt, req.prompt_token_ids, req.params,
-                            RequestMetrics(req.metrics.arrival_time), req.group, req.grammar, req.bad_words_ids))
+                            RequestMetrics(req.metrics.arrival_time), req.group, req.grammar, req.bad_words_ids,
+                            req.priority))
 
     def _queue(self, req: Request) -> None:
         params = req.params
@@ -230,6 +303,8 @@ class LLMEngine:
             gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + i)
             seq = Sequence(req, i, list(req.prompt_token_ids), len(req.prompt_token_ids), gen)
             seq.logprobs = [] if params.logprobs is not None else None
+            if params.prompt_logprobs is not None and i == 0:
+                seq.prompt_logprobs = [None]
             if req.grammar is not None:
                 seq.grammar = req.grammar.matcher()
             self.output_processor.start(seq)
@@ -287,6 +362,15 @@ class LLMEngine:
             return False
         self.scheduler.reset_prefix_cache()
         return True
+
+def _dedupe_key(req: Request) -> Hashable | None:
+    """What identical deterministic requests share (prompt tokens, every sampling parameter,
+    banned words); None for a request whose output may differ from an identical one's."""
+    params = req.params
+    if not (params.is_greedy or params.seed is not None):
+        return None
+    return (tuple(req.prompt_token_ids), repr(params), req.bad_words_ids)
+
 
 def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
     """Rows of ``logits`` that cannot be sampled, with what is wrong: any NaN, any +inf, or

@@ -57,6 +57,8 @@ class EngineMetrics:
         self.preemptions = counter("dfllm_num_preemptions", "Sequences preempted for lack of KV blocks")
         self.prefix_queries = counter("dfllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("dfllm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.deduplicated = counter("dfllm_deduplicated_requests",
+                                    "Requests answered with the output of an identical deterministic request")
         self.ttft = histogram("dfllm_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.tpot = histogram("dfllm_time_per_output_token_seconds", "Time between output tokens", TOKEN_BUCKETS)
         self.e2e = histogram("dfllm_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)

@@ -17,8 +17,7 @@ from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.engine import kv_memory
 from dfllm.engine.pipeline import execute_step
 from dfllm.engine.scheduler import SchedulerOutput
-from dfllm.engine.sequence import Sequence
-from dfllm.engine.step_inputs import StepInputs, attention_metadata, prepare_inputs
+from dfllm.engine.step_inputs import StepInputs, StepOutput, attention_metadata, prepare_inputs
 from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import PrefillSpan
 from dfllm.models.llama import LlamaForCausalLM
@@ -165,16 +164,17 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute one step; return the logits (float32, on CPU) of the rows that sample."""
+    def run(self, sched: SchedulerOutput) -> StepOutput:
+        """Compute one step: the logits (float32, on CPU) of the rows that sample, and of the
+        prompt positions whose log-probabilities were asked for."""
         model = self.model
         assert model is not None  # not while the weights are dropped
         inputs = prepare_inputs(sched, self.block_size, self.device)
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_seqs:
-            return torch.empty(0), []
+        if not inputs.logit_rows.numel():
+            return StepOutput(torch.empty(0), [])
         logits = model.compute_logits(hidden[inputs.logit_rows])
-        return logits.float().cpu(), inputs.sample_seqs
+        return StepOutput.split(logits.float().cpu(), [inputs])
 
     # ---- RPC and lifecycle ------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),

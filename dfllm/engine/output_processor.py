@@ -2,8 +2,9 @@
 
 For every sampled row of a step, in order: the token is appended (metrics, log-probabilities),
 the structured-output grammar advances, and the stop checks run: a grammar that terminated,
-an end-of-sequence token (unless ``ignore_eos``), a stop token id, a stop string in the new
-text, ``max_tokens``, and the context limit. ``min_tokens`` holds back every stop but the
+an end-of-sequence token (unless ``ignore_eos``), a group of stop token ids the output now
+ends with, a stop token id, a stop string in the new text, ``max_tokens``, and the context
+limit. Prompt log-probabilities are recorded here too. ``min_tokens`` holds back every stop but the
 grammar's and the length limits (as in vLLM, a stop string is not looked for in the text of
 the first ``min_tokens`` tokens). A row whose logits could not be sampled (non-finite) ends
 with ``finish_reason="error"``. The engine then hands the ended sequences to the scheduler,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.engine.detokenizer import Detokenizer
@@ -86,8 +88,16 @@ class OutputProcessor:
         stops_allowed = seq.num_output_tokens >= p.min_tokens
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
-        assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
-        if stops_allowed and token in p.stop_token_ids:  # its text only with include_stop_str_in_output
+        if p.stop_token_groups:
+            seq.text_marks.append(len(seq.text))  # the text before this token, to cut a group's text
+            group = _ended_group(seq) if stops_allowed else None
+            if group is not None:  # its text only with include_stop_str_in_output
+                if p.include_stop_str_in_output and p.detokenize:
+                    self.detokenizer.step(seq)
+                elif p.detokenize:
+                    seq.text = seq.text[: seq.text_marks[-len(group)]]
+                return "stop", str(list(group))
+        if stops_allowed and token in p.single_stop_token_ids:  # its text only with include_stop_str_in_output
             if p.include_stop_str_in_output and p.detokenize:
                 self.detokenizer.step(seq)
             return "stop", token
@@ -104,9 +114,33 @@ class OutputProcessor:
             return "length", None
         return None, None
 
+    def add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Record the prompt log-probabilities that the logits at prompt positions ``start``,
+        ``start + 1``, ... give: each scores the next prompt token, with the top
+        ``prompt_logprobs`` alternatives (the whole vocabulary for -1), from the model's raw
+        distribution as vLLM does. A position already recorded (a recomputed prefill) is skipped."""
+        assert seq.prompt_logprobs is not None  # only sequences that asked have a span
+        k = seq.params.prompt_logprobs
+        assert k is not None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + lp.shape[0]])
+        chosen = lp.gather(1, targets.unsqueeze(1))
+        ranks = (lp > chosen).sum(dim=1) + 1
+        top_vals, top_ids = lp.topk(lp.shape[1] if k == -1 else k, dim=1)
+        for i in range(lp.shape[0]):
+            if start + 1 + i != len(seq.prompt_logprobs):  # recorded before (or a gap: never expected)
+                continue
+            target = int(targets[i])
+            top = [(target, float(chosen[i]), int(ranks[i]))]  # the prompt token first, as in vLLM
+            top += [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(top_vals[i].tolist(), top_ids[i].tolist()))
+                    if t != target]
+            seq.prompt_logprobs.append(self._logprobs(top, seq.params.detokenize))
+
     def _logprob_dict(self, tok: SampledToken, detokenize: bool) -> dict[int, Logprob]:
-        top = tok.top
-        assert top is not None  # sampled with its logprob
+        assert tok.top is not None  # sampled with its logprob
+        return self._logprobs(tok.top, detokenize)
+
+    def _logprobs(self, top: list[tuple[int, float, int]], detokenize: bool) -> dict[int, Logprob]:
         texts = self.tokenizer.batch_decode([[t] for t, _, _ in top]) if detokenize else [None] * len(top)
         return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(top, texts)}
 
@@ -131,7 +165,8 @@ class OutputProcessor:
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             req.num_cached_tokens, req.metrics)
+                             req.num_cached_tokens, req.metrics,
+                             prompt_logprobs=req.seqs[0].prompt_logprobs if req.seqs else None)
 
     @staticmethod
     def error_output(req: Request, message: str) -> RequestOutput:
@@ -140,6 +175,15 @@ class OutputProcessor:
         outs = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
                                  finish_reason="error", error=message) for i in range(req.params.n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, 0, req.metrics)
+
+
+def _ended_group(seq: Sequence) -> tuple[int, ...] | None:
+    """The first ``stop_token_ids`` group that the output tokens now end with, if any."""
+    out = seq.output_token_ids
+    for group in seq.params.stop_token_groups:
+        if len(out) >= len(group) and tuple(out[-len(group):]) == group:
+            return group
+    return None
 
 
 def _cut_at_stop_string(seq: Sequence, new_len: int) -> str | None:

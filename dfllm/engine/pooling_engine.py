@@ -27,10 +27,10 @@ from dfllm.models.loader import load_weights
 from dfllm.models.pooler import PoolerConfig, normalize, pool
 from dfllm.models.registry import pooling_model_class
 from dfllm.outputs import RequestMetrics
-from dfllm.pooling_params import PoolingParams
+from dfllm.pooling_params import POOLING_TASKS, PoolingParams
 from dfllm.sampling_params import SamplingParams
 
-TASKS = ("embed", "classify", "token_embed")
+TASKS = POOLING_TASKS  # "embed", "classify", "token_embed"
 
 
 class PoolingEngine:

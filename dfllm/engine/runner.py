@@ -11,7 +11,7 @@ from dfllm.config import EngineConfig
 from dfllm.engine.executor import ParallelExecutor
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
-from dfllm.engine.sequence import Sequence
+from dfllm.engine.step_inputs import StepOutput
 
 
 class Runner(Protocol):
@@ -51,8 +51,9 @@ class Runner(Protocol):
     def reload_weights(self) -> None:
         """Rebuild dropped weights from the model files."""
 
-    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute one step: the logits (float32, on CPU) of the rows that sample, and their sequences."""
+    def run(self, sched: SchedulerOutput) -> StepOutput:
+        """Compute one step: the logits (float32, on CPU) of the rows that sample, their
+        sequences, and the logits of the prompt positions whose log-probabilities were asked for."""
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:

@@ -100,8 +100,7 @@ class Sampler:
                 counts = counts[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if seq.num_output_tokens < p.min_tokens and seq.grammar is None:  # a grammar decides its own end
-                assert p.stop_token_ids is not None  # a list after SamplingParams.__post_init__
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                banned = set(p.single_stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")
         return logits

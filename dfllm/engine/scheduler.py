@@ -8,16 +8,35 @@ being prefilled, then waiting sequences, whose prompts may be split into chunks.
 KV cache runs out of blocks the newest running sequence is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed (mostly from the prefix
 cache) when there is room again.
+
+Two policies, as vLLM's ``scheduling_policy``: ``"fcfs"`` admits in arrival order;
+``"priority"`` keeps the queue ordered by (request priority, arrival time), lower first,
+and preempts the running sequence with the largest such key (the least urgent, newest)
+instead of the newest. A sequence that still needs prompt log-probabilities takes no
+prefix-cache hit (its prompt positions must all be computed, as in vLLM).
+
+Prefix-aware admission (``prefix_aware``, with prefix caching on and "fcfs"): where vLLM admits strictly in queue
+order, so that rows sharing a document only share its blocks if they happen to run while
+they are cached, dfllm admits the waiting sequences with the longest cached prefix first,
+and holds back a sequence whose next uncached block another running sequence is computing
+right now (two sequences admitted together would otherwise both compute it); it hits the
+cache a step later. Neither can starve a sequence: one that ``4 * max_num_seqs`` later
+sequences overtook is admitted first and never held back. Outputs do not depend on the order.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from dfllm.engine.block_manager import BlockManager
 from dfllm.engine.sequence import Sequence, SequenceStatus
+
+PREFIX_WINDOW = 1024  # waiting sequences that prefix-aware admission reorders
+OVERTAKES_PER_SEQ_SLOT = 4  # a sequence overtaken by this many times max_num_seqs later ones goes first
 
 
 @dataclass
@@ -55,7 +74,11 @@ class Scheduler:
     block manager that maps their tokens to KV-cache blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01):
+                 enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01,
+                 policy: str = "fcfs", prefix_aware: bool = True):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.policy = policy
         self._block_args = (num_blocks, block_size, enable_prefix_caching, reuse_first)
         self.bm = BlockManager(*self._block_args)
         self.max_num_seqs = max_num_seqs
@@ -64,9 +87,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_aware = prefix_aware and enable_prefix_caching and policy == "fcfs"
+        self.num_admitted = 0  # admissions so far: the clock of fairness (``_due``)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.waiting_since = self.num_admitted + len(self.waiting)  # when first come, first served would admit it
+        if self.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_priority_key)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,7 +163,7 @@ class Scheduler:
         Returns False when ``seq`` itself had to be preempted.
         """
         while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
-            victim = self.running[-1]
+            victim = max(self.running, key=_priority_key) if self.policy == "priority" else self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -149,14 +178,51 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.request.metrics.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        seq.waiting_since = self.num_admitted  # back at the front
+        if self.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_priority_key)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.num_preempted += 1
 
+    def _admission_order(self) -> tuple[list[Sequence], set[int]]:
+        """The waiting sequences in the order to try them, and the hashes of prompt blocks
+        that running sequences are computing now (not yet cached).
+
+        First come, first served, unless prefix-aware admission applies (prefix caching on,
+        the "fcfs" policy): then the first ``PREFIX_WINDOW`` waiting sequences go longest
+        cached prefix first (ties in queue order), as SGLang's longest-prefix-match
+        scheduling, so that the sequences sharing a prefix run while it is cached; those
+        overtaken too often (:meth:`_due`) go first, in queue order, whatever their prefix."""
+        window = list(itertools.islice(self.waiting, PREFIX_WINDOW if self.prefix_aware else self.max_num_seqs + 1))
+        if not self.prefix_aware:
+            return window, set()
+        due = [s for s in window if self._due(s)]
+        rest = [s for s in window if not self._due(s)]
+        hits = {s.seq_id: self.bm.num_cached_prefix_blocks(s) for s in rest}
+        rest.sort(key=lambda s: -hits[s.seq_id])
+        computing: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                computing.update(self.bm.prompt_block_hashes(seq)[seq.num_hashed_blocks:])
+        return due + rest, computing
+
+    def _due(self, seq: Sequence) -> bool:
+        """Whether ``seq`` was overtaken often enough to go first: admissions since first
+        come, first served would have admitted it (its ``waiting_since``)."""
+        return self.num_admitted - seq.waiting_since >= OVERTAKES_PER_SEQ_SLOT * self.max_num_seqs
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq) if not seq.block_table else []
+        order, computing = self._admission_order()
+        for seq in order:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            wants_cache = not seq.block_table and not seq.needs_prompt_logprobs
+            hits = self.bm.match_prefix(seq) if wants_cache else []
+            own = self.bm.prompt_block_hashes(seq)[len(hits):] if wants_cache and self.prefix_aware else []
+            if own and own[0] in computing and not self._due(seq):
+                continue  # its next block is being computed for another sequence: hit it next step
             num_computed = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - num_computed, budget)
             needed = -(-(num_computed + n) // self.bm.block_size) - len(hits)
@@ -165,7 +231,9 @@ class Scheduler:
             reserve = self.watermark_blocks if self.running else 0
             if needed + reserve > free:
                 break
-            self.waiting.popleft()
+            computing.update(own)
+            self.waiting.remove(seq)
+            self.num_admitted += 1
             self.bm.take_prefix(seq, hits)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -200,3 +268,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
         self.bm.free_seq(seq)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    """The order of the ``"priority"`` policy: request priority, then arrival, then creation."""
+    return (seq.request.priority, seq.request.metrics.arrival_time, seq.seq_id)

@@ -45,12 +45,18 @@ class Sequence:
     num_cached_tokens: int = -1
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks (prefix-aware admission)
+    waiting_since: int = 0  # the scheduler's admission count at which first come, first served would admit it
     # Detokenizer state: text so far and the window offsets into token_ids.
     text: str = ""
     prefix_offset: int = 0
     stop_offset: int = 0  # stop strings are looked for from here (after the first min_tokens tokens' text)
     read_offset: int = 0
+    text_marks: list[int] = field(default_factory=list)  # len(text) before each output token (stop groups only)
     logprobs: list[dict[int, Logprob]] | None = None
+    # prompt_logprobs: None first (the first prompt token has no context), then one dict per
+    # prompt token computed so far; only sequence 0 of a request that asks keeps it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -77,6 +83,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt token's log-probability is still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
 
 @dataclass(eq=False)
 class Request:
@@ -90,6 +101,8 @@ class Request:
     group: Hashable = None  # requests re-run together after a failed step (one call, one partition)
     grammar: Grammar | None = None  # structured outputs: the compiled constraint of its sequences
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences its sequences may not complete
+    priority: int = 0  # under the "priority" policy, lower values are scheduled first
+    dedupe_key: Hashable = None  # set on a request identical deterministic ones may follow
     seqs: list[Sequence] = field(default_factory=list)
 
     @property

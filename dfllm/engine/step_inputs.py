@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -11,16 +11,53 @@ from dfllm.engine.sequence import Sequence
 from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
+@dataclass(frozen=True)
+class PromptLogitSpan:
+    """Consecutive prompt positions of one sequence whose logits give prompt log-probabilities:
+    the logits at position ``start + i`` score prompt token ``start + i + 1``."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+
 @dataclass
 class StepInputs:
-    """A step's (or micro-batch's) token ids, positions and attention metadata; the rows of
-    the batch whose logits are sampled, and their sequences."""
+    """A step's (or micro-batch's) token ids, positions and attention metadata, and the rows
+    of the batch whose logits are computed: first one per sampled sequence
+    (``sample_seqs``), then the prompt positions of ``prompt_spans``, in order."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logit_rows: torch.Tensor
     sample_seqs: list[Sequence]
+    prompt_spans: list[PromptLogitSpan] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What a runner computed for one step: the logits (float32, on CPU) of the rows that
+    sample, their sequences, and the logits of each prompt-log-probability span."""
+
+    logits: torch.Tensor
+    sample_seqs: list[Sequence]
+    prompt_logits: list[tuple[PromptLogitSpan, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def split(cls, logits: torch.Tensor, inputs: list[StepInputs]) -> StepOutput:
+        """Split the logits of the ``logit_rows`` of ``inputs`` (concatenated in order)."""
+        sample: list[torch.Tensor] = []
+        prompt: list[tuple[PromptLogitSpan, torch.Tensor]] = []
+        at = 0
+        for mb in inputs:
+            sample.append(logits[at : at + len(mb.sample_seqs)])
+            at += len(mb.sample_seqs)
+            for span in mb.prompt_spans:
+                prompt.append((span, logits[at : at + span.count]))
+                at += span.count
+        sample_logits = torch.cat(sample) if sample else logits[:0]
+        return cls(sample_logits, [s for mb in inputs for s in mb.sample_seqs], prompt)
 
 
 def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
@@ -34,6 +71,8 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     dec_seqs: list[Sequence] = []
     logit_rows: list[int] = []
     sample_seqs: list[Sequence] = []
+    prompt_rows: list[int] = []
+    prompt_spans: list[PromptLogitSpan] = []
     qsl = [0]
     for seq, n in zip(sched.seqs, sched.num_new_tokens):
         start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
@@ -50,13 +89,22 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         if end == seq.num_tokens:
             logit_rows.append(row + n - 1)
             sample_seqs.append(seq)
+        if seq.needs_prompt_logprobs:
+            assert seq.prompt_logprobs is not None
+            # positions p scoring prompt token p + 1, from the first not yet scored
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            last = min(end, seq.num_prompt_tokens - 1)
+            if last > first:
+                prompt_rows.extend(range(row + first - start, row + last - start))
+                prompt_spans.append(PromptLogitSpan(seq, first, last - first))
         qsl.append(len(ids))
     seq_lens = [s.num_computed_tokens + n for s, n in zip(sched.seqs, sched.num_new_tokens)]
     tables = [s.block_table for s in sched.seqs]
     groups = _decode_groups(dec_rows, dec_seqs, bs)
     meta = attention_metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, device)
     return StepInputs(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
-                      torch.tensor(logit_rows, device=device), sample_seqs)
+                      torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device), sample_seqs,
+                      prompt_spans)
 
 
 def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
@@ -72,7 +120,8 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
     groups = [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in m.decode_groups]
     meta = replace(m, slot_mapping=to(m.slot_mapping), prefills=prefills, decode_groups=groups,
                    query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables))
-    return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs)
+    return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs,
+                      inputs.prompt_spans)
 
 
 def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:

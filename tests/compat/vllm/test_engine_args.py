@@ -24,7 +24,7 @@ REFUSED = [
     ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("cpu_offload_gb", 4),
     ("structured_outputs_config", {"backend": "guidance"}),
     ("structured_outputs_config", {"backend": "xgrammar", "disable_any_whitespace": True}),
-    ("scheduling_policy", "priority"), ("hf_overrides", "rope_theta=1e6"),
+    ("scheduling_policy", "lottery"), ("hf_overrides", "rope_theta=1e6"),
     ("distributed_executor_backend", "ray"),
     ("enforce_eager", "yes"), ("swap_space", -1), ("max_logprobs", -2),
 ]
@@ -46,6 +46,7 @@ def test_signature_lists_the_table_with_vllm_defaults():
         assert params[arg.name].default == arg.default, arg.name
     assert check_vllm_args(**DEFAULTS) == {"use_fast": True}
     assert check_vllm_args(**ACCEPTED) == {"use_fast": True}
+    assert check_vllm_args(scheduling_policy="priority", max_logprobs=5) == {"use_fast": True}
     assert check_vllm_args(tokenizer_mode="slow") == {"use_fast": False}
 
 
@@ -62,8 +63,8 @@ def test_llm_refuses_before_loading_anything():
         LLM("/nonexistent/model", trust_remote_code=True)
     with pytest.raises(ValueError, match="revision='main'.*local directory"):
         LLM("/nonexistent/model", revision="main")
-    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
-        LLM("/nonexistent/model", scheduling_policy="priority")
+    with pytest.raises(ValueError, match="scheduling_policy='lottery'"):
+        LLM("/nonexistent/model", scheduling_policy="lottery")
 
 
 def test_unknown_kwarg_raises_type_error():

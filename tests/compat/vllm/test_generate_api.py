@@ -54,13 +54,18 @@ def test_priority_none_or_zeros(llm):
     assert len(gen(llm, PROMPTS[0], None, priority=[0])) == 1
 
 
-@pytest.mark.skip(reason="not supported yet: priority scheduling (dfllm raises ValueError for a non-zero priority)")
-def test_nonzero_priority():
-    pass
+def test_nonzero_priority(tiny_llama):
+    # under scheduling_policy="priority", nonzero priorities are accepted (outputs in input order)
+    prio = LLM(tiny_llama, max_num_seqs=8, max_model_len=128, scheduling_policy="priority")
+    greedy = SamplingParams(temperature=0.0, **SHORT)
+    outs = gen(prio, PROMPTS, greedy, priority=[3, 0, 2, 1])
+    assert [o.prompt for o in outs] == PROMPTS
+    assert len(gen(prio, PROMPTS[0], greedy, priority=5)) == 1
 
 
 def test_nonzero_priority_is_refused(llm):
-    with pytest.raises(ValueError, match="priority"):
+    # under the default scheduling_policy="fcfs", as vLLM
+    with pytest.raises(ValueError, match="Got priority 1 but Priority scheduling is not enabled"):
         gen(llm, PROMPTS, None, priority=[1] * len(PROMPTS))
     with pytest.raises(ValueError, match="priority"):
         gen(llm, PROMPTS[0], None, priority=1)

@@ -90,9 +90,14 @@ def test_detokenize_false_with_logprobs(llm):
         assert all(lp.decoded_token is None for lp in position.values())
 
 
-@pytest.mark.skip(reason="not supported yet: prompt_logprobs (dfllm raises ValueError for it)")
-def test_detokenize_false_with_prompt_logprobs():
-    pass
+def test_detokenize_false_with_prompt_logprobs(llm):
+    out = gen(llm, PROMPT, SamplingParams(detokenize=False, logprobs=3, prompt_logprobs=3))[0]
+    assert len(out.outputs[0].token_ids) > 0 and len(out.outputs[0].text) == 0
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None
+    for position in out.prompt_logprobs[1:]:
+        assert 3 <= len(position) <= 4
+        assert all(lp.decoded_token is None for lp in position.values())
 
 
 def test_bad_words_two_rounds(llm):
@@ -214,6 +219,18 @@ def test_sample_logprobs_match_transformers(llm, tiny_llama):
                 assert isinstance(lp.decoded_token, str)
 
 
-@pytest.mark.skip(reason="not supported yet: prompt_logprobs (dfllm raises ValueError for it)")
-def test_prompt_logprobs_match_transformers():
-    pass
+def test_prompt_logprobs_match_transformers(llm, tiny_llama):
+    k = 6
+    outs = gen(llm, EXAMPLE_PROMPTS, SamplingParams(max_tokens=2, prompt_logprobs=k, temperature=0.0))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for result in outs:
+        ids = result.prompt_token_ids
+        assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(ids)
+        assert result.prompt_logprobs[0] is None
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        for pos, position in enumerate(result.prompt_logprobs[1:], start=1):
+            assert ids[pos] in position and len(position) in (k, k + 1)
+            for token_id, lp in position.items():
+                torch.testing.assert_close(lp.logprob, ref[pos - 1, token_id].item(), atol=1e-2, rtol=1e-2)
+                assert isinstance(lp.decoded_token, str)

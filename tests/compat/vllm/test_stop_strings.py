@@ -89,10 +89,33 @@ def test_stop_string_and_stop_token_id_together(llm, ref):
     assert out.stop_reason == word
 
 
-@pytest.mark.skip(reason="not supported yet: grouped stop_token_ids (a list of token-id lists) as in vLLM's "
-                         "_stop_token_id_multi; dfllm's stop_token_ids takes ints only")
-def test_stop_token_id_groups():
-    pass
+def test_stop_token_id_groups(llm, ref):
+    # vLLM's _stop_token_id_multi: a group ends the output when the tokens end with it; its
+    # reason is the group as a string; groups are checked before single ids
+    ids, tok = ref.token_ids, llm.get_tokenizer()
+    assert len(set(ids[:8])) == 8  # the positions used below are first occurrences
+
+    def text(n):
+        return tok.decode(ids[:n])
+
+    def check(stop_token_ids, include, expected, reason, detokenize=True):
+        out = run(llm, stop_token_ids=stop_token_ids, include_stop_str_in_output=include, detokenize=detokenize)
+        assert (out.text if detokenize else tok.decode(out.token_ids)) == expected
+        assert out.finish_reason == "stop" and out.stop_reason == reason
+
+    group, never = ids[5:8], next(t for t in range(3, 1000) if t not in ids)
+    check([[ids[4]]], False, text(4), f"[{ids[4]}]")  # a single grouped id
+    check([[ids[4]]], True, text(5), f"[{ids[4]}]")
+    check([group, never], False, text(5), str(group))  # a group beside a single id
+    check([group, never], True, text(8), str(group))
+    for include in (False, True):  # no detokenizer: the token ids keep the group either way
+        check([group, never], include, text(8), str(group), detokenize=False)
+    check([ids[5], group], False, text(5), ids[5])  # the single id comes first
+    check([ids[5], group], True, text(6), ids[5])
+    check([ids[7], group], True, text(8), str(group))  # both end here: the group wins
+    check([ids[7], group], True, text(8), str(group), detokenize=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[[]])
 
 
 # ---- tests/detokenizer/test_stop_reason.py -------------------------------------------------

@@ -1,0 +1,57 @@
+"""The error a bad request raises: :class:`InvalidRequestError`, a ``ValueError``.
+
+Every check of a request made by :class:`dfllm.LLM` (``generate``, ``chat``, ``enqueue``,
+``enqueue_chat``, ``embed``, ``classify``, ``score``, ``encode``) and by the dataframe
+accessors' input processing raises it before any work starts: a malformed or empty prompt,
+a token id out of the vocabulary, a prompt longer than ``max_model_len``, more logprobs than
+``max_logprobs``, sampling or pooling params the model cannot honour, a priority without
+priority scheduling. It is vLLM's ``vllm.exceptions.VLLMValidationError`` under a dfllm
+name (:data:`VLLMValidationError` is the same class): code catching ``ValueError`` (as
+vLLM's examples do) catches it too.
+
+Its message names the offending input as dfllm always has (``"prompt 3 is empty ..."``,
+a dataframe row's ``llm_error``) and carries vLLM's own phrase for the same failure where
+vLLM has one (``"The decoder prompt cannot be empty"``, ``"Token id 99999 is out of
+vocabulary"``, ``"Requested sample logprobs of 50, which is greater than max allowed: 20"``),
+so code matching vLLM's messages keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request that dfllm refuses before running it (a ``ValueError``; vLLM's
+    ``VLLMValidationError``). ``parameter`` names the request field at fault when one is
+    (``"logprobs"``, ``"priority"``...), and ``value`` is the value refused."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+    def __reduce__(self):  # keeps parameter and value across pickling (Dask workers)
+        return _rebuild, (str(self), self.parameter, self.value)
+
+
+def _rebuild(message: str, parameter: str | None, value: Any) -> InvalidRequestError:
+    return InvalidRequestError(message, parameter=parameter, value=value)
+
+
+VLLMValidationError = InvalidRequestError
+"""vLLM's name for :class:`InvalidRequestError` (``vllm.exceptions.VLLMValidationError``)."""
+
+
+@contextmanager
+def invalid_request() -> Iterator[None]:
+    """Inside this block, a plain ``ValueError`` raised by a request check becomes an
+    :class:`InvalidRequestError` with the same message (chained to it)."""
+    try:
+        yield
+    except InvalidRequestError:
+        raise
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
