@@ -3,9 +3,15 @@
 from dfllm import accessors  # noqa: F401  (registers .llm on Dask, pandas and Polars)
 from dfllm.accessors.engine_cache import release_engines
 from dfllm.accessors.writer import WriteSummary, write_parquet
+from dfllm.errors import InvalidRequestError, VLLMValidationError
 from dfllm.jobs.processor import (
+    ChatTemplateStageConfig,
+    DetokenizeStageConfig,
+    PrepareImageStageConfig,
+    PrepareMultimodalStageConfig,
     Processor,
     ProcessorConfig,
+    TokenizerStageConfig,
     build_llm_processor,
     build_processor,
     vLLMEngineProcessorConfig,
@@ -35,6 +41,8 @@ __all__ = [
     "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput",
     "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "write_parquet", "WriteSummary",
     "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams", "RequestFailedError",
-    "release_engines", "vLLMEngineProcessorConfig", "build_llm_processor",
+    "release_engines", "vLLMEngineProcessorConfig", "build_llm_processor", "InvalidRequestError",
+    "VLLMValidationError", "ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
+    "PrepareMultimodalStageConfig", "PrepareImageStageConfig",
 ]
 __version__ = "0.1.0"

@@ -243,3 +243,38 @@ def test_pooling_task_types_on_pandas(tmp_path):
                                                                   p=max(row["probs"])))
     out = classify(docs)
     assert out["label"].str.startswith("label_").all() and out.dtypes["p"] == pd.ArrowDtype(pa.float32())
+
+
+def test_mixed_rows_with_logprobs_on_the_cluster_every_row_once(client, config, haikus):
+    """One partition mixing messages, prompts, token ids and bad rows, asking for logprobs,
+    on worker processes: each row is generated as its own kind (one engine call per kind),
+    comes out exactly once, in order, and equal to the pandas run; the logprobs column (an
+    Arrow map of token id -> fields) reaches parquet-ready types."""
+    llm = dfllm.LLM(config.model_source, **ENGINE)
+    ids = llm.get_tokenizer().encode("haiku #2")
+
+    def pre(row):
+        sp = dict(SP, logprobs=1)
+        kind = row["id"] % 4
+        if kind == 0:
+            return dict(messages=[{"role": "user", "content": row["item"]}], sampling_params=sp)
+        if kind == 1:
+            return dict(prompt=row["item"], sampling_params=sp)
+        if kind == 2:
+            return dict(tokenized_prompt=ids, sampling_params=sp)
+        return dict(tokenized_prompt=[-1], sampling_params=sp)  # a bad token id: this row's error
+
+    processor = dfllm.build_processor(config, preprocess=pre)
+    lazy = processor(dd.from_pandas(haikus, npartitions=2))
+    got = lazy.compute()
+    assert got["id"].tolist() == list(range(8))  # every row once, in order
+    pd.testing.assert_frame_equal(got.drop(columns="time_taken_llm"),
+                                  processor(haikus).drop(columns="time_taken_llm"))
+    assert lazy.dtypes.to_dict() == got.dtypes.to_dict()
+    kind = got["id"].to_numpy(dtype="int64") % 4
+    assert got.loc[kind == 3, "llm_error"].str.contains("token").all()
+    ok = got[kind != 3]
+    assert ok["llm_error"].isna().all() and (ok["logprobs"].list.len() == ok["num_generated_tokens"]).all()
+    assert got.loc[kind == 2, "prompt_token_ids"].map(list).tolist() == [ids, ids]
+    table = pa.Table.from_pandas(got)
+    assert pa.types.is_map(table.schema.field("logprobs").type.value_type)

@@ -4,7 +4,9 @@
 A kind says how many inputs it reads, its main output column's default name and dtype,
 the other columns it adds (every task ends with ``llm_error``), whether it takes sampling
 params and structured outputs (the generative kinds, which share the engine's continuous
-batches), its default model, and the function that runs it on one partition. The
+batches), its default model, the function that runs it on one partition, and the engine
+columns a task may ask for besides (:data:`ENGINE_COLUMNS`: what Ray Data LLM's engine stage
+gives, which :mod:`dfllm.jobs.processor` asks for). The
 accessors' signatures, the output schemas (pandas, Dask ``meta``, Polars), the processor
 and the CLI all read it.
 """
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
+import pyarrow as pa
 
 from dfllm.accessors.runners import run_chat, run_classify, run_embed, run_generate, run_score
 from dfllm.accessors.schema import (
@@ -47,25 +50,63 @@ class TaskKind:
     runner: Callable  # runner(df, task, out, engine): fills ``out`` (see dfllm.accessors.runners)
     default_model: str | None = None  # None: LLM's default (the bundled chat model), unless model_required
     model_required: str | None = None  # what to pass as model= when the kind has no default
+    engine_columns: tuple[str, ...] = ()  # the ENGINE_COLUMNS a task of this kind may ask for
 
-    def output_dtypes(self, output_column: str, structured: tuple = ()) -> dict[str, pd.api.extensions.ExtensionDtype]:
+    def output_dtypes(self, output_column: str, structured: tuple = (),
+                      engine_columns: tuple[str, ...] = ()) -> dict[str, pd.api.extensions.ExtensionDtype | str]:
         """Columns the task adds, in order, with their dtypes (``llm_error`` always last).
 
         ``structured`` is ``("json", schema_text)`` or ``("choice", (values...))`` for a
-        constrained generation (its main column is typed from it), else empty."""
+        constrained generation (its main column is typed from it), else empty.
+        ``engine_columns`` (of this kind's) are added before ``llm_error``."""
         main = structured_dtype(structured) if structured else self.output_dtype
-        return {output_column: main, **dict(self.other_columns), LLM_ERROR: STRING}
+        extra = {name: engine_dtype(self.name, name) for name in engine_columns}
+        return {output_column: main, **dict(self.other_columns), **extra, LLM_ERROR: STRING}
 
 
 _GENERATION_COLUMNS = ((NUM_INPUT_TOKENS, INT), (NUM_GENERATED_TOKENS, INT), (FINISH_REASON, STRING))
 
+#: The type of one token's logprobs as Ray Data LLM gives them: token id -> its Logprob's fields.
+LOGPROB_MAP = pa.map_(pa.int64(), pa.struct([("logprob", pa.float64()), ("rank", pa.int64()),
+                                            ("decoded_token", pa.string())]))
+_INTS = pd.ArrowDtype(pa.list_(pa.int64()))
+#: Columns a task adds when it asks for them (``LLMTask.engine_columns``), with the names and
+#: values of Ray Data LLM's vLLM engine stage, and their dtypes:
+#:
+#: - ``rendered_prompt``: the prompt text sent (after the chat template) -- Ray's ``prompt``,
+#:   renamed so that it cannot clash with an input column called ``prompt``;
+#: - ``prompt_token_ids``, ``generated_tokens``: token id lists;
+#: - ``logprobs`` (rows whose sampling params ask ``logprobs=k``): per generated token a dict
+#:   token id -> ``{"logprob", "rank", "decoded_token"}``; ``prompt_logprobs`` likewise per
+#:   prompt token (None for the first), for ``prompt_logprobs=k``; these two are Python
+#:   objects (``object`` dtype), as Ray's rows hold them;
+#: - ``time_taken_llm``: seconds of the engine call that ran the row;
+#: - ``embeddings`` (pooling kinds): embed's vector, classify's probabilities, ``[score]``.
+ENGINE_COLUMNS: dict[str, pd.api.extensions.ExtensionDtype | str] = {
+    "rendered_prompt": STRING, "prompt_token_ids": _INTS, "generated_tokens": _INTS, "logprobs": "object",
+    "prompt_logprobs": "object", "time_taken_llm": FLOAT, "embeddings": VECTOR,
+}
+_GENERATION_ENGINE = ("rendered_prompt", "prompt_token_ids", "generated_tokens", "logprobs", "prompt_logprobs",
+                      "time_taken_llm")
+_POOLING_ENGINE = ("embeddings", "time_taken_llm")
+
+
+def engine_dtype(kind: str, name: str) -> pd.api.extensions.ExtensionDtype | str:
+    """The dtype of engine column ``name`` for ``kind`` (score's ``embeddings`` are float64)."""
+    if kind == "score" and name == "embeddings":
+        return pd.ArrowDtype(pa.list_(pa.float64()))
+    return ENGINE_COLUMNS[name]
+
+
 KINDS: dict[str, TaskKind] = {k.name: k for k in (
-    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_generate),
-    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_chat),
-    TaskKind("embed", 1, "embedding", VECTOR, (), False, run_embed, DEFAULT_EMBED_MODEL),
-    TaskKind("score", 2, "score", FLOAT, (), False, run_score, DEFAULT_EMBED_MODEL),
+    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_generate,
+             engine_columns=_GENERATION_ENGINE),
+    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_chat, engine_columns=_GENERATION_ENGINE),
+    TaskKind("embed", 1, "embedding", VECTOR, (), False, run_embed, DEFAULT_EMBED_MODEL,
+             engine_columns=_POOLING_ENGINE),
+    TaskKind("score", 2, "score", FLOAT, (), False, run_score, DEFAULT_EMBED_MODEL, engine_columns=_POOLING_ENGINE),
     TaskKind("classify", 1, "label", STRING, ((PROBS, VECTOR),), False, run_classify,
-             model_required="a classifier model"),
+             model_required="a classifier model", engine_columns=_POOLING_ENGINE),
 )}
 
 

@@ -22,6 +22,7 @@ import pandas as pd
 
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.inputs import check_conversation, check_unicode
+from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -96,12 +97,15 @@ def _text(value, what: str) -> str:
     return check_unicode(value, what)
 
 
-def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict) -> dict[int, str]:
-    """Row position -> text, from a column or a ``{column}`` template; bad rows get errors."""
+def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict, skip=()) -> dict[int, str]:
+    """Row position -> text, from a column or a ``{column}`` template; bad rows get errors.
+    Rows in ``skip`` are not read."""
     texts = {}
     records = df.to_dict("records") if is_template(spec) else None
     values = None if records is not None else df[spec].tolist()
     for i in range(len(df)):
+        if i in skip:
+            continue
         try:
             if records is not None:
                 row = {k: _template_value(records[i][k], f"column {k!r}") for k in template_fields(spec)}
@@ -134,16 +138,19 @@ def _template_value(value, what: str):
     return value
 
 
-def conversations(df: pd.DataFrame, task: LLMTask, out: dict) -> dict[int, list[dict]]:
+def conversations(df: pd.DataFrame, task: LLMTask, out: dict, skip=()) -> dict[int, list[dict]]:
     """Row position -> conversation for a chat task (the task's system message first): a
     template's text as one user turn, or a column of conversations (lists of messages, or
-    their JSON or Python-literal text); bad rows get errors."""
+    their JSON or Python-literal text); bad rows get errors. Rows in ``skip`` are not read."""
     spec = task.inputs[0]
     system = [{"role": "system", "content": task.system}] if task.system else []
     if is_template(spec):
-        return {i: system + [{"role": "user", "content": text}] for i, text in cell_texts(df, spec, task, out).items()}
+        return {i: system + [{"role": "user", "content": text}]
+                for i, text in cell_texts(df, spec, task, out, skip).items()}
     convs: dict[int, list] = {}
     for i, conv in enumerate(df[spec].tolist()):
+        if i in skip:
+            continue
         try:
             if is_null(conv):
                 raise ValueError("the conversation is null")
@@ -184,6 +191,83 @@ def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, Sa
         except (ValueError, TypeError) as exc:
             row_error(task, out, i, f"sampling_params: {exc}")
     return params
+
+
+def row_pooling_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, PoolingParams]:
+    """Row position -> its PoolingParams, for ``rows``: the task's, or with a pooling column
+    the row's own dict of fields (a null cell: the task's); bad rows get errors."""
+    from dfllm.accessors.task import pooling_params_from
+
+    base = task.pooling_params()
+    if not task.pooling_column:
+        return {i: base for i in rows}
+    params, column = {}, df[task.pooling_column].tolist()
+    for i in rows:
+        try:
+            value = _fields(column[i], "PoolingParams")
+            params[i] = base if value is None else pooling_params_from(value)
+        except (ValueError, TypeError) as exc:
+            row_error(task, out, i, f"pooling_params: {exc}")
+    return params
+
+
+def row_chat_template_kwargs(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, dict]:
+    """Row position -> the chat template variables of ``rows``: the task's, with a row's own
+    (a dict in the task's column; null: none) merged over them; bad rows get errors."""
+    from dfllm.accessors.task import thawed
+
+    base = {k: thawed(v) for k, v in task.chat_template_kwargs}
+    if not task.chat_template_kwargs_column:
+        return {i: base for i in rows}
+    kwargs, column = {}, df[task.chat_template_kwargs_column].tolist()
+    for i in rows:
+        try:
+            value = _fields(column[i], "template variables")
+            if value is not None and not all(isinstance(k, str) for k in value):
+                raise ValueError("template variable names must be strings")
+            kwargs[i] = base if value is None else {**base, **value}
+        except (ValueError, TypeError) as exc:
+            row_error(task, out, i, f"chat_template_kwargs: {exc}")
+    return kwargs
+
+
+def token_id_prompts(df: pd.DataFrame, task: LLMTask, out: dict) -> dict[int, list[int]]:
+    """Row position -> token ids, for the rows of the task's token id column that are not
+    null (a list or array of ints, checked against the vocabulary later); bad rows get
+    errors. No column: none."""
+    if not task.prompt_token_ids_column:
+        return {}
+    ids: dict[int, list[int]] = {}
+    for i, value in enumerate(df[task.prompt_token_ids_column].tolist()):
+        if value is None or (not hasattr(value, "__len__") and is_null(value)):
+            continue
+        try:
+            if isinstance(value, str):
+                value = literal_text(value, list, "a list of token ids")
+            if isinstance(value, (bytes, Mapping)) or not hasattr(value, "__iter__"):
+                raise ValueError(f"must be a list of token ids, got {type(value).__name__}")
+            value = [v.item() if hasattr(v, "item") else v for v in value]
+            if not value:
+                raise ValueError("is empty")
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                bad = next(v for v in value if not isinstance(v, int) or isinstance(v, bool))
+                raise ValueError(f"must hold ints, got {bad!r} ({type(bad).__name__})")
+            ids[i] = value
+        except ValueError as exc:
+            row_error(task, out, i, f"{task.prompt_token_ids_column}: {exc}")
+    return ids
+
+
+def _fields(value, what: str) -> dict | None:
+    """A cell holding a dict of fields (or its JSON/literal text) as a dict with its null
+    fields left out; None for a null cell."""
+    if isinstance(value, str):
+        value = literal_text(value, dict, f"a dict of {what} fields")
+    if is_null(value):
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a dict of {what} fields, got {type(value).__name__}")
+    return {k: v for k, v in dict(value).items() if v is not None and v is not pd.NA}
 
 
 def literal_text(text: str, kind: type, what: str):

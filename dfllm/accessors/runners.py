@@ -9,25 +9,48 @@ A generative runner (``generate``, ``chat``) turns its rows into requests checke
 engine's input processor, the one place inputs are checked (a row it refuses gets the
 message as its error), and generates them on the driver thread in the batches of every
 task using the engine (:class:`Generation`). A pooling runner (``embed``, ``score``,
-``classify``) calls the model's pooling method on the driver thread (:class:`Pooling`).
+``classify``) calls the model's pooling method on the driver thread (:class:`Pooling`),
+with each row's pooling params.
+
+A task that asks for engine columns (``LLMTask.engine_columns``, see
+:data:`dfllm.accessors.kinds.ENGINE_COLUMNS`: Ray Data LLM's engine stage's outputs) gets
+them filled by its runner from the engine's outputs, on the rows that got through.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from dfllm.accessors.driver import driver
 from dfllm.accessors.engine_cache import lease
-from dfllm.accessors.rows import cell_texts, conversations, row_error, row_params
-from dfllm.accessors.schema import FINISH_REASON, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS, PROBS, structured_value
+from dfllm.accessors.rows import (
+    cell_texts,
+    conversations,
+    is_template,
+    row_chat_template_kwargs,
+    row_error,
+    row_params,
+    row_pooling_params,
+    token_id_prompts,
+)
+from dfllm.accessors.schema import (
+    FINISH_REASON,
+    LLM_ERROR,
+    NUM_GENERATED_TOKENS,
+    NUM_INPUT_TOKENS,
+    PROBS,
+    structured_value,
+)
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
 from dfllm.llm import LLM
 from dfllm.outputs import RequestOutput
+from dfllm.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from dfllm.accessors.task import LLMTask
@@ -49,14 +72,14 @@ class Pooling:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def embed(self, texts: list[str]) -> list:
-        return driver().call(lambda: self.llm.embed(texts, use_tqdm=False))
+    def embed(self, texts: list[str], params: list[PoolingParams] | None = None) -> list:
+        return driver().call(lambda: self.llm.embed(texts, params, use_tqdm=False))
 
-    def score(self, left: list[str], right: list[str]) -> list:
-        return driver().call(lambda: self.llm.score(left, right, use_tqdm=False))
+    def score(self, left: list[str], right: list[str], params: PoolingParams | None = None) -> list:
+        return driver().call(lambda: self.llm.score(left, right, use_tqdm=False, pooling_params=params))
 
-    def classify(self, texts: list[str]) -> list:
-        return driver().call(lambda: self.llm.classify(texts, use_tqdm=False))
+    def classify(self, texts: list[str], params: list[PoolingParams] | None = None) -> list:
+        return driver().call(lambda: self.llm.classify(texts, params, use_tqdm=False))
 
 
 def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.DataFrame:
@@ -83,28 +106,53 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
 
 # ---- generate and chat ------------------------------------------------------------------------------------
 def run_generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) -> None:
-    """Complete each row's text (a column or template)."""
-    texts = cell_texts(df, task.inputs[0], task, out)
+    """Complete each row's text (a column or template), or its token ids (the task's token
+    id column, where not null; a text beside them in the input column is their prompt text)."""
+    prompts: dict[int, dict] = {i: {"prompt_token_ids": ids} for i, ids in token_id_prompts(df, task, out).items()}
+    if prompts and not is_template(task.inputs[0]):
+        given = df[task.inputs[0]].tolist()
+        for i, p in prompts.items():
+            if isinstance(given[i], str):
+                p["prompt"] = given[i]
+    texts = cell_texts(df, task.inputs[0], task, out, skip=_taken(prompts, out))
     with gen.lock:
         ids = gen.processor.tokenize(list(texts.values()))
-    _generate(df, task, out, gen, {i: {"prompt_token_ids": t} for i, t in zip(texts, ids)})
+    prompts.update({i: {"prompt": text, "prompt_token_ids": t} for (i, text), t in zip(texts.items(), ids)})
+    _generate(df, task, out, gen, prompts)
 
 
 def run_chat(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) -> None:
-    """Reply to each row's conversation, rendered with the chat template."""
-    prompts = {}
-    for i, conv in conversations(df, task, out).items():
+    """Reply to each row's conversation, rendered with the chat template (with the task's
+    template variables and a row's own), or generate from its token ids (the task's token
+    id column, where not null). With ``task.continue_final_message`` a conversation whose
+    last message is not the user's is continued rather than answered."""
+    prompts: dict[int, Any] = {i: {"prompt_token_ids": ids} for i, ids in token_id_prompts(df, task, out).items()}
+    convs = conversations(df, task, out, skip=_taken(prompts, out))
+    kwargs = row_chat_template_kwargs(df, task, list(convs), out)
+    for i, conv in convs.items():
+        if i not in kwargs:
+            continue
+        cont = task.continue_final_message and conv[-1].get("role") != "user"
         try:
             with gen.lock:
-                prompts[i] = gen.processor.render_chat(conv, task.chat_template)
+                prompts[i] = gen.processor.render_chat(conv, task.chat_template, add_generation_prompt=not cont,
+                                                       continue_final_message=cont,
+                                                       chat_template_kwargs=kwargs[i] or None)
         except Exception as exc:  # a template that cannot render this conversation
             row_error(task, out, i, f"chat template: {exc}")
     _generate(df, task, out, gen, prompts)
 
 
+def _taken(prompts: dict, out: dict) -> set[int]:
+    """Rows not to read the text input of: those given as token ids, and those whose token
+    ids were bad (they have their error)."""
+    return set(prompts) | {i for i, e in enumerate(out[LLM_ERROR]) if e is not None}
+
+
 def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, prompts: dict) -> None:
     """Generate ``prompts`` (row position -> prompt) with each row's sampling params, and
-    fill the generation columns; rows the input processor refuses get its message."""
+    fill the generation columns (and the engine columns the task asks for); rows the input
+    processor refuses get its message."""
     params = row_params(df, task, list(prompts), out)
     so = task.structured_params()
     rows, requests = [], []
@@ -121,7 +169,10 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
     if not rows:
         return
     dtype = task.output_dtypes()[task.output_column] if task.structured else None
-    for i, r in zip(rows, gen.generate(requests)):
+    start = time.perf_counter()
+    outputs = gen.generate(requests)
+    took = time.perf_counter() - start
+    for i, req, r in zip(rows, requests, outputs):
         c = r.outputs[0]
         out[NUM_INPUT_TOKENS][i] = len(r.prompt_token_ids)
         out[NUM_GENERATED_TOKENS][i] = len(c.token_ids)
@@ -129,6 +180,7 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
         if c.finish_reason == "error":  # e.g. non-finite logits: this row's error, not the batch's
             row_error(task, out, i, c.error or "generation failed")
             continue
+        _engine_columns(task, out, i, gen, req, r, took)
         if not task.structured:
             out[task.output_column][i] = c.text
             continue
@@ -138,29 +190,88 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
             row_error(task, out, i, str(exc))
 
 
+def _engine_columns(task: LLMTask, out: dict, i: int, gen: Generation, req: EngineRequest, r: RequestOutput,
+                    took: float) -> None:
+    """Row ``i``'s engine columns that the task asks for (see ``kinds.ENGINE_COLUMNS``)."""
+    want = task.engine_columns
+    if not want:
+        return
+    c = r.outputs[0]
+    values = {"prompt_token_ids": list(r.prompt_token_ids), "generated_tokens": list(c.token_ids),
+              "time_taken_llm": took, "logprobs": logprob_dicts(c.logprobs),
+              "prompt_logprobs": logprob_dicts(r.prompt_logprobs)}
+    if "rendered_prompt" in want:
+        prompt = r.prompt if r.prompt is not None else req.prompt
+        if prompt is None:  # a row given as token ids: their text
+            with gen.lock:
+                prompt = gen.processor.tokenizer.decode(req.prompt_token_ids)
+        values["rendered_prompt"] = prompt
+    for name in want:
+        out[name][i] = values[name]
+
+
+def logprob_dicts(logprobs) -> list | None:
+    """vLLM's logprobs (per token a dict token id -> ``Logprob``, or None) as Ray Data LLM
+    gives them: per token a dict token id -> ``{"logprob", "rank", "decoded_token"}``."""
+    if logprobs is None:
+        return None
+    return [None if step is None else {int(t): dataclasses.asdict(lp) for t, lp in step.items()}
+            for step in logprobs]
+
+
 # ---- pooling ----------------------------------------------------------------------------------------------
 def run_embed(df: pd.DataFrame, task: LLMTask, out: dict, model: Pooling) -> None:
-    """Embed each row's text."""
+    """Embed each row's text (with its pooling params)."""
     texts = cell_texts(df, task.inputs[0], task, out)
-    if texts:
-        for i, e in zip(texts, model.embed(list(texts.values()))):
+    params = row_pooling_params(df, task, list(texts), out)
+    rows = [i for i in texts if i in params]
+    if rows:
+        start = time.perf_counter()
+        results = model.embed([texts[i] for i in rows], [params[i] for i in rows])
+        took = time.perf_counter() - start
+        for i, e in zip(rows, results):
             out[task.output_column][i] = e.outputs.embedding
+            _pooling_columns(task, out, i, e.outputs.embedding, took)
 
 
 def run_classify(df: pd.DataFrame, task: LLMTask, out: dict, model: Pooling) -> None:
-    """Classify each row's text: the top label and every label's probability."""
+    """Classify each row's text (with its pooling params): the top label and every label's
+    probability."""
     texts = cell_texts(df, task.inputs[0], task, out)
-    if texts:
-        for i, r in zip(texts, model.classify(list(texts.values()))):
+    params = row_pooling_params(df, task, list(texts), out)
+    rows = [i for i in texts if i in params]
+    if rows:
+        start = time.perf_counter()
+        results = model.classify([texts[i] for i in rows], [params[i] for i in rows])
+        took = time.perf_counter() - start
+        for i, r in zip(rows, results):
             out[task.output_column][i] = r.outputs.label
             out[PROBS][i] = r.outputs.probs
+            _pooling_columns(task, out, i, r.outputs.probs, took)
 
 
 def run_score(df: pd.DataFrame, task: LLMTask, out: dict, model: Pooling) -> None:
-    """Score each row's left text against its right text."""
+    """Score each row's left text against its right text (with its pooling params: rows
+    sharing them are scored in one call)."""
     left = cell_texts(df, task.inputs[0], task, out)
     right = cell_texts(df, task.inputs[1], task, out)
-    rows = [i for i in left if i in right]
-    if rows:
-        for i, s in zip(rows, model.score([left[i] for i in rows], [right[i] for i in rows])):
+    params = row_pooling_params(df, task, [i for i in left if i in right], out)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in params.items():
+        groups.setdefault(tuple(sorted(vars(p).items())), []).append(i)
+    for rows in groups.values():
+        start = time.perf_counter()
+        results = model.score([left[i] for i in rows], [right[i] for i in rows], params[rows[0]])
+        took = time.perf_counter() - start
+        for i, s in zip(rows, results):
             out[task.output_column][i] = s.outputs.score
+            _pooling_columns(task, out, i, [float(s.outputs.score)], took)
+
+
+def _pooling_columns(task: LLMTask, out: dict, i: int, embeddings, took: float) -> None:
+    """Row ``i``'s pooling engine columns that the task asks for: ``embeddings`` (embed's
+    vector, classify's probabilities, ``[score]``) and ``time_taken_llm``."""
+    if "embeddings" in task.engine_columns:
+        out["embeddings"][i] = embeddings
+    if "time_taken_llm" in task.engine_columns:
+        out["time_taken_llm"][i] = took

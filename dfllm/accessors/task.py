@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
 from dfllm.accessors.rows import is_template, template_fields
 from dfllm.inputs import check_unicode
+from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 
@@ -34,6 +35,16 @@ class LLMTask:
     engine_kwargs: tuple = field(default=())
     structured: tuple = ()  # ("json", schema text) or ("choice", values): a typed main column
     chat_template: str | None = None  # chat: a Jinja template replacing the tokenizer's
+    # engine columns (dfllm.accessors.kinds.ENGINE_COLUMNS) to add besides the kind's own
+    engine_columns: tuple[str, ...] = ()
+    pooling: tuple = ()  # pooling kinds: PoolingParams fields as sorted (key, value) pairs
+    pooling_column: str | None = None  # pooling kinds: a column of each row's PoolingParams fields
+    chat_template_kwargs: tuple = ()  # chat: extra template variables as sorted (key, value) pairs
+    chat_template_kwargs_column: str | None = None  # chat: a column of each row's own (merged over those)
+    # chat: a conversation whose last message is not the user's is continued (the template's
+    # continue_final_message, no generation prompt), as Ray Data LLM's chat template stage does
+    continue_final_message: bool = False
+    prompt_token_ids_column: str | None = None  # generative: a column of token id lists, used where not null
 
     @property
     def spec(self) -> TaskKind:
@@ -46,11 +57,17 @@ class LLMTask:
 
     def columns_needed(self) -> set[str]:
         cols = {c for i in self.inputs for c in (template_fields(i) if is_template(i) else [i])}
-        return cols | ({self.sampling_column} if self.sampling_column else set())
+        extra = (self.sampling_column, self.pooling_column, self.chat_template_kwargs_column,
+                 self.prompt_token_ids_column)
+        return cols | {c for c in extra if c}
 
     def output_dtypes(self) -> dict:
         """The columns the task adds, in order, with their dtypes (``llm_error`` last)."""
-        return self.spec.output_dtypes(self.output_column, self.structured)
+        return self.spec.output_dtypes(self.output_column, self.structured, self.engine_columns)
+
+    def pooling_params(self) -> PoolingParams:
+        """The task's PoolingParams (a row's own replace them, with a pooling column)."""
+        return PoolingParams(**dict(self.pooling))
 
     def structured_params(self) -> StructuredOutputsParams | None:
         if not self.structured:
@@ -62,10 +79,18 @@ class LLMTask:
 def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str, model=None,
               sampling_params=None, system: str | None = None, on_error: str = "null",
               engine_kwargs: dict | None = None, json_schema=None, choice=None,
-              chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None) -> LLMTask:
+              chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None,
+              engine_columns: tuple[str, ...] = (), pooling_params=None, chat_template_kwargs=None,
+              continue_final_message: bool = False, prompt_token_ids: str | None = None) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``).
 
-    ``model_check`` checks the task's model (default: :func:`check_model`, here and now)."""
+    ``model_check`` checks the task's model (default: :func:`check_model`, here and now).
+    ``engine_columns`` are engine columns of the kind to add (see
+    :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`); ``pooling_params`` (pooling kinds) and
+    ``chat_template_kwargs`` (chat) are a dict (``PoolingParams`` too) for every row, or
+    the name of a column of each row's own; ``continue_final_message`` (chat) continues a
+    conversation whose last message is not the user's; ``prompt_token_ids`` (generative)
+    names a column of token id lists generated from where not null."""
     spec = task_kind(kind)
     if len(inputs) != spec.inputs:
         raise ValueError(f"{kind} takes {spec.inputs} input column(s) or template(s), got {len(inputs)}")
@@ -77,9 +102,21 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
         check_unicode(i, f"{kind}: the template or column name {i!r}")
     sampling, sampling_column = _sampling(sampling_params, columns, kind)
     structured = _structured(json_schema, choice, kind, sampling)
+    pooling, pooling_column = _pooling(pooling_params, columns, kind)
+    ctk, ctk_column = _chat_template_kwargs(chat_template_kwargs, columns, kind)
+    unknown = sorted(set(engine_columns) - set(spec.engine_columns))
+    if unknown:
+        raise ValueError(f"{kind}: unknown engine column(s) {unknown}; {kind} gives {list(spec.engine_columns)}")
+    if prompt_token_ids is not None and (not spec.generative or prompt_token_ids not in columns):
+        raise ValueError(f"{kind}: prompt_token_ids must name a column of the dataframe, for generate or chat")
+    if continue_final_message and kind != "chat":
+        raise ValueError("continue_final_message is only for chat")
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
                    sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
-                   structured=structured, chat_template=chat_template)
+                   structured=structured, chat_template=chat_template,
+                   engine_columns=tuple(dict.fromkeys(engine_columns)), pooling=pooling, pooling_column=pooling_column,
+                   chat_template_kwargs=ctk, chat_template_kwargs_column=ctk_column,
+                   continue_final_message=bool(continue_final_message), prompt_token_ids_column=prompt_token_ids)
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
     missing = sorted(task.columns_needed() - set(map(str, columns)))
@@ -123,6 +160,67 @@ def _sampling(sampling_params, columns, kind: str) -> tuple[tuple, str | None]:
         raise ValueError("sampling_params.n must be 1 in a dataframe (one output per row)")
     fields = {k: v for k, v in vars(sampling_params).items() if not k.startswith("_")}
     return tuple(sorted((k, _hashable(v)) for k, v in fields.items())), None
+
+
+def _pooling(pooling_params, columns, kind: str) -> tuple[tuple, str | None]:
+    """``pooling_params=`` as the task's hashable fields, or the name of a column."""
+    if pooling_params is None:
+        return (), None
+    if KINDS[kind].generative:
+        raise ValueError(f"{kind} takes no pooling_params (they are for embed, classify and score)")
+    if isinstance(pooling_params, str):
+        if pooling_params not in columns:
+            raise ValueError(f"{kind}: pooling_params column {pooling_params!r} not in the dataframe")
+        return (), pooling_params
+    if isinstance(pooling_params, dict):
+        pooling_params = pooling_params_from(pooling_params)
+    if not isinstance(pooling_params, PoolingParams):
+        raise ValueError("pooling_params must be a PoolingParams, a dict, or the name of a column of dicts")
+    return tuple(sorted(vars(pooling_params).items())), None
+
+
+def pooling_params_from(fields) -> PoolingParams:
+    """A dict of PoolingParams fields (null ones unset) as PoolingParams; ``ValueError``
+    naming an unknown field or a bad value."""
+    known = set(PoolingParams.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown PoolingParams field(s) {unknown}; it has {sorted(known)}")
+    return PoolingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _chat_template_kwargs(value, columns, kind: str) -> tuple[tuple, str | None]:
+    """``chat_template_kwargs=`` as hashable pairs, or the name of a column."""
+    if value is None:
+        return (), None
+    if kind != "chat":
+        raise ValueError("chat_template_kwargs are only for chat")
+    if isinstance(value, str):
+        if value not in columns:
+            raise ValueError(f"{kind}: chat_template_kwargs column {value!r} not in the dataframe")
+        return (), value
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError("chat_template_kwargs must be a dict of template variables (or a column name)")
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items())), None
+
+
+def _frozen(v):
+    """A template variable's value, hashable (lists as tuples, dicts as sorted pairs tagged
+    so that :func:`thawed` gives them back)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    if isinstance(v, dict):
+        return ("__dict__", tuple(sorted((k, _frozen(x)) for k, x in v.items())))
+    return v
+
+
+def thawed(v):
+    """The value :func:`_frozen` froze."""
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "__dict__":
+        return {k: thawed(x) for k, x in v[1]}
+    if isinstance(v, tuple):
+        return [thawed(x) for x in v]
+    return v
 
 
 def _structured(json_schema, choice, kind: str, sampling: tuple) -> tuple:

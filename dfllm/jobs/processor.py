@@ -2,29 +2,50 @@
 
 ``build_processor(config, preprocess, postprocess)`` returns a callable that maps a Dask
 DataFrame (or a pandas one), row by row, through ``preprocess`` (a function of the row dict
-returning the fields ``messages`` or ``prompt``, and optionally ``sampling_params``), the
-engine, and ``postprocess`` (a function of the row dict, with the engine's outputs added,
-returning the output row). As in Ray Data LLM, the input row's columns are carried through
-to ``postprocess`` beside the engine's columns (and ``llm_error``, None for every row
-``postprocess`` sees):
+returning the fields the engine reads, below), the engine, and ``postprocess`` (a function
+of the row dict, with the engine's outputs added, returning the output row). As in Ray Data
+LLM, the input row's columns are carried through to ``postprocess`` beside the engine's
+columns (and ``llm_error``, None for every row ``postprocess`` sees):
 
 - ``generate``: Ray's vLLM engine stage's ``generated_text``, ``prompt`` (the text sent, after
-  the chat template for ``messages`` rows), ``prompt_token_ids``, ``generated_tokens`` (the
-  generated token ids), ``num_input_tokens``, ``num_generated_tokens`` and
-  ``time_taken_llm`` (seconds of the engine call that generated the row's batch), and
-  dfllm's ``finish_reason``. Token id lists reach ``postprocess`` as numpy arrays (as Ray
-  Data's rows do); Ray's ``logprobs``, ``prompt_logprobs``, ``metrics``, ``request_id``,
-  ``batch_uuid`` and ``params`` are not given.
+  the chat template for ``messages`` rows; for ``tokenized_prompt`` rows the row's
+  ``prompt`` if it has one, else the token ids' text), ``prompt_token_ids``,
+  ``generated_tokens`` (the generated token ids), ``num_input_tokens``,
+  ``num_generated_tokens``, ``time_taken_llm`` (seconds of the engine call that generated the
+  row's batch), ``logprobs`` and ``prompt_logprobs``, and dfllm's ``finish_reason``. Token id
+  lists reach ``postprocess`` as numpy arrays (as Ray Data's rows do). ``logprobs`` is None
+  unless the row's ``sampling_params`` ask ``logprobs=k``; then, as Ray gives it, a list with
+  one dict per generated token mapping token id -> ``{"logprob": float, "rank": int,
+  "decoded_token": str}`` (the sampled token and the top ``k``). ``prompt_logprobs`` (for
+  ``prompt_logprobs=k``) likewise, one entry per prompt token, the first None. Ray's
+  ``metrics``, ``request_id``, ``batch_uuid`` and ``params`` are not given.
 - ``embed``, ``classify``, ``score``: Ray's ``embeddings`` (the vector; the class
   probabilities; ``[score]``) and ``time_taken_llm``, beside dfllm's ``embedding``,
   ``label``/``probs`` and ``score``.
 
+**What preprocess returns**, by ``task_type`` (each row on its own; a partition may mix
+them, and each ``batch_size`` rows run as one engine call per kind present: conversations,
+prompts and token ids):
+
+- ``generate``: ``messages`` (an OpenAI-style conversation, rendered with the chat template
+  when the chat template stage is on), or ``prompt`` (text), or ``tokenized_prompt`` (token
+  ids, generated from as they are; they win over the other two, as in Ray). A conversation
+  whose last message is not the user's (an assistant prefill) is continued, not answered:
+  the template's ``continue_final_message=True``, ``add_generation_prompt=False``, Ray's
+  rule. The config's ``chat_template_kwargs`` are passed to the template, and a row's own
+  ``chat_template_kwargs`` (a dfllm addition) over them. ``sampling_params``: a dict of
+  :class:`dfllm.SamplingParams` fields (Ray's ``guided_decoding`` is read as
+  ``structured_outputs``; with the detokenize stage on, ``detokenize=False`` still gives
+  ``generated_text``, as Ray's detokenize stage does).
+- ``embed``, ``classify``: ``prompt``; ``score``: ``text_1`` and ``text_2``; each optionally
+  with ``pooling_params``, a dict of :class:`dfllm.PoolingParams` fields for that row
+  (``normalize``, ``truncate_prompt_tokens``, ``use_activation``).
+
+A row lacking what its task reads, or with bad values there, fails with a message naming
+the field (see Failed rows).
+
 ``model_source=None`` is the task's default model: the bundled chat model for ``generate``,
 the bundled ``all-minilm-l6-v2`` for ``embed`` and ``score``; ``classify`` needs one.
-
-Task inputs by ``task_type``: ``generate`` reads ``messages`` (with
-``apply_chat_template``) or ``prompt``; ``embed`` and ``classify`` read ``prompt``;
-``score`` reads ``text_1`` and ``text_2``.
 
 **Failed rows.** A row whose preprocess, inference or postprocess fails keeps going as an
 error row: ``postprocess`` is not run on it (as Ray Data LLM's error rows bypass
@@ -45,8 +66,9 @@ is no ``postprocess``), then each input column ``postprocess`` does not return, 
 that have an ``llm_error`` and are null on rows without one: a successful row is what
 ``postprocess`` made of it, a failed row still says which input row it was.
 
-**Output types** are Arrow-backed pandas dtypes, so Dask's ``to_parquet`` works. They come
-from, in order of precedence:
+**Output types** are Arrow-backed pandas dtypes, so Dask's ``to_parquet`` works
+(:func:`dfllm.write_parquet`, the resumable writer, takes only ``.llm`` accessor results for
+now). They come from, in order of precedence:
 
 - ``meta=`` given to :func:`build_processor` or to the processor call: a pandas DataFrame
   (its columns and dtypes), a dict or list of ``(column, dtype)`` pairs, or a
@@ -68,6 +90,11 @@ from, in order of precedence:
   pandas the types come from all of the frame's rows, so a processor gives the same
   frame on pandas and on Dask whenever the sample's types hold for the other rows.
 
+Ray's ``logprobs`` and ``prompt_logprobs``, kept in the output (no postprocess, or
+postprocess returning them), are Arrow lists of maps token id -> ``struct<logprob, rank,
+decoded_token>`` (pandas shows a map as a list of ``(token id, fields)`` pairs); a column of
+them null in every sampled row still gets that type.
+
 **Nothing is dropped silently.** A row whose postprocess returns a column the schema does
 not have, or a value that does not fit its column's type (a float with a fraction in an
 integer column, text in a list column, a dict with a field the struct type lacks, an
@@ -79,8 +106,6 @@ row). Columns ``postprocess`` does not return for a row are null in that row.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -91,10 +116,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
+from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.placement import check_resources, run_placed
-from dfllm.accessors.schema import FLOAT, LLM_ERROR, NUM_INPUT_TOKENS, PROBS, STRING, VECTOR
-from dfllm.accessors.task import LLMTask, make_task
+from dfllm.accessors.schema import LLM_ERROR
+from dfllm.accessors.task import make_task
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
 SAMPLE_ROWS = 8
@@ -112,9 +137,56 @@ _CHAT_STAGE_KEYS = _STAGE_KEYS | {"chat_template", "chat_template_kwargs"}
 RAY_ERROR = "__inference_error__"
 
 
+@dataclass
+class StageConfig:
+    """Ray Data LLM's per-stage config (``ray.data.llm.ChatTemplateStageConfig`` and the
+    others below): whether the stage is on, and its Ray-cluster settings (``batch_size``,
+    ``concurrency``, ``num_cpus``, ``memory``, ``runtime_env``: accepted, no effect on Dask).
+    A stage field of :class:`vLLMEngineProcessorConfig` takes one, a bool, or the same as a dict."""
+
+    enabled: bool = True
+    batch_size: int | None = None
+    concurrency: int | tuple[int, int] | None = None
+    num_cpus: float | None = None
+    memory: float | None = None
+    runtime_env: dict | None = None
+    model_source: str | None = None
+
+    def settings(self) -> dict:
+        """The fields that are set, as the dict form of the stage config."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
+class ChatTemplateStageConfig(StageConfig):
+    """Ray's chat template stage config: also ``chat_template`` and ``chat_template_kwargs``."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class TokenizerStageConfig(StageConfig):
+    """Ray's tokenize stage config."""
+
+
+class DetokenizeStageConfig(StageConfig):
+    """Ray's detokenize stage config."""
+
+
+class PrepareMultimodalStageConfig(StageConfig):
+    """Ray's multimodal stage config (only ``enabled=False`` here: no multimodal models)."""
+
+
+class PrepareImageStageConfig(StageConfig):
+    """Ray's image stage config (only ``enabled=False`` here: no multimodal models)."""
+
+
 def _stage(name: str, value, keys: set) -> tuple[bool | None, dict]:
-    """A Ray stage field (``bool``, a dict with ``enabled`` and the stage's settings, or
-    None: not given) as (enabled or None, its settings); ``ValueError`` on anything else."""
+    """A Ray stage field (``bool``, a :class:`StageConfig`, a dict with ``enabled`` and the
+    stage's settings, or None: not given) as (enabled or None, its settings); ``ValueError``
+    on anything else."""
+    if isinstance(value, StageConfig):
+        value = value.settings()
     if value is None or isinstance(value, bool):
         return value, {}
     if isinstance(value, Mapping):
@@ -151,14 +223,18 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
       ``engine_kwargs`` go to :class:`dfllm.LLM`. ``task_type``: ``generate``, ``embed``,
       ``classify`` or ``score``. ``batch_size`` (32, as Ray): rows of a partition per engine
       call.
-    - ``chat_template_stage`` (default True; a bool or a dict with ``enabled``, and
-      ``chat_template`` as in Ray's stage config): whether ``messages`` rows are rendered with
-      the chat template; False sends ``prompt`` instead. The older ``apply_chat_template``
-      is the same switch (a conflicting pair is a ``ValueError``); ``chat_template`` (Jinja
-      text, rendered sandboxed) replaces the tokenizer's template.
-    - ``tokenize_stage``, ``detokenize_stage`` (and the older ``tokenize``/``detokenize``):
+    - ``chat_template_stage`` (default True; a bool, a :class:`ChatTemplateStageConfig` or a
+      dict with ``enabled``, and ``chat_template`` as in Ray's stage config): whether
+      ``messages`` rows are rendered with the chat template; False sends ``prompt`` instead.
+      The older ``apply_chat_template`` is the same switch (a conflicting pair is a
+      ``ValueError``); ``chat_template`` (Jinja text, rendered sandboxed) replaces the
+      tokenizer's template.
+    - ``tokenize_stage``, ``detokenize_stage`` (and the older ``tokenize``/``detokenize``; a
+      bool, a dict or a :class:`TokenizerStageConfig`/:class:`DetokenizeStageConfig`):
       accepted, on or off: dfllm's engine tokenizes the prompt and detokenizes the output
-      itself, so the rows are the same either way.
+      itself, so the rows are the same either way (with the detokenize stage on, a row whose
+      ``sampling_params`` say ``detokenize=False`` still gets ``generated_text``, as Ray's
+      stage decodes it).
     - ``prepare_multimodal_stage``, ``prepare_image_stage``, ``has_image``: only off: dfllm
       runs no multimodal models (enabling one is a ``ValueError``).
     - ``should_continue_on_error``: None (dfllm's default): a failed row is kept, with its
@@ -174,13 +250,16 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
     - ``concurrency``: an int >= 1 or an ``(m, n)`` pair, 1 <= m <= n, checked as Ray does;
       on Dask the cluster's workers (one engine each) set the parallelism.
     - Ray-cluster-only, accepted and checked, no effect on Dask: ``max_concurrent_batches``
-      (int >= 1), ``max_tasks_in_flight_per_actor``, ``max_pending_requests`` (int >= 1 or
-      None), ``log_engine_metrics`` (bool), ``runtime_env``, ``placement_group_config``,
+      (int >= 1), ``max_tasks_in_flight_per_actor`` (also as Ray's ``experimental=
+      {"max_tasks_in_flight_per_actor": n}``), ``max_pending_requests`` (int >= 1 or None),
+      ``log_engine_metrics`` (bool), ``runtime_env``, ``placement_group_config``,
       ``resources_per_bundle`` (dicts), and the stages' ``batch_size``/``concurrency``/
       ``num_cpus``/``memory``/``runtime_env``. ``dynamic_lora_loading_path``: None only (no
       LoRA adapters).
-    - ``chat_template_kwargs``: None or ``{}`` only, for now: dfllm's chat rendering takes no
-      extra template variables (a non-empty dict is a ``ValueError`` rather than ignored).
+    - ``chat_template_kwargs`` (here, in ``chat_template_stage`` or in ``build_processor``'s
+      ``builder_kwargs``): extra variables for the chat template (e.g. ``{"enable_thinking":
+      False}``), passed to its rendering; a row's own ``chat_template_kwargs`` (from
+      preprocess, a dfllm addition) are merged over them.
     """
 
     model_source: str | None = None
@@ -210,6 +289,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
     max_pending_requests: int | None = None
     log_engine_metrics: bool = True
     dynamic_lora_loading_path: str | None = None
+    experimental: dict | None = None
 
     def __post_init__(self) -> None:
         if self.task_type not in TASK_TYPES:
@@ -232,11 +312,17 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         if self.should_continue_on_error is not None and not isinstance(self.should_continue_on_error, bool):
             raise ValueError(f"should_continue_on_error must be a bool (or None: dfllm's llm_error column), "
                              f"got {self.should_continue_on_error!r}")
+        for name in ("runtime_env", "placement_group_config", "resources_per_bundle", "chat_template_kwargs",
+                     "experimental"):
+            _optional_dict(name, getattr(self, name))
+        unknown = sorted(set(self.experimental or {}) - {"max_tasks_in_flight_per_actor"})
+        if unknown:
+            raise ValueError(f"experimental: unknown key(s) {unknown}; it takes 'max_tasks_in_flight_per_actor'")
+        if (self.experimental or {}).get("max_tasks_in_flight_per_actor") is not None:
+            self.max_tasks_in_flight_per_actor = self.experimental["max_tasks_in_flight_per_actor"]
         _positive("max_concurrent_batches", self.max_concurrent_batches)
         _positive("max_tasks_in_flight_per_actor", self.max_tasks_in_flight_per_actor, optional=True)
         _positive("max_pending_requests", self.max_pending_requests, optional=True)
-        for name in ("runtime_env", "placement_group_config", "resources_per_bundle", "chat_template_kwargs"):
-            _optional_dict(name, getattr(self, name))
         enabled, settings = _stage("chat_template_stage", self.chat_template_stage, _CHAT_STAGE_KEYS)
         if enabled is not None:
             if enabled != self.apply_chat_template and not self.apply_chat_template:
@@ -249,10 +335,9 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
                 setattr(self, key, settings[key])
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError("chat_template must be a Jinja template string")
-        if self.chat_template_kwargs:
-            raise ValueError(f"chat_template_kwargs {self.chat_template_kwargs!r}: dfllm's chat template rendering "
-                             "takes no extra template variables yet; render the prompt in preprocess (return "
-                             "'prompt') or set chat_template= instead")
+        if self.chat_template_kwargs and not all(isinstance(k, str) for k in self.chat_template_kwargs):
+            raise ValueError(f"chat_template_kwargs must map template variable names (strings) to values, "
+                             f"got {self.chat_template_kwargs!r}")
         _stage("tokenize_stage", self.tokenize_stage, _STAGE_KEYS)
         _stage("detokenize_stage", self.detokenize_stage, _STAGE_KEYS)
         for name in ("prepare_multimodal_stage", "prepare_image_stage", "has_image"):
@@ -273,6 +358,12 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         if self.accelerator_type is not None:
             out.setdefault(f"accelerator_type:{self.accelerator_type}", ACCELERATOR_LABEL)
         return out or None
+
+    @property
+    def detokenize_enabled(self) -> bool:
+        """Whether Ray's detokenize stage is on (``detokenize_stage``, else ``detokenize``)."""
+        enabled = _stage("detokenize_stage", self.detokenize_stage, _STAGE_KEYS)[0]
+        return self.detokenize if enabled is None else enabled
 
     @property
     def error_column(self) -> str | None:
@@ -309,76 +400,20 @@ class RowResult(NamedTuple):
 
 
 # ---- Ray Data LLM's engine columns ------------------------------------------------------------------
-_INTS = pd.ArrowDtype(pa.list_(pa.int64()))
-#: The columns Ray's vLLM engine stage adds beside dfllm's own, by task kind, with their dtypes.
-RAY_COLUMNS: dict[str, tuple[tuple[str, pd.api.extensions.ExtensionDtype], ...]] = {
-    "generate": (("prompt", STRING), ("prompt_token_ids", _INTS), ("generated_tokens", _INTS),
-                 ("time_taken_llm", FLOAT)),
-    "embed": (("embeddings", VECTOR), ("time_taken_llm", FLOAT)),
-    "classify": (("embeddings", VECTOR), ("time_taken_llm", FLOAT)),
-    "score": (("embeddings", pd.ArrowDtype(pa.list_(pa.float64()))), ("time_taken_llm", FLOAT)),
+#: The engine columns (``dfllm.accessors.kinds.ENGINE_COLUMNS``) a processor's tasks ask for,
+#: by task kind, and Ray's name of each (its ``prompt`` is the engine's ``rendered_prompt``).
+RAY_COLUMNS: dict[str, dict[str, str]] = {
+    "generate": {"rendered_prompt": "prompt", "prompt_token_ids": "prompt_token_ids",
+                 "generated_tokens": "generated_tokens", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs",
+                 "time_taken_llm": "time_taken_llm"},
+    "embed": {"embeddings": "embeddings", "time_taken_llm": "time_taken_llm"},
 }
-RAY_COLUMNS["chat"] = RAY_COLUMNS["generate"]
-_RAY_PREFIX = "__ray__"  # the columns' names inside the task (an input column may be called "prompt")
-
-
-@dataclass(frozen=True)
-class _RayTask(LLMTask):
-    """An accessor task whose kind also fills Ray's engine columns (:data:`RAY_COLUMNS`,
-    named with ``_RAY_PREFIX`` while the task runs): its runner wraps the kind's own."""
-
-    @property
-    def spec(self) -> TaskKind:
-        base = task_kind(self.kind)
-        extra = tuple((_RAY_PREFIX + name, dtype) for name, dtype in RAY_COLUMNS[self.kind])
-        return dataclasses.replace(base, other_columns=base.other_columns + extra,
-                                   runner=functools.partial(_ray_runner, base.runner))
-
-
-def _ray_runner(runner: Callable, df: pd.DataFrame, task: LLMTask, out: dict, engine) -> None:
-    """``runner`` (the kind's own), then Ray's columns of the rows it filled: for generation,
-    from the engine's outputs (the rendered prompt, its token ids, the generated token ids,
-    the seconds of the engine call that generated the row); for pooling, ``embeddings``
-    (embed: the vector, classify: the probabilities, score: ``[score]``) and the seconds
-    of the pooling call."""
-    col = {name: _RAY_PREFIX + name for name, _ in RAY_COLUMNS[task.kind]}
-    if not task.spec.generative:
-        start = time.perf_counter()
-        runner(df, task, out, engine)
-        took = time.perf_counter() - start
-        for i in range(len(df)):
-            if task.kind == "embed":
-                value = out[task.output_column][i]
-            elif task.kind == "classify":
-                value = out[PROBS][i]
-            else:
-                score = out[task.output_column][i]
-                value = None if score is None else [float(score)]
-            if value is not None:
-                out[col["embeddings"]][i] = value
-                out[col["time_taken_llm"]][i] = took
-        return
-    calls: list[tuple[list, float]] = []
-
-    def generate(requests):
-        start = time.perf_counter()
-        outputs = engine.generate(requests)
-        calls.append((outputs, time.perf_counter() - start))
-        return outputs
-
-    runner(df, task, out, dataclasses.replace(engine, generate=generate))
-    generated = [(r, took) for outputs, took in calls for r in outputs]
-    rows = [i for i in range(len(df)) if out[NUM_INPUT_TOKENS][i] is not None]  # the rows that were generated
-    if len(rows) != len(generated):  # not the runner's one call per generated row: leave the columns null
-        return
-    for i, (r, took) in zip(rows, generated):
-        prompt = r.prompt
-        if prompt is None and task.kind == "generate" and task.inputs[0] in df.columns:
-            prompt = df[task.inputs[0]].iloc[i]  # generate sends the text's token ids
-        out[col["prompt"]][i] = prompt
-        out[col["prompt_token_ids"]][i] = list(r.prompt_token_ids)
-        out[col["generated_tokens"]][i] = list(r.outputs[0].token_ids)
-        out[col["time_taken_llm"]][i] = took
+RAY_COLUMNS.update(chat=RAY_COLUMNS["generate"], classify=RAY_COLUMNS["embed"], score=RAY_COLUMNS["embed"])
+_LOGPROBS = pd.ArrowDtype(pa.list_(LOGPROB_MAP))
+#: The type of an engine column that is null in every sampled row (see ``_schema_from``).
+_ENGINE_FALLBACK = {"logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS}
+#: What a row may hand the engine (from preprocess), besides the task's inputs.
+_OPTIONAL_KEYS = ("tokenized_prompt", "sampling_params", "pooling_params", "chat_template_kwargs")
 
 
 class Processor:
@@ -456,37 +491,103 @@ class Processor:
             return row, f"preprocess: {type(exc).__name__}: {exc}"
 
     def _infer(self, rows: list[tuple[dict, str | None]]) -> list[tuple[dict, str | None]]:
-        """Engine outputs added to the rows without an error; the engine's per-row errors."""
-        good = [i for i, (_, err) in enumerate(rows) if err is None]
+        """Engine outputs added to the rows without an error; the engine's per-row errors.
+        Rows are grouped by the task they need (a chat, a prompt, token ids), one engine
+        call per group."""
         results = list(rows)
-        if not good:
-            return results
-        present = set().union(*(rows[i][0].keys() for i in good))
-        kind, inputs = self._task_inputs(present)
-        missing = [c for c in inputs if c not in present]
-        if missing:
-            message = (f"no {' or '.join(map(repr, missing))} for the {self.config.task_type} task "
-                       f"(preprocess must return {'it' if len(missing) == 1 else 'them'})")
-            for i in good:
-                results[i] = (rows[i][0], message)
-            return results
-        sampling = "sampling_params" if "sampling_params" in present and KINDS[kind].generative else None
-        needed = list(inputs) + ([sampling] if sampling else [])
-        frame = pd.DataFrame({c: [rows[i][0].get(c) for i in good] for c in needed})
-        model = self.config.model_source or KINDS[kind].default_model  # None: the task's default model
-        task = make_task(kind, inputs, needed, output_column=KINDS[kind].output_column, model=model,
-                         sampling_params=sampling, engine_kwargs=self.config.engine_kwargs,
-                         chat_template=self.config.chat_template if kind == "chat" else None)
-        task = _RayTask(**{f.name: getattr(task, f.name) for f in dataclasses.fields(task)})
-        result = run_placed(frame, task, self.config.task_resources())
-        cols = list(task.output_dtypes())
-        outputs = result[cols].astype(object).where(result[cols].notna(), None).to_dict("records")
-        names = {ERROR: self._err, **{_RAY_PREFIX + n: n for n, _ in RAY_COLUMNS[kind]}}
-        for i, out in zip(good, outputs):
-            error = out.get(ERROR)
-            out = {names.get(k, k): v for k, v in out.items()}
-            results[i] = ({**rows[i][0], **out}, error)
+        groups: dict[tuple, list[int]] = {}
+        for i, (row, err) in enumerate(rows):
+            if err is not None:
+                continue
+            kind, inputs, problem = self._row_task(row)
+            if problem is not None:
+                results[i] = (row, problem)
+            else:
+                groups.setdefault((kind, inputs), []).append(i)
+        for (kind, inputs), members in groups.items():
+            for i, (row, err) in zip(members, self._run_group(kind, inputs, [rows[i][0] for i in members])):
+                results[i] = (row, err)
         return results
+
+    def _row_task(self, row: dict) -> tuple[str, tuple[str, ...], str | None]:
+        """The task kind and inputs a row needs, and what it lacks for them (or None)."""
+        t = self.config.task_type
+        has = lambda key: key in row and not _is_null(row[key])  # noqa: E731
+        if t == "score":
+            missing = [c for c in ("text_1", "text_2") if c not in row]
+            problem = f"no {' or '.join(map(repr, missing))} for the score task (preprocess must return both)"
+            return "score", ("text_1", "text_2"), problem if missing else None
+        if t == "generate":
+            chat = self.config.apply_chat_template
+            if has("tokenized_prompt"):
+                return "generate", ("prompt",), None
+            if chat and has("messages"):
+                return "chat", ("messages",), None
+            if "prompt" in row:
+                return "generate", ("prompt",), None
+            wanted = "'messages', 'prompt' or 'tokenized_prompt'" if chat else \
+                "'prompt' or 'tokenized_prompt' (the chat template stage is off: 'messages' is not read)"
+            return t, (), f"no {wanted} for the generate task (preprocess must return one)"
+        if "prompt" not in row:
+            return t, (), f"no 'prompt' for the {t} task (preprocess must return it)"
+        return t, ("prompt",), None
+
+    def _run_group(self, kind: str, inputs: tuple[str, ...], rows: list[dict]) -> list[tuple[dict, str | None]]:
+        """``rows`` (all needing the task ``kind`` of ``inputs``) through the engine: each
+        row with the engine's columns (Ray's names) added, and its error."""
+        errors: list[str | None] = [None] * len(rows)
+        optional = [k for k in _OPTIONAL_KEYS if any(k in r for r in rows)]
+        frame = pd.DataFrame({c: [r.get(c) for r in rows] for c in (*inputs, *optional)})
+        if "sampling_params" in frame:
+            frame["sampling_params"] = [self._sampling_params(v, errors, j)
+                                        for j, v in enumerate(frame["sampling_params"])]
+        generative = KINDS[kind].generative
+        model = self.config.model_source or KINDS[kind].default_model  # None: the task's default model
+        ctk = self.config.chat_template_kwargs or None
+        task = make_task(
+            kind, inputs, frame.columns, output_column=KINDS[kind].output_column, model=model,
+            sampling_params="sampling_params" if generative and "sampling_params" in frame else None,
+            engine_kwargs=self.config.engine_kwargs, engine_columns=tuple(RAY_COLUMNS[kind]),
+            chat_template=self.config.chat_template if kind == "chat" else None,
+            pooling_params="pooling_params" if not generative and "pooling_params" in frame else None,
+            chat_template_kwargs=(ctk if "chat_template_kwargs" not in frame else "chat_template_kwargs")
+            if kind == "chat" else None,
+            continue_final_message=kind == "chat",
+            prompt_token_ids="tokenized_prompt" if generative and "tokenized_prompt" in frame else None)
+        if kind == "chat" and ctk and "chat_template_kwargs" in frame:  # the config's, a row's own over them
+            frame["chat_template_kwargs"] = [{**ctk, **v} if isinstance(v, Mapping) else ctk if _is_null(v) else v
+                                             for v in frame["chat_template_kwargs"]]
+        result = run_placed(frame.iloc[[j for j, e in enumerate(errors) if e is None]], task,
+                            self.config.task_resources())
+        cols = list(task.output_dtypes())
+        outputs = iter(result[cols].astype(object).where(result[cols].notna(), None).to_dict("records"))
+        names = {ERROR: self._err, **RAY_COLUMNS[kind]}
+        done = []
+        for row, error in zip(rows, errors):
+            if error is not None:
+                done.append((row, error))
+                continue
+            out = {names.get(k, k): v for k, v in next(outputs).items()}
+            done.append(({**row, **out}, out[self._err]))
+        return done
+
+    def _sampling_params(self, value, errors: list, j: int):
+        """A row's ``sampling_params`` as the engine task reads them: Ray's ``guided_decoding``
+        is dfllm's ``structured_outputs``; with the detokenize stage on, the text is always
+        detokenized (as Ray's stage detokenizes ``generated_tokens`` even when the row's
+        params say ``detokenize=False``)."""
+        if not isinstance(value, Mapping):
+            return value  # the task's check names it
+        value = {k: _plain(v) for k, v in value.items()}  # arrays (from Arrow columns) as lists, as Ray does
+        if "guided_decoding" in value:
+            guided = value.pop("guided_decoding")
+            if value.get("structured_outputs") is not None and guided is not None:
+                errors[j] = "sampling_params: give guided_decoding or structured_outputs, not both"
+            elif guided is not None:
+                value["structured_outputs"] = dict(guided) if isinstance(guided, Mapping) else guided
+        if self.config.detokenize_enabled and value.get("detokenize") is False:
+            value["detokenize"] = True
+        return value
 
     def _post(self, inputs: dict, row: dict, error: str | None) -> RowResult:
         if error is not None:  # an error row bypasses postprocess
@@ -502,14 +603,6 @@ class Processor:
             return RowResult(inputs, None, f"postprocess: {type(exc).__name__}: {exc}")
         return RowResult(inputs, out, out.get(self._err))
 
-    def _task_inputs(self, columns) -> tuple[str, tuple[str, ...]]:
-        t = self.config.task_type
-        if t == "score":
-            return "score", ("text_1", "text_2")
-        if t == "generate" and self.config.apply_chat_template and "messages" in columns:
-            return "chat", ("messages",)
-        return t, ("prompt",)
-
     # ---- the output schema --------------------------------------------------------------------------
     def _schema_from(self, rows: list[RowResult], df: pd.DataFrame) -> tuple[dict, RowResult | None]:
         """Output column -> dtype from the values the rows produced (see the module
@@ -520,7 +613,7 @@ class Processor:
         schema = {}
         for name in names:
             values = [out.get(name) for out in ok]
-            schema[name] = _infer_dtype(values, name, inputs.get(name))
+            schema[name] = _infer_dtype(values, name, inputs.get(name, _ENGINE_FALLBACK.get(name)))
         for name, dtype in inputs.items():
             schema.setdefault(name, dtype)
         schema[self._err] = _STRING
@@ -654,12 +747,12 @@ def _infer_dtype(values: list, column, fallback) -> pd.api.extensions.ExtensionD
     """The Arrow-backed dtype of postprocess's ``values`` for ``column`` (``fallback``, else
     a string, when they are all null)."""
     try:
-        t = pa.array(values, from_pandas=True).type
+        t = _infer_type(values)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         t = None
         for v in values:
             try:
-                t = pa.array([v], from_pandas=True).type
+                t = _infer_type([v])
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 raise ValueError(f"build_processor: postprocess's column {column!r} has a value of type "
                                  f"{type(v).__name__} with no Arrow type ({exc}); return plain values "
@@ -669,6 +762,26 @@ def _infer_dtype(values: list, column, fallback) -> pd.api.extensions.ExtensionD
     if t is None or pa.types.is_null(t):
         return fallback if fallback is not None else _STRING
     return pd.ArrowDtype(_nullable(t))
+
+
+def _infer_type(values: list) -> pa.DataType:
+    """The Arrow type of ``values`` as pyarrow infers it, except that dicts whose keys are
+    not strings (token id -> logprob, as in Ray's ``logprobs``) are maps, at any depth."""
+    try:
+        return pa.array(values, from_pandas=True).type
+    except (pa.ArrowException, TypeError) as exc:
+        present = [v for v in values if not _is_null(v)]
+        if present and all(isinstance(v, Mapping) for v in present) and any(
+                not isinstance(k, str) for v in present for k in v):
+            keys = _infer_type([k for v in present for k in v])
+            items = _infer_type([x for v in present for x in v.values()])
+            return pa.map_(keys, items)
+        if present and all(isinstance(v, (list, tuple, np.ndarray)) for v in present):
+            return pa.list_(_infer_type([x for v in present for x in v]))
+        if present and all(isinstance(v, Mapping) for v in present):
+            names = list(dict.fromkeys(k for v in present for k in v))
+            return pa.struct([(n, _infer_type([v.get(n) for v in present])) for n in names])
+        raise exc
 
 
 def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
@@ -700,6 +813,10 @@ def _to_arrow(values: list, dtype) -> pa.Array:
     try:
         arr = pa.array(values, from_pandas=True)
     except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        try:  # e.g. dicts keyed by token id, for a map column
+            return pa.array(values, type=target, from_pandas=True)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            pass
         raise ValueError(f"has no Arrow type ({type(exc).__name__}: {exc})") from None
     if not _compatible(arr.type, target):
         raise ValueError(f"is {arr.type}, not {target}")
@@ -765,6 +882,17 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
         columns[c] = _column(values[c], schema[c], index, c, errors)
     columns[error] = pd.Series(errors, index=index, dtype=_STRING)
     return pd.DataFrame(columns, index=index)
+
+
+def _plain(value):
+    """``value`` with numpy arrays (a list column read back from Arrow) as lists, at any depth."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _is_null(value) -> bool:

@@ -144,7 +144,7 @@ def test_ray_fields_accepted(tiny_llama):
     (dict(tokenize_stage={"enabled": True, "nope": 1}), "unknown key"), (dict(max_concurrent_batches=0), "max_conc"),
     (dict(max_pending_requests=0), "max_pending"), (dict(dynamic_lora_loading_path="/lora"), "LoRA"),
     (dict(should_continue_on_error="no"), "should_continue"),
-    (dict(chat_template_kwargs={"enable_thinking": 1}), "kwargs"),
+    (dict(chat_template_kwargs={1: True}), "chat_template_kwargs"), (dict(chat_template_kwargs=["x"]), "kwargs"),
     (dict(batch_size=0), "batch_size"),
 ])
 def test_bad_values_raise(fields, match):
