@@ -5,7 +5,9 @@ keeps one engine per model configuration (see :mod:`dfllm.accessors.engine_cache
 are named ``llm-<task>`` in the dashboard's task stream. ``resources=`` keeps the engine
 work on workers declaring those resources (see :mod:`dfllm.accessors.placement`). The
 result carries its task: its expression maps its source frame with a
-:class:`PartitionFunction`, which is how :func:`dfllm.write_parquet` finds them.
+:class:`PartitionFunction`, a :class:`WritableFunction`, which is how
+:func:`dfllm.write_parquet` finds them (a processor's result maps its source with one too,
+see :mod:`dfllm.jobs.processor`).
 """
 
 from __future__ import annotations
@@ -16,16 +18,46 @@ from dask.dataframe.extensions import register_dataframe_accessor, register_seri
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
 from dfllm.accessors.placement import check_resources, model_check, run_placed
+from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.task import LLMTask
 
 
-class PartitionFunction:
+class WritableFunction:
+    """A function a result maps over its source frame's partitions that
+    :func:`dfllm.write_parquet` can write resumably. Called on one pandas partition, it
+    returns that partition's output (placed as its work needs). The writer reads:
+
+    - ``write_key``: text naming everything but the partition's rows that decides the
+      output (equal keys on equal rows give equal outputs; a changed key recomputes);
+    - ``error_column``: the output column holding failed rows' messages (None: none);
+    - ``kind``: lower-case letters naming the write's tasks (``llm-write-<kind>-<i>-<run>``);
+    - ``resources``: the worker resources the write's tasks ask for (None: any worker).
+    """
+
+    kind: str
+    resources: dict | None = None
+    error_column: str | None = LLM_ERROR
+
+    @property
+    def write_key(self) -> str:
+        raise NotImplementedError
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        raise NotImplementedError
+
+
+class PartitionFunction(WritableFunction):
     """What a Dask ``.llm`` call maps over the partitions: ``run_task`` of ``task``, placed
     on workers declaring ``resources``. Picklable, and named ``llm-<kind>`` for the dashboard."""
 
     def __init__(self, task: LLMTask, resources: dict | None = None):
         self.task, self.resources = task, resources
+        self.kind = task.kind
         self.__name__ = f"llm-{task.kind}"
+
+    @property
+    def write_key(self) -> str:
+        return repr(self.task)  # the task's model, sampling and engine settings
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         return run_placed(df, self.task, self.resources)
@@ -38,14 +70,18 @@ class PartitionFunction:
 
 
 def llm_origin(result) -> tuple | None:
-    """``(source frame, task, resources)`` of the direct result of a Dask ``.llm`` call, else None."""
+    """``(source frame, function)`` of a result that maps its source frame's partitions with
+    a :class:`WritableFunction` (the direct result of a Dask ``.llm`` call or of a
+    processor), else None."""
     from dask.dataframe.dask_expr import new_collection
     from dask.dataframe.dask_expr._expr import MapPartitions
 
     expr = getattr(result, "expr", None)
-    if not isinstance(expr, MapPartitions) or not isinstance(expr.func, PartitionFunction):
+    if not isinstance(expr, MapPartitions) or not isinstance(expr.func, WritableFunction):
         return None
-    return new_collection(expr.frame), expr.func.task, expr.func.resources
+    if len(expr.args) > 1 or expr.kwargs:  # more than the frame: not one partition in, one out
+        return None
+    return new_collection(expr.frame), expr.func
 
 
 def output_meta(meta: pd.DataFrame, task: LLMTask) -> pd.DataFrame:

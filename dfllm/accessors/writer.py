@@ -1,13 +1,22 @@
-"""Writing accessor results to parquet partition by partition, atomically and resumably.
+"""Writing accessor and processor results to parquet partition by partition, atomically and resumably.
 
-``write_parquet(result, path, resume=True)`` writes ``part.NNNNN.parquet`` files through
-fsspec (local paths, ``s3://``, any fsspec URL with ``storage_options``), one per partition
-of the input, numbered from 0. Each part is written to a temporary name and moved into
-place, then ``_dfllm_keys/part.NNNNN.key`` (a folder parquet readers skip) records what
-produced it: a hash of the partition's input rows (index and values) and of the task
-(model, sampling and engine settings), with its row, error and token counts. The part's own
-parquet footer carries the same record (key-value metadata ``dfllm``), so a part always
-says what it holds.
+``write_parquet(result, path, resume=True)`` takes the direct result of a Dask ``.llm``
+call (``ddf.llm.generate(...)`` etc.) or of a processor (``build_processor(...)(ddf)``).
+Both map their source frame's partitions with a
+:class:`~dfllm.accessors.dask_ext.WritableFunction`, whose ``write_key`` names what
+decides a partition's output besides its rows: the accessor's task (model, sampling and
+engine settings); the processor's config, output types and fingerprints of ``preprocess``
+and ``postprocess`` (see :mod:`dfllm.jobs.processor`).
+
+It writes ``part.NNNNN.parquet`` files through fsspec (local paths, ``s3://``, any fsspec
+URL with ``storage_options``), one per partition of the input, numbered from 0. Each part
+is written to a temporary name and moved into place, then ``_dfllm_keys/part.NNNNN.key``
+(a folder parquet readers skip) records what produced it: a hash of the partition's input
+rows (index and values) and of the write key, with its row, error (rows with a message in
+the error column: ``llm_error``, or a processor's ``__inference_error__``) and token counts
+(columns ``num_input_tokens`` and ``num_generated_tokens``, where the output has them).
+The part's own parquet footer carries the same record (key-value metadata ``dfllm``), so a
+part always says what it holds.
 
 Resume is exact: when ``write_parquet`` returns, the folder holds exactly one part per
 partition of this write, each the output of that partition under this task, so a reader
@@ -22,7 +31,7 @@ earlier writes to the folder.
   earlier part of other rows it moves it to ``_dfllm_keys/set-aside/`` so that the
   partition now holding those rows can still copy it. Anything else (a missing, partial or
   foreign part, a part whose key was never recorded, changed rows or partition bounds, a
-  changed task) is recomputed.
+  changed task or processor) is recomputed.
 - At the end, parts and keys of numbers this write does not have (an earlier write with
   more partitions, Dask's own ``part.0.parquet``...), ``_metadata`` files, set-aside parts
   and temporary files of writes that never finished are removed. Then the parts' footers
@@ -58,10 +67,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dfllm.accessors.dask_ext import llm_origin
-from dfllm.accessors.runners import run_task
-from dfllm.accessors.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
-from dfllm.accessors.task import LLMTask
+from dfllm.accessors.dask_ext import WritableFunction, llm_origin
+from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 
 KEYS = "_dfllm_keys"
 FOOTER_KEY = b"dfllm"  # the part's record in its parquet footer's key-value metadata
@@ -89,7 +96,8 @@ class WriteSummary:
 
 def write_parquet(result, path: str, *, resume: bool = False, storage_options: dict | None = None,
                   progress: bool = True, resources: dict | None = None) -> WriteSummary:
-    """Write the lazy result of a Dask ``.llm`` call to a parquet dataset at ``path``.
+    """Write the lazy result of a Dask ``.llm`` call or of a processor
+    (:func:`dfllm.build_processor`) to a parquet dataset at ``path``.
 
     With ``resume=True`` finished partitions of an earlier write are kept and the rest
     computed; either way the folder ends with one part per partition of this result and
@@ -101,10 +109,11 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     start = time.perf_counter()
     origin = llm_origin(result)
     if origin is None:
-        raise ValueError("write_parquet takes the direct result of a Dask .llm call (ddf.llm.generate(...) etc.); "
-                         "for other frames use their own to_parquet")
-    source, task, placed = origin
-    resources = resources or placed  # the accessor's resources= unless overridden here
+        raise ValueError("write_parquet takes the direct result of a Dask .llm call (ddf.llm.generate(...) etc.) "
+                         "or of a processor (build_processor(...)(ddf)); for other frames use their own to_parquet")
+    source, func = origin
+    write_key = func.write_key  # before any work: a processor whose functions have no stable key raises
+    resources = resources or func.resources  # the call's resources unless overridden here
     fs, root = _filesystem(path, storage_options)
     _refuse_foreign_files(fs, root, path)
     fs.makedirs(root, exist_ok=True)
@@ -115,8 +124,8 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     earlier = dask.delayed(_earlier_parts(fs, root) if resume else {}, traverse=False)  # one graph key
     parts = source.to_delayed()
     run = uuid.uuid4().hex[:8]
-    jobs = [dask.delayed(_write_partition, pure=False)(p, task, path, i, storage_options, resume, earlier,
-                                                       dask_key_name=f"llm-write-{task.kind}-{i}-{run}")
+    jobs = [dask.delayed(_write_partition, pure=False)(p, func, write_key, path, i, storage_options, resume, earlier,
+                                                       dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
             for i, p in enumerate(parts)]
     results = _compute(jobs, progress, resources)
     fs.invalidate_cache(root)  # listings cached before the workers wrote (s3fs, gcsfs...)
@@ -147,9 +156,10 @@ def _compute(jobs, progress: bool, resources: dict | None = None) -> list:
     return out
 
 
-def partition_key(df: pd.DataFrame, task: LLMTask) -> str:
-    """Hash of a partition's input rows (index and values) and of the task."""
-    h = hashlib.sha256(repr(task).encode())
+def partition_key(df: pd.DataFrame, write_key: str) -> str:
+    """Hash of a partition's input rows (index and values) and of the write key (what,
+    besides the rows, decides the output: see :class:`WritableFunction`)."""
+    h = hashlib.sha256(write_key.encode())
     h.update(pd.util.hash_pandas_object(_hashable_frame(df), index=True).values.tobytes())
     h.update(",".join(map(str, df.columns)).encode())
     return h.hexdigest()
@@ -188,8 +198,8 @@ def _set_aside(root: str, key: str) -> str:
     return f"{root}/{SET_ASIDE}/{key}.parquet"
 
 
-def _write_partition(df: pd.DataFrame, task: LLMTask, path: str, i: int, storage_options, resume: bool,
-                     earlier: dict[str, list[str]]) -> dict:
+def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, path: str, i: int, storage_options,
+                     resume: bool, earlier: dict[str, list[str]]) -> dict:
     """Write, keep, or copy from an earlier part, partition ``i``'s part; returns its record
     (key, row, error and token counts) and ``written`` (False if it was not recomputed).
 
@@ -197,7 +207,7 @@ def _write_partition(df: pd.DataFrame, task: LLMTask, path: str, i: int, storage
     other rows it sets that part aside, so another partition of this write that holds
     those rows can still copy it (``earlier``: key -> where an earlier write put it)."""
     fs, root = _filesystem(path, storage_options)
-    key = partition_key(df, task)
+    key = partition_key(df, write_key)
     if resume:
         kept = _kept_part(fs, root, i, key)
         if kept is not None:
@@ -207,8 +217,9 @@ def _write_partition(df: pd.DataFrame, task: LLMTask, path: str, i: int, storage
             data, record = found
             _replace_part(fs, root, i, data, record, resume)
             return {**record, "written": False}
-    out = run_task(df, task)
-    record = {"key": key, "rows": len(out), "errors": int(out[LLM_ERROR].notna().sum()),
+    out = func(df)
+    errors = int(out[func.error_column].notna().sum()) if func.error_column in out else 0
+    record = {"key": key, "rows": len(out), "errors": errors,
               "input_tokens": _total(out, NUM_INPUT_TOKENS), "output_tokens": _total(out, NUM_GENERATED_TOKENS)}
     table = readable_table(out)
     table = table.replace_schema_metadata({**table.schema.metadata, FOOTER_KEY: json.dumps(record).encode()})
@@ -306,7 +317,8 @@ def readable_table(df: pd.DataFrame) -> pa.Table:
 
 
 def _total(df: pd.DataFrame, column: str) -> int:
-    return int(df[column].sum()) if column in df else 0
+    """The sum of a numeric column (nulls skipped), else 0."""
+    return int(df[column].sum()) if column in df and pd.api.types.is_numeric_dtype(df[column].dtype) else 0
 
 
 def _visible(name: str) -> bool:

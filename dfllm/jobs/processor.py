@@ -66,9 +66,9 @@ is no ``postprocess``), then each input column ``postprocess`` does not return, 
 that have an ``llm_error`` and are null on rows without one: a successful row is what
 ``postprocess`` made of it, a failed row still says which input row it was.
 
-**Output types** are Arrow-backed pandas dtypes, so Dask's ``to_parquet`` works
-(:func:`dfllm.write_parquet`, the resumable writer, takes only ``.llm`` accessor results for
-now). They come from, in order of precedence:
+**Output types** are Arrow-backed pandas dtypes, so Dask's ``to_parquet`` and
+:func:`dfllm.write_parquet` work (see Writing resumably). They come from, in order of
+precedence:
 
 - ``meta=`` given to :func:`build_processor` or to the processor call: a pandas DataFrame
   (its columns and dtypes), a dict or list of ``(column, dtype)`` pairs, or a
@@ -101,6 +101,32 @@ integer column, text in a list column, a dict with a field the struct type lacks
 integer in a string column...), gets an ``llm_error`` naming the column; the offending
 value is null and the row keeps its other values (and its input columns, being an error
 row). Columns ``postprocess`` does not return for a row are null in that row.
+
+**Writing resumably.** ``dfllm.write_parquet(processor(ddf), path, resume=True)`` writes a
+processor's Dask result as it writes an ``.llm`` accessor's (see
+:mod:`dfllm.accessors.writer`): one part per input partition, every input row exactly once,
+error rows included (their error column's messages counted in the summary's ``errors``);
+a resumed write keeps or reuses the parts an earlier write made from the same rows *with
+the same processor* and computes the rest. The same processor means the same write key:
+
+- the config's fields that decide a row's output (``model_source``, ``engine_kwargs``,
+  ``task_type``, ``batch_size``, the chat template settings, whether the detokenize stage
+  is on, ``should_continue_on_error``...), but not those that only place or pace the work
+  (``concurrency``, ``accelerator_type``, ``resources``, ``runtime_env``,
+  ``max_concurrent_batches`` and the other Ray-cluster settings), which a resumed write
+  may change;
+- the output columns and their types (``meta=``, or those the sampled rows gave);
+- ``preprocess`` and ``postprocess``, by a fingerprint of their code, closures and the
+  module globals they read (see :mod:`dfllm.jobs.fingerprint`: a re-run of the same
+  script gives the same fingerprint, an edited function another), or, when ``key=`` (a
+  string, given to :func:`build_processor` or to the processor call) is set, by that key
+  instead: name what the functions do, and change it whenever they change.
+
+Anything else changed recomputes the partition, as a changed accessor task does. A
+function that reads a value with no stable fingerprint (a lock, a client, an open file...)
+makes ``write_parquet`` raise ``ValueError`` before any work, asking for ``key=``. The
+fingerprint is best effort: a change inside another module's functions or a class's
+methods is not noticed (set ``key=``, or write with ``resume=False``).
 """
 
 from __future__ import annotations
@@ -116,10 +142,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from dfllm.accessors.dask_ext import WritableFunction
 from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.placement import check_resources, run_placed
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.task import make_task
+from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
 SAMPLE_ROWS = 8
@@ -132,6 +160,13 @@ ACCELERATOR_LABEL = 0.001
 Meta: TypeAlias = pd.DataFrame | Mapping[str, Any] | Sequence[tuple[str, Any]] | pa.Schema
 
 
+#: Config fields left out of a write's key: they place or pace the work (or, for stages, are
+#: read through the fields they set) and do not change a row's output.
+_NOT_OUTPUT_FIELDS = {"concurrency", "accelerator_type", "resources", "runtime_env", "placement_group_config",
+                      "resources_per_bundle", "max_concurrent_batches", "max_tasks_in_flight_per_actor",
+                      "max_pending_requests", "log_engine_metrics", "experimental", "chat_template_stage",
+                      "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage", "prepare_image_stage",
+                      "tokenize", "detokenize", "has_image"}
 _STAGE_KEYS = {"enabled", "batch_size", "concurrency", "num_cpus", "num_gpus", "memory", "runtime_env", "model_source"}
 _CHAT_STAGE_KEYS = _STAGE_KEYS | {"chat_template", "chat_template_kwargs"}
 RAY_ERROR = "__inference_error__"
@@ -373,6 +408,13 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
             return ERROR
         return RAY_ERROR if self.should_continue_on_error else None
 
+    def output_settings(self) -> dict:
+        """The fields that decide a row's output (all but placement and pacing), as a
+        resumable write's key reads them."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_OUTPUT_FIELDS}
+        out["detokenize"] = self.detokenize_enabled
+        return out
+
 
 #: dfllm's name of the same class.
 ProcessorConfig = vLLMEngineProcessorConfig
@@ -416,17 +458,62 @@ _ENGINE_FALLBACK = {"logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS}
 _OPTIONAL_KEYS = ("tokenized_prompt", "sampling_params", "pooling_params", "chat_template_kwargs")
 
 
+class ProcessorFunction(WritableFunction):
+    """What a processor maps over a Dask frame's partitions: its pipeline into ``schema``
+    (column -> dtype). Its write key (for :func:`dfllm.write_parquet`) is the config's
+    output settings, the schema, and the fingerprints of preprocess and postprocess (or
+    ``key``); see Writing resumably in the module docstring."""
+
+    kind = "processor"
+
+    def __init__(self, processor: Processor, schema: dict, key: str | None = None):
+        self.processor, self.schema, self.key = processor, schema, key
+        self.resources = processor.config.task_resources()
+        self.error_column = processor.config.error_column
+        self.__name__ = "llm-processor"
+        self._token = uuid.uuid4().hex  # Dask's name for this call (the functions need not pickle the same twice)
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        return self.processor.process_partition(df, self.schema)
+
+    def __dask_tokenize__(self):
+        return (type(self).__name__, self._token)
+
+    @property
+    def write_key(self) -> str:
+        p = self.processor
+        if self.key is not None:
+            functions = f"key={self.key!r}"
+        else:
+            try:
+                functions = f"preprocess={fingerprint(p.preprocess)} postprocess={fingerprint(p.postprocess)}"
+            except FingerprintError as exc:
+                raise ValueError(
+                    f"write_parquet: {exc}, so a resumed write could not tell whether earlier parts came from "
+                    "the same preprocess and postprocess; pass key= (a name for what they do, changed whenever "
+                    "they change) to build_processor or to the processor call") from None
+        return f"processor/1 config={p.config.output_settings()!r} schema={self.schema!r} {functions}"
+
+
+def _check_key(key) -> str | None:
+    if key is not None and (not isinstance(key, str) or not key):
+        raise ValueError(f"key= must be a non-empty string naming what preprocess and postprocess do, got {key!r}")
+    return key
+
+
 class Processor:
     """Callable from a Dask (or pandas) DataFrame to the postprocessed results.
 
-    See the module docstring for the output's columns, their types, and error rows.
+    See the module docstring for the output's columns, their types, error rows, and
+    writing the result resumably.
     """
 
     def __init__(self, config: ProcessorConfig, preprocess: Callable[[dict], dict] | None,
                  postprocess: Callable[[dict], dict] | None, *, meta: Meta | None = None,
-                 sample_rows: int = SAMPLE_ROWS):
+                 sample_rows: int = SAMPLE_ROWS, key: str | None = None):
         if sample_rows < 1:
             raise ValueError(f"sample_rows must be >= 1, got {sample_rows}")
+        self.key = _check_key(key)
         self.config, self.preprocess, self.postprocess = config, preprocess, postprocess
         # the error column while rows run (with should_continue_on_error=False, dropped after
         # the check that no row failed)
@@ -434,11 +521,14 @@ class Processor:
         self.meta = None if meta is None else _meta_dtypes(meta)
         self.sample_rows = sample_rows
 
-    def __call__(self, df, *, meta: Meta | None = None):
+    def __call__(self, df, *, meta: Meta | None = None, key: str | None = None):
         """Map ``df`` through the pipeline: a pandas DataFrame is processed now; a Dask
         DataFrame gives a lazy one whose columns and dtypes are known (from ``meta``, this
-        call's or the processor's, else from running its first rows now)."""
+        call's or the processor's, else from running its first rows now), which
+        :func:`dfllm.write_parquet` writes resumably (``key``, this call's or the
+        processor's, stands in for the fingerprints of preprocess and postprocess)."""
         given = _meta_dtypes(meta) if meta is not None else self.meta
+        key = _check_key(key) if key is not None else self.key
         if isinstance(df, pd.DataFrame):
             return self.process_partition(df, None if given is None else self._with_inputs(given, df.iloc[:0]))
         if not hasattr(df, "map_partitions") or not hasattr(df, "_meta"):
@@ -447,7 +537,7 @@ class Processor:
         if self.config.error_column is None:
             schema.pop(self._err, None)
         empty = pd.DataFrame({c: pd.Series([], dtype=t) for c, t in schema.items()}, index=df._meta.index[:0])
-        return df.map_partitions(self.process_partition, schema, meta=empty)
+        return df.map_partitions(ProcessorFunction(self, schema, key), meta=empty)
 
     # ---- one partition ------------------------------------------------------------------------------
     def process_partition(self, df: pd.DataFrame, schema: dict | None = None) -> pd.DataFrame:
@@ -917,14 +1007,16 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
                     postprocess: Callable[[dict], dict] | None = None,
                     preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
                     builder_kwargs: dict | None = None, *, meta: Meta | None = None,
-                    sample_rows: int = SAMPLE_ROWS) -> Processor:
+                    sample_rows: int = SAMPLE_ROWS, key: str | None = None) -> Processor:
     """A processor mapping a Dask (or pandas) DataFrame through ``preprocess``, the engine
     and ``postprocess``.
 
     ``meta`` describes the columns ``postprocess`` returns (a pandas DataFrame, a dict or
     list of ``(column, dtype)`` pairs, or a ``pyarrow.Schema``); without it the output's
     types come from running the first ``sample_rows`` rows of a Dask input through the
-    whole pipeline when the processor is called. See :mod:`dfllm.jobs.processor`.
+    whole pipeline when the processor is called. ``key`` (a string) names what
+    ``preprocess`` and ``postprocess`` do for :func:`dfllm.write_parquet` with
+    ``resume=True``, in place of their fingerprints. See :mod:`dfllm.jobs.processor`.
 
     Ray Data LLM's other arguments are accepted: ``preprocess_map_kwargs`` and
     ``postprocess_map_kwargs`` (Ray's ``map`` options: Ray-cluster-only, no effect on Dask;
@@ -938,17 +1030,17 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
         if unknown:
             raise TypeError(f"builder_kwargs: unknown key(s) {unknown}; dfllm takes only 'chat_template_kwargs'")
         config = dataclasses.replace(config, chat_template_kwargs=builder_kwargs["chat_template_kwargs"])
-    return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows)
+    return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows, key=key)
 
 
 def build_llm_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                         postprocess: Callable[[dict], dict] | None = None,
                         preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
                         builder_kwargs: dict | None = None, *, meta: Meta | None = None,
-                        sample_rows: int = SAMPLE_ROWS) -> Processor:
+                        sample_rows: int = SAMPLE_ROWS, key: str | None = None) -> Processor:
     """Ray Data LLM's older name of :func:`build_processor` (deprecated there, and here:
     a ``DeprecationWarning``, then the same processor)."""
     warnings.warn("build_llm_processor is deprecated (as in Ray Data LLM); use build_processor",
                   DeprecationWarning, stacklevel=2)
     return build_processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs,
-                           builder_kwargs, meta=meta, sample_rows=sample_rows)
+                           builder_kwargs, meta=meta, sample_rows=sample_rows, key=key)
