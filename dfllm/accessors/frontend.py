@@ -46,13 +46,24 @@ class LLMFrameMethods:
                            resources)
 
     def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = _COLUMN["generate"],
-                 on_error: str = "null", json_schema=None, choice=None, resources: dict | None = None,
-                 **engine_kwargs):
+                 on_error: str = "null", json_schema=None, choice=None, engine_columns=(), sort_by=None,
+                 resources: dict | None = None, **engine_kwargs):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
 
         Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
         ``finish_reason`` and ``llm_error``. ``sampling_params`` is a SamplingParams, a dict,
         or the name of a column of dicts (one per row).
+
+        ``engine_columns`` (a name or a list of names) adds what the engine reports per row,
+        before ``llm_error`` (see :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`):
+        ``"num_cached_tokens"`` (int64: prompt tokens served from the prefix cache, or by
+        computing an identical request once), ``"rendered_prompt"``, ``"prompt_token_ids"``,
+        ``"generated_tokens"``, ``"logprobs"``, ``"prompt_logprobs"``, ``"time_taken_llm"``.
+
+        ``sort_by`` (a key or a list of keys) sorts each partition's rows by a column (say
+        ``"doc_id"``) or by ``"prompt"`` (the rendered prompt, so that rows sharing a prefix
+        run one after another while it is in the prefix cache) before they go to the engine;
+        the result keeps the rows' order and each row its own output (docs/prefix_cache.md).
 
         ``json_schema`` (a pydantic model class or a JSON schema dict) constrains every row's
         output to the schema and makes the output column an Arrow struct built from it;
@@ -65,18 +76,20 @@ class LLMFrameMethods:
         """
         return self._call("generate", (prompt,), resources, output_column=output_column, model=model,
                           sampling_params=sampling_params, on_error=on_error, engine_kwargs=engine_kwargs,
-                          json_schema=json_schema, choice=choice)
+                          json_schema=json_schema, choice=choice, engine_columns=engine_columns, sort_by=sort_by)
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
              output_column: str = _COLUMN["chat"], on_error: str = "null", json_schema=None, choice=None,
-             chat_template: str | None = None, resources: dict | None = None, **engine_kwargs):
+             chat_template: str | None = None, engine_columns=(), sort_by=None, resources: dict | None = None,
+             **engine_kwargs):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
-        ``json_schema``, ``choice`` and ``resources`` as in ``generate``; ``chat_template``
-        (Jinja text) replaces the tokenizer's template."""
+        ``json_schema``, ``choice``, ``engine_columns``, ``sort_by`` and ``resources`` as in
+        ``generate`` (``sort_by="prompt"`` sorts by the conversation as the chat template
+        renders it); ``chat_template`` (Jinja text) replaces the tokenizer's template."""
         return self._call("chat", (messages,), resources, output_column=output_column, model=model,
                           sampling_params=sampling_params, system=system, on_error=on_error,
                           engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
-                          chat_template=chat_template)
+                          chat_template=chat_template, engine_columns=engine_columns, sort_by=sort_by)
 
     def embed(self, text: str, *, model=None, output_column: str = _COLUMN["embed"], on_error: str = "null",
               resources: dict | None = None, **engine_kwargs):

@@ -6,7 +6,8 @@ the other columns it adds (every task ends with ``llm_error``), whether it takes
 params and structured outputs (the generative kinds, which share the engine's continuous
 batches), its default model, the function that runs it on one partition, and the engine
 columns a task may ask for besides (:data:`ENGINE_COLUMNS`: what Ray Data LLM's engine stage
-gives, which :mod:`dfllm.jobs.processor` asks for). The
+gives, which :mod:`dfllm.jobs.processor` asks for, and ``num_cached_tokens``; the accessors'
+``engine_columns=``). The
 accessors' signatures, the output schemas (pandas, Dask ``meta``, Polars), the processor
 and the CLI all read it.
 """
@@ -81,13 +82,17 @@ _INTS = pd.ArrowDtype(pa.list_(pa.int64()))
 #:   prompt token (None for the first), for ``prompt_logprobs=k``; these two are Python
 #:   objects (``object`` dtype), as Ray's rows hold them;
 #: - ``time_taken_llm``: seconds of the engine call that ran the row;
-#: - ``embeddings`` (pooling kinds): embed's vector, classify's probabilities, ``[score]``.
+#: - ``embeddings`` (pooling kinds): embed's vector, classify's probabilities, ``[score]``;
+#: - ``num_cached_tokens`` (generative kinds; vLLM's ``RequestOutput.num_cached_tokens``, not
+#:   one of Ray's columns): the row's prompt tokens that were not computed for it, served
+#:   from the prefix cache or, for a copy of an identical request computed once
+#:   (``deduplicate_requests``), every prompt token but the last.
 ENGINE_COLUMNS: dict[str, pd.api.extensions.ExtensionDtype | str] = {
     "rendered_prompt": STRING, "prompt_token_ids": _INTS, "generated_tokens": _INTS, "logprobs": "object",
-    "prompt_logprobs": "object", "time_taken_llm": FLOAT, "embeddings": VECTOR,
+    "prompt_logprobs": "object", "time_taken_llm": FLOAT, "embeddings": VECTOR, "num_cached_tokens": INT,
 }
 _GENERATION_ENGINE = ("rendered_prompt", "prompt_token_ids", "generated_tokens", "logprobs", "prompt_logprobs",
-                      "time_taken_llm")
+                      "time_taken_llm", "num_cached_tokens")
 _POOLING_ENGINE = ("embeddings", "time_taken_llm")
 
 

@@ -12,23 +12,31 @@ import polars as pl
 import pyarrow as pa
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
-from dfllm.accessors.kinds import KINDS
+from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.runners import run_task
 from dfllm.accessors.task import LLMTask, make_task
 
 POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "list<item: float>": pl.List(pl.Float32)}
+#: The Arrow types of the engine columns that pandas holds as Python objects (per token a dict
+#: token id -> its Logprob's fields): a Polars list of maps.
+OBJECT_COLUMNS = {"logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP)),
+                  "prompt_logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP))}
 
 
 def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
-    out = pl.from_pandas(run_task(df.to_pandas(use_pyarrow_extension_array=True), task, progress=True))
+    result = run_task(df.to_pandas(use_pyarrow_extension_array=True), task, progress=True)
+    objects = {c: OBJECT_COLUMNS[c] for c in task.engine_columns if c in OBJECT_COLUMNS}
+    out = pl.from_pandas(result.astype(objects) if objects else result)
     enums = {c: t for c, t in _polars_schema(task).items() if isinstance(t, pl.Enum)}
     return out.cast(enums) if enums else out  # a choice column: pandas category -> Enum of the choices
 
 
-def _polars_dtype(dtype) -> pl.DataType:
+def _polars_dtype(dtype, column: str = "") -> pl.DataType:
     """The Polars type of an output column's pandas dtype (structs and lists included)."""
     if isinstance(dtype, pd.CategoricalDtype):
         return pl.Enum(list(dtype.categories))
+    if not isinstance(dtype, pd.ArrowDtype):  # a column of Python objects
+        dtype = OBJECT_COLUMNS[column]
     name = str(dtype.pyarrow_dtype)
     if name in POLARS_TYPES:
         return POLARS_TYPES[name]
@@ -36,7 +44,7 @@ def _polars_dtype(dtype) -> pl.DataType:
 
 
 def _polars_schema(task: LLMTask) -> dict:
-    return {c: _polars_dtype(d) for c, d in task.output_dtypes().items()}
+    return {c: _polars_dtype(d, c) for c, d in task.output_dtypes().items()}
 
 
 @pl.api.register_dataframe_namespace("llm")

@@ -15,6 +15,11 @@ with each row's pooling params.
 A task that asks for engine columns (``LLMTask.engine_columns``, see
 :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`: Ray Data LLM's engine stage's outputs) gets
 them filled by its runner from the engine's outputs, on the rows that got through.
+
+A generative task with sort keys (``LLMTask.sort_by``) hands its requests to the engine in
+that order (:func:`request_order`: by a column, or by the rendered prompt so that rows
+sharing a prefix run one after another while its blocks are in the prefix cache); each
+output still goes to its own row, so the result's rows keep their order.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from dfllm.accessors.schema import (
     NUM_GENERATED_TOKENS,
     NUM_INPUT_TOKENS,
     PROBS,
+    SORT_BY_PROMPT,
     structured_value,
 )
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
@@ -168,6 +174,9 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
         rows.append(i)
     if not rows:
         return
+    if task.sort_by:
+        order = request_order(df, task.sort_by, rows, requests)
+        rows, requests = [rows[k] for k in order], [requests[k] for k in order]
     dtype = task.output_dtypes()[task.output_column] if task.structured else None
     start = time.perf_counter()
     outputs = gen.generate(requests)
@@ -190,6 +199,33 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
             row_error(task, out, i, str(exc))
 
 
+def request_order(df: pd.DataFrame, keys: tuple[str, ...], rows: list[int], requests: list[EngineRequest]) -> list[int]:
+    """The order (positions into ``rows``/``requests``) in which to hand the requests of
+    row positions ``rows`` to the engine: sorted by ``keys``, the first the most significant,
+    ties kept in row order. A key is a column (its values sorted, nulls last; values that do
+    not compare, such as lists or mixed types, are grouped, equal values together, in order
+    of first appearance) or ``"prompt"``: the request's prompt token ids, lexicographically,
+    so that prompts sharing a prefix are adjacent."""
+    order = list(range(len(rows)))
+    for key in reversed(keys):  # stable sorts, least significant key first
+        if key == SORT_BY_PROMPT:
+            order.sort(key=lambda k: requests[k].prompt_token_ids)
+            continue
+        codes = _sort_codes(df[key].iloc[rows].reset_index(drop=True))
+        order.sort(key=codes.__getitem__)
+    return order
+
+
+def _sort_codes(values: pd.Series) -> list:
+    """Per value, a number whose order is the values' (nulls last), or where they do not
+    compare, one per distinct value in order of first appearance."""
+    try:
+        return values.rank(method="dense", na_option="bottom").tolist()
+    except Exception:  # noqa: BLE001 (lists, dicts, mixed types: pandas and Arrow raise various errors)
+        codes, _ = pd.factorize(values.map(repr), use_na_sentinel=False)
+        return codes.tolist()
+
+
 def _engine_columns(task: LLMTask, out: dict, i: int, gen: Generation, req: EngineRequest, r: RequestOutput,
                     took: float) -> None:
     """Row ``i``'s engine columns that the task asks for (see ``kinds.ENGINE_COLUMNS``)."""
@@ -199,7 +235,7 @@ def _engine_columns(task: LLMTask, out: dict, i: int, gen: Generation, req: Engi
     c = r.outputs[0]
     values = {"prompt_token_ids": list(r.prompt_token_ids), "generated_tokens": list(c.token_ids),
               "time_taken_llm": took, "logprobs": logprob_dicts(c.logprobs),
-              "prompt_logprobs": logprob_dicts(r.prompt_logprobs)}
+              "prompt_logprobs": logprob_dicts(r.prompt_logprobs), "num_cached_tokens": r.num_cached_tokens}
     if "rendered_prompt" in want:
         prompt = r.prompt if r.prompt is not None else req.prompt
         if prompt is None:  # a row given as token ids: their text

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
 from dfllm.accessors.rows import is_template, template_fields
+from dfllm.accessors.schema import SORT_BY_PROMPT
 from dfllm.inputs import check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
@@ -45,6 +46,9 @@ class LLMTask:
     # continue_final_message, no generation prompt), as Ray Data LLM's chat template stage does
     continue_final_message: bool = False
     prompt_token_ids_column: str | None = None  # generative: a column of token id lists, used where not null
+    # generative: the keys a partition's requests are sorted by before they go to the engine
+    # (column names, or schema.SORT_BY_PROMPT for the rendered prompt); outputs keep row order
+    sort_by: tuple[str, ...] = ()
 
     @property
     def spec(self) -> TaskKind:
@@ -59,7 +63,7 @@ class LLMTask:
         cols = {c for i in self.inputs for c in (template_fields(i) if is_template(i) else [i])}
         extra = (self.sampling_column, self.pooling_column, self.chat_template_kwargs_column,
                  self.prompt_token_ids_column)
-        return cols | {c for c in extra if c}
+        return cols | {c for c in extra if c} | {c for c in self.sort_by if c != SORT_BY_PROMPT}
 
     def output_dtypes(self) -> dict:
         """The columns the task adds, in order, with their dtypes (``llm_error`` last)."""
@@ -81,7 +85,8 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
               engine_kwargs: dict | None = None, json_schema=None, choice=None,
               chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None,
               engine_columns: tuple[str, ...] = (), pooling_params=None, chat_template_kwargs=None,
-              continue_final_message: bool = False, prompt_token_ids: str | None = None) -> LLMTask:
+              continue_final_message: bool = False, prompt_token_ids: str | None = None,
+              sort_by: str | list[str] | tuple[str, ...] | None = None) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``).
 
     ``model_check`` checks the task's model (default: :func:`check_model`, here and now).
@@ -90,7 +95,9 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     ``chat_template_kwargs`` (chat) are a dict (``PoolingParams`` too) for every row, or
     the name of a column of each row's own; ``continue_final_message`` (chat) continues a
     conversation whose last message is not the user's; ``prompt_token_ids`` (generative)
-    names a column of token id lists generated from where not null."""
+    names a column of token id lists generated from where not null. ``sort_by`` (generative)
+    is a key or a list of keys, each a column name or ``"prompt"`` (the rendered prompt):
+    each partition's requests go to the engine in that order (see :func:`check_sort_by`)."""
     spec = task_kind(kind)
     if len(inputs) != spec.inputs:
         raise ValueError(f"{kind} takes {spec.inputs} input column(s) or template(s), got {len(inputs)}")
@@ -104,6 +111,7 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     structured = _structured(json_schema, choice, kind, sampling)
     pooling, pooling_column = _pooling(pooling_params, columns, kind)
     ctk, ctk_column = _chat_template_kwargs(chat_template_kwargs, columns, kind)
+    engine_columns = _names(engine_columns, "engine_columns", kind)
     unknown = sorted(set(engine_columns) - set(spec.engine_columns))
     if unknown:
         raise ValueError(f"{kind}: unknown engine column(s) {unknown}; {kind} gives {list(spec.engine_columns)}")
@@ -111,12 +119,14 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
         raise ValueError(f"{kind}: prompt_token_ids must name a column of the dataframe, for generate or chat")
     if continue_final_message and kind != "chat":
         raise ValueError("continue_final_message is only for chat")
+    sort_keys = check_sort_by(sort_by, columns, kind)
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
                    sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
                    structured=structured, chat_template=chat_template,
                    engine_columns=tuple(dict.fromkeys(engine_columns)), pooling=pooling, pooling_column=pooling_column,
                    chat_template_kwargs=ctk, chat_template_kwargs_column=ctk_column,
-                   continue_final_message=bool(continue_final_message), prompt_token_ids_column=prompt_token_ids)
+                   continue_final_message=bool(continue_final_message), prompt_token_ids_column=prompt_token_ids,
+                   sort_by=sort_keys)
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
     missing = sorted(task.columns_needed() - set(map(str, columns)))
@@ -128,6 +138,35 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     _check_engine_kwargs(kind, engine_kwargs or {})
     (model_check or check_model)(task)
     return task
+
+
+def _names(value, what: str, kind: str) -> tuple[str, ...]:
+    """A name or a list of names (None: none) as a tuple of strings, in order, once each."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{kind}: {what} must be a name or a list of names, got {value!r}")
+    return tuple(dict.fromkeys(value))
+
+
+def check_sort_by(sort_by, columns, kind: str) -> tuple[str, ...]:
+    """``sort_by=`` as the task's sort keys; ``ValueError`` naming a key that is not a column.
+
+    A key is a column name, or ``"prompt"``: the row's prompt as the engine gets it (after
+    the template and the chat template: its token ids), so that rows sharing a prefix are
+    adjacent. ``"prompt"`` means that even where the frame has a column called ``prompt``
+    (the same thing when that column is generate's input). Only generate and chat sort."""
+    keys = _names(sort_by, "sort_by", kind)
+    if keys and not KINDS[kind].generative:
+        raise ValueError(f"{kind} takes no sort_by (it orders the requests of generate and chat)")
+    names = list(map(str, columns))
+    for key in keys:
+        if key != SORT_BY_PROMPT and key not in names:
+            raise ValueError(f"{kind}: sort_by column {key!r} not in the dataframe (columns: {names}); sort_by "
+                             f"takes column names, or {SORT_BY_PROMPT!r} for the rendered prompt")
+    return keys
 
 
 def _check_engine_kwargs(kind: str, engine_kwargs: dict) -> None:
