@@ -22,7 +22,8 @@ outputs); the task whose rows fail on their own gets ``RuntimeError("the engine 
 while generating these rows: ...")``, the others the outputs they would have had. Rows for
 which the model produces non-finite logits are not a failed step: they end with
 ``finish_reason="error"`` and the rest of the batch goes on. For tests and diagnostics,
-:func:`partitions_per_step` says how many tasks shared each step.
+:func:`partitions_per_step` says how many tasks shared each step; each step's batch size
+also goes to the dashboard (:func:`dfllm.dashboard.progress.record_step`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dfllm.accessors.worker_tuning import tune_worker_process, worker_thread_count
+from dfllm.dashboard import progress
 from dfllm.engine.input_processor import EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.outputs import RequestOutput
@@ -170,6 +172,7 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
             try:
                 outputs = engine.step()
                 _step_tasks.append(sum(sub in engine.last_step_groups for sub in queue.active))
+                progress.record_step(engine.stats().num_running + len(outputs))  # the step's batch, roughly
             except Exception as exc:  # not the model (the engine recovers from that): no task may wait forever
                 for sub in queue.active:
                     sub.error = exc

@@ -18,6 +18,9 @@ holds is idle.
   engine now, e.g. ``client.run(dfllm.release_engines)`` on every Dask worker between jobs;
   engines in use are left to their tasks. A later task loads its engine again.
 
+Each lease in a Dask task also tells the dashboard (:mod:`dfllm.dashboard.progress`) that
+its partition is in flight, then done or failed.
+
 For tests and diagnostics, :func:`load_count` counts the engines this process built and
 :func:`engines` lists those it holds.
 """
@@ -36,6 +39,7 @@ import torch
 
 from dfllm.accessors.driver import driver
 from dfllm.accessors.prometheus import expose, unexpose
+from dfllm.dashboard import progress
 from dfllm.llm import LLM
 
 logger = logging.getLogger("dfllm")
@@ -84,22 +88,28 @@ def lease(model, engine_kwargs: dict) -> Iterator[CachedEngine]:
     (never shut down) until the block ends."""
     global _loads
     key = engine_key(model, engine_kwargs)
-    with _guard:
-        entry = _engines.get(key)
-        if entry is None:
-            _make_room()
-            llm = driver().call(lambda: LLM(model, **engine_kwargs))
-            if llm.engine is not None:
-                expose(llm.engine.metrics.registry)
-            entry = _engines[key] = CachedEngine(key, llm)
-            _loads += 1
-        _engines.move_to_end(key)
-        entry.users += 1
+    task = progress.partition_started()  # the dashboard's partitions in flight (a no-op outside Dask tasks)
+    failed = True
     try:
-        yield entry
-    finally:
         with _guard:
-            entry.users -= 1
+            entry = _engines.get(key)
+            if entry is None:
+                _make_room()
+                llm = driver().call(lambda: LLM(model, **engine_kwargs))
+                if llm.engine is not None:
+                    expose(llm.engine.metrics.registry)
+                entry = _engines[key] = CachedEngine(key, llm)
+                _loads += 1
+            _engines.move_to_end(key)
+            entry.users += 1
+        try:
+            yield entry
+            failed = False
+        finally:
+            with _guard:
+                entry.users -= 1
+    finally:
+        progress.partition_ended(task, failed)
 
 
 def get_engine(model, engine_kwargs: dict) -> LLM:
@@ -160,6 +170,17 @@ def engines() -> list[LLM]:
     """The engines this process holds, least recently used first (for diagnostics)."""
     with _guard:
         return [entry.llm for entry in _engines.values()]
+
+
+def engines_now() -> list[LLM]:
+    """The engines this process holds, read without waiting for an engine being loaded (the
+    dashboard's reports run on a Dask worker's event loop, which must not block)."""
+    for _ in range(3):
+        try:
+            return [entry.llm for entry in list(_engines.values())]
+        except RuntimeError:  # changed while being read: read again
+            continue
+    return []
 
 
 def load_count() -> int:

@@ -194,6 +194,7 @@ def _default_input(task: str, columns) -> str:
 
 def run(args) -> int:
     from dfllm.accessors.writer import write_parquet
+    from dfllm.dashboard import page_link
     from dfllm.jobs.cluster import connect
 
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
@@ -204,7 +205,9 @@ def run(args) -> int:
         # built with the client current, so that a model directory only the workers have is
         # checked on a worker, and with --gpu's resources on the llm tasks themselves
         job = build_job(args, resources)
-        _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}")
+        page = page_link(client)
+        _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}"
+             + (f"; dfllm page {page}" if page else ""))
         summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
                                 progress=not args.no_progress)
     print(format_summary(summary), flush=True)

@@ -46,6 +46,7 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
     cluster is started for the job and closed after it: with ``gpu``, one worker per
     ``gpus_per_engine`` visible GPUs; else ``workers`` (default 1) CPU worker processes.
     ``threads`` (default 4) is the number of partitions each worker runs at once.
+    Either way the scheduler gets dfllm's dashboard page (:func:`install_dashboard`).
     """
     from distributed import Client, LocalCluster, Scheduler, SpecCluster
 
@@ -56,7 +57,9 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
     if scheduler:
         client = _client_for(scheduler)
         with client:
-            yield client, _remote_resources(client, gpu, gpus_per_engine)
+            resources = _remote_resources(client, gpu, gpus_per_engine)
+            install_dashboard(client)
+            yield client, resources
         return
     if gpu:
         import torch
@@ -74,7 +77,16 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
                                env={"DFLLM_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))})
         task_res = None
     with cluster, Client(cluster) as client:
+        install_dashboard(client)
         yield client, task_res
+
+
+def install_dashboard(client) -> str | None:
+    """Load dfllm's dashboard page on the client's scheduler (see :mod:`dfllm.dashboard`);
+    its URL, or None (no Bokeh dashboard there, or the scheduler cannot load dfllm)."""
+    from dfllm.dashboard import install
+
+    return install(client)
 
 
 def _client_for(address: str):
