@@ -214,6 +214,8 @@ class Scheduler:
         return self.num_admitted - seq.waiting_since >= OVERTAKES_PER_SEQ_SLOT * self.max_num_seqs
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return budget  # no room: skip ordering the queue
         order, computing = self._admission_order()
         for seq in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
