@@ -285,3 +285,16 @@ def test_max_error_rate_must_be_a_share(questions, tmp_path, rate):
     assert result.returncode == 2
     assert result.stderr.startswith("dfllm: error: argument --max-error-rate: must be")
     assert not (tmp_path / "out").exists()
+
+
+def test_summary_counts_rows_answered_from_an_identical_row(cli_cluster, tiny_llama, tmp_path):
+    """Greedy rows identical to one still in the engine are computed once (one partition, so
+    they meet in the same engine at once), and the summary says how many."""
+    prompts = ["Why is the sky blue?", "Name a river.", "Why is the sky blue?", "Why is the sky blue?"]
+    stdout = ok(run_prompts(tmp_path, prompts, "--model", str(tiny_llama), "--max-tokens", "4",
+                            "--max-model-len", "64", "--npartitions", "1", "--scheduler", cli_cluster.address,
+                            "--no-progress"))
+    assert "rows:        4 (0 with llm_error, 2 answered from an identical row)" in stdout
+    out = pd.read_parquet(tmp_path / "out").set_index("id")
+    assert out.loc["row-0", "generated_text"] == out.loc["row-2", "generated_text"] == out.loc["row-3",
+                                                                                              "generated_text"]

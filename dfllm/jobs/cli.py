@@ -208,9 +208,11 @@ def run(args) -> int:
         page = page_link(client)
         _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}"
              + (f"; dfllm page {page}" if page else ""))
+        before = deduplicated_requests(client)
         summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
                                 progress=not args.no_progress)
-    print(format_summary(summary), flush=True)
+        deduplicated = deduplicated_requests(client) - before
+    print(format_summary(summary, deduplicated), flush=True)
     failed = too_many_errors(summary, args.max_error_rate)
     if failed:
         _say(f"dfllm: error: {failed}")
@@ -232,10 +234,25 @@ def _describe(client) -> str:
     return f"{len(workers)} worker(s), {sum(w['nthreads'] for w in workers)} thread(s)"
 
 
-def format_summary(s) -> str:
-    """The end-of-job summary: rows, errors, tokens, throughput, time and where the output is."""
+def deduplicated_requests(client) -> int:
+    """The requests the cluster's engines answered with an identical request's output
+    (``dfllm_deduplicated_requests``, summed over the workers' engines)."""
+    return sum(client.run(_engine_deduplicated).values())
+
+
+def _engine_deduplicated() -> int:
+    from dfllm.accessors.engine_cache import engines_now
+
+    return sum(int(m.value) for llm in engines_now() if llm.engine is not None
+               for m in llm.get_metrics() if m.name == "dfllm_deduplicated_requests")
+
+
+def format_summary(s, deduplicated: int = 0) -> str:
+    """The end-of-job summary: rows, errors, rows computed once for identical rows, tokens,
+    throughput, time and where the output is."""
     tokens = s.input_tokens + s.output_tokens
-    lines = [f"rows:        {s.rows} ({s.errors} with llm_error)",
+    lines = [f"rows:        {s.rows} ({s.errors} with llm_error"
+             + (f", {deduplicated} answered from an identical row" if deduplicated else "") + ")",
              f"partitions:  {s.partitions} ({s.written} written, {s.skipped} already complete)"]
     if tokens:
         lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
