@@ -228,11 +228,14 @@ def _run_frames(frames: list[pd.DataFrame], kw: dict) -> list:
     return results
 
 
-def test_failed_step_fails_only_its_partition(tiny_llama, tok):
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_failed_step_fails_only_its_partition(tiny_llama, tok, dedupe):
     """Three partitions in the same steps of one shared engine; a step fails because of a
     row of the second. Only that partition fails (with the error); the others get the
-    outputs they have alone, and the engine serves on."""
-    kw = dict(model=str(tiny_llama), seed=11, **ENGINE)  # an engine of its own in this process
+    outputs they have alone, and the engine serves on. With deduplication the third
+    partition's rows (and the second's first) follow the first partition's identical ones,
+    and still get their own outputs when the failed step is re-run group by group."""
+    kw = dict(model=str(tiny_llama), seed=11, deduplicate_requests=dedupe, **ENGINE)  # engines of their own
     llm = engine_cache.get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
     frames = [pd.DataFrame({"q": GOOD}), pd.DataFrame({"q": [GOOD[0], f"What is a{MARKER_WORD}?"]}),
               pd.DataFrame({"q": GOOD[::-1]})]
@@ -248,7 +251,8 @@ def test_failed_step_fails_only_its_partition(tiny_llama, tok):
     assert results[0].generated_text.tolist() == [tok.decode(w) for w in want]
     assert results[2].generated_text.tolist() == [tok.decode(w) for w in want[::-1]]
     assert results[0].llm_error.isna().all() and results[2].llm_error.isna().all()
-    assert max(driver.partitions_per_step()[steps:]) == 3  # the three did share the failed step
+    if not dedupe:  # every row computed: the three partitions did share the failed step
+        assert max(driver.partitions_per_step()[steps:]) == 3
     assert not llm.engine.has_unfinished_requests()
     again = pd.DataFrame({"q": GOOD}).llm.generate("q", sampling_params=SP, **kw)
     assert again.generated_text.tolist() == results[0].generated_text.tolist()
