@@ -133,10 +133,12 @@ def metric(metrics, name):
 
 def test_metrics_count_the_tokens_processed(tiny_llama):
     block_bytes = 2 * 2 * 4 * 2 * 16 * 4
-    # first come, first served: the six sharers start together (prefix-aware admission would
-    # hold five back a step to share the prefix) and run out of blocks
+    # first come, first served with the watermark only: the six sharers start together
+    # (prefix-aware admission would hold five back a step to share the prefix, and the growth
+    # reserve would keep room for their decodes) and run out of blocks
     llm = LLM(tiny_llama, block_size=4, kv_cache_memory_bytes=40 * block_bytes, max_model_len=64,
               prefix_aware_scheduling=False)
+    llm.engine.scheduler.reserve_growth = False
     shared = random_prompts(1, 16, 16, seed=3)[0][:16]
     prompts = [{"prompt_token_ids": shared + p} for p in random_prompts(6, 9, 25, seed=2)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 3, 17, 24, 9, 20)]

@@ -48,7 +48,7 @@ def test_max_num_seqs_caps_running():
 
 def test_preempts_newest_and_requeues_it_first():
     s = Scheduler(4, 4, enable_prefix_caching=False, max_num_seqs=4,
-                  max_num_batched_tokens=100, watermark=0)
+                  max_num_batched_tokens=100, watermark=0, reserve_growth=False)
     a, b = make_seq(list(range(8))), make_seq(list(range(10, 18)))
     s.add(a)
     s.add(b)
@@ -88,7 +88,7 @@ def test_priority_policy_admits_by_priority_then_arrival():
 
 def test_priority_policy_preempts_the_least_urgent_and_requeues_it_by_priority():
     s = Scheduler(4, 4, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=100, watermark=0,
-                  policy="priority")
+                  policy="priority", reserve_growth=False)
     urgent_late, lax_early = prioritized(list(range(8)), 0, 1.0), prioritized(list(range(10, 18)), 5, 0.0)
     s.add(lax_early)
     s.add(urgent_late)
@@ -173,3 +173,23 @@ def test_prefix_aware_admission_starves_no_sequence():
         if seq is lone:
             break
     assert admitted[-1] is lone and len(admitted) == 4 + 1
+
+
+def test_growth_reserve_keeps_room_for_running_decodes():
+    """A running sequence with 63 tokens to go keeps blocks free for them (at the starting
+    ratio, about half of their 16 blocks): a newcomer that would eat them waits, unless the
+    reserve is off (vLLM's fixed watermark). A preemption raises the ratio."""
+    for reserve, admitted in ((True, False), (False, True)):
+        s = Scheduler(16, 4, max_num_seqs=4, max_num_batched_tokens=100, watermark=0, reserve_growth=reserve)
+        first = make_seq(list(range(8)))
+        first.request.params.max_tokens = 64
+        s.add(first)
+        step(s)
+        s.add(make_seq(list(range(100, 124))))  # 6 blocks: fits in the 13 free, not beside a reserve of 7 + 1
+        out = s.schedule()
+        assert (len(out.seqs) == 2) is admitted
+    ratio = s.growth_ratio
+    s.running[-1].token_ids += [7] * 40  # grow past what is free: the newest is preempted
+    s.running[-1].num_computed_tokens = s.running[-1].num_tokens - 1
+    s.schedule()
+    assert s.num_preemptions == 1 and s.growth_ratio > ratio

@@ -22,6 +22,11 @@ and holds back a sequence whose next uncached block another running sequence is 
 right now (two sequences admitted together would otherwise both compute it); it hits the
 cache a step later. Neither can starve a sequence: one that ``4 * max_num_seqs`` later
 sequences overtook is admitted first and never held back. Outputs do not depend on the order.
+
+Admission keeps blocks free for the running sequences to grow into (``reserve_growth``):
+for each, the blocks of its remaining ``max_tokens`` times a ratio learned as SGLang's
+``new_token_ratio`` is (up after a preemption, down slowly while none happens), instead of
+vLLM's fixed 1% watermark, so that fewer decodes are preempted and recomputed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from dfllm.engine.sequence import Sequence, SequenceStatus
 
 PREFIX_WINDOW = 1024  # waiting sequences that prefix-aware admission reorders
 OVERTAKES_PER_SEQ_SLOT = 4  # a sequence overtaken by this many times max_num_seqs later ones goes first
+GROWTH_CAP = 1024  # tokens of a sequence's future growth counted at most
+GROWTH_RATIO_INIT, GROWTH_RATIO_MIN = 0.5, 0.05
+GROWTH_RATIO_UP, GROWTH_RATIO_DECAY = 0.2, 0.002
 
 
 @dataclass
@@ -75,7 +83,7 @@ class Scheduler:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
                  enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01,
-                 policy: str = "fcfs", prefix_aware: bool = True):
+                 policy: str = "fcfs", prefix_aware: bool = True, reserve_growth: bool = True):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         self.policy = policy
@@ -89,6 +97,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_aware = prefix_aware and enable_prefix_caching and policy == "fcfs"
         self.num_admitted = 0  # admissions so far: the clock of fairness (``_due``)
+        # the share of their remaining tokens that running sequences are expected to need
+        # blocks for: up after a preemption, down a little every step without one (SGLang's
+        # new_token_ratio), so admission leaves room for decodes instead of preempting them
+        self.growth_ratio = GROWTH_RATIO_INIT
+        self.reserve_growth = reserve_growth  # False: the watermark only (vLLM's behaviour)
 
     def add(self, seq: Sequence) -> None:
         seq.waiting_since = self.num_admitted + len(self.waiting)  # when first come, first served would admit it
@@ -108,6 +121,10 @@ class Scheduler:
             preempted = out.num_preempted
             out = self._schedule_once()
             out.num_preempted += preempted
+        if out.num_preempted:
+            self.growth_ratio = min(1.0, self.growth_ratio + GROWTH_RATIO_UP)
+        else:
+            self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
         if not out:
             raise RuntimeError("the scheduler could not schedule any waiting sequence")
         return out
@@ -208,6 +225,20 @@ class Scheduler:
                 computing.update(self.bm.prompt_block_hashes(seq)[seq.num_hashed_blocks:])
         return due + rest, computing
 
+    def _growth(self, seq: Sequence) -> int:
+        """The blocks ``seq`` is expected to add while it decodes: its tokens still to come
+        (up to ``max_tokens``, capped at ``GROWTH_CAP``) times the learned share that
+        sequences actually generate (``growth_ratio``)."""
+        p = seq.params
+        left = (p.max_tokens - seq.num_output_tokens) if p.max_tokens is not None else GROWTH_CAP
+        return int(min(max(left, 0), GROWTH_CAP) * self.growth_ratio) // self.bm.block_size
+
+    def _growth_reserve(self) -> int:
+        """Blocks kept free for the running sequences' growth (the watermark at least)."""
+        if not self.reserve_growth:
+            return self.watermark_blocks
+        return max(self.watermark_blocks, sum(self._growth(s) for s in self.running))
+
     def _due(self, seq: Sequence) -> bool:
         """Whether ``seq`` was overtaken often enough to go first: admissions since first
         come, first served would have admitted it (its ``waiting_since``)."""
@@ -217,6 +248,7 @@ class Scheduler:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget  # no room: skip ordering the queue
         order, computing = self._admission_order()
+        reserved = self._growth_reserve()  # and each admitted sequence's growth, as it is admitted
         for seq in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -229,10 +261,12 @@ class Scheduler:
             n = min(seq.num_tokens - num_computed, budget)
             needed = -(-(num_computed + n) // self.bm.block_size) - len(hits)
             free = self.bm.num_free_after_hits(hits)
-            # Keep a few blocks in reserve for the running decodes, unless nothing runs.
-            reserve = self.watermark_blocks if self.running else 0
+            # Keep blocks in reserve for the running decodes' growth, unless nothing runs.
+            growth = self._growth(seq) if self.reserve_growth else 0
+            reserve = reserved + growth if self.running else 0
             if needed + reserve > free:
                 break
+            reserved += growth
             computing.update(own)
             self.waiting.remove(seq)
             self.num_admitted += 1
