@@ -90,12 +90,9 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, tokens)
-            block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        for i, h in enumerate(self.prompt_block_hashes(seq)):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits

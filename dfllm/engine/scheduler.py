@@ -215,8 +215,10 @@ class Scheduler:
         window = list(itertools.islice(self.waiting, PREFIX_WINDOW if self.prefix_aware else self.max_num_seqs + 1))
         if not self.prefix_aware:
             return window, set()
-        due = [s for s in window if self._due(s)]
-        rest = [s for s in window if not self._due(s)]
+        due: list[Sequence] = []
+        rest: list[Sequence] = []
+        for s in window:
+            (due if self._due(s) else rest).append(s)
         hits = {s.seq_id: self.bm.num_cached_prefix_blocks(s) for s in rest}
         rest.sort(key=lambda s: -hits[s.seq_id])
         computing: set[int] = set()
