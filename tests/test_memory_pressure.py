@@ -53,6 +53,9 @@ def seeded_params() -> list[SamplingParams]:
 def test_tiny_kv_cache_completes_every_request_exactly(tiny_llama, roomy, prefix_caching, params):
     tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=SMALL,
                 enable_prefix_caching=prefix_caching)
+    # vLLM's admission (a watermark, no reserve for the decodes' growth), so that the tight
+    # cache must preempt; the growth reserve's own effect is tested below
+    tight.engine.scheduler.reserve_growth = False
     assert tight.engine.num_blocks == MAX_LEN // BLOCK + 4
     assert roomy.engine.num_blocks * BLOCK >= sum(len(p) for p in PROMPTS) + sum(MAX_TOKENS)
     expected = run(roomy, params())
@@ -75,6 +78,7 @@ def test_one_sequence_at_a_time_still_serves_a_queue(tiny_llama, roomy):
     """A cache of exactly max_model_len tokens: sequences that grow past half of it evict each other."""
     tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN,
                 kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES, max_num_seqs=64)
+    tight.engine.scheduler.reserve_growth = False  # vLLM's admission: sequences are admitted, then evicted
     long = [SamplingParams(temperature=0.0, max_tokens=MAX_LEN - len(p), ignore_eos=True) for p in PROMPTS[:5]]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
     got = tight.generate(prompts, long, use_tqdm=False)
@@ -82,6 +86,20 @@ def test_one_sequence_at_a_time_still_serves_a_queue(tiny_llama, roomy):
     assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
     assert all(len(p["prompt_token_ids"]) + len(g.outputs[0].token_ids) == MAX_LEN for p, g in zip(prompts, got))
     assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_growth_reserve_admits_what_can_finish(tiny_llama, roomy):
+    """The same queue with the growth reserve (the default): a sequence is admitted only while
+    the running ones keep room for the tokens they are expected to add, so the cache of one
+    full-length sequence serves them one after another without preempting any."""
+    tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN,
+                kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES, max_num_seqs=64)
+    long = [SamplingParams(temperature=0.0, max_tokens=MAX_LEN - len(p), ignore_eos=True) for p in PROMPTS[:5]]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    got = tight.generate(prompts, long, use_tqdm=False)
+    expected = roomy.generate(prompts, long, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    assert tight.engine.scheduler.num_preemptions == 0
 
 
 def test_dataframe_rows_complete_under_memory_pressure(tiny_llama, roomy):
@@ -92,8 +110,9 @@ def test_dataframe_rows_complete_under_memory_pressure(tiny_llama, roomy):
     sp = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
     engine_kwargs = dict(block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=SMALL)
     df = pd.DataFrame({"q": texts}, index=range(100, 110))
+    llm = get_engine(str(tiny_llama), engine_kwargs)  # the engine the accessor will use
+    llm.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the cache must preempt
     out = df.llm.generate("q", model=str(tiny_llama), sampling_params=sp, **engine_kwargs)
-    llm = get_engine(str(tiny_llama), engine_kwargs)
     assert llm.engine.num_blocks == MAX_LEN // BLOCK + 4 and llm.engine.scheduler.num_preemptions > 0
     expected = roomy.generate(texts, SamplingParams(**sp), use_tqdm=False)
     assert list(out.index) == list(df.index) and out.llm_error.isna().all()

@@ -43,7 +43,7 @@ from dfllm.engine.sequence import Sequence, SequenceStatus
 PREFIX_WINDOW = 1024  # waiting sequences that prefix-aware admission reorders
 OVERTAKES_PER_SEQ_SLOT = 4  # a sequence overtaken by this many times max_num_seqs later ones goes first
 GROWTH_CAP = 1024  # tokens of a sequence's future growth counted at most
-GROWTH_RATIO_INIT, GROWTH_RATIO_MIN = 0.5, 0.05
+GROWTH_RATIO_INIT, GROWTH_RATIO_MIN = 0.7, 0.05  # SGLang starts its new_token_ratio at 0.7
 GROWTH_RATIO_UP, GROWTH_RATIO_DECAY = 0.2, 0.002
 
 
@@ -230,10 +230,14 @@ class Scheduler:
     def _growth(self, seq: Sequence) -> int:
         """The blocks ``seq`` is expected to add while it decodes: its tokens still to come
         (up to ``max_tokens``, capped at ``GROWTH_CAP``) times the learned share that
-        sequences actually generate (``growth_ratio``)."""
+        sequences actually generate (``growth_ratio``), counted as the blocks its table
+        must add to hold them from its current length (a sequence whose last block is
+        nearly full needs a block for its next few tokens)."""
         p = seq.params
         left = (p.max_tokens - seq.num_output_tokens) if p.max_tokens is not None else GROWTH_CAP
-        return int(min(max(left, 0), GROWTH_CAP) * self.growth_ratio) // self.bm.block_size
+        tokens = int(min(max(left, 0), GROWTH_CAP) * self.growth_ratio)
+        bs = self.bm.block_size
+        return -(-(seq.num_tokens + tokens) // bs) - -(-seq.num_tokens // bs)
 
     def _growth_reserve(self) -> int:
         """Blocks kept free for the running sequences' growth (the watermark at least)."""
