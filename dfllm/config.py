@@ -13,8 +13,15 @@ from transformers import PretrainedConfig
 from dfllm.distributed.parallel_state import check_parallel_config
 from dfllm.kernels.backend import BACKENDS
 from dfllm.models.bundled import resolve_model
+from dfllm.models.families import unsupported_architecture_message
 from dfllm.models.loader import load_config
-from dfllm.models.registry import ENCODER_ARCHITECTURES, GENERATIVE_ARCHITECTURES, is_generative, is_pooling_only
+from dfllm.models.registry import (
+    is_generative,
+    is_pooling_only,
+    model_class,
+)
+from dfllm.models.seq_cls import adapt_seq_cls_config
+from dfllm.models.sliding_window import honours_windows
 from dfllm.models.spec import ModelSpec
 
 DTYPES = {
@@ -95,7 +102,7 @@ class EngineConfig:
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
-        that cannot be found, an architecture, quantization or sliding window dfllm does not
+        that cannot be found, an architecture, quantization or sliding windows dfllm does not
         support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
         for an encoder too; ``NotImplementedError`` for a parallel pooling model).
         ``max_logprobs=None`` is vLLM's default, 20."""
@@ -106,7 +113,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
         path = resolve_model(model)
-        hf_config = apply_hf_overrides(load_config(path), hf_overrides)
+        hf_config = adapt_seq_cls_config(apply_hf_overrides(load_config(path), hf_overrides), path)
         spec = ModelSpec.from_hf(hf_config)
         dev = resolve_device(device)
         max_len = resolve_max_model_len(max_model_len, spec)
@@ -236,6 +243,9 @@ def _check_parallel(spec: ModelSpec, runner_type: str, tp: int, pp: int) -> None
     if runner_type == "pooling" and (tp, pp) != (1, 1):
         raise NotImplementedError("pooling models (embed, classify, score, encode) run on one rank: "
                                   "tensor_parallel_size and pipeline_parallel_size must be 1")
+    if spec.kv_lora_rank and (tp, pp) != (1, 1):
+        raise NotImplementedError("multi-head latent attention (DeepSeek-V2/V3) runs on one rank: "
+                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
     check_parallel_config(spec, tp, pp)
 
 
@@ -249,20 +259,20 @@ def _default_token_budget(device: torch.device, runner_type: str, max_num_seqs: 
 
 def _check_model(spec: ModelSpec, runner_type: str, max_model_len: int) -> None:
     """Reject a decoder dfllm cannot run: an unsupported architecture, a quantized checkpoint,
-    or a sliding window shorter than the sequences (encoders are checked as they are built)."""
+    or sliding windows its class does not honour (encoders are checked as they are built)."""
     if is_pooling_only(spec):
         return
     if not is_generative(spec):
-        raise ValueError(
-            f"unsupported architecture {list(spec.architectures) or '(none in config.json)'}; "
-            f"dfllm implements {sorted(GENERATIVE_ARCHITECTURES) + sorted(ENCODER_ARCHITECTURES)}"
-        )
+        raise ValueError(unsupported_architecture_message(spec.architectures))
     if spec.quantization is not None:
         raise ValueError(f"quantized checkpoints ({spec.quantization}) are not supported; use float weights")
     # A decoder embedder is held to the model's full length (as the engine always has).
     limit = max_model_len if runner_type == "generate" else spec.max_position_embeddings or max_model_len
+    # Sliding windows are honoured by the attention kernels: on every layer alike (Mistral), or
+    # per layer by the classes that say so (Gemma); other mixes (Qwen2's max_window_layers) are not.
     window = spec.sliding_window
-    if spec.use_sliding_window and window is not None and window < limit:
+    if window is not None and window < limit and not honours_windows(model_class(spec), spec):
         raise ValueError(
-            f"sliding-window attention (window {window}) is not supported; set max_model_len <= {window}"
+            f"sliding-window attention (window {window}) on these layers is not supported for "
+            f"{list(spec.architectures)}; set max_model_len <= {window}"
         )

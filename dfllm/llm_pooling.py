@@ -19,6 +19,7 @@ from dfllm.inputs import (
     check_unicode,
     per_prompt_params,
 )
+from dfllm.models.colbert import maxsim
 from dfllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -74,7 +75,8 @@ class PoolingFrontend:
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                pooling_task: str | None = None, use_tqdm: bool = True,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required).
+        """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required;
+        "token_embed" gives a ``[tokens, dim]`` tensor per prompt, see :mod:`dfllm.engine.pooling_engine`).
 
         Every prompt is checked before any work starts; a bad one (or params whose ``task``
         is another one) raises :class:`~dfllm.errors.InvalidRequestError` naming its index."""
@@ -114,8 +116,10 @@ class PoolingFrontend:
         """Similarity of text pairs: one to one, one to many, or many to many (pairwise).
 
         A cross-encoder (a sequence classifier with one label) reads each pair together and
-        its sigmoid is the score; any other embedding model scores by the cosine similarity
-        of the two embeddings.
+        its sigmoid is the score; a late-interaction (ColBERT) model scores by MaxSim over
+        the two texts' normalised token vectors (the sum over the first text's tokens of the
+        best dot product with any token of the second); any other embedding model scores by
+        the cosine similarity of the two embeddings.
         """
         with invalid_request():
             left, right = _pairs(data_1, data_2)
@@ -123,6 +127,8 @@ class PoolingFrontend:
         self.require("score")
         if self.engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm)
+        if self.engine.late_interaction:
+            return self._late_interaction(left, right, params, truncate_prompt_tokens, use_tqdm)
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is embedded once
         embs = self.embed(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
                           use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -139,7 +145,8 @@ class PoolingFrontend:
         it (e.g. "classify" on an embedder)."""
         if task not in self.engine.supported_tasks:
             labels = self.engine.num_labels
-            kind = f"a classifier with {labels} labels" if labels else "an embedding model"
+            kind = (f"a classifier with {labels} labels" if labels else "a late-interaction (ColBERT) model"
+                    if self.engine.late_interaction else "an embedding model")
             raise InvalidRequestError(f"{task} is not supported by this model, {kind} (it supports "
                                       f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
                                       f"model or a cross-encoder (one label). Unsupported task: {task!r}",
@@ -228,7 +235,8 @@ class PoolingFrontend:
 
     # ---- helpers ----------------------------------------------------------------------
     def _limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
-        limit = min(self.cfg.max_model_len, self.engine.pooler.max_length or self.cfg.max_model_len)
+        limit = min(self.cfg.max_model_len, self.engine.pooler.max_length or self.cfg.max_model_len,
+                    self.engine.max_input_tokens or self.cfg.max_model_len)
         for t in (truncate_prompt_tokens, params.truncate_prompt_tokens):
             if t is not None and t != -1:
                 with invalid_request():
@@ -269,9 +277,24 @@ class PoolingFrontend:
                 check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
             return [e or [] for e in ids], params
 
+    def _late_interaction(self, left, right, params, truncate_prompt_tokens, use_tqdm):
+        unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
+        token_params = PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        outs = self.encode(unique, token_params, pooling_task="token_embed", use_tqdm=use_tqdm,
+                           truncate_prompt_tokens=truncate_prompt_tokens)
+        by_text = {t: o for t, o in zip(unique, outs)}
+        return [
+            ScoringRequestOutput(self._next_id(), ScoringOutput(maxsim(a.outputs.data, b.outputs.data)),
+                                 a.prompt_token_ids + b.prompt_token_ids)
+            for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
+        ]
+
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm):
         limit = self._limit(params, truncate_prompt_tokens)
-        enc = self.tokenizer(list(left), list(right), truncation=True, max_length=limit)
+        if self.engine.is_decoder:  # an LLM as reranker: vLLM tokenizes the two texts joined, no separator
+            enc = self.tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit)
+        else:
+            enc = self.tokenizer(list(left), list(right), truncation=True, max_length=limit)
         ids, types = enc["input_ids"], enc.get("token_type_ids")
         data = self._pool(ids, [params] * len(ids), "classify", use_tqdm, types)
         return [ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), p) for d, p in zip(data, ids)]

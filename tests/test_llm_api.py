@@ -282,7 +282,9 @@ def test_bad_engine_arguments(tiny_llama, kwargs, exc, match):
 def test_qwen2_sliding_window_is_rejected(tiny_qwen2, tmp_path):
     path = copy_model(tiny_qwen2, tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    # windows on the second layer only: the Llama/Qwen2 class windows all layers or none
+    cfg.update(use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    cfg.pop("layer_types", None)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="sliding-window"):
         LLM(path)

@@ -21,6 +21,14 @@ Blocks never handed out yet wait apart. On a GPU the whole cache is resident any
 they are used before any cached block is evicted; on a CPU their memory is not touched
 until first use, so ``reuse_first=True`` evicts free blocks before touching new ones and
 keeps the process's memory at the working set instead of growing to the whole cache.
+
+Sliding window (a model whose every layer attends within ``sliding_window`` keys, Mistral):
+once a sequence's next query is at position ``p``, no later query sees a key before
+``p - sliding_window + 1``, so the blocks wholly before it are released (as vLLM does) and
+their table entries become :data:`FREED`; the attention kernels never read them. A released
+block keeps its hash like any freed block: its contents stay valid for a prefix hit until it
+is handed out again, which drops the hash. The sequence's last hashed block is kept, as the
+parent of the next block's hash.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from dfllm.engine.sequence import Sequence
+
+FREED = -1  # block-table entry of a block released because it fell out of the sliding window
 
 
 @dataclass
@@ -48,8 +58,10 @@ class BlockManager:
     """Allocates KV blocks to sequences and keeps the prefix cache."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 reuse_first: bool = False):
+                 reuse_first: bool = False, sliding_window: int | None = None):
         self.block_size = block_size
+        # set only when every layer of the model attends within this window
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.reuse_first = reuse_first
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -135,7 +147,13 @@ class BlockManager:
         self.prefix_hits += seq.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that became full and computed in the prefix cache."""
+        """Register the blocks of ``seq`` that became full and computed in the prefix cache; with
+        a sliding window, then release those that fell out of it."""
+        self._hash_full_blocks(seq)
+        if self.sliding_window is not None:
+            self.free_out_of_window(seq)
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -152,6 +170,30 @@ class BlockManager:
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
         seq.num_hashed_blocks = max(first, seq.num_computed_tokens // bs)
+
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """Release the blocks of ``seq`` that no query from its next token on can see."""
+        assert self.sliding_window is not None
+        bs = self.block_size
+        dead = max(0, seq.num_computed_tokens - self.sliding_window + 1) // bs
+        if self.enable_prefix_caching:
+            dead = min(dead, seq.num_hashed_blocks - 1)  # the hash chain's parent stays
+        table = seq.block_table
+        i = min(dead, len(table)) - 1
+        while i >= 0 and table[i] != FREED:  # newly dead blocks, back to the ones released before
+            self._release(table[i])
+            table[i] = FREED
+            i -= 1
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference to a block; unreferenced, it joins the free list (a block with no
+        hash first in line for eviction, a cached one last)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None or not self.enable_prefix_caching:
+                self.free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (blocks in use keep their contents)."""
@@ -194,15 +236,8 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``; its last blocks become the first evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None or not self.enable_prefix_caching:
-                    # Nothing to reuse: put it first in line for eviction.
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)
-                else:
-                    self.free[block_id] = None
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

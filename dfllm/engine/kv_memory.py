@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -13,9 +14,29 @@ CPU_MEMORY_FRACTION = 0.25
 CPU_MAX_BYTES = 4 * 2**30
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of keys plus values that one block holds across all layers."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What one layer caches per token: ``heads`` x ``head_dim`` keys and, when ``values``, as
+    many values. The default (every decoder but MLA) is the model's KV heads and head size with
+    values; a model class may declare another through a ``kv_cache_layout(spec, tp_size)``
+    classmethod (DeepSeek's latent attention caches one "head" of latent and rope key, no values).
+    """
+
+    heads: int
+    head_dim: int
+    values: bool = True
+
+    @property
+    def num_tensors(self) -> int:
+        """How many cache tensors per layer: 2 (keys and values), or 1 (keys only)."""
+        return 2 if self.values else 1
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    num_tensors: int = 2) -> int:
+    """Bytes that one block holds across all layers: keys plus values (``num_tensors=2``), or
+    keys only (1)."""
+    return num_tensors * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def cpu_kv_budget(max_tokens_needed_bytes: int) -> int:
@@ -34,18 +55,20 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
 
 
 def allocate(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` for all keys and values.
+             dtype: torch.dtype, device: torch.device, num_tensors: int = 2) -> torch.Tensor:
+    """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` for all keys and values
+    (``[1, ...]``, keys only, for ``num_tensors=1``).
 
     It is left uninitialised (untouched pages cost nothing on CPU); each block is zeroed
     whenever it is handed out to a sequence (:func:`zero_blocks`), because masked-out slots
     are still multiplied by a zero attention weight and garbage there (uninitialised memory,
     or what a sequence whose output went NaN left behind) could be NaN.
     """
-    return torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.empty(num_tensors, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                       device=device)
 
 
 def zero_blocks(kv: torch.Tensor, block_ids: list[int]) -> None:
-    """Zero the given blocks in every layer, for keys and values."""
+    """Zero the given blocks in every layer, for keys and values (or keys only)."""
     if block_ids:
         kv.index_fill_(2, torch.tensor(block_ids, device=kv.device), 0)

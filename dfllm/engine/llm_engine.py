@@ -45,6 +45,7 @@ from dfllm.engine.runner import make_runner
 from dfllm.engine.sampler import SampledToken, Sampler
 from dfllm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from dfllm.engine.sequence import Request, Sequence
+from dfllm.models.sliding_window import uniform_window
 from dfllm.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger("dfllm")
@@ -78,7 +79,10 @@ class LLMEngine:
                                    enable_prefix_caching=cfg.enable_prefix_caching,
                                    # on CPU, untouched cache memory costs nothing: reuse freed blocks first
                                    reuse_first=cfg.device.type == "cpu", policy=cfg.scheduling_policy,
-                                   prefix_aware=cfg.prefix_aware_scheduling)
+                                   prefix_aware=cfg.prefix_aware_scheduling,
+                                   # blocks out of every layer's window are freed (the config refuses a
+                                   # window shorter than max_model_len for a model that does not honour it)
+                                   sliding_window=uniform_window(cfg.model))
         self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids,
                                               max_logprobs=cfg.max_logprobs)
         self.metrics = EngineMetrics(cfg.model_path.name)

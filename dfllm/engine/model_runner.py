@@ -23,6 +23,7 @@ from dfllm.kernels.metadata import PrefillSpan
 from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
 from dfllm.models.registry import model_class
+from dfllm.models.spec import ModelSpec
 
 logger = logging.getLogger("dfllm")
 
@@ -45,12 +46,11 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len
         self.parallel = parallel
         self.num_layers = self.spec.num_hidden_layers
-        self.num_kv_heads = self.spec.num_key_value_heads
         if parallel is not None:
             start, end = layer_range(self.num_layers, parallel.pp_rank, parallel.pp_size)
             self.num_layers = end - start
-            self.num_kv_heads //= parallel.tp_size
-        self.head_dim = self.spec.head_dim
+        self.kv_layout = kv_cache_layout(self.spec, 1 if parallel is None else parallel.tp_size)
+        self.num_kv_heads, self.head_dim = self.kv_layout.heads, self.kv_layout.head_dim
         self.model: LlamaForCausalLM | None = self._build_model()  # None while dropped
         self.kv: torch.Tensor | None = None
 
@@ -102,7 +102,8 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_memory.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_memory.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                                         self.kv_layout.num_tensors)
 
     def plan_num_blocks(self) -> int:
         """How many KV blocks to allocate: ``kv_cache_memory_bytes`` of them when configured,
@@ -121,7 +122,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv = kv_memory.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
-                                    self.head_dim, self.dtype, self.device)
+                                    self.head_dim, self.dtype, self.device, self.kv_layout.num_tensors)
         self._attach(self.kv)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
@@ -137,9 +138,10 @@ class ModelRunner:
 
     def _attach(self, kv: torch.Tensor | None) -> None:
         assert self.model is not None
+        values = self.kv_layout.values
         for i, layer in enumerate(self.model.model.stage_layers):
             layer.self_attn.k_cache = None if kv is None else kv[0, i]
-            layer.self_attn.v_cache = None if kv is None else kv[1, i]
+            layer.self_attn.v_cache = None if kv is None or not values else kv[1, i]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -185,6 +187,16 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to stop on one rank."""
+
+
+def kv_cache_layout(spec: ModelSpec, tp_size: int = 1) -> kv_memory.KVCacheLayout:
+    """What each layer of the model caches per token on one of ``tp_size`` ranks: the model class's
+    own ``kv_cache_layout(spec, tp_size)`` when it declares one, else its KV heads (split over the
+    ranks) and head size, keys and values."""
+    declared = getattr(model_class(spec), "kv_cache_layout", None)
+    if declared is not None:
+        return declared(spec, tp_size)
+    return kv_memory.KVCacheLayout(spec.num_key_value_heads // tp_size, spec.head_dim)
 
 
 def rpc_target(runner: ModelRunner, method: str | Callable) -> Callable:

@@ -4,9 +4,13 @@ Prompts of one call are sorted by length and packed into batches under a token b
 (``max_num_batched_tokens`` padded tokens, ``max_num_seqs`` sequences), so a batch pads
 only to its own longest member; results come back in input order.
 
-BERT encoders run as padded batches. Decoder embedders (Llama/Qwen2 with last-token or mean
-pooling) run through the decoder's paged-attention forward, one prefill step per batch,
-with a KV cache just large enough for a batch.
+BERT and (XLM-)RoBERTa encoders run as padded batches. Decoder embedders (Llama/Qwen2 with
+last-token or mean pooling) run through the decoder's paged-attention forward, one prefill
+step per batch, with a KV cache just large enough for a batch.
+
+``token_embed`` gives one vector per token: the hidden states, or for a model with a ColBERT
+head (``token_head``: ``HF_ColBERT``, bge-m3 with its head in safetensors) the head's
+projections, normalised unless ``PoolingParams(normalize=False)``.
 """
 
 from __future__ import annotations
@@ -50,11 +54,17 @@ class PoolingEngine:
             self.model = self.runner.model
         else:
             self.model = _build(cls, cfg)
+        # ColBERT models score by MaxSim over token vectors and have no single-vector embedding
+        self.late_interaction = bool(getattr(self.model, "late_interaction", False))
+        # RoBERTa reads fewer tokens than max_position_embeddings (its positions start after the pad id)
+        self.max_input_tokens: int | None = getattr(self.model, "max_input_tokens", None)
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         if self.num_labels:
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
+        if self.late_interaction:
+            return ("token_embed", "score")
         return ("embed", "token_embed", "score")
 
     def _blocks_for_one_batch(self) -> int:
@@ -93,14 +103,30 @@ class PoolingEngine:
     def _run(self, prompts, types, task: str, params: list[PoolingParams]) -> list[torch.Tensor]:
         hidden, valid = self._hidden(prompts, types)
         if task == "token_embed":
-            return [hidden[i, : len(p)].float().cpu() for i, p in enumerate(prompts)]
+            return self._token_embed(hidden, prompts, params)
         if task == "classify":
             # a classifier (the only models with ``classify``); torch's stubs see Module attributes as Tensor | Module
-            logits = cast(BertForSequenceClassification, self.model).classify(hidden).float()
+            classify = cast(BertForSequenceClassification, self.model).classify
+            # a decoder classifier reads each row's last valid token (seq_cls)
+            logits = (classify(hidden, valid) if self.is_decoder else classify(hidden)).float()  # type: ignore[call-arg]
             return [_activate(row, p.use_activation) for row, p in zip(logits.cpu(), params)]
         pooled = pool(hidden, valid, self.pooler.pooling_type).float()
         normed = normalize(pooled)
         return [(normed[i] if _wants_norm(p, self.pooler) else pooled[i]).cpu() for i, p in enumerate(params)]
+
+    def _token_embed(self, hidden: torch.Tensor, prompts: list[list[int]],
+                     params: list[PoolingParams]) -> list[torch.Tensor]:
+        """One vector per token: the hidden states, or a ColBERT head's projections of them
+        (less the first ``token_skip`` tokens), normalised by default when there is a head."""
+        head = getattr(self.model, "token_head", None)
+        skip = getattr(self.model, "token_skip", 0) if head is not None else 0
+        vectors = (head(hidden) if head is not None else hidden).float()
+        out = []
+        for i, (p, param) in enumerate(zip(prompts, params)):
+            v = vectors[i, skip: len(p)]
+            wanted = param.normalize if param.normalize is not None else head is not None
+            out.append((normalize(v) if wanted else v).cpu())
+        return out
 
     def _hidden(self, prompts: list[list[int]], types) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token hidden states ``[batch, longest, h]`` (right-padded) and the valid mask."""
@@ -143,6 +169,9 @@ def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
         model = cls(cfg.model)
     model.to(cfg.dtype)
     load_weights(model, cfg.model_path)
+    attach = getattr(model, "attach_token_head", None)
+    if attach is not None:
+        attach(cfg.model_path)  # bge-m3's ColBERT head, when converted to safetensors
     if packing_available(cfg.device, cfg.dtype):
         prepack_linears(model)
     return model.eval()

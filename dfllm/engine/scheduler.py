@@ -83,11 +83,13 @@ class Scheduler:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
                  enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01,
-                 policy: str = "fcfs", prefix_aware: bool = True, reserve_growth: bool = True):
+                 policy: str = "fcfs", prefix_aware: bool = True, reserve_growth: bool = True,
+                 sliding_window: int | None = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         self.policy = policy
-        self._block_args = (num_blocks, block_size, enable_prefix_caching, reuse_first)
+        # sliding_window: every layer attends within it (Mistral), so blocks that fall out of it are freed
+        self._block_args = (num_blocks, block_size, enable_prefix_caching, reuse_first, sliding_window)
         self.bm = BlockManager(*self._block_args)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

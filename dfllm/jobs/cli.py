@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("input", help="parquet, CSV or JSON Lines: a file, folder or glob (any fsspec URL)")
     run.add_argument("output", help="output folder for the parquet dataset (any fsspec URL)")
     _add_job_options(run)
-    sub.add_parser("models", help="list the bundled models and where they are cached")
+    sub.add_parser("models", help="list the bundled models, where they are cached, and the supported "
+                                  "architectures with their tasks")
     demo = sub.add_parser("demo", help="run the main job on a small built-in data set")
     demo.add_argument("--output", help="where to write the results (default: a temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -286,7 +287,18 @@ def models(args) -> int:
                    "all-minilm-l6-v2": " (default: embed, score)"}.get(alias, "")
         print(f"{alias:24} {m.package:22} {status:14} {where}")
         print(f"    {m.description}{default}")
+    print_architectures()
     return 0
+
+
+def print_architectures() -> None:
+    """The architectures dfllm runs (a model directory's config.json ``architectures``) and
+    their tasks; decoders pool with ``runner="pooling"``."""
+    from dfllm.models.families import supported_architectures
+
+    print(f"\n{'architecture':40} tasks")
+    for arch, tasks in supported_architectures().items():
+        print(f"{arch:40} {', '.join(tasks)}")
 
 
 # ---- dfllm demo --------------------------------------------------------------------------------------

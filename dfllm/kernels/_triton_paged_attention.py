@@ -15,7 +15,11 @@ One kernel, in the style of vLLM's unified attention, serves the whole ragged ba
   ``seq_len - q_len + i`` and sees the keys up to it (causal over the new tokens, everything over
   the cached prefix); tiles past the causal limit are never visited;
 * fp32 online softmax (``exp2`` with the scale folded into ``log2 e``), masked loads, head dim
-  padded to a power of two.
+  padded to a power of two;
+* optional per-layer features, compiled in only when asked for (``USE_WINDOW``, ``USE_SOFTCAP``):
+  a sliding window (a query at position ``p`` sees keys ``p - window < j <= p``; tiles wholly
+  before the window of a query block's first query are never visited, nor their blocks read)
+  and logit soft-capping (``softcap * tanh(scores / softcap)`` before the softmax).
 
 Flash decoding: when the batch is small (few tokens, so that query blocks x KV heads would leave
 most of the GPU idle), the same kernel runs with ``NUM_SEGMENTS > 1``: each program covers one
@@ -52,14 +56,23 @@ def _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from ``exp2`` (no overflow: ``e = exp(-2|x|)`` is at most 1)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs, num_heads, head_dim, block_size, table_width,
+    qk_scale, scale, softcap, window, num_seqs, num_heads, head_dim, block_size, table_width,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_PAD: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,8 +101,13 @@ def _paged_attention_kernel(
     # Keys this query block may see: up to the absolute position of its last query.
     last_q = tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
     num_tiles = tl.cdiv(context_len + last_q + 1, TILE_N)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_lo = segment * tiles_per_segment
+    # ... and from the first key in the window of its first query
+    first_key = 0
+    if USE_WINDOW:
+        first_key = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0)
+    first_tile = first_key // TILE_N
+    tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+    tile_lo = first_tile + segment * tiles_per_segment
     tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -100,6 +118,8 @@ def _paged_attention_kernel(
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         col = offs_n // block_size
         key_ok = (offs_n < seq_len) & (col < table_width)
+        if USE_WINDOW:
+            key_ok = key_ok & (offs_n >= first_key)  # blocks before the window may be released
         blk = tl.load(table + col, mask=key_ok, other=0).to(tl.int64)
         slot_off = offs_n % block_size
         k_off = blk * stride_kb + slot_off * stride_ks + kv_head * stride_kh
@@ -112,7 +132,13 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k.to(q.dtype))
         visible = key_ok[None, :] & (offs_n[None, :] <= context_len + q_pos[:, None])
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > context_len + q_pos[:, None] - window)
+        if USE_SOFTCAP:
+            s = _tanh(s * (scale / softcap)) * (softcap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
         p = tl.exp2(s - m_safe[:, None])
@@ -165,13 +191,15 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton :func:`~dfllm.kernels.paged_attention.paged_attention_torch` (one launch per step).
 
     Keys and values are read from the cache (the new ones were written there first), so ``k``
     and ``v`` are not used; the ragged fields of ``meta`` describe the batch.
     """
-    return paged_attention_launch(q, k_cache, v_cache, meta, scale)
+    return paged_attention_launch(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_attention_launch(
@@ -181,8 +209,13 @@ def paged_attention_launch(
     meta: AttentionMetadata,
     scale: float,
     num_segments: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Run the attention kernel; ``num_segments`` forces the KV split (1 = no flash decoding)."""
+    """Run the attention kernel; ``num_segments`` forces the KV split (1 = no flash decoding).
+
+    ``sliding_window`` (else ``meta.sliding_window``) and ``softcap`` as in the reference."""
+    window = sliding_window if sliding_window is not None else meta.sliding_window
     tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if q.stride(-1) != 1:
@@ -191,7 +224,7 @@ def paged_attention_launch(
     num_seqs = meta.seq_lens.shape[0]
     if tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_q, q_blocks, auto_segments = launch_plan(q, kv_heads, meta)
+    block_m, block_q, q_blocks, auto_segments = launch_plan(q, kv_heads, meta, window)
     num_segments = auto_segments if num_segments is None else num_segments
     if num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
@@ -208,12 +241,13 @@ def paged_attention_launch(
     _paged_attention_kernel[(q_blocks, kv_heads, num_segments)](
         out, seg_out, seg_max, seg_sum,
         q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc,
-        scale * LOG2E, num_seqs, num_heads, head_dim, k_cache.shape[1], tables.shape[1],
+        scale * LOG2E, scale, softcap or 1.0, window or 0,
+        num_seqs, num_heads, head_dim, k_cache.shape[1], tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=num_heads // kv_heads, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_PAD=head_pad, TILE_N=tile_n,
-        NUM_SEGMENTS=num_segments, FP32_DOT=fp32_dot,
+        NUM_SEGMENTS=num_segments, FP32_DOT=fp32_dot, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
         num_warps=8 if block_m >= 64 and head_pad >= 128 else 4, num_stages=2,
     )
     if num_segments > 1:
@@ -224,8 +258,10 @@ def paged_attention_launch(
     return out
 
 
-def launch_plan(q: torch.Tensor, kv_heads: int, meta: AttentionMetadata) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_Q, query blocks, KV segments)`` for a batch of queries ``q``."""
+def launch_plan(q: torch.Tensor, kv_heads: int, meta: AttentionMetadata,
+                window: int | None = None) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_Q, query blocks, KV segments)`` for a batch of queries ``q`` (a sliding
+    ``window`` bounds the keys a query block visits, hence how far they are worth splitting)."""
     tokens, num_heads = q.shape[0], q.shape[1]
     group = num_heads // kv_heads
     max_query_len, max_seq_len = _host_maxima(meta)
@@ -233,6 +269,8 @@ def launch_plan(q: torch.Tensor, kv_heads: int, meta: AttentionMetadata) -> tupl
     if max_query_len > 16:
         block_m = max(block_m, 64)  # bigger query tiles for prefill chunks
     block_q = block_m // group
+    if window is not None:
+        max_seq_len = min(max_seq_len, window + block_q)
     q_blocks = tokens // block_q + meta.seq_lens.shape[0]
     return block_m, block_q, q_blocks, _num_segments(q.device, tokens, q_blocks * kv_heads, max_seq_len)
 

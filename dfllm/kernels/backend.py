@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dfllm.kernels.activation import silu_and_mul_torch
+from dfllm.kernels.fused_moe import fused_moe_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
 from dfllm.kernels.paged_attention import paged_attention_torch
 from dfllm.kernels.rms_norm import rms_norm_torch
@@ -29,6 +30,7 @@ class KernelOps:
     rms_norm: Callable
     rotary: Callable
     silu_and_mul: Callable
+    fused_moe: Callable
 
 
 TORCH_OPS = KernelOps(
@@ -38,6 +40,7 @@ TORCH_OPS = KernelOps(
     rms_norm=rms_norm_torch,
     rotary=rotary_torch,
     silu_and_mul=silu_and_mul_torch,
+    fused_moe=fused_moe_torch,
 )
 
 
@@ -62,7 +65,7 @@ def triton_ops(device: torch.device) -> KernelOps:
         _enable_interpreter()
     modules = {
         stem: importlib.import_module(f"dfllm.kernels._triton_{stem}")
-        for stem in ("kv_cache", "paged_attention", "rms_norm", "rotary", "activation")
+        for stem in ("kv_cache", "paged_attention", "rms_norm", "rotary", "activation", "fused_moe")
     }
     if interpret and not _interpreted(modules["rms_norm"]._rms_norm_kernel):
         raise RuntimeError(_INTERPRETER_HINT + " (dfllm's Triton kernels were already compiled for a GPU)")
@@ -73,6 +76,7 @@ def triton_ops(device: torch.device) -> KernelOps:
         rms_norm=modules["rms_norm"].rms_norm_triton,
         rotary=modules["rotary"].rotary_triton,
         silu_and_mul=modules["activation"].silu_and_mul_triton,
+        fused_moe=modules["fused_moe"].fused_moe_triton,
     )
 
 

@@ -46,6 +46,9 @@ class AttentionMetadata:
     step in one ragged layout for kernels that handle mixed batches in one launch;
     ``max_query_len``/``max_seq_len`` are their host-side maxima (0 when unknown: the Triton
     kernel then reads them from the tensors, at the cost of a device sync).
+    ``sliding_window``, when set, limits every layer's attention to the window (Mistral): a
+    query at position ``p`` sees the keys at positions ``p - sliding_window < j <= p``; a
+    layer may also pass its own window to the kernel (Gemma's alternating layers).
     """
 
     slot_mapping: torch.Tensor
@@ -57,3 +60,4 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int = 0
     max_seq_len: int = 0
+    sliding_window: int | None = None

@@ -41,10 +41,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(spec.type_vocab_size, h)
         self.LayerNorm = nn.LayerNorm(h, eps=spec.layer_norm_eps)
 
+    def position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Positions of right-padded ``input_ids``: 0, 1, 2, ... (RoBERTa overrides this)."""
+        return torch.arange(input_ids.shape[1], device=input_ids.device)
+
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x + self.position_embeddings(positions))
+        return self.LayerNorm(x + self.position_embeddings(self.position_ids(input_ids)))
 
 
 class BertSelfAttention(nn.Module):
@@ -136,11 +139,15 @@ class BertModel(nn.Module):
     """The encoder; ``forward`` returns per-token hidden states ``[batch, length, hidden]``."""
 
     packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1), "value": ("qkv_proj", 2)}
+    embeddings_class: type[BertEmbeddings] = BertEmbeddings
+    # token_embed: how many leading tokens a model's token head (``token_head``, a ColBERT
+    # projection, set by subclasses that have one) drops; bge-m3 drops its CLS token
+    token_skip: int = 0
 
     def __init__(self, spec: ModelSpec, with_pooler: bool = False):
         super().__init__()
         check_bert_config(spec)
-        self.embeddings = BertEmbeddings(spec)
+        self.embeddings = self.embeddings_class(spec)
         self.encoder = BertEncoder(spec)
         self.pooler = BertPooler(spec) if with_pooler else None
 

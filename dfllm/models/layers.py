@@ -27,6 +27,8 @@ class RotaryEmbedding(nn.Module):
 
     ``inv_freq`` and ``attention_scaling`` come from the model config, through transformers'
     own rope initialisers for the scaled variants (linear, llama3, yarn, longrope).
+    Fewer frequencies than half the head dimension rotate only the head's first features
+    (``partial_rotary_factor``).
     """
 
     cos: torch.Tensor  # buffers (registered in __init__)
@@ -65,7 +67,14 @@ class PagedAttention(nn.Module):
     ``k_cache``/``v_cache`` are views of this layer's slice of the engine's KV tensor,
     attached by the model runner once the cache is allocated. Under a tensor-parallel group
     ``tp`` each rank holds ``1/tp.size`` of the query and key/value heads (and of the cache).
+    ``qk_norm_eps`` (Qwen3) adds ``q_norm``/``k_norm``: an RMSNorm over each head's ``head_dim``
+    features of the queries and keys, applied before the rotary embedding. ``sliding_window``
+    and ``softcap`` (None here; set by families such as Gemma, per layer) go to the kernel; a
+    window on every layer alike (Mistral) comes through the step's metadata instead.
     """
+
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def __init__(
         self,
@@ -77,6 +86,7 @@ class PagedAttention(nn.Module):
         o_bias: bool,
         ops: KernelOps,
         tp: GroupComm | None = None,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         full_q, full_kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -88,6 +98,10 @@ class PagedAttention(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.ops = ops
+        # Qwen3-style per-head RMSNorm of q and k before rotary (one weight of size head_dim,
+        # shared by all heads, so every tensor-parallel rank holds all of it)
+        self.q_norm: nn.Module | None = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
+        self.k_norm: nn.Module | None = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -97,7 +111,16 @@ class PagedAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rotary(q, k, *cos_sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rotary_dim = 2 * cos_sin[0].shape[-1]
+        if rotary_dim < self.head_dim:  # partial rotary: the rest of each head passes through
+            q_rot, k_rot = self.ops.rotary(q[..., :rotary_dim], k[..., :rotary_dim], *cos_sin)
+            q = torch.cat((q_rot, q[..., rotary_dim:]), dim=-1)
+            k = torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)
+        else:
+            q, k = self.ops.rotary(q, k, *cos_sin)
         self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                     sliding_window=self.sliding_window, softcap=self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -11,29 +11,47 @@ under tensor parallelism, its slice of every layer (see ``parallel_layers``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import cast
 
 import torch
 from torch import nn
 
+from dfllm.distributed.communication import GroupComm
 from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.kernels.backend import KernelOps
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from dfllm.models.parallel_layers import lm_head, vocab_embedding
 from dfllm.models.rope import rope_inv_freq
+from dfllm.models.sliding_window import uniform_window
 from dfllm.models.spec import ModelSpec
+
+# tensor names of a checkpoint saved from the bare decoder (no ``model.`` prefix)
+BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+# builds decoder layer ``index`` of a model, given the tensor-parallel group (or None)
+LayerFactory = Callable[[int, GroupComm | None], nn.Module]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, tp=None):
+    """Pre-norm attention and MLP with residuals. By default the attention is
+    :class:`PagedAttention` (``qk_norm`` adds Qwen3's per-head q/k RMSNorm) and the MLP a
+    :class:`GatedMLP`; a family passes its own ``attn`` (DeepSeek's latent attention) or ``mlp``
+    (a mixture of experts) instead."""
+
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, tp=None,
+                 qk_norm: bool = False, *, attn: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, ops)
-        self.self_attn = PagedAttention(h, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
-                                        qkv_bias, o_bias, ops, tp)
+        # another attention (MLAttention) has PagedAttention's call and cache attributes
+        self.self_attn = cast(PagedAttention, attn) if attn is not None else PagedAttention(
+            h, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, qkv_bias, o_bias, ops, tp,
+            qk_norm_eps=eps if qk_norm else None)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
-        self.mlp = GatedMLP(h, spec.intermediate_size, spec.mlp_bias, ops, tp)
+        self.mlp = mlp if mlp is not None else GatedMLP(h, spec.intermediate_size, spec.mlp_bias, ops, tp)
 
     def forward(self, x, residual, cos_sin, meta):
         if residual is None:
@@ -51,11 +69,12 @@ class DecoderModel(nn.Module):
 
     A first stage embeds the tokens; a later one takes ``intermediate`` (hidden states and
     residual) from the stage before. A last stage returns normed hidden states, the others
-    ``(hidden, residual)`` for the next stage.
+    ``(hidden, residual)`` for the next stage. ``make_layer(index, tp)``, when given, builds
+    each layer of the stage (a family whose layers differ from :class:`DecoderLayer`).
     """
 
     def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, max_positions: int,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, make_layer: LayerFactory | None = None):
         super().__init__()
         tp = parallel.tp if parallel is not None else None
         n = spec.num_hidden_layers
@@ -64,13 +83,14 @@ class DecoderModel(nn.Module):
         last = self.end == n
         self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size, tp) if first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, qkv_bias, o_bias, ops, tp) if self.start <= i < self.end else nn.Identity()
+            (make_layer(i, tp) if make_layer is not None else DecoderLayer(spec, qkv_bias, o_bias, ops, tp))
+            if self.start <= i < self.end else nn.Identity()
             for i in range(n)
         )
         # this stage's DecoderLayers (nn.ModuleList's stubs know its items only as Modules)
         self.stage_layers = cast(list[DecoderLayer], list(self.layers)[self.start : self.end])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops) if last else None
-        inv_freq, scaling = rope_inv_freq(spec)
+        inv_freq, scaling = rope_inv_freq(spec, max_positions)
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling, max_positions)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
@@ -93,13 +113,18 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
-        self.model = DecoderModel(spec, *self.biases(spec), ops, max_positions, parallel)
+        qkv_bias, o_bias = self.biases(spec)
+        self.model = DecoderModel(spec, qkv_bias, o_bias, ops, max_positions, parallel,
+                                  lambda i, tp: self.make_layer(spec, i, ops, tp))
         tp = parallel.tp if parallel is not None else None
         last = self.model.norm is not None
         self.lm_head = lm_head(spec.vocab_size, spec.hidden_size, tp) if last else None
         self.tie_word_embeddings = spec.tie_word_embeddings
+        self.sliding_window = uniform_window(spec)  # Mistral: every layer attends within it
         if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the loader's hook: checkpoint tensor name -> parameter key (None: not this rank's)
+        self.checkpoint_name: Callable[[str], str | None] = self._bare_checkpoint_name
         if parallel is not None and parallel.pp_size > 1:
             self.checkpoint_name = self._stage_checkpoint_name
 
@@ -108,12 +133,30 @@ class LlamaForCausalLM(nn.Module):
         """``(qkv_bias, o_proj_bias)``: Llama puts ``attention_bias`` on all four."""
         return spec.attention_bias, spec.attention_bias
 
+    # Qwen3 and Qwen3-MoE: per-head RMSNorm of q and k before rotary
+    qk_norm: bool = False
+    # the window of every layer (Mistral), set in __init__ from the spec
+    sliding_window: int | None = None
+
+    @classmethod
+    def make_layer(cls, spec: ModelSpec, index: int, ops: KernelOps, tp: GroupComm | None) -> nn.Module:
+        """Decoder layer ``index`` (a hook: a family overrides it to change the MLP or attention)."""
+        return DecoderLayer(spec, *cls.biases(spec), ops, tp, qk_norm=cls.qk_norm)
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+        if self.sliding_window is not None:
+            meta = replace(meta, sliding_window=self.sliding_window)
         return self.model(input_ids, positions, meta, intermediate)
+
+    def _bare_checkpoint_name(self, name: str) -> str | None:
+        """The parameter key of a checkpoint tensor: a bare decoder's checkpoint (saved from
+        ``*Model``, as Qwen3-Embedding is) names its tensors without the ``model.`` prefix."""
+        return "model." + name if name.startswith(BARE_PREFIXES) else name
 
     def _stage_checkpoint_name(self, name: str) -> str | None:
         """A pipeline stage loads only its own tensors (None skips one); a last stage with tied
         embeddings but no embedding layer fills its LM head from the embedding tensor."""
+        name = "model." + name if name.startswith(BARE_PREFIXES) else name
         m = self.model
         if name.startswith("model.layers."):
             index = int(name.split(".")[2])

@@ -61,13 +61,11 @@ def check_model_dir(path: Path) -> None:
     """Cheap checks of a model directory before any engine is built (the dataframe accessors
     run them at call time): its config, a supported architecture, and weight files whose
     safetensors headers read; each failure raises the error loading would."""
-    from dfllm.models.registry import ENCODER_ARCHITECTURES, GENERATIVE_ARCHITECTURES
+    from dfllm.models.families import supported_architectures, unsupported_architecture_message
 
     archs = list(ModelSpec.from_hf(load_config(path)).architectures)
-    known = {**GENERATIVE_ARCHITECTURES, **ENCODER_ARCHITECTURES}
-    if not any(a in known for a in archs):
-        raise ValueError(f"unsupported architecture {archs or '(none in config.json)'}; "
-                         f"dfllm implements {sorted(known)}")
+    if not any(a in supported_architectures() for a in archs):
+        raise ValueError(unsupported_architecture_message(archs))
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt"):
@@ -152,6 +150,12 @@ def check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor, where: str
 def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, read,
                  file: Path) -> str | None:
     """Copy one checkpoint tensor into its (possibly fused) parameter; return its key."""
+    own = _own_destination(model, name, read)
+    if own is not None:  # a tensor the model places itself (e.g. one expert of a fused expert weight)
+        target, dest, tensor = own
+        check_tensor(name, tensor, dest, file.name)
+        dest.copy_(tensor)
+        return target
     found = destination(model, params, packed, name)
     if found is None:
         return None
@@ -162,6 +166,14 @@ def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict
     check_tensor(name, tensor, dest, file.name)
     dest.copy_(tensor)
     return target
+
+
+def _own_destination(model: nn.Module, name: str, read) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """``model.weight_destination(name, read)`` when the model defines it: ``(parameter key,
+    destination view, tensor)`` for a checkpoint tensor it places itself, else None.
+    ``read(shard)`` gives the tensor, or its rank's slice ``shard = (dim, rank, size)``."""
+    own = getattr(model, "weight_destination", None)
+    return own(name, read) if own is not None else None
 
 
 def _read(handle, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
@@ -212,6 +224,11 @@ def update_weights(model: nn.Module, weights) -> list[str]:
     plan = []
     for name, tensor in weights:
         key = rename(name) if rename else name
+        own = _own_destination(model, key, lambda sl=None, t=tensor: _shard_of(t, sl)) if key is not None else None
+        if own is not None:
+            check_tensor(name, own[2], own[1], "update_weights")
+            plan.append(((own[0], own[1]), own[2]))
+            continue
         found = destination(model, params, packed, key) if key is not None else None
         if found is None:
             if key is None:  # another pipeline stage's tensor

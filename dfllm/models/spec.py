@@ -45,6 +45,50 @@ class ModelSpec:
     position_embedding_type: str | None
     num_labels: int
     id2label: dict[int, str]
+    # RoBERTa/XLM-R position ids start after pad_token_id; ColBERT projection size
+    pad_token_id: int | None = None
+    colbert_dim: int | None = None
+    model_type: str | None = None  # config.json's model_type (which base an HF_ColBERT checkpoint has)
+    # multi-head latent attention (DeepSeek-V2/V3; 0/None elsewhere); ``rope_interleave``: the
+    # rope part rotates interleaved pairs (DeepSeek-V2 always, V3 unless its config says not)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    first_k_dense_replace: int = 0  # DeepSeek: the first layers have dense MLPs, the rest MoE
+    # DeepSeek's MoE routing: ``topk_method`` (V2: "greedy" or "group_limited_greedy"), expert
+    # groups, routed weights' scale, and ``n_shared_experts`` always-on experts
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; 0 experts elsewhere): ``num_experts``
+    # (Mixtral's ``num_local_experts``) experts of ``moe_intermediate_size`` (Mixtral: the
+    # ``intermediate_size``), ``num_experts_per_tok`` per token; a layer ``i`` is sparse unless
+    # listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    qkv_bias: bool | None = None  # Qwen2-MoE's own switch for the q/k/v biases (None: not in the config)
+    # Gemma 2/3 (and any config with ``layer_types``): each layer's attention kind
+    # ("sliding_attention" or "full_attention"); the query scale's base; tanh soft-caps of the
+    # attention scores and of the final logits; the MLP activation
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str | None = None
+    # a decoder as a classifier from LM-head rows (vLLM's hf_overrides ``classifier_from_token``,
+    # resolved to token ids, and ``method``; see ``seq_cls``)
+    classifier_token_ids: tuple[int, ...] = ()
+    classifier_method: str | None = None
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> ModelSpec:
@@ -82,5 +126,37 @@ class ModelSpec:
             position_embedding_type=getattr(config, "position_embedding_type", "absolute"),
             num_labels=getattr(config, "num_labels", 0),
             id2label=dict(getattr(config, "id2label", None) or {}),
+            pad_token_id=getattr(config, "pad_token_id", None),
+            colbert_dim=(getattr(config, "colbert_dim", None) or getattr(config, "dim", None)
+                         or getattr(config, "projection_dim", None)),
+            model_type=getattr(config, "model_type", None),
+            q_lora_rank=getattr(config, "q_lora_rank", None),
+            kv_lora_rank=getattr(config, "kv_lora_rank", None) or 0,
+            qk_nope_head_dim=getattr(config, "qk_nope_head_dim", None) or 0,
+            qk_rope_head_dim=getattr(config, "qk_rope_head_dim", None) or 0,
+            v_head_dim=getattr(config, "v_head_dim", None) or 0,
+            rope_interleave=bool(getattr(config, "rope_interleave", True)),
+            first_k_dense_replace=getattr(config, "first_k_dense_replace", None) or 0,
+            n_shared_experts=getattr(config, "n_shared_experts", None) or 0,
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", None) or 1.0),
+            topk_method=getattr(config, "topk_method", None),
+            n_group=getattr(config, "n_group", None),
+            topk_group=getattr(config, "topk_group", None),
+            num_experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0,
+            num_experts_per_tok=getattr(config, "num_experts_per_tok", None) or 0,
+            moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or 0,
+            shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", None) or 0,
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+            decoder_sparse_step=getattr(config, "decoder_sparse_step", None) or 1,
+            mlp_only_layers=tuple(getattr(config, "mlp_only_layers", None) or ()),
+            qkv_bias=getattr(config, "qkv_bias", None),
+            layer_types=tuple(getattr(config, "layer_types", None) or ()),
+            query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
+            attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),
+            final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+            hidden_activation=getattr(config, "hidden_activation", None),
+            classifier_token_ids=tuple(getattr(config, "classifier_token_ids", None) or ()),
+            classifier_method=(getattr(config, "method", None)
+                               if getattr(config, "classifier_token_ids", None) else None),
         )
 
