@@ -107,3 +107,25 @@ def test_gemma2_triton_backend(gemma2, prompts):
     """The Triton kernels (the interpreter on a CPU): windowed and soft-capped layers in one launch."""
     few, max_tokens = [prompts[0], prompts[2]], [4, 3]
     assert greedy(_engine(gemma2, attention_backend="triton"), few, max_tokens) == hf_greedy(gemma2, few, max_tokens)
+
+
+@pytest.mark.parametrize("model", ["gemma2", "gemma3"])
+def test_preemption_keeps_outputs(request, model, prompts):
+    """A KV cache of 16 four-token blocks cannot hold the batch: sequences are preempted and
+    recomputed (sliding and global layers alike) and every output equals transformers'."""
+    path = request.getfixturevalue(model)
+    block_bytes = _engine(path).engine.runner.block_bytes
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=64,
+              kv_cache_memory_bytes=16 * block_bytes)
+    llm.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the small cache preempts
+    assert greedy(llm, prompts, MAX_TOKENS) == hf_greedy(path, prompts, MAX_TOKENS)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_gemma2_tensor_parallel_matches_transformers(gemma2, prompts):
+    """Two ranks, each with half of the query and key/value heads and of the MLP columns."""
+    llm = LLM(gemma2, tensor_parallel_size=2, max_num_batched_tokens=16, block_size=4, max_model_len=128)
+    try:
+        assert greedy(llm, prompts, MAX_TOKENS) == hf_greedy(gemma2, prompts, MAX_TOKENS)
+    finally:
+        llm.shutdown()

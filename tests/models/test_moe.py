@@ -93,6 +93,21 @@ def test_greedy_matches_transformers(models, prompts, references, family):
     assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == references[family][1]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_preemption_keeps_outputs(models, prompts, references, family):
+    """A KV cache of 16 four-token blocks cannot hold the batch: sequences are preempted and
+    recomputed, and every output equals the roomy engine's (itself transformers', above)."""
+    roomy = LLM(models[family], block_size=4, max_model_len=64)
+    max_tokens = [20] * len(prompts)
+    expected = greedy(roomy, prompts, max_tokens)
+    assert [e[:n] for e, n in zip(expected, MAX_TOKENS)] == references[family]
+    llm = LLM(models[family], block_size=4, max_model_len=64,
+              kv_cache_memory_bytes=16 * roomy.engine.runner.block_bytes)
+    llm.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the small cache preempts
+    assert greedy(llm, prompts, max_tokens) == expected
+    assert llm.engine.stats().num_preemptions > 0
+
+
 def fused_copy(src, dst):
     """A copy of the Mixtral checkpoint ``src`` with its experts fused as transformers v5 holds
     them in memory: ``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I)."""
