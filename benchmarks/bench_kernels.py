@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from bench_attention import seconds_per_call
 
 from dfllm.kernels.backend import TORCH_OPS, KernelOps, select_ops
 from dfllm.kernels.fused_moe import route_topk
@@ -282,18 +283,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, budget_s: float) -> 
     iters = min(200, int(budget_s / max(first, 1e-7)))
     if iters < 2:
         return first * 1e3
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1e3
+    return seconds_per_call(fn, iters, device) * 1e3
 
 
 def measure(case: Case, dname: str, device: torch.device, budget_s: float) -> dict:
