@@ -64,7 +64,8 @@ def check_model_dir(path: Path) -> None:
     from dfllm.models.families import supported_architectures, unsupported_architecture_message
 
     archs = list(ModelSpec.from_hf(load_config(path)).architectures)
-    if not any(a in supported_architectures() for a in archs):
+    supported = supported_architectures()
+    if not any(a in supported for a in archs):
         raise ValueError(unsupported_architecture_message(archs))
     for file in safetensors_files(path):
         try:

@@ -34,9 +34,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         tensor-parallel group (the loader's hook); None leaves the tensor to the loader."""
         if not name.endswith(FUSED_SUFFIXES):
             return None
-        param = dict(self.named_parameters()).get(name)
+        try:
+            param = self.get_parameter(name)
+        except AttributeError:  # not a parameter of this rank's model: the loader decides
+            return None
         shard = getattr(param, "tp_shard", None)
-        if param is None or shard is None:
+        if shard is None:
             return None  # one rank: the fused tensor is copied as it is
         _, rank, size = shard
         # the rank's share of each part (a plain attribute set by the layer's builder)
