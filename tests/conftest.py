@@ -23,6 +23,14 @@ from dfllm.models.bundled import resolve_model
 from helpers import CLICluster, build_tiny_model
 
 
+def pytest_sessionstart(session) -> None:
+    """Build dfllm's CPU kernels once, here, before any test starts worker processes (which
+    would otherwise wait on the first one's build, and could be killed in the middle of it)."""
+    from dfllm.kernels import _cpu
+
+    _cpu.load()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m-instruct")

@@ -8,7 +8,7 @@ import torch
 
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
-from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
+from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     tables = [s.block_table for s in sched.seqs]
     groups = _decode_groups(dec_rows, dec_seqs, bs)
     meta = attention_metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, device)
+    meta.decodes = _decode_batch(dec_rows, dec_seqs, device)
     return StepInputs(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
                       torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device), sample_seqs,
                       prompt_spans)
@@ -118,8 +119,11 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
     m: AttentionMetadata = inputs.meta
     prefills = [replace(p, kv_slots=to(p.kv_slots)) for p in m.prefills]
     groups = [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in m.decode_groups]
+    decodes = None if m.decodes is None else DecodeBatch(*(to(x) for x in (m.decodes.rows, m.decodes.block_tables,
+                                                                           m.decodes.seq_lens)))
     meta = replace(m, slot_mapping=to(m.slot_mapping), prefills=prefills, decode_groups=groups,
-                   query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables))
+                   query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables),
+                   decodes=decodes)
     return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs,
                       inputs.prompt_spans)
 
@@ -156,6 +160,17 @@ def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[Decod
         mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
         groups.append(DecodeGroup(torch.tensor([rows[m] for m in members]), tables, mask))
     return groups
+
+
+def _decode_batch(rows: list[int], seqs: list[Sequence], device: torch.device) -> DecodeBatch | None:
+    """All decodes in one batch, each block table padded with its own last block."""
+    if not seqs:
+        return None
+    width = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [s.block_table[-1]] * (width - len(s.block_table)) for s in seqs]
+    return DecodeBatch(torch.tensor(rows, dtype=torch.long, device=device),
+                       torch.tensor(tables, dtype=torch.int32, device=device),
+                       torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.int32, device=device))
 
 
 def attention_metadata(slot_mapping: torch.Tensor, prefills: list[PrefillSpan], groups: list[DecodeGroup],

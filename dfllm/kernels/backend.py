@@ -17,7 +17,7 @@ from dfllm.kernels.paged_attention import paged_attention_torch
 from dfllm.kernels.rms_norm import rms_norm_torch
 from dfllm.kernels.rotary import rotary_torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,46 @@ TORCH_OPS = KernelOps(
 
 
 def select_ops(attention_backend: str, device: torch.device) -> KernelOps:
-    """The kernels for ``attention_backend`` ("auto", "torch" or "triton") on ``device``.
+    """The kernels for ``attention_backend`` ("auto", "torch", "cpu" or "triton") on ``device``.
 
-    "auto" picks Triton on CUDA and PyTorch elsewhere. "triton" on a CPU runs the same
-    kernels through Triton's interpreter (``TRITON_INTERPRET=1``): slow, but exact.
+    "auto" picks Triton on CUDA, dfllm's compiled CPU kernels on a CPU (the PyTorch references
+    where they cannot be built) and PyTorch elsewhere. "torch" forces the references. "triton"
+    on a CPU runs the Triton kernels through Triton's interpreter (``TRITON_INTERPRET=1``):
+    slow, but exact.
     """
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
     device = torch.device(device)
+    if attention_backend in ("auto", "cpu") and device.type == "cpu":
+        ops = cpu_ops()
+        if ops is not None:
+            return ops
+        if attention_backend == "cpu":
+            raise RuntimeError("attention_backend='cpu': dfllm's CPU kernels could not be built (a C++ compiler "
+                               "and ninja are needed; see the warning above), use 'torch' or 'auto'")
+        return TORCH_OPS
+    if attention_backend == "cpu":
+        raise ValueError(f"attention_backend='cpu' runs on a CPU device, not {device.type!r}")
     if attention_backend == "torch" or (attention_backend == "auto" and device.type != "cuda"):
         return TORCH_OPS
     return triton_ops(device)
+
+
+def cpu_ops() -> KernelOps | None:
+    """dfllm's compiled CPU kernels (built on first use), or None where they cannot be built."""
+    from dfllm.kernels import _cpu
+
+    if not _cpu.available():
+        return None
+    return KernelOps(
+        name="cpu",
+        write_kv_cache=write_kv_cache_torch,
+        paged_attention=_cpu.paged_attention_cpu,
+        rms_norm=_cpu.rms_norm_cpu,
+        rotary=_cpu.rotary_cpu,
+        silu_and_mul=_cpu.silu_and_mul_cpu,
+        fused_moe=fused_moe_torch,
+    )
 
 
 def triton_ops(device: torch.device) -> KernelOps:

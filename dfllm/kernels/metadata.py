@@ -35,6 +35,20 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every decode of the step at once, for kernels that read the paged cache directly.
+
+    ``rows`` (int64) are their query rows in the step's batch, ``block_tables`` (int32
+    ``[len(rows), width]``) their block tables, each padded with its own last block, and
+    ``seq_lens`` (int32) their context lengths, the new token included.
+    """
+
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention kernels need, built once per step and shared by all layers.
 
@@ -61,3 +75,4 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_seq_len: int = 0
     sliding_window: int | None = None
+    decodes: DecodeBatch | None = None

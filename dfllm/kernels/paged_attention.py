@@ -46,11 +46,18 @@ def paged_attention_torch(
     out = torch.empty_like(q)
     for group in meta.decode_groups:
         out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, scale, window, softcap)
+    attend_prefills(out, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    return out
+
+
+def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+                    softcap: float | None) -> None:
+    """Write the attention of each prefill span of ``meta`` into its rows of ``out``."""
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.ctx_len, span.kv_slots, scale,
                              window, softcap)
-    return out
 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float, window: int | None,

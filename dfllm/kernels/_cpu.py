@@ -1,0 +1,154 @@
+"""dfllm's compiled CPU kernels: the CPU twins of the PyTorch references.
+
+The C++ source, ``csrc/cpu_ops.cpp``, is built on first use by torch's extension builder
+(``torch.utils.cpp_extension.load``: a C++ compiler and ``ninja``) into torch's extension
+cache (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), once per machine and
+source version; later processes (each Dask worker) load the built library in well under a
+second. Without a compiler the build fails once, is logged, and the engine keeps the PyTorch
+references (:func:`load` returns None).
+
+* :func:`paged_attention_cpu`: prefill spans as the reference does (SDPA over their keys);
+  every decode of the step in one call that reads its keys and values straight from the
+  paged cache through its block table, instead of gathering them into a padded tensor.
+* :func:`rms_norm_cpu`, :func:`silu_and_mul_cpu`, :func:`rotary_cpu`: one pass over memory
+  each, instead of PyTorch's several element-wise kernels and temporaries.
+
+They agree with the references up to float rounding (the order of a few reductions differs),
+which the tests check; greedy fidelity against transformers is measured by log-probabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from dfllm.kernels.activation import silu_and_mul_torch
+from dfllm.kernels.metadata import AttentionMetadata
+from dfllm.kernels.paged_attention import attend_prefills, paged_attention_torch
+from dfllm.kernels.rms_norm import rms_norm_torch
+from dfllm.kernels.rotary import rotary_torch
+
+logger = logging.getLogger("dfllm")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old belongs to a killed process
+
+# vector flags per CPU capability torch detected (not -march=native: the built library is
+# cached per user, and a home directory may be shared by machines of different generations)
+_ARCH_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The built extension, building it on first use; None (and one warning) if it cannot be."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    arch = next((flags for tag, flags in _ARCH_FLAGS.items() if capability.startswith(tag)), [])
+    name = f"dfllm_cpu_ops_{capability}"
+    start = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *arch],
+                                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: keep the references
+        logger.warning("dfllm's CPU kernels could not be built (%s: %s); using the PyTorch references",
+                       type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")
+        return None
+    took = time.perf_counter() - start
+    if took > 2:
+        logger.info("built dfllm's CPU kernels (%s) in %.0f s", name, took)
+    return module
+
+
+def _clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> None:
+    """Remove the build lock a process killed while building left behind (torch's builder
+    would otherwise wait for it forever); a live build refreshes nothing, but none takes
+    anywhere near ``older_than_s``."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > older_than_s:
+        logger.warning("removing a stale build lock of dfllm's CPU kernels (%s, %.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+def available() -> bool:
+    """Whether the CPU kernels are built (building them now if needed)."""
+    return load() is not None
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`~dfllm.kernels.paged_attention.paged_attention_torch`, with the step's decodes
+    attended by the C++ kernel straight from the paged cache."""
+    decodes = meta.decodes
+    if decodes is None or q.dtype not in DTYPES or k_cache.dtype != q.dtype:
+        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    ext = load()
+    assert ext is not None  # select_ops picks these kernels only once they are built
+    window = sliding_window if sliding_window is not None else meta.sliding_window
+    q = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    ext.decode_attention(out, q, k_cache, v_cache, decodes.rows, decodes.block_tables, decodes.seq_lens,
+                         float(scale), int(window or 0), float(softcap or 0.0))
+    attend_prefills(out, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    return out
+
+
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~dfllm.kernels.rms_norm.rms_norm_torch` in one pass (the residual add fused)."""
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or x.stride(-1) != 1 or (
+            residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
+        return rms_norm_torch(x, weight, eps, residual)
+    ext = load()
+    assert ext is not None
+    shape = x.shape
+    outs = ext.rms_norm(x.reshape(-1, shape[-1]), weight, float(eps),
+                        None if residual is None else residual.reshape(-1, shape[-1]))
+    if residual is None:
+        return outs[0].view(shape)
+    return outs[0].view(shape), outs[1].view(shape)
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """:func:`~dfllm.kernels.activation.silu_and_mul_torch` in one pass."""
+    if x.dtype not in DTYPES or x.stride(-1) != 1:
+        return silu_and_mul_torch(x)
+    ext = load()
+    assert ext is not None
+    shape = x.shape
+    return ext.silu_and_mul(x.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
+
+
+def rotary_cpu(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~dfllm.kernels.rotary.rotary_torch` in one pass per tensor."""
+    if q.dtype not in DTYPES or cos.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return rotary_torch(q, k, cos, sin)
+    ext = load()
+    assert ext is not None
+    return ext.rotary(q, cos, sin), ext.rotary(k, cos, sin)

@@ -1,0 +1,204 @@
+"""dfllm's compiled CPU kernels (dfllm/kernels/csrc/cpu_ops.cpp) against their PyTorch references.
+
+The kernels are built once per machine (about a minute, then cached); a machine without a C++
+compiler cannot build them, and these tests say so instead of passing.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from dfllm.kernels import _cpu
+from dfllm.kernels.backend import TORCH_OPS, select_ops
+from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: dfllm's CPU kernels cannot be built here", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    ops = select_ops("cpu", torch.device("cpu"))
+    assert ops.name == "cpu"
+    return ops
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def attention_batch(seqs, kv_heads, group, head_dim, bs, dtype, seed=0, freed_before: int | None = None,
+                    freed: list[int] | None = None):
+    """Random q/k/v and a paged cache full of random values for ``seqs`` = [(q_len, seq_len), ...],
+    with the metadata of both paths: decode groups for the reference, the flat batch for the kernel.
+    ``freed_before`` marks each decode's table entries wholly before that many last keys as freed
+    (-1), as the block manager does for blocks out of a sliding window, and lists them in ``freed``."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for _, n in seqs]
+    num_blocks = sum(need) + 3
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[pool.pop() for _ in range(b)] for b in need]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    tokens = sum(q for q, _ in seqs)
+    q = rand(tokens, kv_heads * group, head_dim)
+    k, v = rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
+    k_cache, v_cache = rand(num_blocks, bs, kv_heads, head_dim), rand(num_blocks, bs, kv_heads, head_dim)
+    slots, prefills, dec, qsl = [], [], [], [0]
+    for (q_len, seq_len), table in zip(seqs, tables):
+        row, start = qsl[-1], seq_len - q_len
+        slots += [table[p // bs] * bs + p % bs for p in range(start, seq_len)]
+        if q_len == 1:
+            if freed_before is not None:
+                dead = max(0, seq_len - freed_before) // bs
+                if freed is not None:
+                    freed += table[:dead]
+                table[:dead] = [-1] * dead
+            dec.append((row, table, seq_len))
+        else:
+            all_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
+            prefills.append(PrefillSpan(row, q_len, seq_len, None if start == 0 else all_slots))
+        qsl.append(row + q_len)
+    groups, decodes = [], None
+    if dec:
+        width = max(len(t) for _, t, _ in dec)
+        padded = [t + [t[-1]] * (width - len(t)) for _, t, _ in dec]
+        lens = torch.tensor([n for _, _, n in dec])
+        mask = torch.arange(width * bs)[None, :] < lens[:, None]
+        rows = torch.tensor([r for r, _, _ in dec])
+        groups.append(DecodeGroup(rows, torch.tensor(padded), mask))
+        decodes = DecodeBatch(rows, torch.tensor(padded, dtype=torch.int32), lens.to(torch.int32))
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), prefills=prefills, decode_groups=groups,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_size=bs, max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs), decodes=decodes,
+    )
+    TORCH_OPS.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return q, k, v, k_cache, v_cache, meta
+
+
+MIXED = [(5, 5), (1, 33), (7, 40), (1, 70), (1, 1), (1, 16), (1, 17)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,group,head_dim,bs", [(2, 1, 64, 16), (1, 3, 128, 32), (3, 3, 64, 16),
+                                                        (2, 4, 32, 8)])
+def test_attention_mixed_batch(cpu_ops, dtype, kv_heads, group, head_dim, bs):
+    q, k, v, kc, vc, meta = attention_batch(MIXED, kv_heads, group, head_dim, bs, dtype)
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_decodes_only_with_strided_queries(cpu_ops, dtype):
+    """Queries as the layer hands them over: a view into the fused qkv projection."""
+    seqs = [(1, n) for n in (3, 64, 65, 129, 200)]
+    q, k, v, kc, vc, meta = attention_batch(seqs, 2, 3, 64, 16, dtype, seed=3)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_view = qkv[:, : q[0].numel()].view_as(q)
+    assert not q_view.is_contiguous()
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    assert rel_err(cpu_ops.paged_attention(q_view, k, v, kc, vc, meta, 0.125), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_attention_sliding_window_never_reads_freed_blocks(cpu_ops, window):
+    seqs = [(1, 90), (6, 30), (1, 33), (1, 7)]
+    freed: list[int] = []
+    q, k, v, kc, vc, meta = attention_batch(seqs, 2, 2, 32, 8, torch.float32, seed=window, freed_before=window,
+                                            freed=freed)
+    assert freed or window == 40
+    kc[freed] = float("nan")  # a freed block's keys would now be another sequence's
+    vc[freed] = float("nan")
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.2, sliding_window=window)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, 0.2, sliding_window=window)
+    assert not torch.isnan(want).any() and not torch.isnan(got).any()
+    assert rel_err(got, want) < TOL[torch.float32]
+    if window == 1:  # each decode sees only its own new key: the output is its own value
+        rows = meta.decodes.rows
+        assert torch.allclose(got[rows], v[rows].repeat_interleave(2, dim=1))
+
+
+def test_attention_softcap(cpu_ops):
+    q, k, v, kc, vc, meta = attention_batch(MIXED, 2, 2, 64, 16, torch.float32, seed=5)
+    q = q * 8  # large scores, so that the cap matters
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.125, softcap=5.0)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, 0.125, softcap=5.0)
+    uncapped = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(uncapped, want) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(cpu_ops, dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 3 * 96, generator=g).to(dtype)[:, 96:192]  # rows with a stride, as views are
+    weight = torch.randn(96, generator=g).to(dtype)
+    residual = torch.randn(37, 96, generator=g).to(dtype) if with_residual else None
+    want = TORCH_OPS.rms_norm(x, weight, 1e-6, residual)
+    got = cpu_ops.rms_norm(x, weight, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the sum is rounded like PyTorch's
+        got, want = got[0], want[0]
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head(cpu_ops, dtype):
+    """Qwen3's q/k norm: [tokens, heads, head_dim] normalised over head_dim."""
+    x = torch.randn(5, 4, 32).to(dtype)
+    weight = torch.rand(32).to(dtype)
+    assert rel_err(cpu_ops.rms_norm(x, weight, 1e-6), TORCH_OPS.rms_norm(x, weight, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(cpu_ops, dtype):
+    x = (torch.randn(21, 2 * 80) * 4).to(dtype)
+    assert rel_err(cpu_ops.silu_and_mul(x), TORCH_OPS.silu_and_mul(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_views_of_qkv(cpu_ops, dtype):
+    tokens, heads, kv_heads, d = 9, 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    angles = torch.arange(tokens)[:, None] * torch.rand(d // 2)[None, :] * 3
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = TORCH_OPS.rotary(q, k, cos, sin)
+    got_q, got_k = cpu_ops.rotary(q, k, cos, sin)
+    assert rel_err(got_q, want_q) < TOL[dtype] and rel_err(got_k, want_k) < TOL[dtype]
+
+
+def test_auto_picks_the_cpu_kernels_and_torch_forces_the_references():
+    assert select_ops("auto", torch.device("cpu")).name == "cpu"
+    assert select_ops("torch", torch.device("cpu")) is TORCH_OPS
+    assert _cpu.available()
+
+
+def test_a_killed_builds_lock_is_cleared_a_live_ones_is_kept(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _cpu._clear_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - 2 * _cpu.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    _cpu._clear_stale_lock(tmp_path)
+    assert not lock.exists()
