@@ -1,12 +1,22 @@
-"""Greedy outputs equal Hugging Face transformers' ``generate`` token for token (float32)."""
+"""Greedy outputs close to Hugging Face transformers' ``generate`` by vLLM's log-probability
+criterion (:mod:`fidelity`), and equal token for token between dfllm configurations
+(preemption or not, prefix cache hit or not, chunked prefill or not)."""
 
 from __future__ import annotations
 
 import pytest
+from fidelity import (
+    check_logprobs_close,
+    dfllm_greedy_logprobs,
+    from_outputs,
+    greedy_params,
+    hf_greedy_logprobs,
+    token_ids,
+)
 
 from dfllm import LLM, SamplingParams
 
-from helpers import build_tiny_model, hf_greedy, random_prompts
+from helpers import build_tiny_model, random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -25,7 +35,8 @@ def test_greedy_matches_transformers(tmp_path, smollm2_dir, arch, heads, kv_head
     prompts = random_prompts(6, 3, 41, seed=heads)
     max_tokens = [7, 12, 1, 20, 9, 15]
     llm = LLM(path, max_num_seqs=8)
-    assert run(llm, prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens), hf_greedy_logprobs(path, prompts, max_tokens),
+                         "dfllm", "transformers")
 
 
 @pytest.mark.parametrize("arch,extra", [
@@ -41,7 +52,8 @@ def test_config_variants_match_transformers(tmp_path, smollm2_dir, arch, extra):
     path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, **extra)
     prompts = random_prompts(3, 5, 300, seed=6)
     max_tokens = [8, 5, 11]
-    assert run(LLM(path), prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
 
 
 def test_unsupported_rope_type_is_named(tmp_path, smollm2_dir):
@@ -51,11 +63,13 @@ def test_unsupported_rope_type_is_named(tmp_path, smollm2_dir):
 
 
 def test_chunked_prefill_mixed_with_decodes(tiny_llama):
-    """A 16-token budget splits every prompt into chunks scheduled beside running decodes."""
+    """A 16-token budget splits every prompt into chunks scheduled beside running decodes; the
+    outputs equal those of whole-prompt prefill."""
     prompts = random_prompts(5, 30, 70, seed=1)
     max_tokens = [10, 6, 14, 3, 8]
     llm = LLM(tiny_llama, max_num_seqs=4, max_num_batched_tokens=16)
-    assert run(llm, prompts, max_tokens) == hf_greedy(tiny_llama, prompts, max_tokens)
+    out = run(llm, prompts, max_tokens)
+    assert out == run(LLM(tiny_llama, max_num_seqs=4), prompts, max_tokens)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -69,8 +83,10 @@ def test_preemption_by_recomputation(tiny_llama, prefix_caching):
     assert llm.engine.num_blocks == 40
     out = run(llm, prompts, max_tokens)
     assert llm.engine.stats().num_preemptions > 0
-    assert out == hf_greedy(tiny_llama, prompts, max_tokens)
     assert llm.engine.stats().num_free_blocks == 40
+    roomy = LLM(tiny_llama, max_model_len=64)
+    assert out == run(roomy, prompts, max_tokens)  # exactly as without preemption
+    assert roomy.engine.stats().num_preemptions == 0
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -80,21 +96,21 @@ def test_prefix_caching_reuses_blocks(tiny_qwen2, prefix_caching):
     llm = LLM(tiny_qwen2, block_size=16, enable_prefix_caching=prefix_caching)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
     assert first[0].num_cached_tokens == 0
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=11, **GREEDY),
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(11), use_tqdm=False)
     cached = [o.num_cached_tokens for o in outs]
     assert cached == ([64] * 4 if prefix_caching else [0] * 4)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen2, prompts, 11)
+    check_logprobs_close(from_outputs(outs), hf_greedy_logprobs(tiny_qwen2, prompts, 11), "dfllm", "transformers")
 
 
 def test_prefix_hit_on_whole_prompt_recomputes_last_token(tiny_llama):
     """A prompt that is exactly cached blocks still computes its last token for logits."""
     prompt = random_prompts(1, 32, 32, seed=5)[0][:32]
     llm = LLM(tiny_llama, block_size=16)
-    a = run(llm, [prompt], [6])
+    a = dfllm_greedy_logprobs(llm, [prompt], 6)
     b = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
     assert b[0].num_cached_tokens == 16
-    assert a == [b[0].outputs[0].token_ids] == hf_greedy(tiny_llama, [prompt], 6)
+    assert token_ids(a) == [b[0].outputs[0].token_ids]  # exact: the cache hit changes nothing
+    check_logprobs_close(a, hf_greedy_logprobs(tiny_llama, [prompt], 6), "dfllm", "transformers")
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +127,20 @@ def smol_chat_prompts(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def smol_reference(smollm2_dir, smol_chat_prompts):
-    return hf_greedy(smollm2_dir, smol_chat_prompts, 24)
+def smol_default(smollm2_dir, smol_chat_prompts):
+    """dfllm's default engine on the chat prompts, the exact reference of the other variants."""
+    return dfllm_greedy_logprobs(LLM(smollm2_dir), smol_chat_prompts, 24)
 
 
 @pytest.mark.parametrize("variant", ["default", "chunked+preempt", "no-prefix-cache"])
-def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_reference, variant):
+def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_default, variant):
+    """The default engine is log-prob close to transformers; chunked prefill with preemption, and
+    no prefix cache, give exactly the default engine's tokens."""
+    if variant == "default":
+        check_logprobs_close(smol_default, hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24),
+                             "dfllm", "transformers")
+        return
     kwargs = {
-        "default": {},
         "chunked+preempt": dict(max_num_batched_tokens=32, block_size=16, max_model_len=128,
                                 kv_cache_memory_bytes=14 * 2 * 30 * 16 * 3 * 64 * 4),
         "no-prefix-cache": dict(enable_prefix_caching=False),
@@ -126,6 +148,6 @@ def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_refer
     llm = LLM(smollm2_dir, **kwargs)
     if variant == "chunked+preempt":
         llm.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the small cache preempts
-    assert run(llm, smol_chat_prompts, [24] * 5) == smol_reference
+    assert run(llm, smol_chat_prompts, [24] * 5) == token_ids(smol_default)
     if variant == "chunked+preempt":
         assert llm.engine.stats().num_preemptions > 0

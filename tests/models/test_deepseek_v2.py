@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from decoder_builders import build_decoder
+from fidelity import GreedyLogprobs, check_logprobs_close, dfllm_greedy_logprobs, hf_greedy_logprobs, token_ids
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from dfllm import LLM, SamplingParams
 
-from helpers import hf_greedy, random_prompts
+from helpers import random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 KV_LORA_RANK, ROPE_DIM, LAYERS = 16, 8, 2
@@ -51,12 +52,13 @@ def deepseek_v2(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def workload(deepseek_v2) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Prompts (three sharing a 35-token prefix), their lengths of output, and transformers' tokens."""
+def workload(deepseek_v2) -> tuple[list[list[int]], list[int], list[GreedyLogprobs]]:
+    """Prompts (three sharing a 35-token prefix), their lengths of output, and transformers'
+    tokens with their top-5 logprobs."""
     shared = random_prompts(1, 35, 35, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(3, 3, 9, seed=4)] + random_prompts(2, 30, 45, seed=5)
     max_tokens = [9, 4, 12, 6, 10]
-    return prompts, max_tokens, hf_greedy(deepseek_v2, prompts, max_tokens)
+    return prompts, max_tokens, hf_greedy_logprobs(deepseek_v2, prompts, max_tokens)
 
 
 def test_greedy_matches_transformers(tmp_path, smollm2_dir):
@@ -66,7 +68,8 @@ def test_greedy_matches_transformers(tmp_path, smollm2_dir):
     max_tokens = [6, 10, 1]
     prompts = random_prompts(len(max_tokens), 3, 41, seed=1)
     llm = LLM(path, max_num_seqs=8)
-    assert run(llm, prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens), hf_greedy_logprobs(path, prompts, max_tokens),
+                         "dfllm", "transformers")
     runner = llm.engine.runner
     assert runner.kv.shape == (1, LAYERS, llm.engine.num_blocks, 16, 1, LATENT_WIDTH)
     attn = runner.model.model.layers[0].self_attn
@@ -84,7 +87,8 @@ def test_rope_variants_match_transformers(tmp_path, smollm2_dir, version, extra)
     path = build_deepseek(tmp_path, smollm2_dir, "ds-variant", version=version, **extra)
     prompts = random_prompts(2, 5, 300, seed=6)
     max_tokens = [8, 6]
-    assert run(LLM(path), prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
 
 
 MOE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
@@ -102,15 +106,19 @@ def test_moe_layers_match_transformers(tmp_path, smollm2_dir, version, extra):
     path = build_deepseek(tmp_path, smollm2_dir, "ds-moe", version=version, **MOE, **extra)
     prompts = random_prompts(2, 5, 40, seed=7)
     max_tokens = [8, 6]
-    assert run(LLM(path), prompts, max_tokens) == hf_greedy(path, prompts, max_tokens)
+    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
 
 
 def test_chunked_prefill_and_prefix_caching(deepseek_v2, workload):
     """A 16-token budget chunks every prompt beside running decodes (later chunks read their
-    prefix's latents from the cache); the shared prefix is then served from cached blocks."""
-    prompts, max_tokens, expected = workload
+    prefix's latents from the cache), log-prob close to transformers; the shared prefix is then
+    served from cached blocks and gives exactly the same tokens."""
+    prompts, max_tokens, reference = workload
     llm = LLM(deepseek_v2, max_num_seqs=4, max_num_batched_tokens=16, block_size=16)
-    assert run(llm, prompts, max_tokens) == expected
+    got = dfllm_greedy_logprobs(llm, prompts, max_tokens)
+    check_logprobs_close(got, reference, "dfllm", "transformers")
+    expected = token_ids(got)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
                         [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens[:3]], use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [32] * 3

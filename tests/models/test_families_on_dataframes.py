@@ -1,12 +1,13 @@
 """Every new decoder family from a dataframe: ``df.llm.generate`` on a pandas frame gives, row
-by row, the greedy tokens transformers' own implementation gives for the same prompt tokens
-(the accessor's text equals the engine's, whose tokens are compared with transformers)."""
+by row, the engine's own text, whose greedy tokens are log-prob close (:mod:`fidelity`) to
+those transformers' own implementation gives for the same prompt tokens."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 from decoder_builders import build_decoder
+from fidelity import TOPK, check_logprobs_close, from_outputs, hf_greedy_logprobs
 from transformers import (
     DeepseekV2Config,
     Gemma2Config,
@@ -19,8 +20,6 @@ from transformers import (
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-
-from helpers import hf_greedy
 
 SP = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
 FAMILIES = {
@@ -47,7 +46,8 @@ def test_dataframe_generate_matches_transformers(tmp_path, smollm2_dir, family):
     df = pd.DataFrame({"q": TEXTS}, index=[10, 20])
     out = df.llm.generate("q", model=str(path), sampling_params=SP, **engine)
     assert list(out.index) == [10, 20] and out.llm_error.isna().all()
-    direct = LLM(path, **engine).generate(TEXTS, SamplingParams(**SP), use_tqdm=False)
+    direct = LLM(path, **engine).generate(TEXTS, SamplingParams(**SP, logprobs=TOPK), use_tqdm=False)
     assert out.generated_text.tolist() == [o.outputs[0].text for o in direct]
     prompts = [list(o.prompt_token_ids) for o in direct]
-    assert [list(o.outputs[0].token_ids) for o in direct] == hf_greedy(path, prompts, SP["max_tokens"])
+    check_logprobs_close(from_outputs(direct), hf_greedy_logprobs(path, prompts, SP["max_tokens"]),
+                         "dfllm", "transformers")

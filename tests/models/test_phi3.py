@@ -1,18 +1,27 @@
 """Phi-3 (fused qkv_proj/gate_up_proj checkpoints, partial rotary, longrope) against
-transformers: greedy tokens, through chunked prefill, prefix caching, forced preemption and
-two tensor-parallel ranks (each fused tensor split into its parts before sharding)."""
+transformers: greedy tokens log-prob close to transformers' (:mod:`fidelity`), and exactly
+the default engine's through chunked prefill, prefix caching, forced preemption and two
+tensor-parallel ranks (each fused tensor split into its parts before sharding)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from decoder_builders import GREEDY, build_decoder, greedy
+from decoder_builders import build_decoder, greedy
+from fidelity import (
+    check_logprobs_close,
+    dfllm_greedy_logprobs,
+    from_outputs,
+    greedy_params,
+    hf_greedy_logprobs,
+    token_ids,
+)
 from transformers import Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from dfllm import LLM, SamplingParams
+from dfllm import LLM
 
-from helpers import hf_greedy, random_prompts
+from helpers import random_prompts
 
 ORIGINAL = 32  # original_max_position_embeddings of the longrope model
 
@@ -41,7 +50,15 @@ MAX_TOKENS = [9, 1, 14, 6]
 
 @pytest.fixture(scope="module")
 def references(models):
-    return {name: hf_greedy(path, PROMPTS, MAX_TOKENS) for name, path in models.items()}
+    return {name: hf_greedy_logprobs(path, PROMPTS, MAX_TOKENS) for name, path in models.items()}
+
+
+@pytest.fixture(scope="module")
+def engine_outputs(models):
+    """The default engine's greedy outputs (longrope within its original length), the exact
+    reference of the other engine configurations."""
+    return {name: dfllm_greedy_logprobs(LLM(path, **({"max_model_len": ORIGINAL} if name == "longrope" else {})),
+                                        PROMPTS, MAX_TOKENS) for name, path in models.items()}
 
 
 def test_checkpoint_holds_fused_tensors(models):
@@ -57,12 +74,16 @@ def test_checkpoint_holds_fused_tensors(models):
     dict(),
     dict(max_num_batched_tokens=8, max_num_seqs=3, enable_prefix_caching=False),  # chunked prefill
 ])
-def test_phi3_greedy_matches_transformers(models, references, which, kwargs):
+def test_phi3_greedy_matches_transformers(models, references, engine_outputs, which, kwargs):
     """Short sequences: within ``original_max_position_embeddings`` transformers uses the short
-    factors, and so does an engine whose ``max_model_len`` stays within it."""
+    factors, and so does an engine whose ``max_model_len`` stays within it. Chunked prefill
+    gives exactly the default engine's tokens."""
+    if not kwargs:
+        check_logprobs_close(engine_outputs[which], references[which], "dfllm", "transformers")
+        return
     if which == "longrope":
         kwargs = dict(kwargs, max_model_len=ORIGINAL)
-    assert greedy(LLM(models[which], **kwargs), PROMPTS, MAX_TOKENS) == references[which]
+    assert greedy(LLM(models[which], **kwargs), PROMPTS, MAX_TOKENS) == token_ids(engine_outputs[which])
 
 
 def test_longrope_long_sequences_match_transformers(models):
@@ -71,7 +92,8 @@ def test_longrope_long_sequences_match_transformers(models):
     (vLLM's rule: the factors never change under cached keys)."""
     prompts, max_tokens = random_prompts(3, 33, 61, seed=41), [12, 5, 9]
     llm = LLM(models["longrope"], max_model_len=128, max_num_batched_tokens=24)
-    assert greedy(llm, prompts, max_tokens) == hf_greedy(models["longrope"], prompts, max_tokens)
+    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens),
+                         hf_greedy_logprobs(models["longrope"], prompts, max_tokens), "dfllm", "transformers")
 
 
 @pytest.mark.parametrize("max_model_len,factors", [(ORIGINAL, "short"), (ORIGINAL + 1, "long")])
@@ -93,7 +115,8 @@ def test_longrope_factors_follow_max_model_len(models, max_model_len, factors):
 
 def test_phi3_prefix_caching_and_preemption(models, references):
     """A 16-block cache forces preemption (outputs equal the roomy engine's); a second pass
-    over a prompt reads its blocks from the prefix cache and gives transformers' tokens."""
+    over a prompt reads its blocks from the prefix cache and gives the same tokens, log-prob
+    close to transformers'."""
     path = models["default"]
     prompts, max_tokens = random_prompts(6, 9, 25, seed=34), [14] * 6
     roomy = LLM(path, block_size=4)
@@ -102,16 +125,18 @@ def test_phi3_prefix_caching_and_preemption(models, references):
     llm = LLM(path, block_size=4, kv_cache_memory_bytes=16 * block_bytes, max_model_len=64)
     assert greedy(llm, prompts, max_tokens) == reference
     assert llm.engine.stats().num_preemptions > 0
-    params = SamplingParams(max_tokens=MAX_TOKENS[2], **GREEDY)
+    params = greedy_params(MAX_TOKENS[2])
     first, second = (roomy.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0] for _ in range(2))
     assert second.num_cached_tokens >= 4 * ((len(PROMPTS[2]) - 1) // 4) > 0
-    assert first.outputs[0].token_ids == second.outputs[0].token_ids == references["default"][2]
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    check_logprobs_close(from_outputs([first]), references["default"][2:3], "dfllm", "transformers")
 
 
-def test_phi3_tensor_parallel_matches_transformers(models, references):
-    """Two ranks: each takes its slice of q, k and v (one kv head each) and of gate and up."""
+def test_phi3_tensor_parallel_matches_one_rank(models, engine_outputs):
+    """Two ranks: each takes its slice of q, k and v (one kv head each) and of gate and up;
+    the tokens are exactly one rank's."""
     llm = LLM(models["default"], tensor_parallel_size=2, max_model_len=128)
     try:
-        assert greedy(llm, PROMPTS[:3], MAX_TOKENS[:3]) == references["default"][:3]
+        assert greedy(llm, PROMPTS[:3], MAX_TOKENS[:3]) == token_ids(engine_outputs["default"][:3])
     finally:
         llm.shutdown()

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from decoder_builders import build_decoder, greedy
+from decoder_builders import build_decoder
+from fidelity import check_logprobs_close, dfllm_greedy_logprobs, hf_greedy_logprobs
 from test_kernels import _attention_batch, rel_err
 from transformers import MistralConfig
 
 from dfllm import LLM
 from dfllm.kernels.backend import TORCH_OPS, select_ops
 
-from helpers import hf_greedy, random_prompts
+from helpers import random_prompts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -120,14 +121,14 @@ def tiny_mistral(tmp_path_factory, smollm2_dir) -> Path:
 def test_mistral_window_shorter_than_prompts_matches_transformers(tiny_mistral):
     prompts = random_prompts(4, 9, 30, seed=11)
     max_tokens = [12, 5, 9, 16]
-    want = hf_greedy(tiny_mistral, prompts, max_tokens)
+    want = hf_greedy_logprobs(tiny_mistral, prompts, max_tokens)
     # small chunks and blocks: the window crosses chunk and block boundaries
     llm = LLM(tiny_mistral, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=128)
-    assert greedy(llm, prompts, max_tokens) == want
-    # shared prefixes served from the prefix cache give the same tokens
+    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens), want, "dfllm", "transformers")
+    # shared prefixes served from the prefix cache
     shared = [prompts[0] + p[:5] for p in prompts[1:]]
-    want = hf_greedy(tiny_mistral, shared, 6)
-    assert greedy(llm, shared, [6] * 3) == want
+    want = hf_greedy_logprobs(tiny_mistral, shared, 6)
+    check_logprobs_close(dfllm_greedy_logprobs(llm, shared, 6), want, "dfllm", "transformers")
 
 
 # ---- releasing the blocks that fell out of the window ---------------------------------------------
@@ -164,7 +165,7 @@ def test_block_manager_releases_blocks_out_of_the_window():
 def test_mistral_releasing_blocks_keeps_outputs(tiny_mistral):
     prompts = random_prompts(4, 25, 33, seed=12)
     max_tokens = [20, 14, 17, 9]
-    want = hf_greedy(tiny_mistral, prompts, max_tokens)
+    want = hf_greedy_logprobs(tiny_mistral, prompts, max_tokens)
     llm = LLM(tiny_mistral, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=128)
     scheduler = llm.llm_engine.scheduler
     assert scheduler.bm.sliding_window == 8  # every layer is windowed: the engine frees what falls out
@@ -177,7 +178,7 @@ def test_mistral_releasing_blocks_keeps_outputs(tiny_mistral):
         released.append(sum(b == -1 for s in scheduler.running for b in s.block_table))
 
     scheduler.update_from_step = update_and_record
-    assert greedy(llm, prompts, max_tokens) == want
+    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens), want, "dfllm", "transformers")
     assert max(released) >= 20
     assert max(held) <= 6  # a window of 8 keys spans at most 3 blocks of 4; plus the hash parent, a chunk
 
