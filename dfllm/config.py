@@ -15,6 +15,7 @@ from dfllm.kernels.backend import BACKENDS
 from dfllm.models.bundled import resolve_model
 from dfllm.models.families import unsupported_architecture_message
 from dfllm.models.loader import load_config
+from dfllm.models.quantization import QUANTIZATIONS, quantized_engine
 from dfllm.models.registry import (
     is_generative,
     is_pooling_only,
@@ -69,6 +70,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     deduplicate_requests: bool = True
     prefix_aware_scheduling: bool = True
+    quantization: str | None = None  # "int8": dynamic int8 linear layers (dfllm.models.quantization)
 
     @property
     def world_size(self) -> int:
@@ -99,13 +101,15 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         deduplicate_requests: bool = True,
         prefix_aware_scheduling: bool = True,
+        quantization: str | None = None,
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
         that cannot be found, an architecture, quantization or sliding windows dfllm does not
         support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
         for an encoder too; ``NotImplementedError`` for a parallel pooling model).
-        ``max_logprobs=None`` is vLLM's default, 20."""
+        ``max_logprobs=None`` is vLLM's default, 20. ``quantization="int8"`` (float32 decoders
+        on CPU, one rank) makes the linear layers dynamic int8 (:mod:`dfllm.models.quantization`)."""
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         max_logprobs = _check_max_logprobs(max_logprobs)
@@ -125,6 +129,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         resolved_dtype = resolve_dtype(dtype, spec, dev)
         _check_model(spec, runner_type, max_len)
+        _check_quantization(quantization, dev, resolved_dtype, runner_type, tensor_parallel_size,
+                            pipeline_parallel_size)
         return cls(
             model_path=path, hf_config=hf_config, dtype=resolved_dtype, device=dev, max_model_len=max_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -133,7 +139,29 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
             deduplicate_requests=bool(deduplicate_requests), prefix_aware_scheduling=bool(prefix_aware_scheduling),
+            quantization=quantization,
         )
+
+
+def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype, runner_type: str,
+                        tp: int, pp: int) -> None:
+    """``quantization`` is None or "int8"; int8 runs a float32 decoder on CPU, on one rank."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    where = f"quantization={quantization!r}"
+    if device.type != "cpu":
+        raise ValueError(f"{where} runs on CPU only (device {device}); on GPU use quantization=None")
+    if runner_type != "generate":
+        raise ValueError(f"{where} is for generating decoders; pooling models (embed, classify, score, encode) "
+                         "run float weights (quantization=None)")
+    if (tp, pp) != (1, 1):
+        raise ValueError(f"{where} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1 "
+                         f"(got {tp} and {pp})")
+    if dtype != torch.float32:
+        raise ValueError(f"{where} needs dtype float32 (or 'auto' on CPU), got {dtype}")
+    quantized_engine()  # RuntimeError naming quantization on a platform without fbgemm
 
 
 def _check_max_logprobs(max_logprobs: int | None) -> int:

@@ -137,8 +137,10 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("download_dir", None, "refuses", "only `None`: nothing is downloaded", _only((None,), _LOCAL)),
     VllmArg("kv_cache_dtype", "auto", "refuses", "only `\"auto\"`: the KV cache has the model's dtype",
             _only(("auto",), "the KV cache always has the model's dtype ('auto')")),
-    VllmArg("quantization", None, "refuses", "only `None`: float weights only",
-            _only((None,), "dfllm serves float weights only (quantization=None)")),
+    VllmArg("quantization", None, "maps", "`None` or `\"int8\"`: dynamic int8 linear layers for a float32 "
+            "decoder on CPU, one rank; quantized checkpoints and other methods refused",
+            _only((None, "int8"), "dfllm quantizes float weights on CPU with quantization='int8' only "
+                                  "(accepted: None, 'int8')")),
     VllmArg("cpu_offload_gb", 0, "refuses", "only `0`: weights live on the device",
             _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)")),
     VllmArg("structured_outputs_config", None, "refuses", "`None` or `{\"backend\": \"auto\"/\"xgrammar\"}`; "
@@ -164,7 +166,7 @@ def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
 
     An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
     naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
-    tokenizer); ``max_logprobs``, ``scheduling_policy`` and ``hf_overrides`` go to
+    tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides`` and ``quantization`` go to
     :meth:`dfllm.config.EngineConfig.create`; everything else accepted is a no-op.
     """
     unknown = sorted(set(kwargs) - set(BY_NAME))

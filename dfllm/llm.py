@@ -105,7 +105,7 @@ class LLM:
     tokenizer, ``max_logprobs`` caps the ``logprobs``/``prompt_logprobs`` a request may ask
     (20; -1 for the whole vocabulary), ``scheduling_policy="priority"`` schedules by the
     ``priority=`` of ``generate``/``chat``/``enqueue``, and values dfllm cannot honour
-    (``trust_remote_code=True``, a ``quantization``, a ``revision``, ``load_format`` other
+    (``trust_remote_code=True``, a ``quantization`` other than ``"int8"``, a ``revision``, ``load_format`` other
     than safetensors ...) raise ``ValueError`` naming the argument and value.
     :data:`dfllm.engine_args.VLLM_ARGS` lists each one and what dfllm does with it. Unknown
     names raise ``TypeError``.
@@ -176,7 +176,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner,
             hf_overrides=hf_overrides, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
-            deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling)
+            deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling,
+            quantization=quantization)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

@@ -22,6 +22,7 @@ from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import PrefillSpan
 from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
+from dfllm.models.quantization import quantize_model
 from dfllm.models.registry import model_class
 from dfllm.models.spec import ModelSpec
 
@@ -76,6 +77,8 @@ class ModelRunner:
         model.to(self.dtype)
         model.model.rotary_emb.float()
         load_weights(model, self.cfg.model_path)
+        if self.cfg.quantization is not None:
+            quantize_model(model, self.cfg.quantization)
         return model.eval()
 
     # ---- sleep mode -----------------------------------------------------------------
