@@ -118,8 +118,8 @@ class ParallelExecutor:
         self.collective_rpc("reload_weights")
 
     def run(self, sched: SchedulerOutput) -> StepOutput:
-        """One step on every rank; the logits (float32, CPU) of the rows that sample and of
-        the prompt positions whose log-probabilities were asked for."""
+        """One step on every rank; the logits (float32, on rank 0's device) of the rows that
+        sample and of the prompt positions whose log-probabilities were asked for."""
         self._check_alive()
         parts = _micro_batches(sched, self.cfg.pipeline_parallel_size)
         micro = [prepare_inputs(part, self.cfg.block_size, torch.device("cpu")) for part in parts]

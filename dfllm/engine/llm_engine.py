@@ -304,7 +304,8 @@ class LLMEngine:
     def _queue(self, req: Request) -> None:
         params = req.params
         for i in range(params.n):
-            gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + i)
+            # on the device the sampler draws on (where the logits are: rank 0's)
+            gen = None if params.seed is None else torch.Generator(self.cfg.device).manual_seed(params.seed + i)
             seq = Sequence(req, i, list(req.prompt_token_ids), len(req.prompt_token_ids), gen)
             seq.logprobs = [] if params.logprobs is not None else None
             if params.prompt_logprobs is not None and i == 0:

@@ -170,16 +170,16 @@ class ModelRunner:
     # ---- steps ------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> StepOutput:
-        """Compute one step: the logits (float32, on CPU) of the rows that sample, and of the
-        prompt positions whose log-probabilities were asked for."""
+        """Compute one step: the logits (float32, on this runner's device) of the rows that
+        sample, and of the prompt positions whose log-probabilities were asked for."""
         model = self.model
         assert model is not None  # not while the weights are dropped
         inputs = prepare_inputs(sched, self.block_size, self.device)
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.logit_rows.numel():
-            return StepOutput(torch.empty(0), [])
+            return StepOutput(torch.empty(0, device=self.device), [])
         logits = model.compute_logits(hidden[inputs.logit_rows])
-        return StepOutput.split(logits.float().cpu(), [inputs])
+        return StepOutput.split(logits.float(), [inputs])
 
     # ---- RPC and lifecycle ------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),

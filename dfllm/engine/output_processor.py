@@ -122,18 +122,22 @@ class OutputProcessor:
         assert seq.prompt_logprobs is not None  # only sequences that asked have a span
         k = seq.params.prompt_logprobs
         assert k is not None
+        # computed where the logits are; only the chosen values, ranks and top-k come back, at once
         lp = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + lp.shape[0]])
+        target_ids = seq.token_ids[start + 1 : start + 1 + lp.shape[0]]
+        targets = torch.tensor(target_ids).to(lp.device, non_blocking=True)
         chosen = lp.gather(1, targets.unsqueeze(1))
         ranks = (lp > chosen).sum(dim=1) + 1
         top_vals, top_ids = lp.topk(lp.shape[1] if k == -1 else k, dim=1)
-        for i in range(lp.shape[0]):
+        host = torch.cat([chosen.double(), ranks.double().unsqueeze(1), top_vals.double(), top_ids.double()], dim=1)
+        width = top_vals.shape[1]
+        for i, row in enumerate(host.tolist()):
             if start + 1 + i != len(seq.prompt_logprobs):  # recorded before (or a gap: never expected)
                 continue
-            target = int(targets[i])
-            top = [(target, float(chosen[i]), int(ranks[i]))]  # the prompt token first, as in vLLM
-            top += [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(top_vals[i].tolist(), top_ids[i].tolist()))
-                    if t != target]
+            target = target_ids[i]
+            top = [(target, row[0], int(row[1]))]  # the prompt token first, as in vLLM
+            top += [(int(t), v, r + 1) for r, (v, t) in enumerate(zip(row[2 : 2 + width], row[2 + width :]))
+                    if int(t) != target]
             seq.prompt_logprobs.append(self._logprobs(top, seq.params.detokenize))
 
     def _logprob_dict(self, tok: SampledToken, detokenize: bool) -> dict[int, Logprob]:

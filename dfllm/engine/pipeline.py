@@ -26,7 +26,7 @@ LOGITS_TAG = 1_000_000  # pipeline tags: 2i and 2i + 1 carry micro-batch i's hid
 @torch.inference_mode()
 def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor | None:
     """This rank's part of one step over its micro-batches; on rank 0 the logits (float32,
-    on CPU) of the sampled rows of all micro-batches, in order; None elsewhere."""
+    on rank 0's device) of the sampled rows of all micro-batches, in order; None elsewhere."""
     ctx = runner.parallel
     assert ctx is not None  # a parallel runner
     pending: list = []  # sends in flight, with the tensors they read (kept alive until done)
@@ -51,7 +51,9 @@ def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor |
         work.wait()
     if not ctx.is_driver:
         return None
-    return torch.cat([t.cpu() for t in logits]) if logits else torch.empty(0, runner.spec.vocab_size)
+    if not logits:
+        return torch.empty(0, runner.spec.vocab_size, device=runner.device)
+    return logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
 def _receive_hidden(runner: ModelRunner, mb: StepInputs, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -76,7 +78,7 @@ def _logits(runner: ModelRunner, hidden: torch.Tensor, rows: torch.Tensor) -> to
 def _receive_logits(runner: ModelRunner, mb: StepInputs, i: int) -> torch.Tensor:
     rows, vocab = mb.logit_rows.numel(), runner.spec.vocab_size
     if rows == 0:
-        return torch.empty(0, vocab)
+        return torch.empty(0, vocab, device=runner.device)
     ctx = runner.parallel
     assert ctx is not None
     return _pipeline(ctx).recv((rows, vocab), torch.float32, runner.device, ctx.pp_size - 1, LOGITS_TAG + i)

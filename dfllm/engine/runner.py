@@ -52,7 +52,7 @@ class Runner(Protocol):
         """Rebuild dropped weights from the model files."""
 
     def run(self, sched: SchedulerOutput) -> StepOutput:
-        """Compute one step: the logits (float32, on CPU) of the rows that sample, their
+        """Compute one step: the logits (float32, on the model's device) of the rows that sample, their
         sequences, and the logits of the prompt positions whose log-probabilities were asked for."""
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),

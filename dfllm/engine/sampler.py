@@ -1,14 +1,18 @@
-"""Turning the logits of one step into next tokens, one row per sequence.
+"""Turning the logits of one step into next tokens, one row per sequence, on the logits' device.
 
-Order of operations per row: the structured-output mask (tokens the row's grammar forbids
-set to ``-inf``, for greedy and sampled rows alike), ``logit_bias``, ``allowed_token_ids``
-and ``bad_words``, penalties (repetition over prompt and
-output, presence and frequency over output), the ``min_tokens`` ban on stop tokens (not
-for constrained rows, whose grammar decides where they end), then greedy argmax or
-temperature, top-k, top-p and min-p followed by a draw. Draws use the exponential-race
-trick (``argmax(p / q)`` with ``q ~ Exp(1)``); a seeded request draws ``q`` from its own
-generator so its text does not depend on the rest of the batch. Log-probabilities are
-taken before all of this, from the model's raw distribution (constrained rows included).
+A step reads as mask -> penalties -> choose -> hand off. The structured-output mask sets the
+tokens a row's grammar forbids to ``-inf`` (greedy and sampled rows alike); then come each
+row's ``logit_bias``, ``allowed_token_ids``, ``bad_words``, penalties and ``min_tokens`` ban
+(:mod:`dfllm.engine.logit_penalties`); then greedy argmax, or temperature, top-k, top-p and
+min-p followed by a draw. Draws use the exponential-race trick (``argmax(p / q)`` with
+``q ~ Exp(1)``); a seeded request draws ``q`` from its own generator (on the logits' device)
+so its text does not depend on the rest of the batch, the others from the sampler's
+generator for that device. Log-probabilities are taken before all of this, from the model's
+raw distribution (constrained rows included).
+
+Everything runs where the logits are; only the chosen token ids (``[rows]``) and the
+requested log-probabilities (``[rows]`` and ``[rows, k]``) come to the host, packed into one
+transfer by :func:`to_host`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.structured import apply_masks
+from dfllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -30,116 +36,183 @@ class SampledToken:
     top: list[tuple[int, float, int]] | None = None  # (token id, logprob, rank)
 
 
+@dataclass
+class LogprobPayload:
+    """The requested log-probabilities of a step, still on the device: for the rows
+    ``rows`` (those that asked), the chosen token's log-probability and rank (``[r]``), and
+    per distinct top-k size ``k`` the rows asking for it (positions in ``rows``) with their
+    top ``k`` log-probabilities and token ids (``[r_k, k]``, best first)."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top: list[tuple[list[int], torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class HostLogprobs:
+    """:class:`LogprobPayload` on the host, as Python numbers."""
+
+    rows: list[int]
+    chosen: list[float]
+    ranks: list[int]
+    top: dict[int, list[tuple[int, float, int]]]  # position in rows -> (token id, logprob, rank), best first
+
+
+def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None) -> tuple[list[int], HostLogprobs | None]:
+    """The sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``) and the requested
+    log-probabilities, read back in one transfer (packed as float64, exact for both)."""
+    parts = [token_ids.double()]
+    if logprobs is not None:
+        parts += [logprobs.chosen.double(), logprobs.ranks.double()]
+        for _, values, ids in logprobs.top:
+            parts += [values.double().flatten(), ids.double().flatten()]
+    flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+    n = token_ids.numel()
+    ids_host = [int(v) for v in flat[:n]]
+    if logprobs is None:
+        return ids_host, None
+    r, at = len(logprobs.rows), n
+    chosen, ranks = flat[at : at + r], [int(v) for v in flat[at + r : at + 2 * r]]
+    at += 2 * r
+    top: dict[int, list[tuple[int, float, int]]] = {}
+    for positions, values, _ in logprobs.top:
+        k = values.shape[1]
+        vals, toks = flat[at : at + len(positions) * k], flat[at + len(positions) * k : at + 2 * len(positions) * k]
+        at += 2 * len(positions) * k
+        for j, pos in enumerate(positions):
+            top[pos] = [(int(toks[j * k + c]), vals[j * k + c], c + 1) for c in range(k)]
+    return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top)
+
+
 class Sampler:
-    """Samples next tokens for a batch of sequences."""
+    """Samples next tokens for a batch of sequences, on the device of the logits it is given."""
 
     def __init__(self, eos_token_ids: set[int], seed: int):
         self.eos_token_ids = eos_token_ids
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}  # one per device, made on first use
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded draws on ``device`` (seeded with the engine's seed)."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logits = logits.float()
-        raw_logprobs = self._raw_logprobs(logits, seqs)
+        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None
         if any(s.grammar is not None for s in seqs):
             apply_masks(logits, [s.grammar for s in seqs])
-        logits = self._apply_penalties(logits, seqs)
+        apply_penalties(logits, seqs, self.eos_token_ids)
         token_ids = self._choose(logits, seqs)
-        return [
-            self._sampled(i, token_ids[i], raw_logprobs, seq) for i, seq in enumerate(seqs)
-        ]
+        payload = None if raw is None else _logprob_payload(raw, token_ids, lp_rows, seqs)
+        ids, host = to_host(token_ids, payload)
+        return _sampled_tokens(ids, host)
 
-    # ---- logprobs ---------------------------------------------------------------------
-    @staticmethod
-    def _raw_logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not rows:
-            return {}
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        return {row: lp[j] for j, row in enumerate(rows)}
-
-    @staticmethod
-    def _sampled(i: int, token_id: int, raw: dict[int, torch.Tensor], seq: Sequence) -> SampledToken:
-        if i not in raw:
-            return SampledToken(token_id)
-        lp = raw[i]
-        chosen = float(lp[token_id])
-        rank = int((lp > chosen).sum()) + 1
-        k = seq.params.logprobs
-        assert k is not None  # raw holds only the rows that asked for logprobs
-        k = lp.numel() if k == -1 else k
-        top: list[tuple[int, float, int]] = []
-        if k > 0:
-            values, ids = lp.topk(k)
-            top = [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids))]
-        if all(t != token_id for t, _, _ in top):
-            top.insert(0, (token_id, chosen, rank))
-        return SampledToken(token_id, chosen, top)
-
-    # ---- logit processing ---------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-            if p.allowed_token_ids is not None:
-                allowed = logits[i, p.allowed_token_ids].clone()
-                logits[i] = float("-inf")
-                logits[i, p.allowed_token_ids] = allowed
-            for word in seq.request.bad_words_ids:  # its last token, once the others were just generated
-                if len(word) == 1 or (seq.num_output_tokens >= len(word) - 1
-                                      and tuple(seq.output_token_ids[-(len(word) - 1):]) == word[:-1]):
-                    logits[i, word[-1]] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-                counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=logits.shape[1])
-                counts = counts[: logits.shape[1]].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-            if seq.num_output_tokens < p.min_tokens and seq.grammar is None:  # a grammar decides its own end
-                banned = set(p.single_stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-                if banned:
-                    logits[i, sorted(banned)] = float("-inf")
-        return logits
-
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        chosen = logits.argmax(dim=-1)
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The chosen token of every row (``[rows]``, on the logits' device)."""
         rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        if rows:
-            probs = self._probs(logits[rows], [seqs[i].params for i in rows])
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(rows):
-                noise[j].exponential_(generator=seqs[i].generator or self.generator)
-            chosen[rows] = (probs / noise).argmax(dim=-1)
-        return chosen.tolist()
+        if not rows:
+            return logits.argmax(dim=-1)
+        probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
+        noise = race_noise(probs, [seqs[i].generator for i in rows], self.generator(logits.device),
+                           one_launch=logits.device.type != "cpu")
+        drawn = (probs / noise).argmax(dim=-1)
+        if len(rows) == len(seqs):
+            return drawn
+        chosen = logits.argmax(dim=-1)  # the greedy rows'
+        chosen[_index(rows, logits.device)] = drawn
+        return chosen
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
-        logits = logits / temps
-        top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
-        top_p = [p.top_p for p in params]
-        if min(top_k) < logits.shape[1] or min(top_p) < 1.0:
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
-        if bool((min_p > 0).any()):
-            keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-        return probs
+
+def race_noise(probs: torch.Tensor, generators: list[torch.Generator | None], engine: torch.Generator,
+               one_launch: bool) -> torch.Tensor:
+    """The ``q ~ Exp(1)`` of the exponential race, one row per row of ``probs``: a row with a
+    generator of its own (a seeded request) draws from it, a whole row at a time, so its
+    draws do not depend on the batch; the others draw from ``engine``. On the host each
+    row draws in turn (the order dfllm always had); with ``one_launch`` (a GPU) every row is
+    first drawn from ``engine`` in one kernel and the seeded rows are then drawn again."""
+    noise = torch.empty_like(probs)
+    if one_launch:
+        noise.exponential_(generator=engine)
+    for j, gen in enumerate(generators):
+        if gen is not None or not one_launch:
+            noise[j].exponential_(generator=gen or engine)
+    return noise
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]``: all of ``x`` when ``rows`` are all its rows, else gathered with an index
+    moved to the device without waiting for it."""
+    return x if rows == list(range(x.shape[0])) else x[_index(rows, x.device)]
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution after temperature, top-k, top-p and min-p."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).to(dev, non_blocking=True)
+    logits = logits / temps.unsqueeze(1)
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < logits.shape[1] or min(top_p) < 1.0:
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(dev, non_blocking=True).unsqueeze(1)
+        keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
-    remove = ranks >= torch.tensor(top_k).unsqueeze(1)
+    ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
+    remove = ranks >= torch.tensor(top_k).to(dev, non_blocking=True).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    remove |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).to(dev, non_blocking=True).unsqueeze(1)
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprob_payload(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int],
+                     seqs: list[Sequence]) -> LogprobPayload:
+    """The chosen tokens' raw log-probabilities and ranks, and each row's top-k (``raw``: the
+    raw log-probabilities of ``rows``), all on the device."""
+    chosen = raw.gather(1, _rows(token_ids.unsqueeze(1), rows))
+    ranks = (raw > chosen).sum(dim=1) + 1
+    by_k: dict[int, list[int]] = {}
+    for j, i in enumerate(rows):
+        k = seqs[i].params.logprobs
+        assert k is not None  # rows holds only the rows that asked for logprobs
+        k = raw.shape[1] if k == -1 else k
+        if k > 0:
+            by_k.setdefault(k, []).append(j)
+    top = []
+    for k, positions in by_k.items():
+        values, ids = _rows(raw, positions).topk(k, dim=-1)
+        top.append((positions, values, ids))
+    return LogprobPayload(rows, chosen.squeeze(1), ranks, top)
+
+
+def _sampled_tokens(ids: list[int], host: HostLogprobs | None) -> list[SampledToken]:
+    out = [SampledToken(t) for t in ids]
+    if host is None:
+        return out
+    for j, i in enumerate(host.rows):
+        token_id, chosen = ids[i], host.chosen[j]
+        top = list(host.top.get(j, []))
+        if all(t != token_id for t, _, _ in top):
+            top.insert(0, (token_id, chosen, host.ranks[j]))
+        out[i] = SampledToken(token_id, chosen, top)
+    return out

@@ -37,8 +37,9 @@ class StepInputs:
 
 @dataclass
 class StepOutput:
-    """What a runner computed for one step: the logits (float32, on CPU) of the rows that
-    sample, their sequences, and the logits of each prompt-log-probability span."""
+    """What a runner computed for one step: the logits (float32, on the model's device: the
+    sampler works there) of the rows that sample, their sequences, and the logits of each
+    prompt-log-probability span."""
 
     logits: torch.Tensor
     sample_seqs: list[Sequence]

@@ -10,8 +10,10 @@ chunks: a sequence still prefilling is not sampled. A sequence preempted by reco
 keeps its generated tokens and its matcher, which is therefore already where it should be;
 the recompute feeds the model, not the matcher.
 
-Each step, ``apply_masks`` fills one bitmask row per constrained sequence of the batch and
-sets every disallowed logit to ``-inf``; unconstrained rows are not touched.
+Each step, ``apply_masks`` fills one bitmask row per constrained sequence of the batch (on
+the host, where the matchers are), moves it to the logits' device, and sets every disallowed
+logit to ``-inf`` there (xgrammar's CPU kernel, or its Triton kernel on CUDA); unconstrained
+rows are not touched.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) ->
     mask = bitmask[:batch] if logits.device.type == "cpu" else bitmask[:batch].to(logits.device, non_blocking=True)
     known = min(vocab, min(g.vocab_size for _, g in active))
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=known, indices=rows)
-    if known < vocab:
-        logits[rows, known:] = float("-inf")
+    if known < vocab:  # an index moved without waiting (a list index would wait for the device)
+        logits[torch.tensor(rows).to(logits.device, non_blocking=True), known:] = float("-inf")
     with _bitmask_lock:
         _bitmasks[vocab] = bitmask
