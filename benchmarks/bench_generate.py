@@ -51,9 +51,17 @@ Also printed:
   over the model's linear layers (one distinct weight per layer, lm_head included, as in one
   forward pass) at the decode batch (``--ceiling-batch``, default min(num_prompts,
   max_num_seqs)), as tokens/s = batch / best pass seconds; dfllm's throughput is given as a
-  percentage of it for each mode (attention and everything else come on top, so 100% is out
-  of reach; in natural mode the batch also thins out as rows end, and smaller batches run
-  the matmuls less efficiently);
+  percentage of it for each mode ("% decode"). That ceiling prices generated tokens only,
+  but every prompt token also goes through the same linear layers (lm_head aside), and this
+  workload has more prompt tokens than generated ones, so no engine can come near 100% of it;
+- the workload ceiling ("% workload"): the least time this workload's matmuls take, every
+  prompt token through the layers' linears at the rate of the fastest of
+  ``--ceiling-passes`` passes at ``--prefill-ceiling-rows`` (1024) rows, a prefill chunk's
+  shape, plus every generated token at the decode ceiling's rate; dfllm's throughput as a
+  percentage of it, and the highest share of the decode-only ceiling that even an engine
+  whose attention and overheads cost nothing could reach (attention, norms and the rest
+  come on top; in natural mode the batch also thins out as rows end, and smaller batches
+  run the matmuls less efficiently);
 - a decode step breakdown of dfllm (``--breakdown-batch`` 64 running sequences, ignore_eos,
   timed after their prefill, mean of ``--breakdown-steps`` decode-only steps): the linear
   layers (forward hooks), attention (KV write + paged attention kernels), the other model
@@ -343,17 +351,16 @@ def linear_shapes(cfg) -> list[tuple[int, int, int]]:
     ]
 
 
-def flops_per_token(cfg) -> int:
-    return sum(2 * k * n * c for k, n, c in linear_shapes(cfg))
-
-
-def matmul_ceiling(cfg, batch: int, passes: int = 6) -> dict:
+def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True) -> dict:
     """The fastest of ``passes`` timed passes of float32 ``F.linear`` over the model's linear
     layers at ``batch`` rows (a distinct random weight per layer, as a forward pass streams
-    them), after one untimed pass; the FLOP/s and tokens/s that allows."""
+    them), after one untimed pass; the FLOP/s and tokens/s that allows. ``lm_head=False``
+    leaves the vocabulary projection out (a prompt token's pass: only a prompt's last token
+    is projected onto the vocabulary)."""
+    shapes = linear_shapes(cfg) if lm_head else linear_shapes(cfg)[:-1]
     gen = torch.Generator().manual_seed(SEED)
-    weights = [torch.randn(n, k, generator=gen) for k, n, count in linear_shapes(cfg) for _ in range(count)]
-    inputs = {k: torch.randn(batch, k, generator=gen) for k, _, _ in linear_shapes(cfg)}
+    weights = [torch.randn(n, k, generator=gen) for k, n, count in shapes for _ in range(count)]
+    inputs = {k: torch.randn(batch, k, generator=gen) for k, _, _ in shapes}
     times = []
     with torch.inference_mode():
         for p in range(passes + 1):
@@ -363,9 +370,20 @@ def matmul_ceiling(cfg, batch: int, passes: int = 6) -> dict:
             if p:
                 times.append(time.perf_counter() - start)
     best = min(times)
-    per_token = flops_per_token(cfg)
+    per_token = sum(2 * k * n * c for k, n, c in shapes)
     return {"batch": batch, "passes": passes, "pass_seconds": times, "best_seconds": best,
             "flop_s": batch * per_token / best, "flops_per_token": per_token, "tok_s": batch / best}
+
+
+def workload_ceiling(decode: dict, prefill: dict, prompt_tokens: int, generated_tokens: int) -> dict:
+    """The least time the workload's matmuls take at their fastest: every prompt token through
+    the layers' linears at the prefill pass's rate (``prefill``, lm_head left out), every
+    generated token through all of them, lm_head included, at the decode batch's rate
+    (``decode``); as generated tokens/s, and how much of it the prompts take."""
+    prompt_s = prompt_tokens * prefill["best_seconds"] / prefill["batch"]
+    decode_s = generated_tokens * decode["best_seconds"] / decode["batch"]
+    return {"prompt_seconds": prompt_s, "decode_seconds": decode_s, "seconds": prompt_s + decode_s,
+            "tok_s": generated_tokens / (prompt_s + decode_s), "prompt_share": prompt_s / (prompt_s + decode_s)}
 
 
 # ---- decode step breakdown -----------------------------------------------------------------
@@ -543,13 +561,18 @@ def summarize(name: str, secs: list[float], tokens: list[int]) -> dict:
 
 
 def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
+    work = fig["workload_ceiling"]
     print(f"\n{MODE_TITLES[mode]}")
-    print(f"  {'engine':<20}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'% ceiling':>11}")
+    print(f"  {'engine':<20}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'% workload':>12}{'% decode':>10}")
     for r in fig["results"]:
         quantized = r["engine"] == "llama.cpp"
         name = f"llama.cpp ({r['weights']})" if quantized else r["engine"]
-        pct = "-" if quantized else f"{100 * r['tok_s'] / ceiling['tok_s']:.1f}"
-        print(f"  {name:<20}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>11}")
+        pct = "-" if quantized else f"{100 * r['tok_s'] / work['tok_s']:.1f}"
+        dec = "-" if quantized else f"{100 * r['tok_s'] / ceiling['tok_s']:.1f}"
+        print(f"  {name:<20}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>12}{dec:>10}")
+    print(f"  workload ceiling: its matmuls alone take {work['seconds']:.2f} s at their fastest ({work['tok_s']:.1f} "
+          f"tok/s), {100 * work['prompt_share']:.0f}% of it the prompts'; so even an engine with free attention "
+          f"reaches at most {100 * work['tok_s'] / ceiling['tok_s']:.0f}% of the decode-only ceiling")
     if fig["ratios"]:
         print("  " + ", ".join(f"dfllm/{k}: {v:.2f}x" for k, v in fig["ratios"].items()))
     where = "up to dfllm's first EOS" if mode == "forced" else "useful tokens, up to the first divergence"
@@ -579,6 +602,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ceiling-batch", type=int, default=None,
                    help="rows of the matmul ceiling (default: min(num_prompts, max_num_seqs))")
     p.add_argument("--ceiling-passes", type=int, default=6, help="timed passes of the ceiling; the fastest counts")
+    p.add_argument("--prefill-ceiling-rows", type=int, default=1024,
+                   help="rows of the prompt-token ceiling pass (capped at the engine's max_num_batched_tokens)")
     p.add_argument("--breakdown-batch", type=int, default=64, help="running sequences of the decode step breakdown")
     p.add_argument("--breakdown-steps", type=int, default=5, help="decode steps timed by the breakdown")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
@@ -649,6 +674,8 @@ def main() -> None:
 
     batch = args.ceiling_batch or min(args.num_prompts, llm.config.max_num_seqs)
     ceiling = matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes)
+    prefill_rows = min(args.prefill_ceiling_rows, llm.config.max_num_batched_tokens)
+    prefill_ceiling = matmul_ceiling(llm.config.hf_config, prefill_rows, args.ceiling_passes, lm_head=False)
     breakdown = breakdown_ceiling = None
     if not args.skip_breakdown:
         breakdown = decode_step_breakdown(llm, tokenizer, args.breakdown_batch, args.breakdown_steps)
@@ -656,7 +683,8 @@ def main() -> None:
             breakdown_ceiling = ceiling if args.breakdown_batch == batch else \
                 matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes)
 
-    figures: dict = {"args": vars(args), "modes": {}, "ceiling": ceiling, "breakdown": breakdown,
+    figures: dict = {"args": vars(args), "modes": {}, "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
+                     "breakdown": breakdown,
                      "breakdown_ceiling": breakdown_ceiling, "llama_cpp": {"available": llama is not None,
                                                                            "gguf": str(gguf), "note": llama_note}}
     for mode in modes:
@@ -668,8 +696,11 @@ def main() -> None:
         fig = {"results": results,
                "ratios": {r["engine"]: results[0]["tok_s"] / r["tok_s"] for r in results[1:]},
                "dfllm_pct_of_ceiling": 100 * results[0]["tok_s"] / ceiling["tok_s"],
+               "workload_ceiling": workload_ceiling(ceiling, prefill_ceiling, sum(map(len, prompts)),
+                                                    results[0]["tokens"]),
                "fidelity": {name: fidelity(*compared_rows(mode, df_rows, runs[mode][name]["rows"], max_tokens, eos_ids))
                             for name, _ in legs[1:]}}
+        fig["dfllm_pct_of_workload_ceiling"] = 100 * results[0]["tok_s"] / fig["workload_ceiling"]["tok_s"]
         figures["modes"][mode] = fig
         print_mode(mode, fig, ceiling)
 
@@ -679,6 +710,11 @@ def main() -> None:
           f"-> {ceiling['tok_s']:.1f} tok/s")
     print("  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes)
           + " of it")
+    print(f"prompt-token matmul ceiling (the same linears without lm_head at {prefill_rows} rows, a prefill "
+          f"chunk's shape): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+          f"{prefill_ceiling['flop_s'] / 1e9:.1f} GFLOP/s")
+    print("  dfllm against the workload ceiling (both together, per mode): "
+          + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_workload_ceiling']:.1f}%" for m in modes))
     if breakdown is not None:
         print_breakdown(breakdown, breakdown_ceiling)
     elif not args.skip_breakdown:
