@@ -213,7 +213,7 @@ def test_silu_and_mul(device, triton_ops, dtype):
 
 
 def test_select_ops(device):
-    assert select_ops("auto", torch.device("cpu")).name == "torch"
+    assert select_ops("auto", torch.device("cpu")).name == "cpu"  # dfllm's compiled CPU kernels
     assert select_ops("torch", torch.device(device)).name == "torch"
     assert select_ops("triton", torch.device(device)).name == "triton"
     assert select_ops("auto", torch.device("cuda")).name == "triton"
