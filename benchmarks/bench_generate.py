@@ -47,8 +47,9 @@ its text re-tokenized, and its arithmetic is quantized, so it drifts more).
 
 Also printed:
 
-- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of float32 ``F.linear``
-  over the model's linear layers (one distinct weight per layer, lm_head included, as in one
+- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of float32 GEMMs (the
+  faster of ``F.linear`` and oneDNN with prepacked weights, alternating) over the model's
+  linear layers (one distinct weight per layer, lm_head included, as in one
   forward pass) at the decode batch (``--ceiling-batch``, default min(num_prompts,
   max_num_seqs)), as tokens/s = batch / best pass seconds; dfllm's throughput is given as a
   percentage of it for each mode ("% decode"). That ceiling prices generated tokens only,
@@ -352,26 +353,36 @@ def linear_shapes(cfg) -> list[tuple[int, int, int]]:
 
 
 def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True) -> dict:
-    """The fastest of ``passes`` timed passes of float32 ``F.linear`` over the model's linear
-    layers at ``batch`` rows (a distinct random weight per layer, as a forward pass streams
-    them), after one untimed pass; the FLOP/s and tokens/s that allows. ``lm_head=False``
-    leaves the vocabulary projection out (a prompt token's pass: only a prompt's last token
-    is projected onto the vocabulary)."""
+    """The fastest of ``passes`` timed passes over the model's linear layers at ``batch`` rows
+    (a distinct random weight per layer, as a forward pass streams them), after one untimed
+    pass, in float32 by the fastest GEMM this torch offers on a CPU: ``F.linear`` or oneDNN
+    with prepacked weights (the two alternate pass by pass); the FLOP/s and tokens/s that
+    allows. ``lm_head=False`` leaves the vocabulary projection out (a prompt token's pass:
+    only a prompt's last token is projected onto the vocabulary)."""
     shapes = linear_shapes(cfg) if lm_head else linear_shapes(cfg)[:-1]
     gen = torch.Generator().manual_seed(SEED)
     weights = [torch.randn(n, k, generator=gen) for k, n, count in shapes for _ in range(count)]
     inputs = {k: torch.randn(batch, k, generator=gen) for k, _, _ in shapes}
-    times = []
+    gemms = {"F.linear": lambda x, w: F.linear(x, w)}
+    packed = {}
+    if torch.backends.mkldnn.is_available():
+        packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights}
+        gemms["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none",
+                                                                                  [], "")
+    times: dict[str, list[float]] = {name: [] for name in gemms}
     with torch.inference_mode():
         for p in range(passes + 1):
-            start = time.perf_counter()
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-            if p:
-                times.append(time.perf_counter() - start)
-    best = min(times)
+            for name, gemm in gemms.items():
+                start = time.perf_counter()
+                for w in weights:
+                    gemm(inputs[w.shape[1]], w)
+                if p:
+                    times[name].append(time.perf_counter() - start)
+    fastest = min(times, key=lambda name: min(times[name]))
+    best = min(times[fastest])
     per_token = sum(2 * k * n * c for k, n, c in shapes)
-    return {"batch": batch, "passes": passes, "pass_seconds": times, "best_seconds": best,
+    return {"batch": batch, "passes": passes, "pass_seconds": times, "best_seconds": best, "gemm": fastest,
+            "best_by_gemm": {name: min(t) for name, t in times.items()},
             "flop_s": batch * per_token / best, "flops_per_token": per_token, "tok_s": batch / best}
 
 
@@ -704,14 +715,16 @@ def main() -> None:
         figures["modes"][mode] = fig
         print_mode(mode, fig, ceiling)
 
-    print(f"\nmatmul ceiling (float32 F.linear over the model's linear layers at batch {batch}, fastest of "
-          f"{ceiling['passes']} passes): {ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+    print(f"\nmatmul ceiling (float32 GEMMs over the model's linear layers at batch {batch}, fastest of "
+          f"{ceiling['passes']} passes, {ceiling['gemm']}; " + ", ".join(
+              f"{g} {t * 1e3:.1f} ms" for g, t in ceiling["best_by_gemm"].items()) + f"): "
+          f"{ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
           f"{ceiling['flop_s'] / 1e9:.1f} GFLOP/s, {ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token "
           f"-> {ceiling['tok_s']:.1f} tok/s")
     print("  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes)
           + " of it")
     print(f"prompt-token matmul ceiling (the same linears without lm_head at {prefill_rows} rows, a prefill "
-          f"chunk's shape): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+          f"chunk's shape, {prefill_ceiling['gemm']}): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
           f"{prefill_ceiling['flop_s'] / 1e9:.1f} GFLOP/s")
     print("  dfllm against the workload ceiling (both together, per mode): "
           + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_workload_ceiling']:.1f}%" for m in modes))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import functools
 import gc
 import logging
 import sys
@@ -20,6 +19,7 @@ from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.step_inputs import StepInputs, StepOutput, attention_metadata, prepare_inputs
 from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import PrefillSpan
+from dfllm.models.cpu_linear import pack_linears
 from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
 from dfllm.models.quantization import quantize_model
@@ -79,6 +79,8 @@ class ModelRunner:
         load_weights(model, self.cfg.model_path)
         if self.cfg.quantization is not None:
             quantize_model(model, self.cfg.quantization)
+        else:
+            pack_linears(model)  # oneDNN-packed weights on CPU in float32 (dfllm.models.cpu_linear)
         return model.eval()
 
     # ---- sleep mode -----------------------------------------------------------------
@@ -203,8 +205,23 @@ def kv_cache_layout(spec: ModelSpec, tp_size: int = 1) -> kv_memory.KVCacheLayou
 
 
 def rpc_target(runner: ModelRunner, method: str | Callable) -> Callable:
-    """``method`` of ``runner``: its method of that name, or a callable taking the runner first."""
-    return getattr(runner, method) if isinstance(method, str) else functools.partial(method, runner)
+    """``method`` of ``runner``: its method of that name, or a callable taking the runner first.
+
+    A callable may write the weights in place (``update_weights``, vLLM's RLHF recipes writing
+    ``param.data``), which no version counter sees: the packed copies of the model's linear
+    layers are made again after it returns."""
+    if isinstance(method, str):
+        return getattr(runner, method)
+
+    def call(*args, **kwargs):
+        try:
+            return method(runner, *args, **kwargs)
+        finally:
+            model = getattr(runner, "model", None)
+            if isinstance(model, torch.nn.Module):
+                pack_linears(model)
+
+    return call
 
 
 def call_with_timeout(fn: Callable, timeout: float | None, args: tuple, kwargs: dict, where: str = ""):

@@ -2,8 +2,9 @@
 
 Each parameter that is split carries ``tp_shard = (dim, rank, size)``: the loader reads
 only this rank's slice of the checkpoint tensor along ``dim`` (see :func:`shard_range`).
-With no group (``tp=None``) the factories return the plain ``nn.Linear``/``nn.Embedding``
-a single-rank model has always used, so one rank pays nothing for this.
+With no group (``tp=None``) the factories return what a single-rank model has always used,
+``nn.Embedding`` and ``nn.Linear`` (as :class:`~dfllm.models.cpu_linear.PackableLinear`, which
+can multiply through a oneDNN-packed weight on CPU), so one rank pays nothing for this.
 
 - column-parallel (q/k/v, gate/up): each rank holds a slice of the output features; the
   outputs stay split (attention heads and MLP columns are per rank);
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dfllm.distributed.communication import GroupComm
+from dfllm.models.cpu_linear import PackableLinear
 
 
 def shard_range(full: int, rank: int, size: int) -> tuple[int, int]:
@@ -100,7 +102,7 @@ def column_linear(in_features: int, output_sizes: list[int], bias: bool, tp: Gro
     """A (fused, when several ``output_sizes``) projection, split by output features under ``tp``."""
     if tp is not None:
         return ColumnParallelLinear(in_features, output_sizes, bias, tp)
-    layer = nn.Linear(in_features, sum(output_sizes), bias=bias)
+    layer = PackableLinear(in_features, sum(output_sizes), bias=bias)
     if len(output_sizes) > 1:
         # torch's stubs type nn.Module.__setattr__'s value as Tensor | Module (it takes any value)
         layer.output_sizes = list(output_sizes)  # type: ignore[assignment]
@@ -111,7 +113,7 @@ def row_linear(in_features: int, out_features: int, bias: bool, tp: GroupComm | 
     """A projection split by input features under ``tp``, its outputs summed over the group."""
     if tp is not None:
         return RowParallelLinear(in_features, out_features, bias, tp)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return PackableLinear(in_features, out_features, bias=bias)
 
 
 def vocab_embedding(vocab_size: int, hidden: int, tp: GroupComm | None) -> nn.Module:
@@ -119,7 +121,7 @@ def vocab_embedding(vocab_size: int, hidden: int, tp: GroupComm | None) -> nn.Mo
 
 
 def lm_head(vocab_size: int, hidden: int, tp: GroupComm | None) -> nn.Module:
-    return nn.Linear(hidden, vocab_size, bias=False) if tp is None else ParallelLMHead(vocab_size, hidden, tp)
+    return PackableLinear(hidden, vocab_size, bias=False) if tp is None else ParallelLMHead(vocab_size, hidden, tp)
 
 
 def check_shard_sizes(output_sizes: list[int], tp: GroupComm | None) -> None:

@@ -1,0 +1,77 @@
+"""The decoders' packed linear layers (dfllm.models.cpu_linear.PackableLinear): equal to
+``F.linear`` up to float rounding, and never stale after the weight changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dfllm import LLM, SamplingParams
+from dfllm.models.cpu_linear import PackableLinear, pack_linears
+
+from helpers import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = PackableLinear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    plain = F.linear(x, layer.weight, layer.bias)
+    assert layer.pack() and layer._packed is not None
+    out = layer(x)
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_writes_and_replacements_repack():
+    torch.manual_seed(0)
+    layer = PackableLinear(32, 48)
+    x = torch.randn(5, 32)
+    layer.pack()
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place write the version counter sees
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(48, 32))  # a new tensor: its storage moved
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_not_packed_where_onednn_cannot_take_it():
+    layer = PackableLinear(16, 16).to(torch.bfloat16)
+    assert not layer.pack() and layer._packed is None
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_weights_written_through_data_by_an_rpc_callable_are_served(tmp_path, smollm2_dir):
+    """vLLM's RLHF recipes write ``param.data`` in a ``collective_rpc`` callable; ``.data``
+    has its own version counter, so only the refresh after the callable keeps this right."""
+    a = build_tiny_model(tmp_path, smollm2_dir, seed=1)
+    llm = LLM(a, max_model_len=64, kv_cache_memory_bytes=2**21)
+    assert llm.collective_rpc(lambda w: pack_linears(w.model)) != [0]  # the decoder's linears are packed here
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    prompt = {"prompt_token_ids": [5, 9, 200, 31, 7]}
+
+    def logprob():
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, out.cumulative_logprob
+
+    before = logprob()
+
+    def scale_mlp(worker):
+        for name, p in worker.model.named_parameters():
+            if "layers.0.mlp" in name:
+                p.data.mul_(3.0)
+
+    llm.collective_rpc(scale_mlp)
+    after = logprob()
+
+    def stale(worker) -> float:  # runs before this callable's own refresh
+        return max((m(torch.ones(2, m.in_features)) - F.linear(torch.ones(2, m.in_features), m.weight, m.bias))
+                   .abs().max().item() for m in worker.model.modules() if isinstance(m, PackableLinear))
+
+    assert after != before
+    assert llm.collective_rpc(stale)[0] < 1e-4  # every packed copy matches its updated weight
