@@ -9,6 +9,8 @@
 #              error, Triton ms, torch ms, speedup (benchmarks/bench_kernels.py);
 #   attention  decode attention's achieved bandwidth vs a device-to-device copy (bench_attention.py);
 #   generate   engine tok/s vs transformers on the same GPU (bench_generate.py --device cuda);
+#   graphs     decode tok/s with CUDA graphs vs enforce_eager=True, a batch and one sequence
+#              (bench_cuda_graphs.py); skipped on --cpu (graphs need a GPU);
 #   tp         NCCL tensor parallel when two GPUs are visible: LLM(tensor_parallel_size=2) generates
 #              what one rank does (float32, a small random Llama), with tok/s; else "skipped: 1 GPU";
 #   tests      the kernel tests and the Triton engine/MoE/Gemma tests on CUDA, in the time that is left.
@@ -339,6 +341,12 @@ elif has_flag --dtype; then
 fi
 step generate 150 "$PY" "$GEN" "${GEN_ARGS[@]}"
 
+if ((CPU)); then
+    note graphs skipped 0 "skipped: --cpu dry run (CUDA graphs need a GPU)"
+else
+    step graphs 90 "$PY" benchmarks/bench_cuda_graphs.py --json "$OUT_DIR/graphs.json"
+fi
+
 if ((CPU)) && [[ ${TP_CPU:-0} != 1 ]]; then
     note tp skipped 0 "skipped: --cpu dry run (TP_CPU=1 runs it with gloo)"
 elif ((CPU)); then
@@ -353,7 +361,8 @@ if ((CPU)); then  # a few interpreter cases: the step's machinery, not the suite
     step tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "rms_norm or silu"
 else
     step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_triton_engine.py \
-        tests/models/test_moe.py tests/models/test_gemma.py -k "test_kernels or triton"
+        tests/models/test_moe.py tests/models/test_gemma.py tests/test_cuda_graphs.py \
+        -k "test_kernels or triton or cuda_graphs"
 fi
 
 # ---- summary: one table --------------------------------------------------------------------------
@@ -454,6 +463,16 @@ if g:  # bench_generate's JSON: {"modes": {mode: {...}}} (else one mode's figure
     add("generate", f"engine vs transformers ({dtype})", text)
 else:
     add("generate", "engine vs transformers", log_tail("generate"))
+
+gr = load("graphs.json")
+if gr and "batch_graphs" in gr:
+    add("graphs", f"CUDA graphs vs enforce_eager ({gr['dtype']})",
+        f"batch of {gr['num_prompts']}: {gr['batch_graphs']:.4g} vs {gr['batch_eager']:.4g} tok/s = "
+        f"{gr['batch_speedup']:.3g}x; one sequence: {gr['single_graphs']:.4g} vs {gr['single_eager']:.4g} tok/s = "
+        f"{gr['single_speedup']:.3g}x; identical {gr['identical']}/{gr['num_prompts']}; "
+        f"{len(gr['graph_sizes'])} graphs")
+else:
+    add("graphs", "CUDA graphs vs enforce_eager", log_tail("graphs"))
 
 tp = load("tp.json")
 if tp:

@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from dfllm.distributed.parallel_state import check_parallel_config
+from dfllm.engine.cuda_graphs import default_capture_sizes, parse_capture_sizes
 from dfllm.kernels.backend import BACKENDS
 from dfllm.models.bundled import resolve_model
 from dfllm.models.families import unsupported_architecture_message
@@ -71,6 +72,10 @@ class EngineConfig:
     deduplicate_requests: bool = True
     prefix_aware_scheduling: bool = True
     quantization: str | None = None  # "int8": dynamic int8 linear layers (dfllm.models.quantization)
+    # CUDA graphs of decode steps (dfllm.engine.cuda_graphs): vLLM's enforce_eager turns them off;
+    # the batch-size buckets captured (vLLM's compilation_config.cudagraph_capture_sizes)
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -102,6 +107,8 @@ class EngineConfig:
         deduplicate_requests: bool = True,
         prefix_aware_scheduling: bool = True,
         quantization: str | None = None,
+        enforce_eager: bool = False,
+        compilation_config: Any = None,
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
@@ -131,6 +138,11 @@ class EngineConfig:
         _check_model(spec, runner_type, max_len)
         _check_quantization(quantization, dev, resolved_dtype, runner_type, tensor_parallel_size,
                             pipeline_parallel_size)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
+        capture_sizes = parse_capture_sizes(compilation_config)
+        if capture_sizes is None:
+            capture_sizes = default_capture_sizes(max_num_seqs)
         return cls(
             model_path=path, hf_config=hf_config, dtype=resolved_dtype, device=dev, max_model_len=max_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -139,7 +151,7 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
             deduplicate_requests=bool(deduplicate_requests), prefix_aware_scheduling=bool(prefix_aware_scheduling),
-            quantization=quantization,
+            quantization=quantization, enforce_eager=enforce_eager, cudagraph_capture_sizes=capture_sizes,
         )
 
 

@@ -1,14 +1,14 @@
 """vLLM engine arguments that :class:`dfllm.LLM` accepts for compatibility.
 
 vLLM's ``LLM(model, **kwargs)`` forwards its keyword arguments to ``EngineArgs``; offline
-examples commonly pass some that concern machinery dfllm does not have (CUDA graphs,
-swap space, Ray) or choices it does not offer (quantization, remote code). ``dfllm.LLM``
+examples commonly pass some that concern machinery dfllm does not have (swap space,
+Ray) or choices it does not offer (quantization, remote code). ``dfllm.LLM``
 takes the common ones as explicit keyword-only parameters, with vLLM's defaults, and
 :func:`check_vllm_args` decides each one in one place, from :data:`VLLM_ARGS`:
 
 - **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``, ``max_logprobs``,
-  ``scheduling_policy``);
-- **no-op**: any value of the right type is accepted and changes nothing (``enforce_eager``);
+  ``scheduling_policy``, ``enforce_eager``);
+- **no-op**: any value of the right type is accepted and changes nothing (``swap_space``);
 - **refuses**: a value dfllm cannot honour raises ``ValueError`` naming the argument and
   the value, instead of being ignored silently (``trust_remote_code=True``).
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from dfllm.engine.cuda_graphs import parse_capture_sizes
 
 _LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
           "check out the revision you want into a directory and pass its path")
@@ -79,10 +81,6 @@ def _optional_int(minimum: int) -> Callable[[str, Any], None]:
     return check
 
 
-def _anything(name: str, value: Any) -> None:
-    pass
-
-
 def _structured_outputs_config(name: str, value: Any) -> None:
     if value is None:
         return
@@ -98,17 +96,27 @@ def _structured_outputs_config(name: str, value: Any) -> None:
                                    "(use 'auto' or 'xgrammar')")
 
 
+def _compilation_config(name: str, value: Any) -> None:
+    try:
+        parse_capture_sizes(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r} is not supported by dfllm: {exc}") from None
+
+
 def _hf_overrides(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, dict) and not callable(value):
         raise _refuse(name, value, "give a dict of config.json fields or a callable taking and returning the config")
 
 
 VLLM_ARGS: tuple[VllmArg, ...] = (
-    VllmArg("enforce_eager", False, "no-op", "accepted: dfllm always runs eagerly (it captures no CUDA graphs)",
-            _bool),
-    VllmArg("compilation_config", None, "no-op", "accepted, ignored: dfllm compiles nothing (Triton kernels are "
-            "built on first use)", _anything),
-    VllmArg("max_seq_len_to_capture", 8192, "no-op", "accepted, ignored: no CUDA graphs", _optional_int(1)),
+    VllmArg("enforce_eager", False, "maps", "`True` turns off the CUDA graphs of decode steps (captured per "
+            "batch-size bucket on CUDA with the Triton kernels, as vLLM; prefill always runs eagerly)", _bool),
+    VllmArg("compilation_config", None, "maps", "a dict or `CompilationConfig` whose `cudagraph_capture_sizes` "
+            "sets the decode batch sizes captured (default 1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`, "
+            "at most 512; `[]` captures none); an int level and the other fields are accepted and ignored",
+            _compilation_config),
+    VllmArg("max_seq_len_to_capture", 8192, "no-op", "accepted, ignored: the decode graphs serve every context "
+            "length up to `max_model_len`", _optional_int(1)),
     VllmArg("disable_log_stats", True, "no-op", "accepted: dfllm logs no periodic stats either way, and "
             "`get_metrics()` works whatever the value", _bool),
     VllmArg("max_logprobs", 20, "maps", "enforced as in vLLM: a request asking more `logprobs` or "
@@ -166,8 +174,9 @@ def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
 
     An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
     naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
-    tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides`` and ``quantization`` go to
-    :meth:`dfllm.config.EngineConfig.create`; everything else accepted is a no-op.
+    tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides``, ``quantization``,
+    ``enforce_eager`` and ``compilation_config`` go to :meth:`dfllm.config.EngineConfig.create`;
+    everything else accepted is a no-op.
     """
     unknown = sorted(set(kwargs) - set(BY_NAME))
     if unknown:

@@ -99,9 +99,11 @@ class LLM:
     re-queues requests of ``enqueue`` from scratch for a later call.
 
     vLLM's common engine arguments are accepted too, with vLLM's defaults, so that vLLM
-    examples run unchanged: ``enforce_eager``, ``compilation_config``, ``swap_space``,
-    ``disable_log_stats`` and the like are no-ops (dfllm captures no CUDA graphs, never
-    swaps, logs no periodic stats), ``tokenizer_mode="slow"`` asks transformers for a slow
+    examples run unchanged: ``swap_space``, ``disable_log_stats`` and the like are no-ops
+    (dfllm never swaps, logs no periodic stats); on CUDA with the Triton kernels, decode steps
+    replay CUDA graphs captured per batch-size bucket unless ``enforce_eager=True``, and
+    ``compilation_config={"cudagraph_capture_sizes": [...]}`` (or vLLM's ``CompilationConfig``)
+    sets the buckets (its other fields are ignored); ``tokenizer_mode="slow"`` asks transformers for a slow
     tokenizer, ``max_logprobs`` caps the ``logprobs``/``prompt_logprobs`` a request may ask
     (20; -1 for the whole vocabulary), ``scheduling_policy="priority"`` schedules by the
     ``priority=`` of ``generate``/``chat``/``enqueue``, and values dfllm cannot honour
@@ -177,7 +179,7 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner,
             hf_overrides=hf_overrides, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
             deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling,
-            quantization=quantization)
+            quantization=quantization, enforce_eager=enforce_eager, compilation_config=compilation_config)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

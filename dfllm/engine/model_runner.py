@@ -14,6 +14,7 @@ import torch
 from dfllm.config import EngineConfig
 from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.engine import kv_memory
+from dfllm.engine.cuda_graphs import CudaGraphRunner, unsupported_reason
 from dfllm.engine.pipeline import execute_step
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.step_inputs import StepInputs, StepOutput, attention_metadata, prepare_inputs
@@ -54,6 +55,10 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = self.kv_layout.heads, self.kv_layout.head_dim
         self.model: LlamaForCausalLM | None = self._build_model()  # None while dropped
         self.kv: torch.Tensor | None = None
+        # CUDA graphs of decode steps (dfllm.engine.cuda_graphs): set up on the first step after
+        # the weights or the KV cache last moved; None where the step runs eagerly
+        self.decode_graphs: CudaGraphRunner | None = None
+        self._graphs_set_up = False
 
     # ---- what vLLM's workers expose to collective_rpc callables ----------------------------------
     @property
@@ -87,19 +92,23 @@ class ModelRunner:
     def offload_weights(self) -> None:
         """Move the weights to host memory (a no-op on a CPU device)."""
         assert self.model is not None
+        self._drop_graphs()
         self.model.to("cpu")
         _release_device_memory(self.device)
 
     def onload_weights(self) -> None:
         assert self.model is not None
+        self._drop_graphs()
         self.model.to(self.device)
 
     def drop_weights(self) -> None:
         """Release the model entirely; ``reload_weights`` rebuilds it from the model files."""
+        self._drop_graphs()
         self.model = None
         _release_device_memory(self.device)
 
     def reload_weights(self) -> None:
+        self._drop_graphs()
         self.model = self._build_model()
         if self.kv is not None:
             self._attach(self.kv)
@@ -126,6 +135,7 @@ class ModelRunner:
         return max(0, budget // self.block_bytes)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._drop_graphs()
         self.kv = kv_memory.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
                                     self.head_dim, self.dtype, self.device, self.kv_layout.num_tensors)
         self._attach(self.kv)
@@ -136,6 +146,7 @@ class ModelRunner:
             kv_memory.zero_blocks(self.kv, block_ids)
 
     def free_kv_cache(self) -> None:
+        self._drop_graphs()
         if self.model is not None:
             self._attach(None)
         self.kv = None
@@ -176,12 +187,74 @@ class ModelRunner:
         sample, and of the prompt positions whose log-probabilities were asked for."""
         model = self.model
         assert model is not None  # not while the weights are dropped
+        if not self._graphs_set_up:
+            self.setup_decode_graphs()
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(sched):
+            return self._run_graph(graphs, sched)
         inputs = prepare_inputs(sched, self.block_size, self.device)
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.logit_rows.numel():
             return StepOutput(torch.empty(0, device=self.device), [])
         logits = model.compute_logits(hidden[inputs.logit_rows])
         return StepOutput.split(logits.float(), [inputs])
+
+    def _run_graph(self, graphs: CudaGraphRunner, sched: SchedulerOutput) -> StepOutput:
+        """A pure decode step through the static buffers (a graph replay); the logits of the
+        sequences that sample (all of them, but for a one-token prompt chunk not yet at its end)."""
+        model = self.model
+        assert model is not None
+        hidden = graphs.forward(sched.seqs)
+        rows = [i for i, s in enumerate(sched.seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        if not rows:
+            return StepOutput(torch.empty(0, device=self.device), [])
+        if len(rows) < len(sched.seqs):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = model.compute_logits(hidden)
+        return StepOutput(logits.float(), [sched.seqs[i] for i in rows])
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def setup_decode_graphs(self, capture: bool = True) -> CudaGraphRunner | None:
+        """Capture the decode graphs (``dfllm.engine.cuda_graphs``) where they apply: a model on
+        CUDA with the Triton kernels, on one rank, not ``enforce_eager``; None elsewhere (or if
+        the capture fails: a warning, and the steps run eagerly). ``run`` calls it on the first
+        step after the weights or the KV cache moved. ``capture=False`` sets up the same static
+        buffers and padding without graphs, on any device, for checking that path."""
+        self._drop_graphs()
+        self._graphs_set_up = True
+        model = self.model
+        if model is None or self.kv is None:
+            return None
+        sizes = self.cfg.cudagraph_capture_sizes
+        if capture:
+            if self.cfg.enforce_eager or not sizes:
+                return None
+            reason = unsupported_reason(model, device=self.device, ops_name=self.ops.name, parallel=self.parallel,
+                                        quantization=self.cfg.quantization)
+        else:
+            reason = unsupported_reason(model, ops_name=self.ops.name, parallel=self.parallel,
+                                        quantization=self.cfg.quantization)
+            sizes = sizes or (1,)
+        if reason is not None:
+            if self.device.type == "cuda" and capture:
+                logger.info("CUDA graphs off: %s; decode steps run eagerly", reason)
+            return None
+        try:
+            self.decode_graphs = CudaGraphRunner(model, sizes, self.block_size, self.max_model_len, self.device,
+                                                 capture=capture)
+        except Exception as exc:  # noqa: BLE001  (a failed capture costs speed, not results)
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s: %s", type(exc).__name__, exc)
+            _release_device_memory(self.device)
+        return self.decode_graphs
+
+    def _drop_graphs(self) -> None:
+        """Forget the graphs (they hold the addresses of the weights and of the KV cache): the
+        next step sets them up again."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
+        self._graphs_set_up = False
 
     # ---- RPC and lifecycle ------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),

@@ -27,9 +27,11 @@ REFUSED = [
     ("scheduling_policy", "lottery"), ("hf_overrides", "rope_theta=1e6"),
     ("distributed_executor_backend", "ray"),
     ("enforce_eager", "yes"), ("swap_space", -1), ("max_logprobs", -2),
+    ("compilation_config", {"cudagraph_capture_sizes": [0, 8]}), ("compilation_config", "O3"),
 ]
 
-ACCEPTED = dict(enforce_eager=True, disable_log_stats=False, swap_space=0, compilation_config={"level": 3},
+ACCEPTED = dict(enforce_eager=True, disable_log_stats=False, swap_space=0,
+                compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4]},
                 max_seq_len_to_capture=None, max_logprobs=-1, enable_chunked_prefill=False, enable_sleep_mode=True,
                 disable_custom_all_reduce=True, tokenizer_mode="hf", skip_tokenizer_init=False,
                 trust_remote_code=False, load_format="safetensors", revision=None, tokenizer_revision=None,
