@@ -7,7 +7,19 @@ default batch size 32; it sorts by length too). Both run in float32 on the CPU, 
 ``--repeats`` times; the medians and their ratio are printed, with the minimum cosine
 similarity between the two engines' embeddings.
 
+The same run measures the workload's matmul ceiling: the encoder's linear layers alone
+(q/k/v, attention output, the MLP's two layers, times the number of layers) in float32, at
+the token count of a length-sorted batch of 32 texts, the fastest of several passes of
+``F.linear`` and of oneDNN's prepacked GEMM (what dfllm runs), over the workload's real
+(unpadded) tokens. No float32 engine can beat it (attention, norms, GELU and padding come on
+top), so each engine's share of it shows how much headroom is left.
+
+``--quantization int8`` adds dfllm with ``quantization="int8"`` (dynamic int8 encoder layers,
+:mod:`dfllm.models.quantization`) to the alternation: its throughput, its ratio to
+sentence-transformers and its cosine similarity to dfllm float32's embeddings (min and mean).
+
     python benchmarks/bench_embed.py
+    python benchmarks/bench_embed.py --quantization int8
     python benchmarks/bench_embed.py --num-texts 200 --repeats 1     # quick check
 """
 
@@ -22,6 +34,7 @@ import time
 from datetime import datetime
 
 import torch
+import torch.nn.functional as F
 
 WORDS = ("the a of to and in is for on with as by at from that this it be are was data model query table "
          "column partition worker cluster parquet storage engine batch token prompt embedding vector search "
@@ -40,11 +53,57 @@ def time_it(fn) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, out
 
 
+def batch_tokens(lengths: list[int], batch: int = 32) -> int:
+    """Padded tokens of the median batch when ``lengths`` are sorted and cut into ``batch``-sized
+    batches (the shape a length-sorting engine hands the GEMM)."""
+    ordered = sorted(lengths, reverse=True)
+    sizes = sorted(max(ordered[i: i + batch]) * len(ordered[i: i + batch]) for i in range(0, len(ordered), batch))
+    return sizes[len(sizes) // 2]
+
+
+def linear_shapes(cfg) -> list[tuple[int, int]]:
+    """``(in, out)`` of one BERT layer's linear layers: fused q/k/v, attention output, MLP up, down."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [(h, 3 * h), (h, h), (h, i), (i, h)]
+
+
+def matmul_ceiling(cfg, tokens: int, passes: int = 5) -> tuple[float, float, float]:
+    """Seconds the encoder's float32 linear layers take on ``tokens`` rows, fastest of
+    ``passes`` (per shape, the faster of ``F.linear`` and oneDNN's prepacked GEMM), and the
+    GFLOP/s of ``F.linear`` and of the prepacked GEMM alone."""
+    torch.manual_seed(0)
+    best = {"F.linear": 0.0, "packed": 0.0, "either": 0.0}
+    for d_in, d_out in linear_shapes(cfg):
+        x, w, b = torch.randn(tokens, d_in), torch.randn(d_out, d_in) * 0.02, torch.zeros(d_out)
+        fns = {"F.linear": lambda x=x, w=w, b=b: F.linear(x, w, b)}
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            fns["packed"] = lambda x=x, p=packed, b=b: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+        shape_best = {}
+        with torch.inference_mode():
+            for name, fn in fns.items():
+                fn()  # warm-up
+                times = []
+                for _ in range(passes):
+                    start = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - start)
+                shape_best[name] = min(times)
+        best["F.linear"] += shape_best["F.linear"]
+        best["packed"] += shape_best.get("packed", shape_best["F.linear"])
+        best["either"] += min(shape_best.values())
+    layers = cfg.num_hidden_layers
+    flops = 2 * tokens * sum(a * b for a, b in linear_shapes(cfg)) * layers
+    return best["either"] * layers, flops / (best["F.linear"] * layers) / 1e9, flops / (best["packed"] * layers) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-texts", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--st-batch-size", type=int, default=32)
+    ap.add_argument("--quantization", choices=["int8"], default=None,
+                    help="also time dfllm with this quantization (alternating with the others)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -55,37 +114,65 @@ def main() -> None:
     texts = make_texts(args.num_texts)
     llm = LLM("all-minilm-l6-v2")
     st = SentenceTransformer(str(llm.config.model_path), device="cpu")
-    n_tokens = sum(len(ids) for ids in llm.get_tokenizer()(texts, truncation=True, max_length=256)["input_ids"])
+    lengths = [len(ids) for ids in llm.get_tokenizer()(texts, truncation=True, max_length=256)["input_ids"]]
+    n_tokens = sum(lengths)
     print(f"workload: {len(texts)} texts, {n_tokens} tokens after truncation to 256")
+    int8 = LLM("all-minilm-l6-v2", quantization=args.quantization) if args.quantization else None
 
-    def run_dfllm():
-        return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    def embed(engine):
+        return lambda: torch.tensor([o.outputs.embedding for o in engine.embed(texts, use_tqdm=False)])
 
     def run_st():
         return st.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True, show_progress_bar=False)
 
-    run_dfllm(), run_st()  # warm-up
-    times: dict[str, list[float]] = {"dfllm": [], "sentence-transformers": []}
+    runs = {"dfllm": embed(llm), "sentence-transformers": run_st}
+    if int8 is not None:
+        runs[f"dfllm {args.quantization}"] = embed(int8)
+    for fn in runs.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    outs: dict[str, torch.Tensor] = {}
     for r in range(args.repeats):
-        t_d, emb_d = time_it(run_dfllm)
-        t_s, emb_s = time_it(run_st)
-        times["dfllm"].append(t_d)
-        times["sentence-transformers"].append(t_s)
-        print(f"run {r + 1}: dfllm {len(texts) / t_d:.1f} texts/s, "
-              f"sentence-transformers {len(texts) / t_s:.1f} texts/s")
-    cos = torch.nn.functional.cosine_similarity(emb_d, emb_s.float()).min().item()
+        for k, fn in runs.items():
+            t, outs[k] = time_it(fn)
+            times[k].append(t)
+        print(f"run {r + 1}: " + ", ".join(f"{k} {len(texts) / v[-1]:.1f} texts/s" for k, v in times.items()))
+    cos = torch.nn.functional.cosine_similarity(outs["dfllm"], outs["sentence-transformers"].float()).min().item()
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n{'engine':<24}{'seconds':>10}{'texts/s':>10}{'tokens/s':>11}")
+
+    # the matmul ceiling, measured after the engines (same process, same threads)
+    m = batch_tokens(lengths)
+    per_call, gflops_linear, gflops_packed = matmul_ceiling(llm.config.hf_config, m)
+    ceiling = per_call * n_tokens / m
+    print(f"\nmatmul ceiling: the encoder's float32 linear layers alone on the {n_tokens} real tokens, at {m} tokens "
+          f"per call (a length-sorted batch of 32): {ceiling:.2f} s = {len(texts) / ceiling:.1f} texts/s, "
+          f"{n_tokens / ceiling:.0f} tokens/s (F.linear {gflops_linear:.0f} GFLOP/s, oneDNN packed "
+          f"{gflops_packed:.0f} GFLOP/s, the faster per shape)")
+    print(f"\n{'engine':<24}{'seconds':>10}{'texts/s':>10}{'tokens/s':>11}{'% of fp32 matmul ceiling':>26}")
+    print(f"{'(fp32 matmul ceiling)':<24}{ceiling:>10.2f}{len(texts) / ceiling:>10.1f}{n_tokens / ceiling:>11.0f}"
+          f"{100:>25}%")
     for k, t in med.items():
-        print(f"{k:<24}{t:>10.2f}{len(texts) / t:>10.1f}{n_tokens / t:>11.0f}")
+        print(f"{k:<24}{t:>10.2f}{len(texts) / t:>10.1f}{n_tokens / t:>11.0f}{100 * ceiling / t:>25.0f}%")
     ratio = med["sentence-transformers"] / med["dfllm"]
-    print(f"ratio dfllm/sentence-transformers: {ratio:.2f}x   (min cosine similarity {cos:.6f})")
+    print(f"ratio dfllm/sentence-transformers: {ratio:.2f}x   (min cosine similarity {cos:.6f}); "
+          f"float32 ceiling/sentence-transformers: {med['sentence-transformers'] / ceiling:.2f}x")
+    result = {"median_seconds": med, "ratio": ratio, "texts": len(texts), "tokens": n_tokens, "min_cosine": cos,
+              "matmul_ceiling_seconds": ceiling, "ceiling_tokens_per_call": m,
+              "ceiling_gflops": {"F.linear": gflops_linear, "packed": gflops_packed}}
+    if int8 is not None:
+        name = f"dfllm {args.quantization}"
+        q_cos = torch.nn.functional.cosine_similarity(outs[name], outs["dfllm"])
+        q_ratio = med["sentence-transformers"] / med[name]
+        print(f"ratio {name}/sentence-transformers: {q_ratio:.2f}x, {name}/dfllm float32: "
+              f"{med['dfllm'] / med[name]:.2f}x   (cosine similarity to dfllm float32: min "
+              f"{q_cos.min().item():.4f}, mean {q_cos.mean().item():.5f})")
+        result.update({"quantization": args.quantization, "quantized_ratio": q_ratio,
+                       "quantized_min_cosine": q_cos.min().item(), "quantized_mean_cosine": q_cos.mean().item()})
     print(f"date {datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
           f"CPUs {torch.get_num_threads()} threads, {platform.machine()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"median_seconds": med, "ratio": ratio, "texts": len(texts), "tokens": n_tokens,
-                       "min_cosine": cos}, f, indent=2)
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dfllm.models.registry import (
     is_generative,
     is_pooling_only,
     model_class,
+    pooling_model_class,
 )
 from dfllm.models.seq_cls import adapt_seq_cls_config
 from dfllm.models.sliding_window import honours_windows
@@ -116,7 +117,8 @@ class EngineConfig:
         support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
         for an encoder too; ``NotImplementedError`` for a parallel pooling model).
         ``max_logprobs=None`` is vLLM's default, 20. ``quantization="int8"`` (float32 decoders
-        on CPU, one rank) makes the linear layers dynamic int8 (:mod:`dfllm.models.quantization`)."""
+        and BERT-family encoders on CPU, one rank) makes linear layers dynamic int8
+        (:mod:`dfllm.models.quantization`)."""
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         max_logprobs = _check_max_logprobs(max_logprobs)
@@ -137,7 +139,7 @@ class EngineConfig:
         resolved_dtype = resolve_dtype(dtype, spec, dev)
         _check_model(spec, runner_type, max_len)
         _check_quantization(quantization, dev, resolved_dtype, runner_type, tensor_parallel_size,
-                            pipeline_parallel_size)
+                            pipeline_parallel_size, spec)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
         capture_sizes = parse_capture_sizes(compilation_config)
@@ -156,8 +158,9 @@ class EngineConfig:
 
 
 def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype, runner_type: str,
-                        tp: int, pp: int) -> None:
-    """``quantization`` is None or "int8"; int8 runs a float32 decoder on CPU, on one rank."""
+                        tp: int, pp: int, spec: ModelSpec | None = None) -> None:
+    """``quantization`` is None or "int8"; int8 runs a float32 generating decoder or pooling
+    encoder (BERT, RoBERTa, XLM-R, ColBERT; not a decoder used for pooling) on CPU, on one rank."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
@@ -165,9 +168,9 @@ def _check_quantization(quantization: str | None, device: torch.device, dtype: t
     where = f"quantization={quantization!r}"
     if device.type != "cpu":
         raise ValueError(f"{where} runs on CPU only (device {device}); on GPU use quantization=None")
-    if runner_type != "generate":
-        raise ValueError(f"{where} is for generating decoders; pooling models (embed, classify, score, encode) "
-                         "run float weights (quantization=None)")
+    if runner_type == "pooling" and spec is not None and pooling_model_class(spec)[1]:
+        raise ValueError(f"{where} serves generating decoders and pooling encoders (BERT, RoBERTa, XLM-R); "
+                         "a decoder used for pooling (embed, classify, score) runs quantization=None")
     if (tp, pp) != (1, 1):
         raise ValueError(f"{where} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1 "
                          f"(got {tp} and {pp})")

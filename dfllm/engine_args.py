@@ -146,7 +146,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("kv_cache_dtype", "auto", "refuses", "only `\"auto\"`: the KV cache has the model's dtype",
             _only(("auto",), "the KV cache always has the model's dtype ('auto')")),
     VllmArg("quantization", None, "maps", "`None` or `\"int8\"`: dynamic int8 linear layers for a float32 "
-            "decoder on CPU, one rank; quantized checkpoints and other methods refused",
+            "decoder or a BERT-family encoder on CPU, one rank; quantized checkpoints and other methods refused",
             _only((None, "int8"), "dfllm quantizes float weights on CPU with quantization='int8' only "
                                   "(accepted: None, 'int8')")),
     VllmArg("cpu_offload_gb", 0, "refuses", "only `0`: weights live on the device",

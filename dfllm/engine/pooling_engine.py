@@ -29,6 +29,7 @@ from dfllm.models.bert import BertForSequenceClassification
 from dfllm.models.cpu_linear import packing_available, prepack_linears
 from dfllm.models.loader import load_weights
 from dfllm.models.pooler import PoolerConfig, normalize, pool
+from dfllm.models.quantization import quantize_encoder
 from dfllm.models.registry import pooling_model_class
 from dfllm.outputs import RequestMetrics
 from dfllm.pooling_params import POOLING_TASKS, PoolingParams
@@ -172,6 +173,10 @@ def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
     attach = getattr(model, "attach_token_head", None)
     if attach is not None:
         attach(cfg.model_path)  # bge-m3's ColBERT head, when converted to safetensors
+    if cfg.quantization is not None:
+        # before prepacking, which only takes the float layers left (pooler, heads): the int8
+        # MLP layer fuses no GELU, so BertIntermediate applies it after the int8 GEMM
+        quantize_encoder(model, cfg.quantization)
     if packing_available(cfg.device, cfg.dtype):
         prepack_linears(model)
     return model.eval()

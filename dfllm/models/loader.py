@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from dfllm.models.quantization import Int8Destination, int8_destination, tied_int8_layers
 from dfllm.models.spec import ModelSpec
 
 logger = logging.getLogger("dfllm")
@@ -217,12 +218,15 @@ def update_weights(model: nn.Module, weights) -> list[str]:
     """Copy ``(name, tensor)`` pairs (checkpoint names) into ``model``; all are checked first.
 
     An unknown name, a non-float tensor or a wrong shape raises ``ValueError`` before any
-    parameter changes. Returns the parameter keys updated.
+    parameter changes. Returns the parameter keys updated. An int8 layer
+    (``quantization="int8"``) re-quantizes the rows it receives, and an int8 head tied to the
+    embeddings is re-quantized from the updated embedding table.
     """
     params = dict(model.named_parameters())
     rename = getattr(model, "checkpoint_name", None)
     packed = getattr(model, "packed_modules_mapping", PACKED)
     plan = []
+    int8_plan: list[tuple[Int8Destination, torch.Tensor]] = []
     for name, tensor in weights:
         key = rename(name) if rename else name
         own = _own_destination(model, key, lambda sl=None, t=tensor: _shard_of(t, sl)) if key is not None else None
@@ -234,7 +238,12 @@ def update_weights(model: nn.Module, weights) -> list[str]:
         if found is None:
             if key is None:  # another pipeline stage's tensor
                 continue
-            raise ValueError(f"update_weights: unknown tensor name {name!r}")
+            int8 = int8_destination(model, packed, key)
+            if int8 is None:
+                raise ValueError(f"update_weights: unknown tensor name {name!r}")
+            check_tensor(name, tensor, torch.empty(int8.shape, device="meta"), "update_weights")
+            int8_plan.append((int8, tensor))
+            continue
         shard = getattr(params[found[0]], "tp_shard", None)
         tensor = _shard_of(tensor, shard)
         found = (found[0], _shard_dest(found[1], params[found[0]], tensor))
@@ -243,4 +252,10 @@ def update_weights(model: nn.Module, weights) -> list[str]:
     with torch.no_grad():
         for (_, dest), tensor in plan:
             dest.copy_(tensor)
-    return [target for (target, _), _ in plan]
+        for int8, tensor in int8_plan:
+            int8.copy_(tensor)
+    updated = [target for (target, _), _ in plan]
+    for layer in tied_int8_layers(model, set(updated)):
+        assert layer.tied_to is not None  # tied_int8_layers matched it
+        layer.update_weight(params[layer.tied_to])
+    return updated + [int8.target for int8, _ in int8_plan]
