@@ -15,7 +15,7 @@ from helpers import build_tiny_model
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64, 200])
+@pytest.mark.parametrize("rows", [1, 3, 64, 200, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_equals_f_linear(rows, bias):
     torch.manual_seed(rows)

@@ -3,7 +3,8 @@
 On CPU, ``torch.nn.Linear`` re-lays its weight out for the GEMM on every call; oneDNN can
 do that once (the path PyTorch's own compiler uses after freezing). It measured 1.1-1.3x
 faster per GEMM here in float32, with results equal to ``F.linear`` up to float rounding
-(about 1e-6 relative), and up to 1.7x faster at the small batches of a decode step.
+(about 1e-6 relative); for a decoder's layers streamed one after another it was 1.1x faster
+at the small batches of a decode step and no faster for prefill chunks.
 
 Two forms:
 
@@ -47,9 +48,16 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+# Above this many rows (a prefill chunk) F.linear's GEMM was as fast or faster (SmolLM2's shapes,
+# all 30 layers streamed, 2026-12-01: packed 1.1x F.linear at 8-32 and 256 rows, even at 64-128,
+# 0.91x at 512 and 2048)
+PACKED_MAX_ROWS = 256
+
+
 class PackableLinear(nn.Linear):
-    """``nn.Linear`` that multiplies through a oneDNN-packed copy of its weight once
-    :meth:`pack` has run (CPU, float32), and exactly like ``nn.Linear`` otherwise."""
+    """``nn.Linear`` that multiplies batches of at most :data:`PACKED_MAX_ROWS` rows through a
+    oneDNN-packed copy of its weight once :meth:`pack` has run (CPU, float32), and exactly
+    like ``nn.Linear`` otherwise."""
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
 
@@ -65,7 +73,8 @@ class PackableLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        rows = x.numel() // max(1, x.shape[-1])
+        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or rows > PACKED_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         if packed[0] != _weight_key(self.weight) and not self.pack():
             return F.linear(x, self.weight, self.bias)
