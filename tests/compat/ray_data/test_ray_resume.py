@@ -51,21 +51,28 @@ def make_postprocess(upper):
 '''
 
 
-def _fingerprints(tmp_path: Path, source: str, seed: int) -> list[str]:
-    """The fingerprints of a module's functions, computed in a fresh Python process."""
-    (tmp_path / f"mod_{seed}").mkdir()
-    (tmp_path / f"mod_{seed}" / "user_module.py").write_text(textwrap.dedent(source))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import user_module as m; "
-            "from dfllm.jobs.fingerprint import fingerprint; "
-            "print(fingerprint(m.preprocess), fingerprint(m.make_postprocess(True)), "
+def _fingerprints(tmp_path: Path, sources: list[str], seed: int) -> list[list[str]]:
+    """The fingerprints of each module's functions, computed in one fresh Python process
+    (hash seed ``seed``); every source is imported in turn as the same module, ``user_module``."""
+    dirs = []
+    for i, source in enumerate(sources):
+        (tmp_path / f"mod_{seed}_{i}").mkdir()
+        (tmp_path / f"mod_{seed}_{i}" / "user_module.py").write_text(textwrap.dedent(source))
+        dirs.append(str(tmp_path / f"mod_{seed}_{i}"))
+    code = ("import importlib, sys\n"
+            "from dfllm.jobs.fingerprint import fingerprint\n"
+            "for path in sys.argv[1:]:\n"
+            "    sys.path.insert(0, path); sys.modules.pop('user_module', None)\n"
+            "    m = importlib.import_module('user_module'); sys.path.remove(path)\n"
+            "    print(fingerprint(m.preprocess), fingerprint(m.make_postprocess(True)), "
             "fingerprint(m.make_postprocess(False)))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"mod_{seed}")], check=True,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
-    return out.stdout.split()
+    out = subprocess.run([sys.executable, "-c", code, *dirs], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": str(seed)})
+    return [line.split() for line in out.stdout.splitlines()]
 
 
 def test_fingerprint_is_stable_across_processes_and_sees_changes(tmp_path):
-    first, again = _fingerprints(tmp_path, MODULE, 1), _fingerprints(tmp_path, MODULE, 2)
+    [first], [again] = _fingerprints(tmp_path, [MODULE], 1), _fingerprints(tmp_path, [MODULE], 2)
     assert first == again  # a re-run of the same script: same fingerprints, whatever the hash seed
     assert first[1] != first[2]  # the closure's value counts
     edits = {  # every one of these changes what preprocess does
@@ -74,11 +81,12 @@ def test_fingerprint_is_stable_across_processes_and_sees_changes(tmp_path):
         "a helper of its module": MODULE.replace('x.strip()', 'x.lower()'),
         "a default": MODULE.replace("n=1", "n=2"),
     }
-    for seed, (what, source) in enumerate(edits.items(), start=3):
-        assert _fingerprints(tmp_path, source, seed)[0] != first[0], what
     # comments, blank lines and line numbers do not count
     moved = "\n\n# a comment\n" + MODULE.replace("def helper(x):", "def helper(x):  # strips")
-    assert _fingerprints(tmp_path, moved, 10) == first
+    *edited, same = _fingerprints(tmp_path, [*edits.values(), moved], 3)
+    for what, prints in zip(edits, edited):
+        assert prints[0] != first[0], what
+    assert same == first
 
 
 def test_fingerprint_of_callables():
