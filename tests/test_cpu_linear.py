@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dfllm import LLM, SamplingParams
-from dfllm.models.cpu_linear import PackableLinear, pack_linears
+from dfllm.models.cpu_linear import PackableLinear, pack_linears, repack_linears
 
 from helpers import build_tiny_model
 
@@ -44,6 +44,21 @@ def test_not_packed_where_onednn_cannot_take_it():
     assert not layer.pack() and layer._packed is None
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_model_whose_copies_exceed_the_memory_budget_is_not_packed():
+    model = torch.nn.Sequential(PackableLinear(64, 64), PackableLinear(64, 32))
+    size = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("weight"))
+    assert pack_linears(model, budget_bytes=size - 1) == 0
+    assert all(m._packed is None for m in model)
+    repack_linears(model)  # packs only what was packed: nothing
+    assert all(m._packed is None for m in model)
+    assert pack_linears(model, budget_bytes=size) == 2
+    with torch.no_grad():
+        model[0].weight.data.mul_(2)  # through .data: invisible to the version counter
+    repack_linears(model)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_written_through_data_by_an_rpc_callable_are_served(tmp_path, smollm2_dir):

@@ -20,7 +20,7 @@ from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.step_inputs import StepInputs, StepOutput, attention_metadata, prepare_inputs
 from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import PrefillSpan
-from dfllm.models.cpu_linear import pack_linears
+from dfllm.models.cpu_linear import pack_linears, repack_linears
 from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
 from dfllm.models.quantization import quantize_model
@@ -292,7 +292,7 @@ def rpc_target(runner: ModelRunner, method: str | Callable) -> Callable:
         finally:
             model = getattr(runner, "model", None)
             if isinstance(model, torch.nn.Module):
-                pack_linears(model)
+                repack_linears(model)
 
     return call
 
