@@ -227,15 +227,11 @@ class ModelRunner:
         if model is None or self.kv is None:
             return None
         sizes = self.cfg.cudagraph_capture_sizes
-        if capture:
-            if self.cfg.enforce_eager or not sizes:
-                return None
-            reason = unsupported_reason(model, device=self.device, ops_name=self.ops.name, parallel=self.parallel,
-                                        quantization=self.cfg.quantization)
-        else:
-            reason = unsupported_reason(model, ops_name=self.ops.name, parallel=self.parallel,
-                                        quantization=self.cfg.quantization)
-            sizes = sizes or (1,)
+        if capture and (self.cfg.enforce_eager or not sizes):
+            return None
+        reason = unsupported_reason(model, device=self.device if capture else None, ops_name=self.ops.name,
+                                    parallel=self.parallel, quantization=self.cfg.quantization)
+        sizes = sizes or (1,)
         if reason is not None:
             if self.device.type == "cuda" and capture:
                 logger.info("CUDA graphs off: %s; decode steps run eagerly", reason)

@@ -41,17 +41,31 @@ class PackedLinear(nn.Module):
     into the GEMM; ``fused_activation`` then tells the caller not to apply it again.
     """
 
+    packed_weight: torch.Tensor  # buffers
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fused_activation = getattr(linear, "fusable_activation", None)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
+        self.register_buffer("packed_weight", _reorder(linear.weight))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_activation == "gelu":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "gelu", [], "none")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return _packed_linear(x, self.packed_weight, self.bias, self.fused_activation == "gelu")
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` laid out for oneDNN's GEMM (an opaque copy)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   gelu: bool = False) -> torch.Tensor:
+    if gelu:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "none")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # Above this many rows (a prefill chunk) F.linear's GEMM was as fast or faster (SmolLM2's shapes,
@@ -73,19 +87,18 @@ class PackableLinear(nn.Linear):
         if not packing_available(w.device, w.dtype):
             self._packed = None
             return False
-        with torch.no_grad():
-            self._packed = (_weight_key(w), torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        self._packed = (_weight_key(w), _reorder(w))
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        rows = x.numel() // max(1, x.shape[-1])
-        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or rows > PACKED_MAX_ROWS:
+        # a weight written, replaced or moved (to another device or dtype) is packed again, or
+        # no longer packed where oneDNN cannot take it
+        if packed is not None and packed[0] != _weight_key(self.weight):
+            packed = self._packed if self.pack() else None
+        if packed is None or x.numel() > PACKED_MAX_ROWS * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
-        if packed[0] != _weight_key(self.weight) and not self.pack():
-            return F.linear(x, self.weight, self.bias)
-        assert self._packed is not None
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], self.bias, "none", [], "")
+        return _packed_linear(x, packed[1], self.bias)
 
 
 def _weight_key(w: torch.Tensor) -> tuple[int, int]:
