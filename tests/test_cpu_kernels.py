@@ -184,6 +184,26 @@ def test_rotary_on_views_of_qkv(cpu_ops, dtype):
     assert rel_err(got_q, want_q) < TOL[dtype] and rel_err(got_k, want_k) < TOL[dtype]
 
 
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 49152 + 5])
+def test_argmax_rows_matches_torch_ties_nan_and_inf_included(cpu_ops, width):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width + 3, generator=g)[:, 2 : 2 + width]  # rows with a stride, as row slices are
+    last = width - 1
+    x[1, last] = 50.0  # the maximum in the tail past the last full vector
+    x[2, :] = float("-inf")
+    x[3, min(3, last)] = x[3, last] = 100.0  # a tie: the first one wins
+    x[4, last] = float("nan")
+    x[5, min(1, last)] = float("inf")
+    x[5, last] = float("nan")  # a NaN after a +inf: the NaN wins, as in torch
+    x[6, :] = 7.0
+    x[7, last // 2] = float("inf")
+    assert not x.is_contiguous()
+    _cpu.load()  # argmax_rows_cpu never starts a build; the fixture built the kernels
+    got = _cpu.argmax_rows_cpu(x)
+    assert _cpu.loaded() and got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
 def test_auto_picks_the_cpu_kernels_and_torch_forces_the_references():
     assert select_ops("auto", torch.device("cpu")).name == "cpu"
     assert select_ops("torch", torch.device("cpu")) is TORCH_OPS

@@ -24,6 +24,7 @@ import torch
 from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.structured import apply_masks
+from dfllm.kernels._cpu import argmax_rows_cpu
 from dfllm.sampling_params import SamplingParams
 
 
@@ -116,14 +117,14 @@ class Sampler:
         """The chosen token of every row (``[rows]``, on the logits' device)."""
         rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if not rows:
-            return logits.argmax(dim=-1)
+            return argmax_rows_cpu(logits)
         probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
         noise = race_noise(probs, [seqs[i].generator for i in rows], self.generator(logits.device),
                            one_launch=logits.device.type != "cpu")
-        drawn = (probs / noise).argmax(dim=-1)
+        drawn = argmax_rows_cpu(probs / noise)
         if len(rows) == len(seqs):
             return drawn
-        chosen = logits.argmax(dim=-1)  # the greedy rows'
+        chosen = argmax_rows_cpu(logits)  # the greedy rows'
         chosen[_index(rows, logits.device)] = drawn
         return chosen
 

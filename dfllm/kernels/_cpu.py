@@ -12,6 +12,9 @@ references (:func:`load` returns None).
   paged cache through its block table, instead of gathering them into a padded tensor.
 * :func:`rms_norm_cpu`, :func:`silu_and_mul_cpu`, :func:`rotary_cpu`: one pass over memory
   each, instead of PyTorch's several element-wise kernels and temporaries.
+* :func:`argmax_rows_cpu`: greedy sampling's argmax over ``[rows, vocab]`` float32 logits,
+  vectorised (torch's CPU argmax tracks its index scalar by scalar: 12x slower at SmolLM2's
+  49,152-token vocabulary); the same indices as ``torch.argmax``, ties and NaN included.
 
 They agree with the references up to float rounding (the order of a few reductions differs),
 which the tests check; greedy fidelity against transformers is measured by log-probabilities.
@@ -92,6 +95,11 @@ def available() -> bool:
     return load() is not None
 
 
+def loaded() -> bool:
+    """Whether this process has already loaded the CPU kernels (never starts a build)."""
+    return load.cache_info().currsize > 0 and load() is not None
+
+
 def paged_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,3 +163,14 @@ def rotary_cpu(
     ext = load()
     assert ext is not None
     return ext.rotary(q, cos, sin), ext.rotary(k, cos, sin)
+
+
+def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D ``x``, through the vectorised kernel where it applies
+    (float32 on the CPU, contiguous rows, the kernels already loaded in this process)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0
+            or x.stride(1) != 1 or not loaded()):
+        return x.argmax(dim=-1)
+    ext = load()
+    assert ext is not None
+    return ext.argmax_rows(x)

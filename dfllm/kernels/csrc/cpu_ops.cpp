@@ -412,6 +412,57 @@ void rotary_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, co
   });
 }
 
+// The index of each row's largest value, as torch.argmax: the first one among ties, and the
+// first NaN of a row that has one. Two passes over a row (its maximum, then where it first
+// occurs) instead of torch's scalar-tracking loop over [rows, vocab] logits: a row of a large
+// vocabulary stays in L2 between them.
+void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * xs;
+      float m = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 mv = _mm512_set1_ps(m);
+      __mmask16 unordered = 0;
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(row + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(mv, v);
+      }
+      m = _mm512_reduce_max_ps(mv);
+      nan = unordered != 0;
+#endif
+      for (; i < n; ++i) {
+        m = std::max(m, row[i]);
+        nan = nan || row[i] != row[i];
+      }
+      int64_t at = 0;
+#if defined(__AVX512F__)
+      const __m512 target = _mm512_set1_ps(m);
+      for (; at + 16 <= n; at += 16) {
+        const __m512 v = _mm512_loadu_ps(row + at);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) {
+          at += __builtin_ctz(static_cast<unsigned>(hit));
+          break;
+        }
+      }
+#endif
+      if (nan) {
+        while (row[at] == row[at]) ++at;
+      } else {
+        while (at < n - 1 && row[at] != m) ++at;  // all -inf: the first, as torch
+      }
+      op[r] = at;
+    }
+  });
+}
+
 #define DFLLM_DISPATCH(dtype, NAME, ...)                                              \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, dtype, NAME, \
                                   [&] { __VA_ARGS__; })
@@ -491,9 +542,18 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "x must be float32 [rows, n > 0] with contiguous rows");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  argmax_rows_impl(out, x);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary", &rotary);
+  m.def("argmax_rows", &argmax_rows);
 }
