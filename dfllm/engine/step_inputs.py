@@ -57,7 +57,8 @@ class StepOutput:
             for span in mb.prompt_spans:
                 prompt.append((span, logits[at : at + span.count]))
                 at += span.count
-        sample_logits = torch.cat(sample) if sample else logits[:0]
+        # one micro-batch (every step but a pipeline's): its rows are a view, not a copy
+        sample_logits = torch.cat(sample) if len(sample) > 1 else sample[0] if sample else logits[:0]
         return cls(sample_logits, [s for mb in inputs for s in mb.sample_seqs], prompt)
 
 
