@@ -610,6 +610,8 @@ def parse_args() -> argparse.Namespace:
                    help="weights and activations of dfllm and transformers (bfloat16 for a GPU check)")
     p.add_argument("--device", default="auto",
                    help="'auto' (CUDA when available), 'cpu' or 'cuda'; dfllm and transformers use it")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                   help="dfllm's kv_cache_dtype (opt-in bfloat16: half the bytes decode attention reads)")
     p.add_argument("--ceiling-batch", type=int, default=None,
                    help="rows of the matmul ceiling (default: min(num_prompts, max_num_seqs))")
     p.add_argument("--ceiling-passes", type=int, default=6, help="timed passes of the ceiling; the fastest counts")
@@ -630,7 +632,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     modes = MODES if args.mode == "both" else (args.mode,)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = llm.get_tokenizer()
     eos_ids = set(getattr(llm.llm_engine, "eos_token_ids", None) or {tokenizer.eos_token_id})
     prompts, max_tokens = build_workload(tokenizer, args.num_prompts)

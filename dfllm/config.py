@@ -34,6 +34,7 @@ DTYPES = {
 }
 RUNNERS = ("auto", "generate", "pooling")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}  # vLLM's kv_cache_dtype values dfllm serves
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default
 
 
@@ -77,6 +78,13 @@ class EngineConfig:
     # the batch-size buckets captured (vLLM's compilation_config.cudagraph_capture_sizes)
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = ()
+    # the KV cache's element type when it differs from the model's (vLLM's kv_cache_dtype)
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The element type of the KV cache: ``kv_cache_dtype``, else the model's dtype."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def world_size(self) -> int:
@@ -110,6 +118,7 @@ class EngineConfig:
         quantization: str | None = None,
         enforce_eager: bool = False,
         compilation_config: Any = None,
+        kv_cache_dtype: str = "auto",
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
@@ -118,7 +127,9 @@ class EngineConfig:
         for an encoder too; ``NotImplementedError`` for a parallel pooling model).
         ``max_logprobs=None`` is vLLM's default, 20. ``quantization="int8"`` (float32 decoders
         and BERT-family encoders on CPU, one rank) makes linear layers dynamic int8
-        (:mod:`dfllm.models.quantization`)."""
+        (:mod:`dfllm.models.quantization`). ``kv_cache_dtype="bfloat16"`` stores keys and
+        values in bfloat16 under a float32 or float16 model (half the cache memory and the
+        bytes decode attention reads; each key and value rounded once, when written)."""
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         max_logprobs = _check_max_logprobs(max_logprobs)
@@ -142,6 +153,9 @@ class EngineConfig:
                             pipeline_parallel_size, spec)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
         capture_sizes = parse_capture_sizes(compilation_config)
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(max_num_seqs)
@@ -154,6 +168,7 @@ class EngineConfig:
             model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
             deduplicate_requests=bool(deduplicate_requests), prefix_aware_scheduling=bool(prefix_aware_scheduling),
             quantization=quantization, enforce_eager=enforce_eager, cudagraph_capture_sizes=capture_sizes,
+            kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype,
         )
 
 

@@ -143,8 +143,11 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
             _only((None,), _LOCAL)),
     VllmArg("tokenizer_revision", None, "refuses", "only `None` (as `revision`)", _only((None,), _LOCAL)),
     VllmArg("download_dir", None, "refuses", "only `None`: nothing is downloaded", _only((None,), _LOCAL)),
-    VllmArg("kv_cache_dtype", "auto", "refuses", "only `\"auto\"`: the KV cache has the model's dtype",
-            _only(("auto",), "the KV cache always has the model's dtype ('auto')")),
+    VllmArg("kv_cache_dtype", "auto", "maps", "`\"auto\"` (the model's dtype) or `\"bfloat16\"`: keys and "
+            "values stored in bfloat16 under a float32/float16 model (half the cache memory and half the bytes "
+            "decode attention reads); fp8 refused",
+            _only(("auto", "bfloat16"), "dfllm stores the KV cache in the model's dtype ('auto') or in "
+                                        "'bfloat16'")),
     VllmArg("quantization", None, "maps", "`None` or `\"int8\"`: dynamic int8 linear layers for a float32 "
             "decoder or a BERT-family encoder on CPU, one rank; quantized checkpoints and other methods refused",
             _only((None, "int8"), "dfllm quantizes float weights on CPU with quantization='int8' only "
@@ -175,7 +178,7 @@ def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
     An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
     naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
     tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides``, ``quantization``,
-    ``enforce_eager`` and ``compilation_config`` go to :meth:`dfllm.config.EngineConfig.create`;
+    ``kv_cache_dtype``, ``enforce_eager`` and ``compilation_config`` go to :meth:`dfllm.config.EngineConfig.create`;
     everything else accepted is a no-op.
     """
     unknown = sorted(set(kwargs) - set(BY_NAME))

@@ -179,7 +179,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner,
             hf_overrides=hf_overrides, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
             deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling,
-            quantization=quantization, enforce_eager=enforce_eager, compilation_config=compilation_config)
+            quantization=quantization, enforce_eager=enforce_eager, compilation_config=compilation_config,
+            kv_cache_dtype=kv_cache_dtype)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

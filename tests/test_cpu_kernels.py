@@ -102,6 +102,21 @@ def test_attention_mixed_batch(cpu_ops, dtype, kv_heads, group, head_dim, bs):
     assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 48: the portable loop, not the AVX-512 one
+def test_attention_bfloat16_cache_under_float32_queries(cpu_ops, head_dim):
+    """kv_cache_dtype="bfloat16": the kernel widens the cached values itself, as the reference's cast does."""
+    q, k, v, kc, vc, meta = attention_batch(MIXED, 3, 3, head_dim, 16, torch.float32, seed=11)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    assert got.dtype == torch.float32
+    assert rel_err(got, want) < TOL[torch.float32]
+    direct = torch.empty_like(q)  # the decodes went through the kernel, not a fallback to the reference
+    d = meta.decodes
+    _cpu.load().decode_attention(direct, q, kc, vc, d.rows, d.block_tables, d.seq_lens, head_dim**-0.5, 0, 0.0)
+    assert torch.equal(got[d.rows], direct[d.rows])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_decodes_only_with_strided_queries(cpu_ops, dtype):
     """Queries as the layer hands them over: a view into the fused qkv projection."""

@@ -151,3 +151,18 @@ def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_defau
     assert run(llm, smol_chat_prompts, [24] * 5) == token_ids(smol_default)
     if variant == "chunked+preempt":
         assert llm.engine.stats().num_preemptions > 0
+
+
+def test_bfloat16_kv_cache_is_logprob_close_to_the_float32_cache(smollm2_dir, smol_chat_prompts, smol_default):
+    """kv_cache_dtype="bfloat16" under the float32 model: the cache holds bfloat16 (twice the
+    blocks in the same bytes) and greedy outputs stay log-prob close to the float32 cache's."""
+    import torch
+
+    fp32_block = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2-135M: K and V, 30 layers, 16 slots, 3 KV heads of 64
+    llm = LLM(smollm2_dir, kv_cache_dtype="bfloat16", kv_cache_memory_bytes=64 * fp32_block, max_model_len=512)
+    assert llm.config.kv_dtype == torch.bfloat16 and llm.config.dtype == torch.float32
+    assert llm.engine.runner.kv.dtype == torch.bfloat16
+    assert llm.engine.num_blocks == 128
+    got = dfllm_greedy_logprobs(llm, smol_chat_prompts, 24)
+    check_logprobs_close(got, smol_default, "kv bfloat16", "kv float32")
+    assert LLM(smollm2_dir, kv_cache_dtype="bfloat16", dtype="bfloat16").config.kv_cache_dtype is None  # "auto" then

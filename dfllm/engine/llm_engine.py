@@ -73,7 +73,7 @@ class LLMEngine:
             raise
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s", num_blocks,
                     cfg.block_size, num_blocks * cfg.block_size, num_blocks * self.runner.block_bytes / 2**20,
-                    str(cfg.dtype).removeprefix("torch."), cfg.device)
+                    str(cfg.kv_dtype).removeprefix("torch."), cfg.device)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=cfg.enable_prefix_caching,

@@ -116,7 +116,8 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_memory.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+        return kv_memory.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                         self.cfg.kv_dtype,
                                          self.kv_layout.num_tensors)
 
     def plan_num_blocks(self) -> int:
@@ -137,7 +138,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._drop_graphs()
         self.kv = kv_memory.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
-                                    self.head_dim, self.dtype, self.device, self.kv_layout.num_tensors)
+                                    self.head_dim, self.cfg.kv_dtype, self.device, self.kv_layout.num_tensors)
         self._attach(self.kv)
 
     def zero_blocks(self, block_ids: list[int]) -> None:

@@ -9,7 +9,8 @@ references (:func:`load` returns None).
 
 * :func:`paged_attention_cpu`: prefill spans as the reference does (SDPA over their keys);
   every decode of the step in one call that reads its keys and values straight from the
-  paged cache through its block table, instead of gathering them into a padded tensor.
+  paged cache through its block table, instead of gathering them into a padded tensor
+  (a bfloat16 cache under float32 queries, ``kv_cache_dtype="bfloat16"``, widened on load).
 * :func:`rms_norm_cpu`, :func:`silu_and_mul_cpu`, :func:`rotary_cpu`: one pass over memory
   each, instead of PyTorch's several element-wise kernels and temporaries.
 * :func:`argmax_rows_cpu`: greedy sampling's argmax over ``[rows, vocab]`` float32 logits,
@@ -114,7 +115,8 @@ def paged_attention_cpu(
     """:func:`~dfllm.kernels.paged_attention.paged_attention_torch`, with the step's decodes
     attended by the C++ kernel straight from the paged cache."""
     decodes = meta.decodes
-    if decodes is None or q.dtype not in DTYPES or k_cache.dtype != q.dtype:
+    mixed = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16  # kv_cache_dtype="bfloat16"
+    if decodes is None or q.dtype not in DTYPES or (k_cache.dtype != q.dtype and not mixed):
         return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
     ext = load()
     assert ext is not None  # select_ops picks these kernels only once they are built

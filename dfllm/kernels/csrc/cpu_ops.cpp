@@ -69,7 +69,7 @@ inline void load(float* dst, const T* src, int64_t n) {
 // Only the positions [start, len) are read: padding and blocks before a sliding window never are.
 // DIM > 0 fixes the head dimension at compile time (the common 64 and 128), so that the dot
 // products and sums over it unroll into a few vector instructions.
-template <typename T, int DIM>
+template <typename T, typename TC, int DIM>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& tables,
                            const at::Tensor& lens, double scale, int64_t window, double softcap) {
@@ -77,8 +77,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), width = tables.size(1);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const TC* kp = k_cache.data_ptr<TC>();
+  const TC* vp = v_cache.data_ptr<TC>();
   T* op = out.data_ptr<T>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -100,9 +100,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       load(qf.data(), qp + rp[i] * q_row, heads * dim);
       // pass 1: scores [heads, span]
       for (int64_t j = start; j < len; ++j) {
-        const T* key = kp + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * slot;
+        const TC* key = kp + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * slot;
         const float* kf;
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<TC, float>) {
           kf = key;
         } else {
           load(kv.data(), key, slot);
@@ -121,6 +121,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           for (int64_t j = 0; j < span; ++j) s[j] = cap * std::tanh(s[j] / cap);
         }
         float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < span; ++j) m = std::max(m, s[j]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -133,9 +134,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       // pass 2: weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len; ++j) {
-        const T* value = vp + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * slot;
+        const TC* value = vp + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * slot;
         const float* vf;
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<TC, float>) {
           vf = value;
         } else {
           load(kv.data(), value, slot);
@@ -201,7 +202,7 @@ inline __m512 sum_lanes16(__m512 x[16]) {
 // dot products end in one transposing reduction, and its value accumulator stays in registers
 // through the chunk. The same two passes and softmax as decode_attention_impl, so the same
 // results up to the order of the float32 additions within a dot product.
-template <typename T, int DIM>
+template <typename T, typename TC, int DIM>
 void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& tables,
                              const at::Tensor& lens, double scale, int64_t window, double softcap) {
@@ -212,19 +213,30 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
   const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), width = tables.size(1);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const TC* kp = k_cache.data_ptr<TC>();
+  const TC* vp = v_cache.data_ptr<TC>();
   T* op = out.data_ptr<T>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), o_row = out.stride(0);
   const int64_t slot = kv_heads * DIM;  // elements per cached token
-  const int64_t slot_bytes = slot * static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = slot * static_cast<int64_t>(sizeof(TC));
   const float cap = static_cast<float>(softcap), sc = static_cast<float>(scale);
 
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * DIM), acc(heads * DIM), scores, total(heads);
+    std::vector<float> wide(std::is_same_v<TC, float> ? 0 : CHUNK * slot);
+    // a chunk of keys or values as float32: the cache itself, or (bfloat16/float16) widened
+    // once into `wide` rather than once per query head that reads it
+    auto as_float = [&](const TC* p, int64_t m) -> const float* {
+      if constexpr (std::is_same_v<TC, float>) {
+        return p;
+      } else {
+        for (int64_t e = 0; e < m * slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
+        return wide.data();
+      }
+    };
     for (int64_t i = begin; i < end; ++i) {
       const int64_t len = lp[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -237,7 +249,7 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
         return (static_cast<int64_t>(table[b]) * bs + j % bs) * slot;
       };
       // the next chunk's cache lines, a share of them on each query head's turn
-      auto next_lines = [&](const T* cache, int64_t j, int64_t& lines) -> const char* {
+      auto next_lines = [&](const TC* cache, int64_t j, int64_t& lines) -> const char* {
         lines = 0;
         if (j >= len) return nullptr;
         int64_t m;
@@ -254,18 +266,19 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
       // pass 1: scores [heads, span]
       for (int64_t j = start; j < len;) {
         int64_t m;
-        const T* key = kp + chunk(j, m);
+        const TC* key_at = kp + chunk(j, m);
         int64_t lines;
         const char* ahead = next_lines(kp, j + m, lines);
+        const float* key = as_float(key_at, m);
         for (int64_t hq = 0; hq < heads; ++hq) {
           prefetch(ahead, lines, hq);
-          const T* kh = key + (hq / group) * DIM;
+          const float* kh = key + (hq / group) * DIM;
           __m512 qv[C], dots[CHUNK];
           for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(&qf[hq * DIM + c * 16]);
           for (int64_t t = 0; t < CHUNK; ++t) {
             if (t < m) {
-              __m512 d = _mm512_mul_ps(qv[0], load16(kh + t * slot));
-              for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(qv[c], load16(kh + t * slot + c * 16), d);
+              __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + t * slot));
+              for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kh + t * slot + c * 16), d);
               dots[t] = d;
             } else {
               dots[t] = _mm512_setzero_ps();
@@ -282,6 +295,7 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
           for (int64_t j = 0; j < span; ++j) s[j] = cap * std::tanh(s[j] / cap);
         }
         float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < span; ++j) mx = std::max(mx, s[j]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -295,19 +309,20 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len;) {
         int64_t m;
-        const T* value = vp + chunk(j, m);
+        const TC* value_at = vp + chunk(j, m);  // sets m
+        const float* value = as_float(value_at, m);
         int64_t lines;
         const char* ahead = next_lines(vp, j + m, lines);
         for (int64_t hq = 0; hq < heads; ++hq) {
           prefetch(ahead, lines, hq);
-          const T* vh = value + (hq / group) * DIM;
+          const float* vh = value + (hq / group) * DIM;
           const float* w = &scores[hq * span + (j - start)];
           float* a = &acc[hq * DIM];
           __m512 av[C];
           for (int c = 0; c < C; ++c) av[c] = _mm512_loadu_ps(a + c * 16);
           for (int64_t t = 0; t < m; ++t) {
             const __m512 wt = _mm512_set1_ps(w[t]);
-            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wt, load16(vh + t * slot + c * 16), av[c]);
+            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vh + t * slot + c * 16), av[c]);
           }
           for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + c * 16, av[c]);
         }
@@ -463,6 +478,31 @@ void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// The kernel specialised for the head dimension (q and out of type T, the KV caches of type TC).
+template <typename T, typename TC>
+void decode_attention_dims(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens, double scale,
+                           int64_t window, double softcap) {
+  const int64_t dim = q.size(2);
+#if defined(__AVX512F__)
+  if (dim == 32) {
+    decode_attention_avx512<T, TC, 32>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  } else if (dim == 64) {
+    decode_attention_avx512<T, TC, 64>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  } else if (dim == 128) {
+    decode_attention_avx512<T, TC, 128>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  } else {
+#else
+  if (dim == 64) {
+    decode_attention_impl<T, TC, 64>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  } else if (dim == 128) {
+    decode_attention_impl<T, TC, 128>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  } else {
+#endif
+    decode_attention_impl<T, TC, 0>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  }
+}
+
 #define DFLLM_DISPATCH(dtype, NAME, ...)                                              \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, dtype, NAME, \
                                   [&] { __VA_ARGS__; })
@@ -477,33 +517,21 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_c
               "out must be shaped like q, each row contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
   TORCH_CHECK(q.stride(1) == q.size(2), "q's heads of one token must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "q, out and the KV caches must share one dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q and out must share one dtype, the KV caches one dtype: q's, or bfloat16 under float32 queries");
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
               "rows must be int64, block tables and lengths int32");
   TORCH_CHECK(rows.is_contiguous() && tables.is_contiguous() && lens.is_contiguous(), "metadata must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  const int64_t dim = q.size(2);
-  DFLLM_DISPATCH(q.scalar_type(), "decode_attention", {
-#if defined(__AVX512F__)
-    if (dim == 32) {
-      decode_attention_avx512<scalar_t, 32>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-    } else if (dim == 64) {
-      decode_attention_avx512<scalar_t, 64>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-    } else if (dim == 128) {
-      decode_attention_avx512<scalar_t, 128>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-    } else {
-#else
-    if (dim == 64) {
-      decode_attention_impl<scalar_t, 64>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-    } else if (dim == 128) {
-      decode_attention_impl<scalar_t, 128>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-    } else {
-#endif
-      decode_attention_impl<scalar_t, 0>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-    }
-  });
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // kv_cache_dtype="bfloat16"
+    decode_attention_dims<float, at::BFloat16>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+    return;
+  }
+  DFLLM_DISPATCH(q.scalar_type(), "decode_attention",
+                 decode_attention_dims<scalar_t, scalar_t>(out, q, k_cache, v_cache, rows, tables, lens, scale, window,
+                                                           softcap));
 }
 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
