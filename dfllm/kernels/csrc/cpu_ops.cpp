@@ -64,6 +64,37 @@ inline void load(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
 }
 
+// Each query head's softmax over its scores [heads, span], in place and unnormalised
+// (exp(s - max)); each head's sum goes to total[head], by which its output is divided at the
+// end. With cap > 0 the scores are soft-capped first: cap * tanh(s / cap).
+inline void softmax_heads(float* scores, float* total, int64_t heads, int64_t span, float cap) {
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    float* s = scores + hq * span;
+    if (cap > 0.f) {
+      for (int64_t j = 0; j < span; ++j) s[j] = cap * std::tanh(s[j] / cap);
+    }
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < span; ++j) m = std::max(m, s[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < span; ++j) {
+      s[j] = fast_exp(s[j] - m);
+      sum += s[j];
+    }
+    total[hq] = sum;
+  }
+}
+
+// out[head] = acc[head] / total[head] for every query head of one token, rounded to T.
+template <typename T>
+inline void normalize_heads(T* o, const float* acc, const float* total, int64_t heads, int64_t dim) {
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    const float inv = 1.f / total[hq];
+    for (int64_t d = 0; d < dim; ++d) o[hq * dim + d] = static_cast<T>(acc[hq * dim + d] * inv);
+  }
+}
+
 // One decode query per sequence: its query heads read the sequence's keys and values block by
 // block through its block table, in two passes (scores, then the weighted sum of values).
 // Only the positions [start, len) are read: padding and blocks before a sliding window never are.
@@ -115,22 +146,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         }
       }
       // softmax per query head (unnormalised weights; divided at the end)
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* s = &scores[hq * span];
-        if (cap > 0.f) {
-          for (int64_t j = 0; j < span; ++j) s[j] = cap * std::tanh(s[j] / cap);
-        }
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < span; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < span; ++j) {
-          s[j] = fast_exp(s[j] - m);
-          sum += s[j];
-        }
-        total[hq] = sum;
-      }
+      softmax_heads(scores.data(), total.data(), heads, span, cap);
       // pass 2: weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len; ++j) {
@@ -152,11 +168,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           }
         }
       }
-      T* o = op + rp[i] * o_row;
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const float inv = 1.f / total[hq];
-        for (int64_t d = 0; d < dim; ++d) o[hq * dim + d] = static_cast<T>(acc[hq * dim + d] * inv);
-      }
+      normalize_heads(op + rp[i] * o_row, acc.data(), total.data(), heads, dim);
     }
   });
 }
@@ -289,22 +301,7 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
         }
         j += m;
       }
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* s = &scores[hq * span];
-        if (cap > 0.f) {
-          for (int64_t j = 0; j < span; ++j) s[j] = cap * std::tanh(s[j] / cap);
-        }
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < span; ++j) mx = std::max(mx, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < span; ++j) {
-          s[j] = fast_exp(s[j] - mx);
-          sum += s[j];
-        }
-        total[hq] = sum;
-      }
+      softmax_heads(scores.data(), total.data(), heads, span, cap);
       // pass 2: weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len;) {
@@ -328,11 +325,7 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
         }
         j += m;
       }
-      T* o = op + rp[i] * o_row;
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const float inv = 1.f / total[hq];
-        for (int64_t d = 0; d < DIM; ++d) o[hq * DIM + d] = static_cast<T>(acc[hq * DIM + d] * inv);
-      }
+      normalize_heads(op + rp[i] * o_row, acc.data(), total.data(), heads, DIM);
     }
   });
 }
