@@ -95,72 +95,82 @@ inline void normalize_heads(T* o, const float* acc, const float* total, int64_t 
   }
 }
 
+// One decode_attention call's tensors as raw pointers and sizes, unpacked once for whichever
+// kernel serves it (q and out of element type T, the KV caches of TC).
+template <typename T, typename TC>
+struct DecodeCall {
+  int64_t n, heads, dim, bs, kv_heads, width, group, q_row, o_row, slot, window;
+  float sc, cap;
+  const T* qp;
+  const TC* kp;
+  const TC* vp;
+  T* op;
+  const int64_t* rp;
+  const int32_t* tp;
+  const int32_t* lp;
+
+  DecodeCall(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+             double softcap)
+      : n(rows.size(0)), heads(q.size(1)), dim(q.size(2)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
+        width(tables.size(1)), group(heads / kv_heads), q_row(q.stride(0)), o_row(out.stride(0)),
+        slot(kv_heads * dim), window(window), sc(static_cast<float>(scale)), cap(static_cast<float>(softcap)),
+        qp(q.data_ptr<T>()), kp(k_cache.data_ptr<TC>()), vp(v_cache.data_ptr<TC>()), op(out.data_ptr<T>()),
+        rp(rows.data_ptr<int64_t>()), tp(tables.data_ptr<int32_t>()), lp(lens.data_ptr<int32_t>()) {}
+};
+
 // One decode query per sequence: its query heads read the sequence's keys and values block by
 // block through its block table, in two passes (scores, then the weighted sum of values).
 // Only the positions [start, len) are read: padding and blocks before a sliding window never are.
 // DIM > 0 fixes the head dimension at compile time (the common 64 and 128), so that the dot
 // products and sums over it unroll into a few vector instructions.
 template <typename T, typename TC, int DIM>
-void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& tables,
-                           const at::Tensor& lens, double scale, int64_t window, double softcap) {
-  const int64_t n = rows.size(0), heads = q.size(1), dim = DIM > 0 ? DIM : q.size(2);
-  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), width = tables.size(1);
-  const int64_t group = heads / kv_heads;
-  const T* qp = q.data_ptr<T>();
-  const TC* kp = k_cache.data_ptr<TC>();
-  const TC* vp = v_cache.data_ptr<TC>();
-  T* op = out.data_ptr<T>();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  const int64_t q_row = q.stride(0), o_row = out.stride(0);
-  const int64_t slot = kv_heads * dim;  // elements per cached token
-  const float cap = static_cast<float>(softcap), sc = static_cast<float>(scale);
+void decode_attention_impl(const DecodeCall<T, TC> a) {
+  const int64_t dim = DIM > 0 ? DIM : a.dim;
 
   // one task per sequence, every head of a cached token at once: each token's slot (all KV
   // heads, contiguous) is read in one sweep, which the hardware prefetcher follows
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * dim), acc(heads * dim), kv(slot), scores, total(heads);
+  at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(a.heads * dim), acc(a.heads * dim), kv(a.slot), scores, total(a.heads);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t len = lp[i];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t len = a.lp[i];
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
       const int64_t span = len - start;
-      const int32_t* table = tp + i * width;
-      scores.resize(heads * span);
-      load(qf.data(), qp + rp[i] * q_row, heads * dim);
+      const int32_t* table = a.tp + i * a.width;
+      scores.resize(a.heads * span);
+      load(qf.data(), a.qp + a.rp[i] * a.q_row, a.heads * dim);
       // pass 1: scores [heads, span]
       for (int64_t j = start; j < len; ++j) {
-        const TC* key = kp + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * slot;
+        const TC* key = a.kp + (static_cast<int64_t>(table[j / a.bs]) * a.bs + j % a.bs) * a.slot;
         const float* kf;
         if constexpr (std::is_same_v<TC, float>) {
           kf = key;
         } else {
-          load(kv.data(), key, slot);
+          load(kv.data(), key, a.slot);
           kf = kv.data();
         }
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-            scores[hq * span + (j - start)] = dot(&qf[hq * dim], kf + h * dim, dim) * sc;
+        for (int64_t h = 0; h < a.kv_heads; ++h) {
+          for (int64_t hq = h * a.group; hq < (h + 1) * a.group; ++hq) {
+            scores[hq * span + (j - start)] = dot(&qf[hq * dim], kf + h * dim, dim) * a.sc;
           }
         }
       }
       // softmax per query head (unnormalised weights; divided at the end)
-      softmax_heads(scores.data(), total.data(), heads, span, cap);
+      softmax_heads(scores.data(), total.data(), a.heads, span, a.cap);
       // pass 2: weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len; ++j) {
-        const TC* value = vp + (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * slot;
+        const TC* value = a.vp + (static_cast<int64_t>(table[j / a.bs]) * a.bs + j % a.bs) * a.slot;
         const float* vf;
         if constexpr (std::is_same_v<TC, float>) {
           vf = value;
         } else {
-          load(kv.data(), value, slot);
+          load(kv.data(), value, a.slot);
           vf = kv.data();
         }
-        for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t h = 0; h < a.kv_heads; ++h) {
           const float* vh = vf + h * dim;
-          for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+          for (int64_t hq = h * a.group; hq < (h + 1) * a.group; ++hq) {
             const float w = scores[hq * span + (j - start)];
             float* a = &acc[hq * dim];
 #pragma omp simd
@@ -168,7 +178,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           }
         }
       }
-      normalize_heads(op + rp[i] * o_row, acc.data(), total.data(), heads, dim);
+      normalize_heads(a.op + a.rp[i] * a.o_row, acc.data(), total.data(), a.heads, dim);
     }
   });
 }
@@ -215,50 +225,35 @@ inline __m512 sum_lanes16(__m512 x[16]) {
 // through the chunk. The same two passes and softmax as decode_attention_impl, so the same
 // results up to the order of the float32 additions within a dot product.
 template <typename T, typename TC, int DIM>
-void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& tables,
-                             const at::Tensor& lens, double scale, int64_t window, double softcap) {
+void decode_attention_avx512(const DecodeCall<T, TC> a) {
   static_assert(DIM % 16 == 0 && DIM > 0, "DIM must be a multiple of 16");
   constexpr int C = DIM / 16;
   constexpr int64_t CHUNK = 16;
-  const int64_t n = rows.size(0), heads = q.size(1);
-  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), width = tables.size(1);
-  const int64_t group = heads / kv_heads;
-  const T* qp = q.data_ptr<T>();
-  const TC* kp = k_cache.data_ptr<TC>();
-  const TC* vp = v_cache.data_ptr<TC>();
-  T* op = out.data_ptr<T>();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  const int64_t q_row = q.stride(0), o_row = out.stride(0);
-  const int64_t slot = kv_heads * DIM;  // elements per cached token
-  const int64_t slot_bytes = slot * static_cast<int64_t>(sizeof(TC));
-  const float cap = static_cast<float>(softcap), sc = static_cast<float>(scale);
+  const int64_t slot_bytes = a.slot * static_cast<int64_t>(sizeof(TC));
 
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * DIM), acc(heads * DIM), scores, total(heads);
-    std::vector<float> wide(std::is_same_v<TC, float> ? 0 : CHUNK * slot);
+  at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(a.heads * DIM), acc(a.heads * DIM), scores, total(a.heads);
+    std::vector<float> wide(std::is_same_v<TC, float> ? 0 : CHUNK * a.slot);
     // a chunk of keys or values as float32: the cache itself, or (bfloat16/float16) widened
     // once into `wide` rather than once per query head that reads it
     auto as_float = [&](const TC* p, int64_t m) -> const float* {
       if constexpr (std::is_same_v<TC, float>) {
         return p;
       } else {
-        for (int64_t e = 0; e < m * slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
+        for (int64_t e = 0; e < m * a.slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
         return wide.data();
       }
     };
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t len = lp[i];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t len = a.lp[i];
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
       const int64_t span = len - start;
-      const int32_t* table = tp + i * width;
+      const int32_t* table = a.tp + i * a.width;
       // chunk [j, j + m) of one block starts at element offset `at` of a cache
       auto chunk = [&](int64_t j, int64_t& m) {
-        const int64_t b = j / bs;
-        m = std::min({CHUNK, len - j, (b + 1) * bs - j});
-        return (static_cast<int64_t>(table[b]) * bs + j % bs) * slot;
+        const int64_t b = j / a.bs;
+        m = std::min({CHUNK, len - j, (b + 1) * a.bs - j});
+        return (static_cast<int64_t>(table[b]) * a.bs + j % a.bs) * a.slot;
       };
       // the next chunk's cache lines, a share of them on each query head's turn
       auto next_lines = [&](const TC* cache, int64_t j, int64_t& lines) -> const char* {
@@ -270,62 +265,62 @@ void decode_attention_avx512(at::Tensor& out, const at::Tensor& q, const at::Ten
         return p;
       };
       auto prefetch = [&](const char* p, int64_t lines, int64_t hq) {
-        const int64_t share = (lines + heads - 1) / heads;
+        const int64_t share = (lines + a.heads - 1) / a.heads;
         for (int64_t l = hq * share; l < std::min(lines, (hq + 1) * share); ++l) _mm_prefetch(p + l * 64, _MM_HINT_T0);
       };
-      scores.resize(heads * span);
-      load(qf.data(), qp + rp[i] * q_row, heads * DIM);
+      scores.resize(a.heads * span);
+      load(qf.data(), a.qp + a.rp[i] * a.q_row, a.heads * DIM);
       // pass 1: scores [heads, span]
       for (int64_t j = start; j < len;) {
         int64_t m;
-        const TC* key_at = kp + chunk(j, m);
+        const TC* key_at = a.kp + chunk(j, m);
         int64_t lines;
-        const char* ahead = next_lines(kp, j + m, lines);
+        const char* ahead = next_lines(a.kp, j + m, lines);
         const float* key = as_float(key_at, m);
-        for (int64_t hq = 0; hq < heads; ++hq) {
+        for (int64_t hq = 0; hq < a.heads; ++hq) {
           prefetch(ahead, lines, hq);
-          const float* kh = key + (hq / group) * DIM;
+          const float* kh = key + (hq / a.group) * DIM;
           __m512 qv[C], dots[CHUNK];
           for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(&qf[hq * DIM + c * 16]);
           for (int64_t t = 0; t < CHUNK; ++t) {
             if (t < m) {
-              __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + t * slot));
-              for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kh + t * slot + c * 16), d);
+              __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + t * a.slot));
+              for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kh + t * a.slot + c * 16), d);
               dots[t] = d;
             } else {
               dots[t] = _mm512_setzero_ps();
             }
           }
           _mm512_mask_storeu_ps(&scores[hq * span + (j - start)], static_cast<__mmask16>((1u << m) - 1),
-                                _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(sc)));
+                                _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(a.sc)));
         }
         j += m;
       }
-      softmax_heads(scores.data(), total.data(), heads, span, cap);
+      softmax_heads(scores.data(), total.data(), a.heads, span, a.cap);
       // pass 2: weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len;) {
         int64_t m;
-        const TC* value_at = vp + chunk(j, m);  // sets m
+        const TC* value_at = a.vp + chunk(j, m);  // sets m
         const float* value = as_float(value_at, m);
         int64_t lines;
-        const char* ahead = next_lines(vp, j + m, lines);
-        for (int64_t hq = 0; hq < heads; ++hq) {
+        const char* ahead = next_lines(a.vp, j + m, lines);
+        for (int64_t hq = 0; hq < a.heads; ++hq) {
           prefetch(ahead, lines, hq);
-          const float* vh = value + (hq / group) * DIM;
+          const float* vh = value + (hq / a.group) * DIM;
           const float* w = &scores[hq * span + (j - start)];
-          float* a = &acc[hq * DIM];
+          float* acc_h = &acc[hq * DIM];
           __m512 av[C];
-          for (int c = 0; c < C; ++c) av[c] = _mm512_loadu_ps(a + c * 16);
+          for (int c = 0; c < C; ++c) av[c] = _mm512_loadu_ps(acc_h + c * 16);
           for (int64_t t = 0; t < m; ++t) {
             const __m512 wt = _mm512_set1_ps(w[t]);
-            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vh + t * slot + c * 16), av[c]);
+            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vh + t * a.slot + c * 16), av[c]);
           }
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + c * 16, av[c]);
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_h + c * 16, av[c]);
         }
         j += m;
       }
-      normalize_heads(op + rp[i] * o_row, acc.data(), total.data(), heads, DIM);
+      normalize_heads(a.op + a.rp[i] * a.o_row, acc.data(), total.data(), a.heads, DIM);
     }
   });
 }
@@ -473,26 +468,23 @@ void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
 
 // The kernel specialised for the head dimension (q and out of type T, the KV caches of type TC).
 template <typename T, typename TC>
-void decode_attention_dims(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens, double scale,
-                           int64_t window, double softcap) {
-  const int64_t dim = q.size(2);
+void decode_attention_dims(const DecodeCall<T, TC>& a) {
 #if defined(__AVX512F__)
-  if (dim == 32) {
-    decode_attention_avx512<T, TC, 32>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-  } else if (dim == 64) {
-    decode_attention_avx512<T, TC, 64>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-  } else if (dim == 128) {
-    decode_attention_avx512<T, TC, 128>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  if (a.dim == 32) {
+    decode_attention_avx512<T, TC, 32>(a);
+  } else if (a.dim == 64) {
+    decode_attention_avx512<T, TC, 64>(a);
+  } else if (a.dim == 128) {
+    decode_attention_avx512<T, TC, 128>(a);
   } else {
 #else
-  if (dim == 64) {
-    decode_attention_impl<T, TC, 64>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
-  } else if (dim == 128) {
-    decode_attention_impl<T, TC, 128>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+  if (a.dim == 64) {
+    decode_attention_impl<T, TC, 64>(a);
+  } else if (a.dim == 128) {
+    decode_attention_impl<T, TC, 128>(a);
   } else {
 #endif
-    decode_attention_impl<T, TC, 0>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+    decode_attention_impl<T, TC, 0>(a);
   }
 }
 
@@ -519,12 +511,13 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(rows.is_contiguous() && tables.is_contiguous() && lens.is_contiguous(), "metadata must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // kv_cache_dtype="bfloat16"
-    decode_attention_dims<float, at::BFloat16>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap);
+    decode_attention_dims(DecodeCall<float, at::BFloat16>(out, q, k_cache, v_cache, rows, tables, lens, scale, window,
+                                                          softcap));
     return;
   }
   DFLLM_DISPATCH(q.scalar_type(), "decode_attention",
-                 decode_attention_dims<scalar_t, scalar_t>(out, q, k_cache, v_cache, rows, tables, lens, scale, window,
-                                                           softcap));
+                 decode_attention_dims(DecodeCall<scalar_t, scalar_t>(out, q, k_cache, v_cache, rows, tables, lens, scale,
+                                                                      window, softcap)));
 }
 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
