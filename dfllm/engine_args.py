@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dfllm.config import KV_CACHE_DTYPES
 from dfllm.engine.cuda_graphs import parse_capture_sizes
 
 _LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
@@ -146,8 +147,8 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("kv_cache_dtype", "auto", "maps", "`\"auto\"` (the model's dtype) or `\"bfloat16\"`: keys and "
             "values stored in bfloat16 under a float32/float16 model (half the cache memory and half the bytes "
             "decode attention reads); fp8 refused",
-            _only(("auto", "bfloat16"), "dfllm stores the KV cache in the model's dtype ('auto') or in "
-                                        "'bfloat16'")),
+            _only(tuple(KV_CACHE_DTYPES), "dfllm stores the KV cache in the model's dtype ('auto') or in "
+                                          "'bfloat16'")),
     VllmArg("quantization", None, "maps", "`None` or `\"int8\"`: dynamic int8 linear layers for a float32 "
             "decoder or a BERT-family encoder on CPU, one rank; quantized checkpoints and other methods refused",
             _only((None, "int8"), "dfllm quantizes float weights on CPU with quantization='int8' only "
