@@ -147,6 +147,63 @@ def test_attention_sliding_window_never_reads_freed_blocks(cpu_ops, window):
         assert torch.allclose(got[rows], v[rows].repeat_interleave(2, dim=1))
 
 
+PREFILLS = [(40, 40), (70, 200), (23, 23), (2, 9), (1, 50), (130, 130), (3, 3), (1, 7)]
+
+
+def prefill_rows(meta: AttentionMetadata) -> torch.Tensor:
+    return torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in meta.prefills])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,group,head_dim,bs", [(3, 3, 64, 16), (2, 1, 128, 16), (1, 8, 32, 32),
+                                                        (2, 16, 64, 8), (1, 5, 64, 16)])
+def test_prefill_kernel_spans_tiles_and_cached_prefixes(cpu_ops, dtype, kv_heads, group, head_dim, bs):
+    """Prefill spans longer than a tile (64 rows: 64 / group queries), over a cached prefix or
+    none, beside decodes: the same attention as the reference's SDPA per span."""
+    q, k, v, kc, vc, meta = attention_batch(PREFILLS, kv_heads, group, head_dim, bs, dtype, seed=group)
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    assert rel_err(got, want) < TOL[dtype]
+    # the prefills went through the kernel (not the reference's path): it writes their rows alone
+    direct = torch.full_like(q, float("nan"))
+    _cpu.load().prefill_attention(direct, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                  head_dim**-0.5, 0)
+    rows = prefill_rows(meta)
+    assert torch.equal(got[rows], direct[rows])
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.isnan(direct[others]).all()
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 33])
+def test_prefill_kernel_sliding_window_never_reads_before_it(cpu_ops, window):
+    """A prefill chunk at positions 80-89 with a window: keys before its first query's window
+    (whose blocks the block manager may have freed, here filled with NaN) are never read."""
+    seqs = [(10, 90), (12, 12), (1, 40)]
+    q, k, v, kc, vc, meta = attention_batch(seqs, 2, 3, 64, 8, torch.float32, seed=window)
+    first = meta.block_tables[0].tolist()
+    dead = (90 - 10 - window + 1) // 8  # blocks wholly before the first query's window
+    kc[first[:dead]] = float("nan")
+    vc[first[:dead]] = float("nan")
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.125, sliding_window=window)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, 0.125, sliding_window=window)
+    assert dead > 0 and not torch.isnan(got).any()
+    assert rel_err(got, want) < TOL[torch.float32]
+    if window == 1:  # each query sees only its own key: the output is its own value
+        rows = prefill_rows(meta)
+        assert torch.allclose(got[rows], v[rows].repeat_interleave(3, dim=1))
+
+
+def test_prefill_kernel_bfloat16_cache_under_float32_queries_and_strided_queries(cpu_ops):
+    q, k, v, kc, vc, meta = attention_batch(PREFILLS, 3, 3, 64, 16, torch.float32, seed=4)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_view = qkv[:, : q[0].numel()].view_as(q)  # as the layer hands it over: a view of the fused projection
+    want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    got = cpu_ops.paged_attention(q_view, k, v, kc, vc, meta, 0.125)
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
 def test_attention_softcap(cpu_ops):
     q, k, v, kc, vc, meta = attention_batch(MIXED, 2, 2, 64, 16, torch.float32, seed=5)
     q = q * 8  # large scores, so that the cap matters

@@ -7,10 +7,13 @@ source version; later processes (each Dask worker) load the built library in wel
 second. Without a compiler the build fails once, is logged, and the engine keeps the PyTorch
 references (:func:`load` returns None).
 
-* :func:`paged_attention_cpu`: prefill spans as the reference does (SDPA over their keys);
-  every decode of the step in one call that reads its keys and values straight from the
-  paged cache through its block table, instead of gathering them into a padded tensor
-  (a bfloat16 cache under float32 queries, ``kv_cache_dtype="bfloat16"``, widened on load).
+* :func:`paged_attention_cpu`: every decode of the step in one call that reads its keys and
+  values straight from the paged cache through its block table, instead of gathering them
+  into a padded tensor; every prefill span of the step in one more call (AVX-512 builds, head
+  sizes 32/64/128; elsewhere SDPA per span, as the reference), causal over the cache too, in
+  tiles of up to 64 query rows (2.3-2.6x faster than SDPA per span on SmolLM2's prefill
+  steps, and no Python per span). A bfloat16 cache under float32 queries
+  (``kv_cache_dtype="bfloat16"``) is widened on load.
 * :func:`rms_norm_cpu`, :func:`silu_and_mul_cpu`, :func:`rotary_cpu`: one pass over memory
   each, instead of PyTorch's several element-wise kernels and temporaries.
 * :func:`argmax_rows_cpu`: greedy sampling's argmax over ``[rows, vocab]`` float32 logits,
@@ -41,6 +44,8 @@ logger = logging.getLogger("dfllm")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# head sizes of the prefill kernel (AVX-512 builds only; other prefills take SDPA, as the reference)
+PREFILL_HEAD_DIMS = (32, 64, 128)
 STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old belongs to a killed process
 
 # -fno-trapping-math lets loops that round (exp's range reduction) vectorise; neither flag
@@ -116,16 +121,24 @@ def paged_attention_cpu(
     attended by the C++ kernel straight from the paged cache."""
     decodes = meta.decodes
     mixed = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16  # kv_cache_dtype="bfloat16"
-    if decodes is None or q.dtype not in DTYPES or (k_cache.dtype != q.dtype and not mixed):
+    if (decodes is None and not meta.prefills) or q.dtype not in DTYPES or (k_cache.dtype != q.dtype and not mixed):
         return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
     ext = load()
     assert ext is not None  # select_ops picks these kernels only once they are built
     window = sliding_window if sliding_window is not None else meta.sliding_window
     q = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    ext.decode_attention(out, q, k_cache, v_cache, decodes.rows, decodes.block_tables, decodes.seq_lens,
-                         float(scale), int(window or 0), float(softcap or 0.0))
-    attend_prefills(out, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    if decodes is not None:
+        ext.decode_attention(out, q, k_cache, v_cache, decodes.rows, decodes.block_tables, decodes.seq_lens,
+                             float(scale), int(window or 0), float(softcap or 0.0))
+    if not meta.prefills:
+        return out
+    if softcap is None and q.shape[2] in PREFILL_HEAD_DIMS and q.shape[1] // k_cache.shape[2] <= 64 and hasattr(
+            ext, "prefill_attention"):
+        ext.prefill_attention(out, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                              float(scale), int(window or 0))
+    else:
+        attend_prefills(out, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     return out
 
 

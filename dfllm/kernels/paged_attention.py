@@ -93,6 +93,8 @@ def _window_blocks(tables: torch.Tensor, mask: torch.Tensor, bs: int,
 def _prefill(q, k, v, k_cache, v_cache, ctx_len: int, kv_slots, scale: float, window: int | None,
              softcap: float | None) -> torch.Tensor:
     q_len = q.shape[0]
+    if k_cache.dtype != k.dtype:  # kv_cache_dtype: the new keys as the cache holds them, as a cached prefix is
+        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     if kv_slots is None and window is None and softcap is None:
         keys, values, mask, causal = k, v, None, True
     else:

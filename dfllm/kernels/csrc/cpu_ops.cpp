@@ -197,6 +197,24 @@ inline __m512 load16(const T* p) {
   }
 }
 
+// fast_exp on 16 lanes: the same steps (round to nearest, the same polynomial), so the same values
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+  const __m512i ni = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_cvtepi32_ps(ni);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23)));
+}
+
 // Sixteen vectors in, one out: lane t holds the sum of the lanes of x[t] (16 dot products
 // finished at once, in 45 shuffles and adds instead of 16 horizontal reductions of about 10).
 inline __m512 sum_lanes16(__m512 x[16]) {
@@ -323,6 +341,228 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
       normalize_heads(a.op + a.rp[i] * a.o_row, acc.data(), total.data(), a.heads, DIM);
     }
   });
+}
+
+// One prefill_attention call: every prefill span of a step (the sequences with more than one
+// query) attends causally over its keys, which are already in the paged cache (its cached
+// prefix and its own new tokens alike), read through its block table.
+template <typename T, typename TC>
+struct PrefillCall {
+  int64_t n, heads, dim, bs, kv_heads, width, group, q_row, q_head, o_row, slot, window;
+  float sc;
+  const T* qp;
+  const TC* kp;
+  const TC* vp;
+  T* op;
+  const int32_t* qsl;
+  const int32_t* lens;
+  const int32_t* tp;
+
+  PrefillCall(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& tables, double scale,
+              int64_t window)
+      : n(seq_lens.size(0)), heads(q.size(1)), dim(q.size(2)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
+        width(tables.size(1)), group(heads / kv_heads), q_row(q.stride(0)), q_head(q.stride(1)), o_row(out.stride(0)),
+        slot(kv_heads * dim), window(window), sc(static_cast<float>(scale)), qp(q.data_ptr<T>()),
+        kp(k_cache.data_ptr<TC>()), vp(v_cache.data_ptr<TC>()), op(out.data_ptr<T>()),
+        qsl(query_start_loc.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()), tp(tables.data_ptr<int32_t>()) {}
+};
+
+// A tile of a span's queries for one KV head: `tokens` consecutive queries from `first`, each
+// with the group's query heads, so rows r = token * group + head (at most 64 rows).
+struct PrefillTile {
+  int64_t seq, kv_head, first, tokens, cost;
+};
+
+// prefill_attention for head dimensions DIM of 32, 64 or 128, with AVX-512. A tile's rows are
+// laid out in lanes: its queries transposed to [DIM, rows] (scaled), so that the scores of one
+// key for all rows are DIM broadcast multiply-adds, with no horizontal sum; the scores
+// [keys, rows], their max, exponentials and sums are taken lane-wise, and the output is
+// accumulated transposed too ([DIM, rows]: a value's element broadcast times a weight vector).
+// Two passes, as the decode kernels: scores and an exact softmax per row, then the weighted sum
+// of the values. Keys after a query's position or before its window weigh exactly 0; keys before
+// the tile's first window are never read (their blocks may have been freed).
+template <typename T, typename TC, int DIM, int NRV>
+void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
+                  float* wide) {
+  constexpr int R = 16 * NRV;  // rows of the tile, padded to whole vectors
+  constexpr int C = DIM / 16;
+  constexpr int64_t CHUNK = 16;
+  const int64_t q_start = a.qsl[tile.seq], q_len = a.qsl[tile.seq + 1] - q_start, len = a.lens[tile.seq];
+  const int64_t base = len - q_len;  // position of the span's first query
+  const int64_t rows = tile.tokens * a.group;
+  const int64_t first_pos = base + tile.first, last_pos = first_pos + tile.tokens - 1;
+  const int64_t kstart = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  const int64_t kend = last_pos + 1;
+  const int32_t* table = a.tp + tile.seq * a.width;
+  const int64_t h_off = tile.kv_head * DIM;
+
+  // queries, transposed and scaled; padding rows are zero and sit at the last position
+  alignas(64) int32_t pos[R];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = std::min<int64_t>(r / a.group, tile.tokens - 1);
+    pos[r] = static_cast<int32_t>(base + tile.first + t);
+    if (r < rows) {
+      const T* qr = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + r % a.group) * a.q_head;
+      for (int d = 0; d < DIM; ++d) qt[d * R + r] = f32(qr[d]) * a.sc;
+    } else {
+      for (int d = 0; d < DIM; ++d) qt[d * R + r] = 0.f;
+    }
+  }
+  __m512i posv[NRV];
+  for (int v = 0; v < NRV; ++v) posv[v] = _mm512_load_si512(pos + 16 * v);
+
+  auto chunk = [&](int64_t j, int64_t& m) {
+    const int64_t b = j / a.bs;
+    m = std::min({CHUNK, kend - j, (b + 1) * a.bs - j});
+    return (static_cast<int64_t>(table[b]) * a.bs + j % a.bs) * a.slot;
+  };
+  auto as_float = [&](const TC* p, int64_t m) -> const float* {
+    if constexpr (std::is_same_v<TC, float>) {
+      return p;
+    } else {
+      for (int64_t e = 0; e < m * a.slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
+      return wide;
+    }
+  };
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+
+  // pass 1: scores [keys, rows]
+  for (int64_t j = kstart; j < kend;) {
+    int64_t m;
+    const int64_t at = chunk(j, m);  // sets m (before as_float reads it)
+    const float* key = as_float(a.kp + at, m) + h_off;
+    float* s = sbuf + (j - kstart) * R;
+    int64_t t = 0;
+    for (; t + 4 <= m; t += 4) {  // four keys at a time: each query vector loaded once for four
+      __m512 acc[4][NRV];
+      for (int u = 0; u < 4; ++u)
+        for (int v = 0; v < NRV; ++v) acc[u][v] = _mm512_setzero_ps();
+      const float* k0 = key + t * a.slot;
+      for (int d = 0; d < DIM; ++d) {
+        __m512 qv[NRV];
+        for (int v = 0; v < NRV; ++v) qv[v] = _mm512_loadu_ps(qt + d * R + 16 * v);
+        for (int u = 0; u < 4; ++u) {
+          const __m512 kd = _mm512_set1_ps(k0[u * a.slot + d]);
+          for (int v = 0; v < NRV; ++v) acc[u][v] = _mm512_fmadd_ps(qv[v], kd, acc[u][v]);
+        }
+      }
+      for (int u = 0; u < 4; ++u)
+        for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + (t + u) * R + 16 * v, acc[u][v]);
+    }
+    for (; t < m; ++t) {
+      __m512 acc[NRV];
+      for (int v = 0; v < NRV; ++v) acc[v] = _mm512_setzero_ps();
+      const float* kt = key + t * a.slot;
+      for (int d = 0; d < DIM; ++d) {
+        const __m512 kd = _mm512_set1_ps(kt[d]);
+        for (int v = 0; v < NRV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * R + 16 * v), kd, acc[v]);
+      }
+      for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + t * R + 16 * v, acc[v]);
+    }
+    // keys a row may not see (after its position, or before its window): -inf
+    if (j + m - 1 > first_pos || (a.window > 0 && j <= last_pos - a.window)) {
+      for (int64_t u = 0; u < m; ++u) {
+        const __m512i key_pos = _mm512_set1_epi32(static_cast<int32_t>(j + u));
+        for (int v = 0; v < NRV; ++v) {
+          __mmask16 hidden = _mm512_cmp_epi32_mask(posv[v], key_pos, _MM_CMPINT_LT);
+          if (a.window > 0) {
+            const __m512i edge = _mm512_sub_epi32(posv[v], _mm512_set1_epi32(static_cast<int32_t>(a.window)));
+            hidden |= _mm512_cmp_epi32_mask(edge, key_pos, _MM_CMPINT_NLT);
+          }
+          _mm512_mask_storeu_ps(s + u * R + 16 * v, hidden, neg_inf);
+        }
+      }
+    }
+    j += m;
+  }
+  // softmax over each row's keys (lane-wise), unnormalised; hidden keys weigh exactly 0
+  const int64_t span = kend - kstart;
+  __m512 mx[NRV], total[NRV];
+  for (int v = 0; v < NRV; ++v) {
+    mx[v] = neg_inf;
+    total[v] = _mm512_setzero_ps();
+  }
+  for (int64_t u = 0; u < span; ++u)
+    for (int v = 0; v < NRV; ++v) mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(sbuf + u * R + 16 * v));
+  for (int64_t u = 0; u < span; ++u) {
+    for (int v = 0; v < NRV; ++v) {
+      float* s = sbuf + u * R + 16 * v;
+      const __m512 x = _mm512_loadu_ps(s);
+      const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), fast_exp16(_mm512_sub_ps(x, mx[v])));
+      _mm512_storeu_ps(s, p);
+      total[v] = _mm512_add_ps(total[v], p);
+    }
+  }
+  // pass 2: the weighted sum of the values, transposed like the queries: out[DIM, rows], four
+  // dimensions at a time (each weight vector loaded once for four)
+  for (int64_t e = 0; e < DIM * R; ++e) obuf[e] = 0.f;
+  for (int64_t j = kstart; j < kend;) {
+    int64_t m;
+    const int64_t at = chunk(j, m);
+    const float* value = as_float(a.vp + at, m) + h_off;
+    const float* w = sbuf + (j - kstart) * R;
+    for (int d0 = 0; d0 < DIM; d0 += 4) {
+      __m512 acc[4][NRV];
+      for (int e = 0; e < 4; ++e)
+        for (int v = 0; v < NRV; ++v) acc[e][v] = _mm512_loadu_ps(obuf + (d0 + e) * R + 16 * v);
+      for (int64_t u = 0; u < m; ++u) {
+        __m512 wv[NRV];
+        for (int v = 0; v < NRV; ++v) wv[v] = _mm512_loadu_ps(w + u * R + 16 * v);
+        const float* vu = value + u * a.slot + d0;
+        for (int e = 0; e < 4; ++e) {
+          const __m512 x = _mm512_set1_ps(vu[e]);
+          for (int v = 0; v < NRV; ++v) acc[e][v] = _mm512_fmadd_ps(wv[v], x, acc[e][v]);
+        }
+      }
+      for (int e = 0; e < 4; ++e)
+        for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(obuf + (d0 + e) * R + 16 * v, acc[e][v]);
+    }
+    j += m;
+  }
+  alignas(64) float inv[R];
+  for (int v = 0; v < NRV; ++v) _mm512_store_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.f), total[v]));
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = a.op + (q_start + tile.first + r / a.group) * a.o_row + (tile.kv_head * a.group + r % a.group) * DIM;
+    for (int d = 0; d < DIM; ++d) o[d] = static_cast<T>(obuf[d * R + r] * inv[r]);
+  }
+}
+
+template <typename T, typename TC, int DIM>
+void prefill_attention_avx512(const PrefillCall<T, TC> a) {
+  // tiles of at most 64 rows, the larger first (a tile's cost grows with its last position)
+  const int64_t per_tile = std::max<int64_t>(1, 64 / a.group);
+  std::vector<PrefillTile> tiles;
+  int64_t max_span = 0;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t q_len = a.qsl[i + 1] - a.qsl[i], len = a.lens[i];
+    if (q_len < 2) continue;  // a decode: decode_attention's
+    for (int64_t first = 0; first < q_len; first += per_tile) {
+      const int64_t tokens = std::min(per_tile, q_len - first);
+      const int64_t last = len - q_len + first + tokens;
+      const int64_t keys = a.window > 0 ? std::min(last, a.window + tokens - 1) : last;
+      max_span = std::max(max_span, keys);
+      for (int64_t h = 0; h < a.kv_heads; ++h) tiles.push_back({i, h, first, tokens, keys * tokens});
+    }
+  }
+  std::sort(tiles.begin(), tiles.end(), [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> qt(DIM * 64), sbuf((max_span + 16) * 64), obuf(64 * DIM);
+    std::vector<float> wide(std::is_same_v<TC, float> ? 0 : 16 * a.slot);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) {
+      const PrefillTile& tile = tiles[i];
+      switch ((tile.tokens * a.group + 15) / 16) {
+        case 1: prefill_tile<T, TC, DIM, 1>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
+        case 2: prefill_tile<T, TC, DIM, 2>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
+        case 3: prefill_tile<T, TC, DIM, 3>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
+        default: prefill_tile<T, TC, DIM, 4>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
+      }
+    }
+  }
 }
 #endif
 
@@ -520,6 +760,51 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_c
                                                                       window, softcap)));
 }
 
+#if defined(__AVX512F__)
+namespace {
+template <typename T, typename TC>
+void prefill_attention_dims(const PrefillCall<T, TC>& a) {
+  if (a.dim == 32) {
+    prefill_attention_avx512<T, TC, 32>(a);
+  } else if (a.dim == 64) {
+    prefill_attention_avx512<T, TC, 64>(a);
+  } else {
+    prefill_attention_avx512<T, TC, 128>(a);
+  }
+}
+}  // namespace
+
+// Built with AVX-512 only; elsewhere the prefills take the PyTorch reference's path.
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& tables,
+                       double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == q.size(2),
+              "out must be shaped like q, each row contiguous");
+  TORCH_CHECK(q.size(2) == 32 || q.size(2) == 64 || q.size(2) == 128, "head_dim must be 32, 64 or 128");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q and out must share one dtype, the KV caches one dtype: q's, or bfloat16 under float32 queries");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  tables.scalar_type() == at::kInt && query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                  tables.is_contiguous() && query_start_loc.size(0) == seq_lens.size(0) + 1 &&
+                  tables.size(0) == seq_lens.size(0),
+              "query_start_loc ([n + 1]), seq_lens ([n]) and block tables ([n, width]) must be contiguous int32");
+  const int64_t group = q.size(1) / k_cache.size(2);
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && group <= 64, "query heads must be 1-64 times the KV heads");
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // kv_cache_dtype="bfloat16"
+    prefill_attention_dims(PrefillCall<float, at::BFloat16>(out, q, k_cache, v_cache, query_start_loc, seq_lens,
+                                                            tables, scale, window));
+    return;
+  }
+  DFLLM_DISPATCH(q.scalar_type(), "prefill_attention",
+                 prefill_attention_dims(PrefillCall<scalar_t, scalar_t>(out, q, k_cache, v_cache, query_start_loc,
+                                                                        seq_lens, tables, scale, window)));
+}
+#endif
+
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden] with contiguous rows");
@@ -570,4 +855,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary", &rotary);
   m.def("argmax_rows", &argmax_rows);
+#if defined(__AVX512F__)
+  m.def("prefill_attention", &prefill_attention);
+#endif
 }
