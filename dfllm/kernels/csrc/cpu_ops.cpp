@@ -215,6 +215,32 @@ inline __m512 fast_exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23)));
 }
 
+// softmax_heads with AVX-512 (the max and the exponentials 16 lanes at a time, the tail masked;
+// without a cap: the capped scores take softmax_heads)
+inline void softmax_heads16(float* scores, float* total, int64_t heads, int64_t span) {
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    float* s = scores + hq * span;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (span % 16)) - 1);
+    const int64_t body = span - span % 16;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < body; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + body));
+    mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < body; j += 16) {
+      const __m512 p = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+      _mm512_storeu_ps(s + j, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    if (tail) {
+      const __m512 p = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + body), mv));
+      _mm512_mask_storeu_ps(s + body, tail, p);
+      sum = _mm512_mask_add_ps(sum, tail, sum, p);
+    }
+    total[hq] = _mm512_reduce_add_ps(sum);
+  }
+}
+
 // Sixteen vectors in, one out: lane t holds the sum of the lanes of x[t] (16 dot products
 // finished at once, in 45 shuffles and adds instead of 16 horizontal reductions of about 10).
 inline __m512 sum_lanes16(__m512 x[16]) {
@@ -314,7 +340,11 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
         }
         j += m;
       }
-      softmax_heads(scores.data(), total.data(), a.heads, span, a.cap);
+      if (a.cap > 0.f) {
+        softmax_heads(scores.data(), total.data(), a.heads, span, a.cap);
+      } else {
+        softmax_heads16(scores.data(), total.data(), a.heads, span);
+      }
       // pass 2: weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len;) {
