@@ -256,6 +256,28 @@ def test_rotary_on_views_of_qkv(cpu_ops, dtype):
     assert rel_err(got_q, want_q) < TOL[dtype] and rel_err(got_k, want_k) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+def test_write_kv_cache_skips_padding_and_takes_views(cpu_ops, dtype, cache_dtype):
+    """Keys and values as the layer hands them over (a view of the fused projection), padding
+    slots (-1) left alone, a float32 step into a bfloat16 cache rounded as ``.to`` does."""
+    g = torch.Generator().manual_seed(1)
+    tokens, kv_heads, d = 11, 2, 32
+    qkv = torch.randn(tokens, 5 * kv_heads * d, generator=g).to(dtype)
+    key = qkv[:, 3 * kv_heads * d : 4 * kv_heads * d].view(tokens, kv_heads, d)
+    value = qkv[:, 4 * kv_heads * d :].view(tokens, kv_heads, d)
+    slots = torch.randperm(6 * 4, generator=g)[:tokens]
+    slots[[2, 7]] = -1
+    fill = torch.randn(6, 4, kv_heads, d, generator=g).to(cache_dtype)
+    want, got = (fill.clone(), fill.clone()), (fill.clone(), fill.clone())
+    TORCH_OPS.write_kv_cache(key, value, *want, slots)
+    cpu_ops.write_kv_cache(key, value, *got, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[0], fill)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_ops.write_kv_cache(key, value, *got, torch.full((tokens,), 6 * 4))
+
+
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 49152 + 5])
 def test_argmax_rows_matches_torch_ties_nan_and_inf_included(cpu_ops, width):
     g = torch.Generator().manual_seed(width)

@@ -14,8 +14,10 @@ references (:func:`load` returns None).
   tiles of up to 64 query rows (2.3-2.6x faster than SDPA per span on SmolLM2's prefill
   steps, and no Python per span). A bfloat16 cache under float32 queries
   (``kv_cache_dtype="bfloat16"``) is widened on load.
-* :func:`rms_norm_cpu`, :func:`silu_and_mul_cpu`, :func:`rotary_cpu`: one pass over memory
-  each, instead of PyTorch's several element-wise kernels and temporaries.
+* :func:`rms_norm_cpu`, :func:`silu_and_mul_cpu`, :func:`rotary_cpu`,
+  :func:`write_kv_cache_cpu`: one pass over memory each, instead of PyTorch's several
+  element-wise kernels and temporaries (and, for the cache write, a host sync to check for
+  padding slots).
 * :func:`argmax_rows_cpu`: greedy sampling's argmax over ``[rows, vocab]`` float32 logits,
   vectorised (torch's CPU argmax tracks its index scalar by scalar: 12x slower at SmolLM2's
   49,152-token vocabulary); the same indices as ``torch.argmax``, ties and NaN included.
@@ -35,6 +37,7 @@ from types import ModuleType
 import torch
 
 from dfllm.kernels.activation import silu_and_mul_torch
+from dfllm.kernels.kv_cache import write_kv_cache_torch
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.kernels.paged_attention import attend_prefills, paged_attention_torch
 from dfllm.kernels.rms_norm import rms_norm_torch
@@ -151,6 +154,9 @@ def rms_norm_cpu(
         return rms_norm_torch(x, weight, eps, residual)
     ext = load()
     assert ext is not None
+    if x.dim() == 2:  # hidden states (no reshaping: a view costs more than the kernel at decode sizes)
+        outs = ext.rms_norm(x, weight, float(eps), residual)
+        return outs[0] if residual is None else (outs[0], outs[1])
     shape = x.shape
     outs = ext.rms_norm(x.reshape(-1, shape[-1]), weight, float(eps),
                         None if residual is None else residual.reshape(-1, shape[-1]))
@@ -165,6 +171,8 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_torch(x)
     ext = load()
     assert ext is not None
+    if x.dim() == 2:
+        return ext.silu_and_mul(x)
     shape = x.shape
     return ext.silu_and_mul(x.reshape(-1, shape[-1])).view(*shape[:-1], shape[-1] // 2)
 
@@ -177,7 +185,23 @@ def rotary_cpu(
         return rotary_torch(q, k, cos, sin)
     ext = load()
     assert ext is not None
-    return ext.rotary(q, cos, sin), ext.rotary(k, cos, sin)
+    q, k = ext.rotary_qk(q, k, cos, sin)
+    return q, k
+
+
+def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """:func:`~dfllm.kernels.kv_cache.write_kv_cache_torch` in one pass, slots of -1 skipped
+    without a check on the host first."""
+    mixed = key.dtype == torch.float32 and k_cache.dtype == torch.bfloat16  # kv_cache_dtype="bfloat16"
+    if (key.dtype not in DTYPES or (k_cache.dtype != key.dtype and not mixed) or slot_mapping.dtype != torch.int64
+            or key.stride(-1) != 1 or value.stride(-1) != 1 or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous()):
+        write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)
+        return
+    ext = load()
+    assert ext is not None
+    ext.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:

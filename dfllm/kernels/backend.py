@@ -78,7 +78,7 @@ def cpu_ops() -> KernelOps | None:
         return None
     return KernelOps(
         name="cpu",
-        write_kv_cache=write_kv_cache_torch,
+        write_kv_cache=_cpu.write_kv_cache_cpu,
         paged_attention=_cpu.paged_attention_cpu,
         rms_norm=_cpu.rms_norm_cpu,
         rotary=_cpu.rotary_cpu,

@@ -685,6 +685,40 @@ void rotary_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, co
   });
 }
 
+// key/value [T, kv_heads, d] (any row/head strides, last dim contiguous) stored at their slots
+// of the caches [blocks, block_size, kv_heads, d] (of type TC: T's, or bfloat16 under float32);
+// a slot of -1 (padding) is skipped.
+template <typename T, typename TC>
+void write_kv_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slots) {
+  const int64_t tokens = key.size(0), heads = key.size(1), d = key.size(2), slot = heads * d;
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  TC* kc = k_cache.data_ptr<TC>();
+  TC* vc = v_cache.data_ptr<TC>();
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = sp[t];
+      if (s < 0) continue;
+      TORCH_CHECK(s < capacity, "slot ", s, " is past the cache's ", capacity, " slots");
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* kr = kp + t * ks0 + h * ks1;
+        const T* vr = vp + t * vs0 + h * vs1;
+        TC* ko = kc + s * slot + h * d;
+        TC* vo = vc + s * slot + h * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          ko[i] = static_cast<TC>(f32(kr[i]));
+          vo[i] = static_cast<TC>(f32(vr[i]));
+        }
+      }
+    }
+  });
+}
+
 // The index of each row's largest value, as torch.argmax: the first one among ties, and the
 // first NaN of a row that has one. Two passes over a row (its maximum, then where it first
 // occurs) instead of torch's scalar-tracking loop over [rows, vocab] logits: a row of a large
@@ -871,6 +905,33 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.sizes() == key.sizes() && value.stride(2) == 1,
+              "key and value must be [tokens, kv_heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
+              "the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64, one slot per token");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (key.scalar_type() == k_cache.scalar_type() ||
+                   (key.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "key and value must share one dtype, the caches one dtype: theirs, or bfloat16 under float32");
+  if (key.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {
+    write_kv_cache_impl<float, at::BFloat16>(key, value, k_cache, v_cache, slot_mapping);
+    return;
+  }
+  DFLLM_DISPATCH(key.scalar_type(), "write_kv_cache",
+                 write_kv_cache_impl<scalar_t, scalar_t>(key, value, k_cache, v_cache, slot_mapping));
+}
+
+std::vector<at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
+  return {rotary(q, cos, sin), rotary(k, cos, sin)};
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x must be float32 [rows, n > 0] with contiguous rows");
@@ -884,6 +945,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary", &rotary);
+  m.def("rotary_qk", &rotary_qk);
+  m.def("write_kv_cache", &write_kv_cache);
   m.def("argmax_rows", &argmax_rows);
 #if defined(__AVX512F__)
   m.def("prefill_attention", &prefill_attention);
