@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -115,6 +116,15 @@ def test_nan_in_the_kv_cache_reaches_no_other_sequence(nan_model):
     add("c", c)  # c takes it: slots 2-4 are masked but stale
     while engine.has_unfinished_requests():
         done.update((r.request_id, r) for r in engine.step())
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append  # type: ignore[method-assign]
+    logging.getLogger("dfllm").addHandler(handler)
+    try:
+        assert engine.step() == []  # an idle engine's step runs nothing, and nothing fails
+    finally:
+        logging.getLogger("dfllm").removeHandler(handler)
+    assert not warnings, [w.getMessage() for w in warnings]
     outs = {k: r.outputs[0] for k, r in done.items()}
     assert outs["p"].finish_reason == "error" and "non-finite logits (NaN) at output token 0" in outs["p"].error
     assert [outs[k].token_ids for k in "abc"] == want

@@ -165,8 +165,11 @@ class LLMEngine:
         If the step raises, the unfinished requests of the groups in ``rerun`` (default: all)
         are re-run from scratch one group at a time (module docstring) and this returns what
         that finished, error outputs of a group that failed on its own included; the other
-        groups' requests are queued again from scratch for later steps."""
+        groups' requests are queued again from scratch for later steps. With nothing queued
+        or running there is nothing to run: ``[]``, as vLLM's engine returns."""
         self.check_awake()
+        if not self.scheduler.has_unfinished():
+            return []
         try:
             finished = self._step()
         except Exception as exc:
