@@ -95,28 +95,41 @@ inline void normalize_heads(T* o, const float* acc, const float* total, int64_t 
   }
 }
 
-// One decode_attention call's tensors as raw pointers and sizes, unpacked once for whichever
-// kernel serves it (q and out of element type T, the KV caches of TC).
+// What both attention kernels read, unpacked once into raw pointers and sizes: q and out (of
+// element type T), the paged KV caches (of TC) and the block tables.
 template <typename T, typename TC>
-struct DecodeCall {
-  int64_t n, heads, dim, bs, kv_heads, width, group, q_row, o_row, slot, window;
-  float sc, cap;
+struct PagedCall {
+  int64_t heads, dim, bs, kv_heads, width, group, q_row, q_head, o_row, slot, window;
+  float sc;
   const T* qp;
   const TC* kp;
   const TC* vp;
   T* op;
-  const int64_t* rp;
   const int32_t* tp;
+
+  PagedCall(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& tables, double scale, int64_t window)
+      : heads(q.size(1)), dim(q.size(2)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)), width(tables.size(1)),
+        group(heads / kv_heads), q_row(q.stride(0)), q_head(q.stride(1)), o_row(out.stride(0)),
+        slot(kv_heads * dim), window(window), sc(static_cast<float>(scale)), qp(q.data_ptr<T>()),
+        kp(k_cache.data_ptr<TC>()), vp(v_cache.data_ptr<TC>()), op(out.data_ptr<T>()),
+        tp(tables.data_ptr<int32_t>()) {}
+};
+
+// One decode_attention call (passed by value, so that the compiler never reloads a field):
+// the decodes' query rows and context lengths, and the soft cap.
+template <typename T, typename TC>
+struct DecodeCall : PagedCall<T, TC> {
+  int64_t n;
+  float cap;
+  const int64_t* rp;
   const int32_t* lp;
 
   DecodeCall(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
              double softcap)
-      : n(rows.size(0)), heads(q.size(1)), dim(q.size(2)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
-        width(tables.size(1)), group(heads / kv_heads), q_row(q.stride(0)), o_row(out.stride(0)),
-        slot(kv_heads * dim), window(window), sc(static_cast<float>(scale)), cap(static_cast<float>(softcap)),
-        qp(q.data_ptr<T>()), kp(k_cache.data_ptr<TC>()), vp(v_cache.data_ptr<TC>()), op(out.data_ptr<T>()),
-        rp(rows.data_ptr<int64_t>()), tp(tables.data_ptr<int32_t>()), lp(lens.data_ptr<int32_t>()) {}
+      : PagedCall<T, TC>(out, q, k_cache, v_cache, tables, scale, window), n(rows.size(0)),
+        cap(static_cast<float>(softcap)), rp(rows.data_ptr<int64_t>()), lp(lens.data_ptr<int32_t>()) {}
 };
 
 // One decode query per sequence: its query heads read the sequence's keys and values block by
@@ -377,25 +390,16 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
 // query) attends causally over its keys, which are already in the paged cache (its cached
 // prefix and its own new tokens alike), read through its block table.
 template <typename T, typename TC>
-struct PrefillCall {
-  int64_t n, heads, dim, bs, kv_heads, width, group, q_row, q_head, o_row, slot, window;
-  float sc;
-  const T* qp;
-  const TC* kp;
-  const TC* vp;
-  T* op;
+struct PrefillCall : PagedCall<T, TC> {
+  int64_t n;
   const int32_t* qsl;
   const int32_t* lens;
-  const int32_t* tp;
 
   PrefillCall(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& tables, double scale,
               int64_t window)
-      : n(seq_lens.size(0)), heads(q.size(1)), dim(q.size(2)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
-        width(tables.size(1)), group(heads / kv_heads), q_row(q.stride(0)), q_head(q.stride(1)), o_row(out.stride(0)),
-        slot(kv_heads * dim), window(window), sc(static_cast<float>(scale)), qp(q.data_ptr<T>()),
-        kp(k_cache.data_ptr<TC>()), vp(v_cache.data_ptr<TC>()), op(out.data_ptr<T>()),
-        qsl(query_start_loc.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()), tp(tables.data_ptr<int32_t>()) {}
+      : PagedCall<T, TC>(out, q, k_cache, v_cache, tables, scale, window), n(seq_lens.size(0)),
+        qsl(query_start_loc.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()) {}
 };
 
 // A tile of a span's queries for one KV head: `tokens` consecutive queries from `first`, each
