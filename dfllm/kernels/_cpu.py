@@ -109,6 +109,13 @@ def loaded() -> bool:
     return load.cache_info().currsize > 0 and load() is not None
 
 
+def _cache_types_ok(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the kernels take queries (or new keys) ``x`` over ``cache``: the same dtype, or
+    a bfloat16 cache under float32 (``kv_cache_dtype="bfloat16"``)."""
+    mixed = x.dtype == torch.float32 and cache.dtype == torch.bfloat16
+    return x.dtype in DTYPES and (cache.dtype == x.dtype or mixed)
+
+
 def paged_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,8 +130,7 @@ def paged_attention_cpu(
     """:func:`~dfllm.kernels.paged_attention.paged_attention_torch`, with the step's decodes
     attended by the C++ kernel straight from the paged cache."""
     decodes = meta.decodes
-    mixed = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16  # kv_cache_dtype="bfloat16"
-    if (decodes is None and not meta.prefills) or q.dtype not in DTYPES or (k_cache.dtype != q.dtype and not mixed):
+    if (decodes is None and not meta.prefills) or not _cache_types_ok(q, k_cache):
         return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
     ext = load()
     assert ext is not None  # select_ops picks these kernels only once they are built
@@ -193,8 +199,7 @@ def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
                        slot_mapping: torch.Tensor) -> None:
     """:func:`~dfllm.kernels.kv_cache.write_kv_cache_torch` in one pass, slots of -1 skipped
     without a check on the host first."""
-    mixed = key.dtype == torch.float32 and k_cache.dtype == torch.bfloat16  # kv_cache_dtype="bfloat16"
-    if (key.dtype not in DTYPES or (k_cache.dtype != key.dtype and not mixed) or slot_mapping.dtype != torch.int64
+    if (not _cache_types_ok(key, k_cache) or slot_mapping.dtype != torch.int64
             or key.stride(-1) != 1 or value.stride(-1) != 1 or not k_cache.is_contiguous()
             or not v_cache.is_contiguous()):
         write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)

@@ -114,6 +114,15 @@ struct PagedCall {
         slot(kv_heads * dim), window(window), sc(static_cast<float>(scale)), qp(q.data_ptr<T>()),
         kp(k_cache.data_ptr<TC>()), vp(v_cache.data_ptr<TC>()), op(out.data_ptr<T>()),
         tp(tables.data_ptr<int32_t>()) {}
+
+  // The chunk of keys [j, j + m) of a sequence (block table `table`) that the kernels walk: at
+  // most 16 tokens, within one block, none at or past `end`. Sets m; returns the chunk's
+  // element offset in a cache.
+  int64_t chunk(const int32_t* table, int64_t j, int64_t end, int64_t& m) const {
+    const int64_t b = j / bs;
+    m = std::min({int64_t{16}, end - j, (b + 1) * bs - j});
+    return (static_cast<int64_t>(table[b]) * bs + j % bs) * slot;
+  }
 };
 
 // One decode_attention call (passed by value, so that the compiler never reloads a field):
@@ -210,6 +219,18 @@ inline __m512 load16(const T* p) {
   }
 }
 
+// m cached tokens (slots of `slot` elements) from p as float32: the cache itself, or (bfloat16 or
+// float16) widened once into `wide` rather than once per query head that reads them
+template <typename TC>
+inline const float* as_float(const TC* p, int64_t m, int64_t slot, float* wide) {
+  if constexpr (std::is_same_v<TC, float>) {
+    return p;
+  } else {
+    for (int64_t e = 0; e < m * slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
+    return wide;
+  }
+}
+
 // fast_exp on 16 lanes: the same steps (round to nearest, the same polynomial), so the same values
 inline __m512 fast_exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
@@ -291,27 +312,13 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
   at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(a.heads * DIM), acc(a.heads * DIM), scores, total(a.heads);
     std::vector<float> wide(std::is_same_v<TC, float> ? 0 : CHUNK * a.slot);
-    // a chunk of keys or values as float32: the cache itself, or (bfloat16/float16) widened
-    // once into `wide` rather than once per query head that reads it
-    auto as_float = [&](const TC* p, int64_t m) -> const float* {
-      if constexpr (std::is_same_v<TC, float>) {
-        return p;
-      } else {
-        for (int64_t e = 0; e < m * a.slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
-        return wide.data();
-      }
-    };
     for (int64_t i = begin; i < end; ++i) {
       const int64_t len = a.lp[i];
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
       const int64_t span = len - start;
       const int32_t* table = a.tp + i * a.width;
       // chunk [j, j + m) of one block starts at element offset `at` of a cache
-      auto chunk = [&](int64_t j, int64_t& m) {
-        const int64_t b = j / a.bs;
-        m = std::min({CHUNK, len - j, (b + 1) * a.bs - j});
-        return (static_cast<int64_t>(table[b]) * a.bs + j % a.bs) * a.slot;
-      };
+      auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, len, m); };
       // the next chunk's cache lines, a share of them on each query head's turn
       auto next_lines = [&](const TC* cache, int64_t j, int64_t& lines) -> const char* {
         lines = 0;
@@ -333,7 +340,7 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
         const TC* key_at = a.kp + chunk(j, m);
         int64_t lines;
         const char* ahead = next_lines(a.kp, j + m, lines);
-        const float* key = as_float(key_at, m);
+        const float* key = as_float(key_at, m, a.slot, wide.data());
         for (int64_t hq = 0; hq < a.heads; ++hq) {
           prefetch(ahead, lines, hq);
           const float* kh = key + (hq / a.group) * DIM;
@@ -363,7 +370,7 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
       for (int64_t j = start; j < len;) {
         int64_t m;
         const TC* value_at = a.vp + chunk(j, m);  // sets m
-        const float* value = as_float(value_at, m);
+        const float* value = as_float(value_at, m, a.slot, wide.data());
         int64_t lines;
         const char* ahead = next_lines(a.vp, j + m, lines);
         for (int64_t hq = 0; hq < a.heads; ++hq) {
@@ -421,7 +428,6 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
                   float* wide) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to whole vectors
   constexpr int C = DIM / 16;
-  constexpr int64_t CHUNK = 16;
   const int64_t q_start = a.qsl[tile.seq], q_len = a.qsl[tile.seq + 1] - q_start, len = a.lens[tile.seq];
   const int64_t base = len - q_len;  // position of the span's first query
   const int64_t rows = tile.tokens * a.group;
@@ -446,26 +452,14 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   __m512i posv[NRV];
   for (int v = 0; v < NRV; ++v) posv[v] = _mm512_load_si512(pos + 16 * v);
 
-  auto chunk = [&](int64_t j, int64_t& m) {
-    const int64_t b = j / a.bs;
-    m = std::min({CHUNK, kend - j, (b + 1) * a.bs - j});
-    return (static_cast<int64_t>(table[b]) * a.bs + j % a.bs) * a.slot;
-  };
-  auto as_float = [&](const TC* p, int64_t m) -> const float* {
-    if constexpr (std::is_same_v<TC, float>) {
-      return p;
-    } else {
-      for (int64_t e = 0; e < m * a.slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
-      return wide;
-    }
-  };
+  auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, kend, m); };
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   // pass 1: scores [keys, rows]
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);  // sets m (before as_float reads it)
-    const float* key = as_float(a.kp + at, m) + h_off;
+    const float* key = as_float(a.kp + at, m, a.slot, wide) + h_off;
     float* s = sbuf + (j - kstart) * R;
     int64_t t = 0;
     for (; t + 4 <= m; t += 4) {  // four keys at a time: each query vector loaded once for four
@@ -534,7 +528,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);
-    const float* value = as_float(a.vp + at, m) + h_off;
+    const float* value = as_float(a.vp + at, m, a.slot, wide) + h_off;
     const float* w = sbuf + (j - kstart) * R;
     for (int d0 = 0; d0 < DIM; d0 += 4) {
       __m512 acc[4][NRV];
@@ -800,32 +794,48 @@ void decode_attention_dims(const DecodeCall<T, TC>& a) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, dtype, NAME, \
                                   [&] { __VA_ARGS__; })
 
+// x and y (q and out, or key and value) of one dtype, the caches of one dtype: theirs, or
+// bfloat16 under float32 (kv_cache_dtype="bfloat16")
+void check_cache_types(const at::Tensor& x, const at::Tensor& y, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (x.scalar_type() == k_cache.scalar_type() ||
+                   (x.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q/out (key/value) must share one dtype, the KV caches one dtype: theirs, or bfloat16 under float32");
+}
+
+// f.template operator()<T, TC>() for x's element type T and the cache's TC (checked above)
+template <typename F>
+void dispatch_cache_types(const at::Tensor& x, const at::Tensor& cache, F&& f) {
+  if (x.scalar_type() == at::kFloat && cache.scalar_type() == at::kBFloat16) {
+    f.template operator()<float, at::BFloat16>();
+    return;
+  }
+  DFLLM_DISPATCH(x.scalar_type(), "dfllm attention or cache write", f.template operator()<scalar_t, scalar_t>());
+}
+
+// What decode_attention and prefill_attention both require of q, out and the caches.
+void check_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == q.size(2),
+              "out must be shaped like q, each row contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  check_cache_types(q, out, k_cache, v_cache);
+}
+
 }  // namespace
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& lens, double scale,
                       int64_t window, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with a contiguous last dim");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == q.size(2),
-              "out must be shaped like q, each row contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  check_attention(out, q, k_cache, v_cache);
   TORCH_CHECK(q.stride(1) == q.size(2), "q's heads of one token must be contiguous");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (q.scalar_type() == k_cache.scalar_type() ||
-                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "q and out must share one dtype, the KV caches one dtype: q's, or bfloat16 under float32 queries");
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
               "rows must be int64, block tables and lengths int32");
   TORCH_CHECK(rows.is_contiguous() && tables.is_contiguous() && lens.is_contiguous(), "metadata must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // kv_cache_dtype="bfloat16"
-    decode_attention_dims(DecodeCall<float, at::BFloat16>(out, q, k_cache, v_cache, rows, tables, lens, scale, window,
-                                                          softcap));
-    return;
-  }
-  DFLLM_DISPATCH(q.scalar_type(), "decode_attention",
-                 decode_attention_dims(DecodeCall<scalar_t, scalar_t>(out, q, k_cache, v_cache, rows, tables, lens, scale,
-                                                                      window, softcap)));
+  dispatch_cache_types(q, k_cache, [&]<typename T, typename TC>() {
+    decode_attention_dims(DecodeCall<T, TC>(out, q, k_cache, v_cache, rows, tables, lens, scale, window, softcap));
+  });
 }
 
 #if defined(__AVX512F__)
@@ -846,30 +856,18 @@ void prefill_attention_dims(const PrefillCall<T, TC>& a) {
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& tables,
                        double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with a contiguous last dim");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == q.size(2),
-              "out must be shaped like q, each row contiguous");
+  check_attention(out, q, k_cache, v_cache);
   TORCH_CHECK(q.size(2) == 32 || q.size(2) == 64 || q.size(2) == 128, "head_dim must be 32, 64 or 128");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (q.scalar_type() == k_cache.scalar_type() ||
-                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "q and out must share one dtype, the KV caches one dtype: q's, or bfloat16 under float32 queries");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   tables.scalar_type() == at::kInt && query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
                   tables.is_contiguous() && query_start_loc.size(0) == seq_lens.size(0) + 1 &&
                   tables.size(0) == seq_lens.size(0),
               "query_start_loc ([n + 1]), seq_lens ([n]) and block tables ([n, width]) must be contiguous int32");
-  const int64_t group = q.size(1) / k_cache.size(2);
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && group <= 64, "query heads must be 1-64 times the KV heads");
-  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // kv_cache_dtype="bfloat16"
-    prefill_attention_dims(PrefillCall<float, at::BFloat16>(out, q, k_cache, v_cache, query_start_loc, seq_lens,
-                                                            tables, scale, window));
-    return;
-  }
-  DFLLM_DISPATCH(q.scalar_type(), "prefill_attention",
-                 prefill_attention_dims(PrefillCall<scalar_t, scalar_t>(out, q, k_cache, v_cache, query_start_loc,
-                                                                        seq_lens, tables, scale, window)));
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= 64, "query heads must be at most 64 times the KV heads");
+  dispatch_cache_types(q, k_cache, [&]<typename T, typename TC>() {
+    prefill_attention_dims(PrefillCall<T, TC>(out, q, k_cache, v_cache, query_start_loc, seq_lens, tables, scale,
+                                              window));
+  });
 }
 #endif
 
@@ -919,16 +917,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == key.size(0),
               "slot_mapping must be int64, one slot per token");
-  TORCH_CHECK(key.scalar_type() == value.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (key.scalar_type() == k_cache.scalar_type() ||
-                   (key.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "key and value must share one dtype, the caches one dtype: theirs, or bfloat16 under float32");
-  if (key.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {
-    write_kv_cache_impl<float, at::BFloat16>(key, value, k_cache, v_cache, slot_mapping);
-    return;
-  }
-  DFLLM_DISPATCH(key.scalar_type(), "write_kv_cache",
-                 write_kv_cache_impl<scalar_t, scalar_t>(key, value, k_cache, v_cache, slot_mapping));
+  check_cache_types(key, value, k_cache, v_cache);
+  dispatch_cache_types(key, k_cache, [&]<typename T, typename TC>() {
+    write_kv_cache_impl<T, TC>(key, value, k_cache, v_cache, slot_mapping);
+  });
 }
 
 std::vector<at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
