@@ -118,20 +118,34 @@ def test_changed_task(write, rows, tmp_path):
 
 
 def test_stale_temporary_and_leftover_files(write, rows, tmp_path):
+    """dfllm's own leftovers (a part and key of a crashed run with more partitions, its
+    temporary files, its set-aside parts) are removed; nothing else is."""
     out = tmp_path / "out"
     exact(out, write(rows, out, 2, resume=False))
-    stray = rows.iloc[:1].assign(generated_text="stale")
-    stray.to_parquet(out / "part.00007.parquet")  # a part of a crashed run with more partitions
+    shutil.copy(out / "part.00001.parquet", out / "part.00007.parquet")  # dfllm's footer: dfllm's part
     (out / "_dfllm_keys" / "part.00007.key").write_text('{"key": "0"}')
-    stray.to_parquet(out / "part.0.parquet")  # Dask's own to_parquet naming
     (out / ".tmp-0123abcd-part.00001.parquet").write_bytes(b"PAR1 half a file")
     (out / "_dfllm_keys" / ".tmp-0123abcd-part.00001.key").write_text("{")
-    (out / "_metadata").write_bytes(b"stale")
+    (out / "_dfllm_keys" / "part.00001.key").write_text("null")  # valid JSON, not a record: recompute
+    (out / "_notes.txt").write_text("mine")  # hidden from readers: left alone
     again = write(rows, out, 2)
-    assert (again.written, again.skipped) == (0, 2)
-    back = exact(out, again)
-    assert not (back["generated_text"] == "stale").any()
-    assert not (out / "_metadata").exists()
+    assert (again.written, again.skipped) == (1, 1)
+    exact(out, again)
+    assert (out / "_notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["part.0.parquet", "part.00003.parquet", "_metadata"])
+def test_files_dfllm_did_not_write_are_refused_not_deleted(write, rows, tmp_path, name):
+    """Another tool's parts (Dask's ``part.0.parquet``, a part without dfllm's footer) and a
+    ``_metadata`` dfllm did not write are never deleted: the write is refused before any work."""
+    out = tmp_path / "out"
+    exact(out, write(rows, out, 2, resume=False))
+    rows.iloc[:1].to_parquet(out / name)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    for resume in (False, True):
+        with pytest.raises(ValueError, match=rf"1 file\(s\) that dfllm did not write \({name}\)"):
+            write(rows, out, 2, resume=resume)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 def test_part_replaced_before_its_key_is_recomputed(write, rows, tmp_path):
@@ -153,6 +167,6 @@ def test_folder_with_other_files_is_refused_before_any_work(write, rows, tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     rows.to_parquet(out / "input.parquet")
-    with pytest.raises(ValueError, match=r"1 file\(s\) that are not parts of a dfllm dataset \(input.parquet\)"):
+    with pytest.raises(ValueError, match=r"1 file\(s\) that dfllm did not write \(input.parquet\)"):
         write(rows, out, 2, resume=False)
     assert [p.name for p in out.iterdir()] == ["input.parquet"]

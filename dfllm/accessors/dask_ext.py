@@ -17,9 +17,11 @@ import pandas as pd
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
+from dfllm.accessors.kinds import ENGINE_ARROW_TYPES
 from dfllm.accessors.placement import check_resources, model_check, run_placed
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.task import LLMTask
+from dfllm.accessors.write_key import canonical
 
 
 class WritableFunction:
@@ -31,7 +33,10 @@ class WritableFunction:
       output (equal keys on equal rows give equal outputs; a changed key recomputes);
     - ``error_column``: the output column holding failed rows' messages (None: none);
     - ``kind``: lower-case letters naming the write's tasks (``llm-write-<kind>-<i>-<run>``);
-    - ``resources``: the worker resources the write's tasks ask for (None: any worker).
+    - ``resources``: the worker resources the write's tasks ask for (None: any worker);
+    - ``model_sources()``: the models whose files' identity enters each partition's key
+      (computed on the worker that writes it; see :func:`dfllm.accessors.write_key.model_key`);
+    - ``arrow_types()``: the Arrow types of output columns that ``meta`` holds as ``object``.
     """
 
     kind: str
@@ -41,6 +46,12 @@ class WritableFunction:
     @property
     def write_key(self) -> str:
         raise NotImplementedError
+
+    def model_sources(self) -> tuple:
+        return ()
+
+    def arrow_types(self) -> dict:
+        return {}
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         raise NotImplementedError
@@ -57,7 +68,13 @@ class PartitionFunction(WritableFunction):
 
     @property
     def write_key(self) -> str:
-        return repr(self.task)  # the task's model, sampling and engine settings
+        return canonical(self.task)  # every field: the model's name, sampling and engine settings
+
+    def model_sources(self) -> tuple:
+        return (self.task.model,)
+
+    def arrow_types(self) -> dict:
+        return {c: ENGINE_ARROW_TYPES[c] for c in self.task.engine_columns if c in ENGINE_ARROW_TYPES}
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         return run_placed(df, self.task, self.resources)

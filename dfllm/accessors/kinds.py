@@ -91,6 +91,9 @@ ENGINE_COLUMNS: dict[str, pd.api.extensions.ExtensionDtype | str] = {
     "rendered_prompt": STRING, "prompt_token_ids": _INTS, "generated_tokens": _INTS, "logprobs": "object",
     "prompt_logprobs": "object", "time_taken_llm": FLOAT, "embeddings": VECTOR, "num_cached_tokens": INT,
 }
+#: Arrow types of the engine columns that pandas holds as Python objects (one entry per
+#: token; the first prompt token's is null), for the parquet writer's schema.
+ENGINE_ARROW_TYPES = {"logprobs": pa.list_(LOGPROB_MAP), "prompt_logprobs": pa.list_(LOGPROB_MAP)}
 _GENERATION_ENGINE = ("rendered_prompt", "prompt_token_ids", "generated_tokens", "logprobs", "prompt_logprobs",
                       "time_taken_llm", "num_cached_tokens")
 _POOLING_ENGINE = ("embeddings", "time_taken_llm")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
 from dfllm.accessors.rows import is_template, template_fields
-from dfllm.accessors.schema import SORT_BY_PROMPT
+from dfllm.accessors.schema import LLM_ERROR, SORT_BY_PROMPT
 from dfllm.inputs import check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
@@ -132,6 +132,10 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     missing = sorted(task.columns_needed() - set(map(str, columns)))
     if missing:
         raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {list(columns)})")
+    own = [output_column, *(name for name, _ in spec.other_columns), *task.engine_columns, LLM_ERROR]
+    if own.count(output_column) > 1:
+        raise ValueError(f"{kind}: output_column {output_column!r} is one of the columns {kind} itself writes "
+                         f"({list(dict.fromkeys(own))}); choose another output_column")
     clash = sorted(set(task.output_dtypes()) & set(map(str, columns)))
     if clash:
         raise ValueError(f"{kind}: output column(s) {clash} already exist; choose another output_column")

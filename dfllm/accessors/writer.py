@@ -4,50 +4,62 @@
 call (``ddf.llm.generate(...)`` etc.) or of a processor (``build_processor(...)(ddf)``).
 Both map their source frame's partitions with a
 :class:`~dfllm.accessors.dask_ext.WritableFunction`, whose ``write_key`` names what
-decides a partition's output besides its rows: the accessor's task (model, sampling and
-engine settings); the processor's config, output types and fingerprints of ``preprocess``
-and ``postprocess`` (see :mod:`dfllm.jobs.processor`).
+decides a partition's output besides its rows: the accessor's task (every field of it,
+through :func:`dfllm.accessors.write_key.canonical`); the processor's config, output types
+and fingerprints of ``preprocess`` and ``postprocess`` (see :mod:`dfllm.jobs.processor`).
+The models' files enter each partition's key too (:mod:`dfllm.models.identity`), so new
+weights copied into the same folder recompute.
+
+**One schema per write.** Before the first part, the write decides its Arrow schema (see
+:mod:`dfllm.accessors.arrow_schema`): the task's output columns as its ``meta`` types them,
+the passthrough columns as the source's ``meta`` types them, and a column that ``meta``
+holds only as ``object`` by the types of its values over the whole source (one pass over
+those columns; ``persist()`` an expensive source). Every part, the empty ones included, is
+converted to that schema, and ``_common_metadata`` records it. A value that does not fit
+its column's type is null in the part and its row gets an error (in ``llm_error``, or the
+processor's error column) naming the column and the value; the row's other columns are
+kept, the partition never fails for it.
 
 It writes ``part.NNNNN.parquet`` files through fsspec (local paths, ``s3://``, any fsspec
 URL with ``storage_options``), one per partition of the input, numbered from 0. Each part
 is written to a temporary name and moved into place, then ``_dfllm_keys/part.NNNNN.key``
 (a folder parquet readers skip) records what produced it: a hash of the partition's input
-rows (index and values) and of the write key, with its row, error (rows with a message in
-the error column: ``llm_error``, or a processor's ``__inference_error__``) and token counts
-(columns ``num_input_tokens`` and ``num_generated_tokens``, where the output has them).
-The part's own parquet footer carries the same record (key-value metadata ``dfllm``), so a
-part always says what it holds.
+rows (index and values) and of the write key, with its row, error and token counts. The
+part's own parquet footer carries the same record (key-value metadata ``dfllm``), so a part
+always says what it holds, and that dfllm wrote it.
+
+**Paths are literal**, never glob patterns, and **dfllm deletes only what it wrote**: parts
+whose footer carries its record, its key files and temporary files. A folder holding any
+other file a parquet reader would read (another tool's ``part.0.parquet``, a CSV, a
+``_metadata`` file that dfllm did not write) is refused before any work, and so is an
+output folder that is the input's folder, inside it, or holds it.
 
 Resume is exact: when ``write_parquet`` returns, the folder holds exactly one part per
 partition of this write, each the output of that partition under this task, so a reader
 reads every input row exactly once, whatever the partitioning, row order or task of the
 earlier writes to the folder.
 
-- ``resume=False`` removes every earlier part and key first and computes everything.
+- ``resume=False`` removes every earlier dfllm part and key first and computes everything.
 - ``resume=True`` keeps partition ``i`` when ``part.i``'s key record and its footer both
-  name this partition's key. A partition whose rows an earlier write put under another
-  number (reordered partitions, new input files ahead of the old ones) is copied from
-  that part, checked by its footer, rather than recomputed; before a task replaces an
+  name this partition's key (a kept part whose schema differs from this write's is
+  converted to it, without the engine). A partition whose rows an earlier write put under
+  another number (reordered partitions, new input files ahead of the old ones) is copied
+  from that part, checked by its footer, rather than recomputed; before a task replaces an
   earlier part of other rows it moves it to ``_dfllm_keys/set-aside/`` so that the
   partition now holding those rows can still copy it. Anything else (a missing, partial or
-  foreign part, a part whose key was never recorded, changed rows or partition bounds, a
-  changed task or processor) is recomputed.
-- At the end, parts and keys of numbers this write does not have (an earlier write with
-  more partitions, Dask's own ``part.0.parquet``...), ``_metadata`` files, set-aside parts
-  and temporary files of writes that never finished are removed. Then the parts' footers
-  are read back: there must be exactly this write's parts, each with the key and row count
-  its task reported, so the summary's ``rows`` is what a reader reads; otherwise (another
-  job wrote to the folder meanwhile) ``write_parquet`` raises ``RuntimeError``.
-- A folder holding files a parquet reader would read that are not ``part.*`` files (any
-  file not under a ``.``/``_`` name) is refused before any work, since they would be read
-  back with the results.
+  corrupt part or key record, changed rows or partition bounds, a changed task, model or
+  processor) is recomputed.
+- At the end, dfllm parts and keys of numbers this write does not have, set-aside parts and
+  temporary files of writes that never finished are removed. Then the parts' footers are
+  read back: there must be exactly this write's parts, each with the key and row count its
+  task reported, so the summary's ``rows`` is what a reader reads; otherwise (another job
+  wrote to the folder meanwhile) ``write_parquet`` raises ``RuntimeError``.
 
 A write that fails part-way leaves a mix of old and new parts (a reader may then see some
 rows twice or not at all); run it again with ``resume=True`` to make the folder exact
 without redoing the finished partitions. Two jobs must not write to the same folder at
-once. Parts written before footers carried the record are recomputed once. Only one
-partition per task is in memory at a time, so datasets far larger than the workers'
-memory stream through.
+once. Only one partition per task is in memory at a time, so datasets far larger than the
+workers' memory stream through.
 """
 
 from __future__ import annotations
@@ -55,9 +67,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -67,13 +81,20 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dfllm.accessors.arrow_schema import INDEX, conform, job_schema, unify_counts, value_types
 from dfllm.accessors.dask_ext import WritableFunction, llm_origin
 from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.accessors.write_key import model_key
 
 KEYS = "_dfllm_keys"
 FOOTER_KEY = b"dfllm"  # the part's record in its parquet footer's key-value metadata
 SET_ASIDE = f"{KEYS}/set-aside"  # earlier parts replaced during a resumed write, by key, until it ends
+COMMON_METADATA = "_common_metadata"  # the write's schema, with FOOTER_KEY saying dfllm wrote it
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # what partition_key gives
+PART = re.compile(r"part\.(\d{5,})\.parquet")  # a part's name (relative to the folder)
+KEY_FILE = re.compile(r"part\.(\d{5,})\.key")
+SET_ASIDE_FILE = re.compile(r"[0-9a-f]{64}\.parquet")
+TEMPORARY = re.compile(r"\.tmp-[0-9a-f]+-part\.\d{5,}\.(parquet|key)")
 
 
 @dataclass
@@ -99,12 +120,13 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     """Write the lazy result of a Dask ``.llm`` call or of a processor
     (:func:`dfllm.build_processor`) to a parquet dataset at ``path``.
 
-    With ``resume=True`` finished partitions of an earlier write are kept and the rest
-    computed; either way the folder ends with one part per partition of this result and
-    nothing else a reader reads (see the module docstring). ``resources`` (on a
-    distributed cluster) restricts every task of the write to workers that declare them,
-    e.g. ``{"GPU": 0.25}`` to run on GPU workers with four tasks feeding each worker's
-    engine at once (see :func:`dfllm.jobs.cluster.task_resources`).
+    Every part carries one Arrow schema, decided before the first (a value that does not
+    fit its column is that row's error). With ``resume=True`` finished partitions of an
+    earlier write are kept and the rest computed; either way the folder ends with one part
+    per partition of this result and nothing else a reader reads (see the module
+    docstring). ``resources`` (on a distributed cluster) restricts every task of the write
+    to workers that declare them, e.g. ``{"GPU": 0.25}`` to run on GPU workers with four
+    tasks feeding each worker's engine at once (see :func:`dfllm.jobs.cluster.task_resources`).
     """
     start = time.perf_counter()
     origin = llm_origin(result)
@@ -115,21 +137,24 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     write_key = func.write_key  # before any work: a processor whose functions have no stable key raises
     resources = resources or func.resources  # the call's resources unless overridden here
     fs, root = _filesystem(path, storage_options)
-    _refuse_foreign_files(fs, root, path)
+    refuse_overlap(input_paths(source), path, storage_options)
+    ours = _survey(fs, root, path)
+    schema = decide_schema(result, source, func)
     fs.makedirs(root, exist_ok=True)
     fs.makedirs(f"{root}/{KEYS}", exist_ok=True)
     if not resume:
-        for old in fs.glob(f"{root}/part.*") + fs.glob(f"{root}/{KEYS}/part.*") + fs.glob(f"{root}/{SET_ASIDE}"):
-            fs.rm(old, recursive=True)
+        _remove(fs, ours + _listing(fs, f"{root}/{KEYS}", KEY_FILE) + _listing(fs, root, TEMPORARY)
+                + _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE))
     earlier = dask.delayed(_earlier_parts(fs, root) if resume else {}, traverse=False)  # one graph key
     parts = source.to_delayed()
     run = uuid.uuid4().hex[:8]
     jobs = [dask.delayed(_write_partition, pure=False)(p, func, write_key, path, i, storage_options, resume, earlier,
-                                                       dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
+                                                       schema, dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
             for i, p in enumerate(parts)]
     results = _compute(jobs, progress, resources)
     fs.invalidate_cache(root)  # listings cached before the workers wrote (s3fs, gcsfs...)
     _remove_leftovers(fs, root, len(parts))
+    _write_common_metadata(fs, root, schema)
     _check_written(fs, root, path, results)
     return WriteSummary(path, len(parts), sum(r["written"] for r in results), sum(not r["written"] for r in results),
                         sum(r["rows"] for r in results), sum(r["errors"] for r in results),
@@ -137,7 +162,7 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
                         time.perf_counter() - start)
 
 
-def _compute(jobs, progress: bool, resources: dict | None = None) -> list:
+def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "llm partitions") -> list:
     try:
         from distributed import as_completed, default_client
 
@@ -151,27 +176,81 @@ def _compute(jobs, progress: bool, resources: dict | None = None) -> list:
     futures = client.compute(jobs, resources=resources)
     order = {f.key: i for i, f in enumerate(futures)}
     out: list = [None] * len(futures)
-    for fut in tqdm(as_completed(futures), total=len(futures), desc="llm partitions", disable=not progress):
+    for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, disable=not progress):
         out[order[fut.key]] = fut.result()
     return out
 
 
+# ---- the write's schema --------------------------------------------------------------------------------
+def decide_schema(result, source, func: WritableFunction) -> pa.Schema:
+    """The Arrow schema of every part of ``result``'s write (see the module docstring).
+    Columns the result holds as ``object`` that come from the source are typed by their
+    values over the whole source (through an earlier ``.llm`` result's declared types
+    first, so that no model runs for this)."""
+    meta = result._meta
+    types = dict(func.arrow_types())
+    inner = source
+    while True:  # passthrough columns of a chained .llm result keep that result's declared types
+        origin = llm_origin(inner)
+        if origin is None:
+            break
+        inner, inner_func = origin
+        for column, t in inner_func.arrow_types().items():
+            types.setdefault(column, t)
+    unknown = [c for c in meta.columns if meta[c].dtype == object and c not in types and c in inner._meta.columns]
+    if meta.index.dtype == object:
+        unknown.append(INDEX)
+    if unknown:
+        types.update(_source_types(inner, unknown))
+    return as_stored(job_schema(meta, types))
+
+
+def as_stored(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as a parquet file gives it back (lists' items named ``element``...), so
+    that a part read back compares equal to the schema it was written in."""
+    buf = io.BytesIO()
+    pq.write_metadata(schema, buf)
+    buf.seek(0)
+    return pq.read_schema(buf)
+
+
+def _source_types(frame, columns: list) -> dict:
+    """Column -> the unified Arrow type of its values over every partition of ``frame``."""
+    cols = [c for c in columns if c != INDEX]
+    jobs = [dask.delayed(_partition_types, pure=True)(p, columns) for p in frame[cols].to_delayed()]
+    totals: dict = {c: Counter() for c in columns}
+    for counts in _compute(jobs, progress=False, desc="llm schema"):
+        for c, found in counts.items():
+            totals[c].update(found)
+    return {c: t for c, t in ((c, unify_counts(n)) for c, n in totals.items()) if t is not None}
+
+
+def _partition_types(df: pd.DataFrame, columns: list) -> dict:
+    return {c: value_types(df.index if c == INDEX else df[c]) for c in columns}
+
+
+# ---- keys ----------------------------------------------------------------------------------------------
 def partition_key(df: pd.DataFrame, write_key: str) -> str:
     """Hash of a partition's input rows (index and values) and of the write key (what,
-    besides the rows, decides the output: see :class:`WritableFunction`)."""
+    besides the rows, decides the output: see :class:`WritableFunction`). Nested values
+    (lists, dicts, structs, maps: conversations) count by their canonical JSON text."""
     h = hashlib.sha256(write_key.encode())
-    h.update(pd.util.hash_pandas_object(_hashable_frame(df), index=True).values.tobytes())
-    h.update(",".join(map(str, df.columns)).encode())
+    h.update(_column_hash(pd.Series(df.index, index=df.index)))
+    for c in df.columns:
+        h.update(str(c).encode("utf-8", "surrogatepass") + b"\0" + _column_hash(df[c]))
     return h.hexdigest()
 
 
-def _hashable_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with nested values (lists, dicts, arrays: conversations) as canonical JSON text."""
-    nested = [c for c in df.columns if df[c].dtype == object and
-              any(isinstance(v, (list, dict, tuple)) or hasattr(v, "tolist") for v in df[c])]
-    if not nested:
-        return df
-    return df.assign(**{str(c): df[c].map(_canonical) for c in nested})
+def _column_hash(series: pd.Series) -> bytes:
+    flat = series.dtype != object and not (isinstance(series.dtype, pd.ArrowDtype) and
+                                           pa.types.is_nested(series.dtype.pyarrow_dtype))
+    if flat:
+        try:
+            return pd.util.hash_pandas_object(series, index=False).values.tobytes()
+        except (TypeError, ValueError, pa.ArrowException):
+            pass
+    texts = "\n".join(_canonical(v) for v in series.tolist())
+    return hashlib.sha256(texts.encode("utf-8", "surrogatepass")).digest()
 
 
 def _canonical(value) -> str:
@@ -198,8 +277,9 @@ def _set_aside(root: str, key: str) -> str:
     return f"{root}/{SET_ASIDE}/{key}.parquet"
 
 
+# ---- one partition ----------------------------------------------------------------------------------------
 def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, path: str, i: int, storage_options,
-                     resume: bool, earlier: dict[str, list[str]]) -> dict:
+                     resume: bool, earlier: dict[str, list[str]], schema: pa.Schema) -> dict:
     """Write, keep, or copy from an earlier part, partition ``i``'s part; returns its record
     (key, row, error and token counts) and ``written`` (False if it was not recomputed).
 
@@ -207,53 +287,107 @@ def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, p
     other rows it sets that part aside, so another partition of this write that holds
     those rows can still copy it (``earlier``: key -> where an earlier write put it)."""
     fs, root = _filesystem(path, storage_options)
-    key = partition_key(df, write_key)
+    key = partition_key(df, f"{write_key}\0models={model_key(func.model_sources())}")
     if resume:
-        kept = _kept_part(fs, root, i, key)
+        kept = _kept_part(fs, root, i, key, schema)
         if kept is not None:
             return {**kept, "written": False}
-        found = _earlier_part(fs, earlier.get(key, ()), key)
+        found = _earlier_part(fs, earlier.get(key, ()), key, schema)
         if found is not None:
             data, record = found
             _replace_part(fs, root, i, data, record, resume)
             return {**record, "written": False}
     out = func(df)
-    errors = int(out[func.error_column].notna().sum()) if func.error_column in out else 0
-    record = {"key": key, "rows": len(out), "errors": errors,
+    table, problems = conform(out, schema)
+    errors = _error_count(table, func.error_column, problems)
+    if problems:
+        table = _with_errors(table, func.error_column, problems)
+    record = {"key": key, "rows": table.num_rows, "errors": errors,
               "input_tokens": _total(out, NUM_INPUT_TOKENS), "output_tokens": _total(out, NUM_GENERATED_TOKENS)}
-    table = readable_table(out)
-    table = table.replace_schema_metadata({**table.schema.metadata, FOOTER_KEY: json.dumps(record).encode()})
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    _replace_part(fs, root, i, buf.getvalue(), record, resume)
+    _replace_part(fs, root, i, _parquet_bytes(table, record), record, resume)
     return {**record, "written": True}
 
 
-def _kept_part(fs, root: str, i: int, key: str) -> dict | None:
-    """Part ``i``'s record if both its key record and its footer name ``key``, else None."""
+def _with_errors(table: pa.Table, column: str | None, problems: dict[int, str]) -> pa.Table:
+    """``table`` with each row's conversion problems joined to its error column's message;
+    ``ValueError`` naming the first where the output has no error column."""
+    if column is None or column not in table.column_names:
+        row, message = min(problems.items())
+        raise ValueError(f"row {row} of the partition: {message} (the output has no error column to record it in)")
+    at = table.column_names.index(column)
+    old = table.column(at).to_pylist()
+    new = [problems[i] if i in problems and old[i] is None else
+           f"{old[i]}; {problems[i]}" if i in problems else old[i] for i in range(len(old))]
+    return table.set_column(at, table.schema.field(at), pa.array(new, type=table.schema.field(at).type))
+
+
+def _error_count(table: pa.Table, column: str | None, problems: dict[int, str]) -> int:
+    if column is None or column not in table.column_names:
+        return 0
+    present = table.column(column).is_valid().to_pylist()
+    return sum(1 for i, valid in enumerate(present) if valid or i in problems)
+
+
+def _parquet_bytes(table: pa.Table, record: dict) -> bytes:
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), FOOTER_KEY: json.dumps(record).encode()})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def _kept_part(fs, root: str, i: int, key: str, schema: pa.Schema) -> dict | None:
+    """Part ``i``'s record if both its key record and its footer name ``key``, else None.
+    A kept part of another schema is converted to ``schema`` in place (None if it cannot be)."""
     try:
         with fs.open(_key_file(root, i), "r") as f:
-            if json.load(f).get("key") != key:
-                return None
+            recorded = json.load(f)
+        if not isinstance(recorded, dict) or recorded.get("key") != key:
+            return None
         with fs.open(_part(root, i), "rb") as f:
-            rows, record = _footer(f)
+            rows, record, found = _footer(f)
     except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
         return None
-    return {**record, "rows": rows} if record.get("key") == key else None
+    if record.get("key") != key:
+        return None
+    record = {**record, "rows": rows}
+    if not found.equals(schema):
+        data = _converted(fs.cat_file(_part(root, i)), schema, record)
+        if data is None:
+            return None
+        _atomic_write(fs, _part(root, i), data)
+    return record
 
 
-def _earlier_part(fs, places: list[str], key: str) -> tuple[bytes, dict] | None:
-    """The bytes and record of an earlier part made from ``key``, from the first of
-    ``places`` whose file (read whole, then checked by its footer) holds it."""
+def _earlier_part(fs, places: list[str], key: str, schema: pa.Schema) -> tuple[bytes, dict] | None:
+    """The bytes (in ``schema``) and record of an earlier part made from ``key``, from the
+    first of ``places`` whose file (read whole, then checked by its footer) holds it."""
     for place in places:
         try:
             data = fs.cat_file(place)
-            rows, record = _footer(io.BytesIO(data))
+            rows, record, found = _footer(io.BytesIO(data))
         except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
             continue
         if record.get("key") == key:
-            return data, {**record, "rows": rows}
+            record = {**record, "rows": rows}
+            if not found.equals(schema):
+                data = _converted(data, schema, record)
+                if data is None:
+                    continue
+            return data, record
     return None
+
+
+def _converted(data: bytes, schema: pa.Schema, record: dict) -> bytes | None:
+    """An earlier part of another schema, converted to ``schema`` (None if a value does not fit)."""
+    try:
+        table = pq.read_table(io.BytesIO(data))
+        if sorted(table.schema.names) != sorted(schema.names):
+            return None
+        table = table.select(schema.names).cast(pa.schema(list(schema), metadata=table.schema.metadata))
+    except (pa.ArrowException, ValueError, TypeError):
+        return None
+    table = table.replace_schema_metadata(schema.metadata)
+    return _parquet_bytes(table, {k: v for k, v in record.items() if k != "rows"} | {"rows": record["rows"]})
 
 
 def _replace_part(fs, root: str, i: int, data: bytes, record: dict, set_aside: bool) -> None:
@@ -269,56 +403,67 @@ def _replace_part(fs, root: str, i: int, data: bytes, record: dict, set_aside: b
             old = None
         if isinstance(old, str) and KEY_PATTERN.fullmatch(old) and old != record["key"]:
             fs.makedirs(f"{root}/{SET_ASIDE}", exist_ok=True)
-            fs.mv(part, _set_aside(root, old))
+            _move(fs, part, _set_aside(root, old))
     _atomic_write(fs, part, data)
     _atomic_write(fs, _key_file(root, i), json.dumps(record).encode())
 
 
-def _footer(f) -> tuple[int, dict]:
-    """A part's row count and its dfllm record, from its parquet footer ({} if none)."""
+def _footer(f) -> tuple[int, dict, pa.Schema]:
+    """A part's row count, its dfllm record ({} if none) and its Arrow schema (no metadata
+    but pandas'), from its parquet footer."""
     meta = pq.read_metadata(f)
     raw = (meta.metadata or {}).get(FOOTER_KEY)
-    return meta.num_rows, json.loads(raw) if raw else {}
+    try:
+        record = json.loads(raw) if raw else {}
+    except ValueError:
+        record = {}
+    schema = meta.schema.to_arrow_schema()
+    schema = schema.with_metadata({k: v for k, v in (schema.metadata or {}).items() if k == b"pandas"})
+    return meta.num_rows, record if isinstance(record, dict) else {}, schema
 
 
 def _earlier_parts(fs, root: str) -> dict[str, list[str]]:
     """Key -> where parts an earlier write made from it may be: the part its key record
     names (unless replaced meanwhile), then the set-aside folder. Read once, on the client."""
     found: dict[str, list[str]] = {}
-    for stashed in fs.glob(f"{root}/{SET_ASIDE}/*.parquet"):
+    for stashed in _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE):
         found[stashed.rsplit("/", 1)[1][:-len(".parquet")]] = [stashed]
-    files = fs.glob(f"{root}/{KEYS}/part.*.key")
-    for file, data in (fs.cat(files, on_error="omit") if files else {}).items():
-        match = re.search(r"part\.(\d+)\.key$", file)
+    files = _listing(fs, f"{root}/{KEYS}", KEY_FILE)
+
+    def read(file: str) -> bytes | None:
         try:
-            key = json.loads(data).get("key")
-        except (ValueError, AttributeError):
+            return fs.cat_file(file)  # one file by its literal name (fs.cat would expand a pattern)
+        except (FileNotFoundError, OSError):
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(files)))) as pool:
+        contents = list(pool.map(read, files))
+    for file, data in zip(files, contents):
+        match = KEY_FILE.fullmatch(file.rsplit("/", 1)[1])
+        try:
+            recorded = json.loads(data) if data is not None else None
+        except ValueError:
             continue
+        key = recorded.get("key") if isinstance(recorded, dict) else None
         if match and isinstance(key, str) and KEY_PATTERN.fullmatch(key):
             found[key] = [_part(root, int(match.group(1))), _set_aside(root, key)]
     return found
 
 
-def readable_table(df: pd.DataFrame) -> pa.Table:
-    """``df`` as an Arrow table whose parquet files pandas and Dask can read back.
-
-    pandas records nested Arrow columns (``list<item: float>[pyarrow]``, structs) in the
-    parquet metadata under names that its own reader cannot parse again, so a plain
-    ``pd.read_parquet`` of such a file fails. Those columns are recorded as ``object``:
-    pandas reads them as arrays (``dtype_backend="pyarrow"`` gives the Arrow types back),
-    Polars and pyarrow read the Arrow types from the file's schema as before.
-    """
-    table = pa.Table.from_pandas(df, preserve_index=True)
-    meta = json.loads(table.schema.metadata[b"pandas"])
-    for column in meta["columns"]:
-        if column["numpy_type"].endswith("[pyarrow]") and "<" in column["numpy_type"]:
-            column["numpy_type"] = "object"
-    return table.replace_schema_metadata({**table.schema.metadata, b"pandas": json.dumps(meta).encode()})
-
-
 def _total(df: pd.DataFrame, column: str) -> int:
     """The sum of a numeric column (nulls skipped), else 0."""
     return int(df[column].sum()) if column in df and pd.api.types.is_numeric_dtype(df[column].dtype) else 0
+
+
+# ---- the folder: what is dfllm's, and what it may delete ------------------------------------------------
+def _listing(fs, folder: str, name: re.Pattern) -> list[str]:
+    """The files directly in ``folder`` whose names match ``name`` (a literal listing, no glob)."""
+    try:
+        entries = fs.ls(folder, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(e["name"].rstrip("/") for e in entries
+                  if e.get("type") != "directory" and name.fullmatch(e["name"].rstrip("/").rsplit("/", 1)[-1]))
 
 
 def _visible(name: str) -> bool:
@@ -327,50 +472,99 @@ def _visible(name: str) -> bool:
     return not any(p.startswith((".", "_")) for p in name.split("/"))
 
 
-def _refuse_foreign_files(fs, root: str, path: str) -> None:
-    """Raise if the folder holds files a reader would read that are not parts: they would
-    be read back with the results (point the job at its own folder)."""
+def _is_ours(fs, file: str) -> bool:
+    """Whether a parquet file's footer carries dfllm's record (dfllm wrote it)."""
+    try:
+        with fs.open(file, "rb") as f:
+            return FOOTER_KEY in (pq.read_metadata(f).metadata or {})
+    except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
+        return False
+
+
+def _survey(fs, root: str, path: str) -> list[str]:
+    """The parts dfllm wrote in the folder; raise ``ValueError`` if it holds any other file a
+    reader would read (another tool's parts, a foreign ``_metadata``): they would be read back
+    with the results, and dfllm deletes nothing it did not write."""
     if not fs.exists(root):
-        return
+        return []
     if not fs.isdir(root):
         raise ValueError(f"{path} is a file; write_parquet writes a folder of parquet parts")
     inside = [f[len(root) + 1:] for f in fs.find(root) if f.startswith(root + "/")]
-    foreign = [f for f in inside if f.strip("/") and _visible(f) and not f.startswith("part.")]
+    parts = [f for f in inside if PART.fullmatch(f)]
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(parts)))) as pool:
+        ours = [f for f, mine in zip(parts, pool.map(lambda f: _is_ours(fs, f"{root}/{f}"), parts)) if mine]
+    foreign = [f for f in inside if f.strip("/") and f not in ours and
+               (_visible(f) or f in ("_metadata", COMMON_METADATA) and not _is_ours(fs, f"{root}/{f}"))]
     if foreign:
         names = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
-        raise ValueError(f"{path} holds {len(foreign)} file(s) that are not parts of a dfllm dataset ({names}); "
-                         "a reader would read them with the results: write to an empty or dfllm-only folder")
+        raise ValueError(f"{path} holds {len(foreign)} file(s) that dfllm did not write ({names}); a reader would "
+                         "read them with the results, and dfllm deletes only its own files: write to an empty or "
+                         "dfllm-only folder")
+    return [f"{root}/{f}" for f in ours]
+
+
+def _remove(fs, files: list[str]) -> None:
+    """Delete these files, each by its literal name (``fs.rm`` would expand a pattern)."""
+    for file in files:
+        try:
+            fs.rm_file(file)
+        except FileNotFoundError:
+            pass
+
+
+def _move(fs, source: str, target: str) -> None:
+    """Move one file by its literal names: ``os.replace`` on a local disk (atomic), else a
+    copy then a delete (``fs.mv`` would expand a pattern in the name)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):
+        os.replace(fs._strip_protocol(source), fs._strip_protocol(target))
+    else:
+        fs.cp_file(source, target)
+        fs.rm_file(source)
 
 
 def _remove_leftovers(fs, root: str, partitions: int) -> None:
-    """Once every partition of this write is done: delete parts and keys of partitions this
-    write does not have (an earlier write with more partitions), ``_metadata`` files that
-    describe other parts, set-aside parts, and temporary files of writes that never finished."""
-    keep = {_part(root, i) for i in range(partitions)} | {_key_file(root, i) for i in range(partitions)}
-    stale = [f for f in fs.glob(f"{root}/part.*") + fs.glob(f"{root}/{KEYS}/part.*") if f not in keep]
-    stale += fs.glob(f"{root}/_metadata") + fs.glob(f"{root}/_common_metadata") + fs.glob(f"{root}/{SET_ASIDE}")
-    stale += fs.glob(f"{root}/.tmp-*") + fs.glob(f"{root}/{KEYS}/.tmp-*")
-    for file in stale:
-        fs.rm(file, recursive=True)
+    """Once every partition of this write is done: delete dfllm's parts and keys of
+    partitions this write does not have (an earlier write with more partitions), its
+    set-aside parts, and its temporary files of writes that never finished."""
+    stale = [f for f in _listing(fs, root, PART)
+             if int(PART.fullmatch(f.rsplit("/", 1)[1]).group(1)) >= partitions and _is_ours(fs, f)]
+    stale += [f for f in _listing(fs, f"{root}/{KEYS}", KEY_FILE)
+              if int(KEY_FILE.fullmatch(f.rsplit("/", 1)[1]).group(1)) >= partitions]
+    stale += _listing(fs, root, TEMPORARY) + _listing(fs, f"{root}/{KEYS}", TEMPORARY)
+    stale += _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE)
+    _remove(fs, stale)
+    try:
+        fs.rmdir(f"{root}/{SET_ASIDE}")  # empty now (a no-op on object stores)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def _write_common_metadata(fs, root: str, schema: pa.Schema) -> None:
+    """``_common_metadata``: the write's schema, marked as dfllm's."""
+    buf = io.BytesIO()
+    pq.write_metadata(schema.with_metadata({**(schema.metadata or {}), FOOTER_KEY: b"{}"}), buf)
+    _atomic_write(fs, f"{root}/{COMMON_METADATA}", buf.getvalue())
 
 
 def _check_written(fs, root: str, path: str, results: list[dict]) -> None:
     """Read the parts' footers back: exactly this write's parts, each with the key and row
     count its task reported; raise ``RuntimeError`` otherwise (another writer interfered)."""
     expected = [_part(root, i) for i in range(len(results))]
-    present = set(fs.glob(f"{root}/part.*"))
+    present = set(_listing(fs, root, PART))
     if present != set(expected):
         extra, missing = sorted(present - set(expected)), sorted(set(expected) - present)
         raise RuntimeError(f"{path} changed while it was written (missing {missing[:3]}, extra {extra[:3]}); "
                            "is another job writing to the same folder?")
 
-    def read(file: str) -> tuple[int, dict]:
+    def read(file: str) -> tuple[int, dict, pa.Schema]:
         with fs.open(file, "rb") as f:
             return _footer(f)
 
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(expected)))) as pool:
         footers = list(pool.map(read, expected))
-    for file, (rows, record), result in zip(expected, footers, results):
+    for file, (rows, record, _), result in zip(expected, footers, results):
         if record.get("key") != result["key"] or rows != result["rows"]:
             raise RuntimeError(f"{file} holds {rows} rows of key {str(record.get('key'))[:12]}, not the "
                                f"{result['rows']} rows of key {result['key'][:12]} this write made; "
@@ -378,7 +572,63 @@ def _check_written(fs, root: str, path: str, results: list[dict]) -> None:
 
 
 def _atomic_write(fs, target: str, data: bytes) -> None:
-    tmp = f"{target.rsplit('/', 1)[0]}/.tmp-{uuid.uuid4().hex}-{target.rsplit('/', 1)[1]}"
+    folder, name = target.rsplit("/", 1)
+    tmp = f"{folder}/.tmp-{uuid.uuid4().hex}-{name}"
     with fs.open(tmp, "wb") as f:
         f.write(data)
-    fs.mv(tmp, target)
+    _move(fs, tmp, target)
+
+
+# ---- the input is not the output ---------------------------------------------------------------------------
+def input_paths(frame) -> list[str]:
+    """The paths a Dask frame reads (best effort: Dask's readers' ``path``/``filename``
+    operands and dfllm's own readers' ``input_paths``), as fsspec URLs or local paths."""
+    found: list[str] = []
+    expr = getattr(frame, "expr", None)
+    if expr is None:
+        return found
+    for node in expr.walk():
+        for name in ("path", "filename", "urlpath"):
+            if name in getattr(node, "_parameters", ()):
+                value = node.operand(name)
+                found += [value] if isinstance(value, str) else [v for v in (value or ()) if isinstance(v, str)]
+        func = node.operand("func") if "func" in getattr(node, "_parameters", ()) else None
+        found += list(getattr(func, "input_paths", ()) or ())
+    return found
+
+
+def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None = None) -> None:
+    """``ValueError`` if the output folder is an input's folder, inside it, or holds it: the
+    output's parts would be read back as input, or the input's files taken for parts."""
+    if not inputs:
+        return
+    fs, out = fsspec.core.url_to_fs(output, **(storage_options or {}))
+    out = _normal(fs, out)
+    for given in inputs:
+        try:
+            ifs, where = fsspec.core.url_to_fs(given, **(storage_options or {}))
+        except (ValueError, TypeError, ImportError):
+            continue
+        if type(ifs) is not type(fs):
+            continue
+        where = _normal(ifs, _static_prefix(ifs, where))
+        folder = where if not ifs.isfile(where) else where.rsplit("/", 1)[0]
+        if out == folder or out.startswith(folder + "/") or folder.startswith(out + "/") or where == out:
+            raise ValueError(f"the output folder {output} overlaps the input {given}: write to a folder that is "
+                             "not the input's folder, not inside it and not holding it")
+
+
+def _normal(fs, path: str) -> str:
+    """A path without protocol or trailing slash; a local one absolute, links resolved."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    path = fs._strip_protocol(path).rstrip("/")
+    return os.path.realpath(path) if isinstance(fs, LocalFileSystem) else path
+
+
+def _static_prefix(fs, path: str) -> str:
+    """The part of a path before its first glob character, when it does not exist literally."""
+    if not any(c in path for c in "*?[") or fs.exists(path):
+        return path
+    head = re.split(r"[*?\[]", path, maxsplit=1)[0]
+    return head.rsplit("/", 1)[0] if "/" in head else head

@@ -194,10 +194,11 @@ def _default_input(task: str, columns) -> str:
 
 
 def run(args) -> int:
-    from dfllm.accessors.writer import write_parquet
+    from dfllm.accessors.writer import refuse_overlap, write_parquet
     from dfllm.dashboard import page_link
     from dfllm.jobs.cluster import connect
 
+    refuse_overlap([args.input], args.output, args.storage_options)  # before the input is even read
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
         build_job(args)
     gpus = args.tensor_parallel_size * args.pipeline_parallel_size

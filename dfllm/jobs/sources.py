@@ -2,17 +2,38 @@
 
 Any fsspec URL works (local paths, ``s3://``, ``gs://``...) with ``storage_options``. The
 format comes from the file extensions (``.parquet``/``.pq``, ``.csv``, ``.jsonl``/``.ndjson``/
-``.json``), or is given. Problems (nothing at the path, mixed or unknown formats, a file
-that does not parse) raise ``InputError`` naming the path, before any model runs.
+``.json``), or is given. A path that exists is taken literally (a folder called ``out[1]``
+is that folder); only a path that does not exist is read as a glob. Problems (nothing at
+the path, mixed or unknown formats, a file that does not parse) raise ``InputError``
+naming the path, before any model runs.
+
+The frame has one schema for all files, decided before any partition is read:
+
+- parquet: the files' schemas (their footers) unified as pyarrow's
+  ``unify_schemas(promote_options="permissive")`` does (a struct with other fields in
+  another file gets the union of them, a column null throughout one file takes the others'
+  type); files whose types cannot be unified are refused, naming the column and the two
+  types. Columns are Arrow-backed (``dtype_backend="pyarrow"``), one partition per file
+  (or per run of row groups of a large file).
+- JSON Lines: every line is parsed once up front (on the cluster, if there is one) and
+  each field's type unified over all files in the same way; a field whose values have no
+  common type (text in one row, a list in the others) stays an ``object`` column, and the
+  writer then types it by its most common kind of value (the other rows get an error
+  naming the column). One partition per file.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
-import dask
 import dask.dataframe as dd
 import fsspec
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".parq": "parquet", ".csv": "csv", ".jsonl": "json",
            ".ndjson": "json", ".json": "json"}
@@ -28,7 +49,7 @@ def input_files(path: str, storage_options: dict | None = None) -> tuple[object,
         fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
     except (ValueError, TypeError, ImportError) as exc:
         raise InputError(f"cannot open {path!r}: {exc}") from None
-    if any(c in root for c in "*?["):
+    if any(c in root for c in "*?[") and not fs.exists(root):
         files = fs.glob(root)
     elif fs.isdir(root):
         files = [f for f in fs.find(root) if not _hidden(f, root)]
@@ -66,17 +87,188 @@ def read_input(path: str, *, fmt: str | None = None, storage_options: dict | Non
     fmt = fmt or detect_format(files)
     urls = [fs.unstrip_protocol(f) for f in files]
     opts = {"storage_options": storage_options} if storage_options else {}
+    if fmt == "parquet":
+        return _read_parquet(fs, files, urls, path)
+    if fmt == "json":
+        return _read_jsonl(fs, files, urls, path)
     try:
-        if fmt == "parquet":
-            return dd.read_parquet(urls, **opts)
         if fmt == "csv":
             return dd.read_csv(urls, blocksize=None, **opts)
-        if fmt == "json":  # keep nested values (conversations) as Python objects, not their repr as strings
-            with dask.config.set({"dataframe.convert-string": False}):
-                return dd.read_json(urls, lines=True, blocksize=None, **opts)
     except Exception as exc:  # a file that does not parse: name it, no traceback
         raise InputError(f"cannot read {path} as {fmt}: {type(exc).__name__}: {exc}") from None
     raise InputError(f"unknown format {fmt!r}; use parquet, csv or json")
+
+
+# ---- parquet --------------------------------------------------------------------------------------------
+ROW_GROUP_BYTES = 128 << 20  # a large file's partitions: runs of row groups of about this many bytes
+
+
+def _read_parquet(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
+    def footer(file: str):
+        with fs.open(file, "rb") as f:
+            return pq.read_metadata(f)
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
+            footers = list(pool.map(footer, files))
+    except Exception as exc:  # noqa: BLE001  (a file that is no parquet: name the problem, no traceback)
+        raise InputError(f"cannot read {path} as parquet: {type(exc).__name__}: {exc}") from None
+    schemas = [_without_pandas(m.schema.to_arrow_schema()) for m in footers]
+    schema = unified(schemas, files)
+    pieces = []
+    for url, meta in zip(urls, footers):
+        run: list[int] = []
+        size = 0
+        for g in range(meta.num_row_groups):
+            if run and size + meta.row_group(g).total_byte_size > ROW_GROUP_BYTES:
+                pieces.append((url, tuple(run)))
+                run, size = [], 0
+            run.append(g)
+            size += meta.row_group(g).total_byte_size
+        pieces.append((url, tuple(run)))
+    reader = ParquetPieces(schema, fs, urls)
+    return dd.from_map(reader, pieces, meta=reader.empty(), enforce_metadata=False)
+
+
+def _without_pandas(schema: pa.Schema) -> pa.Schema:
+    return schema.remove_metadata()
+
+
+def unified(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
+    """The files' schemas as one (pyarrow's permissive promotion); ``InputError`` naming the
+    column, its two types and their files where they cannot be unified."""
+    out = schemas[0]
+    first = {f.name: files[0] for f in out}
+    for schema, file in zip(schemas[1:], files[1:]):
+        try:
+            out = pa.unify_schemas([out, schema], promote_options="permissive")
+        except (pa.ArrowException, TypeError) as exc:
+            for f in schema:
+                if f.name in out.names and out.field(f.name).type != f.type:
+                    try:
+                        pa.unify_schemas([pa.schema([out.field(f.name)]), pa.schema([f])],
+                                         promote_options="permissive")
+                    except (pa.ArrowException, TypeError):
+                        raise InputError(f"column {f.name!r} is {out.field(f.name).type} in "
+                                         f"{first.get(f.name, files[0])} but {f.type} in {file}; the input's files "
+                                         "must agree on each column's type") from None
+            raise InputError(f"the input's files have schemas that cannot be unified: {exc}") from None
+        for f in schema:
+            first.setdefault(f.name, file)
+    return out
+
+
+class ParquetPieces:
+    """Reads one piece (a file's run of row groups) in the unified schema, Arrow-backed."""
+
+    def __init__(self, schema: pa.Schema, fs, urls: list[str]):
+        self.schema, self.fs, self.input_paths = schema, fs, list(urls)
+
+    def __call__(self, piece: tuple[str, tuple[int, ...]]) -> pd.DataFrame:
+        url, groups = piece
+        with self.fs.open(self.fs._strip_protocol(url), "rb") as f:
+            table = pq.ParquetFile(f).read_row_groups(list(groups)) if groups else None
+        columns = []
+        for field in self.schema:
+            if table is not None and field.name in table.column_names:
+                columns.append(table.column(field.name).cast(field.type))
+            else:
+                columns.append(pa.nulls(0 if table is None else table.num_rows, field.type))
+        return _frame(pa.Table.from_arrays(columns, schema=self.schema))
+
+    def empty(self) -> pd.DataFrame:
+        return _frame(self.schema.empty_table())
+
+
+def _frame(table: pa.Table) -> pd.DataFrame:
+    """Arrow-backed columns (categoricals stay pandas categoricals)."""
+    return table.to_pandas(types_mapper=lambda t: None if pa.types.is_dictionary(t) else pd.ArrowDtype(t))
+
+
+# ---- JSON Lines -----------------------------------------------------------------------------------------
+def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
+    import dask
+
+    from dfllm.accessors.arrow_schema import unify_counts
+
+    surveys = dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
+    for file, found in zip(files, surveys):
+        if isinstance(found, str):
+            raise InputError(f"cannot read {file} as JSON Lines: {found}")
+    columns: dict[str, Counter] = {}
+    for found in surveys:
+        for name, counts in found.items():
+            columns.setdefault(name, Counter()).update(counts)
+    types: dict[str, pa.DataType | None] = {}
+    for name, counts in columns.items():
+        t = unify_counts(counts)
+        fits = t is not None and all(_merges(t, other) for other in counts)
+        types[name] = _settled(t) if fits else None  # None: mixed kinds, an object column
+    reader = JsonLines(types, fs, urls)
+    with dask.config.set({"dataframe.convert-string": False}):  # nested values stay Python objects
+        return dd.from_map(reader, urls, meta=reader.empty(), enforce_metadata=False)
+
+
+def _survey_jsonl(fs, file: str) -> dict | str:
+    """Each field's value types with counts, in order of first appearance; or what is wrong."""
+    from dfllm.accessors.arrow_schema import value_types
+
+    try:
+        rows = _rows(fs, file)
+    except ValueError as exc:
+        return str(exc)
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    return {n: value_types([r.get(n) for r in rows]) for n in names}
+
+
+def _rows(fs, file: str) -> list[dict]:
+    rows = []
+    with fs.open(file, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"line {number} is not valid JSON ({exc})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"line {number} is a JSON {type(row).__name__}, not an object")
+            rows.append(row)
+    return rows
+
+
+def _merges(t: pa.DataType, other: pa.DataType) -> bool:
+    try:
+        return pa.unify_schemas([pa.schema([("x", t)]), pa.schema([("x", other)])],
+                                promote_options="permissive").field("x").type == t
+    except (pa.ArrowException, TypeError):
+        return False
+
+
+def _settled(t):
+    from dfllm.accessors.arrow_schema import settled
+
+    return settled(t)
+
+
+class JsonLines:
+    """Reads one JSON Lines file in the unified types (``None``: an object column)."""
+
+    def __init__(self, types: dict, fs, urls: list[str]):
+        self.types, self.fs, self.input_paths = types, fs, list(urls)
+
+    def __call__(self, url: str) -> pd.DataFrame:
+        rows = _rows(self.fs, self.fs._strip_protocol(url))
+        data = {}
+        for name, t in self.types.items():
+            values = [r.get(name) for r in rows]
+            data[name] = (pd.Series(values, dtype=object) if t is None else
+                          pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values, type=t)), dtype=pd.ArrowDtype(t)))
+        return pd.DataFrame(data, index=pd.RangeIndex(len(rows)))
+
+    def empty(self) -> pd.DataFrame:
+        return pd.DataFrame({name: pd.Series([], dtype=object if t is None else pd.ArrowDtype(t))
+                             for name, t in self.types.items()})
 
 
 def repartition(ddf: dd.DataFrame, *, partition_size: int | None = None,

@@ -1,0 +1,254 @@
+"""One Arrow schema per write: deciding it before the first part, and converting each
+partition to it.
+
+A write's schema (:func:`job_schema`) takes every column's type from the result's ``meta``
+where ``meta`` knows it (Arrow-backed dtypes, numbers, booleans, timestamps, categoricals,
+strings) and from the task's declared types for its own ``object`` columns. A passthrough
+column that ``meta`` only knows as ``object`` (JSON values, nested values from a pandas
+frame) gets the type of its values over the whole source: each partition reports the
+Arrow types of its values with their counts (:func:`value_types`), and :func:`unify_counts`
+merges them, most common first, as pyarrow's ``unify_schemas(promote_options="permissive")``
+does (structs gain the union of their fields, int and float give float, null gives way to
+anything). A type that cannot merge with the ones before it (text among lists) is left
+out: its values do not fit.
+
+:func:`conform` converts a partition to the schema. A value that does not fit its column's
+type becomes null and its row gets an error naming the column and the value; the row's
+other columns are kept, and nothing fails the partition.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+#: What a partition reports for a column: each Arrow type of its values and how many values had it.
+TypeCounts = Counter
+
+
+# ---- deciding types ----------------------------------------------------------------------------------
+def value_type(value) -> pa.DataType:
+    """The Arrow type pyarrow infers for one value, with dicts whose keys are not all
+    strings (token id -> logprob) as maps and nested numpy arrays as lists."""
+    if isinstance(value, str):
+        return pa.string()  # even a lone surrogate: a string that will not fit, not a new type
+    try:
+        return pa.array([value], from_pandas=True).type
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    if isinstance(value, Mapping) and value:
+        if any(not isinstance(k, str) for k in value):
+            return pa.map_(_common([value_type(k) for k in value]), _common([value_type(v) for v in value.values()]))
+        return pa.struct([(str(k), value_type(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value):
+        return pa.list_(_common([value_type(v) for v in value]))
+    raise ValueError(f"a {type(value).__name__} has no Arrow type")
+
+
+def _common(types: list[pa.DataType]) -> pa.DataType:
+    out = unify_counts(Counter(types))
+    if out is None:
+        raise ValueError("values of incompatible types")
+    return out
+
+
+def value_types(values) -> TypeCounts:
+    """The Arrow types of a column's values with their counts (nulls counted as ``null``;
+    values with no Arrow type are left out). One pyarrow inference for the whole column
+    when it has one type, else one per value."""
+    values = list(values)
+    try:
+        t = pa.array(values, from_pandas=True).type
+        if not _has_struct(t):  # a struct inferred from many dicts may hide a clash inside one field
+            return Counter({t: len(values)})
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    counts: Counter = Counter()
+    for v in values:
+        try:
+            counts[pa.null() if _is_null(v) else value_type(v)] += 1
+        except ValueError:
+            continue
+    return counts
+
+
+def unify_counts(counts: Mapping[pa.DataType, int]) -> pa.DataType | None:
+    """The type of values with these types: the most common type, widened in turn by each
+    less common one that merges with it (pyarrow's permissive promotion); None if there are
+    no types. Ties go by the type's text, so every process decides alike."""
+    out: pa.DataType | None = None
+    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0]))):
+        if out is None:
+            out = t
+            continue
+        try:
+            out = pa.unify_schemas([pa.schema([("x", out)]), pa.schema([("x", t)])],
+                                   promote_options="permissive").field("x").type
+        except (pa.ArrowException, TypeError, ValueError):
+            continue  # e.g. text among lists: those values will not fit
+    return out
+
+
+def dtype_type(dtype) -> pa.DataType | None:
+    """The Arrow type a pandas dtype stands for; None for ``object`` (the values decide)."""
+    if isinstance(dtype, pd.ArrowDtype):
+        return dtype.pyarrow_dtype
+    if isinstance(dtype, np.dtype) and dtype.kind == "O":
+        return None
+    if isinstance(dtype, pd.CategoricalDtype):
+        categories = dtype.categories
+        value = pa.string() if categories.dtype == object else dtype_type(categories.dtype) or pa.string()
+        return pa.dictionary(pa.int32(), value, ordered=bool(dtype.ordered))
+    return pa.Schema.from_pandas(pd.DataFrame({"x": pd.Series([], dtype=dtype)}), preserve_index=False).field("x").type
+
+
+def settled(t: pa.DataType | None) -> pa.DataType:
+    """A decided type with no ``null`` left in it (a column null everywhere is a string)."""
+    if t is None or pa.types.is_null(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return (pa.large_list if pa.types.is_large_list(t) else pa.list_)(settled(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, settled(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(settled(t.key_type), settled(t.item_type))
+    return t
+
+
+def job_schema(meta: pd.DataFrame, types: Mapping[str, pa.DataType]) -> pa.Schema:
+    """The schema every part of a write carries: ``meta``'s columns and index, typed by
+    ``types`` where given (the task's declared types, what the source's values gave) and
+    otherwise by their dtypes; with pandas' metadata for ``meta``, so that every part
+    reads back with the same dtypes."""
+    base = pa.Table.from_pandas(meta, preserve_index=True).schema
+    pandas_meta = readable_pandas_metadata(base.metadata or {})
+    fields = []
+    names = [str(c) for c in meta.columns]
+    for i, f in enumerate(base):
+        name = names[i] if i < len(names) else f.name
+        given = types.get(name) if i < len(names) else types.get(INDEX)
+        if given is None:
+            given = dtype_type(meta.dtypes.iloc[i]) if i < len(names) else dtype_type(meta.index.dtype)
+        fields.append(pa.field(f.name, settled(given if given is not None else f.type)))
+    return pa.schema(fields, metadata=pandas_meta)
+
+
+#: ``types``' key for the index (its values decide an ``object`` index's type).
+INDEX = "__index__"
+
+
+def readable_pandas_metadata(metadata: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
+    """pandas' parquet metadata with nested Arrow dtypes recorded as ``object``: pandas
+    records ``list<item: float>[pyarrow]`` and the like under names its own reader cannot
+    parse again. pandas then reads those columns as arrays (``dtype_backend="pyarrow"``
+    gives the Arrow types back); Polars and pyarrow read the file's schema as it is."""
+    import json
+
+    out = dict(metadata)
+    if b"pandas" not in out:
+        return out
+    meta = json.loads(out[b"pandas"])
+    for column in meta["columns"]:
+        if column["numpy_type"].endswith("[pyarrow]") and "<" in column["numpy_type"]:
+            column["numpy_type"] = "object"
+    out[b"pandas"] = json.dumps(meta).encode()
+    return out
+
+
+# ---- converting a partition ------------------------------------------------------------------------
+def conform(df: pd.DataFrame, schema: pa.Schema) -> tuple[pa.Table, dict[int, str]]:
+    """``df`` (columns, then its index) as a table of exactly ``schema``, and row position ->
+    why a value of that row did not fit (that cell is null)."""
+    problems: dict[int, list[str]] = {}
+    arrays = []
+    ncols = len(df.columns)
+    for i, f in enumerate(schema):
+        if i < ncols:
+            values, what = df.iloc[:, i], f"column {f.name!r}"
+        else:
+            values, what = pd.Series(df.index, index=df.index), "the index"
+        arrays.append(_array(values, f.type, what, problems))
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    return table, {i: "; ".join(msgs) for i, msgs in problems.items()}
+
+
+def _array(series: pd.Series, type_: pa.DataType, what: str, problems: dict[int, list[str]]) -> pa.Array:
+    try:
+        return _whole(series, type_)
+    except Exception:  # noqa: BLE001  (pyarrow raises Arrow, Python and Unicode errors): one value at a time
+        pass
+    cells = []
+    for i, value in enumerate(series.tolist()):
+        try:
+            cells.append(_one(value, type_))
+        except Exception as exc:  # noqa: BLE001
+            problems.setdefault(i, []).append(f"{what}: the value {_show(value)} does not fit {type_} "
+                                              f"({type(exc).__name__}: {exc})")
+            cells.append(pa.nulls(1, type_))
+    return pa.concat_arrays(cells) if cells else pa.array([], type=type_)
+
+
+def _whole(series: pd.Series, type_: pa.DataType) -> pa.Array:
+    if isinstance(series.dtype, pd.ArrowDtype) or isinstance(series.dtype, pd.CategoricalDtype):
+        arr = pa.array(series, from_pandas=True)
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        return arr if arr.type == type_ else arr.cast(type_, safe=True)
+    if series.dtype == object and _has_struct(type_):
+        _check_keys(series.tolist(), type_)
+    return pa.array(series, type=type_, from_pandas=True)
+
+
+def _one(value, type_: pa.DataType) -> pa.Array:
+    if _has_struct(type_):
+        _check_keys([value], type_)
+    if isinstance(value, pd.Timestamp | np.datetime64 | pd.Timedelta):
+        return pa.array(pd.Series([value]), from_pandas=True).cast(type_, safe=True)
+    return pa.array([value], type=type_, from_pandas=True)
+
+
+def _check_keys(values: list, type_: pa.DataType) -> None:
+    """pyarrow drops a dict's keys that a struct type lacks: refuse them instead."""
+    for v in values:
+        _keys_fit(v, type_)
+
+
+def _keys_fit(value, type_: pa.DataType) -> None:
+    if _is_null(value):
+        return
+    if pa.types.is_struct(type_) and isinstance(value, Mapping):
+        fields = {f.name: f.type for f in type_}
+        extra = [k for k in value if k not in fields]
+        if extra:
+            raise ValueError(f"field(s) {extra} not in the struct")
+        for k, v in value.items():
+            _keys_fit(v, fields[k])
+    elif (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and isinstance(value, list | tuple | np.ndarray):
+        for v in value:
+            _keys_fit(v, type_.value_type)
+
+
+def _has_struct(t: pa.DataType) -> bool:
+    if pa.types.is_struct(t):
+        return True
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _has_struct(t.value_type)
+    if pa.types.is_map(t):
+        return _has_struct(t.item_type)
+    return False
+
+
+def _is_null(value) -> bool:
+    try:
+        return value is None or bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
