@@ -54,6 +54,27 @@ def get_text(url: str) -> tuple[int, str]:
         return e.code, ""
 
 
+def get_status(url: str) -> int:
+    """The HTTP status of ``GET url`` (its body read, whatever it is); for a WebSocket
+    route (a plain GET answers 400, asking for the upgrade), 101 if the handshake succeeds."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        if e.code != 400 or b"WebSocket" not in e.read():
+            return e.code
+
+    async def handshake() -> int:
+        from tornado.websocket import websocket_connect
+
+        conn = await websocket_connect("ws" + url.removeprefix("http"), connect_timeout=30)
+        conn.close()
+        return 101
+
+    return asyncio.run(handshake())
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     """``predicate()``'s first truthy value within ``timeout`` s (exceptions count as falsy)."""
     end, last = time.monotonic() + timeout, None
@@ -128,6 +149,26 @@ def test_a_plain_dask_job_installs_the_page_and_reports_every_worker(cluster, ti
     assert status == 200 and "Bokeh" in html and 'href="dfllm"' in html
     status, html = get_text(page.rsplit("/", 1)[0] + "/status")
     assert status == 200 and 'href="dfllm"' in html
+
+
+def test_every_route_of_the_schedulers_sitemap_answers_with_the_page_installed(cluster):
+    """Dask's ``/sitemap.json`` lists the scheduler's routes, dfllm's page and data among
+    them, and each (but patterns with placeholders) answers 200 (101, the handshake, for a
+    WebSocket): Dask's own walker answered 500 on the Bokeh applications' static routes."""
+    from dfllm.dashboard import install
+
+    client = cluster
+    page = install(client)  # as dfllm run does (a second load, after a job's, does nothing)
+    assert page == base_url(client)
+    root = page.rsplit("/", 1)[0]
+    status, text = get_text(root + "/sitemap.json")
+    assert status == 200, "GET /sitemap.json failed"
+    paths = json.loads(text)["paths"]
+    assert {"/dfllm", "/dfllm/data.json", "/status", "/sitemap.json", "/health"} <= set(paths), paths
+    walked = [p for p in paths if not re.search(r"[()\[\]*+?|\\]", p)]
+    assert len(walked) > 20, paths
+    answers = {p: get_status(root + p) for p in walked}
+    assert {p: s for p, s in answers.items() if s != 200} == {"/eventstream": 101}
 
 
 def test_job_names_group_a_jobs_partitions():
@@ -307,6 +348,7 @@ def test_dfllm_run_on_a_command_line_cluster_prints_the_page(preloaded_cluster, 
     address, dashboard, client = preloaded_cluster
     page = f"{dashboard}/dfllm"
     assert get_text(page)[0] == 200  # the preload serves the page before any job
+    assert get_text(f"{dashboard}/sitemap.json")[0] == 200  # and Dask's route index lists it
     src = tmp_path / "in.parquet"
     df = frame(40, bad_every=5)  # 8 bad rows
     df.to_parquet(src)

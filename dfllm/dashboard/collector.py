@@ -10,7 +10,10 @@ A Dask ``SchedulerPlugin`` that, once started on the scheduler,
 - serves the state as JSON at ``<dashboard>/dfllm/data.json`` and, where the scheduler
   runs Dask's Bokeh dashboard, the live page ``<dashboard>/dfllm`` (a Bokeh document served
   by the dashboard's own server, like its built-in pages, and linked from its navigation
-  bar). Both are routes of the scheduler's own HTTP server: no extra port or service.
+  bar). Both are routes of the scheduler's own HTTP server: no extra port or service;
+- answers the scheduler's ``/sitemap.json`` (Dask's index of its HTTP routes) with
+  :class:`SitemapHandler`, which lists each Bokeh application's pages (Dask's and dfllm's):
+  Dask's own handler, with Bokeh >= 3.3, walks their static routes instead and answers 500.
 
 It is started by whichever comes first: ``--preload dfllm.dashboard`` on ``dask
 scheduler``, :func:`dfllm.dashboard.install` (``dfllm run`` calls it), or the first dfllm
@@ -24,9 +27,11 @@ import collections
 import functools
 import json
 import logging
+import os
 import time
 from typing import Any
 
+import tornado.routing
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 from tornado.ioloop import PeriodicCallback
@@ -93,7 +98,7 @@ class DashboardPlugin(SchedulerPlugin):
         return {"version": 1}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        DashboardPlugin.__init__(self)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -108,6 +113,7 @@ class DashboardPlugin(SchedulerPlugin):
             bokeh_app = _dask_bokeh_app(app)
             self.prefix = bokeh_app.prefix.rstrip("/") if bokeh_app is not None else ""
             app.add_handlers(r".*", [(f"{self.prefix}/{DATA}", DataHandler, {"plugin": self})])
+            _serve_sitemap(app)
             if bokeh_app is not None:
                 try:
                     self._add_page(scheduler, app)
@@ -286,3 +292,77 @@ class DataHandler(web.RequestHandler):
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
         self.write(json.dumps(self.plugin.data()))
+
+
+# ---- /sitemap.json --------------------------------------------------------------------------------------
+class SitemapHandler(web.RequestHandler):
+    """``GET /sitemap.json``: every path the scheduler's HTTP server routes, as Dask's
+    ``DirectoryHandler`` lists them (a Bokeh application's pages, each other application's
+    routes, and the files of its static folders), but telling a Bokeh application by its
+    class, not by ``"bokeh"`` in its ``repr`` (Dask's ``DaskBokehTornado``, with Bokeh >= 3.3,
+    has no ``"bokeh"`` there, so Dask walked its routes and failed on the static route of
+    Bokeh's, which has no ``path``), and with the Bokeh prefix on its pages."""
+
+    def get(self) -> None:
+        bokeh: Any = ()  # the Bokeh application class(es)
+        try:
+            from bokeh.server.tornado import BokehTornado
+
+            bokeh = (BokehTornado,)
+        except ImportError:  # no Bokeh: no Bokeh applications
+            pass
+        out: set[str] = set()
+        routers: set = set()
+        for app in [*getattr(self.application, "applications", ()), self.application]:
+            if isinstance(app, bokeh):
+                out.update(app.prefix.rstrip("/") + path for path in app.app_paths)
+            else:
+                _routes(app.default_router, routers, out)
+                _routes(app.wildcard_router, routers, out)
+        self.set_header("Content-Type", "application/json")
+        self.write({"paths": sorted(out)})
+
+
+def _routes(router: Any, routers: set, out: set) -> None:
+    """The paths ``router`` (and the routers it delegates to) serves, into ``out``: a
+    pattern for each handler, each file for a static folder."""
+    if router in routers:
+        return
+    routers.add(router)
+    for rule in [*router.named_rules.values(), *router.rules]:
+        if isinstance(rule.matcher, tornado.routing.PathMatches):
+            pattern = rule.matcher.regex.pattern
+            folder = (rule.target_kwargs or {}).get("path")
+            if isinstance(rule.target, type) and issubclass(rule.target, web.StaticFileHandler) and folder:
+                prefix = pattern.rstrip("$").removesuffix("(.*)").rstrip("/")
+                for d, _, files in os.walk(folder):
+                    for name in files:
+                        out.add(prefix + "/" + os.path.relpath(os.path.join(d, name), folder).replace(os.sep, "/"))
+            else:  # a handler, or a static route without a folder of its own: its pattern
+                out.add(pattern.rstrip("$"))
+        if isinstance(rule.target, tornado.routing.RuleRouter):
+            _routes(rule.target, routers, out)
+
+
+def _serve_sitemap(app: Any) -> None:
+    """Route the scheduler's ``/sitemap.json`` to :class:`SitemapHandler`: each rule of
+    ``app`` whose handler is Dask's ``DirectoryHandler`` gets ours instead (its place, and
+    so its precedence, unchanged)."""
+    try:
+        from distributed.http.routing import DirectoryHandler
+    except ImportError:  # a distributed without it: nothing to replace
+        return
+
+    def replace(router: Any, seen: set) -> None:
+        if router in seen:
+            return
+        seen.add(router)
+        for rule in [*router.named_rules.values(), *router.rules]:
+            if isinstance(rule.target, type) and issubclass(rule.target, DirectoryHandler):
+                rule.target = SitemapHandler
+            elif isinstance(rule.target, tornado.routing.RuleRouter):
+                replace(rule.target, seen)
+
+    seen: set = set()
+    replace(app.default_router, seen)
+    replace(app.wildcard_router, seen)
