@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
 
+    # dfllm's config: a failed row is kept, with its error in llm_error (Ray's
+    # vLLMEngineProcessorConfig, as Ray, fails the job on it instead)
     config = dfllm.ProcessorConfig(
         model_source=None,                        # the bundled SmolLM2-135M-Instruct; or a model directory
         engine_kwargs={"max_model_len": 1024},

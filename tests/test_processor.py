@@ -118,6 +118,52 @@ def test_preprocess_and_inference_failures_bypass_postprocess(client, config, ha
     assert len(calls) == 6 + 3  # the Dask run: 6 rows, and the 3 successful rows of the sample
 
 
+def test_a_failed_rows_input_values_take_the_output_types_by_arrows_safe_casts(client, config, haikus, tmp_path):
+    """postprocess returns ``id=str(row["id"])``: a row failing in preprocess keeps its input
+    id as that column's text ("7", not a null), in the returned frame and in the written
+    parquet, so it can be found and retried; an input value no safe cast converts (the text
+    "haiku #7" in the integer column postprocess makes of ``item``) is null, and the row's
+    error names the column and shows the value."""
+    def pre(row):
+        if row["id"] == 7:
+            raise KeyError("no topic")
+        return prompt(row)
+
+    def post(row):
+        return dict(id=str(row["id"]), item=len(row["item"]), text=row["generated_text"])
+
+    processor = dfllm.build_processor(config, preprocess=pre, postprocess=post)
+    lazy = processor(dd.from_pandas(haikus, npartitions=2))  # sampled: rows 0-3, all fine
+    lazy.to_parquet(tmp_path / "out")
+    written = in_order(dd.read_parquet(tmp_path / "out").compute())
+    summary = dfllm.write_parquet(lazy, str(tmp_path / "resumable"), resume=True, progress=False)
+    assert summary.errors == 1
+    resumable = in_order(pd.read_parquet(tmp_path / "resumable"))
+    for out in (processor(haikus), in_order(lazy.compute()), written, resumable):
+        assert list(out.columns) == ["id", "item", "text", "llm_error"]
+        assert out["id"].tolist() == [str(i) for i in range(8)]
+        assert out["item"].iloc[:7].tolist() == [len(f"haiku #{i}") for i in range(7)]
+        error = out.loc[7, "llm_error"]
+        assert error.startswith("preprocess: KeyError: 'no topic'; column 'item': the input value 'haiku #7' (str)")
+        assert pd.isna(out.loc[7, "item"]) and pd.isna(out.loc[7, "text"])
+        assert out["llm_error"].iloc[:7].isna().all()
+    assert lazy.dtypes["id"] == pd.ArrowDtype(pa.string()) and lazy.dtypes["item"] == pd.ArrowDtype(pa.int64())
+
+
+def test_model_sources_name_the_model_the_engine_loads(config):
+    """What a resumable write keys on besides the write key: the config's model, else the
+    task's default model (the writer's None is the default chat model)."""
+    from dfllm.jobs.processor import ProcessorFunction
+
+    def sources(cfg):
+        return ProcessorFunction(dfllm.build_processor(cfg), {}).model_sources()
+
+    assert sources(config) == (config.model_source,)
+    assert sources(dfllm.ProcessorConfig(task_type="embed")) == ("all-minilm-l6-v2",)
+    assert sources(dfllm.vLLMEngineProcessorConfig(task_type="score")) == ("all-minilm-l6-v2",)
+    assert sources(dfllm.ProcessorConfig()) == (None,)
+
+
 def test_explicit_meta_runs_nothing_and_flags_what_does_not_fit(client, config, haikus):
     """With meta= nothing runs at call time (the first rows fail postprocess, which would
     stop the sampling); values that do not fit, and columns meta lacks, are row errors

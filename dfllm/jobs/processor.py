@@ -52,19 +52,29 @@ error row: ``postprocess`` is not run on it (as Ray Data LLM's error rows bypass
 postprocess), it holds its *input* row's values (its ``id`` and other input columns, so it
 can be found and retried), ``llm_error`` holds the message (``"preprocess: KeyError: ..."``,
 the engine's message, ``"postprocess: ..."``), and its other columns are null. Every other
-row goes on. That is the default, ``should_continue_on_error=None``. As in Ray Data LLM,
+row goes on. That is ``should_continue_on_error=None``. As in Ray Data LLM,
 ``should_continue_on_error=True`` does the same with the column named
 ``__inference_error__`` (in the rows ``postprocess`` sees too), and ``False`` makes the
 first failed row fail the job: :class:`RowFailedError` naming the row (its index label)
 and its error, raised when its partition is computed (or at call time, if it is among the
 sampled rows); the output then has no error column. Everything below says ``llm_error``
-for whichever error column there is.
+for whichever error column there is. The defaults are those of each class:
+
+- :class:`ProcessorConfig` (dfllm's): ``should_continue_on_error=None``, failed rows kept
+  in ``llm_error``, the job goes on;
+- :class:`vLLMEngineProcessorConfig` (Ray's name, Ray's defaults): ``False``, as in Ray
+  Data LLM: a Ray script moved here fails on a bad row as it did on Ray.
 
 **Output columns**, in order: the columns ``postprocess`` returns (the whole row when there
 is no ``postprocess``), then each input column ``postprocess`` does not return, then
 ``llm_error`` (always present). Those extra input columns hold the input values on rows
 that have an ``llm_error`` and are null on rows without one: a successful row is what
-``postprocess`` made of it, a failed row still says which input row it was.
+``postprocess`` made of it, a failed row still says which input row it was. An error row's
+input values go into the output's columns, whichever type ``postprocess`` gave them,
+through Arrow's safe casts: with ``postprocess`` returning ``id=str(row["id"])``, a failed
+row's ``id`` 7 is ``"7"``; a value no safe cast converts (text in an integer column, a
+fraction in an integer column...) is null, and the row's ``llm_error`` says so, naming the
+column and showing the value.
 
 **Output types** are Arrow-backed pandas dtypes, so Dask's ``to_parquet`` and
 :func:`dfllm.write_parquet` work (see Writing resumably). They come from, in order of
@@ -249,8 +259,10 @@ def _optional_dict(name: str, value) -> None:
 
 @dataclass
 class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
-    """Ray Data LLM's ``vLLMEngineProcessorConfig``, on Dask. ``ProcessorConfig`` is the same
-    class. Every field of Ray's is accepted; what each means here:
+    """Ray Data LLM's ``vLLMEngineProcessorConfig``, on Dask, with Ray's defaults (a failed row
+    fails the job: ``should_continue_on_error=False``). :class:`ProcessorConfig` is dfllm's
+    subclass, the same but for that default (None: failed rows kept, with ``llm_error``).
+    Every field of Ray's is accepted; what each means here:
 
     - ``model_source``: a model directory or bundled alias (None: the task's default model:
       the bundled chat model for generate, ``all-minilm-l6-v2`` for embed and score;
@@ -272,11 +284,12 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
       stage decodes it).
     - ``prepare_multimodal_stage``, ``prepare_image_stage``, ``has_image``: only off: dfllm
       runs no multimodal models (enabling one is a ``ValueError``).
-    - ``should_continue_on_error``: None (dfllm's default): a failed row is kept, with its
-      message in ``llm_error`` (see :mod:`dfllm.jobs.processor`). False (Ray's default): the
-      first failed row fails the job (``RowFailedError`` naming the row and its error, when
-      the partition is computed), and the output has no error column. True: failed rows are
-      kept as with None, the column named ``__inference_error__`` as in Ray.
+    - ``should_continue_on_error``: False (Ray's default, and this class's): the first
+      failed row fails the job (``RowFailedError`` naming the row and its error, when the
+      partition is computed), and the output has no error column. True: failed rows are
+      kept, with the message in the column ``__inference_error__``, as in Ray. None
+      (:class:`ProcessorConfig`'s default): failed rows are kept, with the message in
+      ``llm_error`` (see :mod:`dfllm.jobs.processor`).
     - ``accelerator_type`` (e.g. ``"H100"``): the engine calls run on Dask workers declaring
       the resource ``accelerator_type:H100`` (``dask worker --resources
       accelerator_type:H100=1``), as Ray's nodes label theirs; with ``resources`` (dfllm's
@@ -313,7 +326,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
     detokenize: bool = True
     has_image: bool = False
     chat_template_kwargs: dict | None = None
-    should_continue_on_error: bool | None = None
+    should_continue_on_error: bool | None = False  # Ray's default; ProcessorConfig's is None
     accelerator_type: str | None = None
     resources: dict | None = None
     runtime_env: dict | None = None
@@ -354,7 +367,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         if unknown:
             raise ValueError(f"experimental: unknown key(s) {unknown}; it takes 'max_tasks_in_flight_per_actor'")
         if (self.experimental or {}).get("max_tasks_in_flight_per_actor") is not None:
-            self.max_tasks_in_flight_per_actor = self.experimental["max_tasks_in_flight_per_actor"]
+            self.max_tasks_in_flight_per_actor = (self.experimental or {})["max_tasks_in_flight_per_actor"]
         _positive("max_concurrent_batches", self.max_concurrent_batches)
         _positive("max_tasks_in_flight_per_actor", self.max_tasks_in_flight_per_actor, optional=True)
         _positive("max_pending_requests", self.max_pending_requests, optional=True)
@@ -416,8 +429,14 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         return out
 
 
-#: dfllm's name of the same class.
-ProcessorConfig = vLLMEngineProcessorConfig
+@dataclass
+class ProcessorConfig(vLLMEngineProcessorConfig):
+    """dfllm's processor config: :class:`vLLMEngineProcessorConfig`'s fields, with dfllm's
+    default ``should_continue_on_error=None``: a failed row is kept, with its message in
+    ``llm_error``, and the job goes on (Ray's class, and Ray, default to False: the first
+    failed row fails the job). ``False`` and ``True`` mean what they mean there."""
+
+    should_continue_on_error: bool | None = None
 
 
 class RowFailedError(RuntimeError):
@@ -479,6 +498,14 @@ class ProcessorFunction(WritableFunction):
     def __dask_tokenize__(self):
         return (type(self).__name__, self._token)
 
+    def model_sources(self) -> tuple:
+        """The model the processor's engine loads, for the writer to put its content identity
+        into a resumable write's key: ``model_source``, or the task's default model when it
+        is None (``all-minilm-l6-v2`` for embed and score; None, the writer's default chat
+        model, for generate), as the engine calls resolve it."""
+        config = self.processor.config
+        return (config.model_source or KINDS[config.task_type].default_model,)
+
     @property
     def write_key(self) -> str:
         p = self.processor
@@ -508,7 +535,7 @@ class Processor:
     writing the result resumably.
     """
 
-    def __init__(self, config: ProcessorConfig, preprocess: Callable[[dict], dict] | None,
+    def __init__(self, config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None,
                  postprocess: Callable[[dict], dict] | None, *, meta: Meta | None = None,
                  sample_rows: int = SAMPLE_ROWS, key: str | None = None):
         if sample_rows < 1:
@@ -652,7 +679,7 @@ class Processor:
         cols = list(task.output_dtypes())
         outputs = iter(result[cols].astype(object).where(result[cols].notna(), None).to_dict("records"))
         names = {ERROR: self._err, **RAY_COLUMNS[kind]}
-        done = []
+        done: list[tuple[dict, str | None]] = []
         for row, error in zip(rows, errors):
             if error is not None:
                 done.append((row, error))
@@ -896,9 +923,11 @@ def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
-def _to_arrow(values: list, dtype) -> pa.Array:
+def _to_arrow(values: list, dtype, cast: bool = False) -> pa.Array:
     """``values`` as an Arrow array of ``dtype``'s type; ``ValueError`` saying why a value
-    does not fit."""
+    does not fit. Only values of the column's kind fit (see :func:`_compatible`), unless
+    ``cast``: then any value Arrow's safe cast converts does (an int in a string column is
+    its text, a string of digits in an integer column its number)."""
     target = dtype.pyarrow_dtype
     try:
         arr = pa.array(values, from_pandas=True)
@@ -908,21 +937,28 @@ def _to_arrow(values: list, dtype) -> pa.Array:
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
             pass
         raise ValueError(f"has no Arrow type ({type(exc).__name__}: {exc})") from None
-    if not _compatible(arr.type, target):
+    if not cast and not _compatible(arr.type, target):
         raise ValueError(f"is {arr.type}, not {target}")
     try:
         return arr.cast(target, safe=True)
     except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"does not fit {target} ({exc})") from None
+        raise ValueError(f"does not fit {target} ({type(exc).__name__}: {exc})") from None
 
 
-def _column(values: list, dtype, index: pd.Index, column, errors: list) -> pd.Series:
-    """A typed column; values that do not fit are null, with a message in ``errors``."""
+def _column(values: list, dtype, index: pd.Index, column, errors: list, inputs: set | frozenset = frozenset()
+            ) -> pd.Series:
+    """A typed column; values that do not fit are null, with a message in ``errors``. The
+    values of the rows in ``inputs`` are an error row's input values: they go in through
+    Arrow's safe casts (see :func:`_to_arrow`), so that the row still says which input row it
+    was, and one that cannot be converted is named in the row's error."""
     if isinstance(dtype, pd.CategoricalDtype):
         for i, v in enumerate(values):
+            if not _is_null(v) and v not in dtype.categories and i in inputs:
+                v = values[i] = _category(v, dtype)
             if not _is_null(v) and v not in dtype.categories:
-                errors[i] = _join(errors[i], f"column {column!r}: {_show(v)} is not one of the categories "
-                                             f"{list(dtype.categories)}")
+                what = "the input value" if i in inputs else ""
+                errors[i] = _join(errors[i], f"column {column!r}: {what}{' ' if what else ''}{_show(v)} is not one "
+                                             f"of the categories {list(dtype.categories)}")
                 values[i] = None
         return pd.Series(values, index=index, dtype=dtype)
     try:
@@ -931,13 +967,25 @@ def _column(values: list, dtype, index: pd.Index, column, errors: list) -> pd.Se
         cells = []
         for i, v in enumerate(values):
             try:
-                cells.append(_to_arrow([v], dtype))
+                cells.append(_to_arrow([v], dtype, cast=i in inputs))
             except ValueError as exc:
-                errors[i] = _join(errors[i], f"column {column!r}: the value {_show(v)} {exc}")
+                what = "input value" if i in inputs else "value"
+                errors[i] = _join(errors[i], f"column {column!r}: the {what} {_show(v)} {exc}")
                 values[i] = None
                 cells.append(pa.nulls(1, dtype.pyarrow_dtype))
         arr = pa.concat_arrays(cells)
     return pd.Series(arr, index=index, dtype=dtype)
+
+
+def _category(value, dtype: pd.CategoricalDtype):
+    """An input value as the category Arrow's safe cast makes of it (7 as "7" among string
+    categories), or the value itself when none matches."""
+    try:
+        kind = pd.ArrowDtype(pa.array(dtype.categories, from_pandas=True).type)
+        cast = _to_arrow([value], kind, cast=True)[0].as_py()
+    except (ValueError, pa.ArrowException, TypeError):
+        return value
+    return cast if cast in dtype.categories else value
 
 
 def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list,
@@ -945,6 +993,7 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
     """The rows as a frame of exactly ``schema``'s columns (see the module docstring)."""
     n = len(rows)
     values = {c: [None] * n for c in schema if c != error}
+    inputs: dict[str, set[int]] = {c: set() for c in values}  # the rows holding an input value, by column
     errors: list[str | None] = [r.error for r in rows]
     fill = []  # (row, columns) taking input values: error rows with an output
     for i, r in enumerate(rows):
@@ -952,6 +1001,7 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
             for c in input_columns:
                 if c in values:
                     values[c][i] = r.inputs.get(c)
+                    inputs[c].add(i)
             continue
         extra = [k for k in r.output if k != error and k not in values]
         if extra:
@@ -961,15 +1011,16 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
             if k in values:
                 values[k][i] = v
         fill.append((i, [c for c in input_columns if c in values and c not in r.output]))
-    columns = {c: _column(values[c], schema[c], index, c, errors) for c in values}
+    columns = {c: _column(values[c], schema[c], index, c, errors, inputs[c]) for c in values}
     refill = set()
     for i, cols in fill:  # error rows that had an output also say which input row they were
         if errors[i] is not None:
             for c in cols:
                 values[c][i] = rows[i].inputs.get(c)
+                inputs[c].add(i)
                 refill.add(c)
     for c in refill:  # values that did not fit were set to null in the first pass
-        columns[c] = _column(values[c], schema[c], index, c, errors)
+        columns[c] = _column(values[c], schema[c], index, c, errors, inputs[c])
     columns[error] = pd.Series(errors, index=index, dtype=_STRING)
     return pd.DataFrame(columns, index=index)
 

@@ -1,6 +1,6 @@
 """A Ray Data LLM user's script on a Dask frame, with only the import changed:
 ``vLLMEngineProcessorConfig`` and ``build_processor`` (or the older ``build_llm_processor``)
-from ``dfllm``, Ray's fields accepted, its bad values refused, and its
+from ``dfllm``, Ray's fields accepted with Ray's defaults, its bad values refused, and its
 ``should_continue_on_error`` modes."""
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def test_ray_quickstart_script_on_dask(tiny_llama, items, expected):
     assert lazy.columns[0] == "answer" and {"item", "messages", "generated_text"} <= set(lazy.columns)
     got = lazy.compute().sort_index()
     assert got["answer"].tolist() == expected and got["item"].tolist() == ITEMS
-    assert (got["num_generated_tokens"] <= 8).all() and got["llm_error"].isna().all()  # dfllm's default mode
+    assert (got["num_generated_tokens"] <= 8).all()
+    assert "llm_error" not in got.columns  # Ray's default: a failed row fails the job, no error column
     timing = ["time_taken_llm"]  # seconds of the engine call: the same columns, not the same values
     pd.testing.assert_frame_equal(got.drop(columns=timing), processor(items).drop(columns=timing))  # on pandas
 
@@ -63,7 +64,6 @@ def test_build_llm_processor_is_build_processor(tiny_llama, items, expected):
         processor = build_llm_processor(ray_config(tiny_llama), preprocess=preprocess, postprocess=postprocess)
     got = processor(dd.from_pandas(items, npartitions=2)).compute().sort_index()
     assert got["answer"].tolist() == expected
-    assert dfllm.ProcessorConfig is vLLMEngineProcessorConfig
 
 
 def long_at(n: int, where: int) -> pd.DataFrame:
@@ -133,7 +133,46 @@ def test_ray_fields_accepted(tiny_llama):
                         prepare_multimodal_stage=False, prepare_image_stage={"enabled": False}, has_image=False,
                         chat_template_kwargs={}, concurrency=(1, 4))
     assert config.concurrency == (1, 4) and config.task_resources() == {"accelerator_type:H100": 0.001}
-    assert vLLMEngineProcessorConfig().batch_size == 32 and vLLMEngineProcessorConfig().should_continue_on_error is None
+    assert vLLMEngineProcessorConfig().batch_size == 32
+
+
+def test_ray_defaults_on_rays_class_dfllms_on_processor_config():
+    """Ray's class has Ray's defaults (``should_continue_on_error=False``, as in Ray Data
+    LLM); ``ProcessorConfig``, dfllm's subclass, keeps dfllm's (None: rows kept in
+    ``llm_error``); the stage configs have Ray's (on, nothing else set)."""
+    ray, ours = vLLMEngineProcessorConfig(), dfllm.ProcessorConfig()
+    assert ray.should_continue_on_error is False and ray.error_column is None
+    assert ours.should_continue_on_error is None and ours.error_column == "llm_error"
+    assert isinstance(ours, vLLMEngineProcessorConfig) and type(ray) is vLLMEngineProcessorConfig
+    other = {f: getattr(ray, f) for f in vLLMEngineProcessorConfig.__dataclass_fields__}
+    assert {**other, "should_continue_on_error": None} == {f: getattr(ours, f) for f in other}  # only that differs
+    assert dict(batch_size=32, concurrency=1, task_type="generate", apply_chat_template=True, tokenize=True,
+                detokenize=True, has_image=False, max_concurrent_batches=8, log_engine_metrics=True,
+                accelerator_type=None) == {k: getattr(ray, k) for k in (
+                    "batch_size", "concurrency", "task_type", "apply_chat_template", "tokenize", "detokenize",
+                    "has_image", "max_concurrent_batches", "log_engine_metrics", "accelerator_type")}
+    for stage in (dfllm.ChatTemplateStageConfig, dfllm.TokenizerStageConfig, dfllm.DetokenizeStageConfig,
+                  dfllm.PrepareMultimodalStageConfig, dfllm.PrepareImageStageConfig):
+        assert stage().settings() == {"enabled": True}
+
+
+def test_a_bad_row_fails_the_job_with_rays_class_and_is_kept_with_processor_config(tiny_llama):
+    """The same fields, without ``should_continue_on_error``: Ray's class fails the job on
+    the row past max_model_len (as Ray does), dfllm's keeps it, with its ``llm_error``."""
+    fields = dict(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256}, batch_size=16)
+    frame = long_at(6, 4)
+    ray = build_processor(vLLMEngineProcessorConfig(**fields), preprocess=preprocess, postprocess=postprocess)
+    lazy = ray(dd.from_pandas(frame, npartitions=2))  # sampled: rows 0-2, all fine
+    assert "llm_error" not in lazy.columns
+    with pytest.raises(RowFailedError, match=r"row 4 failed: .*max_model_len=256"):
+        lazy.compute()
+    with pytest.raises(RowFailedError, match="row 4 failed"):
+        ray(frame)
+    ours = build_processor(dfllm.ProcessorConfig(**fields), preprocess=preprocess, postprocess=postprocess)
+    for out in (ours(dd.from_pandas(frame, npartitions=2)).compute().sort_index(), ours(frame)):
+        assert out.columns[-1] == "llm_error" and "max_model_len=256" in out.loc[4, "llm_error"]
+        assert out["llm_error"].drop(index=4).isna().all() and out["answer"].drop(index=4).notna().all()
+        assert out.loc[4, "item"] == frame.loc[4, "item"] and pd.isna(out.loc[4, "answer"])
 
 
 @pytest.mark.parametrize("fields, match", [

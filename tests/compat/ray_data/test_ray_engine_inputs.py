@@ -14,7 +14,7 @@ import pytest
 
 import dfllm
 from dfllm import build_processor, vLLMEngineProcessorConfig
-from dfllm.jobs.processor import ChatTemplateStageConfig
+from dfllm.jobs.processor import ChatTemplateStageConfig, RowFailedError
 
 ENGINE = {"max_model_len": 256}
 GREEDY = dict(temperature=0.0, max_tokens=4)
@@ -65,7 +65,7 @@ def test_logprobs_and_prompt_logprobs_as_ray_gives_them(tiny_llama, llm):
     processor = build_processor(config(tiny_llama), lambda r: dict(
         messages=[{"role": "user", "content": r["q"]}], sampling_params=asks[r["ask"]]), post)
     got = run(processor, frame)
-    assert got["llm_error"].isna().all()
+    assert "llm_error" not in got.columns  # Ray's default: a failed row fails the job, no error column
     refs = llm.chat([[{"role": "user", "content": q}] for q in frame["q"]],
                     [dfllm.SamplingParams(**a) for a in asks], use_tqdm=False)
     for i, ref in enumerate(refs):
@@ -93,14 +93,15 @@ def test_logprobs_kept_without_postprocess_are_a_map_column(tiny_llama):
     lazy = processor(dd.from_pandas(frame, npartitions=2))
     got = lazy.compute()
     assert str(got.dtypes["logprobs"]).startswith("list<item: map<int64, struct<logprob: double")
-    assert lazy.dtypes["logprobs"] == got.dtypes["logprobs"] and got["llm_error"].isna().all()
+    assert lazy.dtypes["logprobs"] == got.dtypes["logprobs"] and "llm_error" not in got.columns
     assert (got["logprobs"].list.len() == got["num_generated_tokens"]).all()
     assert got["prompt_logprobs"].isna().all()  # not asked
 
 
 def test_tokenized_prompt_is_generated_from_as_given(tiny_llama, llm):
     """Ray's ``tokenized_prompt``: token ids generated from as they are; rows of one
-    partition may mix token ids, prompts and conversations, each getting its own."""
+    partition may mix token ids, prompts and conversations, each getting its own; bad ones
+    are kept, with their error, under Ray's ``should_continue_on_error=True``."""
     tok = llm.get_tokenizer()
     ids = tok.encode("Once upon a time")
     rows = [dict(tokenized_prompt=np.array(ids)), dict(prompt="Once upon a time"),
@@ -108,7 +109,8 @@ def test_tokenized_prompt_is_generated_from_as_given(tiny_llama, llm):
             dict(tokenized_prompt=ids, prompt="the text I tokenized"),
             dict(tokenized_prompt=[10**9]), dict(tokenized_prompt="not ids"), dict(nothing=1)]
     frame = pd.DataFrame({"i": range(len(rows))})
-    processor = build_processor(config(tiny_llama), lambda r: dict(rows[r["i"]], sampling_params=GREEDY),
+    processor = build_processor(config(tiny_llama, should_continue_on_error=True),
+                                lambda r: dict(rows[r["i"]], sampling_params=GREEDY),
                                 lambda r: dict(i=r["i"], text=r["generated_text"], prompt=r["prompt"],
                                                ids=list(r["prompt_token_ids"])))
     got = run(processor, frame, npartitions=1)
@@ -121,10 +123,11 @@ def test_tokenized_prompt_is_generated_from_as_given(tiny_llama, llm):
     assert got.loc[0, "prompt"] == tok.decode(ids)  # no prompt given: the token ids' text
     assert got.loc[3, "prompt"] == "the text I tokenized"
     assert got.loc[1, "text"] == by_text.outputs[0].text and got.loc[2, "text"] == chat.outputs[0].text
-    assert got.loc[:3, "llm_error"].isna().all()
-    assert "out of vocabulary" in got.loc[4, "llm_error"] or "vocab" in got.loc[4, "llm_error"]
-    assert "tokenized_prompt" in got.loc[5, "llm_error"] and "list of token ids" in got.loc[5, "llm_error"]
-    assert "no 'messages', 'prompt' or 'tokenized_prompt'" in got.loc[6, "llm_error"]
+    errors = got["__inference_error__"]
+    assert errors.loc[:3].isna().all()
+    assert "out of vocabulary" in errors[4] or "vocab" in errors[4]
+    assert "tokenized_prompt" in errors[5] and "list of token ids" in errors[5]
+    assert "no 'messages', 'prompt' or 'tokenized_prompt'" in errors[6]
 
 
 def test_assistant_prefill_is_continued(tiny_llama, llm):
@@ -167,7 +170,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama, llm, where):
     processor = build_processor(config(tiny_llama, **fields), pre, lambda r: dict(prompt=r["prompt"]),
                                 builder_kwargs={"chat_template_kwargs": kwargs} if where == "builder_kwargs" else None)
     got = run(processor, frame, npartitions=1)  # one batch: a row without its own beside one with
-    assert got["llm_error"].isna().all()
+    assert "llm_error" not in got.columns
     for i, greeting in enumerate(["Ahoy!", "Hello!"]):
         ref = llm.chat([{"role": "user", "content": frame.loc[i, "q"]}], dfllm.SamplingParams(**GREEDY),
                        chat_template=TEMPLATE, chat_template_kwargs={"greeting": greeting}, use_tqdm=False)[0]
@@ -176,12 +179,14 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama, llm, where):
 
 def test_bad_row_chat_template_kwargs_is_that_rows_error(tiny_llama):
     frame = pd.DataFrame({"q": ["Hi", "Bye"]})
-    processor = build_processor(config(tiny_llama), lambda r: dict(
+    processor = build_processor(config(tiny_llama, should_continue_on_error=True), lambda r: dict(
         messages=[{"role": "user", "content": r["q"]}], sampling_params=GREEDY,
         chat_template_kwargs=None if r["q"] == "Hi" else ["not", "a", "dict"]))
-    got = processor(frame)
-    assert pd.isna(got.loc[0, "llm_error"])
-    assert got.loc[1, "llm_error"].startswith("chat_template_kwargs:") and "dict" in got.loc[1, "llm_error"]
+    errors = processor(frame)["__inference_error__"]
+    assert pd.isna(errors[0])
+    assert errors[1].startswith("chat_template_kwargs:") and "dict" in errors[1]
+    with pytest.raises(RowFailedError, match="row 1 failed: chat_template_kwargs:"):  # Ray's default
+        build_processor(config(tiny_llama), processor.preprocess)(frame)
 
 
 def test_pooling_params_per_row():
@@ -190,7 +195,8 @@ def test_pooling_params_per_row():
     params = [{"truncate_prompt_tokens": 3}, {"normalize": False}, None, {"bogus": 1}]
     frame = pd.DataFrame({"text": texts, "i": range(4)})
     processor = build_processor(
-        vLLMEngineProcessorConfig(model_source=None, task_type="embed", chat_template_stage=False),
+        vLLMEngineProcessorConfig(model_source=None, task_type="embed", chat_template_stage=False,
+                                  should_continue_on_error=True),
         lambda r: dict(prompt=r["text"], **({} if params[r["i"]] is None else {"pooling_params": params[r["i"]]})),
         lambda r: dict(i=r["i"], vector=list(r["embeddings"])))
     got = run(processor, frame)
@@ -198,8 +204,9 @@ def test_pooling_params_per_row():
     for i in range(3):
         want = ref.embed(texts[i], dfllm.PoolingParams(**(params[i] or {})), use_tqdm=False)[0].outputs.embedding
         np.testing.assert_allclose(np.asarray(got.loc[i, "vector"]), np.asarray(want), rtol=1e-5, atol=1e-6)
-    assert pd.isna(got.loc[:2, "llm_error"]).all()
-    assert got.loc[3, "llm_error"].startswith("pooling_params:") and "bogus" in got.loc[3, "llm_error"]
+    errors = got["__inference_error__"]
+    assert errors.loc[:2].isna().all()
+    assert errors[3].startswith("pooling_params:") and "bogus" in errors[3]
     # the three differ: truncated, unnormalised, default
     norms = [np.linalg.norm(np.asarray(v)) for v in got.loc[:2, "vector"]]
     assert abs(norms[0] - 1) < 1e-4 and abs(norms[1] - 1) > 1e-3 and abs(norms[2] - 1) < 1e-4
@@ -225,7 +232,9 @@ def test_pooling_params_per_row_classify_and_score(tmp_path):
     scorer = build_processor(vLLMEngineProcessorConfig(model_source=None, task_type="score"), lambda r: dict(
         text_1=r["q"], text_2=r["d"], **({} if pd.isna(r["cut"]) else
                                          {"pooling_params": {"truncate_prompt_tokens": int(r["cut"])}})))
-    scores = run(scorer, pairs)["score"].tolist()
+    # one partition: the sampled rows (the output's columns, without postprocess the whole row)
+    # include the row with pooling_params; a sample without it would make that column a failed row
+    scores = run(scorer, pairs, npartitions=1)["score"].tolist()
     minilm = dfllm.LLM("all-minilm-l6-v2")
     assert scores[0] == pytest.approx(minilm.score("a cat", "a small kitten sleeping", use_tqdm=False)[0].outputs.score)
     assert scores[1] == pytest.approx(minilm.score("a cat", "a small kitten sleeping", use_tqdm=False,
@@ -246,10 +255,11 @@ def test_guided_decoding_in_sampling_params(tiny_llama):
                          r["how"]: {"choice": np.array(choices)}}),
         lambda r: dict(answer=r["generated_text"]))
     got = run(processor, frame)
-    assert got["llm_error"].isna().all() and set(got["answer"]) <= set(choices)
-    both = build_processor(config(tiny_llama), lambda r: dict(prompt=r["q"], sampling_params={
-        "guided_decoding": {"choice": choices}, "structured_outputs": {"choice": choices}}))(frame)
-    assert both["llm_error"].str.contains("guided_decoding or structured_outputs").all()
+    assert "llm_error" not in got.columns and set(got["answer"]) <= set(choices)
+    both = build_processor(config(tiny_llama, should_continue_on_error=True), lambda r: dict(
+        prompt=r["q"], sampling_params={"guided_decoding": {"choice": choices},
+                                        "structured_outputs": {"choice": choices}}))(frame)
+    assert both["__inference_error__"].str.contains("guided_decoding or structured_outputs").all()
 
 
 @pytest.mark.parametrize("stage", [True, False])
