@@ -7,7 +7,7 @@ takes the common ones as explicit keyword-only parameters, with vLLM's defaults,
 :func:`check_vllm_args` decides each one in one place, from :data:`VLLM_ARGS`:
 
 - **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``, ``max_logprobs``,
-  ``scheduling_policy``, ``enforce_eager``);
+  ``scheduling_policy``, ``enforce_eager``, ``skip_tokenizer_init``);
 - **no-op**: any value of the right type is accepted and changes nothing (``swap_space``);
 - **refuses**: a value dfllm cannot honour raises ``ValueError`` naming the argument and
   the value, instead of being ignored silently (``trust_remote_code=True``).
@@ -134,8 +134,10 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("tokenizer_mode", "auto", "maps", "`\"auto\"`, `\"hf\"`; `\"slow\"` asks transformers for "
             "`use_fast=False`; `\"mistral\"` and others refused",
             _only(("auto", "hf", "slow"), "dfllm uses Hugging Face tokenizers: 'auto', 'hf' or 'slow'")),
-    VllmArg("skip_tokenizer_init", False, "refuses", "`True` refused: dfllm needs the tokenizer",
-            _only((False,), "dfllm needs the tokenizer (to detokenize, stop on strings and render chats)")),
+    VllmArg("skip_tokenizer_init", False, "maps", "`True` loads no tokenizer, as vLLM: prompts are token ids "
+            "(`{\"prompt_token_ids\": [...]}`) and outputs carry token ids with empty text; what needs a tokenizer "
+            "(text prompts, chat, stop strings, bad words, structured outputs) raises `ValueError` at `generate`",
+            _bool),
     VllmArg("trust_remote_code", False, "refuses", "`True` refused: dfllm never runs remote code",
             _only((False,), "dfllm never runs remote code; it serves the architectures it implements")),
     VllmArg("load_format", "auto", "refuses", "`\"auto\"`, `\"safetensors\"`; others refused (safetensors only)",
@@ -158,8 +160,8 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("structured_outputs_config", None, "refuses", "`None` or `{\"backend\": \"auto\"/\"xgrammar\"}`; "
             "other backends refused (xgrammar only)", _structured_outputs_config),
     VllmArg("scheduling_policy", "fcfs", "maps", "`\"fcfs\"` (arrival order) or `\"priority\"`: the "
-            "`priority=` of `generate`/`chat`/`enqueue`, lower first, then arrival (as vLLM); a nonzero priority "
-            "under `\"fcfs\"` raises `ValueError`; others refused",
+            "`priority=` of `generate`/`chat`/`enqueue`, lower first, then arrival (as vLLM); under `\"fcfs\"` any "
+            "priority is accepted and changes nothing, as in vLLM; others refused",
             _only(("fcfs", "priority"), "dfllm schedules first come, first served ('fcfs') or by request "
                                         "priority ('priority')")),
     VllmArg("hf_overrides", None, "maps", "a dict of `config.json` fields (a nested dict updates a sub-config) "

@@ -4,16 +4,18 @@ Every check of a request made by :class:`dfllm.LLM` (``generate``, ``chat``, ``e
 ``enqueue_chat``, ``embed``, ``classify``, ``score``, ``encode``) and by the dataframe
 accessors' input processing raises it before any work starts: a malformed or empty prompt,
 a token id out of the vocabulary, a prompt longer than ``max_model_len``, more logprobs than
-``max_logprobs``, sampling or pooling params the model cannot honour, a priority without
-priority scheduling. It is vLLM's ``vllm.exceptions.VLLMValidationError`` under a dfllm
+``max_logprobs``, sampling or pooling params the model cannot honour (invalid
+``SamplingParams`` raise it when built), a ``best_of`` above ``n``, a grammar that does not
+parse, a priority list of the wrong length. It is vLLM's ``vllm.exceptions.VLLMValidationError`` under a dfllm
 name (:data:`VLLMValidationError` is the same class): code catching ``ValueError`` (as
 vLLM's examples do) catches it too.
 
-Its message names the offending input as dfllm always has (``"prompt 3 is empty ..."``,
-a dataframe row's ``llm_error``) and carries vLLM's own phrase for the same failure where
-vLLM has one (``"The decoder prompt cannot be empty"``, ``"Token id 99999 is out of
-vocabulary"``, ``"Requested sample logprobs of 50, which is greater than max allowed: 20"``),
-so code matching vLLM's messages keeps working.
+Its message starts with vLLM's own words for the same failure where vLLM has them
+(``"Prompt cannot be empty. The decoder prompt cannot be empty"``, ``"Token id 99999 is out
+of vocabulary"``, ``"Requested sample logprobs of 50, which is greater than max allowed:
+20"``, ``"max_tokens must be at least 1, got 0."``), so code matching vLLM's messages keeps
+working, and goes on with dfllm's detail naming the offending input (``"(prompt 3 is empty:
+no tokens)"``, a dataframe row's ``llm_error``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ def per_prompt_params(params, n: int, cls: type = SamplingParams, name: str = "s
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"got {len(params)} {name} for {n} prompts")
+        raise ValueError(f"The lengths of prompts ({n}) and {name} ({len(params)}) must be the same. (got "
+                         f"{len(params)} {name} for {n} prompts)")
     for i, p in enumerate(params):
         if not isinstance(p, cls):
             raise ValueError(f"{name}[{i}] must be a {cls.__name__}, got {type(p).__name__}")

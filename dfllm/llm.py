@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from dfllm.config import EngineConfig
-from dfllm.engine.input_processor import EngineRequest
+from dfllm.engine.input_processor import NO_TOKENIZER, EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
 from dfllm.engine_args import check_vllm_args
@@ -85,9 +86,9 @@ class LLM:
 
     Requests are checked before any work starts: one dfllm refuses (an empty prompt, a token
     id out of the vocabulary, a prompt longer than ``max_model_len``, more logprobs than
-    ``max_logprobs``, a priority without priority scheduling...) raises
+    ``max_logprobs``, a ``best_of`` above ``n``...) raises
     :class:`~dfllm.errors.InvalidRequestError`, a ``ValueError`` (vLLM's
-    ``VLLMValidationError``), whose message names the prompt and carries vLLM's phrase.
+    ``VLLMValidationError``), whose message starts with vLLM's words and then names the prompt.
 
     Failures stay with the requests that cause them. A prompt for which the model produces
     non-finite logits (NaN, +inf, or no finite value: NaN weights, an overflow) ends with
@@ -106,7 +107,11 @@ class LLM:
     sets the buckets (its other fields are ignored); ``tokenizer_mode="slow"`` asks transformers for a slow
     tokenizer, ``max_logprobs`` caps the ``logprobs``/``prompt_logprobs`` a request may ask
     (20; -1 for the whole vocabulary), ``scheduling_policy="priority"`` schedules by the
-    ``priority=`` of ``generate``/``chat``/``enqueue``, and values dfllm cannot honour
+    ``priority=`` of ``generate``/``chat``/``enqueue`` (under the default "fcfs" any priority is
+    accepted and changes nothing, as in vLLM), ``skip_tokenizer_init=True`` loads no tokenizer
+    (prompts are ``{"prompt_token_ids": [...]}``, outputs carry token ids with empty text; text
+    prompts, chat, stop strings, bad words and structured outputs then raise ``ValueError`` per
+    call, as in vLLM), and values dfllm cannot honour
     (``trust_remote_code=True``, a ``quantization`` other than ``"int8"``, a ``revision``, ``load_format`` other
     than safetensors ...) raise ``ValueError`` naming the argument and value.
     :data:`dfllm.engine_args.VLLM_ARGS` lists each one and what dfllm does with it. Unknown
@@ -183,8 +188,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            tokenizer or path, trust_remote_code=False, use_fast=vllm["use_fast"])
+        self.tokenizer: PreTrainedTokenizerBase | None = None if skip_tokenizer_init else (
+            AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=False, use_fast=vllm["use_fast"]))
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
         self._pooling: PoolingFrontend | None = None
@@ -216,11 +221,13 @@ class LLM:
         are in the error's ``outputs``. An exception in the engine is raised if these prompts
         cause it on their own (see the class).
 
-        ``priority`` (vLLM's): an int for every prompt or a list with one per prompt; under
-        ``LLM(scheduling_policy="priority")`` lower values are scheduled first (together with
-        the requests already queued by ``enqueue``), and under the default ``"fcfs"`` only
-        zeros are accepted. ``lora_request=None`` is accepted for vLLM's signature; a LoRA
-        adapter raises ``ValueError`` (not supported).
+        ``priority`` (vLLM's): an int for every prompt or a list with one per prompt (a list of
+        another length, or an empty one, raises :class:`~dfllm.errors.InvalidRequestError`);
+        under ``LLM(scheduling_policy="priority")`` lower values are scheduled first (together
+        with the requests already queued by ``enqueue``), and under the default ``"fcfs"`` any
+        priority is accepted and changes nothing (arrival order), as in vLLM.
+        ``lora_request=None`` is accepted for vLLM's signature; a LoRA adapter raises
+        ``ValueError`` (not supported).
         """
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
         _check_lora(lora_request)
@@ -314,9 +321,30 @@ class LLM:
         """The generation engine, under vLLM's name (None for a pooling model)."""
         return self.engine
 
+    @llm_engine.setter
+    def llm_engine(self, engine: LLMEngine | None) -> None:
+        self.engine = engine
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer the engine uses (a transformers tokenizer)."""
+        """The tokenizer the engine uses (a transformers tokenizer); ``ValueError`` under
+        ``skip_tokenizer_init=True``, as in vLLM."""
+        if self.tokenizer is None:
+            raise ValueError(f"{NO_TOKENIZER} (LLM(skip_tokenizer_init=True) loads no tokenizer)")
         return self.tokenizer
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restore what :meth:`sleep` released: ``tags`` among "weights" and "kv_cache" (None:
+        both; vLLM's "scheduling" is accepted and restores nothing, dfllm never pauses
+        scheduling). Returns the engine's answer, as vLLM: whether it is now fully awake (False
+        after waking only ``["weights"]`` from a sleep that released both).
+
+        As vLLM's, this goes through ``self.llm_engine`` and nothing else.
+        """
+        engine = self.llm_engine
+        if engine is None:
+            raise ValueError("wake_up: this LLM is loaded as a pooling model (no generation engine to wake); "
+                             "sleep mode is for generative models")
+        return engine.wake_up(tags)
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (``tensor_parallel_size`` or
@@ -335,7 +363,6 @@ class LLM:
     start_profile = _delegate("_control", EngineControl.start_profile)
     stop_profile = _delegate("_control", EngineControl.stop_profile)
     sleep = _delegate("_control", EngineControl.sleep)
-    wake_up = _delegate("_control", EngineControl.wake_up)
     reset_prefix_cache = _delegate("_control", EngineControl.reset_prefix_cache)
     reset_mm_cache = _delegate("_control", EngineControl.reset_mm_cache)
     get_metrics = _delegate("_control", EngineControl.get_metrics)
@@ -360,10 +387,13 @@ class LLM:
     def _next_id(self) -> str:
         return str(next(self._ids))
 
-    def _priorities(self, priority: int | list[int] | None, num_requests: int) -> list[int]:
+    @staticmethod
+    def _priorities(priority: int | list[int] | None, num_requests: int) -> list[int]:
         """vLLM's ``priority`` argument as one int per request: None is all 0, an int is the
-        same for every request, a list has one per request; a nonzero one needs
-        ``scheduling_policy="priority"``. :class:`~dfllm.errors.InvalidRequestError` otherwise."""
+        same for every request, a list has one per request (another length, an empty list
+        included, is :class:`~dfllm.errors.InvalidRequestError`, as vLLM's validation error).
+        Any value is accepted under either scheduling policy, as in vLLM; only "priority"
+        schedules by it."""
         if priority is None:
             return [0] * num_requests
         if isinstance(priority, int) and not isinstance(priority, bool):
@@ -372,8 +402,9 @@ class LLM:
             priorities = list(priority)
             if len(priorities) != num_requests:
                 raise InvalidRequestError(
-                    f"priority: got {len(priorities)} priorities for {num_requests} prompts (the lengths of prompts "
-                    "and priority must be the same)", parameter="priority", value=priority)
+                    f"The lengths of prompts ({num_requests}) and priority ({len(priorities)}) must be the same. "
+                    f"(priority: got {len(priorities)} priorities for {num_requests} prompts)",
+                    parameter="priority", value=priority)
         else:
             raise InvalidRequestError(f"priority must be an int or a list of ints (one per prompt), got "
                                       f"{type(priority).__name__}", parameter="priority", value=priority)
@@ -381,11 +412,6 @@ class LLM:
             if isinstance(p, bool) or not isinstance(p, int):
                 raise InvalidRequestError(f"priority: every priority must be an int, got {p!r}",
                                           parameter="priority", value=p)
-            if p != 0 and self.config.scheduling_policy != "priority":
-                raise InvalidRequestError(
-                    f"priority: Got priority {p} but Priority scheduling is not enabled. (dfllm's scheduling_policy "
-                    "is 'fcfs'; LLM(..., scheduling_policy='priority') schedules by priority)",
-                    parameter="priority", value=p)
         return priorities
 
     def _add(self, requests: list[EngineRequest], priorities: list[int] | None = None) -> tuple[int, list[str]]:
@@ -453,17 +479,21 @@ class _ProgressBar:
 def _check_lora(lora_request: Any = None) -> None:
     """vLLM's ``lora_request``: only None is accepted (dfllm has no LoRA)."""
     if lora_request is not None:
-        raise InvalidRequestError(f"lora_request: LoRA adapters are not supported by dfllm; pass lora_request=None "
-                                  f"(Got lora_request {lora_request!r} but LoRA is not enabled!)",
+        raise InvalidRequestError(f"Got lora_request {lora_request!r} but LoRA is not enabled! (lora_request: LoRA "
+                                  "adapters are not supported by dfllm; pass lora_request=None)",
                                   parameter="lora_request")
 
 
-def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """End-of-sequence ids: the generation config's (it may list several) and the tokenizer's."""
+def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """End-of-sequence ids: the generation config's (it may list several) and the tokenizer's;
+    without a tokenizer (``skip_tokenizer_init``), the model config's in its place."""
     ids: set[int] = set()
     if (path / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(path).eos_token_id
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is None:
+        eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    elif tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

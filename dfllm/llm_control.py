@@ -68,9 +68,11 @@ class EngineControl:
         so level 1 releases the KV cache only."""
         self.require_generative("sleep").sleep(level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what :meth:`sleep` released: ``tags`` among "weights" and "kv_cache" (None: both)."""
-        self.require_generative("wake_up").wake_up(tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restore what :meth:`sleep` released: ``tags`` among "weights" and "kv_cache" (None:
+        both); whether the engine is now fully awake. (``LLM.wake_up`` calls its ``llm_engine``
+        directly, as vLLM's does.)"""
+        return self.require_generative("wake_up").wake_up(tags)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; returns False (and does nothing) while requests are running."""

@@ -64,8 +64,10 @@ class PoolingFrontend:
     """Pooling requests (vLLM's ``encode``/``embed``/``classify``/``score``) on a pooling
     engine: prompts are checked, tokenized and truncated here; ``next_id`` names the requests."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase, engine: PoolingEngine,
+    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, engine: PoolingEngine,
                  next_id: Callable[[], str]):
+        """``tokenizer`` is None under ``skip_tokenizer_init=True``: prompts are then token ids,
+        and text (a text prompt, ``score``) raises, as in vLLM."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
@@ -125,6 +127,9 @@ class PoolingFrontend:
             left, right = _pairs(data_1, data_2)
         params = pooling_params or PoolingParams()
         self.require("score")
+        if self.tokenizer is None:
+            raise InvalidRequestError("You cannot pass text prompts when `skip_tokenizer_init` is True (score "
+                                      "reads texts; this LLM has no tokenizer)", parameter="prompt")
         if self.engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm)
         if self.engine.late_interaction:
@@ -268,7 +273,13 @@ class PoolingFrontend:
                                                   f"'prompt_token_ids', got {type(item).__name__}")
                     check_unicode(text, f"prompt {i}")
                     texts.setdefault(limit, []).append(i)
+            if texts and self.tokenizer is None:
+                i = min(i for idx in texts.values() for i in idx)
+                raise InvalidRequestError("You cannot pass text prompts when `skip_tokenizer_init` is True (prompt "
+                                          f"{i}: this LLM has no tokenizer; give {{\"prompt_token_ids\": [...]}})",
+                                          parameter="prompt")
             for limit, idx in texts.items():
+                assert self.tokenizer is not None
                 enc = self.tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
                                      truncation=True, max_length=limit)["input_ids"]
                 for i, e in zip(idx, enc):

@@ -22,9 +22,19 @@ any JSON object, or structural tags.
 ``whitespace_pattern`` (an option of vLLM's outlines backend) is refused: xgrammar, the
 backend dfllm uses, has no whitespace pattern.
 
-The constraint is checked when the object is built (a bad schema, regex or grammar raises
-``ValueError``); the engine compiles it once per distinct constraint and masks the logits of
-every step with it (see :mod:`dfllm.engine.structured`).
+A JSON schema, regex, choice or structural tag is checked when the object is built (a bad
+one raises ``ValueError``); a ``grammar`` is checked when a request using it is made
+(``generate``, ``chat``, ``enqueue``, a dataframe row), as vLLM does, so that params built
+once with a bad grammar fail per call: vLLM's validation error, "Failed to convert the
+grammar ...". Messages carry vLLM's words first ("Failed to transform regex into a grammar",
+"Invalid JSON grammar specification.", ...) and dfllm's detail (the field) after them. The
+engine compiles each distinct constraint once and masks the logits of every step with it
+(see :mod:`dfllm.engine.structured`).
+
+Identity (``key``, ``==``, ``hash`` and ``repr``, which the engine's deduplication and a
+resumed write's key use) holds every field that decides the output: the kind, its value
+(a schema with ``disable_additional_properties`` applied) and whether JSON may hold any
+whitespace (``disable_any_whitespace=False``).
 """
 
 from __future__ import annotations
@@ -56,7 +66,12 @@ class StructuredOutputsParams:
             self.json_object = None
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs: set exactly one of {', '.join(KINDS)} (got {given or 'none'})")
+            specified = {k: getattr(self, k) for k in given}
+            vllm = (f"You can only use one kind of structured outputs constraint but multiple are specified: "
+                    f"{specified}" if given else
+                    "You must use one kind of structured outputs constraint but none are specified")
+            raise ValueError(f"{vllm} (structured_outputs: set exactly one of {', '.join(KINDS)}, got "
+                             f"{given or 'none'})")
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported: dfllm's grammar backend is "
                              "xgrammar, which has none; use disable_any_whitespace")
@@ -68,7 +83,8 @@ class StructuredOutputsParams:
                 self.json = _closed(self.json)
         elif self.structural_tag is not None:
             if not isinstance(self.structural_tag, str) or not self.structural_tag.strip():
-                raise ValueError(f"structured_outputs.structural_tag must be JSON text, got {self.structural_tag!r}")
+                raise ValueError(f"Invalid structural tag specification. (structured_outputs.structural_tag must "
+                                 f"be JSON text, got {self.structural_tag!r})")
         elif self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
                 raise ValueError(f"structured_outputs.regex must be a non-empty str, got {self.regex!r}")
@@ -76,14 +92,19 @@ class StructuredOutputsParams:
             if isinstance(self.choice, str) or not hasattr(self.choice, "__iter__"):
                 raise ValueError(f"structured_outputs.choice must be a list of strings, got {self.choice!r}")
             self.choice = list(self.choice)
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+            if not self.choice:
+                raise ValueError(f"Choice '{self.choice}' cannot be an empty list (structured_outputs.choice must "
+                                 "be a non-empty list of non-empty strings)")
+            if not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             if len(set(self.choice)) != len(self.choice):
                 raise ValueError(f"structured_outputs.choice has duplicates: {self.choice!r}")
         elif self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise ValueError(f"structured_outputs.grammar must be a non-empty str, got {self.grammar!r}")
-        self._check_compiles()
+            raise ValueError(f"structured_outputs.grammar cannot be an empty string (structured_outputs.grammar "
+                             f"must be a non-empty str, got {self.grammar!r})")
+        if self.grammar is None:  # a grammar is checked per request (check()), as vLLM does
+            self.check()
 
     @property
     def kind(self) -> str:
@@ -97,8 +118,8 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str, bool]:
-        """A canonical, hashable form, ``(kind, value, any_whitespace)``: equal constraints
-        share one compiled grammar.
+        """A canonical, hashable form of everything that decides the output, ``(kind, value,
+        any_whitespace)``: equal constraints share one compiled grammar, and only they.
 
         Key order is kept (not sorted): a schema's ``properties`` order is the order of the
         fields in the output.
@@ -115,7 +136,10 @@ class StructuredOutputsParams:
         return hash(self.key)
 
     def __repr__(self) -> str:
-        return f"StructuredOutputsParams({self.kind}={getattr(self, self.kind)!r})"
+        """The constraint and every option that changes the output (``repr`` is part of the
+        identity of a request: the engine's deduplication and a resumed write's key use it)."""
+        options = ", disable_any_whitespace=False" if self.any_whitespace else ""
+        return f"StructuredOutputsParams({self.kind}={getattr(self, self.kind)!r}{options})"
 
     @classmethod
     def from_dict(cls, values: dict) -> StructuredOutputsParams:
@@ -132,8 +156,11 @@ class StructuredOutputsParams:
             return None
         return "root ::= " + " | ".join(_json.dumps(c, ensure_ascii=False) for c in self.choice)
 
-    def _check_compiles(self) -> None:
-        """Build the tokenizer-independent grammar now, so a bad constraint raises here."""
+    def check(self) -> None:
+        """Build the tokenizer-independent grammar of the constraint; ``ValueError`` with
+        vLLM's message (then dfllm's, naming the field) if it does not compile. Run when the
+        object is built, except for a ``grammar``: that is checked when a request uses it
+        (the engine calls this before compiling), as vLLM does."""
         import xgrammar as xgr
 
         try:
@@ -147,10 +174,32 @@ class StructuredOutputsParams:
                 xgr.Grammar.from_ebnf(self.grammar if self.grammar is not None else self.to_ebnf())
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # xgrammar's parse errors, a bad tag
             message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip()) or repr(exc)
-            raise ValueError(f"structured_outputs.{self.kind}: invalid {self.kind}: {message}") from None
+            raise ValueError(f"{self._vllm_error(message)} (structured_outputs.{self.kind}: invalid {self.kind}: "
+                             f"{message})") from None
+
+    def _vllm_error(self, message: str) -> str:
+        """vLLM's words (its xgrammar backend's validation) for a constraint that does not compile."""
+        if self.kind in ("json", "json_object"):
+            return f"Failed to transform json schema into a grammar: {message}"
+        if self.kind == "regex":
+            return f"Failed to transform regex into a grammar: {message}"
+        if self.kind == "choice":
+            return f"Failed to transform choices into a grammar: {message}"
+        if self.kind == "structural_tag":
+            return "Invalid structural tag specification."
+        if _looks_like_lark(self.grammar or ""):  # no "::=" rule: vLLM would try it as Lark; dfllm reads EBNF only
+            return ("Failed to convert the grammar from Lark to EBNF. dfllm reads EBNF grammars only "
+                    "(xgrammar's dialect, 'root ::= ...'), and this is not one.")
+        return "Failed to convert the grammar: Invalid grammar specification."
 
 
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+def _looks_like_lark(grammar: str) -> bool:
+    """vLLM's test for a Lark grammar: no line (comments removed) defines a rule with ``::=``."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.split("\n"))
+    return not any("::=" in line for line in lines if line)
 
 
 def structural_tag_grammar(structural_tag: str, compiler=None):
@@ -189,10 +238,13 @@ def _schema_dict(schema) -> dict:
                              "pass a JSON schema dict or a pydantic BaseModel subclass")
         return dump()
     if isinstance(schema, str):
+        if not schema.strip():
+            raise ValueError("structured_outputs.json cannot be an empty string (give a JSON schema)")
         try:
             schema = _json.loads(schema)
         except ValueError as exc:
-            raise ValueError(f"structured_outputs.json: not valid JSON text: {exc}") from None
+            raise ValueError(f"Invalid JSON grammar specification. (structured_outputs.json: not valid JSON text: "
+                             f"{exc})") from None
     if not isinstance(schema, dict):
         raise ValueError("structured_outputs.json must be a JSON schema dict, its JSON text, or a pydantic "
                          f"model class, got {type(schema).__name__}")

@@ -71,10 +71,13 @@ def test_params_take_exactly_one_valid_constraint():
     bad = [({}, "exactly one"), (dict(regex="a", choice=["a"]), "exactly one"), (dict(regex="(a"), "regex"),
            (dict(choice=[]), "non-empty"), (dict(choice="ab"), "list of strings"), (dict(choice=["a", "a"]), "dup"),
            (dict(json={"type": "nonsense"}), "json"), (dict(json=int), "pydantic"), (dict(json="{nope"), "JSON"),
-           (dict(grammar="root ::= undefined_rule"), "grammar")]
+           (dict(grammar=" "), "grammar")]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
             StructuredOutputsParams(**kwargs)
+    bad_grammar = StructuredOutputsParams(grammar="root ::= undefined_rule")  # refused per request, as vLLM does
+    with pytest.raises(ValueError, match="structured_outputs.grammar: invalid grammar"):
+        bad_grammar.check()
     with pytest.raises(ValueError, match="unknown"):
         SamplingParams(structured_outputs={"jsn": {}})
     with pytest.raises(ValueError, match="structured_outputs"):

@@ -2,7 +2,9 @@
 
 Frames go through Arrow to pandas (zero-copy where Arrow allows), run in this process,
 and come back as Polars; a LazyFrame maps its batches lazily with the output schema known
-up front; ``pl.col("q").llm.generate(...)`` gives the main output inside ``with_columns``.
+up front; ``pl.col("q").llm.generate(...)`` gives the main output inside ``with_columns``
+(``pl.col("a").llm.score(pl.col("b"))`` scores two expressions row by row, as pandas' and
+Dask's ``series.llm.score(other)`` do).
 """
 
 from __future__ import annotations
@@ -90,6 +92,28 @@ class PolarsExprLLMNamespace:
 
     def classify(self, *, output_column: str = KINDS["classify"].output_column, **kwargs) -> pl.Expr:
         return self._map("classify", output_column, **kwargs)
+
+    def score(self, other: pl.Expr | str, *, output_column: str = KINDS["score"].output_column,
+              **kwargs) -> pl.Expr:
+        """Scores of this expression's texts against ``other``'s, row by row: an expression (or a
+        column name) of the same length, or of length 1 (``pl.lit("query")``: one text against
+        every row). A Float64 expression named after this one; a null input gives a null score.
+        Keyword arguments are those of ``DataFrame.llm.score`` (``model``, engine arguments...)."""
+        right = pl.col(other) if isinstance(other, str) else other
+        if not isinstance(right, pl.Expr):
+            raise TypeError(f"score: other must be a Polars expression or a column name, got {type(other).__name__}")
+        second = SERIES_INPUT + "2"
+
+        def apply(columns: list[pl.Series]) -> pl.Series:
+            left, texts = columns
+            if len(texts) == 1 and len(left) != 1:  # one text against every row
+                texts = pl.repeat(texts[0], len(left), dtype=texts.dtype, eager=True)
+            frame = pl.DataFrame({SERIES_INPUT: left, second: texts})
+            result = PolarsLLMNamespace(frame).score(SERIES_INPUT, second, output_column=output_column, **kwargs)
+            return result[output_column]
+
+        probe = LLMTask("score", (SERIES_INPUT, second), output_column)
+        return pl.map_batches([self._expr, right], apply, return_dtype=_polars_schema(probe)[output_column])
 
 
 def _probe_task(kind: str, output_column: str, json_schema=None, choice=None) -> LLMTask:

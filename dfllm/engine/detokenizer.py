@@ -18,7 +18,9 @@ _WINDOW = 5
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
+        """``tokenizer`` is None without one (``skip_tokenizer_init``): then no request
+        detokenizes, and :meth:`step` is never called."""
         self.tokenizer = tokenizer
 
     def start(self, seq: Sequence) -> None:
@@ -28,6 +30,7 @@ class Detokenizer:
 
     def step(self, seq: Sequence) -> str:
         """Append the text of the newest token to ``seq.text``; return what was added."""
+        assert self.tokenizer is not None  # requests of an engine without one have detokenize=False
         skip = seq.params.skip_special_tokens
         ids = seq.token_ids
         prefix = _decode(self.tokenizer, ids[seq.prefix_offset : seq.read_offset], skip)

@@ -7,10 +7,15 @@ and a structured-output constraint compiled. Whoever adds requests to the engine
 (``LLM.generate``/``chat``/``enqueue``, the dataframe accessors' driver) builds them here,
 so a bad input raises :class:`~dfllm.errors.InvalidRequestError` (a ``ValueError``) naming
 it before the engine sees it, and :meth:`~dfllm.engine.llm_engine.LLMEngine.add_request`
-checks nothing again. Messages keep dfllm's wording (which prompt, which field) and add
-vLLM's phrase for the same failure ("The decoder prompt cannot be empty", "Token id N is
-out of vocabulary", "The decoder prompt (length N) is longer than the maximum model length
-of L", "Requested sample logprobs of K, which is greater than max allowed: M").
+checks nothing again. Messages start with vLLM's words for the same failure ("Prompt cannot
+be empty", "Token id N is out of vocabulary", "The decoder prompt (length N) is longer than
+the maximum model length of L", "Requested sample logprobs of K, which is greater than max
+allowed: M", "vLLM V1 does not yet support best_of.") and go on with dfllm's (which prompt,
+which field).
+
+Without a tokenizer (``LLM(skip_tokenizer_init=True)``, as vLLM) prompts are token ids and
+outputs carry token ids with empty text; what needs a tokenizer (a text prompt, a chat,
+stop strings, bad words, structured outputs) is refused per request.
 
 Not thread-safe (transformers' fast tokenizers are not): callers sharing an engine
 across threads serialise calls with their own lock.
@@ -19,7 +24,7 @@ across threads serialise calls with their own lock.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -47,13 +52,17 @@ class EngineRequest:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
 
+NO_TOKENIZER = "Unable to get tokenizer because skip_tokenizer_init is True"
+
+
 class InputProcessor:
     """Tokenizes, renders chat templates and checks prompts for one engine's model."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
                  eos_token_ids: set[int], *, max_logprobs: int = -1):
         """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
-        engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary."""
+        engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary.
+        ``tokenizer`` is None under ``skip_tokenizer_init=True``."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -64,21 +73,33 @@ class InputProcessor:
     # ---- text to tokens --------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of ``texts`` (with the tokenizer's special tokens, as ``generate`` does)."""
-        return self.tokenizer(list(texts))["input_ids"] if texts else []
+        if not texts:
+            return []
+        tokenizer = self._tokenizer("You cannot pass text prompts when `skip_tokenizer_init` is True (this engine "
+                                    "has no tokenizer; give token ids)", "prompt")
+        return tokenizer(list(texts))["input_ids"]
 
     def render_chat(self, conversation: list[dict], chat_template: str | None = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict | None = None) -> TokenizedPrompt:
         """One conversation rendered with the tokenizer's chat template (or ``chat_template``)
         in transformers' sandboxed Jinja environment, and tokenized."""
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        tokenizer = self._tokenizer(f"{NO_TOKENIZER} (chat renders conversations with the tokenizer's chat "
+                                    "template; without one, give token ids to generate)", "messages")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("the tokenizer has no chat template; pass chat_template=...")
         # tokenize=False: the rendered text (transformers annotates every return type at once)
-        text = cast(str, self.tokenizer.apply_chat_template(
+        text = cast(str, tokenizer.apply_chat_template(
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {})))
-        return TokenizedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return TokenizedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
+
+    def _tokenizer(self, message: str, parameter: str) -> PreTrainedTokenizerBase:
+        """The tokenizer; :class:`~dfllm.errors.InvalidRequestError` with ``message`` without one."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(message, parameter=parameter)
+        return self.tokenizer
 
     # ---- checked requests ------------------------------------------------------------
     def process(self, prompt: TokenizedPrompt | dict | str, params: SamplingParams,
@@ -96,8 +117,27 @@ class InputProcessor:
                 tokenized = TokenizedPrompt(tokenized.prompt, tokenized.token_ids[-keep:])
             check_prompt_length(len(tokenized.token_ids), what, self.max_model_len)
             check_params_for_model(params, what, self.vocab_size, self.max_logprobs)
+            params.check_supported(what)
+            if self.tokenizer is None:
+                params = self._without_tokenizer(params, what)
             grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
             return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params))
+
+    @staticmethod
+    def _without_tokenizer(params: SamplingParams, what: str) -> SamplingParams:
+        """``params`` for an engine without a tokenizer (``skip_tokenizer_init=True``): what needs
+        one is refused, naming ``what``; the rest runs with ``detokenize=False`` (token ids,
+        empty text), as vLLM does."""
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("Structured outputs requires a tokenizer so it can't be used with "
+                                      f"'skip_tokenizer_init' ({what}: structured_outputs needs the tokenizer)",
+                                      parameter="structured_outputs")
+        for field, value in (("stop", params.stop_strings), ("bad_words", params.bad_words)):
+            if value:
+                raise InvalidRequestError(f"{field} cannot be used with 'skip_tokenizer_init': there is no tokenizer "
+                                          f"to read the text ({what}: {field}={value!r}; stop_token_ids and "
+                                          "allowed_token_ids work on token ids)", parameter=field, value=value)
+        return replace(params, detokenize=False) if params.detokenize else params
 
     def process_prompts(self, prompts, sampling_params) -> list[EngineRequest]:
         """``LLM.generate``'s prompts (one or a list) with their params, every one checked
@@ -126,9 +166,10 @@ class InputProcessor:
         """Each bad word's tokens at the start of a text and, when that tokenizes differently
         into as many tokens, after a space (vLLM's rule)."""
         out: list[tuple[int, ...]] = []
-        for word in params.bad_words or []:
-            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for word in params.bad_words or []:  # refused without a tokenizer (_without_tokenizer)
+            tokenizer = self._tokenizer("bad_words cannot be used with 'skip_tokenizer_init'", "bad_words")
+            bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             out.append(bare)
             if spaced[0] != bare[0] and len(spaced) == len(bare):
                 out.append(spaced)
@@ -153,7 +194,10 @@ class InputProcessor:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', "
                                       f"got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(check_unicode(text, what))
+        tokenizer = self._tokenizer("You cannot pass text prompts when `skip_tokenizer_init` is True "
+                                    f"({what}: this engine has no tokenizer; give {{\"prompt_token_ids\": [...]}})",
+                                    "prompt")
+        ids = tokenizer.encode(check_unicode(text, what))
         return TokenizedPrompt(text, check_token_ids(ids, what, self.vocab_size))
 
 
@@ -166,8 +210,8 @@ def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
         raise InvalidRequestError(f"{what}: prompt_token_ids must be a list of ints", parameter="prompt_token_ids")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"{what}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}). "
-                                  f"Token id {bad[0]} is out of vocabulary", parameter="prompt_token_ids",
+        raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary ({what}: token id {bad[0]} is outside the "
+                                  f"model's vocabulary [0, {vocab_size}))", parameter="prompt_token_ids",
                                   value=bad[0])
     return list(ids)
 
@@ -175,11 +219,13 @@ def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
 def check_prompt_length(n: int, what: str, max_model_len: int | None) -> None:
     """Refuse an empty prompt, and one longer than ``max_model_len`` (unless None), naming ``what``."""
     if n == 0:  # e.g. an empty string without special tokens, or a chat template that rendered nothing
-        raise InvalidRequestError(f"{what} is empty (no tokens). The decoder prompt cannot be empty")
+        raise InvalidRequestError(f"Prompt cannot be empty. The decoder prompt cannot be empty ({what} is empty: "
+                                  "no tokens)", parameter="prompt")
     if max_model_len is not None and n > max_model_len:
         raise InvalidRequestError(
-            f"{what} has {n} tokens, longer than max_model_len={max_model_len}. The decoder prompt (length {n}) "
-            f"is longer than the maximum model length of {max_model_len}.", value=n)
+            f"The decoder prompt (length {n}) is longer than the maximum model length of {max_model_len}. "
+            f"Make sure that `max_model_len` is no smaller than the number of text tokens. ({what} has {n} tokens, "
+            f"longer than max_model_len={max_model_len})", parameter="prompt", value=n)
 
 
 def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, max_logprobs: int = -1) -> None:
@@ -190,16 +236,16 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
     allowed = sorted({t for t in params.allowed_token_ids or [] if not 0 <= t < vocab_size})
     if allowed:
         raise InvalidRequestError(
-            f"{what}: token id(s) {allowed[:5]} in allowed_token_ids are outside the model's vocabulary "
-            f"[0, {vocab_size}) (out of vocabulary). allowed_token_ids contains out-of-vocab token id!",
+            f"allowed_token_ids contains out-of-vocab token id! ({what}: token id(s) {allowed[:5]} in "
+            f"allowed_token_ids are outside the model's vocabulary [0, {vocab_size}): out of vocabulary)",
             parameter="allowed_token_ids", value=allowed)
     for field in ("logit_bias", "stop_token_ids"):
         ids: set[int] = params.all_stop_token_ids if field == "stop_token_ids" else set(params.logit_bias or ())
         bad = sorted({t for t in ids if not 0 <= t < vocab_size})
         if bad:
             raise InvalidRequestError(
-                f"{what}: token id(s) {bad[:5]} in {field} are outside the model's vocabulary [0, {vocab_size}). "
-                f"token_id(s) {bad} in {field} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                f"token_id(s) {bad} in {field} contain out-of-vocab token ids. Vocabulary size: {vocab_size} "
+                f"({what}: token id(s) {bad[:5]} in {field} are outside the model's vocabulary [0, {vocab_size}))",
                 parameter=field, value=bad)
     limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
     for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
@@ -213,8 +259,8 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
                if k > vocab_size else
                f"{field}={asked} exceeds max_logprobs={max_logprobs} (raise it with LLM(max_logprobs=...); -1 "
                "allows the whole vocabulary)")
-        raise InvalidRequestError(f"{what}: {why}. Requested {kind} logprobs of {k}, which is greater than max "
-                                  f"allowed: {limit}", parameter=field, value=k)
+        raise InvalidRequestError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {limit} "
+                                  f"({what}: {why})", parameter=field, value=k)
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

@@ -56,7 +56,9 @@ class LLMEngine:
     input and output processors. Its public methods are what ``LLM`` and the dataframe
     accessors use; nothing outside the engine touches its parts."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int]):
+    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int]):
+        """``tokenizer`` is None under vLLM's ``skip_tokenizer_init=True``: prompts are token
+        ids, outputs have empty text (see :class:`~dfllm.engine.input_processor.InputProcessor`)."""
         self.cfg = cfg
         self.eos_token_ids = eos_token_ids
         self.runner = make_runner(cfg)
@@ -341,12 +343,15 @@ class LLMEngine:
         self.sleep_level = max(self.sleep_level, level)
         self.asleep |= {"weights", "kv_cache"}
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore the released ``tags`` ("weights", "kv_cache"; None means both)."""
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Restore the released ``tags`` ("weights", "kv_cache"; None means both); whether the
+        engine is now fully awake (vLLM's answer). vLLM's "scheduling" tag (resuming from its
+        level-0 sleep, which pauses scheduling) is accepted: dfllm never pauses scheduling."""
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = set(tags) - {"weights", "kv_cache"}
+        unknown = set(tags) - {"weights", "kv_cache", "scheduling"}
         if unknown:
-            raise ValueError(f"wake_up tags must be among 'weights' and 'kv_cache', got {sorted(unknown)}")
+            raise ValueError(f"wake_up tags must be among 'weights', 'kv_cache' and 'scheduling', got "
+                             f"{sorted(unknown)}")
         if "weights" in tags and "weights" in self.asleep:
             if self.sleep_level == 1:
                 self.runner.onload_weights()
@@ -359,6 +364,7 @@ class LLMEngine:
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self.sleep_level = 0
+        return not self.asleep
 
     def shutdown(self) -> None:
         """Stop the worker processes of a parallel engine (nothing to do on one rank)."""

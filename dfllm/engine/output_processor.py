@@ -30,8 +30,10 @@ logger = logging.getLogger("dfllm")
 class OutputProcessor:
     """Appends sampled tokens, detokenizes, and makes every stop and finish decision."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int], max_model_len: int,
                  metrics: EngineMetrics):
+        """``tokenizer`` is None without one (``skip_tokenizer_init``): the input processor then
+        gives every request ``detokenize=False``, so nothing here decodes."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -145,7 +147,8 @@ class OutputProcessor:
         return self._logprobs(tok.top, detokenize)
 
     def _logprobs(self, top: list[tuple[int, float, int]], detokenize: bool) -> dict[int, Logprob]:
-        texts = self.tokenizer.batch_decode([[t] for t, _, _ in top]) if detokenize else [None] * len(top)
+        texts = (self.tokenizer.batch_decode([[t] for t, _, _ in top]) if detokenize and self.tokenizer is not None
+                 else [None] * len(top))
         return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(top, texts)}
 
     # ---- outputs ---------------------------------------------------------------------

@@ -45,13 +45,16 @@ class GrammarCompiler:
         self.num_compiled = 0
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of ``params``, compiled on first use (LRU of 256)."""
+        """The compiled grammar of ``params``, compiled on first use (LRU of 256); ``ValueError``
+        with vLLM's message for a grammar that does not parse."""
         key = params.key
         with self.lock:
             if key in self.cache:
                 self.cache.move_to_end(key)
                 return self.cache[key]
         kind = params.kind
+        if kind == "grammar":  # checked here, per request, as vLLM does (the other kinds when built)
+            params.check()
         if kind in ("json", "json_object"):
             compiled = self.compiler.compile_json_schema(key[1], any_whitespace=params.any_whitespace)
         elif kind == "structural_tag":

@@ -19,7 +19,7 @@ PROMPTS = ["Hello there", "Numbers: 1 2 3"]
 SMALL = dict(max_num_seqs=4, max_model_len=64)
 
 REFUSED = [
-    ("skip_tokenizer_init", True), ("trust_remote_code", True), ("load_format", "pt"), ("load_format", "dummy"),
+    ("skip_tokenizer_init", "yes"), ("trust_remote_code", True), ("load_format", "pt"), ("load_format", "dummy"),
     ("tokenizer_mode", "mistral"), ("revision", "main"), ("tokenizer_revision", "v1"), ("download_dir", "/tmp/x"),
     ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("cpu_offload_gb", 4),
     ("structured_outputs_config", {"backend": "guidance"}),

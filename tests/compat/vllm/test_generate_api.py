@@ -63,12 +63,10 @@ def test_nonzero_priority(tiny_llama):
     assert len(gen(prio, PROMPTS[0], greedy, priority=5)) == 1
 
 
-def test_nonzero_priority_is_refused(llm):
-    # under the default scheduling_policy="fcfs", as vLLM
-    with pytest.raises(ValueError, match="Got priority 1 but Priority scheduling is not enabled"):
-        gen(llm, PROMPTS, None, priority=[1] * len(PROMPTS))
-    with pytest.raises(ValueError, match="priority"):
-        gen(llm, PROMPTS[0], None, priority=1)
+def test_nonzero_priority_on_the_default_policy(llm):
+    # under the default scheduling_policy="fcfs" any priority is accepted, as in vLLM
+    assert len(gen(llm, PROMPTS, None, priority=[1] * len(PROMPTS))) == len(PROMPTS)
+    assert len(gen(llm, PROMPTS[0], None, priority=1)) == 1
 
 
 def test_priority_as_int_and_wrong_lengths(llm):

@@ -82,8 +82,8 @@ def test_bad_requests_are_refused_at_enqueue(embedder, classifier):
         embedder.enqueue(TEXTS[1], PoolingParams(task="classify"))
     with pytest.raises(InvalidRequestError, match="Unsupported task: 'embed'"):
         classifier.enqueue(TEXTS[1], PoolingParams(task="embed"))
-    with pytest.raises(InvalidRequestError, match="Got priority 1 but Priority scheduling is not enabled"):
-        embedder.enqueue(TEXTS[1], priority=1)
+    with pytest.raises(InvalidRequestError, match=r"The lengths of prompts \(1\) and priority \(2\) must be the same"):
+        embedder.enqueue(TEXTS[1], priority=[1, 2])  # any priority is accepted, as in vLLM; a wrong length is not
     with pytest.raises(ValueError, match="task must be None or one of"):
         PoolingParams(task="score")
     with pytest.raises(ValueError, match="enqueue_chat: .* is loaded as a pooling model"):
