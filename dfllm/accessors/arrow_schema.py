@@ -63,8 +63,8 @@ def value_types(values) -> TypeCounts:
     values = list(values)
     try:
         t = pa.array(values, from_pandas=True).type
-        if not _has_struct(t):  # a struct inferred from many dicts may hide a clash inside one field
-            return Counter({t: len(values)})
+        _check_shapes(values, t)  # pyarrow reads text as a list of characters, and drops struct keys
+        return Counter({t: len(values)})
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         pass
     counts: Counter = Counter()
@@ -77,11 +77,18 @@ def value_types(values) -> TypeCounts:
 
 
 def unify_counts(counts: Mapping[pa.DataType, int]) -> pa.DataType | None:
-    """The type of values with these types: the most common type, widened in turn by each
-    less common one that merges with it (pyarrow's permissive promotion); None if there are
-    no types. Ties go by the type's text, so every process decides alike."""
+    """The type of values with these types: the types of the most common kind of value
+    (lists, structs, maps, numbers, text...; nulls count for nothing) first, most common
+    first, each widening the type before it (pyarrow's permissive promotion), then the
+    others that merge with it; None if there are no types. Ties go by name, so every
+    process decides alike."""
+    kinds: Counter = Counter()
+    for t, n in counts.items():
+        kinds[_kind(t)] += n
+    kinds["null"] = -1
     out: pa.DataType | None = None
-    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0]))):
+    order = sorted(counts.items(), key=lambda kv: (-kinds[_kind(kv[0])], _kind(kv[0]), -kv[1], str(kv[0])))
+    for t, _ in order:
         if out is None:
             out = t
             continue
@@ -91,6 +98,20 @@ def unify_counts(counts: Mapping[pa.DataType, int]) -> pa.DataType | None:
         except (pa.ArrowException, TypeError, ValueError):
             continue  # e.g. text among lists: those values will not fit
     return out
+
+
+def _kind(t: pa.DataType) -> str:
+    """What kind of value a type holds, for choosing a column's type by its most common kind."""
+    if pa.types.is_null(t):
+        return "null"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return "list"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "number"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    return str(t.id) if not (pa.types.is_struct(t) or pa.types.is_map(t)) else ("struct" if pa.types.is_struct(t)
+                                                                               else "map")
 
 
 def dtype_type(dtype) -> pa.DataType | None:
@@ -112,6 +133,8 @@ def settled(t: pa.DataType | None) -> pa.DataType:
         return pa.string()
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return (pa.large_list if pa.types.is_large_list(t) else pa.list_)(settled(t.value_type))
+    if pa.types.is_struct(t) and t.num_fields == 0:  # only empty dicts seen: parquet has no empty struct
+        return pa.map_(pa.string(), pa.string())
     if pa.types.is_struct(t):
         return pa.struct([pa.field(f.name, settled(f.type)) for f in t])
     if pa.types.is_map(t):
@@ -198,48 +221,52 @@ def _whole(series: pd.Series, type_: pa.DataType) -> pa.Array:
         if isinstance(arr, pa.ChunkedArray):
             arr = arr.combine_chunks()
         return arr if arr.type == type_ else arr.cast(type_, safe=True)
-    if series.dtype == object and _has_struct(type_):
-        _check_keys(series.tolist(), type_)
+    if series.dtype == object and pa.types.is_nested(type_):
+        _check_shapes(series.tolist(), type_)
     return pa.array(series, type=type_, from_pandas=True)
 
 
 def _one(value, type_: pa.DataType) -> pa.Array:
-    if _has_struct(type_):
-        _check_keys([value], type_)
+    if pa.types.is_nested(type_):
+        _check_shapes([value], type_)
     if isinstance(value, pd.Timestamp | np.datetime64 | pd.Timedelta):
         return pa.array(pd.Series([value]), from_pandas=True).cast(type_, safe=True)
     return pa.array([value], type=type_, from_pandas=True)
 
 
-def _check_keys(values: list, type_: pa.DataType) -> None:
-    """pyarrow drops a dict's keys that a struct type lacks: refuse them instead."""
+def _check_shapes(values: list, type_: pa.DataType) -> None:
+    """``ValueError`` where a value's shape is not the type's: pyarrow would read text as a
+    list of its characters, or drop a dict's keys that a struct lacks."""
     for v in values:
-        _keys_fit(v, type_)
+        _shape_fits(v, type_)
 
 
-def _keys_fit(value, type_: pa.DataType) -> None:
+def _shape_fits(value, type_: pa.DataType) -> None:
     if _is_null(value):
         return
-    if pa.types.is_struct(type_) and isinstance(value, Mapping):
+    if pa.types.is_struct(type_):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a {type(value).__name__} is not a struct")
         fields = {f.name: f.type for f in type_}
         extra = [k for k in value if k not in fields]
         if extra:
             raise ValueError(f"field(s) {extra} not in the struct")
         for k, v in value.items():
-            _keys_fit(v, fields[k])
-    elif (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and isinstance(value, list | tuple | np.ndarray):
+            _shape_fits(v, fields[k])
+    elif pa.types.is_map(type_):
+        items = value.items() if isinstance(value, Mapping) else value
+        if isinstance(items, str | bytes):
+            raise ValueError(f"a {type(value).__name__} is not a map")
+        for pair in items:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise ValueError("a map holds (key, value) pairs")
+            _shape_fits(pair[0], type_.key_type)
+            _shape_fits(pair[1], type_.item_type)
+    elif pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_):
+        if not isinstance(value, list | tuple | np.ndarray):
+            raise ValueError(f"a {type(value).__name__} is not a list")
         for v in value:
-            _keys_fit(v, type_.value_type)
-
-
-def _has_struct(t: pa.DataType) -> bool:
-    if pa.types.is_struct(t):
-        return True
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return _has_struct(t.value_type)
-    if pa.types.is_map(t):
-        return _has_struct(t.item_type)
-    return False
+            _shape_fits(v, type_.value_type)
 
 
 def _is_null(value) -> bool:

@@ -598,8 +598,9 @@ def input_paths(frame) -> list[str]:
 
 
 def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None = None) -> None:
-    """``ValueError`` if the output folder is an input's folder, inside it, or holds it: the
-    output's parts would be read back as input, or the input's files taken for parts."""
+    """``ValueError`` if the output folder is an input folder, inside it, or holds an input
+    (a folder or a file): the output's parts would be read back as input, or the input's
+    files taken for parts. A glob counts as the folder before its first pattern character."""
     if not inputs:
         return
     fs, out = fsspec.core.url_to_fs(output, **(storage_options or {}))
@@ -612,8 +613,8 @@ def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None 
         if type(ifs) is not type(fs):
             continue
         where = _normal(ifs, _static_prefix(ifs, where))
-        folder = where if not ifs.isfile(where) else where.rsplit("/", 1)[0]
-        if out == folder or out.startswith(folder + "/") or folder.startswith(out + "/") or where == out:
+        inside = out == where or out.startswith(where + "/") and not ifs.isfile(where)
+        if inside or where.startswith(out + "/"):
             raise ValueError(f"the output folder {output} overlaps the input {given}: write to a folder that is "
                              "not the input's folder, not inside it and not holding it")
 

@@ -126,7 +126,7 @@ def _read_parquet(fs, files: list[str], urls: list[str], path: str) -> dd.DataFr
             run.append(g)
             size += meta.row_group(g).total_byte_size
         pieces.append((url, tuple(run)))
-    reader = ParquetPieces(schema, fs, urls)
+    reader = ParquetPieces(schema, fs, path)
     return dd.from_map(reader, pieces, meta=reader.empty(), enforce_metadata=False)
 
 
@@ -161,8 +161,8 @@ def unified(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
 class ParquetPieces:
     """Reads one piece (a file's run of row groups) in the unified schema, Arrow-backed."""
 
-    def __init__(self, schema: pa.Schema, fs, urls: list[str]):
-        self.schema, self.fs, self.input_paths = schema, fs, list(urls)
+    def __init__(self, schema: pa.Schema, fs, path: str):
+        self.schema, self.fs, self.input_paths = schema, fs, [path]  # what the user named: see refuse_overlap
 
     def __call__(self, piece: tuple[str, tuple[int, ...]]) -> pd.DataFrame:
         url, groups = piece
@@ -204,7 +204,7 @@ def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFram
         t = unify_counts(counts)
         fits = t is not None and all(_merges(t, other) for other in counts)
         types[name] = _settled(t) if fits else None  # None: mixed kinds, an object column
-    reader = JsonLines(types, fs, urls)
+    reader = JsonLines(types, fs, path)
     with dask.config.set({"dataframe.convert-string": False}):  # nested values stay Python objects
         return dd.from_map(reader, urls, meta=reader.empty(), enforce_metadata=False)
 
@@ -254,8 +254,8 @@ def _settled(t):
 class JsonLines:
     """Reads one JSON Lines file in the unified types (``None``: an object column)."""
 
-    def __init__(self, types: dict, fs, urls: list[str]):
-        self.types, self.fs, self.input_paths = types, fs, list(urls)
+    def __init__(self, types: dict, fs, path: str):
+        self.types, self.fs, self.input_paths = types, fs, [path]
 
     def __call__(self, url: str) -> pd.DataFrame:
         rows = _rows(self.fs, self.fs._strip_protocol(url))
