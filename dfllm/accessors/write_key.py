@@ -41,6 +41,8 @@ def _plain(v):
         fields = {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         return {"dataclass": f"{type(v).__module__}.{type(v).__qualname__}", "fields": fields}
     if isinstance(v, Mapping):
+        if all(isinstance(k, str) for k in v):
+            return {"mapping": {k: _plain(x) for k, x in v.items()}}  # json.dumps sorts the keys
         return {"mapping": sorted(([_plain(k), _plain(x)] for k, x in v.items()), key=json.dumps)}
     if isinstance(v, list | tuple):
         return [_plain(x) for x in v]

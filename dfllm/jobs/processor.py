@@ -157,6 +157,7 @@ from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.placement import check_resources, run_placed
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.task import make_task
+from dfllm.accessors.write_key import canonical
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
@@ -510,16 +511,21 @@ class ProcessorFunction(WritableFunction):
     def write_key(self) -> str:
         p = self.processor
         if self.key is not None:
-            functions = f"key={self.key!r}"
+            functions: dict = {"key": self.key}
         else:
             try:
-                functions = f"preprocess={fingerprint(p.preprocess)} postprocess={fingerprint(p.postprocess)}"
+                functions = {"preprocess": fingerprint(p.preprocess), "postprocess": fingerprint(p.postprocess)}
             except FingerprintError as exc:
                 raise ValueError(
                     f"write_parquet: {exc}, so a resumed write could not tell whether earlier parts came from "
                     "the same preprocess and postprocess; pass key= (a name for what they do, changed whenever "
                     "they change) to build_processor or to the processor call") from None
-        return f"processor/1 config={p.config.output_settings()!r} schema={self.schema!r} {functions}"
+        try:
+            return canonical({"processor": 2, "config": p.config.output_settings(), "schema": self.schema,
+                              **functions})
+        except TypeError as exc:  # e.g. a callable in engine_kwargs
+            raise ValueError(f"write_parquet: the processor's config has a value with no stable key ({exc}); "
+                             "a resumed write could not tell whether earlier parts came from the same config") from None
 
 
 def _check_key(key) -> str | None:

@@ -223,7 +223,7 @@ def test_unfingerprintable_function_asks_for_a_key(tiny_llama, rows, tmp_path):
     with pytest.raises(ValueError, match=r"closure value 'lock'.*pass key="):
         dfllm.write_parquet(processor(ddf), str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()  # refused before any work
-    assert "key='v1'" in processor(ddf, key="v1").expr.func.write_key
+    assert '"key":"v1"' in processor(ddf, key="v1").expr.func.write_key
     with pytest.raises(ValueError, match="key= must be a non-empty string"):
         processor(ddf, key="")
     with pytest.raises(ValueError, match="direct result of a Dask .llm call .* or of a processor"):
