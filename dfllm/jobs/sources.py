@@ -191,7 +191,13 @@ def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFram
 
     from dfllm.accessors.arrow_schema import unify_counts
 
-    surveys = dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
+    stamp = tuple((f, info.get("size"), str(info.get("mtime", info.get("LastModified", info.get("ETag")))))
+                  for f, info in ((f, fs.info(f)) for f in files))
+    surveys = _SURVEYS.get(stamp)
+    if surveys is None:  # the command line builds its job twice (checked before its cluster starts, then on it)
+        surveys = dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
+        _SURVEYS.clear()
+        _SURVEYS[stamp] = surveys
     for file, found in zip(files, surveys):
         if isinstance(found, str):
             raise InputError(f"cannot read {file} as JSON Lines: {found}")
@@ -207,6 +213,9 @@ def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFram
     reader = JsonLines(types, fs, path)
     with dask.config.set({"dataframe.convert-string": False}):  # nested values stay Python objects
         return dd.from_map(reader, urls, meta=reader.empty(), enforce_metadata=False)
+
+
+_SURVEYS: dict[tuple, tuple] = {}  # the last input's surveys, by its files' names, sizes and times
 
 
 def _survey_jsonl(fs, file: str) -> dict | str:
