@@ -72,6 +72,7 @@ import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -116,7 +117,8 @@ class WriteSummary:
 
 
 def write_parquet(result, path: str, *, resume: bool = False, storage_options: dict | None = None,
-                  progress: bool = True, resources: dict | None = None) -> WriteSummary:
+                  progress: bool = True, resources: dict | None = None,
+                  on_partition: Callable[[int, dict], None] | None = None) -> WriteSummary:
     """Write the lazy result of a Dask ``.llm`` call or of a processor
     (:func:`dfllm.build_processor`) to a parquet dataset at ``path``.
 
@@ -127,6 +129,11 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     docstring). ``resources`` (on a distributed cluster) restricts every task of the write
     to workers that declare them, e.g. ``{"GPU": 0.25}`` to run on GPU workers with four
     tasks feeding each worker's engine at once (see :func:`dfllm.jobs.cluster.task_resources`).
+
+    ``on_partition(i, record)`` is called on the client as each partition's part is in place
+    (written or kept), in the order they finish, with its record (``key``, ``rows``,
+    ``errors``, token counts, ``written``): ``dfllm run-batch`` streams the parts into its
+    JSONL output while the others run. Parts are checked once more when all are done.
     """
     start = time.perf_counter()
     origin = llm_origin(result)
@@ -151,7 +158,7 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     jobs = [dask.delayed(_write_partition, pure=False)(p, func, write_key, path, i, storage_options, resume, earlier,
                                                        schema, dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
             for i, p in enumerate(parts)]
-    results = _compute(jobs, progress, resources)
+    results = _compute(jobs, progress, resources, on_result=on_partition)
     fs.invalidate_cache(root)  # listings cached before the workers wrote (s3fs, gcsfs...)
     _remove_leftovers(fs, root, len(parts))
     _write_common_metadata(fs, root, schema)
@@ -162,7 +169,9 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
                         time.perf_counter() - start)
 
 
-def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "llm partitions") -> list:
+def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "llm partitions",
+             on_result: Callable[[int, dict], None] | None = None) -> list:
+    """The jobs' results in order; ``on_result(i, result)`` as each finishes."""
     try:
         from distributed import as_completed, default_client
 
@@ -170,7 +179,10 @@ def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "l
     except (ImportError, ValueError):
         client = None
     if client is None:
-        return list(dask.compute(*jobs))
+        done = list(dask.compute(*jobs))
+        for i, result in enumerate(done if on_result is not None else ()):
+            on_result(i, result)
+        return done
     from tqdm.auto import tqdm
 
     futures = client.compute(jobs, resources=resources)
@@ -178,6 +190,8 @@ def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "l
     out: list = [None] * len(futures)
     for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, disable=not progress):
         out[order[fut.key]] = fut.result()
+        if on_result is not None:
+            on_result(order[fut.key], out[order[fut.key]])
     return out
 
 
