@@ -7,7 +7,7 @@ takes the common ones as explicit keyword-only parameters, with vLLM's defaults,
 :func:`check_vllm_args` decides each one in one place, from :data:`VLLM_ARGS`:
 
 - **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``, ``max_logprobs``,
-  ``scheduling_policy``, ``enforce_eager``, ``skip_tokenizer_init``);
+  ``scheduling_policy``, ``enforce_eager``, ``skip_tokenizer_init``, ``reasoning_parser``);
 - **no-op**: any value of the right type is accepted and changes nothing (``swap_space``);
 - **refuses**: a value dfllm cannot honour raises ``ValueError`` naming the argument and
   the value, instead of being ignored silently (``trust_remote_code=True``).
@@ -24,6 +24,7 @@ from typing import Any
 
 from dfllm.config import KV_CACHE_DTYPES
 from dfllm.engine.cuda_graphs import parse_capture_sizes
+from dfllm.reasoning import check_reasoning_parser
 
 _LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
           "check out the revision you want into a directory and pass its path")
@@ -87,14 +88,26 @@ def _structured_outputs_config(name: str, value: Any) -> None:
         return
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be None or a dict such as {{'backend': 'xgrammar'}}, got {value!r}")
-    unknown = sorted(set(value) - {"backend", "disable_fallback"})
+    unknown = sorted(set(value) - {"backend", "disable_fallback", "reasoning_parser", "enable_in_reasoning"})
     if unknown:
-        raise _refuse(name, value, f"only 'backend' can be set (found {unknown}); dfllm's structured outputs "
-                                   "follow xgrammar's defaults")
+        raise _refuse(name, value, f"only 'backend', 'reasoning_parser' and 'enable_in_reasoning' can be set "
+                                   f"(found {unknown}); dfllm's structured outputs follow xgrammar's defaults")
+    _reasoning_parser(f"{name}['reasoning_parser']", value.get("reasoning_parser"))
+    if "enable_in_reasoning" in value:
+        _bool(f"{name}['enable_in_reasoning']", value["enable_in_reasoning"])
     backend = value.get("backend", "auto")
     if not _is(backend, ("auto", "xgrammar")):
         raise _refuse(name, value, f"backend {backend!r}: dfllm's only structured-outputs backend is xgrammar "
                                    "(use 'auto' or 'xgrammar')")
+
+
+def _reasoning_parser(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a reasoning parser's name (a str), got {value!r}")
+    try:
+        check_reasoning_parser(value)
+    except ValueError as exc:  # name the argument as given
+        raise ValueError(str(exc).replace("reasoning_parser=", f"{name}=", 1)) from None
 
 
 def _compilation_config(name: str, value: Any) -> None:
@@ -157,8 +170,13 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
                                   "(accepted: None, 'int8')")),
     VllmArg("cpu_offload_gb", 0, "refuses", "only `0`: weights live on the device",
             _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)")),
-    VllmArg("structured_outputs_config", None, "refuses", "`None` or `{\"backend\": \"auto\"/\"xgrammar\"}`; "
-            "other backends refused (xgrammar only)", _structured_outputs_config),
+    VllmArg("structured_outputs_config", None, "refuses", "`None` or a dict of `backend` (`\"auto\"`/"
+            "`\"xgrammar\"`; other backends refused, xgrammar only), `reasoning_parser` (as the argument) and "
+            "`enable_in_reasoning` (`True`: the grammar constrains the reasoning too)", _structured_outputs_config),
+    VllmArg("reasoning_parser", "", "maps", "`\"qwen3\"` or `\"deepseek_r1\"`: each completion's reasoning "
+            "(`<think>`...`</think>`) goes to `CompletionOutput.reasoning_content` (a `reasoning_content` column "
+            "on dataframes) and only the answer stays in `text`; structured outputs constrain the answer, as in "
+            "vLLM; other names refused (see \"Reasoning models\")", _reasoning_parser),
     VllmArg("scheduling_policy", "fcfs", "maps", "`\"fcfs\"` (arrival order) or `\"priority\"`: the "
             "`priority=` of `generate`/`chat`/`enqueue`, lower first, then arrival (as vLLM); under `\"fcfs\"` any "
             "priority is accepted and changes nothing, as in vLLM; others refused",

@@ -13,8 +13,12 @@ VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 @dataclass
 class TokenizedPrompt:
+    """A prompt's text (None if given as token ids only) and token ids; a rendered chat also
+    keeps the template variables it was rendered with (a reasoning parser reads them)."""
+
     prompt: str | None
     token_ids: list[int]
+    chat_template_kwargs: dict | None = None
 
 
 def as_prompt_list(prompts) -> list:

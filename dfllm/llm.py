@@ -36,6 +36,7 @@ from dfllm.logger import init_logger
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
 from dfllm.outputs import PoolingRequestOutput, RequestOutput, raise_for_errors
+from dfllm.reasoning import make_reasoning_parser, reasoning_settings
 from dfllm.sampling_params import SamplingParams
 
 init_logger()
@@ -114,6 +115,14 @@ class LLM:
     call, as in vLLM), and values dfllm cannot honour
     (``trust_remote_code=True``, a ``quantization`` other than ``"int8"``, a ``revision``, ``load_format`` other
     than safetensors ...) raise ``ValueError`` naming the argument and value.
+
+    ``reasoning_parser`` (vLLM's engine argument: ``"qwen3"``, ``"deepseek_r1"``; see
+    :mod:`dfllm.reasoning`) splits a thinking model's output: each completion's reasoning goes
+    to ``CompletionOutput.reasoning_content`` and only the answer stays in ``text``, and
+    structured outputs constrain the answer, engaging after the end of the reasoning
+    (``structured_outputs_config={"enable_in_reasoning": True}`` constrains the reasoning
+    too). An unknown name, a tokenizer without the parser's tokens or ``skip_tokenizer_init``
+    raise ``ValueError`` here.
     :data:`dfllm.engine_args.VLLM_ARGS` lists each one and what dfllm does with it. Unknown
     names raise ``TypeError``.
     """
@@ -164,6 +173,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         hf_overrides: dict[str, Any] | Callable | None = None,
         distributed_executor_backend: str | None = None,
+        reasoning_parser: str | None = "",
     ):
         vllm = check_vllm_args(
             enforce_eager=enforce_eager, compilation_config=compilation_config,
@@ -175,7 +185,11 @@ class LLM:
             tokenizer_revision=tokenizer_revision, download_dir=download_dir, kv_cache_dtype=kv_cache_dtype,
             quantization=quantization, cpu_offload_gb=cpu_offload_gb,
             structured_outputs_config=structured_outputs_config, scheduling_policy=scheduling_policy,
-            hf_overrides=hf_overrides, distributed_executor_backend=distributed_executor_backend)
+            hf_overrides=hf_overrides, distributed_executor_backend=distributed_executor_backend,
+            reasoning_parser=reasoning_parser)
+        reasoning, enable_in_reasoning = reasoning_settings(reasoning_parser, structured_outputs_config)
+        if reasoning is not None and skip_tokenizer_init:
+            make_reasoning_parser(reasoning, None)  # ValueError: a parser reads text and needs the tokenizer
         self.config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -200,7 +214,10 @@ class LLM:
             self.pooling_engine = PoolingEngine(self.config, pooler)
             self._pooling = PoolingFrontend(self.config, self.tokenizer, self.pooling_engine, self._next_id)
         else:
-            self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
+            self.engine = LLMEngine(
+                self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer),
+                reasoning_parser=None if reasoning is None else make_reasoning_parser(reasoning, self.tokenizer),
+                enable_in_reasoning=enable_in_reasoning)
         self._control = EngineControl(self.config, self.engine, self.pooling_engine, profiler_dir)
         self._queued: list[tuple[int, list[str]]] = []  # (group, request ids) of enqueue calls not yet waited for
         self._outputs: dict[str, RequestOutput] = {}  # finished, not yet returned

@@ -57,6 +57,14 @@ class CompletionOutput:
     grammar ended it with ``finish_reason="stop"``, or it was complete when ``max_tokens``
     came), and False when generation stopped first (``max_tokens``, ``max_model_len``, a stop
     string): then ``text`` is a prefix of a valid output, not a valid output.
+
+    ``reasoning_content`` (dfllm's; vLLM's offline outputs have no such field, its chat
+    responses call it ``message.reasoning_content``/``reasoning``) is None unless the engine
+    has a reasoning parser (``LLM(reasoning_parser="qwen3")``, :mod:`dfllm.reasoning`): then
+    it holds the completion's reasoning (None when the parser finds none) and ``text`` only
+    the answer (``""`` when there is none, e.g. the reasoning was cut short by ``max_tokens``).
+    ``token_ids``, ``logprobs`` and ``finish_reason`` stay those of the whole generation,
+    reasoning and end-of-reasoning token included.
     """
 
     index: int
@@ -68,6 +76,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     structured_output_complete: bool | None = None
     error: str | None = None
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         """True once the completion has a finish reason."""

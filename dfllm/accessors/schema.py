@@ -24,6 +24,8 @@ NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_GENERATED_TOKENS = "num_generated_tokens"
 FINISH_REASON = "finish_reason"
 PROBS = "probs"
+#: generate's and chat's reasoning, when the engine has a reasoning parser (``reasoning_parser=``)
+REASONING_CONTENT = "reasoning_content"
 #: ``sort_by``'s name for a row's rendered prompt (its token ids) as a sort key (see
 #: :func:`dfllm.accessors.runners.request_order`)
 SORT_BY_PROMPT = "prompt"

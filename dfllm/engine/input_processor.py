@@ -38,6 +38,7 @@ from dfllm.inputs import (
     check_unicode,
     per_prompt_params,
 )
+from dfllm.reasoning import ReasoningParser, make_reasoning_parser
 from dfllm.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class EngineRequest:
     params: SamplingParams
     grammar: Grammar | None = None  # the compiled structured-output constraint, if any
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    # the engine's reasoning parser for this prompt (with the chat template variables it was rendered with)
+    reasoning: ReasoningParser | None = None
 
 
 NO_TOKENIZER = "Unable to get tokenizer because skip_tokenizer_init is True"
@@ -59,16 +62,22 @@ class InputProcessor:
     """Tokenizes, renders chat templates and checks prompts for one engine's model."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
-                 eos_token_ids: set[int], *, max_logprobs: int = -1):
+                 eos_token_ids: set[int], *, max_logprobs: int = -1,
+                 reasoning_parser: str | ReasoningParser | None = None):
         """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
         engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary.
-        ``tokenizer`` is None under ``skip_tokenizer_init=True``."""
+        ``tokenizer`` is None under ``skip_tokenizer_init=True``. ``reasoning_parser`` (a
+        :mod:`dfllm.reasoning` parser, or its name: ``ValueError`` now for an unknown one or a
+        tokenizer without its markers) is given to every request, for the template variables
+        it was rendered with."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_logprobs = max_logprobs
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self.reasoning = (make_reasoning_parser(reasoning_parser, tokenizer) if isinstance(reasoning_parser, str)
+                          else reasoning_parser)
 
     # ---- text to tokens --------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -93,7 +102,8 @@ class InputProcessor:
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {})))
-        return TokenizedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
+        return TokenizedPrompt(text, tokenizer.encode(text, add_special_tokens=False),
+                               dict(chat_template_kwargs) if chat_template_kwargs else None)
 
     def _tokenizer(self, message: str, parameter: str) -> PreTrainedTokenizerBase:
         """The tokenizer; :class:`~dfllm.errors.InvalidRequestError` with ``message`` without one."""
@@ -121,7 +131,16 @@ class InputProcessor:
             if self.tokenizer is None:
                 params = self._without_tokenizer(params, what)
             grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
-            return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params))
+            return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params),
+                                 self._reasoning(prompt))
+
+    def _reasoning(self, prompt) -> ReasoningParser | None:
+        """The reasoning parser for ``prompt`` (a rendered chat's template variables decide,
+        e.g. Qwen3's ``enable_thinking``); None without one."""
+        if self.reasoning is None:
+            return None
+        kwargs = prompt.chat_template_kwargs if isinstance(prompt, TokenizedPrompt) else None
+        return self.reasoning.for_request(kwargs)
 
     @staticmethod
     def _without_tokenizer(params: SamplingParams, what: str) -> SamplingParams:

@@ -47,6 +47,7 @@ from dfllm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.models.sliding_window import uniform_window
 from dfllm.outputs import RequestMetrics, RequestOutput
+from dfllm.reasoning import ReasoningParser
 
 logger = logging.getLogger("dfllm")
 
@@ -56,9 +57,13 @@ class LLMEngine:
     input and output processors. Its public methods are what ``LLM`` and the dataframe
     accessors use; nothing outside the engine touches its parts."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int]):
+    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int], *,
+                 reasoning_parser: str | ReasoningParser | None = None, enable_in_reasoning: bool = False):
         """``tokenizer`` is None under vLLM's ``skip_tokenizer_init=True``: prompts are token
-        ids, outputs have empty text (see :class:`~dfllm.engine.input_processor.InputProcessor`)."""
+        ids, outputs have empty text (see :class:`~dfllm.engine.input_processor.InputProcessor`).
+        ``reasoning_parser`` (a :mod:`dfllm.reasoning` parser or its name) splits every output's text into
+        reasoning and answer, and structured outputs then constrain the answer only, unless
+        ``enable_in_reasoning`` (see :mod:`dfllm.engine.structured`)."""
         self.cfg = cfg
         self.eos_token_ids = eos_token_ids
         self.runner = make_runner(cfg)
@@ -86,7 +91,8 @@ class LLMEngine:
                                    # window shorter than max_model_len for a model that does not honour it)
                                    sliding_window=uniform_window(cfg.model))
         self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids,
-                                              max_logprobs=cfg.max_logprobs)
+                                              max_logprobs=cfg.max_logprobs, reasoning_parser=reasoning_parser)
+        self.enable_in_reasoning = enable_in_reasoning
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
         self.sampler = Sampler(eos_token_ids, cfg.seed)
@@ -110,7 +116,8 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.following:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         req = Request(request_id, request.prompt, list(request.prompt_token_ids), request.params,
-                      RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids, priority)
+                      RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids, priority,
+                      reasoning=request.reasoning)
         key = _dedupe_key(req) if self.deduplicate else None
         leader = self.leaders.get(key) if key is not None else None
         if leader is not None:
@@ -304,7 +311,7 @@ class LLMEngine:
         so a greedy or seeded request gives the output it would have had)."""
         self._queue(Request(req.request_id, req.prompt, req.prompt_token_ids, req.params,
                             RequestMetrics(req.metrics.arrival_time), req.group, req.grammar, req.bad_words_ids,
-                            req.priority))
+                            req.priority, reasoning=req.reasoning))
 
     def _queue(self, req: Request) -> None:
         params = req.params
@@ -315,8 +322,9 @@ class LLMEngine:
             seq.logprobs = [] if params.logprobs is not None else None
             if params.prompt_logprobs is not None and i == 0:
                 seq.prompt_logprobs = [None]
-            if req.grammar is not None:
-                seq.grammar = req.grammar.matcher()
+            if req.grammar is not None:  # engaged after the reasoning, unless it is constrained too
+                seq.grammar = req.grammar.matcher(None if self.enable_in_reasoning else req.reasoning,
+                                                  req.prompt_token_ids)
             self.output_processor.start(seq)
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -379,11 +387,13 @@ class LLMEngine:
 
 def _dedupe_key(req: Request) -> Hashable | None:
     """What identical deterministic requests share (prompt tokens, every sampling parameter,
-    banned words); None for a request whose output may differ from an identical one's."""
+    banned words, how their text is split into reasoning and answer); None for a request
+    whose output may differ from an identical one's."""
     params = req.params
     if not (params.is_greedy or params.seed is not None):
         return None
-    return (tuple(req.prompt_token_ids), repr(params), req.bad_words_ids)
+    return (tuple(req.prompt_token_ids), repr(params), req.bad_words_ids,
+            None if req.reasoning is None else req.reasoning.key)
 
 
 def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:

@@ -81,7 +81,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: s
             pack.add_floats("frequency", [p.frequency_penalty])
             pack.add_floats("presence", [p.presence_penalty])
             counted_rows.append(i)
-        if seq.num_output_tokens < p.min_tokens and seq.grammar is None:  # a grammar decides its own end
+        # a grammar decides its own end (once engaged: a reasoning model's reasoning is unconstrained)
+        if seq.num_output_tokens < p.min_tokens and (seq.grammar is None or not seq.grammar.engaged):
             banned = sorted(set(p.single_stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
             pack.add_ints("min_rows", [i] * len(banned))
             pack.add_ints("min_ids", banned)

@@ -81,7 +81,7 @@ class OutputProcessor:
         """(finish_reason, stop_reason) after ``token`` was appended; (None, None) to go on."""
         p = seq.params
         if seq.grammar is not None:
-            if not seq.grammar.accept(token):  # the mask allows only accepted tokens: a bug if reached
+            if not seq.grammar.accept(token, seq.token_ids):  # the mask allows only accepted tokens: a bug if reached
                 logger.error("structured outputs: the grammar rejected token %d of request %s", token,
                              seq.request.request_id)
                 return "stop", None
@@ -154,11 +154,14 @@ class OutputProcessor:
     # ---- outputs ---------------------------------------------------------------------
     @staticmethod
     def make_output(req: Request) -> RequestOutput:
-        """The ``RequestOutput`` of a (finished) request."""
-        outs = [
-            CompletionOutput(
+        """The ``RequestOutput`` of a (finished) request; with a reasoning parser each
+        completion's text is its answer and ``reasoning_content`` its reasoning."""
+        outs = []
+        for s in req.seqs:
+            reasoning, text = _split(req, s.text)
+            outs.append(CompletionOutput(
                 index=s.index,
-                text=s.text,
+                text=text,
                 token_ids=s.output_token_ids,
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                 logprobs=s.logprobs,
@@ -168,9 +171,8 @@ class OutputProcessor:
                     s.grammar.rejected is None and s.grammar.completed and not isinstance(s.stop_reason, str)
                     and s.finish_reason != "error"),
                 error=s.error,
-            )
-            for s in req.seqs
-        ]
+                reasoning_content=reasoning,
+            ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
                              req.num_cached_tokens, req.metrics,
                              prompt_logprobs=req.seqs[0].prompt_logprobs if req.seqs else None)
@@ -182,6 +184,15 @@ class OutputProcessor:
         outs = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
                                  finish_reason="error", error=message) for i in range(req.params.n)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, 0, req.metrics)
+
+
+def _split(req: Request, text: str) -> tuple[str | None, str]:
+    """``(reasoning, answer)`` of a completion's text: its reasoning parser's split (a missing
+    answer is ``""``), or ``(None, text)`` without a parser or text."""
+    if req.reasoning is None or not req.params.detokenize:
+        return None, text
+    reasoning, content = req.reasoning.extract_reasoning(text)
+    return reasoning, content or ""
 
 
 def _ended_group(seq: Sequence) -> tuple[int, ...] | None:

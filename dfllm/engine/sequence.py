@@ -15,6 +15,7 @@ from dfllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from dfllm.engine.structured import Grammar, SequenceGrammar
+    from dfllm.reasoning import ReasoningParser
 
 
 class SequenceStatus(Enum):
@@ -103,6 +104,7 @@ class Request:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences its sequences may not complete
     priority: int = 0  # under the "priority" policy, lower values are scheduled first
     dedupe_key: Hashable = None  # set on a request identical deterministic ones may follow
+    reasoning: ReasoningParser | None = None  # splits its outputs' text (and gates its grammar): dfllm.reasoning
     seqs: list[Sequence] = field(default_factory=list)
 
     @property

@@ -14,6 +14,15 @@ Each step, ``apply_masks`` fills one bitmask row per constrained sequence of the
 the host, where the matchers are), moves it to the logits' device, and sets every disallowed
 logit to ``-inf`` there (xgrammar's CPU kernel, or its Triton kernel on CUDA); unconstrained
 rows are not touched.
+
+With a reasoning parser (``LLM(reasoning_parser=...)``, :mod:`dfllm.reasoning`) the grammar
+constrains the answer, not the reasoning, as vLLM's structured outputs do: a sequence's
+grammar is *engaged* from the start only if its prompt already ends the reasoning (the
+parser's ``is_reasoning_end`` on the prompt: Qwen3's template with ``enable_thinking=False``
+closes ``</think>`` there); otherwise its steps are unconstrained and its matcher idle until
+the token that ends the reasoning (``</think>``), which the matcher does not see either; the
+grammar engages from the next token on. vLLM's ``enable_in_reasoning=True`` (in
+``structured_outputs_config``) passes no parser here: the grammar then constrains every token.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections import OrderedDict
 
 import torch
 
+from dfllm.reasoning import ReasoningParser
 from dfllm.structured_outputs import StructuredOutputsParams, structural_tag_grammar
 
 _CACHE_SIZE = 256
@@ -86,9 +96,12 @@ class Grammar:
         self._xgr, self.compiled = xgr, compiled
         self.stop_token_ids, self.vocab_size = stop_token_ids, vocab_size
 
-    def matcher(self) -> SequenceGrammar:
+    def matcher(self, reasoning: ReasoningParser | None = None, prompt_token_ids: list[int] | None = None
+                ) -> SequenceGrammar:
+        """A new sequence's matcher; with ``reasoning``, engaged once the reasoning ends (at
+        once if ``prompt_token_ids`` end it)."""
         return SequenceGrammar(self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids),
-                               self.vocab_size)
+                               self.vocab_size, reasoning, prompt_token_ids)
 
 
 class SequenceGrammar:
@@ -97,14 +110,27 @@ class SequenceGrammar:
     ``terminated``: the grammar is complete and a stop token was accepted (the sequence
     ends with ``finish_reason="stop"``). ``completed``: the text so far is a complete match
     (true once terminated; may be true earlier, e.g. a regex that allows more).
+    ``engaged``: the grammar constrains the next token (always, without a reasoning parser;
+    with one, once the reasoning has ended: see the module docstring).
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, reasoning: ReasoningParser | None = None,
+                 prompt_token_ids: list[int] | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size  # logits past it (a padded head) are never allowed
         self.rejected: int | None = None
+        self.reasoning = reasoning
+        self.engaged = reasoning is None or reasoning.is_reasoning_end(prompt_token_ids or [])
 
-    def accept(self, token_id: int) -> bool:
+    def accept(self, token_id: int, token_ids: list[int] | None = None) -> bool:
+        """Advance on ``token_id``, the newest of the sequence's ``token_ids`` (prompt
+        included); False if the grammar rejects it. Before the reasoning ends the matcher
+        stays where it is: the token that ends it engages the grammar for the next one."""
+        if not self.engaged:
+            assert self.reasoning is not None  # engaged from the start without a parser
+            self.engaged = self.reasoning.is_reasoning_end_streaming(
+                token_ids if token_ids is not None else [token_id], [token_id])
+            return True
         ok = self.matcher.accept_token(token_id)
         if not ok:
             self.rejected = token_id
@@ -124,8 +150,9 @@ _bitmask_lock = threading.Lock()
 
 
 def apply_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
-    """Set to ``-inf``, in place, every logit the row's grammar forbids (None rows: untouched)."""
-    active = [(i, g) for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    """Set to ``-inf``, in place, every logit the row's grammar forbids (None rows, and rows
+    whose grammar is not engaged yet: untouched)."""
+    active = [(i, g) for i, g in enumerate(grammars) if g is not None and g.engaged and not g.terminated]
     rows = [i for i, _ in active]
     if not rows:
         return
