@@ -1,0 +1,373 @@
+"""Answering OpenAI batch lines with the engines of this process: :func:`answer`.
+
+``answer(lines, engines)`` takes parsed lines (:class:`~dfllm.jobs.openai_batch.BatchRequestInput`)
+and an :class:`Engines` and gives one :class:`LineResult` per line, in order: the response
+body, or the status and error of a line that cannot be answered. It is the per-line
+pipeline of ``dfllm run-batch`` (each partition of the input calls it once for its lines)
+and works the same in any process: on a Dask worker, or in the caller's.
+
+- Generative lines (chat, completions) are rendered and checked by the engine's input
+  processor (the same path as :meth:`dfllm.LLM.chat` and ``generate``: a prompt longer than
+  the context, a bad constraint... is that line's 400), then handed to the process's driver
+  thread in one call, so that they share the engine's continuous batches with each other
+  and with every other partition running on the worker.
+- Pooling lines (embeddings, score, rerank) run together in one pooling call per endpoint.
+- A failure stays with its line. If the engine fails on a call, the call's lines are split
+  in halves and run again until the lines that fail on their own are found: those get
+  status 500 (400 for a request the pooling model refuses), every other line its
+  response. A completion that ends with ``finish_reason="error"`` (non-finite logits) is
+  its line's 500.
+
+Without ``--model`` a chat or completions line runs on the bundled chat model and an
+embeddings, score or rerank line on the bundled MiniLM; with a model, every line runs on
+it, and a line whose endpoint the model does not serve (embeddings on a generative model)
+gets a 400 saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dfllm.accessors.driver import driver
+from dfllm.errors import InvalidRequestError
+from dfllm.jobs.openai_batch import BatchRequestInput, LineError
+from dfllm.jobs.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from dfllm.jobs.openai_responses import chat_completion, completion, embeddings, rerank, scores
+from dfllm.pooling_params import PoolingParams
+
+GENERATIVE = ("chat", "completions")
+POOLING = ("embeddings", "score", "rerank")
+DEFAULT_POOLING_MODEL = "all-minilm-l6-v2"  # embeddings, score and rerank without --model
+DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"  # chat and completions without --model
+URLS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+        "score": "/v1/score", "rerank": "/v1/rerank"}
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """What, besides its lines, decides a batch job's answers: the model (None: the bundled
+    default of each endpoint), the engine's keyword arguments (``LLM(...)``), the role of
+    generated chat messages (vLLM's ``--response-role``) and the model name the responses
+    give (default: the model as given)."""
+
+    model: str | None = None
+    engine_kwargs: tuple = ()
+    response_role: str = "assistant"
+    served_model_name: str | None = None
+
+    def model_for(self, endpoint: str) -> str | None:
+        """The model that answers ``endpoint``'s lines (None: the bundled chat model)."""
+        if self.model is not None:
+            return self.model
+        return DEFAULT_POOLING_MODEL if endpoint in POOLING else None
+
+    def model_name(self, endpoint: str) -> str:
+        """The ``model`` of ``endpoint``'s response bodies."""
+        return self.served_model_name or self.model_for(endpoint) or DEFAULT_CHAT_MODEL
+
+
+@dataclass
+class LineResult:
+    """One line's answer: ``status_code`` 200 and its response ``body``, or the status and
+    :class:`~dfllm.jobs.openai_batch.LineError`; prompt and generated token counts."""
+
+    status_code: int
+    body: dict | None = None
+    error: LineError | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @classmethod
+    def failed(cls, error: LineError) -> LineResult:
+        return cls(error.status, error=error)
+
+
+class UnsupportedEndpoint(LineError):
+    """The job's model does not serve the line's endpoint."""
+
+
+@dataclass
+class Generation:
+    """A generative engine as lines use it: its input processor (call it holding ``lock``)
+    and ``generate``, which runs checked requests in the driver's shared batches."""
+
+    processor: Any
+    lock: threading.Lock
+    generate: Callable[[list], list]
+    decode: Callable[[list[int]], str]
+
+
+@dataclass
+class PoolingModel:
+    """A pooling model as lines use it: ``call(fn)`` runs ``fn(llm)`` on the driver thread
+    holding the engine's lock."""
+
+    llm: Any
+    lock: threading.Lock
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        with self.lock:
+            return driver().call(lambda: fn(self.llm))
+
+
+@dataclass
+class Engines:
+    """The engines a set of lines runs on: the process's cached engines (see
+    :mod:`dfllm.accessors.engine_cache`), leased on first use and held until :meth:`close`
+    (use it as a context manager)."""
+
+    options: BatchOptions
+    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _entries: dict = field(default_factory=dict)
+
+    def __enter__(self) -> Engines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._entries.clear()
+
+    def _entry(self, endpoint: str):
+        from dfllm.accessors.engine_cache import lease
+
+        model = self.options.model_for(endpoint)
+        if model not in self._entries:
+            self._entries[model] = self._stack.enter_context(lease(model, dict(self.options.engine_kwargs)))
+        return self._entries[model]
+
+    def generation(self, endpoint: str) -> Generation:
+        """The generative engine of ``endpoint``; :class:`UnsupportedEndpoint` if the model is
+        a pooling model."""
+        entry = self._entry(endpoint)
+        engine = entry.llm.engine
+        if engine is None:
+            raise UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: "
+                                      f"{self.options.model_name(endpoint)} is a pooling model (embeddings, score, "
+                                      "rerank); chat and completions need a generative model",
+                                      code="model_not_supported", param="body.model")
+        lock = entry.lock
+
+        def decode(ids: list[int]) -> str:
+            with lock:
+                return engine.input_processor.tokenizer.decode(ids) if engine.input_processor.tokenizer else ""
+
+        return Generation(engine.input_processor, lock, lambda reqs: driver().generate(engine, lock, reqs), decode)
+
+    def pooling(self, endpoint: str) -> PoolingModel:
+        """The pooling model of ``endpoint``; :class:`UnsupportedEndpoint` if the model is
+        generative."""
+        entry = self._entry(endpoint)
+        if entry.llm.pooling_engine is None:
+            raise UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: "
+                                      f"{self.options.model_name(endpoint)} is a generative model; embeddings, "
+                                      "score and rerank need an embedding model or a cross-encoder (run them in a "
+                                      "job of their own, with such a --model or none)", code="model_not_supported",
+                                      param="body.model")
+        return PoolingModel(entry.llm, entry.lock)
+
+
+# ---- the pipeline ---------------------------------------------------------------------------------------
+def answer(lines: Sequence[BatchRequestInput], engines: Engines) -> list[LineResult]:
+    """One :class:`LineResult` per line, in order (see the module docstring)."""
+    results: list[LineResult | None] = [None] * len(lines)
+    by_endpoint: dict[str, list[int]] = {}
+    for i, line in enumerate(lines):
+        by_endpoint.setdefault(line.endpoint, []).append(i)
+    for endpoint, idx in by_endpoint.items():
+        run = _generative if endpoint in GENERATIVE else _pooling
+        for i, r in zip(idx, run(endpoint, [lines[i] for i in idx], engines)):
+            results[i] = r
+    return [r if r is not None else LineResult.failed(LineError("not answered", status=500, code="engine_error"))
+            for r in results]
+
+
+def answer_one(line: BatchRequestInput, engines: Engines) -> LineResult:
+    """One line's :class:`LineResult` (``answer([line], engines)[0]``)."""
+    return answer([line], engines)[0]
+
+
+T = TypeVar("T")
+
+
+def _isolating(groups: list[T], run: Callable[[list[T]], list]) -> list:
+    """``run(groups)`` (one result per group); if it raises, each half again, down to the
+    single groups that fail on their own, whose result is their exception."""
+    try:
+        return list(run(groups))
+    except Exception as exc:  # noqa: BLE001  (any failure of the engine stays with the lines that cause it)
+        if len(groups) == 1:
+            return [exc]
+        mid = len(groups) // 2
+        return _isolating(groups[:mid], run) + _isolating(groups[mid:], run)
+
+
+def _as_line_error(exc: BaseException, pooling: bool = False) -> LineError:
+    if isinstance(exc, LineError):
+        return exc
+    if isinstance(exc, InvalidRequestError) or (pooling and isinstance(exc, ValueError)):
+        parameter = getattr(exc, "parameter", None)
+        return LineError(str(exc), param=f"body.{parameter}" if parameter else None)
+    return LineError(f"the engine failed on this request: {type(exc).__name__}: {exc}", status=500,
+                     code="engine_error")
+
+
+# ---- chat and completions ---------------------------------------------------------------------------------
+def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines) -> list[LineResult]:
+    try:
+        gen = engines.generation(endpoint)
+    except UnsupportedEndpoint as exc:
+        return [LineResult.failed(exc)] * len(lines)
+    results: list[LineResult | None] = [None] * len(lines)
+    planned: list[tuple[int, list]] = []
+    for i, line in enumerate(lines):
+        try:
+            planned.append((i, _engine_requests(line.request, gen)))
+        except (LineError, ValueError) as exc:
+            results[i] = LineResult.failed(_as_line_error(exc))
+
+    def run(groups: list[tuple[int, list]]) -> list[list]:
+        outputs = gen.generate([r for _, reqs in groups for r in reqs])
+        split, at = [], 0
+        for _, reqs in groups:
+            split.append(outputs[at:at + len(reqs)])
+            at += len(reqs)
+        return split
+
+    for (i, _), outs in zip(planned, _isolating(planned, run) if planned else []):
+        if isinstance(outs, Exception):
+            results[i] = LineResult.failed(_as_line_error(outs))
+        else:
+            results[i] = _generative_result(endpoint, lines[i], outs, engines.options, gen)
+    return [r for r in results if r is not None]
+
+
+def _engine_requests(request, gen: Generation) -> list:
+    """The checked engine requests of one chat or completions request (as ``LLM.chat`` and
+    ``LLM.generate`` check them)."""
+    if isinstance(request, ChatCompletionRequest):
+        with gen.lock:
+            rendered = gen.processor.render_chat(
+                request.messages, request.chat_template, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs)
+            return [_process(gen, rendered, request.params, "body.messages", "the conversation")]
+    assert isinstance(request, CompletionRequest)
+    with gen.lock:
+        return [_process(gen, p, request.params, "body.prompt" + (f"[{k}]" if len(request.prompts) > 1 else ""),
+                         "the prompt" + (f" {k}" if len(request.prompts) > 1 else ""))
+                for k, p in enumerate(request.prompts)]
+
+
+def _process(gen: Generation, prompt, params, field_name: str, what: str):
+    try:
+        return gen.processor.process(prompt, params, what=what)
+    except InvalidRequestError as exc:
+        param = exc.parameter
+        where = field_name if param in (None, "prompt", "prompt_token_ids", "messages") else f"body.{param}"
+        raise LineError(f"{where}: {exc}", param=where) from None
+
+
+def _generative_result(endpoint: str, line: BatchRequestInput, outputs: list, options: BatchOptions,
+                       gen: Generation) -> LineResult:
+    failed = [c for o in outputs for c in o.outputs if c.finish_reason == "error"]
+    if failed:
+        return LineResult.failed(LineError(f"generation failed: {failed[0].error or 'unknown error'}", status=500,
+                                           code="engine_error"))
+    request = line.request
+    model = options.model_name(endpoint)
+    if isinstance(request, ChatCompletionRequest):
+        body = chat_completion(outputs[0], model=model, id=f"chatcmpl-{line.key}", role=options.response_role,
+                               logprobs=request.logprobs, top_logprobs=request.top_logprobs).to_dict()
+    else:
+        if request.echo:
+            for o in outputs:
+                if o.prompt is None:  # given as token ids: their text
+                    o.prompt = gen.decode(o.prompt_token_ids)
+        body = completion(outputs, model=model, id=f"cmpl-{line.key}", echo=request.echo,
+                          logprobs=request.logprobs).to_dict()
+    usage = body["usage"]
+    return LineResult(200, body, None, usage["prompt_tokens"], usage["completion_tokens"])
+
+
+# ---- embeddings, score and rerank ----------------------------------------------------------------------------
+def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) -> list[LineResult]:
+    try:
+        model = engines.pooling(endpoint)
+    except UnsupportedEndpoint as exc:
+        return [LineResult.failed(exc)] * len(lines)
+    options = engines.options
+    name = options.model_name(endpoint)
+    groups = list(range(len(lines)))
+
+    if endpoint == "embeddings":
+        def run(group: list[int]) -> list:
+            inputs = [p for i in group for p in lines[i].request.inputs]
+            params = [PoolingParams(truncate_prompt_tokens=lines[i].request.truncate_prompt_tokens)
+                      for i in group for _ in lines[i].request.inputs]
+            outs = model.call(lambda llm: llm.embed(inputs, params, use_tqdm=False))
+            return _split(outs, [len(lines[i].request.inputs) for i in group])
+    else:
+        def run(group: list[int]) -> list:
+            pairs = [p for i in group for p in _pairs(lines[i].request)]
+            truncate = {lines[i].request.truncate_prompt_tokens for i in group}
+            if len(truncate) > 1 and len(group) > 1:  # lines with different truncation: one call each
+                raise ValueError("mixed truncation")
+            params = PoolingParams(truncate_prompt_tokens=truncate.pop())
+            outs = model.call(lambda llm: llm.score([a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False,
+                                                    pooling_params=params))
+            return _split(outs, [len(_pairs(lines[i].request)) for i in group])
+
+    results = []
+    for i, outs in zip(groups, _isolating(groups, run)):
+        line = lines[i]
+        if isinstance(outs, Exception):
+            results.append(LineResult.failed(_as_line_error(outs, pooling=True)))
+            continue
+        try:
+            body = _pooling_body(endpoint, line, outs, name)
+        except LineError as exc:
+            results.append(LineResult.failed(exc))
+            continue
+        results.append(LineResult(200, body, None, body["usage"]["prompt_tokens"], 0))
+    return results
+
+
+def _pairs(request: ScoreRequest | RerankRequest) -> list[tuple[str, str]]:
+    if isinstance(request, RerankRequest):
+        return [(request.query, d) for d in request.documents]
+    return request.pairs()
+
+
+def _split(outs: list, sizes: list[int]) -> list[list]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(outs[at:at + n])
+        at += n
+    return out
+
+
+def _pooling_body(endpoint: str, line: BatchRequestInput, outs: list, model: str) -> dict:
+    request = line.request
+    if isinstance(request, EmbeddingRequest):
+        size = len(outs[0].outputs.embedding) if outs else 0
+        if request.dimensions is not None and request.dimensions != size:
+            raise LineError(f"body.dimensions={request.dimensions}: {model} gives {size}-dimensional embeddings and "
+                            "cannot give others", param="body.dimensions")
+        return embeddings(outs, model=model, encoding_format=request.encoding_format).to_dict()
+    if isinstance(request, RerankRequest):
+        return rerank(outs, request.documents, model=model, id=f"rerank-{line.key}", top_n=request.top_n,
+                      return_documents=request.return_documents).to_dict()
+    return scores(outs, model=model, id=f"score-{line.key}").to_dict()

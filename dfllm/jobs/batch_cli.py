@@ -1,0 +1,168 @@
+"""``dfllm run-batch``: an OpenAI batch file through a Dask cluster, with ``vllm run-batch``'s flags.
+
+``dfllm run-batch -i requests.jsonl -o results.jsonl [--model M] [engine arguments]``
+answers every line of an OpenAI batch input file (see :mod:`dfllm.jobs.batch_job` and
+``docs/batch.md``). Its flags are vLLM's: ``-i/--input-file``, ``-o/--output-file``,
+``--model``, ``--response-role``, ``--served-model-name`` and every engine argument of
+:class:`dfllm.LLM` under vLLM's spelling (``--max-model-len``, ``--max-num-seqs``,
+``--enforce-eager``, ``--no-enable-prefix-caching``...); vLLM's server flags that mean
+nothing for a file (``--port``, ``--enable-metrics``, ``--output-tmp-dir``...) are accepted
+and change nothing, so a ``vllm run-batch`` command line runs unchanged. dfllm's own:
+``--error-file`` (OpenAI's style: failed lines in a file of their own), ``--unordered``,
+``--resume``, ``--max-error-rate``, ``--partition-bytes``, ``--storage-options`` and the
+cluster's (``--scheduler``, ``--workers``, ``--threads``, ``--gpu``).
+
+Exit statuses are ``dfllm run``'s (see :mod:`dfllm.jobs.cli`): 0 done; 1 an error (a missing
+input, a bad option value, an unusable model, a failed cluster); 2 bad options; 3 the
+output was written but more than ``--max-error-rate`` (default 0.5) of the lines failed;
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from typing import Any
+
+from dfllm.jobs.batch_job import DEFAULT_PARTITION_BYTES
+
+#: LLM arguments that are not engine flags of run-batch (``--model`` has its own; the
+#: reasoning parser is wired separately).
+NOT_FLAGS = frozenset({"self", "model", "reasoning_parser"})
+#: vLLM's run-batch and server flags that mean nothing for a file here: accepted, no effect.
+VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str, "--port": int, "--url": str,
+               "--max-log-len": int, "--disable-log-requests": None, "--enable-prompt-tokens-details": None,
+               "--enable-force-include-usage": None, "--disable-frontend-multiprocessing": None}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
+    from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _json_object, _rate
+
+    p = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, "
+                                         "as vllm run-batch does")
+    p.add_argument("-i", "--input-file", required=True, help="the batch input file (JSON Lines; any fsspec URL)")
+    p.add_argument("-o", "--output-file", required=True, help="where to write the answers (JSON Lines; any fsspec "
+                   "URL); one line per non-blank input line")
+    p.add_argument("--error-file", help="write failed lines here instead of to the output (OpenAI's output and error "
+                   "files); default: every line to the output, as vLLM does")
+    p.add_argument("--model", help="model directory or bundled alias for every line (default: the bundled chat model "
+                   "for chat and completions, MiniLM for embeddings, score and rerank); body.model is not read")
+    p.add_argument("--served-model-name", help="the model name the responses give (default: --model as given)")
+    p.add_argument("--response-role", default="assistant", help="the role of generated chat messages (default "
+                   "assistant)")
+    p.add_argument("--unordered", action="store_true", help="write answers as partitions finish instead of in "
+                   "input order (join on custom_id)")
+    p.add_argument("--resume", action="store_true", help="keep the partitions an earlier, killed run of this job "
+                   "finished (in <output>.parts/); every line is still answered exactly once")
+    p.add_argument("--max-error-rate", type=_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
+                   help="exit with status 3 (after writing the output) if more than this share of the lines failed "
+                   f"(0 to 1; default {DEFAULT_MAX_ERROR_RATE})")
+    p.add_argument("--partition-bytes", type=_bytes, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
+                   help="input bytes per partition: the unit of work and of resume (default 1MiB; e.g. 4MiB)")
+    p.add_argument("--keep-parts", action="store_true", help="keep <output>.parts/ after the output is written")
+    p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
+    p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
+    p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
+    p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    engine = p.add_argument_group("engine arguments (dfllm.LLM's, vLLM's spelling)")
+    add_engine_flags(engine)
+    vllm = p.add_argument_group("vLLM server flags (accepted; no effect on a batch file)")
+    for flag, kind in VLLM_NO_OPS.items():
+        if kind is None:
+            vllm.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        else:
+            vllm.add_argument(flag, type=kind, help=argparse.SUPPRESS)
+    return p
+
+
+def _bytes(text: str) -> int:
+    from dask.utils import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"must be a size like 1048576, 1MiB or 4MB, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return value
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+
+
+def add_engine_flags(group) -> None:
+    """One flag per keyword argument of :class:`dfllm.LLM` (``max_model_len`` ->
+    ``--max-model-len``); bools take ``--x``/``--no-x``; dict-valued ones take JSON. Each
+    defaults to unset (``LLM``'s default)."""
+    from dfllm.llm import LLM
+
+    for name, param in inspect.signature(LLM.__init__).parameters.items():
+        if name in NOT_FLAGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = str(param.annotation).replace(" ", "")
+        dest = f"engine_{name}"
+        if kind.startswith("bool"):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=dest)
+        elif kind.startswith("int"):
+            group.add_argument(flag, type=int, default=None, dest=dest, metavar="N")
+        elif kind.startswith("float"):
+            group.add_argument(flag, type=float, default=None, dest=dest, metavar="X")
+        elif kind.startswith("str"):
+            group.add_argument(flag, default=None, dest=dest, metavar="TEXT")
+        else:
+            group.add_argument(flag, type=_json_value, default=None, dest=dest, metavar="JSON")
+
+
+def engine_kwargs_of(args: argparse.Namespace) -> dict:
+    """The engine flags given, as ``LLM(...)`` keyword arguments."""
+    return {k.removeprefix("engine_"): v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    """``dfllm run-batch``: the job on its cluster, then the summary; the exit status."""
+    from dfllm.jobs.batch_job import check_options, check_paths, run_batch
+    from dfllm.jobs.cli import EXIT_TOO_MANY_ERRORS, _describe, _say
+    from dfllm.jobs.cluster import connect
+
+    engine_kwargs = engine_kwargs_of(args)
+    check_options(args.model, engine_kwargs, args.response_role, args.served_model_name)  # before a cluster starts
+    check_paths(args.input_file, args.output_file, args.error_file, args.storage_options)
+    gpus = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
+    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
+                 gpus_per_engine=gpus) as (client, resources):
+        _say(f"dfllm: run-batch on {_describe(client)}; dashboard {getattr(client, 'dashboard_link', None)}")
+        summary = run_batch(args.input_file, args.output_file, model=args.model, error_file=args.error_file,
+                            response_role=args.response_role, served_model_name=args.served_model_name,
+                            resume=args.resume, unordered=args.unordered, partition_bytes=args.partition_bytes,
+                            storage_options=args.storage_options, resources=resources,
+                            progress=not args.no_progress, keep_parts=args.keep_parts, **engine_kwargs)
+    print(format_batch_summary(summary), flush=True)
+    if summary.lines and summary.failed / summary.lines > args.max_error_rate:
+        _say(f"dfllm: error: {summary.failed} of {summary.lines} lines ({100 * summary.failed / summary.lines:.1f}%) "
+             f"failed, above --max-error-rate {args.max_error_rate:g}; the answers were written to "
+             f"{summary.output_file}" + (f" and {summary.error_file}" if summary.error_file else ""))
+        return EXIT_TOO_MANY_ERRORS
+    return 0
+
+
+def format_batch_summary(s) -> str:
+    """The end-of-job summary: lines answered and failed, partitions, tokens, time, files."""
+    lines = [f"lines:       {s.lines} ({s.failed} failed)",
+             f"partitions:  {s.partitions} ({s.written} computed, {s.skipped} already complete)"]
+    if s.input_tokens + s.output_tokens:
+        lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
+                  f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
+                  f"{s.lines / max(s.seconds, 1e-9):.2f} lines/s"]
+    lines += [f"wall time:   {s.seconds:.1f} s", f"output:      {s.output_file}"]
+    if s.error_file:
+        lines.append(f"errors:      {s.error_file}")
+    return "\n".join(lines)

@@ -1,0 +1,416 @@
+"""OpenAI batch files through a Dask cluster: :func:`run_batch`, behind ``dfllm run-batch``.
+
+The input (any fsspec URL: a local path, ``s3://``...) is never read whole into the client.
+It is split into partitions of about ``partition_bytes`` at line ends
+(:func:`dask.bytes.read_bytes`), each keeping its lines' places; each partition is answered
+on a worker by :func:`dfllm.jobs.batch.answer` (the worker's one engine per model, its
+batches shared by the partitions running there) and its answers written as one parquet part
+into a staging folder beside the output, ``<output>.parts/``, by
+:func:`dfllm.write_parquet`: atomically, keyed by the partition's lines and the job's
+settings. As parts come in, the client streams them into the output JSON Lines file, one
+answer per non-blank input line:
+
+- in input order (default): part ``i`` is written once parts ``0..i-1`` are;
+- with ``unordered=True`` (``--unordered``), a part's answers are written as soon as it is
+  done (join on ``custom_id``); an error line, which names its line number, waits until
+  every earlier part is done and its number known.
+
+With ``error_file`` (OpenAI's style), answered lines go to the output and failed ones to
+the error file; without it (vLLM's), every line goes to the output. A local output is
+written under a temporary name and moved into place at the end; on object storage the
+object appears when its upload completes. Either way the output appears only complete.
+
+Resume: a job that was killed leaves its finished parts in the staging folder; run it
+again with ``resume=True`` (``--resume``) and only the missing partitions are computed,
+then the whole output is written again from the parts, so every line is answered exactly
+once. The staging folder is removed once the output is written (``keep_parts=True`` keeps
+it, so that a later resumed run recomputes nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dfllm.accessors.dask_ext import WritableFunction
+from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.accessors.write_key import canonical
+from dfllm.jobs.batch import BatchOptions, Engines, answer
+from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
+
+DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress
+STAGING_SUFFIX = ".parts"
+_STR, _INT = pd.ArrowDtype(pa.string()), pd.ArrowDtype(pa.int64())
+#: The columns of a staged part, one row per input line (blank lines included, with no status).
+PART_COLUMNS = {"line": _INT, "key": _STR, "custom_id": _STR, "status_code": _INT, "body": _STR, "error_code": _STR,
+                "error_message": _STR, "error_param": _STR, NUM_INPUT_TOKENS: _INT, NUM_GENERATED_TOKENS: _INT}
+_INPUT_META = pd.DataFrame({"block": pd.Series([], dtype="int64"), "line": pd.Series([], dtype="int64"),
+                            "text": pd.Series([], dtype=_STR), "utf8": pd.Series([], dtype="bool")})
+
+
+@dataclass
+class BatchSummary:
+    """What a batch job did: its files, the non-blank lines it answered and how many of
+    them failed, the partitions computed and kept from an earlier run, tokens and seconds."""
+
+    output_file: str
+    error_file: str | None
+    lines: int
+    failed: int
+    partitions: int
+    written: int
+    skipped: int
+    input_tokens: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+
+
+# ---- one partition ------------------------------------------------------------------------------------------
+class BatchFunction(WritableFunction):
+    """What a batch job maps over the input's partitions: their lines' answers (one row per
+    line, see :data:`PART_COLUMNS`), computed with the job's :class:`~dfllm.jobs.batch.BatchOptions`."""
+
+    kind = "batch"
+    error_column = "error_code"
+
+    def __init__(self, options: BatchOptions, resources: dict | None = None):
+        self.options, self.resources = options, resources
+        self.__name__ = "llm-batch"
+
+    @property
+    def write_key(self) -> str:
+        return canonical(self.options)
+
+    def model_sources(self) -> tuple:
+        return tuple(dict.fromkeys([self.options.model_for("chat"), self.options.model_for("embeddings")]))
+
+    def arrow_types(self) -> dict:
+        return {c: d.pyarrow_dtype for c, d in PART_COLUMNS.items()}
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        return answer_partition(df, self.options)
+
+    def __dask_tokenize__(self):
+        return (type(self).__name__, canonical(self.options), sorted((self.resources or {}).items()))
+
+
+def answer_partition(df: pd.DataFrame, options: BatchOptions) -> pd.DataFrame:
+    """The answers of one partition's lines (columns ``block``, ``line``, ``text``,
+    ``utf8``), one row each, blank lines with a null status."""
+    base = hashlib.sha256(canonical(options).encode()).digest()
+    n = len(df)
+    cols: dict[str, list] = {c: [None] * n for c in PART_COLUMNS}
+    cols["line"] = df["line"].tolist()
+    parsed, where = [], []
+    for pos, (block, line, text, ok) in enumerate(zip(df["block"].tolist(), cols["line"], df["text"].tolist(),
+                                                      df["utf8"].tolist())):
+        key = hashlib.sha256(base + f"\0{block}\0{line}\0".encode() + text.encode("utf-8", "replace")).hexdigest()
+        cols["key"][pos] = key[:32]
+        if not text.strip():
+            continue  # a blank line: skipped, as vLLM does
+        try:
+            if not ok:
+                raise LineError("the line is not valid UTF-8", code="invalid_json")
+            request = parse_line(text, key[:32])
+        except LineError as exc:
+            cols["custom_id"][pos] = custom_id_of(text) if ok else None
+            _fill_error(cols, pos, exc)
+            continue
+        cols["custom_id"][pos] = request.custom_id
+        parsed.append(request)
+        where.append(pos)
+    if parsed:
+        with Engines(options) as engines:
+            results = answer(parsed, engines)
+        for pos, r in zip(where, results):
+            if r.error is not None:
+                _fill_error(cols, pos, r.error)
+                continue
+            cols["status_code"][pos] = r.status_code
+            cols["body"][pos] = json.dumps(r.body, ensure_ascii=False)
+            cols[NUM_INPUT_TOKENS][pos], cols[NUM_GENERATED_TOKENS][pos] = r.input_tokens, r.output_tokens
+    return pd.DataFrame({c: pd.Series(v, dtype=PART_COLUMNS[c], index=df.index) for c, v in cols.items()})
+
+
+def _fill_error(cols: dict, pos: int, exc: LineError) -> None:
+    cols["status_code"][pos] = exc.status
+    cols["error_code"][pos], cols["error_message"][pos], cols["error_param"][pos] = exc.code, str(exc), exc.param
+
+
+# ---- the input --------------------------------------------------------------------------------------------
+def _block_lines(data: bytes, block: int) -> pd.DataFrame:
+    """One block of the input (whole lines) as rows: its number, each line's place in it,
+    the line's text (``\\r\\n`` ends read as ``\\n``) and whether it was valid UTF-8."""
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    texts, ok = [], []
+    for line in raw:
+        line = line[:-1] if line.endswith(b"\r") else line
+        try:
+            texts.append(line.decode("utf-8"))
+            ok.append(True)
+        except UnicodeDecodeError:
+            texts.append(line.decode("utf-8", "replace"))
+            ok.append(False)
+    return pd.DataFrame({"block": pd.Series([block] * len(texts), dtype="int64"),
+                         "line": pd.Series(range(len(texts)), dtype="int64"),
+                         "text": pd.Series(texts, dtype=_STR), "utf8": pd.Series(ok, dtype="bool")})
+
+
+def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storage_options: dict | None = None):
+    """The input file as a lazy Dask frame of its lines, one partition per block of about
+    ``partition_bytes`` (a compressed file is one partition); None for an empty file."""
+    import dask
+    import dask.dataframe as dd
+    from dask.bytes import read_bytes
+    from fsspec.utils import infer_compression
+
+    compression = infer_compression(path)
+    _, files = read_bytes(path, delimiter=b"\n", blocksize=None if compression else partition_bytes, sample=False,
+                          compression=compression, **(storage_options or {}))
+    blocks = [b for f in files for b in f]
+    if not blocks:
+        return None
+    frames = [dask.delayed(_block_lines, pure=True)(b, i) for i, b in enumerate(blocks)]
+    return dd.from_delayed(frames, meta=_INPUT_META, verify_meta=False)
+
+
+# ---- the output ---------------------------------------------------------------------------------------------
+class _Sink:
+    """A JSON Lines file being written: under a temporary name then moved into place on a
+    local disk, straight to its place elsewhere (an object appears when its upload completes)."""
+
+    def __init__(self, path: str, storage_options: dict | None):
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.path = path
+        self.fs, self.target = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            folder, name = os.path.split(self.target)
+            os.makedirs(folder or ".", exist_ok=True)
+            _remove_stale_temporaries(folder or ".", name)
+            self.where = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
+        else:
+            self.where = self.target
+        self.file = self.fs.open(self.where, "wb")
+        self.lines = 0
+
+    def write(self, lines: list[str]) -> None:
+        if lines:
+            self.file.write(("\n".join(lines) + "\n").encode("utf-8"))
+            self.lines += len(lines)
+
+    def commit(self) -> None:
+        self.file.close()
+        if self.local:
+            os.replace(self.where, self.target)
+
+    def discard(self) -> None:
+        try:
+            if not self.local and hasattr(self.file, "discard"):
+                self.file.discard()  # an object store's upload is abandoned, not completed
+            else:
+                self.file.close()
+        finally:
+            if self.local and os.path.exists(self.where):
+                os.remove(self.where)
+
+
+def _remove_stale_temporaries(folder: str, name: str) -> None:
+    """Temporary outputs that killed runs of this job left beside the output."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-[0-9a-f]{{32}}")
+    for entry in os.listdir(folder):
+        if pattern.fullmatch(entry):
+            os.remove(os.path.join(folder, entry))
+
+
+class _Assembler:
+    """Streams finished parts of the staging folder into the output (and error) file, in
+    input order or as they come (see the module docstring)."""
+
+    COLUMNS = ["line", "key", "custom_id", "status_code", "body", "error_code", "error_message", "error_param"]
+
+    def __init__(self, staging: str, storage_options: dict | None, output: _Sink, errors: _Sink | None,
+                 ordered: bool):
+        from dfllm.accessors.writer import _filesystem
+
+        self.fs, self.root = _filesystem(staging, storage_options)
+        self.output, self.errors, self.ordered = output, errors, ordered
+        self.records: dict[int, dict] = {}
+        self.prefix = 0  # parts 0..prefix-1 are done and fully written
+        self.offset = 0  # input lines in those parts
+        self.lines = self.failed = 0
+
+    def part_done(self, i: int, record: dict) -> None:
+        self.records[i] = record
+        if not self.ordered and i != self.prefix:
+            self._stream(i, successes=True, failures=False, offset=None)
+        while self.prefix in self.records:
+            k = self.prefix
+            first_time = self.ordered or k == i
+            self._stream(k, successes=first_time, failures=True, offset=self.offset)
+            self.offset += self.records[k]["rows"]
+            self.prefix += 1
+
+    def _stream(self, i: int, successes: bool, failures: bool, offset: int | None) -> None:
+        from dfllm.accessors.writer import FOOTER_KEY, _part
+
+        with self.fs.open(_part(self.root, i), "rb") as f:
+            part = pq.ParquetFile(f)
+            record = json.loads((part.metadata.metadata or {}).get(FOOTER_KEY, b"{}"))
+            if record.get("key") != self.records[i]["key"]:
+                raise RuntimeError(f"staged part {i} changed while the job ran; is another job writing to "
+                                   f"{self.root}?")
+            for batch in part.iter_batches(batch_size=4096, columns=self.COLUMNS):
+                self._write(batch.to_pydict(), successes, failures, offset)
+
+    def _write(self, b: dict, successes: bool, failures: bool, offset: int | None) -> None:
+        out: list[str] = []  # in input order
+        bad = [] if self.errors is not None else out
+        failed = 0
+        for line, key, cid, status, body, code, message, param in zip(*(b[c] for c in self.COLUMNS)):
+            if status is None:
+                continue  # a blank line
+            if code is None:
+                if successes:
+                    out.append(answer_line(key, cid, status, body))
+            elif failures:
+                assert offset is not None
+                n = offset + line + 1
+                bad.append(answer_line(key, cid, status, None, BatchError(code, f"line {n}: {message}", param, n)))
+                failed += 1
+        self.lines += len(out) + (len(bad) if bad is not out else 0)
+        self.failed += failed
+        self.output.write(out)
+        if self.errors is not None:
+            self.errors.write(bad)
+
+
+# ---- the job ---------------------------------------------------------------------------------------------------
+def run_batch(input_file: str, output_file: str, *, model: str | None = None, error_file: str | None = None,
+              response_role: str = "assistant", served_model_name: str | None = None, resume: bool = False,
+              unordered: bool = False, partition_bytes: int = DEFAULT_PARTITION_BYTES,
+              storage_options: dict | None = None, resources: dict | None = None, progress: bool = True,
+              keep_parts: bool = False, **engine_kwargs) -> BatchSummary:
+    """Answer an OpenAI batch file (JSON Lines of ``{"custom_id", "method", "url", "body"}``)
+    into an output file of OpenAI's ``BatchRequestOutput`` lines; see the module docstring
+    and ``docs/batch.md``.
+
+    ``model``: a model directory or bundled alias for every line (default: the bundled chat
+    model for chat and completions, MiniLM for embeddings, score and rerank); ``body.model``
+    is not read, so files written for OpenAI run unchanged. ``engine_kwargs`` go to
+    :class:`dfllm.LLM` (``max_model_len=...``). Runs on the current Dask client's cluster
+    (``resources`` as in :func:`dfllm.write_parquet`), or in this process without one.
+    Bad options raise ``ValueError`` before any work; a bad line is that line's error answer.
+    """
+    start = time.perf_counter()
+    options = check_options(model, engine_kwargs, response_role, served_model_name)
+    if not isinstance(partition_bytes, int) or isinstance(partition_bytes, bool) or partition_bytes < 1:
+        raise ValueError(f"partition_bytes must be a positive number of bytes, got {partition_bytes!r}")
+    staging = output_file.rstrip("/") + STAGING_SUFFIX
+    check_paths(input_file, output_file, error_file, storage_options)
+    lines = read_lines(input_file, partition_bytes, storage_options)
+    output = _Sink(output_file, storage_options)
+    errors = _Sink(error_file, storage_options) if error_file else None
+    try:
+        if lines is None:  # an empty input: empty outputs
+            written = skipped = partitions = tokens_in = tokens_out = 0
+            assembler = None
+        else:
+            from dfllm.accessors.writer import write_parquet
+
+            job = lines.map_partitions(BatchFunction(options, resources),
+                                       meta=pd.DataFrame({c: pd.Series([], dtype=d) for c, d in PART_COLUMNS.items()}))
+            assembler = _Assembler(staging, storage_options, output, errors, ordered=not unordered)
+            s = write_parquet(job, staging, resume=resume, storage_options=storage_options, progress=progress,
+                              on_partition=assembler.part_done)
+            assert assembler.prefix == s.partitions, "every part was streamed"
+            written, skipped, partitions = s.written, s.skipped, s.partitions
+            tokens_in, tokens_out = s.input_tokens, s.output_tokens
+        output.commit()
+        if errors is not None:
+            errors.commit()
+    except BaseException:
+        output.discard()
+        if errors is not None:
+            errors.discard()
+        raise
+    if not keep_parts and lines is not None:
+        _remove_staging(staging, storage_options)
+    return BatchSummary(output_file, error_file, assembler.lines if assembler else 0,
+                        assembler.failed if assembler else 0, partitions, written, skipped, tokens_in, tokens_out,
+                        time.perf_counter() - start)
+
+
+def check_options(model: str | None, engine_kwargs: dict, response_role: str = "assistant",
+                  served_model_name: str | None = None) -> BatchOptions:
+    """The job's :class:`~dfllm.jobs.batch.BatchOptions`, checked before any work: engine
+    argument names and vLLM values, a model that can be checked here, the role."""
+    from dfllm.engine_args import BY_NAME, check_vllm_args
+    from dfllm.llm import LLM
+
+    known = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {unknown}: they go to dfllm.LLM, which takes {sorted(known)}")
+    check_vllm_args(**{k: v for k, v in engine_kwargs.items() if k in BY_NAME})
+    if not isinstance(response_role, str) or not response_role:
+        raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
+    if model is not None:
+        from pathlib import Path
+
+        from dfllm.models.bundled import BUNDLED_MODELS, resolve_model
+        from dfllm.models.loader import check_model_dir
+
+        if model.strip().lower() in BUNDLED_MODELS or Path(model).expanduser().is_dir():
+            check_model_dir(resolve_model(model))  # else a folder only the workers have: loading there tells
+    return BatchOptions(model, tuple(sorted(engine_kwargs.items())), response_role, served_model_name)
+
+
+def check_paths(input_file: str, output_file: str, error_file: str | None = None,
+                storage_options: dict | None = None) -> None:
+    """``ValueError`` unless the input is a file and the output, the error file and the
+    staging folder (``<output>.parts``) are paths of their own."""
+    import fsspec
+
+    from dfllm.accessors.writer import _normal
+
+    fs, where = fsspec.core.url_to_fs(input_file, **(storage_options or {}))
+    if not fs.isfile(where):
+        raise ValueError(f"the input file {input_file} does not exist (or is not a file)")
+    staging = output_file.rstrip("/") + STAGING_SUFFIX
+    seen = {("input file", _normal(fs, where))}
+    for what, path in (("output file", output_file), ("error file", error_file), ("staging folder", staging)):
+        if path is None:
+            continue
+        pfs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        p = _normal(pfs, p)
+        clash = next((other for other, q in seen if q == p), None)
+        if clash is not None:
+            raise ValueError(f"the {what} {path} is the {clash}: give each its own path")
+        if what != "staging folder" and pfs.isdir(p):
+            raise ValueError(f"the {what} {path} is a folder; give a file path")
+        seen.add((what, p))
+
+
+def _remove_staging(staging: str, storage_options: dict | None) -> None:
+    from dfllm.accessors.writer import _filesystem
+
+    fs, root = _filesystem(staging, storage_options)
+    try:
+        fs.rm(root, recursive=True)
+    except FileNotFoundError:
+        pass

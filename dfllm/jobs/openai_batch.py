@@ -1,0 +1,217 @@
+"""The lines of OpenAI batch files, as typed objects: one request in, one answer out.
+
+An input line (OpenAI's batch input, which ``vllm run-batch`` reads too)::
+
+    {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}}
+
+is a :class:`BatchRequestInput` (:func:`parse_line`), its ``body`` checked into the
+endpoint's request (:mod:`dfllm.jobs.openai_requests`). Its answer is a
+:class:`BatchRequestOutput` (OpenAI's ``BatchRequestOutput`` schema)::
+
+    {"id": "batch_req_<hex>", "custom_id": "request-1",
+     "response": {"status_code": 200, "request_id": "req_<hex>", "body": {...chat.completion...}},
+     "error": null}
+
+A line that cannot be answered keeps its place and says why, in both the forms readers of
+OpenAI's and of vLLM's files look for: ``response.status_code`` is the HTTP status (400 a
+bad request, 404 an unknown ``url``, 405 a method other than POST, 500 a failure in the
+engine), ``response.body`` OpenAI's error body ``{"error": {"message", "type", "param",
+"code"}}``, and ``error`` is ``{"code", "message", "param", "line"}`` (the fields of
+OpenAI's ``BatchError``; ``line`` is the 1-based line number in the input file). Messages
+start with ``line N:`` and name the field at fault (``body.max_tokens``).
+
+The ids are derived from the line (its place in the file, its text and the job's settings),
+so a resumed job gives every line the id it had.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: The endpoints dfllm answers, by the ``url`` of a line; vLLM's spellings of score and
+#: rerank (without ``/v1``, and ``/v2/rerank``) are accepted too.
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/score": "score",
+    "/score": "score",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v2/rerank": "rerank",
+}
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
+
+
+class LineError(ValueError):
+    """Why a batch line gets an error answer instead of a response: the HTTP ``status``,
+    a short ``code`` (``invalid_json``, ``invalid_request``, ``unknown_url``,
+    ``engine_error``...), the message (without the line number: the output adds it) and
+    ``param``, the field at fault (``body.messages[0].role``) or None."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def __reduce__(self):  # keeps status, code and param across pickling (Dask workers)
+        return _rebuild, (str(self), self.status, self.code, self.param)
+
+
+def _rebuild(message: str, status: int, code: str, param: str | None) -> LineError:
+    return LineError(message, status=status, code=code, param=param)
+
+
+@dataclass
+class BatchRequestInput:
+    """One line of an input file: ``custom_id``, ``method``, ``url`` and ``body`` as given,
+    ``endpoint`` (``chat``, ``completions``, ``embeddings``, ``score`` or ``rerank``), and
+    ``request``, the body checked into that endpoint's request
+    (:class:`~dfllm.jobs.openai_requests.ChatCompletionRequest`...). ``key`` (hex) names the
+    line in the ids of its answer."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: dict
+    endpoint: str
+    request: Any
+    key: str = ""
+
+    @property
+    def id(self) -> str:
+        """The answer line's ``id``."""
+        return f"batch_req_{self.key}"
+
+    @property
+    def request_id(self) -> str:
+        """The answer's ``response.request_id``."""
+        return f"req_{self.key}"
+
+
+def parse_line(text: str, key: str = "") -> BatchRequestInput:
+    """One input line (JSON text) as a :class:`BatchRequestInput`, its body checked for its
+    endpoint; :class:`LineError` naming the field at fault otherwise."""
+    from dfllm.jobs.openai_requests import parse_body
+
+    try:
+        line = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise LineError(f"the line is not valid JSON ({exc})", code="invalid_json") from None
+    if not isinstance(line, dict):
+        raise LineError(f"the line must be a JSON object with custom_id, method, url and body, got "
+                        f"{type(line).__name__}", code="invalid_json")
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError(f"custom_id must be a non-empty string, got {custom_id!r}", param="custom_id")
+    method = line.get("method", "POST")
+    if method != "POST":
+        raise LineError(f"method must be \"POST\", got {method!r}", status=405, code="method_not_allowed",
+                        param="method")
+    url = line.get("url")
+    if not isinstance(url, str):
+        raise LineError(f"url must be one of {', '.join(SUPPORTED_URLS)}, got {url!r}", status=404,
+                        code="unknown_url", param="url")
+    endpoint = ENDPOINTS.get(url.rstrip("/"))
+    if endpoint is None:
+        raise LineError(f"URL {url} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}", status=404,
+                        code="unknown_url", param="url")
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise LineError(f"body must be a JSON object (the {url} request), got "
+                        f"{'nothing' if body is None else type(body).__name__}", param="body")
+    return BatchRequestInput(custom_id, method, url, body, endpoint, parse_body(endpoint, body, url), key)
+
+
+def custom_id_of(text: str) -> str | None:
+    """The ``custom_id`` of a line that could not be parsed as a request, when it has one
+    (so that its error line still names it)."""
+    try:
+        line = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    value = line.get("custom_id") if isinstance(line, dict) else None
+    return value if isinstance(value, str) else None
+
+
+# ---- answers ---------------------------------------------------------------------------------------
+@dataclass
+class BatchError:
+    """The ``error`` of an answer line: OpenAI's ``BatchError`` fields."""
+
+    code: str | None
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+    def body(self, status: int) -> dict:
+        """OpenAI's error response body for this error (``response.body`` of the line)."""
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class BatchResponse:
+    """The ``response`` of an answer line: ``status_code``, ``request_id`` and ``body`` (the
+    endpoint's response, or OpenAI's error body)."""
+
+    status_code: int
+    request_id: str
+    body: dict | None
+
+
+@dataclass
+class BatchRequestOutput:
+    """One line of an output (or error) file, OpenAI's ``BatchRequestOutput``."""
+
+    id: str
+    custom_id: str | None
+    response: BatchResponse | None
+    error: BatchError | None = None
+
+    def to_dict(self) -> dict:
+        response = None if self.response is None else {
+            "status_code": self.response.status_code, "request_id": self.response.request_id,
+            "body": self.response.body}
+        error = None if self.error is None else {
+            "code": self.error.code, "message": self.error.message, "param": self.error.param, "line": self.error.line}
+        return {"id": self.id, "custom_id": self.custom_id, "response": response, "error": error}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BatchRequestOutput:
+        """An answer line read back (from an output file of dfllm, vLLM or OpenAI)."""
+        r, e = data.get("response"), data.get("error")
+        response = None if r is None else BatchResponse(r.get("status_code"), r.get("request_id"), r.get("body"))
+        if isinstance(e, str):  # vLLM's older files: the message alone
+            e = {"code": None, "message": e}
+        error = None if e is None else BatchError(e.get("code"), e.get("message") or "", e.get("param"), e.get("line"))
+        return cls(data.get("id") or "", data.get("custom_id"), response, error)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the request was answered (status 200, no error)."""
+        return self.error is None and self.response is not None and self.response.status_code == 200
+
+
+def answer_line(key: str, custom_id: str | None, status: int, body_json: str | None,
+                error: BatchError | None = None) -> str:
+    """An answer line as JSON text, its body given as JSON text already (answers are
+    streamed from the job's parts without parsing their bodies again)."""
+    if error is not None:
+        body_json = json.dumps(error.body(status), ensure_ascii=False)
+        err = json.dumps({"code": error.code, "message": error.message, "param": error.param, "line": error.line},
+                         ensure_ascii=False)
+    else:
+        err = "null"
+    return (f'{{"id": "batch_req_{key}", "custom_id": {json.dumps(custom_id, ensure_ascii=False)}, '
+            f'"response": {{"status_code": {int(status)}, "request_id": "req_{key}", '
+            f'"body": {body_json if body_json is not None else "null"}}}, "error": {err}}}')
