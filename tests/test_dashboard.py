@@ -151,14 +151,27 @@ def test_a_plain_dask_job_installs_the_page_and_reports_every_worker(cluster, ti
     assert status == 200 and 'href="dfllm"' in html
 
 
-def test_every_route_of_the_schedulers_sitemap_answers_with_the_page_installed(cluster):
+@pytest.fixture
+def fresh_cluster():
+    """A cluster of its own: Dask's task-group pages (``/groups``) fail on a scheduler that
+    still holds dependents of forgotten task groups (Dask's own bookkeeping, whatever the
+    tasks), which the module's shared cluster may, depending on the tests before."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0",
+                      silence_logs=logging.ERROR) as c, Client(c) as client:
+        yield client
+
+
+def test_every_route_of_the_schedulers_sitemap_answers_with_the_page_installed(fresh_cluster):
     """Dask's ``/sitemap.json`` lists the scheduler's routes, dfllm's page and data among
     them, and each (but patterns with placeholders) answers 200 (101, the handshake, for a
     WebSocket): Dask's own walker answered 500 on the Bokeh applications' static routes."""
     from dfllm.dashboard import install
 
-    client = cluster
-    page = install(client)  # as dfllm run does (a second load, after a job's, does nothing)
+    client = fresh_cluster
+    assert client.submit(sum, [1, 2]).result() == 3  # a plain Dask task first
+    page = install(client)  # as dfllm run does
     assert page == base_url(client)
     root = page.rsplit("/", 1)[0]
     status, text = get_text(root + "/sitemap.json")
