@@ -55,6 +55,16 @@ earlier writes to the folder.
   task reported, so the summary's ``rows`` is what a reader reads; otherwise (another job
   wrote to the folder meanwhile) ``write_parquet`` raises ``RuntimeError``.
 
+**Budgets.** With ``budget=`` (a :class:`~dfllm.accessors.budget.Budget` of prompt and/or
+generated tokens), once the partitions this write computed have used a bound no new
+partition starts: the partitions already running finish and are written, the others are
+not started (see :mod:`dfllm.accessors.budget`). Such a write stops there: the end-of-write
+cleanup above is skipped (earlier parts, key records and set-aside parts stay, for the
+resumed write to keep or copy), every finished part is checked by its footer, and the
+summary says why it stopped (``stopped``) and how many partitions it did not write
+(``missing``). The folder then may hold earlier parts beside this write's, as after a
+failed write; ``resume=True`` finishes it, exact.
+
 A write that fails part-way leaves a mix of old and new parts (a reader may then see some
 rows twice or not at all); run it again with ``resume=True`` to make the folder exact
 without redoing the finished partitions. Two jobs must not write to the same folder at
@@ -83,6 +93,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.arrow_schema import INDEX, conform, job_schema, unify_counts, value_types
+from dfllm.accessors.budget import Budget, Gate
 from dfllm.accessors.dask_ext import WritableFunction, llm_origin
 from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.accessors.write_key import model_key
@@ -103,7 +114,10 @@ class WriteSummary:
     """What a write did: partitions written and skipped, rows, rows with ``llm_error``,
     prompt and generated tokens (generation tasks; 0 otherwise) and wall seconds.
     Skipped partitions count with the figures recorded when they were written; ``rows``
-    is checked against the parts' footers, so it is what a reader of ``path`` reads."""
+    is checked against the parts' footers, so it is what a reader of ``path`` reads.
+    A write stopped by its budget says why in ``stopped`` (None: it ran to the end), and
+    ``missing`` is how many of its partitions it did not write (``resume=True`` does them);
+    its figures are those of the partitions it finished."""
 
     path: str
     partitions: int
@@ -114,11 +128,14 @@ class WriteSummary:
     input_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
+    stopped: str | None = None
+    missing: int = 0
 
 
 def write_parquet(result, path: str, *, resume: bool = False, storage_options: dict | None = None,
                   progress: bool = True, resources: dict | None = None,
-                  on_partition: Callable[[int, dict], None] | None = None) -> WriteSummary:
+                  on_partition: Callable[[int, dict], None] | None = None,
+                  budget: Budget | None = None) -> WriteSummary:
     """Write the lazy result of a Dask ``.llm`` call or of a processor
     (:func:`dfllm.build_processor`) to a parquet dataset at ``path``.
 
@@ -134,6 +151,11 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     (written or kept), in the order they finish, with its record (``key``, ``rows``,
     ``errors``, token counts, ``written``): ``dfllm run-batch`` streams the parts into its
     JSONL output while the others run. Parts are checked once more when all are done.
+
+    ``budget`` (a :class:`~dfllm.accessors.budget.Budget`) bounds the prompt and generated
+    tokens of the partitions this write computes: once reached, no new partition starts and
+    the write returns with ``stopped`` and ``missing`` set, its finished parts in place for
+    ``resume=True`` (see the module docstring).
     """
     start = time.perf_counter()
     origin = llm_origin(result)
@@ -155,18 +177,29 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     earlier = dask.delayed(_earlier_parts(fs, root) if resume else {}, traverse=False)  # one graph key
     parts = source.to_delayed()
     run = uuid.uuid4().hex[:8]
+    gate = Gate(budget, _client() is not None) if budget else None
     jobs = [dask.delayed(_write_partition, pure=False)(p, func, write_key, path, i, storage_options, resume, earlier,
-                                                       schema, dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
+                                                       schema, gate, dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
             for i, p in enumerate(parts)]
-    results = _compute(jobs, progress, resources, on_result=on_partition)
+    if budget and gate is not None:
+        try:
+            found, stopped = _compute_budgeted(jobs, progress, resources, gate, on_partition)
+        finally:
+            gate.forget()
+    else:
+        found, stopped = _compute(jobs, progress, resources, on_result=on_partition), None
+    results = [r for r in found if r is not None and not r.get("stopped")]  # the partitions finished
     fs.invalidate_cache(root)  # listings cached before the workers wrote (s3fs, gcsfs...)
-    _remove_leftovers(fs, root, len(parts))
+    missing = len(parts) - len(results)
+    if not missing:
+        stopped = None  # the budget was reached by the last partitions: the write is complete
+        _remove_leftovers(fs, root, len(parts))
     _write_common_metadata(fs, root, schema)
-    _check_written(fs, root, path, results)
+    _check_written(fs, root, path, [r if r is not None and not r.get("stopped") else None for r in found])
     return WriteSummary(path, len(parts), sum(r["written"] for r in results), sum(not r["written"] for r in results),
                         sum(r["rows"] for r in results), sum(r["errors"] for r in results),
                         sum(r.get("input_tokens", 0) for r in results), sum(r.get("output_tokens", 0) for r in results),
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, stopped, missing)
 
 
 def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "llm partitions",
@@ -193,6 +226,61 @@ def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "l
         if on_result is not None:
             on_result(order[fut.key], out[order[fut.key]])
     return out
+
+
+def _client():
+    """The default distributed client, or None."""
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except (ImportError, ValueError):
+        return None
+
+
+def _compute_budgeted(jobs, progress: bool, resources: dict | None, gate: Gate,
+                      on_result: Callable[[int, dict], None] | None = None) -> tuple[list, str | None]:
+    """The write jobs' results in order (None for a job cancelled, ``{"stopped": True}`` for
+    one that started after the budget was reached) and why the budget stopped the write
+    (None: it was not reached). The jobs keep ``gate``'s totals themselves; once it closes,
+    the jobs no worker has started are cancelled."""
+    client = _client()
+    if client is None:  # the local scheduler: jobs starting after the gate closed return at once
+        out = list(dask.compute(*jobs))
+        for i, result in enumerate(out if on_result is not None else ()):
+            if not result.get("stopped"):
+                on_result(i, result)
+    else:
+        from distributed import as_completed
+        from tqdm.auto import tqdm
+
+        futures = client.compute(jobs, resources=resources)
+        order = {f.key: i for i, f in enumerate(futures)}
+        out = [None] * len(futures)
+        cancelled = False
+        with tqdm(total=len(futures), desc="llm partitions", disable=not progress) as bar:
+            for fut in as_completed(futures):
+                if fut.cancelled():
+                    continue
+                i = order[fut.key]
+                out[i] = fut.result()
+                if out[i].get("stopped"):
+                    continue
+                bar.update()
+                if on_result is not None:
+                    on_result(i, out[i])
+                if not cancelled and gate.closed():
+                    cancelled = True
+                    unstarted = set(client.run_on_scheduler(_not_started,
+                                                            keys=[f.key for f in futures if not f.done()]))
+                    client.cancel([f for f in futures if f.key in unstarted])
+    return out, gate.budget.reached(*gate.spent())
+
+
+def _not_started(keys: list, dask_scheduler=None) -> list:
+    """Of these task keys, those no worker has started (run on the scheduler)."""
+    tasks = dask_scheduler.tasks
+    return [k for k in keys if k not in tasks or tasks[k].state not in ("processing", "memory", "erred")]
 
 
 # ---- the write's schema --------------------------------------------------------------------------------
@@ -293,13 +381,17 @@ def _set_aside(root: str, key: str) -> str:
 
 # ---- one partition ----------------------------------------------------------------------------------------
 def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, path: str, i: int, storage_options,
-                     resume: bool, earlier: dict[str, list[str]], schema: pa.Schema) -> dict:
+                     resume: bool, earlier: dict[str, list[str]], schema: pa.Schema, gate: Gate | None = None) -> dict:
     """Write, keep, or copy from an earlier part, partition ``i``'s part; returns its record
     (key, row, error and token counts) and ``written`` (False if it was not recomputed).
+    Once the write's budget ``gate`` is closed a partition does nothing (not even keep or
+    copy an earlier part): ``{"stopped": True}``.
 
     Only this task changes ``part.i`` and its key; before replacing an earlier part of
     other rows it sets that part aside, so another partition of this write that holds
     those rows can still copy it (``earlier``: key -> where an earlier write put it)."""
+    if gate is not None and gate.closed():
+        return {"stopped": True}
     fs, root = _filesystem(path, storage_options)
     key = partition_key(df, f"{write_key}\0models={model_key(func.model_sources())}")
     if resume:
@@ -319,6 +411,8 @@ def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, p
     record = {"key": key, "rows": table.num_rows, "errors": errors,
               "input_tokens": _total(out, NUM_INPUT_TOKENS), "output_tokens": _total(out, NUM_GENERATED_TOKENS)}
     _replace_part(fs, root, i, _parquet_bytes(table, record), record, resume)
+    if gate is not None:  # before returning: a partition starting next on this thread sees the budget
+        gate.spend(record["input_tokens"], record["output_tokens"])
     return {**record, "written": True}
 
 
@@ -562,12 +656,19 @@ def _write_common_metadata(fs, root: str, schema: pa.Schema) -> None:
     _atomic_write(fs, f"{root}/{COMMON_METADATA}", buf.getvalue())
 
 
-def _check_written(fs, root: str, path: str, results: list[dict]) -> None:
+def _check_written(fs, root: str, path: str, results: list[dict | None]) -> None:
     """Read the parts' footers back: exactly this write's parts, each with the key and row
-    count its task reported; raise ``RuntimeError`` otherwise (another writer interfered)."""
-    expected = [_part(root, i) for i in range(len(results))]
+    count its task reported; raise ``RuntimeError`` otherwise (another writer interfered).
+    A write stopped by its budget (None for each partition it did not finish) checks only
+    the parts it finished: the folder may hold others until it is resumed."""
+    complete = all(r is not None for r in results)
+    done = [(i, r) for i, r in enumerate(results) if r is not None]
+    expected = [_part(root, i) for i, _ in done]
     present = set(_listing(fs, root, PART))
-    if present != set(expected):
+    if not complete and not set(expected) <= present:
+        raise RuntimeError(f"{path} changed while it was written (missing {sorted(set(expected) - present)[:3]}); "
+                           "is another job writing to the same folder?")
+    if complete and present != set(expected):
         extra, missing = sorted(present - set(expected)), sorted(set(expected) - present)
         raise RuntimeError(f"{path} changed while it was written (missing {missing[:3]}, extra {extra[:3]}); "
                            "is another job writing to the same folder?")
@@ -578,7 +679,7 @@ def _check_written(fs, root: str, path: str, results: list[dict]) -> None:
 
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(expected)))) as pool:
         footers = list(pool.map(read, expected))
-    for file, (rows, record, _), result in zip(expected, footers, results):
+    for file, (rows, record, _), (_, result) in zip(expected, footers, done):
         if record.get("key") != result["key"] or rows != result["rows"]:
             raise RuntimeError(f"{file} holds {rows} rows of key {str(record.get('key'))[:12]}, not the "
                                f"{result['rows']} rows of key {result['key'][:12]} this write made; "
