@@ -6,15 +6,18 @@ processor config (``ProcessorConfig(cache=...)``) or ``--cache URL`` on ``dfllm 
 path or fsspec URL, or a :class:`ResponseCache` (URL, ``storage_options``, ``max_bytes``).
 
 **What is cached.** A request is looked up only when its output is deterministic: greedy
-(``temperature=0``) or seeded (``seed`` set); anything else, and any request whose params
-have no stable key (a logits processor, a callable), bypasses the cache. Its key is the
-SHA-256 of the canonical JSON (:func:`dfllm.accessors.write_key.canonical`) of
+(``temperature=0``) or seeded (``seed`` set); anything else, any request for several
+completions (``n > 1``: an entry holds one) and any request whose params have no stable key
+(a logits processor, a callable) bypasses the cache. Its key is the SHA-256 of the
+canonical JSON (:func:`dfllm.accessors.write_key.canonical`) of
 
 - the engine's identity: the loaded model's content identity
   (:func:`dfllm.models.identity.model_identity`: config, tokenizer and chat template by
   content, weights by size, time and header), the task's engine arguments, the resolved
   dtype, KV-cache dtype, quantization and device type, and dfllm's version;
 - the exact prompt token ids (after the template and the chat template);
+- with a reasoning parser, how it splits the request's text (its ``key``: Qwen3's depends
+  on ``enable_thinking``; a ``dfllm run-batch`` completions line's text is not split);
 - every field of the request's :class:`~dfllm.sampling_params.SamplingParams` (max tokens,
   stops, penalties, structured output constraint, logprobs...).
 
@@ -175,14 +178,17 @@ def engine_identity(config: EngineConfig, engine_kwargs: tuple) -> str | None:
 
 def request_key(engine: str, request: EngineRequest) -> str | None:
     """The key text of ``request`` on the engine of identity ``engine``, or None when the
-    request bypasses the cache (its output is not deterministic, or its params have no
-    stable key)."""
+    request bypasses the cache (its output is not deterministic, it asks for several
+    completions, or its params have no stable key)."""
     params = request.params
-    if not (params.is_greedy or params.seed is not None):
+    if not (params.is_greedy or params.seed is not None) or params.n != 1:  # an entry holds one completion
         return None
+    fields = {"format": FORMAT, "engine": engine, "prompt_token_ids": list(request.prompt_token_ids),
+              "params": params}
+    if request.reasoning is not None:  # how its text is split into reasoning and answer
+        fields["reasoning"] = list(request.reasoning.key)
     try:
-        return canonical({"format": FORMAT, "engine": engine, "prompt_token_ids": list(request.prompt_token_ids),
-                          "params": params})
+        return canonical(fields)
     except TypeError:  # a logits processor or another callable
         return None
 

@@ -22,17 +22,30 @@ Without ``--model`` a chat or completions line runs on the bundled chat model an
 embeddings, score or rerank line on the bundled MiniLM; with a model, every line runs on
 it, and a line whose endpoint the model does not serve (embeddings on a generative model)
 gets a 400 saying so.
+
+With a reasoning parser (``--reasoning-parser``, the ``reasoning_parser`` engine argument),
+a chat line's message carries the reasoning in ``reasoning_content`` (and ``reasoning``) and
+the answer alone in ``content``, as vLLM's chat responses do; a completions line's text stays
+whole (reasoning, ``</think>`` and answer), as vLLM's completions responses do, while its
+structured output still constrains only what follows the reasoning (:class:`WholeText`).
+
+With a response cache (:class:`Engines`' ``cache``), the generative lines' requests go
+through :func:`dfllm.accessors.response_cache.generate_cached`: a deterministic request
+(greedy, or seeded) asked before on the same engine is answered from the cache, not the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dfllm.accessors.driver import driver
+from dfllm.accessors.response_cache import ResponseCache, generate_cached
 from dfllm.errors import InvalidRequestError
 from dfllm.jobs.openai_batch import BatchRequestInput, LineError
 from dfllm.jobs.openai_requests import (
@@ -44,6 +57,7 @@ from dfllm.jobs.openai_requests import (
 )
 from dfllm.jobs.openai_responses import chat_completion, completion, embeddings, rerank, scores
 from dfllm.pooling_params import PoolingParams
+from dfllm.reasoning import ReasoningParser
 
 GENERATIVE = ("chat", "completions")
 POOLING = ("embeddings", "score", "rerank")
@@ -96,15 +110,35 @@ class UnsupportedEndpoint(LineError):
     """The job's model does not serve the line's endpoint."""
 
 
+def unsupported_endpoint(endpoint: str, options: BatchOptions) -> UnsupportedEndpoint:
+    """The error of a line whose endpoint the job's model does not serve (a generative
+    endpoint on a pooling model, or a pooling endpoint on a generative one)."""
+    model = options.model_name(endpoint)
+    if endpoint in GENERATIVE:
+        return UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: {model} is a pooling model "
+                                   "(embeddings, score, rerank); chat and completions need a generative model",
+                                   code="model_not_supported", param="body.model")
+    return UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: {model} is a generative model; "
+                               "embeddings, score and rerank need an embedding model or a cross-encoder (run them "
+                               "in a job of their own, with such a --model or none)", code="model_not_supported",
+                               param="body.model")
+
+
 @dataclass
 class Generation:
     """A generative engine as lines use it: its input processor (call it holding ``lock``)
-    and ``generate``, which runs checked requests in the driver's shared batches."""
+    and ``generate``, which runs checked requests in the driver's shared batches (through
+    the response cache, if the job has one)."""
 
     processor: Any
     lock: threading.Lock
     generate: Callable[[list], list]
     decode: Callable[[list[int]], str]
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the engine has a reasoning parser (its outputs' text is the answer alone)."""
+        return getattr(self.processor, "reasoning", None) is not None
 
 
 @dataclass
@@ -124,9 +158,10 @@ class PoolingModel:
 class Engines:
     """The engines a set of lines runs on: the process's cached engines (see
     :mod:`dfllm.accessors.engine_cache`), leased on first use and held until :meth:`close`
-    (use it as a context manager)."""
+    (use it as a context manager); ``cache``, the job's response cache (None: none)."""
 
     options: BatchOptions
+    cache: ResponseCache | None = None
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _entries: dict = field(default_factory=dict)
 
@@ -154,28 +189,27 @@ class Engines:
         entry = self._entry(endpoint)
         engine = entry.llm.engine
         if engine is None:
-            raise UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: "
-                                      f"{self.options.model_name(endpoint)} is a pooling model (embeddings, score, "
-                                      "rerank); chat and completions need a generative model",
-                                      code="model_not_supported", param="body.model")
+            raise unsupported_endpoint(endpoint, self.options)
         lock = entry.lock
 
         def decode(ids: list[int]) -> str:
             with lock:
                 return engine.input_processor.tokenizer.decode(ids) if engine.input_processor.tokenizer else ""
 
-        return Generation(engine.input_processor, lock, lambda reqs: driver().generate(engine, lock, reqs), decode)
+        config, engine_kwargs, cache = entry.llm.config, self.options.engine_kwargs, self.cache
+
+        def generate(requests: list) -> list:
+            run = lambda reqs: driver().generate(engine, lock, reqs)  # noqa: E731
+            return generate_cached(cache, config, engine_kwargs, requests, run)[0]
+
+        return Generation(engine.input_processor, lock, generate, decode)
 
     def pooling(self, endpoint: str) -> PoolingModel:
         """The pooling model of ``endpoint``; :class:`UnsupportedEndpoint` if the model is
         generative."""
         entry = self._entry(endpoint)
         if entry.llm.pooling_engine is None:
-            raise UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: "
-                                      f"{self.options.model_name(endpoint)} is a generative model; embeddings, "
-                                      "score and rerank need an embedding model or a cross-encoder (run them in a "
-                                      "job of their own, with such a --model or none)", code="model_not_supported",
-                                      param="body.model")
+            raise unsupported_endpoint(endpoint, self.options)
         return PoolingModel(entry.llm, entry.lock)
 
 
@@ -214,7 +248,9 @@ def _isolating(groups: list[T], run: Callable[[list[T]], list]) -> list:
         return _isolating(groups[:mid], run) + _isolating(groups[mid:], run)
 
 
-def _as_line_error(exc: BaseException, pooling: bool = False) -> LineError:
+def as_line_error(exc: BaseException, pooling: bool = False) -> LineError:
+    """The :class:`LineError` a line gets for ``exc``: a request the engine refuses is a 400
+    naming its field, any other failure a 500."""
     if isinstance(exc, LineError):
         return exc
     if isinstance(exc, InvalidRequestError) or (pooling and isinstance(exc, ValueError)):
@@ -234,9 +270,9 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
     planned: list[tuple[int, list]] = []
     for i, line in enumerate(lines):
         try:
-            planned.append((i, _engine_requests(line.request, gen)))
+            planned.append((i, engine_requests(line.request, gen)))
         except (LineError, ValueError) as exc:
-            results[i] = LineResult.failed(_as_line_error(exc))
+            results[i] = LineResult.failed(as_line_error(exc))
 
     def run(groups: list[tuple[int, list]]) -> list[list]:
         outputs = gen.generate([r for _, reqs in groups for r in reqs])
@@ -248,15 +284,16 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
 
     for (i, _), outs in zip(planned, _isolating(planned, run) if planned else []):
         if isinstance(outs, Exception):
-            results[i] = LineResult.failed(_as_line_error(outs))
+            results[i] = LineResult.failed(as_line_error(outs))
         else:
             results[i] = _generative_result(endpoint, lines[i], outs, engines.options, gen)
     return [r for r in results if r is not None]
 
 
-def _engine_requests(request, gen: Generation) -> list:
+def engine_requests(request, gen: Generation) -> list:
     """The checked engine requests of one chat or completions request (as ``LLM.chat`` and
-    ``LLM.generate`` check them)."""
+    ``LLM.generate`` check them): :class:`LineError` (or ``ValueError``) for one the engine
+    refuses. Only ``gen``'s processor and lock are used (a dry run makes them too)."""
     if isinstance(request, ChatCompletionRequest):
         with gen.lock:
             rendered = gen.processor.render_chat(
@@ -266,9 +303,46 @@ def _engine_requests(request, gen: Generation) -> list:
             return [_process(gen, rendered, request.params, "body.messages", "the conversation")]
     assert isinstance(request, CompletionRequest)
     with gen.lock:
-        return [_process(gen, p, request.params, "body.prompt" + (f"[{k}]" if len(request.prompts) > 1 else ""),
-                         "the prompt" + (f" {k}" if len(request.prompts) > 1 else ""))
-                for k, p in enumerate(request.prompts)]
+        checked = [_process(gen, p, request.params, "body.prompt" + (f"[{k}]" if len(request.prompts) > 1 else ""),
+                            "the prompt" + (f" {k}" if len(request.prompts) > 1 else ""))
+                   for k, p in enumerate(request.prompts)]
+    return [r if r.reasoning is None else dataclasses.replace(r, reasoning=WholeText(r.reasoning)) for r in checked]
+
+
+class WholeText(ReasoningParser):
+    """A reasoning parser that leaves the text whole: a completions line's, whose response
+    text vLLM does not split (only its chat responses are). Everything else is ``parser``'s,
+    so the line's structured output still engages after the reasoning, as in vLLM; its
+    :attr:`key` differs from ``parser``'s, so the engine never merges the line with an
+    identical chat request and the response cache never answers one with the other."""
+
+    name = "whole-text"
+
+    def __init__(self, parser: ReasoningParser):  # noqa: D107 (no tokenizer: nothing of its own to read)
+        self.parser = parser
+        self.chat_template_kwargs = parser.chat_template_kwargs
+
+    @property
+    def key(self) -> tuple:
+        return ("whole-text", *self.parser.key)
+
+    def for_request(self, chat_template_kwargs: Mapping[str, Any] | None) -> ReasoningParser:
+        return WholeText(self.parser.for_request(chat_template_kwargs))
+
+    def is_reasoning_end(self, input_ids: Seq[int]) -> bool:
+        return self.parser.is_reasoning_end(input_ids)
+
+    def is_reasoning_end_streaming(self, input_ids: Seq[int], delta_ids: Iterable[int]) -> bool:
+        return self.parser.is_reasoning_end_streaming(input_ids, delta_ids)
+
+    def extract_content_ids(self, input_ids: list[int]) -> list[int]:
+        return self.parser.extract_content_ids(input_ids)
+
+    def count_reasoning_tokens(self, token_ids: Seq[int]) -> int:
+        return self.parser.count_reasoning_tokens(token_ids)
+
+    def extract_reasoning(self, model_output: str, request: Any = None) -> tuple[str | None, str | None]:
+        return None, model_output
 
 
 def _process(gen: Generation, prompt, params, field_name: str, what: str):
@@ -290,7 +364,8 @@ def _generative_result(endpoint: str, line: BatchRequestInput, outputs: list, op
     model = options.model_name(endpoint)
     if isinstance(request, ChatCompletionRequest):
         body = chat_completion(outputs[0], model=model, id=f"chatcmpl-{line.key}", role=options.response_role,
-                               logprobs=request.logprobs, top_logprobs=request.top_logprobs).to_dict()
+                               logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+                               reasoning=gen.reasoning).to_dict()
     else:
         if request.echo:
             for o in outputs:
@@ -334,7 +409,7 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
     for i, outs in zip(groups, _isolating(groups, run)):
         line = lines[i]
         if isinstance(outs, Exception):
-            results.append(LineResult.failed(_as_line_error(outs, pooling=True)))
+            results.append(LineResult.failed(as_line_error(outs, pooling=True)))
             continue
         try:
             body = _pooling_body(endpoint, line, outs, name)

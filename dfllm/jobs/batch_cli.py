@@ -9,8 +9,11 @@ answers every line of an OpenAI batch input file (see :mod:`dfllm.jobs.batch_job
 nothing for a file (``--port``, ``--enable-metrics``, ``--output-tmp-dir``...) are accepted
 and change nothing, so a ``vllm run-batch`` command line runs unchanged. dfllm's own:
 ``--error-file`` (OpenAI's style: failed lines in a file of their own), ``--unordered``,
-``--resume``, ``--max-error-rate``, ``--partition-bytes``, ``--storage-options`` and the
-cluster's (``--scheduler``, ``--workers``, ``--threads``, ``--gpu``).
+``--resume``, ``--max-error-rate``, ``--partition-bytes``, ``--storage-options``, the
+response cache's (``--cache``, ``--cache-max-bytes``, ``--cache-storage-options``),
+``--dry-run`` (with ``--calibration-seconds``) and the cluster's (``--scheduler``,
+``--workers``, ``--threads``, ``--gpu``). ``--reasoning-parser`` is vLLM's: chat answers
+carry the reasoning in ``message.reasoning_content``.
 
 Exit statuses are ``dfllm run``'s (see :mod:`dfllm.jobs.cli`): 0 done; 1 an error (a missing
 input, a bad option value, an unusable model, a failed cluster); 2 bad options; 3 the
@@ -27,8 +30,8 @@ from typing import Any
 
 from dfllm.jobs.batch_job import DEFAULT_PARTITION_BYTES
 
-#: LLM arguments that are not engine flags of run-batch (``--model`` has its own; the
-#: reasoning parser is wired separately).
+#: LLM arguments that are not generic engine flags of run-batch (``--model`` and
+#: ``--reasoning-parser``, which names one of the known parsers, have their own).
 NOT_FLAGS = frozenset({"self", "model", "reasoning_parser"})
 #: vLLM's run-batch and server flags that mean nothing for a file here: accepted, no effect.
 VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str, "--port": int, "--url": str,
@@ -39,6 +42,7 @@ VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str,
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
     from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _json_object, _rate
+    from dfllm.reasoning import reasoning_parser_names
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, "
                                          "as vllm run-batch does")
@@ -68,7 +72,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
     p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--cache", metavar="URL", help="a response cache (local folder or fsspec URL) shared across "
+                   "jobs: deterministic chat and completions lines (greedy, or seeded) asked before with the same "
+                   "model, engine arguments, prompt and sampling params are answered from it without the engine "
+                   "(docs/cache.md)")
+    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
+                   help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go")
+    p.add_argument("--cache-storage-options", type=_json_object, default=None,
+                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="read and check every line, tokenize the chat and completions lines on the cluster and "
+                   "print what the job would do (lines refused and why, prompt tokens, an estimate of its time "
+                   "from a short calibration run); nothing is written (docs/dry_run.md)")
+    p.add_argument("--calibration-seconds", type=float, default=None, metavar="S",
+                   help="--dry-run: the most the calibration run may take (default 30)")
     engine = p.add_argument_group("engine arguments (dfllm.LLM's, vLLM's spelling)")
+    engine.add_argument("--reasoning-parser", choices=reasoning_parser_names(), metavar="NAME", default=None,
+                        help="a thinking model's parser: chat answers carry the reasoning in "
+                        "message.reasoning_content and the answer alone in message.content; completions text stays "
+                        f"whole, as in vLLM ({', '.join(reasoning_parser_names())})")
     add_engine_flags(engine)
     vllm = p.add_argument_group("vLLM server flags (accepted; no effect on a batch file)")
     for flag, kind in VLLM_NO_OPS.items():
@@ -134,17 +156,34 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from dfllm.jobs.cluster import connect
 
     engine_kwargs = engine_kwargs_of(args)
+    if args.reasoning_parser:
+        engine_kwargs["reasoning_parser"] = args.reasoning_parser
+    cache = cache_of(args)
+    if args.calibration_seconds is not None and not (args.dry_run and args.calibration_seconds > 0):
+        raise ValueError("--calibration-seconds applies to --dry-run and must be positive")
     check_options(args.model, engine_kwargs, args.response_role, args.served_model_name)  # before a cluster starts
     check_paths(args.input_file, args.output_file, args.error_file, args.storage_options)
     gpus = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
     with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
                  gpus_per_engine=gpus) as (client, resources):
-        _say(f"dfllm: run-batch on {_describe(client)}; dashboard {getattr(client, 'dashboard_link', None)}")
+        _say(f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {_describe(client)}; dashboard "
+             f"{getattr(client, 'dashboard_link', None)}")
+        if args.dry_run:
+            from dfllm.jobs.batch_job import dry_run_batch
+
+            report = dry_run_batch(args.input_file, model=args.model, output_file=args.output_file,
+                                   error_file=args.error_file, response_role=args.response_role,
+                                   served_model_name=args.served_model_name, partition_bytes=args.partition_bytes,
+                                   storage_options=args.storage_options, resources=resources,
+                                   progress=not args.no_progress, cache=cache,
+                                   calibration_seconds=args.calibration_seconds, **engine_kwargs)
+            print(report.format(), flush=True)
+            return 0
         summary = run_batch(args.input_file, args.output_file, model=args.model, error_file=args.error_file,
                             response_role=args.response_role, served_model_name=args.served_model_name,
                             resume=args.resume, unordered=args.unordered, partition_bytes=args.partition_bytes,
                             storage_options=args.storage_options, resources=resources,
-                            progress=not args.no_progress, keep_parts=args.keep_parts, **engine_kwargs)
+                            progress=not args.no_progress, keep_parts=args.keep_parts, cache=cache, **engine_kwargs)
     print(format_batch_summary(summary), flush=True)
     if summary.lines and summary.failed / summary.lines > args.max_error_rate:
         _say(f"dfllm: error: {summary.failed} of {summary.lines} lines ({100 * summary.failed / summary.lines:.1f}%) "
@@ -154,10 +193,31 @@ def run_batch_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache_of(args: argparse.Namespace):
+    """The job's response cache (``--cache``, ``--cache-max-bytes``,
+    ``--cache-storage-options``) as a :class:`~dfllm.accessors.response_cache.ResponseCache`, or None."""
+    if args.cache is None:
+        if args.cache_max_bytes is not None or args.cache_storage_options is not None:
+            raise ValueError("--cache-max-bytes and --cache-storage-options need --cache")
+        return None
+    from dfllm.accessors.response_cache import DEFAULT_MAX_BYTES, ResponseCache, as_cache
+
+    options = args.cache_storage_options
+    if options is None and "://" in args.cache and not args.cache.startswith("file://"):
+        options = args.storage_options
+    return as_cache(ResponseCache(args.cache, options, args.cache_max_bytes or DEFAULT_MAX_BYTES), "--cache")
+
+
 def format_batch_summary(s) -> str:
-    """The end-of-job summary: lines answered and failed, partitions, tokens, time, files."""
+    """The end-of-job summary: lines answered and failed, partitions, response cache counts,
+    tokens, time, files."""
     lines = [f"lines:       {s.lines} ({s.failed} failed)",
              f"partitions:  {s.partitions} ({s.written} computed, {s.skipped} already complete)"]
+    cache = getattr(s, "cache", None)
+    if cache is not None:
+        lines.append(f"cache:       {cache.get('hits', 0)} requests answered from the response cache, "
+                     f"{cache.get('misses', 0)} missed ({cache.get('stored', 0)} stored), "
+                     f"{cache.get('bypassed', 0)} not cacheable (sampled without a seed)")
     if s.input_tokens + s.output_tokens:
         lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
                   f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "

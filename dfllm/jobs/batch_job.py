@@ -25,6 +25,12 @@ again with ``resume=True`` (``--resume``) and only the missing partitions are co
 then the whole output is written again from the parts, so every line is answered exactly
 once. The staging folder is removed once the output is written (``keep_parts=True`` keeps
 it, so that a later resumed run recomputes nothing).
+
+``reasoning_parser=`` (``--reasoning-parser``) splits a thinking model's chat answers into
+``reasoning_content`` and ``content`` (see :mod:`dfllm.jobs.batch`); ``cache=`` (``--cache``)
+answers the deterministic lines asked before from a response cache
+(:mod:`dfllm.accessors.response_cache`). :func:`dry_run_batch` (``--dry-run``) reads and
+checks every line and tokenizes the chat and completions ones on the cluster, writing nothing.
 """
 
 from __future__ import annotations
@@ -37,16 +43,21 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.dask_ext import WritableFunction
+from dfllm.accessors.response_cache import ResponseCache, as_cache
 from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.accessors.write_key import canonical
 from dfllm.jobs.batch import BatchOptions, Engines, answer
 from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
+
+if TYPE_CHECKING:
+    from dfllm.jobs.dry_run import DryRunReport
 
 DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress
 STAGING_SUFFIX = ".parts"
@@ -73,18 +84,20 @@ class BatchSummary:
     input_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
+    cache: dict[str, int] | None = None  # with a response cache: its counts over the job (hits, misses, stored...)
 
 
 # ---- one partition ------------------------------------------------------------------------------------------
 class BatchFunction(WritableFunction):
     """What a batch job maps over the input's partitions: their lines' answers (one row per
-    line, see :data:`PART_COLUMNS`), computed with the job's :class:`~dfllm.jobs.batch.BatchOptions`."""
+    line, see :data:`PART_COLUMNS`), computed with the job's :class:`~dfllm.jobs.batch.BatchOptions`
+    and response cache (not part of the write key: a cached answer is the answer)."""
 
     kind = "batch"
     error_column = "error_code"
 
-    def __init__(self, options: BatchOptions, resources: dict | None = None):
-        self.options, self.resources = options, resources
+    def __init__(self, options: BatchOptions, resources: dict | None = None, cache: ResponseCache | None = None):
+        self.options, self.resources, self.cache = options, resources, cache
         self.__name__ = "llm-batch"
 
     @property
@@ -98,13 +111,28 @@ class BatchFunction(WritableFunction):
         return {c: d.pyarrow_dtype for c, d in PART_COLUMNS.items()}
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
-        return answer_partition(df, self.options)
+        return answer_partition(df, self.options, self.cache)
 
     def __dask_tokenize__(self):
-        return (type(self).__name__, canonical(self.options), sorted((self.resources or {}).items()))
+        return (type(self).__name__, canonical(self.options), sorted((self.resources or {}).items()),
+                None if self.cache is None else (self.cache.url, self.cache.max_bytes))
 
 
-def answer_partition(df: pd.DataFrame, options: BatchOptions) -> pd.DataFrame:
+def line_key(base: bytes, block: int, line: int, text: str) -> str:
+    """The key of input line ``line`` of block ``block`` (its ids in the answers): the job's
+    options (``base``, their digest), its place and its text."""
+    return hashlib.sha256(base + f"\0{block}\0{line}\0".encode() + text.encode("utf-8", "replace")).hexdigest()[:32]
+
+
+def parse_row(text: str, ok: bool, key: str = ""):
+    """One input line as the job reads it: the parsed request, or the :class:`LineError` of a
+    line that is not one (not valid UTF-8, not JSON, a bad field...)."""
+    if not ok:
+        raise LineError("the line is not valid UTF-8", code="invalid_json")
+    return parse_line(text, key)
+
+
+def answer_partition(df: pd.DataFrame, options: BatchOptions, cache: ResponseCache | None = None) -> pd.DataFrame:
     """The answers of one partition's lines (columns ``block``, ``line``, ``text``,
     ``utf8``), one row each, blank lines with a null status."""
     base = hashlib.sha256(canonical(options).encode()).digest()
@@ -114,14 +142,12 @@ def answer_partition(df: pd.DataFrame, options: BatchOptions) -> pd.DataFrame:
     parsed, where = [], []
     for pos, (block, line, text, ok) in enumerate(zip(df["block"].tolist(), cols["line"], df["text"].tolist(),
                                                       df["utf8"].tolist())):
-        key = hashlib.sha256(base + f"\0{block}\0{line}\0".encode() + text.encode("utf-8", "replace")).hexdigest()
-        cols["key"][pos] = key[:32]
+        key = line_key(base, block, line, text)
+        cols["key"][pos] = key
         if not text.strip():
             continue  # a blank line: skipped, as vLLM does
         try:
-            if not ok:
-                raise LineError("the line is not valid UTF-8", code="invalid_json")
-            request = parse_line(text, key[:32])
+            request = parse_row(text, ok, key)
         except LineError as exc:
             cols["custom_id"][pos] = custom_id_of(text) if ok else None
             _fill_error(cols, pos, exc)
@@ -130,7 +156,7 @@ def answer_partition(df: pd.DataFrame, options: BatchOptions) -> pd.DataFrame:
         parsed.append(request)
         where.append(pos)
     if parsed:
-        with Engines(options) as engines:
+        with Engines(options, cache) as engines:
             results = answer(parsed, engines)
         for pos, r in zip(where, results):
             if r.error is not None:
@@ -304,7 +330,8 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
               response_role: str = "assistant", served_model_name: str | None = None, resume: bool = False,
               unordered: bool = False, partition_bytes: int = DEFAULT_PARTITION_BYTES,
               storage_options: dict | None = None, resources: dict | None = None, progress: bool = True,
-              keep_parts: bool = False, **engine_kwargs) -> BatchSummary:
+              keep_parts: bool = False, reasoning_parser: str | None = None, cache=None,
+              **engine_kwargs) -> BatchSummary:
     """Answer an OpenAI batch file (JSON Lines of ``{"custom_id", "method", "url", "body"}``)
     into an output file of OpenAI's ``BatchRequestOutput`` lines; see the module docstring
     and ``docs/batch.md``.
@@ -315,8 +342,19 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
     :class:`dfllm.LLM` (``max_model_len=...``). Runs on the current Dask client's cluster
     (``resources`` as in :func:`dfllm.write_parquet`), or in this process without one.
     Bad options raise ``ValueError`` before any work; a bad line is that line's error answer.
+
+    ``reasoning_parser`` (``"qwen3"``, ``"deepseek_r1"``; vLLM's ``--reasoning-parser``): chat
+    answers carry a thinking model's reasoning in ``message.reasoning_content`` and the answer
+    alone in ``message.content`` (see :mod:`dfllm.jobs.batch`). ``cache``: a response cache
+    (a path or fsspec URL, a :class:`~dfllm.accessors.response_cache.ResponseCache` or a dict
+    of its fields): deterministic chat and completions lines (greedy, or seeded) asked before
+    on the same model and engine settings are answered from it without the engine, and the
+    new ones stored.
     """
     start = time.perf_counter()
+    cache = as_cache(cache)
+    if reasoning_parser:
+        engine_kwargs["reasoning_parser"] = reasoning_parser
     options = check_options(model, engine_kwargs, response_role, served_model_name)
     if not isinstance(partition_bytes, int) or isinstance(partition_bytes, bool) or partition_bytes < 1:
         raise ValueError(f"partition_bytes must be a positive number of bytes, got {partition_bytes!r}")
@@ -325,6 +363,7 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
     lines = read_lines(input_file, partition_bytes, storage_options)
     output = _Sink(output_file, storage_options)
     errors = _Sink(error_file, storage_options) if error_file else None
+    cache_before = cache_counts() if cache is not None else None
     try:
         if lines is None:  # an empty input: empty outputs
             written = skipped = partitions = tokens_in = tokens_out = 0
@@ -332,7 +371,7 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
         else:
             from dfllm.accessors.writer import write_parquet
 
-            job = lines.map_partitions(BatchFunction(options, resources),
+            job = lines.map_partitions(BatchFunction(options, resources, cache),
                                        meta=pd.DataFrame({c: pd.Series([], dtype=d) for c, d in PART_COLUMNS.items()}))
             assembler = _Assembler(staging, storage_options, output, errors, ordered=not unordered)
             s = write_parquet(job, staging, resume=resume, storage_options=storage_options, progress=progress,
@@ -350,9 +389,166 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
         raise
     if not keep_parts and lines is not None:
         _remove_staging(staging, storage_options)
+    cache_delta = None
+    if cache_before is not None:
+        cache_delta = {k: v - cache_before.get(k, 0) for k, v in cache_counts().items()}
     return BatchSummary(output_file, error_file, assembler.lines if assembler else 0,
                         assembler.failed if assembler else 0, partitions, written, skipped, tokens_in, tokens_out,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, cache_delta)
+
+
+def cache_counts() -> dict[str, int]:
+    """The response cache counts (:func:`dfllm.accessors.response_cache.counts`) of every
+    worker of the current Dask client's cluster, summed; of this process without one."""
+    from dfllm.accessors.response_cache import counts
+
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return counts()
+    total: dict[str, int] = {}
+    for worker in client.run(counts).values():
+        for name, n in worker.items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+# ---- the dry run --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchRequests:
+    """A batch job's lines as a dry run reads them (a :class:`~dfllm.jobs.dry_run.RequestSource`
+    for :func:`~dfllm.jobs.dry_run.dry_run_source`): each line is read and checked as
+    :func:`answer_partition` reads it, and a chat or completions line becomes requests through
+    the engine's input processor exactly as :func:`dfllm.jobs.batch.answer` makes them, so the
+    dry run refuses the lines the real run answers with an error before generating, with the
+    same messages. Embeddings, score and rerank lines run on the pooling model, not on the
+    engine the dry run checks: without ``--model`` they are counted as not estimated; with
+    ``--model`` (a generative one, which the dry run needs) they are refused, as the real run
+    refuses them."""
+
+    options: BatchOptions
+    cache: ResponseCache | None = None
+
+    @property
+    def model(self) -> str | None:
+        return self.options.model_for("chat")
+
+    @property
+    def engine_kwargs(self) -> tuple:
+        return self.options.engine_kwargs
+
+    def requests(self, df: pd.DataFrame, processor, lock) -> tuple[list, dict[int, str], dict[int, str]]:
+        from dfllm.jobs.batch import (
+            DEFAULT_POOLING_MODEL,
+            GENERATIVE,
+            Generation,
+            as_line_error,
+            engine_requests,
+            unsupported_endpoint,
+        )
+
+        gen = Generation(processor, lock, _not_here, _not_here)
+        requests: list = []
+        refused: dict[int, str] = {}
+        skipped: dict[int, str] = {}
+        for pos, (text, ok) in enumerate(zip(df["text"].tolist(), df["utf8"].tolist())):
+            try:
+                line = parse_row(text, ok)
+                if line.endpoint not in GENERATIVE:
+                    if self.options.model is None:
+                        skipped[pos] = f"{line.endpoint} lines (run on {DEFAULT_POOLING_MODEL}; a dry run checks " \
+                                       "chat and completions lines)"
+                        continue
+                    raise unsupported_endpoint(line.endpoint, self.options)
+                requests += engine_requests(line.request, gen)
+            except (LineError, ValueError) as exc:
+                refused[pos] = str(as_line_error(exc))
+        return requests, refused, skipped
+
+    def cache_hits(self, requests: list, config) -> list[bool] | None:
+        if self.cache is None:
+            return None
+        from dfllm.jobs.dry_run import cached_requests
+
+        return cached_requests(self.cache, config, self.options.engine_kwargs, requests)
+
+
+def _not_here(*args):
+    raise AssertionError("a dry run generates nothing")
+
+
+def dry_run_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """One partition's lines for a dry run: blank lines left out (the job skips them), each
+    line labelled by its ``custom_id`` (by its place when it has none: ``line N`` of the
+    file, or of a later partition)."""
+    keep = df[[bool(t.strip()) for t in df["text"].tolist()]]
+    labels = []
+    for block, line, text, ok in zip(keep["block"].tolist(), keep["line"].tolist(), keep["text"].tolist(),
+                                     keep["utf8"].tolist()):
+        cid = custom_id_of(text) if ok else None
+        labels.append(cid if cid else f"line {line + 1}" + (f" of partition {block}" if block else ""))
+    return keep.set_axis(pd.Index(labels, dtype=object), axis=0)
+
+
+def dry_run_batch(input_file: str, *, model: str | None = None, output_file: str | None = None,
+                  error_file: str | None = None, response_role: str = "assistant",
+                  served_model_name: str | None = None, partition_bytes: int = DEFAULT_PARTITION_BYTES,
+                  storage_options: dict | None = None, resources: dict | None = None, progress: bool = False,
+                  reasoning_parser: str | None = None, cache=None, sample_rows: int | None = None,
+                  calibration_seconds: float | None = None, **engine_kwargs) -> DryRunReport:
+    """A dry run of :func:`run_batch` with the same arguments (``dfllm run-batch --dry-run``):
+    every line read and checked, and every chat and completions line rendered and tokenized
+    by the job's engine on the cluster (the current Dask client's, else this process), then a
+    short calibration run and an estimate of the job's time; see :mod:`dfllm.jobs.dry_run`.
+    Nothing is written: no output, no ``<output>.parts`` folder, no cache entry (``cache``
+    is looked up, by name). ``output_file`` and ``error_file`` are checked as the real run
+    checks them, read only. Returns the :class:`~dfllm.jobs.dry_run.DryRunReport`, whose rows
+    are the non-blank lines and whose "would run" counts the engine's requests (a
+    completions line with several prompts is several); embeddings, score and rerank lines
+    are not estimated (see :class:`BatchRequests`)."""
+    from dfllm.jobs.dry_run import (
+        DEFAULT_CALIBRATION_SECONDS,
+        DEFAULT_SAMPLE_ROWS,
+        build_report,
+        cluster_shape,
+        dry_run_source,
+    )
+
+    start = time.perf_counter()
+    cache = as_cache(cache)
+    if reasoning_parser:
+        engine_kwargs["reasoning_parser"] = reasoning_parser
+    options = check_options(model, engine_kwargs, response_role, served_model_name)
+    if not isinstance(partition_bytes, int) or isinstance(partition_bytes, bool) or partition_bytes < 1:
+        raise ValueError(f"partition_bytes must be a positive number of bytes, got {partition_bytes!r}")
+    if output_file is not None:
+        check_paths(input_file, output_file, error_file, storage_options)
+    else:
+        check_input(input_file, storage_options)
+    lines = read_lines(input_file, partition_bytes, storage_options)
+    if lines is None:
+        report = build_report([], None, cluster_shape(resources), 0.0, f"run-batch of {input_file} (empty)")
+    else:
+        meta = _INPUT_META.set_axis(pd.Index([], dtype=object), axis=0)
+        rows = lines.map_partitions(dry_run_rows, meta=meta)
+        report = dry_run_source(rows, BatchRequests(options, cache), resources=resources, progress=progress,
+                                sample_rows=DEFAULT_SAMPLE_ROWS if sample_rows is None else sample_rows,
+                                calibration_seconds=calibration_seconds or DEFAULT_CALIBRATION_SECONDS,
+                                what=f"run-batch of {input_file} ({lines.npartitions:,} partition(s))")
+    if output_file is not None:
+        import fsspec
+
+        fs, where = fsspec.core.url_to_fs(output_file, **(storage_options or {}))
+        staging = output_file.rstrip("/") + STAGING_SUFFIX
+        sfs, swhere = fsspec.core.url_to_fs(staging, **(storage_options or {}))
+        report.output = output_file + (" (exists: the run replaces it)" if fs.exists(where) else
+                                       " (does not exist yet)")
+        if sfs.exists(swhere):
+            report.output += f"; {staging} holds an earlier run's parts (--resume keeps those still complete)"
+    report.seconds = time.perf_counter() - start
+    return report
 
 
 def check_options(model: str | None, engine_kwargs: dict, response_role: str = "assistant",
@@ -388,9 +584,7 @@ def check_paths(input_file: str, output_file: str, error_file: str | None = None
 
     from dfllm.accessors.writer import _normal
 
-    fs, where = fsspec.core.url_to_fs(input_file, **(storage_options or {}))
-    if not fs.isfile(where):
-        raise ValueError(f"the input file {input_file} does not exist (or is not a file)")
+    fs, where = check_input(input_file, storage_options)
     staging = output_file.rstrip("/") + STAGING_SUFFIX
     seen = {("input file", _normal(fs, where))}
     for what, path in (("output file", output_file), ("error file", error_file), ("staging folder", staging)):
@@ -404,6 +598,16 @@ def check_paths(input_file: str, output_file: str, error_file: str | None = None
         if what != "staging folder" and pfs.isdir(p):
             raise ValueError(f"the {what} {path} is a folder; give a file path")
         seen.add((what, p))
+
+
+def check_input(input_file: str, storage_options: dict | None = None) -> tuple:
+    """``(filesystem, path)`` of the input; ``ValueError`` unless it is a file."""
+    import fsspec
+
+    fs, where = fsspec.core.url_to_fs(input_file, **(storage_options or {}))
+    if not fs.isfile(where):
+        raise ValueError(f"the input file {input_file} does not exist (or is not a file)")
+    return fs, where
 
 
 def _remove_staging(staging: str, storage_options: dict | None) -> None:

@@ -30,7 +30,8 @@ cache entry. Three passes, all on the cluster that would run the job:
 
 :func:`dry_run_source` is the same for any source frame and any :class:`RequestSource` (what
 turns a partition's rows into engine requests): :class:`TaskRequests` for an ``.llm`` task;
-``dfllm run-batch`` gives its own.
+``dfllm run-batch`` gives its own (:class:`dfllm.jobs.batch_job.BatchRequests`), whose
+embeddings, score and rerank lines run on another engine and are counted as not estimated.
 """
 
 from __future__ import annotations
@@ -82,10 +83,13 @@ class RequestSource(Protocol):
         ...
 
     def requests(self, df: pd.DataFrame, processor: InputProcessor,
-                 lock: threading.Lock) -> tuple[list[EngineRequest], dict[int, str]]:
+                 lock: threading.Lock) -> tuple[list[EngineRequest], dict[int, str]] | tuple[
+                     list[EngineRequest], dict[int, str], dict[int, str]]:
         """The requests the real run would hand to the engine for ``df``'s rows, one per row
         not refused, in row order; and the refused rows: row position -> the message its
-        ``llm_error`` would hold. Call ``processor`` holding ``lock``."""
+        ``llm_error`` would hold. Call ``processor`` holding ``lock``. A source whose rows do
+        not all run on this engine adds a third item, the rows the dry run does not estimate:
+        row position -> why (rows neither run here nor refused)."""
         ...
 
     def cache_hits(self, requests: list[EngineRequest], config: EngineConfig) -> list[bool] | None:
@@ -209,6 +213,7 @@ class PartitionSurvey:
     engine: EngineFacts
     load_seconds: float  # loading the engine, if this task did
     seconds: float
+    not_estimated: dict[str, int] = dataclasses.field(default_factory=dict)  # why -> rows run elsewhere
 
 
 def survey_partition(df: pd.DataFrame, source: RequestSource, partition: int) -> PartitionSurvey:
@@ -221,10 +226,15 @@ def survey_partition(df: pd.DataFrame, source: RequestSource, partition: int) ->
     with lease(source.model, dict(source.engine_kwargs)) as entry:
         load = time.perf_counter() - start if load_count() > loads else 0.0
         engine = _generative(entry.llm)
-        requests, refused = source.requests(df, engine.input_processor, entry.lock) if len(df) else ([], {})
+        got = source.requests(df, engine.input_processor, entry.lock) if len(df) else ([], {})
+        requests, refused = got[0], got[1]
+        skipped: dict[int, str] = got[2] if len(got) > 2 else {}
         hits = source.cache_hits(requests, entry.llm.config) if requests else None
         facts = engine_facts(entry.llm)
-    return _summarize(partition, df, requests, refused, hits, facts, load, time.perf_counter() - start)
+    survey = _summarize(partition, df, requests, refused, hits, facts, load, time.perf_counter() - start,
+                        skipped)
+    survey.not_estimated = dict(Counter(skipped.values()))
+    return survey
 
 
 def _generative(llm) -> LLMEngine:
@@ -242,7 +252,8 @@ def engine_facts(llm) -> EngineFacts:
 
 
 def _summarize(partition: int, df: pd.DataFrame, requests: list[EngineRequest], refused: dict[int, str],
-               hits: list[bool] | None, facts: EngineFacts, load: float, seconds: float) -> PartitionSurvey:
+               hits: list[bool] | None, facts: EngineFacts, load: float, seconds: float,
+               skipped: dict[int, str] | None = None) -> PartitionSurvey:
     lengths = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
     limits = np.array([generation_limit(r, facts.max_model_len) for r in requests], dtype=np.int64)
     reasons: dict[str, list] = {}
@@ -277,7 +288,7 @@ def _summarize(partition: int, df: pd.DataFrame, requests: list[EngineRequest], 
     longest: tuple[int, Any] = (0, None)
     if len(requests):
         k = int(lengths.argmax())
-        positions = sorted(set(range(len(df))) - set(refused))  # the accepted rows, in row order
+        positions = sorted(set(range(len(df))) - set(refused) - set(skipped or {}))  # the accepted rows, in order
         longest = (int(lengths[k]), _label(df.index[positions[k]]) if len(positions) == len(requests) else None)
     return PartitionSurvey(partition, len(df), lengths, limits, runs, len(refused), reasons, longest, duplicates,
                            duplicate_tokens, np.array(digests, dtype=np.uint64), np.array(sorted(blocks),
@@ -557,12 +568,20 @@ class DryRunReport:
     output: str | None = None  # what the output folder holds now
     budget: str | None = None  # when a token budget would stop the job
     seconds: float = 0.0
+    not_estimated: dict[str, int] = dataclasses.field(default_factory=dict)  # why -> rows neither run nor refused
+
+    @property
+    def skipped(self) -> int:
+        """Rows the dry run does not estimate (run by another engine)."""
+        return sum(self.not_estimated.values())
 
     def format(self) -> str:
         """The report as ``dfllm run --dry-run`` prints it."""
         lines = [f"dry run:          {self.what}; nothing was written"]
         lines.append(f"rows:             {self.rows:,} in {self.partitions:,} partition(s); {self.accepted:,} would "
-                     f"run, {self.refused:,} refused")
+                     f"run, {self.refused:,} refused" + (f", {self.skipped:,} not estimated" if self.skipped else ""))
+        for why, n in sorted(self.not_estimated.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  not estimated:  {n:,} x {why}")
         for r in self.refusals:
             row, message = r.examples[0] if r.examples else (None, "")
             example = f"row {row!r}" + ("" if message == r.reason else f": {_short(message)}")
@@ -761,6 +780,9 @@ def build_report(surveys: list[PartitionSurvey], calibration: Calibration | None
         job_duplicates=job_duplicates, prefix_cached_tokens=(looked_up - distinct_blocks) * bs,
         looked_up_tokens=looked_up * bs, cache_hits=sum(hits) if hits else None, engine=facts,
         calibration=calibration, estimate=None)
+    for s in surveys:
+        for why, n in s.not_estimated.items():
+            report.not_estimated[why] = report.not_estimated.get(why, 0) + n
     if calibration is not None and calibration.rows and facts is not None:
         report.estimate = estimate(surveys, calibration, shape, read_seconds, report.prefix_cached_tokens, facts)
     if budget:

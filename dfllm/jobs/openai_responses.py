@@ -43,12 +43,14 @@ class _Body:
 
 @dataclass
 class ChatMessage(_Body):
-    """The generated message of a chat choice."""
+    """The generated message of a chat choice; ``reasoning``: a thinking model's reasoning,
+    given (under vLLM's names, see :func:`chat_completion`) only with a reasoning parser."""
 
     role: str
     content: str | None
     refusal: str | None = None
     tool_calls: list = field(default_factory=list)
+    reasoning: str | None = None
 
 
 @dataclass
@@ -70,6 +72,17 @@ class ChatCompletion(_Body):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    split_reasoning: bool = False  # not in the body: whether the messages carry their reasoning
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        split = out.pop("split_reasoning")
+        for choice in out["choices"]:
+            message = choice["message"]
+            reasoning = message.pop("reasoning")
+            if split:  # vLLM's field and its older name, which vLLM's messages carry both
+                message["reasoning"] = message["reasoning_content"] = reasoning
+        return out
 
 
 @dataclass
@@ -157,14 +170,23 @@ def _now() -> int:
 
 
 def chat_completion(output: RequestOutput, *, model: str, id: str, role: str = "assistant", logprobs: bool = False,
-                    top_logprobs: int = 0, created: int | None = None) -> ChatCompletion:
-    """The ``chat.completion`` body of one conversation's output (``LLM.chat(...)[i]``)."""
-    choices = [ChatChoice(c.index, ChatMessage(role, c.text),
+                    top_logprobs: int = 0, created: int | None = None, reasoning: bool = False) -> ChatCompletion:
+    """The ``chat.completion`` body of one conversation's output (``LLM.chat(...)[i]``).
+
+    ``reasoning``: the engine has a reasoning parser (``LLM(reasoning_parser=...)``), so each
+    completion's ``text`` is its answer and ``reasoning_content`` its reasoning. Then, as in
+    vLLM's chat responses, each message carries ``reasoning_content`` (and ``reasoning``,
+    vLLM's newer name for it, with the same value; null when the parser found none) and
+    ``content`` is the answer alone, null when there is none (the reasoning never ended).
+    The usage counts every generated token, the reasoning's included."""
+    choices = [ChatChoice(c.index, ChatMessage(role, (c.text or None) if reasoning else c.text,
+                                               reasoning=c.reasoning_content),
                           {"content": _chat_logprobs(c, top_logprobs), "refusal": None} if logprobs else None,
                           c.finish_reason, c.stop_reason)
                for c in output.outputs]
     return ChatCompletion(id, created if created is not None else _now(), model, choices,
-                          Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)))
+                          Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
+                          split_reasoning=reasoning)
 
 
 def completion(outputs: list[RequestOutput], *, model: str, id: str, echo: bool = False,
