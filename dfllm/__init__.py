@@ -2,8 +2,10 @@
 
 from dfllm import accessors  # noqa: F401  (registers .llm on Dask, pandas and Polars)
 from dfllm.accessors.engine_cache import release_engines
+from dfllm.accessors.response_cache import ResponseCache
 from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.errors import InvalidRequestError, VLLMValidationError
+from dfllm.jobs.batch_job import BatchSummary, run_batch
 from dfllm.jobs.processor import (
     ChatTemplateStageConfig,
     DetokenizeStageConfig,
@@ -43,6 +45,6 @@ __all__ = [
     "ProcessorConfig", "Processor", "build_processor", "StructuredOutputsParams", "RequestFailedError",
     "release_engines", "vLLMEngineProcessorConfig", "build_llm_processor", "InvalidRequestError",
     "VLLMValidationError", "ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
-    "PrepareMultimodalStageConfig", "PrepareImageStageConfig",
+    "PrepareMultimodalStageConfig", "PrepareImageStageConfig", "run_batch", "BatchSummary", "ResponseCache",
 ]
 __version__ = "0.1.0"

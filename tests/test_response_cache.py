@@ -38,6 +38,14 @@ COLUMNS = ["from_cache", "num_cached_tokens", "time_taken_llm"]
 OUTPUTS = ["generated_text", "num_input_tokens", "num_generated_tokens", "finish_reason", "llm_error"]
 
 
+@pytest.fixture(autouse=True)
+def no_idle_engines():
+    """Each test starts with no idle engine in this process: a test's new engine would
+    otherwise evict the least recently used one (DFLLM_MAX_ENGINES), and its count with it."""
+    dfllm.release_engines()
+    yield
+
+
 def engine_requests() -> int:
     """Requests this process's engines finished (each engine's finished-request histogram)."""
     from dfllm.accessors.engine_cache import engines_now

@@ -12,6 +12,8 @@ see :mod:`dfllm.jobs.processor`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import dask.dataframe as dd
 import pandas as pd
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
@@ -68,7 +70,9 @@ class PartitionFunction(WritableFunction):
 
     @property
     def write_key(self) -> str:
-        return canonical(self.task)  # every field: the model's name, sampling and engine settings
+        # every field (the model's name, sampling and engine settings) but the response cache,
+        # which decides no output: a resumed write may add, move or drop it
+        return canonical(dataclasses.replace(self.task, cache=None))
 
     def model_sources(self) -> tuple:
         return (self.task.model,)

@@ -47,7 +47,7 @@ class LLMFrameMethods:
 
     def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = _COLUMN["generate"],
                  on_error: str = "null", json_schema=None, choice=None, engine_columns=(), sort_by=None,
-                 resources: dict | None = None, **engine_kwargs):
+                 resources: dict | None = None, cache=None, **engine_kwargs):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
 
         Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
@@ -58,7 +58,13 @@ class LLMFrameMethods:
         before ``llm_error`` (see :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`):
         ``"num_cached_tokens"`` (int64: prompt tokens served from the prefix cache, or by
         computing an identical request once), ``"rendered_prompt"``, ``"prompt_token_ids"``,
-        ``"generated_tokens"``, ``"logprobs"``, ``"prompt_logprobs"``, ``"time_taken_llm"``.
+        ``"generated_tokens"``, ``"logprobs"``, ``"prompt_logprobs"``, ``"time_taken_llm"``,
+        ``"from_cache"`` (bool: answered from the response cache).
+
+        ``cache`` (a local path or fsspec URL, a :class:`dfllm.ResponseCache`, or a dict of its
+        fields) answers deterministic rows (greedy, or seeded) asked before with the same
+        model, prompt tokens and sampling params from that store, without the engine, and
+        stores the others' outputs (docs/cache.md).
 
         ``sort_by`` (a key or a list of keys) sorts each partition's rows by a column (say
         ``"doc_id"``) or by ``"prompt"`` (the rendered prompt, so that rows sharing a prefix
@@ -70,26 +76,33 @@ class LLMFrameMethods:
         ``choice`` (a list of strings) makes it a categorical of those values. A row whose
         output did not complete within ``max_tokens`` gets null and an ``llm_error``.
 
+        ``reasoning_parser="qwen3"`` (or ``"deepseek_r1"``; an engine argument, see
+        :mod:`dfllm.reasoning`) splits a thinking model's output: the reasoning goes to a
+        string column ``reasoning_content`` (before ``llm_error``), the output column keeps
+        the answer, and ``json_schema``/``choice`` constrain the answer only.
+
         ``resources`` (Dask only), e.g. ``{"GPU": 0.25}``, makes the ``llm-*`` tasks run on
         workers declaring those resources (see :func:`dfllm.jobs.cluster.task_resources`),
         whatever computes or writes the result.
         """
         return self._call("generate", (prompt,), resources, output_column=output_column, model=model,
                           sampling_params=sampling_params, on_error=on_error, engine_kwargs=engine_kwargs,
-                          json_schema=json_schema, choice=choice, engine_columns=engine_columns, sort_by=sort_by)
+                          json_schema=json_schema, choice=choice, engine_columns=engine_columns, sort_by=sort_by,
+                          cache=cache)
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
              output_column: str = _COLUMN["chat"], on_error: str = "null", json_schema=None, choice=None,
              chat_template: str | None = None, engine_columns=(), sort_by=None, resources: dict | None = None,
-             **engine_kwargs):
+             cache=None, **engine_kwargs):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
-        ``json_schema``, ``choice``, ``engine_columns``, ``sort_by`` and ``resources`` as in
+        ``json_schema``, ``choice``, ``engine_columns``, ``sort_by``, ``resources`` and ``cache`` as in
         ``generate`` (``sort_by="prompt"`` sorts by the conversation as the chat template
         renders it); ``chat_template`` (Jinja text) replaces the tokenizer's template."""
         return self._call("chat", (messages,), resources, output_column=output_column, model=model,
                           sampling_params=sampling_params, system=system, on_error=on_error,
                           engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
-                          chat_template=chat_template, engine_columns=engine_columns, sort_by=sort_by)
+                          chat_template=chat_template, engine_columns=engine_columns, sort_by=sort_by,
+                          cache=cache)
 
     def embed(self, text: str, *, model=None, output_column: str = _COLUMN["embed"], on_error: str = "null",
               resources: dict | None = None, **engine_kwargs):

@@ -29,6 +29,7 @@ from dfllm.accessors.schema import (
     NUM_GENERATED_TOKENS,
     NUM_INPUT_TOKENS,
     PROBS,
+    REASONING_CONTENT,
     STRING,
     VECTOR,
     structured_dtype,
@@ -53,15 +54,19 @@ class TaskKind:
     model_required: str | None = None  # what to pass as model= when the kind has no default
     engine_columns: tuple[str, ...] = ()  # the ENGINE_COLUMNS a task of this kind may ask for
 
-    def output_dtypes(self, output_column: str, structured: tuple = (),
-                      engine_columns: tuple[str, ...] = ()) -> dict[str, pd.api.extensions.ExtensionDtype | str]:
+    def output_dtypes(self, output_column: str, structured: tuple = (), engine_columns: tuple[str, ...] = (),
+                      reasoning: bool = False) -> dict[str, pd.api.extensions.ExtensionDtype | str]:
         """Columns the task adds, in order, with their dtypes (``llm_error`` always last).
 
         ``structured`` is ``("json", schema_text)`` or ``("choice", (values...))`` for a
         constrained generation (its main column is typed from it), else empty.
-        ``engine_columns`` (of this kind's) are added before ``llm_error``."""
+        ``engine_columns`` (of this kind's) are added before ``llm_error``, and then, for a
+        generative kind whose engine has a reasoning parser (``reasoning``), the string column
+        ``reasoning_content`` (:mod:`dfllm.reasoning`)."""
         main = structured_dtype(structured) if structured else self.output_dtype
         extra = {name: engine_dtype(self.name, name) for name in engine_columns}
+        if reasoning and self.generative:
+            extra[REASONING_CONTENT] = STRING
         return {output_column: main, **dict(self.other_columns), **extra, LLM_ERROR: STRING}
 
 
@@ -86,16 +91,21 @@ _INTS = pd.ArrowDtype(pa.list_(pa.int64()))
 #: - ``num_cached_tokens`` (generative kinds; vLLM's ``RequestOutput.num_cached_tokens``, not
 #:   one of Ray's columns): the row's prompt tokens that were not computed for it, served
 #:   from the prefix cache or, for a copy of an identical request computed once
-#:   (``deduplicate_requests``), every prompt token but the last.
+#:   (``deduplicate_requests``), every prompt token but the last; for a row answered from
+#:   the response cache, every prompt token;
+#: - ``from_cache`` (generative kinds, bool): whether the row was answered from the response
+#:   cache (``cache=``, see :mod:`dfllm.accessors.response_cache`) without the engine; its
+#:   ``time_taken_llm`` is then 0.
 ENGINE_COLUMNS: dict[str, pd.api.extensions.ExtensionDtype | str] = {
     "rendered_prompt": STRING, "prompt_token_ids": _INTS, "generated_tokens": _INTS, "logprobs": "object",
     "prompt_logprobs": "object", "time_taken_llm": FLOAT, "embeddings": VECTOR, "num_cached_tokens": INT,
+    "from_cache": pd.ArrowDtype(pa.bool_()),
 }
 #: Arrow types of the engine columns that pandas holds as Python objects (one entry per
 #: token; the first prompt token's is null), for the parquet writer's schema.
 ENGINE_ARROW_TYPES = {"logprobs": pa.list_(LOGPROB_MAP), "prompt_logprobs": pa.list_(LOGPROB_MAP)}
 _GENERATION_ENGINE = ("rendered_prompt", "prompt_token_ids", "generated_tokens", "logprobs", "prompt_logprobs",
-                      "time_taken_llm", "num_cached_tokens")
+                      "time_taken_llm", "num_cached_tokens", "from_cache")
 _POOLING_ENGINE = ("embeddings", "time_taken_llm")
 
 

@@ -12,9 +12,15 @@ task using the engine (:class:`Generation`). A pooling runner (``embed``, ``scor
 ``classify``) calls the model's pooling method on the driver thread (:class:`Pooling`),
 with each row's pooling params.
 
+With a response cache (``LLMTask.cache``), a generative runner answers the deterministic
+requests found there without the engine and stores the outputs of the others (see
+:mod:`dfllm.accessors.response_cache`); the engine column ``from_cache`` says which.
+
 A task that asks for engine columns (``LLMTask.engine_columns``, see
 :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`: Ray Data LLM's engine stage's outputs) gets
-them filled by its runner from the engine's outputs, on the rows that got through.
+them filled by its runner from the engine's outputs, on the rows that got through; so does
+``reasoning_content``, the reasoning a generative task's engine split off the answer when it
+has a reasoning parser (``reasoning_parser=``, :mod:`dfllm.reasoning`).
 
 A generative task with sort keys (``LLMTask.sort_by``) hands its requests to the engine in
 that order (:func:`request_order`: by a column, or by the rendered prompt so that rows
@@ -34,6 +40,7 @@ import pandas as pd
 
 from dfllm.accessors.driver import driver
 from dfllm.accessors.engine_cache import lease
+from dfllm.accessors.response_cache import generate_cached
 from dfllm.accessors.rows import (
     cell_texts,
     conversations,
@@ -50,6 +57,7 @@ from dfllm.accessors.schema import (
     NUM_GENERATED_TOKENS,
     NUM_INPUT_TOKENS,
     PROBS,
+    REASONING_CONTENT,
     SORT_BY_PROMPT,
     structured_value,
 )
@@ -60,6 +68,7 @@ from dfllm.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from dfllm.accessors.task import LLMTask
+    from dfllm.config import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +78,7 @@ class Generation:
     processor: InputProcessor  # tokenizes, renders chats, checks requests: call it holding ``lock``
     lock: threading.Lock
     generate: Callable[[list[EngineRequest]], list[RequestOutput]]  # outputs in order, batched with other tasks
+    config: EngineConfig | None = None  # the engine's resolved settings (the response cache's key reads them)
 
 
 class Pooling:
@@ -105,7 +115,8 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
                     raise ValueError(f"{task.kind}: {entry.llm.config.model_path.name} is loaded as a pooling "
                                      "model; use embed, classify, score or encode")
                 generate = lambda requests: driver().generate(engine, entry.lock, requests, progress)  # noqa: E731
-                spec.runner(df, task, out, Generation(engine.input_processor, entry.lock, generate))
+                spec.runner(df, task, out, Generation(engine.input_processor, entry.lock, generate,
+                                                      entry.llm.config))
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
 
@@ -179,9 +190,9 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
         rows, requests = [rows[k] for k in order], [requests[k] for k in order]
     dtype = task.output_dtypes()[task.output_column] if task.structured else None
     start = time.perf_counter()
-    outputs = gen.generate(requests)
+    outputs, cached = generate_cached(task.cache, gen.config, task.engine_kwargs, requests, gen.generate)
     took = time.perf_counter() - start
-    for i, req, r in zip(rows, requests, outputs):
+    for i, req, r, hit in zip(rows, requests, outputs, cached):
         c = r.outputs[0]
         out[NUM_INPUT_TOKENS][i] = len(r.prompt_token_ids)
         out[NUM_GENERATED_TOKENS][i] = len(c.token_ids)
@@ -189,7 +200,9 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
         if c.finish_reason == "error":  # e.g. non-finite logits: this row's error, not the batch's
             row_error(task, out, i, c.error or "generation failed")
             continue
-        _engine_columns(task, out, i, gen, req, r, took)
+        _engine_columns(task, out, i, gen, req, r, 0.0 if hit else took, hit)
+        if REASONING_CONTENT in out:  # the engine's reasoning parser split the text (dfllm.reasoning)
+            out[REASONING_CONTENT][i] = c.reasoning_content
         if not task.structured:
             out[task.output_column][i] = c.text
             continue
@@ -227,15 +240,17 @@ def _sort_codes(values: pd.Series) -> list:
 
 
 def _engine_columns(task: LLMTask, out: dict, i: int, gen: Generation, req: EngineRequest, r: RequestOutput,
-                    took: float) -> None:
-    """Row ``i``'s engine columns that the task asks for (see ``kinds.ENGINE_COLUMNS``)."""
+                    took: float, from_cache: bool = False) -> None:
+    """Row ``i``'s engine columns that the task asks for (see ``kinds.ENGINE_COLUMNS``);
+    ``from_cache``: the row was answered from the response cache."""
     want = task.engine_columns
     if not want:
         return
     c = r.outputs[0]
     values = {"prompt_token_ids": list(r.prompt_token_ids), "generated_tokens": list(c.token_ids),
               "time_taken_llm": took, "logprobs": logprob_dicts(c.logprobs),
-              "prompt_logprobs": logprob_dicts(r.prompt_logprobs), "num_cached_tokens": r.num_cached_tokens}
+              "prompt_logprobs": logprob_dicts(r.prompt_logprobs), "num_cached_tokens": r.num_cached_tokens,
+              "from_cache": from_cache}
     if "rendered_prompt" in want:
         prompt = r.prompt if r.prompt is not None else req.prompt
         if prompt is None:  # a row given as token ids: their text

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
+from dfllm.accessors.response_cache import ResponseCache, as_cache
 from dfllm.accessors.rows import is_template, template_fields
-from dfllm.accessors.schema import LLM_ERROR, SORT_BY_PROMPT
+from dfllm.accessors.schema import LLM_ERROR, REASONING_CONTENT, SORT_BY_PROMPT
 from dfllm.inputs import check_unicode
 from dfllm.pooling_params import PoolingParams
+from dfllm.reasoning import reasoning_parser_of
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 
@@ -49,6 +51,9 @@ class LLMTask:
     # generative: the keys a partition's requests are sorted by before they go to the engine
     # (column names, or schema.SORT_BY_PROMPT for the rendered prompt); outputs keep row order
     sort_by: tuple[str, ...] = ()
+    # generative: the response cache deterministic requests are answered from and stored in
+    # (dfllm.accessors.response_cache); it decides no output, so a resumed write's key leaves it out
+    cache: ResponseCache | None = None
 
     @property
     def spec(self) -> TaskKind:
@@ -65,9 +70,15 @@ class LLMTask:
                  self.prompt_token_ids_column)
         return cols | {c for c in extra if c} | {c for c in self.sort_by if c != SORT_BY_PROMPT}
 
+    @property
+    def reasoning(self) -> bool:
+        """Whether a generative task's engine has a reasoning parser (``reasoning_parser=``):
+        its rows then get a ``reasoning_content`` column (see :mod:`dfllm.reasoning`)."""
+        return self.spec.generative and reasoning_parser_of(dict(self.engine_kwargs)) is not None
+
     def output_dtypes(self) -> dict:
         """The columns the task adds, in order, with their dtypes (``llm_error`` last)."""
-        return self.spec.output_dtypes(self.output_column, self.structured, self.engine_columns)
+        return self.spec.output_dtypes(self.output_column, self.structured, self.engine_columns, self.reasoning)
 
     def pooling_params(self) -> PoolingParams:
         """The task's PoolingParams (a row's own replace them, with a pooling column)."""
@@ -86,7 +97,7 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
               chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None,
               engine_columns: tuple[str, ...] = (), pooling_params=None, chat_template_kwargs=None,
               continue_final_message: bool = False, prompt_token_ids: str | None = None,
-              sort_by: str | list[str] | tuple[str, ...] | None = None) -> LLMTask:
+              sort_by: str | list[str] | tuple[str, ...] | None = None, cache=None) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``).
 
     ``model_check`` checks the task's model (default: :func:`check_model`, here and now).
@@ -97,7 +108,9 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     conversation whose last message is not the user's; ``prompt_token_ids`` (generative)
     names a column of token id lists generated from where not null. ``sort_by`` (generative)
     is a key or a list of keys, each a column name or ``"prompt"`` (the rendered prompt):
-    each partition's requests go to the engine in that order (see :func:`check_sort_by`)."""
+    each partition's requests go to the engine in that order (see :func:`check_sort_by`).
+    ``cache`` (generative) is a response cache (a path or URL, a :class:`ResponseCache` or a
+    dict of its fields; see :func:`dfllm.accessors.response_cache.as_cache`)."""
     spec = task_kind(kind)
     if len(inputs) != spec.inputs:
         raise ValueError(f"{kind} takes {spec.inputs} input column(s) or template(s), got {len(inputs)}")
@@ -120,19 +133,26 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     if continue_final_message and kind != "chat":
         raise ValueError("continue_final_message is only for chat")
     sort_keys = check_sort_by(sort_by, columns, kind)
+    response_cache = as_cache(cache)
+    if response_cache is not None and not spec.generative:
+        raise ValueError(f"{kind} takes no cache (the response cache is for generate and chat)")
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
                    sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
                    structured=structured, chat_template=chat_template,
                    engine_columns=tuple(dict.fromkeys(engine_columns)), pooling=pooling, pooling_column=pooling_column,
                    chat_template_kwargs=ctk, chat_template_kwargs_column=ctk_column,
                    continue_final_message=bool(continue_final_message), prompt_token_ids_column=prompt_token_ids,
-                   sort_by=sort_keys)
+                   sort_by=sort_keys, cache=response_cache)
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
     missing = sorted(task.columns_needed() - set(map(str, columns)))
     if missing:
         raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {list(columns)})")
-    own = [output_column, *(name for name, _ in spec.other_columns), *task.engine_columns, LLM_ERROR]
+    try:  # an unknown reasoning parser fails now, naming the call
+        reasoning = [REASONING_CONTENT] if task.reasoning else []
+    except ValueError as exc:
+        raise ValueError(f"{kind}: {exc}") from None
+    own = [output_column, *(name for name, _ in spec.other_columns), *task.engine_columns, *reasoning, LLM_ERROR]
     if own.count(output_column) > 1:
         raise ValueError(f"{kind}: output_column {output_column!r} is one of the columns {kind} itself writes "
                          f"({list(dict.fromkeys(own))}); choose another output_column")

@@ -41,7 +41,7 @@ VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str,
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
-    from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _json_object, _rate
+    from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _bytes, _json_object, _rate
     from dfllm.reasoning import reasoning_parser_names
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, "
@@ -101,18 +101,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _bytes(text: str) -> int:
-    from dask.utils import parse_bytes
-
-    try:
-        value = parse_bytes(text)
-    except (ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"must be a size like 1048576, 1MiB or 4MB, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
-    return value
-
-
 def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
@@ -152,7 +140,7 @@ def engine_kwargs_of(args: argparse.Namespace) -> dict:
 def run_batch_command(args: argparse.Namespace) -> int:
     """``dfllm run-batch``: the job on its cluster, then the summary; the exit status."""
     from dfllm.jobs.batch_job import check_options, check_paths, run_batch
-    from dfllm.jobs.cli import EXIT_TOO_MANY_ERRORS, _describe, _say
+    from dfllm.jobs.cli import EXIT_TOO_MANY_ERRORS, _describe, _say, cache_of
     from dfllm.jobs.cluster import connect
 
     engine_kwargs = engine_kwargs_of(args)
@@ -191,21 +179,6 @@ def run_batch_command(args: argparse.Namespace) -> int:
              f"{summary.output_file}" + (f" and {summary.error_file}" if summary.error_file else ""))
         return EXIT_TOO_MANY_ERRORS
     return 0
-
-
-def cache_of(args: argparse.Namespace):
-    """The job's response cache (``--cache``, ``--cache-max-bytes``,
-    ``--cache-storage-options``) as a :class:`~dfllm.accessors.response_cache.ResponseCache`, or None."""
-    if args.cache is None:
-        if args.cache_max_bytes is not None or args.cache_storage_options is not None:
-            raise ValueError("--cache-max-bytes and --cache-storage-options need --cache")
-        return None
-    from dfllm.accessors.response_cache import DEFAULT_MAX_BYTES, ResponseCache, as_cache
-
-    options = args.cache_storage_options
-    if options is None and "://" in args.cache and not args.cache.startswith("file://"):
-        options = args.storage_options
-    return as_cache(ResponseCache(args.cache, options, args.cache_max_bytes or DEFAULT_MAX_BYTES), "--cache")
 
 
 def format_batch_summary(s) -> str:

@@ -1,9 +1,12 @@
-"""The ``dfllm`` command: ``dfllm run INPUT OUTPUT``, ``dfllm models`` and ``dfllm demo``.
+"""The ``dfllm`` command: ``dfllm run INPUT OUTPUT``, ``dfllm run-batch``, ``dfllm models`` and ``dfllm demo``.
 
 ``dfllm run`` reads parquet, CSV or JSON Lines (a file, folder or glob; any fsspec URL),
 runs one ``.llm`` task over it on a Dask cluster and writes a parquet dataset with
 :func:`dfllm.write_parquet` (atomic, resumable partitions). Sampling defaults to greedy
 decoding (``--temperature 0``) so that a rerun, or a resumed run, gives the same text.
+``--dry-run`` prints what the job would do (rows refused, tokens, an estimate of its time)
+and writes nothing (:mod:`dfllm.jobs.dry_run`); ``--max-prompt-tokens`` and
+``--max-generated-tokens`` stop it cleanly at a budget (:mod:`dfllm.accessors.budget`).
 
 Exit statuses, for schedulers (Airflow, cron, CI):
 
@@ -14,6 +17,9 @@ Exit statuses, for schedulers (Airflow, cron, CI):
 - 2: bad options (usage);
 - 3: the job ran and wrote all its output, but more than ``--max-error-rate`` of the
   rows have an ``llm_error``: the summary as usual, then one line on stderr saying so;
+- 4: a token budget (``--max-prompt-tokens``, ``--max-generated-tokens``) stopped the job:
+  the partitions finished are written and kept, the rest are not (``--resume`` finishes
+  it); the summary as usual, then one line on stderr saying so;
 - 130: interrupted.
 """
 
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dfllm.accessors.kinds import KINDS
+from dfllm.reasoning import reasoning_parser_names
 
 if TYPE_CHECKING:
     from dfllm.accessors.writer import WriteSummary
@@ -35,6 +42,7 @@ if TYPE_CHECKING:
 TASKS = tuple(KINDS)
 DEFAULT_MAX_ERROR_RATE = 0.5
 EXIT_TOO_MANY_ERRORS = 3
+EXIT_BUDGET = 4  # a token budget stopped the job; finished parts kept, --resume finishes it
 DEFAULT_INPUT = {"generate": "prompt", "chat": "messages", "embed": "text", "classify": "text", "score": "text_1"}
 
 
@@ -56,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", help="where to write the results (default: a temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--scheduler", help="address of a running Dask scheduler")
+    from dfllm.jobs.batch_cli import add_parser as add_run_batch
+
+    add_run_batch(sub)  # OpenAI batch files, vllm run-batch's flags (dfllm.jobs.batch_cli)
     return parser
 
 
@@ -75,6 +86,10 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    ".json file); the output column is a struct of its fields")
     p.add_argument("--choice", help="generate/chat: constrain output to one of these comma-separated values "
                    "(a categorical column)")
+    p.add_argument("--reasoning-parser", choices=reasoning_parser_names(), metavar="NAME",
+                   help="generate/chat with a thinking model: put the reasoning (<think>...</think>) in a "
+                   "reasoning_content column and only the answer in the output column "
+                   f"({', '.join(reasoning_parser_names())})")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
     size.add_argument("--npartitions", type=int, help="number of partitions")
@@ -86,6 +101,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help="exit with status 3 (after writing the output) if more than this share of the rows "
                    f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)")
     p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
+    p.add_argument("--cache", metavar="URL", help="generate/chat: a response cache (local folder or fsspec URL) "
+                   "shared across jobs: deterministic rows (greedy, or --seed) asked before with the same model, "
+                   "prompt and sampling params are answered from it without the engine (docs/cache.md)")
+    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
+                   help="bound on the cache's size, e.g. 500M or 2G (default 1G); least recently used entries go")
+    p.add_argument("--cache-storage-options", type=_json_object, default=None,
+                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
     p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
@@ -93,6 +115,17 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="read and check the input and options, tokenize every row on the cluster and print what "
+                   "the job would do (rows refused, prompt tokens, prefix sharing, an estimate of its time from a "
+                   "short calibration run); nothing is written (docs/dry_run.md)")
+    p.add_argument("--calibration-seconds", type=_positive_float, default=None, metavar="S",
+                   help="--dry-run: the most the calibration run may take (default 30)")
+    p.add_argument("--max-prompt-tokens", type=_positive_int, metavar="N",
+                   help="generate/chat: a budget; once the partitions computed hold N prompt tokens no new "
+                   f"partition starts (those running finish), exit status {EXIT_BUDGET}; --resume finishes the job")
+    p.add_argument("--max-generated-tokens", type=_positive_int, metavar="N",
+                   help="generate/chat: a budget of generated tokens, as --max-prompt-tokens")
 
 
 def _rate(text: str) -> float:
@@ -102,6 +135,39 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
     if not 0.0 <= value <= 1.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """A byte count as Dask reads one (``1048576``, ``500MB``, ``2GiB``)."""
+    from dask.utils import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"must be a size like 1048576, 500MB or 2GiB, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
     return value
 
 
@@ -137,6 +203,10 @@ def engine_kwargs_from(args) -> dict:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.pipeline_parallel_size != 1:
         kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if getattr(args, "reasoning_parser", None):
+        if not KINDS[args.task].generative:
+            raise ValueError("--reasoning-parser applies to --task generate or chat")
+        kwargs["reasoning_parser"] = args.reasoning_parser
     return kwargs
 
 
@@ -153,6 +223,9 @@ def build_job(args, resources: dict | None = None):
     first = args.prompt or _default_input(args.task, ddf.columns)
     common = {"model": args.model, "on_error": args.on_error, "resources": resources, **engine_kwargs_from(args)}
     constraint = structured_from(args)
+    cache = cache_from(args)
+    if cache is not None:
+        constraint["cache"] = cache
     if args.task == "score":
         return ddf.llm.score(first, args.right or "text_2", **common)
     if args.task in ("embed", "classify"):
@@ -186,6 +259,30 @@ def structured_from(args) -> dict:
     return {}
 
 
+def cache_from(args):
+    """The job's response cache (``--cache``, ``--cache-max-bytes``,
+    ``--cache-storage-options``), or None."""
+    if args.cache is not None and not KINDS[args.task].generative:
+        raise ValueError("--cache applies to --task generate or chat")
+    return cache_of(args)
+
+
+def cache_of(args):
+    """The response cache that ``--cache``, ``--cache-max-bytes`` and ``--cache-storage-options``
+    name (``dfllm run`` and ``dfllm run-batch``), or None; the cache's storage options default
+    to ``--storage-options`` for a URL with a protocol."""
+    if args.cache is None:
+        if args.cache_max_bytes is not None or args.cache_storage_options is not None:
+            raise ValueError("--cache-max-bytes and --cache-storage-options need --cache")
+        return None
+    from dfllm.accessors.response_cache import DEFAULT_MAX_BYTES, ResponseCache, as_cache
+
+    options = args.cache_storage_options
+    if options is None and "://" in args.cache and not args.cache.startswith("file://"):
+        options = args.storage_options
+    return as_cache(ResponseCache(args.cache, options, args.cache_max_bytes or DEFAULT_MAX_BYTES), "--cache")
+
+
 def _default_input(task: str, columns) -> str:
     name = DEFAULT_INPUT[task]
     if name not in columns:
@@ -199,6 +296,9 @@ def run(args) -> int:
     from dfllm.jobs.cluster import connect
 
     refuse_overlap([args.input], args.output, args.storage_options)  # before the input is even read
+    budget = budget_from(args)
+    if args.calibration_seconds is not None and not args.dry_run:
+        raise ValueError("--calibration-seconds applies to --dry-run")
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
         build_job(args)
     gpus = args.tensor_parallel_size * args.pipeline_parallel_size
@@ -210,15 +310,45 @@ def run(args) -> int:
         page = page_link(client)
         _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}"
              + (f"; dfllm page {page}" if page else ""))
-        before = deduplicated_requests(client)
+        if args.dry_run:
+            return print_dry_run(args, job, budget)
+        before, cache_before = deduplicated_requests(client), cache_counts(client)
         summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, budget=budget)
         deduplicated = deduplicated_requests(client) - before
-    print(format_summary(summary, deduplicated), flush=True)
+        cache = {k: v - cache_before.get(k, 0) for k, v in cache_counts(client).items()} if args.cache else None
+    print(format_summary(summary, deduplicated, cache), flush=True)
+    if summary.stopped:
+        _say(f"dfllm: stopped: {summary.stopped}; {summary.missing} of {summary.partitions} partition(s) not "
+             f"written; run again with --resume to finish the job in {summary.path}")
+        return EXIT_BUDGET
     failed = too_many_errors(summary, args.max_error_rate)
     if failed:
         _say(f"dfllm: error: {failed}")
         return EXIT_TOO_MANY_ERRORS
+    return 0
+
+
+def budget_from(args):
+    """The job's token budget (``--max-prompt-tokens``, ``--max-generated-tokens``) as a
+    :class:`~dfllm.accessors.budget.Budget`, or None."""
+    if args.max_prompt_tokens is None and args.max_generated_tokens is None:
+        return None
+    if not KINDS[args.task].generative:
+        raise ValueError("--max-prompt-tokens and --max-generated-tokens apply to --task generate or chat")
+    from dfllm.accessors.budget import Budget
+
+    return Budget(args.max_prompt_tokens, args.max_generated_tokens)
+
+
+def print_dry_run(args, job, budget=None) -> int:
+    """``dfllm run --dry-run``: the report of :func:`dfllm.jobs.dry_run.dry_run` on stdout."""
+    from dfllm.jobs.dry_run import DEFAULT_CALIBRATION_SECONDS, dry_run
+
+    report = dry_run(job, output=args.output, storage_options=args.storage_options, budget=budget,
+                     calibration_seconds=args.calibration_seconds or DEFAULT_CALIBRATION_SECONDS,
+                     progress=not args.no_progress)
+    print(report.format(), flush=True)
     return 0
 
 
@@ -242,6 +372,17 @@ def deduplicated_requests(client) -> int:
     return sum(client.run(_engine_deduplicated).values())
 
 
+def cache_counts(client) -> dict[str, int]:
+    """The response cache counts of every worker (:func:`dfllm.accessors.response_cache.counts`), summed."""
+    from dfllm.accessors.response_cache import counts
+
+    total: dict[str, int] = {}
+    for worker in client.run(counts).values():
+        for name, n in worker.items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
 def _engine_deduplicated() -> int:
     from dfllm.accessors.engine_cache import engines_now
 
@@ -249,13 +390,21 @@ def _engine_deduplicated() -> int:
                for m in llm.get_metrics() if m.name == "dfllm_deduplicated_requests")
 
 
-def format_summary(s, deduplicated: int = 0) -> str:
-    """The end-of-job summary: rows, errors, rows computed once for identical rows, tokens,
-    throughput, time and where the output is."""
+def format_summary(s, deduplicated: int = 0, cache: dict[str, int] | None = None) -> str:
+    """The end-of-job summary: rows, errors, rows computed once for identical rows, rows
+    answered from the response cache (``cache``: the job's cache counts, with ``--cache``),
+    tokens, throughput, time and where the output is."""
     tokens = s.input_tokens + s.output_tokens
     lines = [f"rows:        {s.rows} ({s.errors} with llm_error"
              + (f", {deduplicated} answered from an identical row" if deduplicated else "") + ")",
-             f"partitions:  {s.partitions} ({s.written} written, {s.skipped} already complete)"]
+             f"partitions:  {s.partitions} ({s.written} written, {s.skipped} already complete"
+             + (f", {s.missing} not written" if getattr(s, "missing", 0) else "") + ")"]
+    if getattr(s, "stopped", None):
+        lines.append(f"stopped:     {s.stopped}; --resume finishes the job")
+    if cache is not None:
+        lines.append(f"cache:       {cache.get('hits', 0)} rows answered from the response cache, "
+                     f"{cache.get('misses', 0)} missed ({cache.get('stored', 0)} stored), "
+                     f"{cache.get('bypassed', 0)} not cacheable (sampled without a seed)")
     if tokens:
         lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
                   f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
@@ -336,7 +485,14 @@ def demo(args) -> int:
     return status
 
 
-COMMANDS = {"run": run, "models": models, "demo": demo}
+def run_batch(args) -> int:
+    """``dfllm run-batch``: see :mod:`dfllm.jobs.batch_cli`."""
+    from dfllm.jobs.batch_cli import run_batch_command
+
+    return run_batch_command(args)
+
+
+COMMANDS = {"run": run, "run-batch": run_batch, "models": models, "demo": demo}
 
 
 def main(argv: list[str] | None = None) -> int:

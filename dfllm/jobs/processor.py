@@ -18,7 +18,10 @@ columns (and ``llm_error``, None for every row ``postprocess`` sees):
   one dict per generated token mapping token id -> ``{"logprob": float, "rank": int,
   "decoded_token": str}`` (the sampled token and the top ``k``). ``prompt_logprobs`` (for
   ``prompt_logprobs=k``) likewise, one entry per prompt token, the first None. Ray's
-  ``metrics``, ``request_id``, ``batch_uuid`` and ``params`` are not given.
+  ``metrics``, ``request_id``, ``batch_uuid`` and ``params`` are not given. With
+  ``engine_kwargs={"reasoning_parser": "qwen3"}`` (or ``"deepseek_r1"``, :mod:`dfllm.reasoning`)
+  the row also gets ``reasoning_content`` (the reasoning; None if there is none) and
+  ``generated_text`` only the answer.
 - ``embed``, ``classify``, ``score``: Ray's ``embeddings`` (the vector; the class
   probabilities; ``[score]``) and ``time_taken_llm``, beside dfllm's ``embedding``,
   ``label``/``probs`` and ``score``.
@@ -155,6 +158,7 @@ import pyarrow as pa
 from dfllm.accessors.dask_ext import WritableFunction
 from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.placement import check_resources, run_placed
+from dfllm.accessors.response_cache import as_cache
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.task import make_task
 from dfllm.accessors.write_key import canonical
@@ -177,7 +181,7 @@ _NOT_OUTPUT_FIELDS = {"concurrency", "accelerator_type", "resources", "runtime_e
                       "resources_per_bundle", "max_concurrent_batches", "max_tasks_in_flight_per_actor",
                       "max_pending_requests", "log_engine_metrics", "experimental", "chat_template_stage",
                       "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage", "prepare_image_stage",
-                      "tokenize", "detokenize", "has_image"}
+                      "tokenize", "detokenize", "has_image", "cache"}
 _STAGE_KEYS = {"enabled", "batch_size", "concurrency", "num_cpus", "num_gpus", "memory", "runtime_env", "model_source"}
 _CHAT_STAGE_KEYS = _STAGE_KEYS | {"chat_template", "chat_template_kwargs"}
 RAY_ERROR = "__inference_error__"
@@ -309,6 +313,11 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
       ``builder_kwargs``): extra variables for the chat template (e.g. ``{"enable_thinking":
       False}``), passed to its rendering; a row's own ``chat_template_kwargs`` (from
       preprocess, a dfllm addition) are merged over them.
+    - ``cache`` (dfllm's): a response cache for generate (a path or fsspec URL, a
+      :class:`dfllm.ResponseCache` or a dict of its fields; see
+      :mod:`dfllm.accessors.response_cache`): deterministic rows asked before with the same
+      model, prompt tokens and sampling params are answered from it without the engine. It
+      decides no output, so it is not part of a resumed write's key.
     """
 
     model_source: str | None = None
@@ -339,6 +348,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
     log_engine_metrics: bool = True
     dynamic_lora_loading_path: str | None = None
     experimental: dict | None = None
+    cache: Any = None  # dfllm's response cache (None: none)
 
     def __post_init__(self) -> None:
         if self.task_type not in TASK_TYPES:
@@ -400,6 +410,9 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
                                                   or not self.accelerator_type):
             raise ValueError(f"accelerator_type must be a non-empty string like 'H100', got {self.accelerator_type!r}")
         self.resources = check_resources(self.resources)
+        self.cache = as_cache(self.cache, "cache")
+        if self.cache is not None and not KINDS[self.task_type].generative:
+            raise ValueError(f"cache: the response cache is for task_type='generate', not {self.task_type!r}")
 
     def task_resources(self) -> dict | None:
         """The Dask worker resources the engine calls ask for (None: any worker)."""
@@ -676,7 +689,8 @@ class Processor:
             chat_template_kwargs=(ctk if "chat_template_kwargs" not in frame else "chat_template_kwargs")
             if kind == "chat" else None,
             continue_final_message=kind == "chat",
-            prompt_token_ids="tokenized_prompt" if generative and "tokenized_prompt" in frame else None)
+            prompt_token_ids="tokenized_prompt" if generative and "tokenized_prompt" in frame else None,
+            cache=self.config.cache if generative else None)
         if kind == "chat" and ctk and "chat_template_kwargs" in frame:  # the config's, a row's own over them
             frame["chat_template_kwargs"] = [{**ctk, **v} if isinstance(v, Mapping) else ctk if _is_null(v) else v
                                              for v in frame["chat_template_kwargs"]]
@@ -1064,7 +1078,7 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
                     postprocess: Callable[[dict], dict] | None = None,
                     preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
                     builder_kwargs: dict | None = None, *, meta: Meta | None = None,
-                    sample_rows: int = SAMPLE_ROWS, key: str | None = None) -> Processor:
+                    sample_rows: int = SAMPLE_ROWS, key: str | None = None, cache=None) -> Processor:
     """A processor mapping a Dask (or pandas) DataFrame through ``preprocess``, the engine
     and ``postprocess``.
 
@@ -1073,7 +1087,9 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
     types come from running the first ``sample_rows`` rows of a Dask input through the
     whole pipeline when the processor is called. ``key`` (a string) names what
     ``preprocess`` and ``postprocess`` do for :func:`dfllm.write_parquet` with
-    ``resume=True``, in place of their fingerprints. See :mod:`dfllm.jobs.processor`.
+    ``resume=True``, in place of their fingerprints. ``cache`` (a path or URL, a
+    :class:`dfllm.ResponseCache` or a dict of its fields) sets the config's response cache
+    (see :mod:`dfllm.accessors.response_cache`). See :mod:`dfllm.jobs.processor`.
 
     Ray Data LLM's other arguments are accepted: ``preprocess_map_kwargs`` and
     ``postprocess_map_kwargs`` (Ray's ``map`` options: Ray-cluster-only, no effect on Dask;
@@ -1087,6 +1103,8 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
         if unknown:
             raise TypeError(f"builder_kwargs: unknown key(s) {unknown}; dfllm takes only 'chat_template_kwargs'")
         config = dataclasses.replace(config, chat_template_kwargs=builder_kwargs["chat_template_kwargs"])
+    if cache is not None:
+        config = dataclasses.replace(config, cache=cache)
     return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows, key=key)
 
 
