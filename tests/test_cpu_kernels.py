@@ -7,6 +7,7 @@ compiler cannot build them, and these tests say so instead of passing.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,3 +317,21 @@ def test_a_killed_builds_lock_is_cleared_a_live_ones_is_kept(tmp_path):
     os.utime(lock, (old, old))
     _cpu._clear_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_the_build_is_named_by_what_it_is_built_from_not_where():
+    """Two installs of the same dfllm (two clones, two virtual environments) share one build:
+    its name hashes the source's content, torch's version and the flags, and the loaded
+    library is that build's, whichever path the source was found at."""
+    from dfllm.kernels import _cpu
+
+    flags = ["-O3"]
+    name = _cpu.build_name("avx2", flags)
+    assert name == _cpu.build_name("avx2", list(flags)) and name.startswith("dfllm_cpu_ops_avx2_")
+    assert _cpu.build_name("avx2", ["-O2"]) != name and _cpu.build_name("avx512", flags) != name
+    module = _cpu.load()
+    if module is None:
+        pytest.skip("no C++ compiler here: the PyTorch references run")
+    built = Path(module.__file__)
+    assert built.parent.name == built.stem and built.stem.startswith("dfllm_cpu_ops_")
+    assert (built.parent / _cpu.SOURCE.name).read_bytes() == _cpu.SOURCE.read_bytes()  # built from its own copy

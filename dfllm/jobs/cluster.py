@@ -71,6 +71,9 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
                               workers=gpu_worker_specs(found, gpus_per_engine, threads), silence_logs=logging.ERROR)
         task_res = task_resources(gpus_per_engine, threads)
     else:
+        from dfllm.kernels import _cpu
+
+        _cpu.load()  # compiled here, once, saying so, rather than silently on the workers (they load the build)
         n = workers or 1  # engines on one machine split its cores instead of each taking them all
         cluster = LocalCluster(n_workers=n, threads_per_worker=threads, processes=True,
                                dashboard_address=dashboard, silence_logs=logging.ERROR,

@@ -2,9 +2,10 @@
 
 The C++ source, ``csrc/cpu_ops.cpp``, is built on first use by torch's extension builder
 (``torch.utils.cpp_extension.load``: a C++ compiler and ``ninja``) into torch's extension
-cache (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), once per machine and
-source version; later processes (each Dask worker) load the built library in well under a
-second. Without a compiler the build fails once, is logged, and the engine keeps the PyTorch
+cache (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), once per machine, source
+content, torch version and flags (every install of the same dfllm shares it), saying so
+first; later processes (each Dask worker) load the built library in well under a second.
+Without a compiler the build fails once, is logged, and the engine keeps the PyTorch
 references (:func:`load` returns None).
 
 * :func:`paged_attention_cpu`: every decode of the step in one call that reads its keys and
@@ -29,7 +30,9 @@ which the tests check; greedy fidelity against transformers is measured by log-p
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 from types import ModuleType
@@ -62,18 +65,37 @@ _ARCH_FLAGS = {
 }
 
 
+def build_name(capability: str, flags: list[str]) -> str:
+    """The build's name: the CPU capability and a hash of what the library is built from (the
+    source's content, torch's version, the flags), not of where the source lies, so that two
+    installs of the same dfllm on one machine (two clones, two virtual environments) share
+    one build, and a changed source or torch gets a build of its own."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"\0{torch.__version__}\0{' '.join(flags)}".encode())
+    return f"dfllm_cpu_ops_{capability}_{h.hexdigest()[:12]}"
+
+
 @functools.cache
 def load() -> ModuleType | None:
-    """The built extension, building it on first use; None (and one warning) if it cannot be."""
+    """The built extension, building it on first use (saying so, with where it is cached);
+    None (and one warning) if it cannot be."""
     capability = torch.backends.cpu.get_cpu_capability().lower()
     arch = next((flags for tag, flags in _ARCH_FLAGS.items() if capability.startswith(tag)), [])
-    name = f"dfllm_cpu_ops_{capability}"
+    name = build_name(capability, [*CFLAGS, *arch])
     start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=[*CFLAGS, *arch],
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        _clear_stale_lock(build_dir)
+        if (build_dir / f"{name}.so").exists() and not (build_dir / "lock").exists():
+            # built from this very source, torch and flags: loaded as it is (torch's builder would
+            # rebuild it for another virtual environment, whose include paths differ)
+            return cpp_extension._import_module_from_library(name, str(build_dir), True)
+        source = _build_source(build_dir)
+        logger.warning("compiling dfllm's CPU kernels once for this machine (about a minute on 2 cores); "
+                       "cached in %s", build_dir)
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*CFLAGS, *arch],
                                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: keep the references
         logger.warning("dfllm's CPU kernels could not be built (%s: %s); using the PyTorch references",
@@ -83,6 +105,18 @@ def load() -> ModuleType | None:
     if took > 2:
         logger.info("built dfllm's CPU kernels (%s) in %.0f s", name, took)
     return module
+
+
+def _build_source(build_dir: Path) -> Path:
+    """The source, copied into the build folder: the build then names the same path from every
+    install, so torch's builder (which records the source's path) does not rebuild on a switch."""
+    target = build_dir / SOURCE.name
+    data = SOURCE.read_bytes()
+    if not target.exists() or target.read_bytes() != data:
+        tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return target
 
 
 def _clear_stale_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> None:
