@@ -41,7 +41,7 @@ VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str,
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
-    from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _bytes, _json_object, _rate
+    from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _bytes, _json_object, _rate, add_cache_options
     from dfllm.reasoning import reasoning_parser_names
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, "
@@ -72,14 +72,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
     p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--cache", metavar="URL", help="a response cache (local folder or fsspec URL) shared across "
-                   "jobs: deterministic chat and completions lines (greedy, or seeded) asked before with the same "
-                   "model, engine arguments, prompt and sampling params are answered from it without the engine "
-                   "(docs/cache.md)")
-    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
-                   help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go")
-    p.add_argument("--cache-storage-options", type=_json_object, default=None,
-                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
+    add_cache_options(p, "a response cache (local folder or fsspec URL) shared across jobs: deterministic chat "
+                      "and completions lines (greedy, or seeded) asked before with the same model, engine "
+                      "arguments, prompt and sampling params are answered from it without the engine (docs/cache.md)")
     p.add_argument("--dry-run", action="store_true",
                    help="read and check every line, tokenize the chat and completions lines on the cluster and "
                    "print what the job would do (lines refused and why, prompt tokens, an estimate of its time "

@@ -326,6 +326,19 @@ class _Assembler:
 
 
 # ---- the job ---------------------------------------------------------------------------------------------------
+def _job_options(model, engine_kwargs: dict, response_role: str, served_model_name, partition_bytes,
+                 reasoning_parser, cache):
+    """A batch job's response cache and checked options (``ValueError`` naming a bad one);
+    ``engine_kwargs`` gain the reasoning parser."""
+    cache = as_cache(cache)
+    if reasoning_parser:
+        engine_kwargs["reasoning_parser"] = reasoning_parser
+    options = check_options(model, engine_kwargs, response_role, served_model_name)
+    if not isinstance(partition_bytes, int) or isinstance(partition_bytes, bool) or partition_bytes < 1:
+        raise ValueError(f"partition_bytes must be a positive number of bytes, got {partition_bytes!r}")
+    return cache, options
+
+
 def run_batch(input_file: str, output_file: str, *, model: str | None = None, error_file: str | None = None,
               response_role: str = "assistant", served_model_name: str | None = None, resume: bool = False,
               unordered: bool = False, partition_bytes: int = DEFAULT_PARTITION_BYTES,
@@ -352,12 +365,8 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
     new ones stored.
     """
     start = time.perf_counter()
-    cache = as_cache(cache)
-    if reasoning_parser:
-        engine_kwargs["reasoning_parser"] = reasoning_parser
-    options = check_options(model, engine_kwargs, response_role, served_model_name)
-    if not isinstance(partition_bytes, int) or isinstance(partition_bytes, bool) or partition_bytes < 1:
-        raise ValueError(f"partition_bytes must be a positive number of bytes, got {partition_bytes!r}")
+    cache, options = _job_options(model, engine_kwargs, response_role, served_model_name, partition_bytes,
+                                  reasoning_parser, cache)
     staging = output_file.rstrip("/") + STAGING_SUFFIX
     check_paths(input_file, output_file, error_file, storage_options)
     lines = read_lines(input_file, partition_bytes, storage_options)
@@ -517,12 +526,8 @@ def dry_run_batch(input_file: str, *, model: str | None = None, output_file: str
     )
 
     start = time.perf_counter()
-    cache = as_cache(cache)
-    if reasoning_parser:
-        engine_kwargs["reasoning_parser"] = reasoning_parser
-    options = check_options(model, engine_kwargs, response_role, served_model_name)
-    if not isinstance(partition_bytes, int) or isinstance(partition_bytes, bool) or partition_bytes < 1:
-        raise ValueError(f"partition_bytes must be a positive number of bytes, got {partition_bytes!r}")
+    cache, options = _job_options(model, engine_kwargs, response_role, served_model_name, partition_bytes,
+                                  reasoning_parser, cache)
     if output_file is not None:
         check_paths(input_file, output_file, error_file, storage_options)
     else:

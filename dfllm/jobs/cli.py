@@ -101,13 +101,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help="exit with status 3 (after writing the output) if more than this share of the rows "
                    f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)")
     p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
-    p.add_argument("--cache", metavar="URL", help="generate/chat: a response cache (local folder or fsspec URL) "
-                   "shared across jobs: deterministic rows (greedy, or --seed) asked before with the same model, "
-                   "prompt and sampling params are answered from it without the engine (docs/cache.md)")
-    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
-                   help="bound on the cache's size, e.g. 500M or 2G (default 1G); least recently used entries go")
-    p.add_argument("--cache-storage-options", type=_json_object, default=None,
-                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
+    add_cache_options(p, "generate/chat: a response cache (local folder or fsspec URL) shared across jobs: "
+                      "deterministic rows (greedy, or --seed) asked before with the same model, prompt and "
+                      "sampling params are answered from it without the engine (docs/cache.md)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
     p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
@@ -126,6 +122,16 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    f"partition starts (those running finish), exit status {EXIT_BUDGET}; --resume finishes the job")
     p.add_argument("--max-generated-tokens", type=_positive_int, metavar="N",
                    help="generate/chat: a budget of generated tokens, as --max-prompt-tokens")
+
+
+def add_cache_options(p: argparse.ArgumentParser, what: str) -> None:
+    """``--cache`` (helped as ``what``), ``--cache-max-bytes`` and ``--cache-storage-options``
+    (read back by :func:`cache_of`), for ``dfllm run`` and ``dfllm run-batch``."""
+    p.add_argument("--cache", metavar="URL", help=what)
+    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
+                   help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go")
+    p.add_argument("--cache-storage-options", type=_json_object, default=None,
+                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
 
 
 def _rate(text: str) -> float:
