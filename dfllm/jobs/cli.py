@@ -374,8 +374,9 @@ def _describe(client) -> str:
 
 def deduplicated_requests(client) -> int:
     """The requests the cluster's engines answered with an identical request's output
-    (``dfllm_deduplicated_requests``, summed over the workers' engines)."""
-    return sum(client.run(_engine_deduplicated).values())
+    (``dfllm_deduplicated_requests``, summed over the workers' engines). A worker that died
+    meanwhile (the scheduler may still list it) is left out, never failing a finished job."""
+    return sum(client.run(_engine_deduplicated, on_error="ignore").values())
 
 
 def cache_counts(client) -> dict[str, int]:
@@ -383,7 +384,7 @@ def cache_counts(client) -> dict[str, int]:
     from dfllm.accessors.response_cache import counts
 
     total: dict[str, int] = {}
-    for worker in client.run(counts).values():
+    for worker in client.run(counts, on_error="ignore").values():
         for name, n in worker.items():
             total[name] = total.get(name, 0) + n
     return total
