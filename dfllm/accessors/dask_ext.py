@@ -22,6 +22,7 @@ from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMet
 from dfllm.accessors.kinds import ENGINE_ARROW_TYPES
 from dfllm.accessors.placement import check_resources, model_check, run_placed
 from dfllm.accessors.schema import LLM_ERROR
+from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.accessors.task import LLMTask
 from dfllm.accessors.write_key import canonical
 
@@ -112,7 +113,7 @@ def output_meta(meta: pd.DataFrame, task: LLMTask) -> pd.DataFrame:
 
 
 @register_dataframe_accessor("llm")
-class DaskLLMAccessor(LLMFrameMethods):
+class DaskLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
     def _model_check(self, resources: dict | None):
         return model_check(check_resources(resources))
 

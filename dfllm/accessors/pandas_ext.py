@@ -6,11 +6,12 @@ import pandas as pd
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
 from dfllm.accessors.runners import run_task
+from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.accessors.task import LLMTask
 
 
 @pd.api.extensions.register_dataframe_accessor("llm")
-class PandasLLMAccessor(LLMFrameMethods):
+class PandasLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pd.DataFrame:
         return run_task(self._obj, task, progress=True)
 

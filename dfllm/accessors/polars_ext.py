@@ -16,6 +16,7 @@ import pyarrow as pa
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
 from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.runners import run_task
+from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.accessors.task import LLMTask, make_task
 
 POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "list<item: float>": pl.List(pl.Float32)}
@@ -50,13 +51,13 @@ def _polars_schema(task: LLMTask) -> dict:
 
 
 @pl.api.register_dataframe_namespace("llm")
-class PolarsLLMNamespace(LLMFrameMethods):
+class PolarsLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.DataFrame:
         return _run(self._obj, task)
 
 
 @pl.api.register_lazyframe_namespace("llm")
-class PolarsLazyLLMNamespace(LLMFrameMethods):
+class PolarsLazyLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
     def _columns(self) -> list[str]:
         return list(self._obj.collect_schema().names())
 

@@ -1,0 +1,7 @@
+"""Semantic operators on dataframes (``.llm.filter``, ``judge``, ``extract``, ``topk``,
+``join``, ``sim_join``, ``dedup``, ``agg``): relational operations whose condition or
+output is an LLM's judgment, built on the ``.llm`` tasks. User docs: docs/semantic.md."""
+
+from dfllm.accessors.semantic.methods import SemanticFrameMethods
+
+__all__ = ["SemanticFrameMethods"]
