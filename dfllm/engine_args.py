@@ -12,8 +12,8 @@ takes the common ones as explicit keyword-only parameters, with vLLM's defaults,
 - **refuses**: a value dfllm cannot honour raises ``ValueError`` naming the argument and
   the value, instead of being ignored silently (``trust_remote_code=True``).
 
-Names dfllm does not know still raise ``TypeError``, as in vLLM. The README's "Coming
-from vLLM" table is :func:`markdown_table`.
+Names dfllm does not know still raise ``TypeError``, as in vLLM. The table in
+docs/from_vllm.md is :func:`markdown_table`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of
 class VllmArg:
     """One vLLM engine argument: its vLLM default (also ``dfllm.LLM``'s), what dfllm does
     with it (``"maps"``, ``"no-op"`` or ``"refuses"`` values other than ``accepted``), the
-    README cell, and a check raising ``ValueError`` for a value dfllm cannot honour."""
+    docs table's cell, and a check raising ``ValueError`` for a value dfllm cannot honour."""
 
     name: str
     default: Any
@@ -185,6 +185,14 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("hf_overrides", None, "maps", "a dict of `config.json` fields (a nested dict updates a sub-config) "
             "or a callable taking and returning the Hugging Face config; applied before dfllm reads the config",
             _hf_overrides),
+    VllmArg("enable_lora", False, "maps", "`True` serves LoRA adapters: `lora_request=LoRARequest(name, id, path)` "
+            "on `generate`/`chat`/`enqueue` (one, or one per prompt), adapters of different requests sharing every "
+            "step; `add_lora`/`remove_lora`/`list_loras`/`pin_lora` (see docs/lora.md)", _bool),
+    VllmArg("max_loras", 1, "maps", "adapter slots: the most distinct adapters in one step", _optional_int(1)),
+    VllmArg("max_lora_rank", 16, "maps", "the largest adapter rank accepted (a higher one is refused by name)",
+            _optional_int(1)),
+    VllmArg("max_cpu_loras", None, "maps", "adapters kept read in host memory (least recently used evicted; "
+            "None: `max_loras`)", _optional_int(1)),
     VllmArg("distributed_executor_backend", None, "refuses", "`None`, `\"mp\"`; `\"ray\"` and others refused",
             _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')")),
 )
@@ -199,7 +207,7 @@ def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
     An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
     naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
     tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides``, ``quantization``,
-    ``kv_cache_dtype``, ``enforce_eager`` and ``compilation_config`` go to :meth:`dfllm.config.EngineConfig.create`;
+    ``kv_cache_dtype``, ``enforce_eager``, ``compilation_config`` and the LoRA arguments go to :meth:`dfllm.config.EngineConfig.create`;
     everything else accepted is a no-op.
     """
     unknown = sorted(set(kwargs) - set(BY_NAME))
@@ -215,7 +223,7 @@ def _show(value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of these arguments: argument | vLLM default | in dfllm."""
+    """The table of these arguments in docs/from_vllm.md: argument | vLLM default | in dfllm."""
     rows = ["| argument | vLLM default | in dfllm |", "|---|---|---|"]
     rows += [f"| `{a.name}` | `{_show(a.default)}` | {a.doc} |" for a in VLLM_ARGS]
     return "\n".join(rows)

@@ -13,7 +13,7 @@ from dfllm.engine_args import DEFAULTS, VLLM_ARGS, check_vllm_args, markdown_tab
 
 from helpers import build_tiny_model  # noqa: F401  (tests/ is on sys.path in this subfolder too)
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+FROM_VLLM = Path(__file__).resolve().parents[3] / "docs" / "from_vllm.md"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = ["Hello there", "Numbers: 1 2 3"]
 SMALL = dict(max_num_seqs=4, max_model_len=64)
@@ -93,8 +93,8 @@ def test_dataframe_engine_kwargs_accept_vllm_arguments(tiny_llama):
         pd.DataFrame({"q": ["hi"]}).llm.generate("q", model=str(tiny_llama), enforce_eagre=True)
 
 
-def test_readme_table_is_the_engine_args_table():
-    assert markdown_table() in README.read_text()
+def test_docs_table_is_the_engine_args_table():
+    assert markdown_table() in FROM_VLLM.read_text()
 
 
 def test_hf_overrides_change_the_config_dfllm_reads(tiny_llama):
