@@ -19,8 +19,12 @@ import pandas as pd
 
 from dfllm.accessors.dask_ext import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
+from dfllm.accessors.schema import LLM_ERROR, STRING
 from dfllm.accessors.task import LLMTask, make_task
 from dfllm.accessors.write_key import canonical
+
+#: An input column the task writes too is renamed to this prefix + its name while the task runs.
+SHADOW = "__dfllm_in__"
 
 
 class SemanticFunction(WritableFunction):
@@ -28,50 +32,98 @@ class SemanticFunction(WritableFunction):
 
     ``post`` is a picklable callable (a frozen dataclass, so that it enters the write key
     field by field) taking the partition with the task's output columns and returning the
-    operator's output; it must accept an empty frame (that is how ``meta`` is made)."""
+    operator's output; it must accept an empty frame (that is how ``meta`` is made).
+
+    ``shadow`` names input columns that the task writes as well (an ``llm_error`` from an
+    earlier operator, a ``num_input_tokens`` from an earlier ``.llm`` call): they are renamed
+    while the task runs and restored after ``post``, except ``llm_error``, whose earlier
+    message is kept in front of the new one (``"<earlier>; <new>"``), so that chained
+    operators lose no row's error."""
 
     def __init__(self, name: str, task: LLMTask, post: Callable[[pd.DataFrame], pd.DataFrame],
-                 resources: dict | None = None):
+                 resources: dict | None = None, shadow: tuple[str, ...] = ()):
         if not name.isalpha() or not name.islower():
             raise ValueError(f"a semantic operator's name is lower-case letters, got {name!r}")
         self.name, self.task, self.post, self.resources = name, task, post, resources
+        self.shadow = tuple(shadow)
         self.kind = f"sem{name}"
         self.__name__ = f"llm-sem-{name}"
 
     @property
     def write_key(self) -> str:
         # the task but its response cache (which decides no output) and the step after it
-        return canonical({"task": dataclasses.replace(self.task, cache=None), "post": self.post})
+        return canonical({"task": dataclasses.replace(self.task, cache=None), "post": self.post,
+                          "shadow": self.shadow})
 
     def model_sources(self) -> tuple:
         return (self.task.model,)
 
     def meta(self, meta: pd.DataFrame) -> pd.DataFrame:
         """The output's (empty) frame for an input whose empty frame is ``meta``."""
-        return self.post(output_meta(meta, self.task))
+        return self.apply(meta, lambda df, task: output_meta(df, task))
+
+    def apply(self, df: pd.DataFrame, run: Callable[[pd.DataFrame, LLMTask], pd.DataFrame]) -> pd.DataFrame:
+        """The operator on ``df``, the task run by ``run(frame, task)``."""
+        if self.shadow:
+            df = df.rename(columns={c: SHADOW + c for c in self.shadow})
+        out = self.post(run(df, self.task))
+        if not self.shadow:
+            return out
+        if LLM_ERROR in self.shadow:
+            earlier = out.pop(SHADOW + LLM_ERROR)
+            if LLM_ERROR in out:
+                new = out[LLM_ERROR]
+                both = earlier.notna() & new.notna()
+                merged = earlier.where(earlier.notna(), new)
+                if both.any():
+                    merged = merged.where(~both, earlier.astype(object).astype(str) + "; " + new.astype(str))
+                out[LLM_ERROR] = merged.astype(STRING)
+            else:
+                out[LLM_ERROR] = earlier
+        return out.rename(columns={SHADOW + c: c for c in self.shadow})
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
-        return self.post(run_placed(df, self.task, self.resources))
+        return self.apply(df, lambda frame, task: run_placed(frame, task, self.resources))
 
     def __dask_tokenize__(self):
-        return (type(self).__name__, self.name, self.task, canonical(self.post),
+        return (type(self).__name__, self.name, self.task, canonical(self.post), self.shadow,
                 sorted((self.resources or {}).items()))
 
     def __repr__(self) -> str:
         return f"SemanticFunction({self.name!r}, {self.task!r}, {self.post!r}, resources={self.resources!r})"
 
 
+def task_columns(kind: str, output_column: str, engine_columns: tuple[str, ...] = ()) -> list[str]:
+    """Every column a generative task of ``kind`` may write (a reasoning parser's included)."""
+    from dfllm.accessors.kinds import KINDS
+
+    return list(KINDS[kind].output_dtypes(output_column, (), engine_columns, reasoning=True))
+
+
+def shadowed(columns, kind: str, output_column: str, engine_columns: tuple[str, ...] = (),
+             fields: list[str] | tuple[str, ...] = ()) -> tuple[tuple[str, ...], list[str]]:
+    """``(shadow, columns)``: the input columns the task writes too, and the frame's columns
+    as the task sees them (those renamed). ``ValueError`` if the instruction reads one of
+    them (``fields``)."""
+    written = set(task_columns(kind, output_column, engine_columns))
+    shadow = tuple(c for c in map(str, columns) if c in written)
+    read = sorted(set(shadow) & set(fields))
+    if read:
+        raise ValueError(f"the instruction reads column(s) {read}, which the operator writes itself; rename them")
+    return shadow, [SHADOW + c if c in shadow else c for c in map(str, columns)]
+
+
 def make_llm_task(accessor, kind: str, inputs: tuple[str, ...], resources: dict | None, *, model=None,
-                  **kwargs) -> LLMTask:
-    """An ``.llm`` task of ``kind`` checked against the accessor's frame, as the accessor's
-    own methods check theirs (its columns, its model check), without running it."""
+                  columns=None, **kwargs) -> LLMTask:
+    """An ``.llm`` task of ``kind`` checked against the accessor's frame (or ``columns``), as
+    the accessor's own methods check theirs (its model check), without running it."""
     from dfllm.accessors.kinds import KINDS
 
     spec = KINDS[kind]
     if not model and spec.default_model:
         model = spec.default_model
-    return make_task(kind, inputs, accessor._columns(), model=model, model_check=accessor._model_check(resources),
-                     **kwargs)
+    return make_task(kind, inputs, accessor._columns() if columns is None else columns, model=model,
+                     model_check=accessor._model_check(resources), **kwargs)
 
 
 def run_step(obj, step: SemanticFunction):
@@ -101,7 +153,7 @@ def run_step(obj, step: SemanticFunction):
 def _pandas(df: pd.DataFrame, step: SemanticFunction) -> pd.DataFrame:
     from dfllm.accessors.runners import run_task
 
-    return step.post(run_task(df, step.task, progress=True))
+    return step.apply(df, lambda frame, task: run_task(frame, task, progress=True))
 
 
 def _polars(df, step: SemanticFunction):

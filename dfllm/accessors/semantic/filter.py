@@ -1,0 +1,163 @@
+"""``.llm.judge`` and ``.llm.filter``: whether a templated statement holds for each row.
+
+One constrained, greedy decode per row: ``choice`` of ``"True"``/``"False"`` (with
+explanations, a regex ``(True|False): <one line>``, whose first token is chosen under the
+same mask), and the first generated token's top log-probabilities (``engine_columns=
+("logprobs",)``) for the verdict's probability: the probability mass of the tokens that
+begin the answer given against that of the tokens that begin the other one, among those
+listed. An answer token not listed is taken to be as likely as the least likely listed one
+(or as the chosen token, if that is less), an upper bound, so that the probability is never
+overstated; ``logprobs=-1`` lists the whole vocabulary and makes it exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+import pyarrow as pa
+
+from dfllm.accessors.schema import FLOAT, LLM_ERROR, STRING
+from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed, task_columns
+from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
+from dfllm.sampling_params import SamplingParams
+
+BOOL = pd.ArrowDtype(pa.bool_())
+ANSWERS = ("True", "False")
+JUDGE_PREAMBLE = ("You judge whether a claim holds for a record. The claim refers to the record's fields by their "
+                  "names in brackets; the record follows it.")
+ANSWER = "Is the claim true for this record? Answer True or False."
+EXPLAINED_ANSWER = ("Is the claim true for this record? Answer True or False, then a colon and a one-sentence "
+                    "explanation.")
+TEXT = "__dfllm_sem_text__"  # the task's own output column (private, so that it clashes with no input)
+
+
+def verdict_probability(first_token: dict | None, verdict: bool) -> float | None:
+    """The probability of ``verdict`` from the first answer token's top log-probabilities
+    (token id -> ``{"logprob", "decoded_token", ...}``, as the ``logprobs`` engine column
+    holds them): the mass of listed tokens that begin the answer given against that of those
+    that begin the other answer (an unlisted one counted at the smallest listed log-probability
+    or the chosen token's, whichever is less). None without log-probabilities."""
+    if not first_token:
+        return None
+    chosen, other = ANSWERS if verdict else ANSWERS[::-1]
+    entries = [(e["decoded_token"], e["logprob"]) for e in first_token.values()]
+    mine = [lp for tok, lp in entries if tok and chosen.startswith(tok) and math.isfinite(lp)]
+    theirs = [lp for tok, lp in entries if tok and other.startswith(tok) and math.isfinite(lp)]
+    if not mine:
+        return None
+    if not theirs:
+        finite = [lp for _, lp in entries if math.isfinite(lp)]
+        theirs = [min(min(finite), max(mine))]
+    return 1.0 / (1.0 + math.exp(_logsumexp(theirs) - _logsumexp(mine)))
+
+
+def _logsumexp(values: list[float]) -> float:
+    top = max(values)
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+@dataclass(frozen=True)
+class JudgeStep:
+    """From a judgment task's output to the operator's columns (and, for filter, rows)."""
+
+    output_column: str
+    probability_column: str
+    explanation_column: str | None  # None: no explanations asked for
+    keep: bool  # judge: every row; filter: the rows judged true, and the failed ones
+    task_columns: tuple[str, ...]
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        texts = df[TEXT].astype(object).tolist()
+        firsts = df["logprobs"].tolist()
+        verdicts: list = [None] * len(df)
+        probs: list = [None] * len(df)
+        notes: list = [None] * len(df)
+        for i, (text, lps) in enumerate(zip(texts, firsts, strict=True)):
+            if not isinstance(text, str):
+                continue
+            answer, _, note = text.partition(":")
+            if answer not in ANSWERS:
+                continue
+            verdicts[i] = answer == ANSWERS[0]
+            probs[i] = verdict_probability(lps[0] if lps else None, verdicts[i])
+            notes[i] = note.strip()
+        out = df.drop(columns=[c for c in self.task_columns if c != LLM_ERROR], errors="ignore")
+        errors = out.pop(LLM_ERROR)
+        out[self.output_column] = pd.Series(verdicts, index=df.index, dtype=BOOL)
+        out[self.probability_column] = pd.Series(probs, index=df.index, dtype=FLOAT)
+        if self.explanation_column is not None:
+            out[self.explanation_column] = pd.Series(notes, index=df.index, dtype=STRING)
+        out[LLM_ERROR] = errors
+        if not self.keep:
+            keep = out[self.output_column].fillna(False).astype(bool) | errors.notna()
+            out = out[keep.to_numpy()].drop(columns=[self.output_column, self.probability_column])
+        return out
+
+
+def judge_task(accessor, instruction: str, *, model, return_explanations: bool, chat: bool, logprobs: int,
+               max_explanation_tokens: int, on_error: str, resources, cache, engine_kwargs: dict,
+               what: str = "judge"):
+    """``(task, shadow)``: the ``.llm`` task judging ``instruction`` on the accessor's frame."""
+    fields = instruction_fields(instruction)
+    missing = [f for f in fields if f not in accessor._columns()]
+    if missing:
+        raise ValueError(f"{what}: the instruction names column(s) {missing} that are not in the dataframe "
+                         f"(columns: {accessor._columns()})")
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
+        raise ValueError(f"{what}: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
+    kind = "chat" if chat else "generate"
+    shadow, columns = shadowed(accessor._columns(), kind, TEXT, ("logprobs",), fields)
+    prompt = semantic_prompt(JUDGE_PREAMBLE, instruction, fields,
+                             answer=EXPLAINED_ANSWER if return_explanations else ANSWER, chat=chat)
+    if return_explanations:
+        sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=max_explanation_tokens,
+                                  structured_outputs={"regex": r"(True|False): [^\n]+"})
+        choice = None
+    else:
+        sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8)
+        choice = list(ANSWERS)
+    extra = {"system": prompt.system} if chat else {}
+    task = make_llm_task(accessor, kind, (prompt.template,), resources, model=model, columns=columns,
+                         output_column=TEXT, sampling_params=sampling, choice=choice, on_error=on_error,
+                         engine_kwargs=engine_kwargs, engine_columns=("logprobs",), cache=cache, **extra)
+    return task, shadow
+
+
+def judge_step(task, shadow, *, keep: bool, output_column: str, probability_column: str,
+               return_explanations: bool, explanation_column: str, resources) -> SemanticFunction:
+    """The operator (judge or filter) of a judgment ``task``."""
+    post = JudgeStep(output_column, probability_column, explanation_column if return_explanations else None, keep,
+                     tuple(task_columns(task.kind, TEXT, ("logprobs",))))
+    return SemanticFunction("judge" if keep else "filter", task, post, resources, shadow)
+
+
+def semantic_judge(accessor, instruction: str, *, keep: bool, model, output_column: str, probability_column: str,
+                   return_explanations: bool, explanation_column: str, cascade, return_stats: bool, chat: bool,
+                   logprobs: int, max_explanation_tokens: int, on_error: str, resources, cache,
+                   engine_kwargs: dict):
+    """``.llm.judge`` (``keep``) and ``.llm.filter``: see their docstrings."""
+    what = "judge" if keep else "filter"
+    new = [output_column, probability_column] + ([explanation_column] if return_explanations else [])
+    if len(set(new)) != len(new):
+        raise ValueError(f"{what}: the output columns {new} must differ")
+    clash = sorted(set(new) & set(accessor._columns())) if keep else []
+    if return_explanations and not keep and explanation_column in accessor._columns():
+        clash = [explanation_column]
+    if clash:
+        raise ValueError(f"{what}: output column(s) {clash} already exist; choose other names")
+    task, shadow = judge_task(accessor, instruction, model=model, return_explanations=return_explanations, chat=chat,
+                              logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
+                              resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
+    step = judge_step(task, shadow, keep=keep, output_column=output_column, probability_column=probability_column,
+                      return_explanations=return_explanations, explanation_column=explanation_column,
+                      resources=resources)
+    if cascade is not None:
+        from dfllm.accessors.semantic.cascade import cascade_judge
+
+        return cascade_judge(accessor, instruction, step, cascade, return_stats=return_stats, what=what)
+    if return_stats:
+        raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
+    return run_step(accessor._obj, step)
+
