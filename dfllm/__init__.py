@@ -19,6 +19,7 @@ from dfllm.jobs.processor import (
     vLLMEngineProcessorConfig,
 )
 from dfllm.llm import LLM
+from dfllm.lora.request import LoRARequest
 from dfllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -46,5 +47,6 @@ __all__ = [
     "release_engines", "vLLMEngineProcessorConfig", "build_llm_processor", "InvalidRequestError",
     "VLLMValidationError", "ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
     "PrepareMultimodalStageConfig", "PrepareImageStageConfig", "run_batch", "BatchSummary", "ResponseCache",
+    "LoRARequest",
 ]
 __version__ = "0.1.0"

@@ -80,6 +80,11 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] = ()
     # the KV cache's element type when it differs from the model's (vLLM's kv_cache_dtype)
     kv_cache_dtype: torch.dtype | None = None
+    # LoRA adapters (vLLM's enable_lora, max_loras, max_lora_rank, max_cpu_loras): see dfllm.lora
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -119,6 +124,10 @@ class EngineConfig:
         enforce_eager: bool = False,
         compilation_config: Any = None,
         kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> EngineConfig:
         """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
         they name, before anything is loaded but its ``config.json``: bad arguments, a model
@@ -156,6 +165,8 @@ class EngineConfig:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        max_cpu_loras = _check_lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras, spec, runner_type,
+                                         quantization)
         capture_sizes = parse_capture_sizes(compilation_config)
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(max_num_seqs)
@@ -169,6 +180,7 @@ class EngineConfig:
             deduplicate_requests=bool(deduplicate_requests), prefix_aware_scheduling=bool(prefix_aware_scheduling),
             quantization=quantization, enforce_eager=enforce_eager, cudagraph_capture_sizes=capture_sizes,
             kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
         )
 
 
@@ -192,6 +204,33 @@ def _check_quantization(quantization: str | None, device: torch.device, dtype: t
     if dtype != torch.float32:
         raise ValueError(f"{where} needs dtype float32 (or 'auto' on CPU), got {dtype}")
     quantized_engine()  # RuntimeError naming quantization on a platform without fbgemm
+
+
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "Phi3ForCausalLM")
+
+
+def _check_lora_args(enable_lora: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+                     spec: ModelSpec, runner_type: str, quantization: str | None) -> int:
+    """vLLM's LoRA arguments checked; ``max_cpu_loras`` resolved (None: ``max_loras``, as vLLM)."""
+    if not isinstance(enable_lora, bool):
+        raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
+    for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if max_cpu_loras is None:
+        max_cpu_loras = max_loras
+    if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < max_loras:
+        raise ValueError(f"max_cpu_loras must be None or an int >= max_loras ({max_loras}), got {max_cpu_loras!r}")
+    if enable_lora:
+        if runner_type != "generate":
+            raise ValueError("enable_lora=True serves generating models; pooling models take no LoRA adapters")
+        if quantization is not None:
+            raise ValueError(f"enable_lora=True runs quantization=None (got {quantization!r})")
+        if not set(spec.architectures) & set(LORA_ARCHITECTURES):
+            raise ValueError(f"enable_lora=True: LoRA adapters are served for {list(LORA_ARCHITECTURES)}, not "
+                             f"{list(spec.architectures)}")
+    return max_cpu_loras
 
 
 def _check_max_logprobs(max_logprobs: int | None) -> int:

@@ -207,7 +207,8 @@ def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
     An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
     naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
     tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides``, ``quantization``,
-    ``kv_cache_dtype``, ``enforce_eager``, ``compilation_config`` and the LoRA arguments go to :meth:`dfllm.config.EngineConfig.create`;
+    ``kv_cache_dtype``, ``enforce_eager``, ``compilation_config`` and the LoRA arguments go to
+    :meth:`dfllm.config.EngineConfig.create`;
     everything else accepted is a no-op.
     """
     unknown = sorted(set(kwargs) - set(BY_NAME))

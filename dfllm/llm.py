@@ -33,6 +33,7 @@ from dfllm.inputs import as_prompt_list
 from dfllm.llm_control import EngineControl
 from dfllm.llm_pooling import PoolingFrontend, check_pooling_task, not_pooling_error
 from dfllm.logger import init_logger
+from dfllm.lora.request import LoRARequest
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
 from dfllm.outputs import PoolingRequestOutput, RequestOutput, raise_for_errors
@@ -174,6 +175,10 @@ class LLM:
         hf_overrides: dict[str, Any] | Callable | None = None,
         distributed_executor_backend: str | None = None,
         reasoning_parser: str | None = "",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         vllm = check_vllm_args(
             enforce_eager=enforce_eager, compilation_config=compilation_config,
@@ -186,7 +191,8 @@ class LLM:
             quantization=quantization, cpu_offload_gb=cpu_offload_gb,
             structured_outputs_config=structured_outputs_config, scheduling_policy=scheduling_policy,
             hf_overrides=hf_overrides, distributed_executor_backend=distributed_executor_backend,
-            reasoning_parser=reasoning_parser)
+            reasoning_parser=reasoning_parser, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         reasoning, enable_in_reasoning = reasoning_settings(reasoning_parser, structured_outputs_config)
         if reasoning is not None and skip_tokenizer_init:
             make_reasoning_parser(reasoning, None)  # ValueError: a parser reads text and needs the tokenizer
@@ -199,7 +205,8 @@ class LLM:
             hf_overrides=hf_overrides, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
             deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling,
             quantization=quantization, enforce_eager=enforce_eager, compilation_config=compilation_config,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase | None = None if skip_tokenizer_init else (
@@ -243,13 +250,17 @@ class LLM:
         under ``LLM(scheduling_policy="priority")`` lower values are scheduled first (together
         with the requests already queued by ``enqueue``), and under the default ``"fcfs"`` any
         priority is accepted and changes nothing (arrival order), as in vLLM.
-        ``lora_request=None`` is accepted for vLLM's signature; a LoRA adapter raises
-        ``ValueError`` (not supported).
+        ``lora_request`` (vLLM's; ``LLM(enable_lora=True)``): a
+        :class:`~dfllm.lora.request.LoRARequest` for every prompt, or a list with one per prompt
+        (None: the base model); requests of different adapters share every step. A bad adapter
+        (see :mod:`dfllm.lora.adapter`) raises :class:`~dfllm.errors.InvalidRequestError` naming
+        it before any work starts.
         """
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
-        _check_lora(lora_request)
+        loras = self._loras(lora_request, len(requests))
         priorities = self._priorities(priority, len(requests))
-        return raise_for_errors(self._run([self._add(requests, priorities)], use_tqdm), lambda i: f"prompt {i}")
+        return raise_for_errors(self._run([self._add(requests, priorities, loras)], use_tqdm),
+                                lambda i: f"prompt {i}")
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -263,18 +274,18 @@ class LLM:
         environment, then generated like ``generate`` (failures included: an error names the
         conversation by index; ``priority`` as there, one per conversation).
         ``chat_template_kwargs`` are extra variables for the template (e.g.
-        ``{"enable_thinking": False}``).
+        ``{"enable_thinking": False}``). ``lora_request`` as in ``generate``.
         """
-        _check_lora(lora_request)
         requests = self._engine("chat").input_processor.process_chats(
             messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)
+        loras = self._loras(lora_request, len(requests))
         priorities = self._priorities(priority, len(requests))
-        return raise_for_errors(self._run([self._add(requests, priorities)], use_tqdm),
+        return raise_for_errors(self._run([self._add(requests, priorities, loras)], use_tqdm),
                                 lambda i: f"conversation {i}")
 
-    def enqueue(self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None
-                ) -> list[str]:
+    def enqueue(self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None,
+                lora_request: Any = None) -> list[str]:
         """Queue prompts without running them; return their request ids.
 
         Each prompt is checked now, as ``generate`` checks it: a bad one raises
@@ -298,18 +309,20 @@ class LLM:
                 self._priorities(priority, len(as_prompt_list(prompts)))
             return self._pooling.enqueue(prompts, sampling_params)
         requests = self._engine("enqueue").input_processor.process_prompts(prompts, sampling_params)
-        self._queued.append(self._add(requests, self._priorities(priority, len(requests))))
+        loras = self._loras(lora_request, len(requests))
+        self._queued.append(self._add(requests, self._priorities(priority, len(requests)), loras))
         return self._queued[-1][1]
 
     def enqueue_chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: dict[str, Any] | None = None,
-                     priority: int | list[int] | None = None) -> list[str]:
+                     priority: int | list[int] | None = None, lora_request: Any = None) -> list[str]:
         """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
         requests = self._engine("enqueue_chat").input_processor.process_chats(
             messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)
-        self._queued.append(self._add(requests, self._priorities(priority, len(requests))))
+        loras = self._loras(lora_request, len(requests))
+        self._queued.append(self._add(requests, self._priorities(priority, len(requests)), loras))
         return self._queued[-1][1]
 
     def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput] | list[PoolingRequestOutput]:
@@ -431,13 +444,39 @@ class LLM:
                                           parameter="priority", value=p)
         return priorities
 
-    def _add(self, requests: list[EngineRequest], priorities: list[int] | None = None) -> tuple[int, list[str]]:
-        """Queue one call's checked requests as one group, with their priorities (default 0);
-        (the group, their request ids)."""
+    def _loras(self, lora_request: Any, num_requests: int) -> list[LoRARequest | None]:
+        """vLLM's ``lora_request`` as one adapter (or None) per request, each checked by the
+        engine now (:class:`~dfllm.errors.InvalidRequestError` naming the adapter and why)."""
+        if lora_request is None:
+            return [None] * num_requests
+        if isinstance(lora_request, list | tuple):
+            loras = list(lora_request)
+            if len(loras) != num_requests:
+                raise InvalidRequestError(f"lora_request: got {len(loras)} LoRA requests for {num_requests} prompts "
+                                          "(give one, or a list with one per prompt)", parameter="lora_request")
+        else:
+            loras = [lora_request] * num_requests
+        engine = self._engine("lora_request")
+        checked: set[int] = set()
+        for i, lora in enumerate(loras):
+            if lora is None or id(lora) in checked:
+                continue
+            if not isinstance(lora, LoRARequest):
+                raise InvalidRequestError(f"lora_request (prompt {i}): expected a LoRARequest or None, got "
+                                          f"{type(lora).__name__}", parameter="lora_request")
+            engine.check_lora(lora)
+            checked.add(id(lora))
+        return loras
+
+    def _add(self, requests: list[EngineRequest], priorities: list[int] | None = None,
+             loras: list[LoRARequest | None] | None = None) -> tuple[int, list[str]]:
+        """Queue one call's checked requests as one group, with their priorities (default 0)
+        and LoRA adapters (default none); (the group, their request ids)."""
         self._control.check_can_serve()
         group, ids = next(self._groups), [self._next_id() for _ in requests]
-        for rid, request, p in zip(ids, requests, priorities or [0] * len(requests)):
-            self.engine.add_request(rid, request, group=group, priority=p)
+        for rid, request, p, lora in zip(ids, requests, priorities or [0] * len(requests),
+                                         loras or [None] * len(requests)):
+            self.engine.add_request(rid, request, group=group, priority=p, lora_request=lora)
         return group, ids
 
     def _run(self, groups: list[tuple[int, list[str]]], use_tqdm: bool, *,
@@ -491,14 +530,6 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _check_lora(lora_request: Any = None) -> None:
-    """vLLM's ``lora_request``: only None is accepted (dfllm has no LoRA)."""
-    if lora_request is not None:
-        raise InvalidRequestError(f"Got lora_request {lora_request!r} but LoRA is not enabled! (lora_request: LoRA "
-                                  "adapters are not supported by dfllm; pass lora_request=None)",
-                                  parameter="lora_request")
 
 
 def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -34,9 +34,11 @@ parent of the next block's hash.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from dfllm.engine.sequence import Sequence
+from dfllm.multimodal.inputs import block_tokens
 
 FREED = -1  # block-table entry of a block released because it fell out of the sliding window
 
@@ -49,9 +51,17 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+def block_hash(parent: Hashable, token_ids: tuple[int, ...]) -> int:
     """Hash of a full block, chained to its parent's hash."""
     return hash((parent, token_ids))
+
+
+def chain_root(seq: Sequence) -> Hashable:
+    """The parent of a sequence's first block hash: None for the base model, its LoRA
+    adapter's id otherwise, so that two adapters (or an adapter and the base model) never
+    share KV blocks."""
+    lora = seq.request.lora_request
+    return None if lora is None else ("lora", lora.lora_int_id)
 
 
 class BlockManager:
@@ -104,7 +114,8 @@ class BlockManager:
         hits: list[int] = []
         for i, h in enumerate(self.prompt_block_hashes(seq)):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens(seq.token_ids,
+                                                                                   seq.request.mm_inputs, i, bs):
                 break
             hits.append(block_id)
         return hits
@@ -114,7 +125,8 @@ class BlockManager:
         (computed once per length and kept on the sequence)."""
         bs, chain = self.block_size, seq.block_hashes
         for i in range(len(chain), (seq.num_tokens - 1) // bs):
-            chain.append(block_hash(chain[-1] if chain else None, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            parent = chain[-1] if chain else chain_root(seq)
+            chain.append(block_hash(parent, block_tokens(seq.token_ids, seq.request.mm_inputs, i, bs)))
         return chain
 
     def num_cached_prefix_blocks(self, seq: Sequence) -> int:
@@ -158,13 +170,13 @@ class BlockManager:
             return
         bs = self.block_size
         first = seq.num_hashed_blocks
-        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
+        parent: Hashable = self.blocks[seq.block_table[first - 1]].hash if first else chain_root(seq)
         if first and parent is None:  # the chain was reset under this sequence: never key it anew
             return
         for i in range(first, seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                tokens = block_tokens(seq.token_ids, seq.request.mm_inputs, i, bs)  # and its images' keys
                 block.hash = block_hash(parent, tokens)
                 block.token_ids = tokens
                 self.hash_to_block.setdefault(block.hash, block.block_id)

@@ -117,6 +117,13 @@ class ParallelExecutor:
     def reload_weights(self) -> None:
         self.collective_rpc("reload_weights")
 
+    def set_lora_slot(self, slot: int, adapter) -> None:
+        """Copy a LoRA adapter (None: zeros) into slot ``slot`` on every rank."""
+        self.collective_rpc("set_lora_slot", args=(slot, adapter))
+
+    def lora_modules(self) -> set[str]:
+        return self.driver.lora_modules()
+
     def run(self, sched: SchedulerOutput) -> StepOutput:
         """One step on every rank; the logits (float32, on rank 0's device) of the rows that
         sample and of the prompt positions whose log-probabilities were asked for."""

@@ -52,6 +52,7 @@ class ModelRunner:
             start, end = layer_range(self.num_layers, parallel.pp_rank, parallel.pp_size)
             self.num_layers = end - start
         self.kv_layout = kv_cache_layout(self.spec, 1 if parallel is None else parallel.tp_size)
+        self.lora_slots: dict = {}  # LoRA: {layer: {projection: LoRASlots}} (dfllm.lora.layers), when enabled
         self.num_kv_heads, self.head_dim = self.kv_layout.heads, self.kv_layout.head_dim
         self.model: LlamaForCausalLM | None = self._build_model()  # None while dropped
         self.kv: torch.Tensor | None = None
@@ -86,7 +87,29 @@ class ModelRunner:
             quantize_model(model, self.cfg.quantization)
         else:
             pack_linears(model)  # oneDNN-packed weights on CPU in float32 (dfllm.models.cpu_linear)
+        if self.cfg.enable_lora:  # empty adapter slots beside the adapted projections
+            from dfllm.lora.layers import attach_lora
+
+            self.lora_slots = attach_lora(model, self.cfg.max_loras, self.cfg.max_lora_rank,
+                                          None if self.parallel is None else self.parallel.tp,
+                                          triton=self.ops.name == "triton")
         return model.eval()
+
+    # ---- LoRA adapters (dfllm.lora) ----------------------------------------------------
+    def set_lora_slot(self, slot: int, adapter) -> None:
+        """Copy a :class:`~dfllm.lora.adapter.LoRAAdapter` (None: zeros) into adapter slot
+        ``slot`` of this rank's layers, each sharded as its base layer."""
+        for layer, projections in self.lora_slots.items():
+            for slots in projections.values():
+                weights = {} if adapter is None else {
+                    p: adapter.weights[(layer, p)] for p in slots.parts if (layer, p) in adapter.weights}
+                slots.set_slot(slot, weights)
+
+    def lora_modules(self) -> set[str]:
+        """The checkpoint modules (q_proj ... down_proj) LoRA adapters may target in this model."""
+        from dfllm.lora.layers import supported_modules
+
+        return supported_modules(self.lora_slots)
 
     # ---- sleep mode -----------------------------------------------------------------
     def offload_weights(self) -> None:
@@ -228,7 +251,7 @@ class ModelRunner:
         if model is None or self.kv is None:
             return None
         sizes = self.cfg.cudagraph_capture_sizes
-        if capture and (self.cfg.enforce_eager or not sizes):
+        if capture and (self.cfg.enforce_eager or not sizes or self.cfg.enable_lora):  # LoRA steps run eagerly
             return None
         reason = unsupported_reason(model, device=self.device if capture else None, ops_name=self.ops.name,
                                     parallel=self.parallel, quantization=self.cfg.quantization)

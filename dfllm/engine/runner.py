@@ -51,6 +51,13 @@ class Runner(Protocol):
     def reload_weights(self) -> None:
         """Rebuild dropped weights from the model files."""
 
+    def set_lora_slot(self, slot: int, adapter) -> None:
+        """Copy a LoRA adapter (:class:`~dfllm.lora.adapter.LoRAAdapter`; None: zeros) into
+        adapter slot ``slot`` (``enable_lora``), on every rank."""
+
+    def lora_modules(self) -> set[str]:
+        """The checkpoint modules LoRA adapters may target in this model (``enable_lora``)."""
+
     def run(self, sched: SchedulerOutput) -> StepOutput:
         """Compute one step: the logits (float32, on the model's device) of the rows that sample, their
         sequences, and the logits of the prompt positions whose log-probabilities were asked for."""

@@ -84,7 +84,7 @@ class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
                  enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01,
                  policy: str = "fcfs", prefix_aware: bool = True, reserve_growth: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, max_loras: int | None = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         self.policy = policy
@@ -104,6 +104,8 @@ class Scheduler:
         # new_token_ratio), so admission leaves room for decodes instead of preempting them
         self.growth_ratio = GROWTH_RATIO_INIT
         self.reserve_growth = reserve_growth  # False: the watermark only (vLLM's behaviour)
+        # LoRA: the most distinct adapters among the running sequences (so in any step); None: no limit
+        self.max_loras = max_loras
 
     def add(self, seq: Sequence) -> None:
         seq.waiting_since = self.num_admitted + len(self.waiting)  # when first come, first served would admit it
@@ -257,9 +259,15 @@ class Scheduler:
             return budget  # no room: skip ordering the queue
         order, computing = self._admission_order()
         reserved = self._growth_reserve()  # and each admitted sequence's growth, as it is admitted
+        loras = _lora_ids(self.running) if self.max_loras is not None else set()
         for seq in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            lora = _lora_id(seq)
+            if lora is not None and lora not in loras and self.max_loras is not None and len(loras) >= self.max_loras:
+                if self._due(seq):  # overtaken long enough: admit no other adapter's rows until its turn
+                    break
+                continue  # its adapter would be one more than max_loras in the step: later
             wants_cache = not seq.block_table and not seq.needs_prompt_logprobs
             hits = self.bm.match_prefix(seq) if wants_cache else []
             own = self.bm.prompt_block_hashes(seq)[len(hits):] if wants_cache and self.prefix_aware else []
@@ -286,6 +294,8 @@ class Scheduler:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = time.time()
             self.running.append(seq)
+            if lora is not None:
+                loras.add(lora)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
@@ -312,6 +322,16 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
         self.bm.free_seq(seq)
+
+
+def _lora_id(seq: Sequence) -> int | None:
+    """The id of the LoRA adapter ``seq`` runs with (None: the base model)."""
+    lora = seq.request.lora_request
+    return None if lora is None else lora.lora_int_id
+
+
+def _lora_ids(seqs: list[Sequence]) -> set[int]:
+    return {i for i in map(_lora_id, seqs) if i is not None}
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:

@@ -8,6 +8,7 @@ import torch
 
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
+from dfllm.kernels.lora import lora_metadata
 from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
 
 
@@ -105,6 +106,9 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     groups = _decode_groups(dec_rows, dec_seqs, bs)
     meta = attention_metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, device)
     meta.decodes = _decode_batch(dec_rows, dec_seqs, device)
+    if any(s.request.lora_request is not None for s in sched.seqs):  # each token row's adapter slot
+        meta.lora = lora_metadata([s.request.lora_slot for s, n in zip(sched.seqs, sched.num_new_tokens)
+                                   for _ in range(n)], device)
     return StepInputs(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
                       torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device), sample_seqs,
                       prompt_spans)
@@ -125,7 +129,7 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
                                                                            m.decodes.seq_lens)))
     meta = replace(m, slot_mapping=to(m.slot_mapping), prefills=prefills, decode_groups=groups,
                    query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables),
-                   decodes=decodes)
+                   decodes=decodes, lora=None if m.lora is None else m.lora.to(device))
     return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs,
                       inputs.prompt_spans)
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dfllm.kernels.lora import LoRAMetadata
+
 
 @dataclass
 class PrefillSpan:
@@ -63,6 +65,7 @@ class AttentionMetadata:
     ``sliding_window``, when set, limits every layer's attention to the window (Mistral): a
     query at position ``p`` sees the keys at positions ``p - sliding_window < j <= p``; a
     layer may also pass its own window to the kernel (Gemma's alternating layers).
+    ``lora`` carries the adapter slot of every token row (see :mod:`dfllm.kernels.lora`).
     """
 
     slot_mapping: torch.Tensor
@@ -76,3 +79,5 @@ class AttentionMetadata:
     max_seq_len: int = 0
     sliding_window: int | None = None
     decodes: DecodeBatch | None = None
+    # LoRA: each token row's adapter slot, grouped by slot (None: no row runs an adapter)
+    lora: LoRAMetadata | None = None

@@ -57,8 +57,19 @@ class GatedMLP(nn.Module):
         self.down_proj = row_linear(intermediate, hidden, bias, tp)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        # LoRA adapter slots (dfllm.lora.layers.attach_lora), applied when a step carries adapters
+        self.gate_up_lora: nn.Module | None = None
+        self.down_lora: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if lora is not None and self.gate_up_lora is not None:
+            h = self.gate_up_lora(x, h, lora)
+        a = self.ops.silu_and_mul(h)
+        out = self.down_proj(a)
+        if lora is not None and self.down_lora is not None:
+            out = self.down_lora(a, out, lora)
+        return out
 
 
 class PagedAttention(nn.Module):
@@ -104,10 +115,16 @@ class PagedAttention(nn.Module):
         self.k_norm: nn.Module | None = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # LoRA adapter slots (dfllm.lora.layers.attach_lora), applied when a step carries adapters
+        self.qkv_lora: nn.Module | None = None
+        self.o_lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if meta.lora is not None and self.qkv_lora is not None:
+            qkv = self.qkv_lora(x, qkv, meta.lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -123,4 +140,7 @@ class PagedAttention(nn.Module):
         self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                      sliding_window=self.sliding_window, softcap=self.softcap)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        if meta.lora is not None and self.o_lora is not None:
+            return self.o_lora(o, self.o_proj(o), meta.lora)
+        return self.o_proj(o)

@@ -61,6 +61,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, meta)
         x, residual = self.post_attention_layernorm(x, residual)
+        if meta.lora is not None and isinstance(self.mlp, GatedMLP):  # LoRA adapters of this step
+            return self.mlp(x, meta.lora), residual
         return self.mlp(x), residual
 
 

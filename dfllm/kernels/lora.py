@@ -1,0 +1,152 @@
+"""Many LoRA adapters in one batch: the per-token adapter slots of a step and the
+segmented (SGMV-style) batched matmul that adds each token's adapter delta.
+
+Every token row of a step carries a slot index (-1: the base model alone). A LoRA-adapted
+projection ``y = W x`` holds the adapters of the ``max_loras`` slots stacked: ``a``
+``[slots, R, in]`` and ``b`` ``[slots, out, R]`` (the scaling folded into ``b``; a slot's
+rank is ``ranks[slot] <= R``, the rest zeros), and adds ``delta = (x @ a[s].T) @ b[s].T``
+to each row of slot ``s``. As Punica's SGMV (and vLLM's punica kernels), the rows are
+grouped by adapter once per step (:class:`LoRAMetadata`) and each group costs two small
+matmuls, whatever the number of tokens of the other adapters:
+
+- :func:`lora_reference`: the PyTorch reference (one adapter gathered per token);
+- :func:`lora_apply` on CPU (and any device without Triton): per segment, a slice of the
+  batch when the segment's rows are consecutive (a prefill chunk, or the decodes of one
+  adapter placed together), else one gather and one ``index_add_``; each slot's own rank
+  only;
+- ``dfllm.kernels._triton_lora``: the Triton SGMV kernels (shrink then expand), one launch
+  each over every segment.
+
+A row-parallel projection (``o_proj``, ``down_proj`` under tensor parallelism) holds the
+slice of ``a`` matching its slice of the input features: the partial shrinks are summed
+over the ranks (``reduce``) before the expand, which every rank does in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoRAMetadata:
+    """The adapter slots of a step's token rows, grouped by slot.
+
+    ``token_slots`` (int64 ``[T]``, -1 for base rows). Per segment (one per slot used):
+    ``seg_slots[i]`` and either a consecutive range ``[seg_bounds[i][0], seg_bounds[i][1])``
+    of rows (``seg_rows[i]`` None) or its rows ``seg_rows[i]`` (int64). For one-launch
+    kernels: ``sorted_rows`` (int64, the adapted rows ordered by slot) and per segment its
+    ``seg_start``/``seg_len`` in them and its ``seg_slot`` (int32 tensors), with
+    ``max_seg_len`` on the host.
+    """
+
+    token_slots: torch.Tensor
+    seg_slots: list[int]
+    seg_bounds: list[tuple[int, int]]
+    seg_rows: list[torch.Tensor | None]
+    sorted_rows: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    seg_slot: torch.Tensor
+    max_seg_len: int
+
+    def to(self, device: torch.device) -> LoRAMetadata:
+        """This metadata with its tensors on ``device``."""
+        if self.token_slots.device == device:
+            return self
+        return LoRAMetadata(self.token_slots.to(device), self.seg_slots, self.seg_bounds,
+                            [None if r is None else r.to(device) for r in self.seg_rows],
+                            self.sorted_rows.to(device), self.seg_start.to(device), self.seg_len.to(device),
+                            self.seg_slot.to(device), self.max_seg_len)
+
+
+def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata | None:
+    """The metadata of a step whose token row ``t`` runs adapter slot ``token_slots[t]``
+    (-1: none); None when no row runs one."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    if not by_slot:
+        return None
+    seg_slots: list[int] = []
+    bounds: list[tuple[int, int]] = []
+    rows: list[torch.Tensor | None] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    flat: list[int] = []
+    for slot in sorted(by_slot):
+        r = by_slot[slot]
+        seg_slots.append(slot)
+        consecutive = r[-1] - r[0] + 1 == len(r)
+        bounds.append((r[0], r[-1] + 1))
+        rows.append(None if consecutive else torch.tensor(r, dtype=torch.long, device=device))
+        starts.append(len(flat))
+        lens.append(len(r))
+        flat.extend(r)
+    return LoRAMetadata(
+        torch.tensor(token_slots, dtype=torch.long, device=device), seg_slots, bounds, rows,
+        torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        torch.tensor(seg_slots, dtype=torch.int32, device=device), max(lens))
+
+
+def lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """The delta of every row (zeros for slot -1), one adapter gathered per token: the
+    definition the fast paths are tested against."""
+    out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)
+    rows = (token_slots >= 0).nonzero().flatten()
+    if rows.numel():
+        slots = token_slots[rows]
+        s = torch.einsum("ti,tri->tr", x[rows].float(), a[slots].float())
+        out[rows] = torch.einsum("tr,tor->to", s, b[slots].float())
+    return out.to(x.dtype)
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata,
+               ranks: list[int], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               triton: bool = False) -> torch.Tensor:
+    """``y`` plus each adapted row's delta (in place when possible; returned). ``reduce``
+    sums the shrink over the tensor-parallel ranks of a row-parallel projection; ``triton``
+    runs the Triton kernels."""
+    if triton:
+        from dfllm.kernels._triton_lora import sgmv_expand, sgmv_shrink
+
+        s = sgmv_shrink(x, a, meta)
+        if reduce is not None:
+            s = reduce(s)
+        sgmv_expand(s, b, y, meta)
+        return y
+    if reduce is None:
+        for slot, (lo, hi), rows in zip(meta.seg_slots, meta.seg_bounds, meta.seg_rows):
+            r = ranks[slot]
+            if r == 0:
+                continue
+            a_t, b_t = a[slot, :r].t(), b[slot, :, :r].t()
+            if rows is None:
+                y[lo:hi].addmm_(x[lo:hi] @ a_t, b_t)
+            else:
+                y.index_add_(0, rows, (x[rows] @ a_t) @ b_t)
+        return y
+    width = max(ranks[slot] for slot in meta.seg_slots)
+    s = x.new_zeros(x.shape[0], width)
+    for slot, (lo, hi), rows in zip(meta.seg_slots, meta.seg_bounds, meta.seg_rows):
+        r = ranks[slot]
+        if r:
+            if rows is None:
+                s[lo:hi, :r] = x[lo:hi] @ a[slot, :r].t()
+            else:
+                s[rows, :r] = x[rows] @ a[slot, :r].t()
+    s = reduce(s)
+    for slot, (lo, hi), rows in zip(meta.seg_slots, meta.seg_bounds, meta.seg_rows):
+        r = ranks[slot]
+        if r == 0:
+            continue
+        b_t = b[slot, :, :r].t()
+        if rows is None:
+            y[lo:hi].addmm_(s[lo:hi, :r], b_t)
+        else:
+            y.index_add_(0, rows, s[rows, :r] @ b_t)
+    return y

@@ -1,0 +1,184 @@
+"""Reading a LoRA adapter as PEFT saves it, checked against the base model before any work.
+
+A folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
+``target_modules``...) and ``adapter_model.safetensors`` (never a pickle: a folder with
+only ``adapter_model.bin`` is refused). Each targeted projection ``W`` (``in -> out``) of
+layer ``i`` has ``lora_A`` (``[r, in]``) and ``lora_B`` (``[out, r]``); the adapted layer
+computes ``W x + scaling * B A x`` with ``scaling = lora_alpha / r`` (``lora_alpha /
+sqrt(r)`` under ``use_rslora``). Dropout is a training-time thing and is ignored.
+
+Targets are the attention's ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and the MLP's
+``gate_proj``/``up_proj``/``down_proj``; an adapter trained on a checkpoint with fused
+``qkv_proj``/``gate_up_proj`` (Phi-3) is split as the base loader splits those weights: the
+one ``lora_A`` is shared, ``lora_B`` is cut into the parts' rows. Everything else is refused
+with :class:`LoRAAdapterError` naming the adapter and the problem: a missing file, a rank
+above ``max_lora_rank``, a module the base model does not have (an embedding, the LM head,
+``modules_to_save``, a layer past the model's), tensors whose shapes do not fit the base
+model (another architecture or size), DoRA, biases, ``fan_in_fan_out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dfllm.lora.request import LoRARequest
+from dfllm.models.spec import ModelSpec
+
+# a checkpoint module -> (the model's fused projection it belongs to, its part index)
+MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+}
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class LoRAAdapterError(ValueError):
+    """A LoRA adapter that cannot serve this model; the message names the adapter and why."""
+
+
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of each projection LoRA can target, on the full model."""
+    h, q, kv, inter = (spec.hidden_size, spec.num_attention_heads * spec.head_dim,
+                       spec.num_key_value_heads * spec.head_dim, spec.intermediate_size)
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's tensors, checked: ``weights[(layer, module)] = (A, B)`` with ``A``
+    ``[r, in]`` and ``B`` ``[out, r]`` already multiplied by the module's scaling (float32, CPU)."""
+
+    request: LoRARequest
+    rank: int  # the largest rank of its modules
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> set[str]:
+        return {m for _, m in self.weights}
+
+    def merged_into(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face checkpoint tensors with this adapter merged in (``W + scaling B A``):
+        what a separate merged-model job would load (benchmarks, tests)."""
+        out = dict(weights)
+        for (layer, module), (a, b) in self.weights.items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"model.layers.{layer}.{part}.{module}.weight"
+            out[name] = (out[name].float() + b @ a).to(out[name].dtype)
+        return out
+
+
+def _fail(request: LoRARequest, why: str) -> LoRAAdapterError:
+    return LoRAAdapterError(f"LoRA adapter {request.lora_name!r} (lora_int_id={request.lora_int_id}, "
+                            f"path {request.lora_path!r}): {why}")
+
+
+def read_adapter_config(request: LoRARequest) -> dict:
+    """The adapter's ``adapter_config.json``, checked for what dfllm cannot serve."""
+    path = Path(request.lora_path)
+    if not request.lora_path or not path.is_dir():
+        raise _fail(request, "lora_path is not a directory (a PEFT adapter folder with adapter_config.json "
+                             "and adapter_model.safetensors)")
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise _fail(request, "adapter_config.json is missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError as exc:
+        raise _fail(request, f"adapter_config.json is not valid JSON: {exc}") from None
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise _fail(request, f"peft_type {peft_type!r} is not LoRA")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
+        if cfg.get(key) == bad:
+            raise _fail(request, f"{key}={bad} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise _fail(request, f"bias={cfg['bias']!r} is not supported (adapters without bias terms only)")
+    if cfg.get("modules_to_save"):
+        raise _fail(request, f"modules_to_save {cfg['modules_to_save']} is not supported: it replaces whole "
+                             "modules of the base model, which adapters sharing one batch cannot do")
+    if cfg.get("alpha_pattern"):
+        raise _fail(request, "alpha_pattern is not supported (one lora_alpha for every module)")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list | tuple):
+        unknown = sorted(set(targets) - set(MODULES) - set(FUSED_PARTS))
+        if unknown:
+            raise _fail(request, f"target_modules {unknown} are modules the base model does not have as LoRA "
+                                 f"targets (supported: {sorted(MODULES) + sorted(FUSED_PARTS)})")
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise _fail(request, f"adapter_config.json: {key} must be a positive number, got {value!r}")
+    return cfg
+
+
+def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> LoRAAdapter:
+    """Read and check the adapter of ``request`` for a model of ``spec``; raise
+    :class:`LoRAAdapterError` naming the problem (see the module docstring)."""
+    cfg = read_adapter_config(request)
+    path = Path(request.lora_path)
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        pickle = " (only adapter_model.bin, a pickle, which dfllm never loads)" if (
+            path / "adapter_model.bin").is_file() else ""
+        raise _fail(request, f"adapter_model.safetensors is missing{pickle}")
+    alpha, rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001  (a corrupt file: name it)
+        raise _fail(request, f"adapter_model.safetensors cannot be read: {exc}") from None
+    with handle:
+        for key in handle.keys():
+            m = _KEY.search(key)
+            if m is None:
+                raise _fail(request, f"tensor {key!r} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
+                                     "projection of a decoder layer (embeddings, the LM head and other modules "
+                                     "are not supported)")
+            layer, part, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+            if module not in MODULES and module not in FUSED_PARTS:
+                raise _fail(request, f"tensor {key!r} targets {part}.{module}, a module the base model does not "
+                                     f"have (LoRA targets: {sorted(MODULES)})")
+            if layer >= spec.num_hidden_layers:
+                raise _fail(request, f"tensor {key!r} is for layer {layer}, but the base model has "
+                                     f"{spec.num_hidden_layers} layers")
+            pairs.setdefault((layer, module), {})[ab] = handle.get_tensor(key).float()
+    if not pairs:
+        raise _fail(request, "adapter_model.safetensors holds no LoRA weights")
+    shapes = module_shapes(spec)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise _fail(request, f"{where} has lora_{''.join(ab)} but not lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise _fail(request, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                                 "each other ([r, in] and [out, r])")
+        r = a.shape[0]
+        if r > max_lora_rank:
+            raise _fail(request, f"{where} has rank {r}, above max_lora_rank={max_lora_rank} (raise "
+                                 "LLM(max_lora_rank=...))")
+        rank = max(rank, r)
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        parts = FUSED_PARTS.get(module, (module,))
+        sizes = [shapes[p][1] for p in parts]
+        want_in, want_out = shapes[parts[0]][0], sum(sizes)
+        if a.shape[1] != want_in or b.shape[0] != want_out:
+            raise _fail(request, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                                 f"base model's {module} ({want_in} -> {want_out} features): an adapter for "
+                                 "another model or size")
+        for p, b_part in zip(parts, b.split(sizes)):
+            if (layer, p) in weights:
+                raise _fail(request, f"layer {layer} {p} is given twice (fused and on its own)")
+            weights[(layer, p)] = (a.contiguous(), (b_part * scaling).contiguous())
+    return LoRAAdapter(request, rank, weights)
