@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import check_prompt_length, check_token_ids
-from dfllm.engine.pooling_engine import PoolingEngine
+from dfllm.engine.pooling_engine import ImagePrompt, PoolingEngine
 from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import (
     as_prompt_list,
@@ -90,7 +90,7 @@ class PoolingFrontend:
                                           f"{task!r}. You cannot overwrite self.task={p.task!r} with task={task!r}!",
                                           parameter="task", value=p.task)
         data = self._pool(ids, params, task, use_tqdm)
-        return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), p) for d, p in zip(data, ids)]
+        return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), _token_ids(p)) for d, p in zip(data, ids)]
 
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
@@ -198,7 +198,7 @@ class PoolingFrontend:
             self._queued = queued + self._queued
             raise
         outputs = [PoolingRequestOutput(q.request_id, PoolingOutput(results.get(q.request_id, torch.empty(0))),
-                                        q.token_ids, finished=q.request_id not in errors) for q in queued]
+                                        _token_ids(q.token_ids), finished=q.request_id not in errors) for q in queued]
         failed = [i for i, q in enumerate(queued) if q.request_id in errors]
         if failed:
             lines = [f"request {queued[i].request_id}: {errors[queued[i].request_id]!r}" for i in failed[:5]]
@@ -264,7 +264,9 @@ class PoolingFrontend:
             texts: dict[int, list[int]] = {}
             for i, (item, p) in enumerate(zip(items, params)):
                 limit = self._limit(p, truncate_prompt_tokens)
-                if isinstance(item, dict) and "prompt_token_ids" in item:
+                if isinstance(item, dict) and item.get("multi_modal_data") is not None:
+                    ids[i] = self._image_prompt(item, i)
+                elif isinstance(item, dict) and "prompt_token_ids" in item:
                     ids[i] = check_token_ids(item["prompt_token_ids"], f"prompt {i}", self.cfg.model.vocab_size)[:limit]
                 else:
                     text = item.get("prompt") if isinstance(item, dict) else item
@@ -285,8 +287,37 @@ class PoolingFrontend:
                 for i, e in zip(idx, enc):
                     ids[i] = e
             for i, e in enumerate(ids):
-                check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
+                if not isinstance(e, ImagePrompt):
+                    check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
             return [e or [] for e in ids], params
+
+    def _image_prompt(self, item: dict, i: int) -> ImagePrompt:
+        """Prompt ``i``, ``{"multi_modal_data": {"image": image}}`` with an empty or absent
+        prompt, as the image to embed (decoded now); ``ValueError`` saying what is wrong."""
+        from dfllm.multimodal import image_hash, load_image
+
+        if not self.engine.image_text:
+            raise InvalidRequestError(f"prompt {i}: multi_modal_data: {self.cfg.model_path.name} is a text-only "
+                                      "model; image embeddings need an image-text model (CLIP, SigLIP)",
+                                      parameter="multi_modal_data")
+        mm = item["multi_modal_data"]
+        if not isinstance(mm, dict) or set(mm) != {"image"}:
+            raise ValueError(f"prompt {i}: multi_modal_data must be {{'image': image}}, got "
+                             f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}")
+        image = mm["image"]
+        if isinstance(image, (list, tuple)):
+            if len(image) != 1:
+                raise ValueError(f"prompt {i}: an embedding prompt takes one image, got {len(image)} "
+                                 "(at most 1 image per prompt)")
+            image = image[0]
+        if item.get("prompt") or item.get("prompt_token_ids"):
+            raise ValueError(f"prompt {i}: embed text or an image, not both (give the image with an empty or "
+                             "absent prompt, and the text as a prompt of its own)")
+        try:
+            img = load_image(image)
+        except ValueError as exc:  # ImageLoadError: what could not be read, and why
+            raise ValueError(f"prompt {i}: multi_modal_data image: {exc}") from exc
+        return ImagePrompt(img, image_hash(img))
 
     def _late_interaction(self, left, right, params, truncate_prompt_tokens, use_tqdm):
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
@@ -316,6 +347,11 @@ class PoolingFrontend:
             return self.engine.encode(ids, params, task, types, on_batch=bar.update)
         finally:
             bar.close()
+
+
+def _token_ids(prompt: list[int] | ImagePrompt) -> list[int]:
+    """A pooling prompt's token ids ([] for an image)."""
+    return [] if isinstance(prompt, ImagePrompt) else prompt
 
 
 def _pairs(data_1, data_2) -> tuple[list[str], list[str]]:

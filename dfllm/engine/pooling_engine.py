@@ -11,11 +11,19 @@ step per batch, with a KV cache just large enough for a batch.
 ``token_embed`` gives one vector per token: the hidden states, or for a model with a ColBERT
 head (``token_head``: ``HF_ColBERT``, bge-m3 with its head in safetensors) the head's
 projections, normalised unless ``PoolingParams(normalize=False)``.
+
+Image-text models (CLIP, SigLIP: ``image_text``) also embed images (:class:`ImagePrompt`):
+each distinct image (by content hash) is preprocessed by the model's image processor and
+encoded once, in batches of ``max_num_seqs``; its features are kept (LRU, :data:`IMAGE_CACHE_SIZE`
+images) so that the same image in a later call is not encoded again (``reset_mm_cache``).
+Their embeddings are normalised unless ``PoolingParams(normalize=False)``, as vLLM's.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,6 +44,16 @@ from dfllm.pooling_params import POOLING_TASKS, PoolingParams
 from dfllm.sampling_params import SamplingParams
 
 TASKS = POOLING_TASKS  # "embed", "classify", "token_embed"
+IMAGE_CACHE_SIZE = 4096  # image embeddings kept per engine (a few MB)
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """An image to embed with an image-text model: the decoded image and its content hash
+    (:func:`dfllm.multimodal.image_hash`)."""
+
+    image: Any  # PIL.Image.Image
+    hash: str
 
 
 class PoolingEngine:
@@ -55,6 +73,15 @@ class PoolingEngine:
             self.model = self.runner.model
         else:
             self.model = _build(cls, cfg)
+        self.image_text = bool(getattr(self.model, "image_text", False))  # CLIP, SigLIP: images too
+        if self.image_text:
+            from dfllm.models.clip import load_image_processor
+
+            self.image_processor = load_image_processor(cfg.model_path)
+            if not (cfg.model_path / "modules.json").is_file():
+                self.pooler = replace(pooler, normalize=True)
+        self._image_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.image_stats = {"encoded": 0, "reused": 0}  # images encoded; images served without encoding
         # ColBERT models score by MaxSim over token vectors and have no single-vector embedding
         self.late_interaction = bool(getattr(self.model, "late_interaction", False))
         # RoBERTa reads fewer tokens than max_position_embeddings (its positions start after the pad id)
@@ -74,11 +101,21 @@ class PoolingEngine:
         return -(-max(cfg.max_num_batched_tokens, cfg.max_model_len) // bs) + cfg.max_num_seqs
 
     # ---- batching ---------------------------------------------------------------------
-    def encode(self, prompts: list[list[int]], params: list[PoolingParams], task: str,
+    def encode(self, prompts: list[list[int]] | list[list[int] | ImagePrompt], params: list[PoolingParams], task: str,
                token_types: list[list[int]] | None = None, on_batch=None) -> list[torch.Tensor]:
-        """Run ``task`` over token-id prompts; one CPU tensor per prompt, in input order."""
+        """Run ``task`` over token-id prompts (and images, :class:`ImagePrompt`, of an
+        image-text model); one CPU tensor per prompt, in input order."""
         results: list[torch.Tensor | None] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+        images = [i for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)]
+        if images:
+            embedded = self.encode_images([cast(ImagePrompt, prompts[i]) for i in images], [params[i] for i in images],
+                                          task)
+            for i, out in zip(images, embedded):
+                results[i] = out
+            if on_batch is not None:
+                on_batch(len(images))
+        texts = [i for i, p in enumerate(prompts) if not isinstance(p, ImagePrompt)]
+        order = sorted(texts, key=lambda i: len(prompts[i]), reverse=True)
         for batch in self._batches(order, prompts):
             types = [token_types[i] for i in batch] if token_types else None
             for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch])):
@@ -87,7 +124,38 @@ class PoolingEngine:
                 on_batch(len(batch))
         return results  # type: ignore[return-value]
 
-    def _batches(self, order: list[int], prompts: list[list[int]]):
+    @torch.inference_mode()
+    def encode_images(self, images: list[ImagePrompt], params: list[PoolingParams], task: str) -> list[torch.Tensor]:
+        """Embeddings of ``images`` (``task`` "embed"): each distinct image encoded once, and
+        not at all when its features are cached from an earlier call."""
+        if not self.image_text or task != "embed":
+            raise ValueError(f"{task} takes no images" if self.image_text else
+                             "this model takes no images (multi_modal_data): it embeds text only")
+        cache, first = self._image_cache, {im.hash: im.image for im in images}
+        missing = [h for h in first if h not in cache]
+        self.image_stats["reused"] += len(images) - len(missing)
+        self.image_stats["encoded"] += len(missing)
+        embed = cast(Any, self.model).image_features
+        for start in range(0, len(missing), self.cfg.max_num_seqs):
+            chunk = missing[start: start + self.cfg.max_num_seqs]
+            pixels = self.image_processor(images=[_rgb(first[h]) for h in chunk], return_tensors="pt")["pixel_values"]
+            feats = embed(pixels.to(self.cfg.device, self.cfg.dtype)).float().cpu()
+            for h, f in zip(chunk, feats):
+                cache[h] = f
+        out = []
+        for im, p in zip(images, params):
+            cache.move_to_end(im.hash)
+            f = cache[im.hash]
+            out.append(normalize(f) if _wants_norm(p, self.pooler) else f.clone())
+        while len(cache) > IMAGE_CACHE_SIZE:
+            cache.popitem(last=False)
+        return out
+
+    def reset_mm_cache(self) -> None:
+        """Forget the cached image features (the next call encodes every image again)."""
+        self._image_cache.clear()
+
+    def _batches(self, order: list[int], prompts):
         batch: list[int] = []
         for i in order:
             longest = len(prompts[batch[0]]) if batch else len(prompts[i])
@@ -111,7 +179,9 @@ class PoolingEngine:
             # a decoder classifier reads each row's last valid token (seq_cls)
             logits = (classify(hidden, valid) if self.is_decoder else classify(hidden)).float()  # type: ignore[call-arg]
             return [_activate(row, p.use_activation) for row, p in zip(logits.cpu(), params)]
-        pooled = pool(hidden, valid, self.pooler.pooling_type).float()
+        pool_text = getattr(self.model, "pool_text", None)  # CLIP/SigLIP: their own token, then a projection
+        pooled = (pool(hidden, valid, self.pooler.pooling_type) if pool_text is None
+                  else pool_text(hidden, prompts)).float()
         normed = normalize(pooled)
         return [(normed[i] if _wants_norm(p, self.pooler) else pooled[i]).cpu() for i, p in enumerate(params)]
 
@@ -166,8 +236,9 @@ _POOL_REQUEST = Request("pool", None, [], SamplingParams(), RequestMetrics(0.0))
 
 
 def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
+    build = getattr(cls, "from_hf_config", None)  # models of nested configs (CLIP, SigLIP) read them whole
     with torch.device(cfg.device):
-        model = cls(cfg.model)
+        model = build(cfg.hf_config) if build is not None else cls(cfg.model)
     model.to(cfg.dtype)
     load_weights(model, cfg.model_path)
     attach = getattr(model, "attach_token_head", None)
@@ -180,6 +251,11 @@ def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
     if packing_available(cfg.device, cfg.dtype):
         prepack_linears(model)
     return model.eval()
+
+
+def _rgb(image):
+    """A PIL image in RGB, as vLLM converts images before their processor."""
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _activate(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:

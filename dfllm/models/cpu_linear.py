@@ -143,6 +143,6 @@ def prepack_linears(model: nn.Module) -> nn.Module:
     for name, child in model.named_children():
         if isinstance(child, nn.Linear):
             setattr(model, name, PackedLinear(child))
-        else:
+        elif not isinstance(child, nn.MultiheadAttention):  # it reads its out_proj's weight itself (SigLIP's head)
             prepack_linears(child)
     return model
