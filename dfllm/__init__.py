@@ -3,6 +3,7 @@
 from dfllm import accessors  # noqa: F401  (registers .llm on Dask, pandas and Polars)
 from dfllm.accessors.engine_cache import release_engines
 from dfllm.accessors.response_cache import ResponseCache
+from dfllm.accessors.semantic.cascade import Cascade, CascadeStats
 from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.errors import InvalidRequestError, VLLMValidationError
 from dfllm.jobs.batch_job import BatchSummary, run_batch
@@ -47,6 +48,7 @@ __all__ = [
     "release_engines", "vLLMEngineProcessorConfig", "build_llm_processor", "InvalidRequestError",
     "VLLMValidationError", "ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
     "PrepareMultimodalStageConfig", "PrepareImageStageConfig", "run_batch", "BatchSummary", "ResponseCache",
+    "Cascade", "CascadeStats",
     "LoRARequest",
 ]
 __version__ = "0.1.0"

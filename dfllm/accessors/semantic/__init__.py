@@ -4,4 +4,13 @@ output is an LLM's judgment, built on the ``.llm`` tasks. User docs: docs/semant
 
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
 
-__all__ = ["SemanticFrameMethods"]
+__all__ = ["SemanticFrameMethods", "Cascade", "CascadeStats"]
+
+
+def __getattr__(name: str):
+    # the cascade's classes import the accessors' modules, which import this package first
+    if name in ("Cascade", "CascadeStats"):
+        from dfllm.accessors.semantic import cascade
+
+        return getattr(cascade, name)
+    raise AttributeError(name)

@@ -98,17 +98,19 @@ class JudgeStep:
 
 def judge_task(accessor, instruction: str, *, model, return_explanations: bool, chat: bool, logprobs: int,
                max_explanation_tokens: int, on_error: str, resources, cache, engine_kwargs: dict,
-               what: str = "judge"):
-    """``(task, shadow)``: the ``.llm`` task judging ``instruction`` on the accessor's frame."""
+               what: str = "judge", columns: list[str] | None = None):
+    """``(task, shadow)``: the ``.llm`` task judging ``instruction`` on the accessor's frame
+    (whose columns are ``columns``, if given)."""
+    columns = accessor._columns() if columns is None else columns
     fields = instruction_fields(instruction)
-    missing = [f for f in fields if f not in accessor._columns()]
+    missing = [f for f in fields if f not in columns]
     if missing:
         raise ValueError(f"{what}: the instruction names column(s) {missing} that are not in the dataframe "
-                         f"(columns: {accessor._columns()})")
+                         f"(columns: {columns})")
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
         raise ValueError(f"{what}: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
     kind = "chat" if chat else "generate"
-    shadow, columns = shadowed(accessor._columns(), kind, TEXT, ("logprobs",), fields)
+    shadow, seen = shadowed(columns, kind, TEXT, ("logprobs",), fields)
     prompt = semantic_prompt(JUDGE_PREAMBLE, instruction, fields,
                              answer=EXPLAINED_ANSWER if return_explanations else ANSWER, chat=chat)
     if return_explanations:
@@ -119,7 +121,7 @@ def judge_task(accessor, instruction: str, *, model, return_explanations: bool, 
         sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8)
         choice = list(ANSWERS)
     extra = {"system": prompt.system} if chat else {}
-    task = make_llm_task(accessor, kind, (prompt.template,), resources, model=model, columns=columns,
+    task = make_llm_task(accessor, kind, (prompt.template,), resources, model=model, columns=seen,
                          output_column=TEXT, sampling_params=sampling, choice=choice, on_error=on_error,
                          engine_kwargs=engine_kwargs, engine_columns=("logprobs",), cache=cache, **extra)
     return task, shadow
@@ -147,17 +149,21 @@ def semantic_judge(accessor, instruction: str, *, keep: bool, model, output_colu
         clash = [explanation_column]
     if clash:
         raise ValueError(f"{what}: output column(s) {clash} already exist; choose other names")
+    if cascade is not None:
+        from dfllm.accessors.semantic.cascade import cascade_judge
+
+        return cascade_judge(accessor, instruction, cascade, keep=keep, model=model, output_column=output_column,
+                             probability_column=probability_column, return_explanations=return_explanations,
+                             explanation_column=explanation_column, return_stats=return_stats, chat=chat,
+                             logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
+                             resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
+    if return_stats:
+        raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
     task, shadow = judge_task(accessor, instruction, model=model, return_explanations=return_explanations, chat=chat,
                               logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
                               resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
     step = judge_step(task, shadow, keep=keep, output_column=output_column, probability_column=probability_column,
                       return_explanations=return_explanations, explanation_column=explanation_column,
                       resources=resources)
-    if cascade is not None:
-        from dfllm.accessors.semantic.cascade import cascade_judge
-
-        return cascade_judge(accessor, instruction, step, cascade, return_stats=return_stats, what=what)
-    if return_stats:
-        raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
     return run_step(accessor._obj, step)
 

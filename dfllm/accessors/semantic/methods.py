@@ -79,3 +79,103 @@ class SemanticFrameMethods:
                                 cache=cache, engine_kwargs=engine_kwargs)
 
     # --- semantic-2's operators (topk, join, sim_join, dedup, agg) go below, in one block ---
+
+    def topk(self, instruction: str, k: int, *, method: str = "quick", model=None, rank_column: str = "rank",
+             seed_embeddings: bool = False, embed_model=None, chat: bool = True, on_error: str = "null",
+             resources: dict | None = None, cache=None, return_stats: bool = False, **engine_kwargs):
+        """The ``k`` rows that best satisfy the criterion ``instruction`` (a template such as
+        ``"{review} is the most enthusiastic"``), best first, by LLM pairwise comparisons: a
+        ``rank`` column (1 = best) and ``llm_error``. Rows that could not be ranked (a null
+        field, a failed comparison) follow with a null rank and their message.
+
+        Each comparison is one greedy decode constrained to "A"/"B", the pair's earlier row (in
+        the frame's order) shown as A, each pair asked at most once. ``method="quick"``
+        (default): batched quickselect, one engine call per round; ``"heap"``: a k-heap, one
+        comparison per engine call. ``seed_embeddings`` picks the first pivot by the rows'
+        embedding similarity to the criterion (``embed_model``, default the bundled MiniLM).
+        On Dask: each partition's top k, then one merge task (one partition out).
+        ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
+        ``counts["comparisons"]``. See docs/semantic.md."""
+        from dfllm.accessors.semantic.topk import semantic_topk
+
+        return semantic_topk(self, instruction, k, method=method, model=model, rank_column=rank_column,
+                             seed_embeddings=seed_embeddings, embed_model=embed_model, chat=chat, on_error=on_error,
+                             resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs)
+
+    def join(self, other, instruction: str, *, block_k: int | None = None, min_similarity: float | None = None,
+             model=None, embed_model=None, suffix: str = "_right", similarity_column: str = "similarity",
+             chat: bool = True, sampling_params=None, on_error: str = "null", resources: dict | None = None,
+             cache=None, return_stats: bool = False, **engine_kwargs):
+        """The pairs of this frame's rows and ``other``'s for which the model judges the
+        statement ``instruction`` true (``"{abstract} cites {title}"``; a column both frames have
+        is ``{title:left}`` or ``{title:right}``): this frame's columns, ``other``'s (with
+        ``suffix`` where the names clash) and ``llm_error``.
+
+        Without ``block_k``/``min_similarity`` every pair of the cross product is judged. With
+        them, pairs are blocked by embedding similarity of the two rows' fields (``embed_model``,
+        default the bundled MiniLM): for each left row only its ``block_k`` most similar right
+        rows, and/or only pairs with cosine similarity ``>= min_similarity``, are judged, and a
+        ``similarity`` column is added. A pair whose judgment failed is kept with its
+        ``llm_error`` (never dropped as false), and so is a row that could not be embedded (the
+        other side null). On Dask the right side is embedded once and each left partition is
+        one task. ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
+        ``counts["pairs_judged"]`` and ``counts["cross_product"]``. See docs/semantic.md."""
+        from dfllm.accessors.semantic.join import semantic_join
+
+        return semantic_join(self, other, instruction, block_k=block_k, min_similarity=min_similarity,
+                             embed_model=embed_model, model=model, suffix=suffix,
+                             similarity_column=similarity_column, chat=chat, sampling_params=sampling_params,
+                             on_error=on_error, resources=resources, cache=cache, return_stats=return_stats,
+                             engine_kwargs=engine_kwargs)
+
+    def sim_join(self, other, left_on: str, right_on: str, k: int, *, embed_model=None, suffix: str = "_right",
+                 similarity_column: str = "similarity", min_similarity: float | None = None,
+                 resources: dict | None = None, return_stats: bool = False, **engine_kwargs):
+        """For every row, the ``k`` rows of ``other`` whose ``right_on`` text is most similar to
+        its ``left_on`` text (cosine of ``embed_model``'s embeddings, default the bundled MiniLM;
+        ``min_similarity`` drops weaker ones): this frame's columns, ``other``'s (``suffix`` on
+        clashes), ``similarity`` (highest first per left row) and ``llm_error``. A row that could
+        not be embedded comes once, the other side null, with its error. See docs/semantic.md."""
+        from dfllm.accessors.semantic.join import semantic_sim_join
+
+        return semantic_sim_join(self, other, left_on, right_on, k, embed_model=embed_model, suffix=suffix,
+                                 similarity_column=similarity_column, min_similarity=min_similarity,
+                                 resources=resources, return_stats=return_stats, engine_kwargs=engine_kwargs)
+
+    def dedup(self, column: str, *, threshold: float = 0.9, confirm=False, model=None, embed_model=None,
+              cluster_column: str = "cluster_id", representative_column: str = "is_representative",
+              chat: bool = True, on_error: str = "null", resources: dict | None = None, cache=None,
+              return_stats: bool = False, **engine_kwargs):
+        """Near-duplicate clusters of the texts in ``column``: rows whose embeddings
+        (``embed_model``, default the bundled MiniLM) have cosine similarity ``>= threshold``
+        are linked, and clusters are the connected components. ``confirm=True`` (or a statement
+        about records A and B) has ``model`` judge each linked pair first (one True/False decode
+        per pair); only confirmed pairs link. Every row is kept, with ``cluster_id`` (int: the
+        row number, 0-based in the frame's order, of the cluster's first row),
+        ``is_representative`` (that first row) and ``llm_error`` (a row that could not be
+        embedded has null labels; a pair that could not be judged is reported on both rows).
+        Drop duplicates with ``df[df.is_representative]``. See docs/semantic.md."""
+        from dfllm.accessors.semantic.dedup import semantic_dedup
+
+        return semantic_dedup(self, column, threshold=threshold, confirm=confirm, model=model,
+                              embed_model=embed_model, cluster_column=cluster_column,
+                              representative_column=representative_column, chat=chat, on_error=on_error,
+                              resources=resources, cache=cache, return_stats=return_stats,
+                              engine_kwargs=engine_kwargs)
+
+    def agg(self, instruction: str, *, by=None, model=None, output_column: str = "summary", max_tokens: int = 128,
+            chat: bool = True, split_every: int = 8, on_error: str = "null", resources: dict | None = None,
+            cache=None, return_stats: bool = False, **engine_kwargs):
+        """Summarise all rows (or each group of ``by``, a column or a list) into one text, as
+        ``instruction`` asks (``"Summarise the complaints in {review}"``): one row per group with
+        its keys, ``summary`` and ``llm_error``. Rows are packed into chunks whose prompts fit
+        ``max_model_len`` (an engine argument; default the model's), each chunk summarised
+        (greedy, ``max_tokens``), and the summaries folded the same way until one is left. On
+        Dask a tree reduction: one summary per partition and group, folded ``split_every`` at a
+        time. A row with a null field is left out and named in its group's ``llm_error``.
+        See docs/semantic.md."""
+        from dfllm.accessors.semantic.agg import semantic_agg
+
+        return semantic_agg(self, instruction, by=by, model=model, output_column=output_column,
+                            max_tokens=max_tokens, chat=chat, split_every=split_every, on_error=on_error,
+                            resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs)
