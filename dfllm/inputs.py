@@ -82,11 +82,15 @@ def check_conversation(conv, i: int) -> None:
         content = msg.get("content")
         if not isinstance(content, str) and not _is_text_parts(content):
             raise ValueError(f"{where}: content must be a str or a list of text parts, got {type(content).__name__}")
-        for text in [content] if isinstance(content, str) else [p["text"] for p in content]:
+        for text in [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]:
             check_unicode(text, f"{where}: content")
 
 
 def _is_text_parts(content) -> bool:
+    """A list of text parts, and image parts (``image_url``, ``image_pil``, ``image``: a
+    vision-language model takes them, any other model refuses them naming the conversation)."""
     return isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
+                                 or p.get("type") in ("image_url", "image_pil", "image"))
+        for p in content
     )

@@ -4,6 +4,7 @@ cache keyed by image, the processed-image cache and vLLM's multimodal prompt for
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,3 +52,120 @@ def test_vision_towers_match_transformers(tmp_path, kind):
         torch.testing.assert_close(cut(pixels).hidden_states[-1], want.hidden_states[2], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="pixel values of shape"):
         model(torch.randn(1, 3, 14, 14))
+
+
+# ---- a tiny LLaVA (CLIP tower + Llama), saved with its processor ------------------------------
+IMAGE_TOKEN = "<image>"
+
+
+def build_tiny_llava(root, tokenizer_dir, seed: int = 0):
+    """A random LLaVA-1.5-style model (CLIP tower 28px/7px patches: 16 tokens per image, a tiny
+    Llama) with the SmolLM2 tokenizer plus ``<image>``, and its LlavaProcessor, saved in ``root``."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    vision = CLIPVisionConfig(**{**VISION, "num_hidden_layers": 2})
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id, image_seq_length=16,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # images must move the outputs: larger random vision and projector weights
+        for name, p in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    path = root / "tiny-llava"
+    model.save_pretrained(path)
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
+                                                                  crop_size={"height": 28, "width": 28}),
+                               tokenizer=tok, patch_size=7, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, image_token=IMAGE_TOKEN)
+    processor.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory, smollm2_dir):
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"), smollm2_dir)
+
+
+def _images():
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    sizes = [(28, 28), (40, 30), (17, 33), (64, 64)]
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+
+
+def hf_llava_greedy(path, requests, max_new_tokens: int):
+    """transformers' own LLaVA ``generate`` (greedy), one request at a time: (text, images)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    processor = AutoProcessor.from_pretrained(path, backend="pil")
+    outs = []
+    with torch.inference_mode():
+        for text, images in requests:
+            inputs = processor(text=text, images=images or None, return_tensors="pt")
+            y = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(y[0, inputs["input_ids"].shape[1]:].tolist())
+    return outs
+
+
+def _llm(path, **kw):
+    from dfllm import LLM
+
+    kw.setdefault("kv_cache_memory_bytes", 2 * 2**20)
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, **kw)
+
+
+def _mixed_requests():
+    a, b, c, d = _images()
+    return [
+        ("USER: <image>\nWhat is this? ASSISTANT:", [a]),
+        ("USER: <image>\nWhat is this? ASSISTANT:", [b]),  # same text, another image
+        ("USER: no image here, just text. ASSISTANT:", []),
+        ("USER: <image> and <image>, compare. ASSISTANT:", [c, d]),
+        ("USER: <image>\nWhat is this? ASSISTANT:", [a]),  # the first again
+        ("<image>", [d]),
+    ]
+
+
+def _prompts(requests):
+    return [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in requests]
+
+
+def test_llava_greedy_equals_transformers(tiny_llava):
+    from dfllm import SamplingParams
+
+    requests = _mixed_requests()
+    want = hf_llava_greedy(tiny_llava, requests, 8)
+    assert want[0] != want[1], "the image must change the output (else this test proves nothing)"
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = _llm(tiny_llava)
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), sp, use_tqdm=False)]
+    assert got == want
+    # chunked prefill splitting image placeholder runs (12-token chunks, 16 tokens an image), and preemption under a
+    # KV cache too small for the batch: the same tokens
+    block = 2 * 4 * 2 * 16 * 2 * 4  # layers x block size 4 x kv heads x head size x (k, v) x float32
+    small = _llm(tiny_llava, max_model_len=64, max_num_batched_tokens=12, block_size=4,
+                 kv_cache_memory_bytes=17 * block)
+    small.llm_engine.scheduler.reserve_growth = False  # vLLM's admission: the tight cache must preempt
+    got = [o.outputs[0].token_ids for o in small.generate(_prompts(requests), sp, use_tqdm=False)]
+    assert got == want
+    stats = small.llm_engine.scheduler.stats()
+    assert stats.num_preemptions > 0, stats

@@ -38,6 +38,8 @@ from dfllm.inputs import (
     check_unicode,
     per_prompt_params,
 )
+from dfllm.multimodal.inputs import MultiModalInputs
+from dfllm.multimodal.processor import ImageInputProcessor, has_image_parts
 from dfllm.reasoning import ReasoningParser, make_reasoning_parser
 from dfllm.sampling_params import SamplingParams
 
@@ -53,6 +55,7 @@ class EngineRequest:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
     # the engine's reasoning parser for this prompt (with the chat template variables it was rendered with)
     reasoning: ReasoningParser | None = None
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images (dfllm.multimodal), placeholders expanded
 
 
 NO_TOKENIZER = "Unable to get tokenizer because skip_tokenizer_init is True"
@@ -63,7 +66,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
                  eos_token_ids: set[int], *, max_logprobs: int = -1,
-                 reasoning_parser: str | ReasoningParser | None = None):
+                 reasoning_parser: str | ReasoningParser | None = None, mm: ImageInputProcessor | None = None):
         """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
         engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary.
         ``tokenizer`` is None under ``skip_tokenizer_init=True``. ``reasoning_parser`` (a
@@ -78,6 +81,7 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.reasoning = (make_reasoning_parser(reasoning_parser, tokenizer) if isinstance(reasoning_parser, str)
                           else reasoning_parser)
+        self.mm = mm  # a vision-language model's images (None: text only)
 
     # ---- text to tokens --------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -98,6 +102,12 @@ class InputProcessor:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("the tokenizer has no chat template; pass chat_template=...")
         # tokenize=False: the rendered text (transformers annotates every return type at once)
+        if self.mm is not None:  # image parts: placeholders as the template takes them (dfllm.multimodal)
+            template = chat_template or getattr(tokenizer, "chat_template", None)
+            conversation = [self.mm.flatten_content(m, template) for m in conversation]
+        elif has_image_parts(conversation):
+            raise InvalidRequestError("image parts: this model takes no images (it is a text-only model)",
+                                      parameter="messages")
         text = cast(str, tokenizer.apply_chat_template(
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -113,14 +123,16 @@ class InputProcessor:
 
     # ---- checked requests ------------------------------------------------------------
     def process(self, prompt: TokenizedPrompt | dict | str, params: SamplingParams,
-                what: str = "prompt") -> EngineRequest:
+                what: str = "prompt", images: list | None = None) -> EngineRequest:
         """``prompt`` with ``params`` as a checked request; :class:`~dfllm.errors.InvalidRequestError`
-        (a ``ValueError``) naming ``what`` if either is refused."""
+        (a ``ValueError``) naming ``what`` if either is refused. A vision-language model's images
+        come from the prompt's ``multi_modal_data`` or, for a chat, ``images`` (its image parts)."""
         with invalid_request():
             if not isinstance(params, SamplingParams):
                 raise InvalidRequestError(f"{what}: sampling params must be a SamplingParams, got "
                                           f"{type(params).__name__}", parameter="sampling_params")
             tokenized = self._tokenized(prompt, what)
+            tokenized, mm_inputs = self._with_images(prompt, tokenized, images, params, what)
             keep = params.truncate_prompt_tokens
             if keep is not None:  # the last tokens, as vLLM truncates (-1: as many as max_model_len)
                 keep = self.max_model_len if keep == -1 else keep
@@ -132,7 +144,25 @@ class InputProcessor:
                 params = self._without_tokenizer(params, what)
             grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
             return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params),
-                                 self._reasoning(prompt))
+                                 self._reasoning(prompt), mm_inputs=mm_inputs)
+
+    def _with_images(self, prompt, tokenized: TokenizedPrompt, images: list | None, params: SamplingParams,
+                     what: str) -> tuple[TokenizedPrompt, MultiModalInputs | None]:
+        """The prompt with its images' placeholder tokens expanded, and its images (see
+        :class:`~dfllm.multimodal.processor.ImageInputProcessor`); a text-only model refuses images."""
+        has_data = isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
+        if self.mm is None:
+            if has_data or images:
+                raise InvalidRequestError(f"{what}: multi_modal_data: this model takes no images (it is a text-only "
+                                          "model)", parameter="multi_modal_data")
+            return tokenized, None
+        found, kwargs = self.mm.images_of_prompt(prompt, what)
+        images = list(images or []) + found
+        if images and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(f"{what}: truncate_prompt_tokens cannot be used with images (it could cut an "
+                                      "image's placeholder tokens)", parameter="truncate_prompt_tokens")
+        ids, mm_inputs = self.mm.process(tokenized.token_ids, images, what, kwargs)
+        return TokenizedPrompt(tokenized.prompt, ids, tokenized.chat_template_kwargs), mm_inputs
 
     def _reasoning(self, prompt) -> ReasoningParser | None:
         """The reasoning parser for ``prompt`` (a rendered chat's template variables decide,
@@ -176,10 +206,21 @@ class InputProcessor:
                 raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be True")
             convs = as_conversation_list(messages)
             params = _per_prompt(sampling_params, len(convs))
+            images = [self._chat_images(c, f"conversation {i}") for i, c in enumerate(convs)]
             rendered = [self.render_chat(c, chat_template, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs) for c in convs]
-            return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(rendered, params))]
+            return [self.process(p, sp, f"prompt {i}", ims)
+                    for i, (p, sp, ims) in enumerate(zip(rendered, params, images))]
+
+    def _chat_images(self, conversation: list[dict], what: str) -> list:
+        """The images of a conversation's image parts; refused by a text-only model."""
+        if self.mm is None:
+            if has_image_parts(conversation):
+                raise InvalidRequestError(f"{what}: image parts: this model takes no images (it is a text-only "
+                                          "model)", parameter="messages")
+            return []
+        return self.mm.images_of_conversation(conversation, what)
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens at the start of a text and, when that tokenizes differently

@@ -1,0 +1,95 @@
+"""The worker side: image embeddings computed once per image, cached, and gathered into a step.
+
+:class:`EncoderCache` keeps each image's embeddings (keyed by :attr:`ImageItem.key`) up to a
+byte budget, least recently used first out. A step's images that are not cached are encoded
+together (one batch per pixel shape); an image whose placeholders a chunked prefill splits
+over several steps is encoded once and its rows are read from the cache in each step (if
+the cache evicted it meanwhile it is encoded again, with the same result). A preempted
+request recomputes from its prompt and finds its images cached. ``reset`` clears it
+(``LLM.reset_mm_cache``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from dfllm.multimodal.inputs import ImageItem
+
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+class EncoderCache:
+    """Image embeddings by image key, least recently used evicted past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.images_encoded = 0  # images run through the vision encoder (a counter, for tests and stats)
+        self.hits = 0  # images whose embeddings came from the cache
+
+    def get(self, key: str) -> torch.Tensor | None:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        if key in self.entries:
+            return
+        self.entries[key] = value
+        self.bytes += value.numel() * value.element_size()
+        while self.bytes > self.max_bytes and len(self.entries) > 1:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+    def reset(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+
+def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rows, embeddings)`` of the step's image placeholder tokens (rows of the flattened
+    batch, as ``prepare_inputs`` lays it out); None when the step has none."""
+    wanted: list[tuple[int, ImageItem, int, int]] = []  # (batch row, image, first, last placeholder index)
+    row = 0
+    for seq, n in zip(sched.seqs, sched.num_new_tokens):
+        mm = seq.request.mm_inputs
+        start = seq.num_computed_tokens
+        if mm is not None and start < seq.num_prompt_tokens:
+            for item in mm.overlapping(start, start + n):
+                lo, hi = max(start, item.offset), min(start + n, item.end)
+                wanted.append((row + lo - start, item, lo - item.offset, hi - item.offset))
+        row += n
+    if not wanted:
+        return None
+    feats: dict[str, torch.Tensor] = {}
+    missing: dict[str, ImageItem] = {}
+    for _, item, _, _ in wanted:
+        if item.key in feats or item.key in missing:
+            continue
+        cached = cache.get(item.key)
+        if cached is not None:
+            feats[item.key] = cached
+            cache.hits += 1
+        else:
+            missing[item.key] = item
+    by_shape: dict[tuple[int, ...], list[ImageItem]] = {}
+    for item in missing.values():
+        by_shape.setdefault(tuple(item.pixel_values.shape), []).append(item)
+    for items in by_shape.values():
+        pixels = torch.stack([it.pixel_values for it in items]).to(device)
+        out = model.encode_images(pixels)
+        cache.images_encoded += len(items)
+        for it, value in zip(items, out):
+            if value.shape[0] != it.length:
+                raise ValueError(f"image {it.key[:12]}: the model gives {value.shape[0]} embeddings, the prompt has "
+                                 f"{it.length} placeholder tokens for it")
+            feats[it.key] = value
+            cache.put(it.key, value)
+    rows = torch.cat([torch.arange(r, r + hi - lo) for r, _, lo, hi in wanted]).to(device)
+    values = torch.cat([feats[item.key][lo:hi] for _, item, lo, hi in wanted])
+    return rows, values
