@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from dfllm.errors import InvalidRequestError
 from dfllm.structured_outputs import StructuredOutputsParams
@@ -162,15 +164,16 @@ class SamplingParams:
                 raise _invalid("stop", self.stop, "stop cannot contain an empty string.",
                                f"stop: every stop string must be a non-empty str, got {s!r}")
         self._stop_ids, self._stop_groups = [], []
-        for t in self.stop_token_ids:
+        stop_token_ids = self.stop_token_ids or []
+        for t in stop_token_ids:
             if isinstance(t, (list, tuple)):
                 if not t:
                     raise _invalid("stop_token_ids", t, "stop_token_ids: a group of stop token ids must not be empty")
                 for u in t:
-                    _check_int("stop_token_ids", u, 0, None, _vllm_stop_token_id(self.stop_token_ids))
+                    _check_int("stop_token_ids", u, 0, None, _vllm_stop_token_id(stop_token_ids))
                 self._stop_groups.append(tuple(t))
             else:
-                _check_int("stop_token_ids", t, 0, None, _vllm_stop_token_id(self.stop_token_ids))
+                _check_int("stop_token_ids", t, 0, None, _vllm_stop_token_id(stop_token_ids))
                 self._stop_ids.append(t)
         if not isinstance(self.ignore_eos, bool):
             raise _invalid("ignore_eos", self.ignore_eos, f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -183,8 +186,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, -1, None,
                        lambda v: f"logprobs must be non-negative or -1, got {v}.")
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_float(name, getattr(self, name), -2.0, 2.0,
-                         vllm=lambda v, name=name: f"{name} must be in [-2, 2], got {v}.")
+            _check_float(name, getattr(self, name), -2.0, 2.0, vllm=functools.partial(_outside_penalty_range, name))
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True,
                      vllm=lambda v: "repetition_penalty must be "
                                     f"{'greater than zero' if math.isfinite(v) else 'a finite number'}, got {v}.")
@@ -290,7 +292,7 @@ def _vllm_n(value: object) -> str:
     return f"n must be at least 1, got {value}." if value < 1 else f"n must be at most {_MAX_N}, got {value}."
 
 
-def _vllm_stop_token_id(ids: list) -> Callable[[object], str]:
+def _vllm_stop_token_id(ids: list) -> Callable[[Any], str]:
     def text(value: object) -> str:
         if not _is_int(value):
             return f"stop_token_ids must contain only integers, got {ids}."
@@ -299,7 +301,7 @@ def _vllm_stop_token_id(ids: list) -> Callable[[object], str]:
 
 
 def _check_int(name: str, value: object, low: int, high: int | None,
-               vllm: Callable[[object], str] | None = None) -> None:
+               vllm: Callable[[Any], str] | None = None) -> None:
     """``value`` an int in [low, high]; otherwise an :class:`InvalidRequestError` with vLLM's
     text (``vllm(value)``) first, then dfllm's."""
     if not _is_int(value):
@@ -313,8 +315,12 @@ def _check_int(name: str, value: object, low: int, high: int | None,
     raise _invalid(name, value, vllm(value), why) if vllm is not None else _invalid(name, value, why)
 
 
+def _outside_penalty_range(name: str, value: object) -> str:
+    return f"{name} must be in [-2, 2], got {value}."
+
+
 def _check_float(name: str, value: object, low: float, high: float | None, *, low_open: bool = False,
-                 vllm: Callable[[float], str] | None = None) -> None:
+                 vllm: Callable[[Any], str] | None = None) -> None:
     """``value`` a finite number within the bounds; otherwise an :class:`InvalidRequestError`
     with vLLM's text (``vllm(value)``, for a number) first, then dfllm's."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -125,9 +125,9 @@ class StructuredOutputsParams:
         fields in the output.
         """
         value = ANY_JSON_OBJECT if self.kind == "json_object" else getattr(self, self.kind)
-        if self.kind in ("json", "choice", "json_object"):
-            value = _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-        return self.kind, value, self.any_whitespace
+        text = _json.dumps(value, ensure_ascii=False, separators=(",", ":")) \
+            if self.kind in ("json", "choice", "json_object") else str(value)
+        return self.kind, text, self.any_whitespace
 
     def __eq__(self, other) -> bool:
         return isinstance(other, StructuredOutputsParams) and self.key == other.key
@@ -171,7 +171,7 @@ class StructuredOutputsParams:
             elif self.regex is not None:
                 xgr.Grammar.from_regex(self.regex)
             else:
-                xgr.Grammar.from_ebnf(self.grammar if self.grammar is not None else self.to_ebnf())
+                xgr.Grammar.from_ebnf(self.grammar if self.grammar is not None else self.to_ebnf() or "")
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # xgrammar's parse errors, a bad tag
             message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip()) or repr(exc)
             raise ValueError(f"{self._vllm_error(message)} (structured_outputs.{self.kind}: invalid {self.kind}: "

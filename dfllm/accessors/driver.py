@@ -177,9 +177,9 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
                 for sub in queue.active:
                     sub.error = exc
         for out in outputs:
-            sub = queue.owner.pop(out.request_id, None)
-            if sub is not None:
-                sub.outputs[out.request_id] = out
+            owner = queue.owner.pop(out.request_id, None)
+            if owner is not None:
+                owner.outputs[out.request_id] = out
         idle = not engine.has_unfinished_requests()
         for sub in queue.active:
             failure = engine.take_failure(sub)

@@ -81,7 +81,7 @@ def arrow_type(schema: dict, root: dict | None = None, _refs: tuple = ()) -> pa.
         return pa.struct([pa.field(name, arrow_type(sub, root, _refs)) for name, sub in schema["properties"].items()])
     if kind == "array" and isinstance(schema.get("items"), dict) and "prefixItems" not in schema:
         return pa.list_(arrow_type(schema["items"], root, _refs))
-    return _SCALARS.get(kind, pa.string())
+    return _SCALARS.get(kind, pa.string()) if isinstance(kind, str) else pa.string()
 
 
 _SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}

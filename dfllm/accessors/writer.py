@@ -213,8 +213,9 @@ def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "l
         client = None
     if client is None:
         done = list(dask.compute(*jobs))
-        for i, result in enumerate(done if on_result is not None else ()):
-            on_result(i, result)
+        if on_result is not None:
+            for i, result in enumerate(done):
+                on_result(i, result)
         return done
     from tqdm.auto import tqdm
 
@@ -247,8 +248,8 @@ def _compute_budgeted(jobs, progress: bool, resources: dict | None, gate: Gate,
     client = _client()
     if client is None:  # the local scheduler: jobs starting after the gate closed return at once
         out = list(dask.compute(*jobs))
-        for i, result in enumerate(out if on_result is not None else ()):
-            if not result.get("stopped"):
+        for i, result in enumerate(out):
+            if on_result is not None and not result.get("stopped"):
                 on_result(i, result)
     else:
         from distributed import as_completed
@@ -398,7 +399,7 @@ def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, p
         kept = _kept_part(fs, root, i, key, schema)
         if kept is not None:
             return {**kept, "written": False}
-        found = _earlier_part(fs, earlier.get(key, ()), key, schema)
+        found = _earlier_part(fs, earlier.get(key, []), key, schema)
         if found is not None:
             data, record = found
             _replace_part(fs, root, i, data, record, resume)
@@ -564,6 +565,13 @@ def _total(df: pd.DataFrame, column: str) -> int:
 
 
 # ---- the folder: what is dfllm's, and what it may delete ------------------------------------------------
+def _number(name: re.Pattern, path: str) -> int:
+    """The partition number in the name of a file that :func:`_listing` found with ``name``."""
+    match = name.fullmatch(path.rsplit("/", 1)[-1])
+    assert match is not None, path
+    return int(match.group(1))
+
+
 def _listing(fs, folder: str, name: re.Pattern) -> list[str]:
     """The files directly in ``folder`` whose names match ``name`` (a literal listing, no glob)."""
     try:
@@ -636,10 +644,8 @@ def _remove_leftovers(fs, root: str, partitions: int) -> None:
     """Once every partition of this write is done: delete dfllm's parts and keys of
     partitions this write does not have (an earlier write with more partitions), its
     set-aside parts, and its temporary files of writes that never finished."""
-    stale = [f for f in _listing(fs, root, PART)
-             if int(PART.fullmatch(f.rsplit("/", 1)[1]).group(1)) >= partitions and _is_ours(fs, f)]
-    stale += [f for f in _listing(fs, f"{root}/{KEYS}", KEY_FILE)
-              if int(KEY_FILE.fullmatch(f.rsplit("/", 1)[1]).group(1)) >= partitions]
+    stale = [f for f in _listing(fs, root, PART) if _number(PART, f) >= partitions and _is_ours(fs, f)]
+    stale += [f for f in _listing(fs, f"{root}/{KEYS}", KEY_FILE) if _number(KEY_FILE, f) >= partitions]
     stale += _listing(fs, root, TEMPORARY) + _listing(fs, f"{root}/{KEYS}", TEMPORARY)
     stale += _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE)
     _remove(fs, stale)

@@ -9,19 +9,12 @@ per worker, and the jobs table. It uses Dask's page template, theme and navigati
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from bokeh.layouts import column, row
-from bokeh.models import (
-    ColumnDataSource,
-    DataTable,
-    Div,
-    FactorRange,
-    HoverTool,
-    NumberFormatter,
-    Range1d,
-    TableColumn,
-)
+from bokeh.models import ColumnDataSource, DataRange1d, FactorRange, HoverTool, Range1d
+from bokeh.models.widgets.markups import Div
+from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
@@ -104,8 +97,8 @@ def dfllm_doc(plugin: DashboardPlugin, scheduler: Any, extra: dict, doc: Any) ->
     workers_table = DataTable(
         source=workers_source, index_position=None, height=30 + 26 * max(3, len(data["workers"]) + 1),
         sizing_mode="stretch_width", name="dfllm-workers-table",
-        columns=[TableColumn(field=c, title=titles[c], width=widths.get(c, 80),
-                             **({"formatter": formats[c]} if c in formats else {})) for c in WORKER_COLUMNS])
+        columns=[TableColumn(field=c, title=titles[c], width=widths.get(c, 80), **_formatter(formats, c))
+                 for c in WORKER_COLUMNS])
 
     cluster, per_worker = _series_data(data)
     cluster_source = ColumnDataSource(cluster, name="dfllm-tokens")
@@ -115,19 +108,20 @@ def dfllm_doc(plugin: DashboardPlugin, scheduler: Any, extra: dict, doc: Any) ->
     tokens.line("t", "generation_tps", source=cluster_source, color="#1f77b4", line_width=2, legend_label="generated")
     tokens.line("t", "prompt_tps", source=cluster_source, color="#ff7f0e", line_width=2, legend_label="prompt")
     tokens.legend.location = "top_left"
-    tokens.y_range.start = 0
+    cast(DataRange1d, tokens.y_range).start = 0
     per = figure(title="Generated tokens per second, per worker", height=PLOT_HEIGHT, sizing_mode="stretch_width",
                  x_range=tokens.x_range, x_axis_label="seconds ago", tools="", toolbar_location=None,
                  name="dfllm-worker-tokens-plot")
     per.multi_line("xs", "ys", source=worker_lines, color="color", line_width=2, legend_field="worker")
     per.legend.location = "top_left"
     per.add_tools(HoverTool(tooltips=[("worker", "@worker")]))
-    per.y_range.start = 0
+    cast(DataRange1d, per.y_range).start = 0
 
     kv_data = _kv_data(data)
     kv_source = ColumnDataSource(kv_data, name="dfllm-kv")
-    kv = figure(title="KV cache use (% of blocks)", height=PLOT_HEIGHT, width=340, x_range=Range1d(0, 100),
-                y_range=FactorRange(factors=kv_data["worker"]), tools="", toolbar_location=None, name="dfllm-kv-plot")
+    kv_workers = FactorRange(factors=kv_data["worker"])
+    kv = figure(title="KV cache use (% of blocks)", height=PLOT_HEIGHT, width=340, x_range=Range1d(start=0, end=100),
+                y_range=kv_workers, tools="", toolbar_location=None, name="dfllm-kv-plot")
     kv.hbar(y="worker", right="kv_pct", height=0.6, source=kv_source, color="#2ca02c")
     kv.add_tools(HoverTool(tooltips=[("worker", "@worker"), ("KV cache", "@kv_pct{0.0} %")]))
 
@@ -148,8 +142,8 @@ def dfllm_doc(plugin: DashboardPlugin, scheduler: Any, extra: dict, doc: Any) ->
         cluster_source.data = cluster_data
         worker_lines.data = worker_data
         kv_data = _kv_data(new)
-        if list(kv.y_range.factors) != kv_data["worker"]:
-            kv.y_range.factors = kv_data["worker"]
+        if list(kv_workers.factors) != kv_data["worker"]:
+            kv_workers.factors = kv_data["worker"]
         kv_source.data = kv_data
         jobs_source.data = _jobs_data(new)
 
@@ -160,3 +154,8 @@ def dfllm_doc(plugin: DashboardPlugin, scheduler: Any, extra: dict, doc: Any) ->
     doc.template = env.get_template("simple.html")
     doc.template_variables.update(extra)
     doc.theme = BOKEH_THEME
+
+
+def _formatter(formats: dict[str, NumberFormatter], column: str) -> dict[str, Any]:
+    """``TableColumn``'s ``formatter`` argument for ``column``, if it has one."""
+    return {"formatter": formats[column]} if column in formats else {}

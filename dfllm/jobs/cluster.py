@@ -15,6 +15,10 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 DEFAULT_THREADS = 4
 
@@ -39,7 +43,7 @@ def gpu_worker_specs(num_gpus: int, gpus_per_engine: int, threads: int) -> dict:
 @contextlib.contextmanager
 def connect(scheduler: str | None = None, *, workers: int | None = None, threads: int | None = None,
             gpu: bool = False, gpus_per_engine: int = 1,
-            dashboard: str = ":8787") -> Iterator[tuple[object, dict | None]]:
+            dashboard: str = ":8787") -> Iterator[tuple[Client, dict | None]]:
     """A distributed ``Client`` for the job and the resources its tasks should ask for.
 
     ``scheduler``: the address of a running cluster (``tcp://host:8786``). Otherwise a

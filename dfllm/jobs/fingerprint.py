@@ -67,7 +67,7 @@ def _function(fn: types.FunctionType, seen: set, where: str):
     code = fn.__code__
     cells = tuple(_value(c.cell_contents if _filled(c) else None, seen, f"{where}: closure value {name!r}")
                   for name, c in zip(code.co_freevars, fn.__closure__ or ()))
-    reads = []
+    reads: list[tuple] = []
     for name in _names(code):
         if name in fn.__globals__:
             value = fn.__globals__[name]

@@ -43,7 +43,7 @@ class InputError(ValueError):
     """The job's input cannot be found or read."""
 
 
-def input_files(path: str, storage_options: dict | None = None) -> tuple[object, list[str]]:
+def input_files(path: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """The filesystem and the data files at ``path`` (a file, a folder, or a glob)."""
     try:
         fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
