@@ -1,0 +1,328 @@
+"""``.llm.agg``: summarise many rows (or each group) into one text by hierarchical reduction.
+
+Each row becomes a record (the instruction's fields, ``[field]: value``). Records are packed,
+in order, into chunks whose prompt fits ``max_model_len`` (the prompt's fixed part, the
+chunk and ``max_tokens`` of answer, counted with the model's tokenizer); every chunk is
+summarised (one engine call per level for every group's chunks), and while more than one
+summary is left the summaries are packed and summarised again with the fold prompt, until
+one is left. On Dask it is a tree reduction: each partition folds its rows to one summary per
+group (one task each), and groups of ``split_every`` partitions' summaries are folded again
+(:func:`fold_summaries`), up to one. User docs: docs/semantic.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from collections.abc import Sequence
+
+import pandas as pd
+
+from dfllm.accessors.schema import LLM_ERROR
+from dfllm.accessors.semantic.join import SemanticCost, back, columns_of, frame_kind, to_pandas
+from dfllm.accessors.semantic.prompts import instruction_fields, record_template, semantic_prompt
+from dfllm.accessors.task import LLMTask, make_task
+
+logger = logging.getLogger("dfllm")
+
+AGG_PREAMBLE = ("You summarise records. Follow the instruction, which names the records' fields in [brackets]; "
+                "the records follow it, separated by blank lines. Answer with the summary only.")
+FOLD_PREAMBLE = ("You combine partial summaries of records into one summary. Follow the instruction, which names "
+                 "the records' fields in [brackets]; the partial summaries follow it, separated by blank lines. "
+                 "Answer with the combined summary only.")
+_BODY = "__dfllm_body__"
+_SUMMARY, _ERR = "__dfllm_summary__", "__dfllm_error__"
+SEPARATOR = "\n\n"
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    from dfllm.models.bundled import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+def _model_len(model: str, engine_kwargs: dict) -> int:
+    if engine_kwargs.get("max_model_len"):
+        return int(engine_kwargs["max_model_len"])
+    from dfllm.models.bundled import resolve_model
+
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class AggSpec:
+    """A checked ``agg``: the two summarising tasks (leaf and fold), the rows' record template,
+    the group keys and the token budget of a chunk."""
+
+    leaf: LLMTask
+    fold: LLMTask
+    fields: tuple[str, ...]
+    by: tuple[str, ...]
+    model: str
+    budget_leaf: int  # tokens of records one leaf prompt may hold
+    budget_fold: int
+    output_column: str
+    split_every: int
+
+
+def pack(texts: Sequence[str], budget: int, tokenizer) -> tuple[list[list[str]], list[str]]:
+    """``texts`` in order in chunks of at most ``budget`` tokens (each text's tokens plus the
+    separator's); a text alone over the budget is cut to it. Also the notes of cut texts."""
+    chunks: list[list[str]] = []
+    notes: list[str] = []
+    sep = len(tokenizer.encode(SEPARATOR, add_special_tokens=False))
+    current: list[str] = []
+    used = 0
+    for n, text in enumerate(texts):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > budget:
+            text = tokenizer.decode(ids[:max(budget - sep, 1)])
+            ids = ids[:max(budget - sep, 1)]
+            notes.append(f"text {n} was cut to {len(ids)} tokens to fit max_model_len")
+        cost = len(ids) + sep
+        if current and used + cost > budget:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(text)
+        used += cost
+    if current:
+        chunks.append(current)
+    return chunks, notes
+
+
+def _summarise(task: LLMTask, bodies: list[str], cost: SemanticCost) -> tuple[list, list]:
+    from dfllm.accessors.runners import run_task
+
+    if not bodies:
+        return [], []
+    out = run_task(pd.DataFrame({_BODY: bodies}), task)
+    cost.add(out, generative=True)
+    texts = [None if pd.isna(t) else str(t).strip() for t in out[task.output_column]]
+    errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
+    return texts, errors
+
+
+def reduce_groups(groups: list[list[str]], spec: AggSpec, cost: SemanticCost, leaf: bool = True) -> tuple[list, list]:
+    """Each group's texts folded to one summary (None where it failed) and its error; the
+    first level with the leaf prompt when ``leaf``, every other with the fold prompt. All
+    groups' chunks of one level go to the engine in one call."""
+    tok = _tokenizer(spec.model)
+    current = [list(g) for g in groups]
+    results: list = [None] * len(groups)
+    errors: list = [None] * len(groups)
+    notes: list[list[str]] = [[] for _ in groups]
+    active = [n for n, g in enumerate(current) if g]
+    for n, g in enumerate(current):
+        if not g:
+            errors[n] = "agg: no rows to summarise"
+    level = 0
+    while active:
+        task = spec.leaf if (leaf and level == 0) else spec.fold
+        budget = spec.budget_leaf if (leaf and level == 0) else spec.budget_fold
+        owners, bodies = [], []
+        for n in active:
+            chunks, cut = pack(current[n], budget, tok)
+            notes[n] += cut
+            for chunk in chunks:
+                owners.append(n)
+                bodies.append(SEPARATOR.join(chunk))
+        texts, errs = _summarise(task, bodies, cost)
+        cost.count("summaries", len(bodies))
+        nxt: dict[int, list[str]] = {n: [] for n in active}
+        failed: set[int] = set()
+        for n, text, err in zip(owners, texts, errs):
+            if err is not None or text is None:
+                failed.add(n)
+                errors[n] = f"agg: a summary failed: {err or 'no text'}"
+            else:
+                nxt[n].append(text)
+        still = []
+        for n in active:
+            if n in failed:
+                continue
+            if len(nxt[n]) == 1:
+                results[n] = nxt[n][0]
+            else:
+                current[n] = nxt[n]
+                still.append(n)
+        active = still
+        level += 1
+    for n in range(len(groups)):
+        if notes[n]:
+            msg = "agg: " + "; ".join(notes[n])
+            errors[n] = msg if errors[n] is None else f"{errors[n]}; {msg}"
+    return results, errors
+
+
+def fold_summaries(summaries: Sequence[str], spec: AggSpec, cost: SemanticCost | None = None) -> tuple:
+    """Summaries (say, of partitions) folded to one with the fold prompt, as a Dask reduction
+    folds them: one summary is returned as it is. ``(summary, error)``."""
+    if len(summaries) == 1:
+        return summaries[0], None
+    texts, errors = reduce_groups([list(summaries)], spec, cost or SemanticCost(), leaf=False)
+    return texts[0], errors[0]
+
+
+def _records(df: pd.DataFrame, spec: AggSpec) -> tuple[list[str | None], list[str | None]]:
+    template = record_template(list(spec.fields))
+    texts: list[str | None] = []
+    errors: list[str | None] = []
+    prior = df[LLM_ERROR].tolist() if LLM_ERROR in df.columns else [None] * len(df)
+    for n, (label, row) in enumerate(zip(df.index, df[list(spec.fields)].itertuples(index=False, name=None))):
+        if prior[n] is not None and not pd.isna(prior[n]):
+            texts.append(None)
+            errors.append(f"the row of index {label!r} was left out: {prior[n]}")
+            continue
+        bad = [f for f, v in zip(spec.fields, row) if v is None or (not isinstance(v, (list, dict)) and pd.isna(v))]
+        if bad:
+            texts.append(None)
+            errors.append(f"the row of index {label!r} was left out: its field {bad[0]!r} is null")
+            continue
+        texts.append(template.format(**dict(zip(spec.fields, row))))
+        errors.append(None)
+    return texts, errors
+
+
+def _group_items(df: pd.DataFrame, spec: AggSpec):
+    if not spec.by:
+        yield (), df
+        return
+    yield from df.groupby(list(spec.by), sort=True, dropna=False, observed=True)
+
+
+def _frame(keys: list[tuple], texts: list, errors: list, spec: AggSpec, meta: pd.DataFrame, final: bool):
+    cols: dict = {}
+    for n, b in enumerate(spec.by):
+        cols[b] = pd.Series([k[n] for k in keys], dtype=meta[b].dtype)
+    name = spec.output_column if final else _SUMMARY
+    cols[name] = pd.Series(texts, dtype="string[pyarrow]" if final else object)
+    cols[LLM_ERROR if final else _ERR] = pd.Series(errors, dtype="string[pyarrow]" if final else object)
+    return pd.DataFrame(cols)
+
+
+def agg_frame(df: pd.DataFrame, spec: AggSpec, cost: SemanticCost, final: bool = True) -> pd.DataFrame:
+    """One row per group (of ``spec.by``; one row without): its keys, the summary and ``llm_error``."""
+    keys, groups, notes = [], [], []
+    for key, g in _group_items(df, spec):
+        texts, errors = _records(g, spec)
+        keys.append(key if isinstance(key, tuple) else (key,))
+        groups.append([t for t in texts if t is not None])
+        notes.append([e for e in errors if e is not None])
+    if not spec.by and not len(df):
+        keys, groups, notes = [], [], []
+    summaries, errors = reduce_groups(groups, spec, cost)
+    if not final:  # a partial without rows: the final fold says so if no partial has any
+        errors = [None if not g else e for g, e in zip(groups, errors)]
+    errors = [e if not n else "; ".join(dict.fromkeys([*([e] if e else []), *n])) for e, n in zip(errors, notes)]
+    return _frame(keys, summaries, errors, spec, df.iloc[:0], final)
+
+
+@dataclasses.dataclass(frozen=True)
+class AggChunk:
+    """A Dask reduction's chunk: a partition to one summary per group."""
+
+    spec: AggSpec
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        return agg_frame(df, self.spec, SemanticCost(), final=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AggCombine:
+    """A Dask reduction's combine (and, ``final``, aggregate): partial summaries folded per group."""
+
+    spec: AggSpec
+    final: bool = False
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        keys, groups, notes = [], [], []
+        items = [((), df)] if not self.spec.by else df.groupby(list(self.spec.by), sort=True, dropna=False,
+                                                               observed=True)
+        for key, g in items:
+            if not len(g):
+                continue
+            keys.append(key if isinstance(key, tuple) else (key,))
+            groups.append([s for s in g[_SUMMARY] if s is not None and not pd.isna(s)])
+            notes.append([e for e in g[_ERR] if e is not None and not pd.isna(e)])
+        texts: list = [None] * len(groups)
+        errors: list = [None] * len(groups)
+        multi = [n for n, g in enumerate(groups) if len(g) > 1]
+        for n, g in enumerate(groups):
+            if len(g) == 1:
+                texts[n] = g[0]
+        if multi:
+            folded, errs = reduce_groups([groups[n] for n in multi], self.spec, SemanticCost(), leaf=False)
+            for n, t, e in zip(multi, folded, errs):
+                texts[n], errors[n] = t, e
+        for n, g in enumerate(groups):
+            if not g and errors[n] is None:
+                errors[n] = "agg: no rows to summarise"
+        errors = [e if not nt else "; ".join(dict.fromkeys([*([e] if e else []), *nt])) for e, nt in zip(errors, notes)]
+        return _frame(keys, texts, errors, self.spec, df.iloc[:0], self.final)
+
+
+def semantic_agg(accessor, instruction: str, *, by, model, output_column: str, max_tokens: int, chat: bool,
+                 split_every: int, on_error: str, resources: dict | None, cache, return_stats: bool,
+                 engine_kwargs: dict):
+    """``df.llm.agg``: see :meth:`SemanticFrameMethods.agg`."""
+    from dfllm.models.bundled import DEFAULT_CHAT_MODEL
+
+    columns = columns_of(accessor._obj)
+    try:
+        fields = instruction_fields(instruction)
+    except ValueError as exc:
+        raise ValueError(f"agg: {exc}") from None
+    by_cols = (by,) if isinstance(by, str) else tuple(by or ())
+    missing = [f for f in [*fields, *by_cols] if f not in columns]
+    if missing:
+        raise ValueError(f"agg: column(s) {missing} not in the frame (columns: {columns})")
+    if output_column in by_cols or output_column == LLM_ERROR:
+        raise ValueError(f"agg: output_column {output_column!r} clashes with a key or llm_error")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"agg: max_tokens must be a positive integer, got {max_tokens!r}")
+    if not isinstance(split_every, int) or split_every < 2:
+        raise ValueError(f"agg: split_every must be an integer >= 2, got {split_every!r}")
+    model_name = str(model or DEFAULT_CHAT_MODEL)
+    tasks, budgets = [], []
+    for preamble, label in ((AGG_PREAMBLE, "records"), (FOLD_PREAMBLE, "partial summaries")):
+        prompt = semantic_prompt(preamble, instruction, {label: _BODY}, chat=chat)
+        try:
+            task = make_task("chat" if chat else "generate", (prompt.template,), [_BODY], output_column="__out",
+                             model=model, sampling_params={"temperature": 0.0, "max_tokens": max_tokens},
+                             system=prompt.system, on_error=on_error, engine_kwargs=engine_kwargs, cache=cache,
+                             model_check=accessor._model_check(resources))
+        except ValueError as exc:
+            raise ValueError(f"agg: {exc}") from None
+        tasks.append(task)
+        tok = _tokenizer(model_name)
+        fixed = prompt.text({_BODY: ""})
+        if chat and getattr(tok, "chat_template", None):
+            msgs = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + \
+                [{"role": "user", "content": prompt.template.format(**{_BODY: ""})}]
+            n_fixed = len(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))
+        else:
+            n_fixed = len(tok.encode(fixed))
+        budget = _model_len(model_name, engine_kwargs) - max_tokens - n_fixed - 8
+        if budget < 16:
+            raise ValueError(f"agg: max_model_len leaves {budget} tokens for records after the prompt's "
+                             f"{n_fixed} and max_tokens={max_tokens}; raise max_model_len or lower max_tokens")
+        budgets.append(budget)
+    spec = AggSpec(tasks[0], tasks[1], tuple(fields), by_cols, model_name, budgets[0], budgets[1], output_column,
+                   split_every)
+    obj = accessor._obj
+    if frame_kind(obj) == "dask":
+        if return_stats:
+            raise ValueError("agg: return_stats=True needs an eager frame (pandas or Polars)")
+        meta = _frame([], [], [], spec, obj._meta, True)
+        return obj.reduction(AggChunk(spec), aggregate=AggCombine(spec, final=True), combine=AggCombine(spec),
+                             split_every=split_every, meta=meta)
+    cost = SemanticCost()
+    out = agg_frame(to_pandas(obj), spec, cost)
+    result = back(obj, out)
+    return (result, cost) if return_stats else result

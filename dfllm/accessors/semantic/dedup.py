@@ -1,0 +1,236 @@
+"""``.llm.dedup``: near-duplicate clusters by embeddings, optionally confirmed by an LLM.
+
+Every row's text is embedded once (the ``.llm`` embed task); the pairs whose cosine
+similarity is at least ``threshold`` are candidate duplicates; with ``confirm`` each candidate
+pair is judged by the model (one constrained True/False decode, in one engine call) and only
+confirmed pairs link rows. Clusters are the connected components of the links (union-find).
+Every row is kept: ``cluster_id`` is the row number (0-based, in the frame's order) of the
+cluster's first row, which is its representative (``is_representative``). On Dask the rows
+are embedded one task per partition, clustered in one task (the vectors only), and the
+labels go back to each partition (one task each). User docs: docs/semantic.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pandas as pd
+
+from dfllm.accessors.schema import LLM_ERROR
+from dfllm.accessors.semantic.join import (
+    TRUE_FALSE,
+    Embedder,
+    PairJudge,
+    SemanticCost,
+    back,
+    columns_of,
+    frame_kind,
+    make_embedder,
+    make_judge,
+    rename_columns,
+    to_pandas,
+)
+
+logger = logging.getLogger("dfllm")
+
+DEDUP_PREAMBLE = ("You judge whether two records, A and B, are near-duplicates. The statement to judge comes first; "
+                  "the two records follow it.")
+DEFAULT_CONFIRM = "The two records are near-duplicates: they say the same thing, perhaps in other words."
+_EMB, _ERR, _PART, _POS = "__dfllm_embedding__", "__dfllm_error__", "__dfllm_part__", "__dfllm_pos__"
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupSpec:
+    column: str
+    threshold: float
+    embedder: Embedder
+    judge: PairJudge | None
+    cluster_column: str
+    representative_column: str
+
+
+class UnionFind:
+    """Disjoint sets over ``0..n-1``; each set's root is its smallest member."""
+
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def find(self, x: int) -> int:
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def candidate_links(vecs: np.ndarray, ok: np.ndarray, threshold: float) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of usable rows whose cosine similarity is ``>= threshold``."""
+    idx = np.flatnonzero(ok)
+    if len(idx) < 2:
+        return []
+    sims = vecs[idx] @ vecs[idx].T
+    a, b = np.nonzero(np.triu(sims >= threshold, k=1))
+    return [(int(idx[i]), int(idx[j])) for i, j in zip(a, b)]
+
+
+def cluster(vecs: np.ndarray, errors: list, texts: list, spec: DedupSpec, cost: SemanticCost,
+            labels: list | None = None) -> tuple[list, list]:
+    """Each row's cluster id (None where it failed) and error, for rows in frame order
+    (``labels``: the rows' index labels, for messages)."""
+    labels = labels if labels is not None else list(range(len(errors)))
+    ok = np.array([e is None for e in errors], dtype=bool)
+    links = candidate_links(vecs, ok, spec.threshold)
+    cost.count("candidate_pairs", len(links))
+    errors = list(errors)
+    if spec.judge is not None and links:
+        frame = pd.DataFrame({"__a_text": [texts[i] for i, _ in links], "__b_text": [texts[j] for _, j in links]})
+        answers, errs = spec.judge(frame, cost)
+        cost.count("pairs_judged", len(links))
+        kept = []
+        for (i, j), ans, err in zip(links, answers, errs):
+            if err is not None:  # reported on both rows, never treated as "not a duplicate" silently
+                for x, y in ((i, j), (j, i)):
+                    note = f"dedup: the pair with the row of index {labels[y]!r} could not be judged: {err}"
+                    errors[x] = note if errors[x] is None else f"{errors[x]}; {note}"
+            elif ans == TRUE_FALSE[0]:
+                kept.append((i, j))
+        links = kept
+    uf = UnionFind(len(errors))
+    for i, j in links:
+        uf.union(i, j)
+    ids = [uf.find(i) if ok[i] else None for i in range(len(errors))]
+    return ids, errors
+
+
+def _vectors(df: pd.DataFrame) -> np.ndarray:
+    vecs = df[_EMB].tolist()
+    dim = next((len(v) for v in vecs if v is not None and len(v)), 0)
+    return np.stack([np.asarray(v, np.float32) if v is not None and len(v) else np.zeros(dim, np.float32)
+                     for v in vecs]) if vecs else np.zeros((0, 0), np.float32)
+
+
+def _embed(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> tuple[np.ndarray, list]:
+    prior = [None if pd.isna(e) else str(e) for e in df[LLM_ERROR]] if LLM_ERROR in df.columns else [None] * len(df)
+    vecs, errors = spec.embedder(pd.DataFrame({"__text": df[spec.column].to_numpy()}), cost)
+    errors = [None if e is None else f"dedup: {rename_columns(e, [('__text', spec.column)])}" for e in errors]
+    return vecs, [p if p is not None else e for p, e in zip(prior, errors)]
+
+
+def _labelled(df: pd.DataFrame, ids: list, errors: list, spec: DedupSpec, offset: int = 0) -> pd.DataFrame:
+    out = df.drop(columns=[LLM_ERROR], errors="ignore").copy()
+    out[spec.cluster_column] = pd.Series([None if c is None else c + offset for c in ids], index=df.index,
+                                         dtype="int64[pyarrow]")
+    rep = [None if c is None else c == n for n, c in enumerate(ids)]
+    out[spec.representative_column] = pd.Series(rep, index=df.index, dtype="bool[pyarrow]")
+    out[LLM_ERROR] = pd.Series(errors, index=df.index, dtype="string[pyarrow]")
+    return out
+
+
+def dedup_frame(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> pd.DataFrame:
+    """A pandas frame with its rows' cluster ids, representative flags and errors."""
+    vecs, errors = _embed(df, spec, cost)
+    ids, errors = cluster(vecs, errors, df[spec.column].astype(object).tolist(), spec, cost, list(df.index))
+    logger.info("dedup: %d rows, %d candidate pairs, %d clusters", len(df), cost.counts.get("candidate_pairs", 0),
+                len({c for c in ids if c is not None}))
+    return _labelled(df, ids, errors, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedRows:
+    """Stage 1 on Dask: a partition's vectors, errors, texts and partition number."""
+
+    spec: DedupSpec
+
+    def __call__(self, df: pd.DataFrame, partition_info=None) -> pd.DataFrame:
+        vecs, errors = _embed(df, self.spec, SemanticCost())
+        number = 0 if partition_info is None else partition_info["number"]
+        return pd.DataFrame({_EMB: list(vecs) if len(df) else pd.Series([], dtype=object),
+                             _ERR: pd.Series(errors, dtype=object),
+                             "__text": df[self.spec.column].astype(object).to_numpy(),
+                             _PART: pd.Series([number] * len(df), dtype="int64"),
+                             _POS: pd.Series(range(len(df)), dtype="int64"),
+                             "__label": pd.Series(list(df.index), dtype=object)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterAll:
+    """Stage 2 on Dask: every row's vector in one frame, clustered."""
+
+    spec: DedupSpec
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        df = df.sort_values([_PART, _POS], kind="stable").reset_index(drop=True)
+        ids, errors = cluster(_vectors(df), list(df[_ERR]), df["__text"].tolist(), self.spec, SemanticCost(),
+                              list(df["__label"]))
+        return pd.DataFrame({_PART: df[_PART], _POS: df[_POS], "__cluster": pd.Series(ids, dtype="Int64"),
+                             "__rep": pd.Series([None if c is None else c == n for n, c in enumerate(ids)],
+                                                dtype="boolean"),
+                             _ERR: pd.Series(errors, dtype=object)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Attach:
+    """Stage 3 on Dask: a partition with its rows' labels from stage 2."""
+
+    spec: DedupSpec
+
+    def __call__(self, df: pd.DataFrame, labels: pd.DataFrame, partition_info=None) -> pd.DataFrame:
+        number = 0 if partition_info is None else partition_info["number"]
+        mine = labels[labels[_PART] == number].sort_values(_POS)
+        if len(mine) != len(df):
+            raise RuntimeError(f"dedup: partition {number} has {len(df)} rows but {len(mine)} labels")
+        ids = [None if pd.isna(c) else int(c) for c in mine["__cluster"]]
+        out = df.drop(columns=[LLM_ERROR], errors="ignore").copy()
+        out[self.spec.cluster_column] = pd.Series(ids, index=df.index, dtype="int64[pyarrow]")
+        out[self.spec.representative_column] = pd.Series([None if pd.isna(r) else bool(r) for r in mine["__rep"]],
+                                                         index=df.index, dtype="bool[pyarrow]")
+        out[LLM_ERROR] = pd.Series(list(mine[_ERR]), index=df.index, dtype="string[pyarrow]")
+        return out
+
+
+def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, embed_model, cluster_column: str,
+                   representative_column: str, chat: bool, on_error: str, resources: dict | None, cache,
+                   return_stats: bool, engine_kwargs: dict):
+    """``df.llm.dedup``: see :meth:`SemanticFrameMethods.dedup`."""
+    columns = columns_of(accessor._obj)
+    if column not in columns:
+        raise ValueError(f"dedup: column {column!r} is not in the frame (columns: {columns})")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
+        raise ValueError(f"dedup: threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
+    for name in (cluster_column, representative_column):
+        if name in columns:
+            raise ValueError(f"dedup: the frame already has a column {name!r}; choose another name")
+    if cluster_column == representative_column:
+        raise ValueError("dedup: cluster_column and representative_column must differ")
+    embedder = make_embedder(accessor, "{__text}", ["__text"], model=embed_model, resources=resources,
+                             engine_kwargs=None, what="dedup")
+    judge = None
+    if confirm:
+        statement = DEFAULT_CONFIRM if confirm is True else confirm
+        if not isinstance(statement, str):
+            raise ValueError(f"dedup: confirm is True or a statement about records A and B, got {confirm!r}")
+        judge = make_judge(accessor, ["__a_text", "__b_text"], statement.replace("{", "{{").replace("}", "}}"),
+                           DEDUP_PREAMBLE, answer="Does the statement hold for A and B? Answer True or False.",
+                           choices=TRUE_FALSE, names=None, model=model, chat=chat, sampling_params=None,
+                           on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs,
+                           what="dedup", record={"A": "__a_text", "B": "__b_text"})
+    spec = DedupSpec(column, float(threshold), embedder, judge, cluster_column, representative_column)
+    obj = accessor._obj
+    if frame_kind(obj) == "dask":
+        if return_stats:
+            raise ValueError("dedup: return_stats=True needs an eager frame (pandas or Polars)")
+        meta = _labelled(obj._meta, [], [], spec)
+        stage1 = obj.map_partitions(EmbedRows(spec), meta=EmbedRows(spec)(obj._meta))
+        labels = stage1.repartition(npartitions=1).map_partitions(ClusterAll(spec),
+                                                                  meta=ClusterAll(spec)(stage1._meta))
+        return obj.map_partitions(Attach(spec), labels, meta=meta, align_dataframes=False)
+    cost = SemanticCost()
+    out = dedup_frame(to_pandas(obj), spec, cost)
+    result = back(obj, out)
+    return (result, cost) if return_stats else result

@@ -1,0 +1,524 @@
+"""``.llm.join`` (an LLM judgment over pairs of rows, blocked by embedding similarity) and
+``.llm.sim_join`` (an embedding k-nearest join), with the helpers the pairwise operators
+(``topk``, ``dedup``) share: :class:`PairJudge` (one constrained decode per pair, through the
+``.llm`` chat/generate task) and :class:`Embedder` (the ``.llm`` embed task).
+
+Both joins run on pandas, Polars and Dask. On Dask the right side is embedded once (one
+task per right partition, then one frame) and broadcast to one join task per left
+partition, so every worker's engine judges its own left partition's pairs; the result is
+lazy with exact ``meta``. User docs: docs/semantic.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import string
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from dfllm.accessors.runners import run_task
+from dfllm.accessors.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.accessors.semantic.prompts import record_template, semantic_prompt
+from dfllm.accessors.task import LLMTask, make_task
+
+logger = logging.getLogger("dfllm")
+
+TRUE_FALSE = ("True", "False")
+JOIN_PREAMBLE = ("You judge whether a statement holds for a pair of records, one from the left table and one from "
+                 "the right table. The statement names the records' fields in [brackets]; the records follow it.")
+SIMILARITY = "similarity"
+_EMB = "__dfllm_embedding__"
+_ERR = "__dfllm_error__"
+
+
+# --- costs -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SemanticCost:
+    """What an operator asked of the engines: ``engine_calls`` (batches handed to an engine,
+    each one ``.llm`` task over a frame), ``requests`` (prompts or texts in them),
+    ``input_tokens`` and ``output_tokens`` (generative requests' prompt and generated
+    tokens), and the operator's own counts in ``counts`` (``comparisons``, ``pairs_judged``,
+    ``cross_product``...)."""
+
+    engine_calls: int = 0
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    counts: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, out: pd.DataFrame, generative: bool) -> None:
+        self.engine_calls += 1 if len(out) else 0
+        self.requests += len(out)
+        if generative and len(out):
+            self.input_tokens += int(out[NUM_INPUT_TOKENS].fillna(0).sum())
+            self.output_tokens += int(out[NUM_GENERATED_TOKENS].fillna(0).sum())
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def merge(self, other: SemanticCost) -> None:
+        self.engine_calls += other.engine_calls
+        self.requests += other.requests
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        for k, v in other.counts.items():
+            self.count(k, v)
+
+
+# --- the engines, through the .llm tasks -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PairJudge:
+    """One constrained decode per row of a frame of pairs: ``task`` is a ``chat`` (or
+    ``generate``) task with ``choice=`` whose template reads the pair frame's columns.
+    Greedy unless the user's sampling params say otherwise. Picklable."""
+
+    task: LLMTask
+
+    def __call__(self, pairs: pd.DataFrame, cost: SemanticCost | None = None) -> tuple[list, list]:
+        """Each pair's answer (one of the choices; None where it failed) and error (None where it did not)."""
+        if not len(pairs):
+            return [], []
+        out = run_task(pairs, self.task)
+        if cost is not None:
+            cost.add(out, generative=True)
+        answers = [None if pd.isna(v) else str(v) for v in out[self.task.output_column]]
+        errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
+        for i, (a, e) in enumerate(zip(answers, errors)):
+            if a is None and e is None:  # never silently: an answer that is missing is an error
+                errors[i] = "the judgment gave no answer"
+        return answers, errors
+
+
+def make_judge(accessor, template_columns: Sequence[str], instruction: str, preamble: str, *, answer: str,
+               choices: Sequence[str], names: dict | None, model, chat: bool, sampling_params, on_error: str,
+               resources: dict | None, cache, engine_kwargs: dict, what: str,
+               record: dict | None = None) -> PairJudge:
+    """A :class:`PairJudge` for ``instruction`` (its fields already the pair frame's columns),
+    checked now: its task is built as ``.llm.chat``/``.llm.generate`` builds theirs (the model
+    checked by the accessor, on a worker for Dask). ``record`` (label -> pair column) lists the
+    record after the instruction (default: the instruction's fields)."""
+    prompt = semantic_prompt(preamble, instruction, record, answer=answer, chat=chat, names=names)
+    params = {"temperature": 0.0, "max_tokens": 8}
+    if sampling_params is not None:
+        params.update(sampling_params if isinstance(sampling_params, dict) else
+                      {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)})
+    try:
+        task = make_task("chat" if chat else "generate", (prompt.template,), list(template_columns),
+                         output_column="__dfllm_answer__", model=model, sampling_params=params,
+                         system=prompt.system if chat else None, on_error=on_error, engine_kwargs=engine_kwargs,
+                         choice=list(choices), model_check=accessor._model_check(resources), cache=cache)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return PairJudge(task)
+
+
+@dataclasses.dataclass(frozen=True)
+class Embedder:
+    """The ``.llm`` embed task over a ``{column}`` template: unit vectors, per-row errors. Picklable."""
+
+    task: LLMTask
+
+    def __call__(self, df: pd.DataFrame, cost: SemanticCost | None = None) -> tuple[np.ndarray, list]:
+        """``(vectors, errors)``: one L2-normalised row per input row (zeros where it failed)."""
+        if not len(df):
+            return np.zeros((0, 0), dtype=np.float32), []
+        out = run_task(df, self.task)
+        if cost is not None:
+            cost.add(out, generative=False)
+        errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
+        vecs = [None if e is not None else np.asarray(v, dtype=np.float32)
+                for v, e in zip(out[self.task.output_column], errors)]
+        dim = next((len(v) for v in vecs if v is not None), 0)
+        mat = np.zeros((len(vecs), dim), dtype=np.float32)
+        for i, v in enumerate(vecs):
+            if v is not None:
+                norm = float(np.linalg.norm(v))
+                mat[i] = v / norm if norm > 0 else v
+        return mat, errors
+
+
+def make_embedder(accessor, template: str, columns: Sequence[str], *, model, resources: dict | None,
+                  engine_kwargs: dict | None, what: str) -> Embedder:
+    """An :class:`Embedder` of ``template`` (default model: the bundled MiniLM), checked now."""
+    from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
+
+    try:
+        task = make_task("embed", (template,), list(columns), output_column="__dfllm_vector__",
+                         model=model or DEFAULT_EMBED_MODEL, engine_kwargs=engine_kwargs or {},
+                         model_check=accessor._model_check(resources))
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return Embedder(task)
+
+
+# --- frames ---------------------------------------------------------------------------------------------
+def frame_kind(obj) -> str:
+    """``"pandas"``, ``"dask"``, ``"polars"`` or ``"lazy"`` (a Polars LazyFrame)."""
+    if isinstance(obj, pd.DataFrame):
+        return "pandas"
+    import dask.dataframe as dd
+
+    if isinstance(obj, dd.DataFrame):
+        return "dask"
+    import polars as pl
+
+    if isinstance(obj, pl.DataFrame):
+        return "polars"
+    if isinstance(obj, pl.LazyFrame):
+        return "lazy"
+    raise TypeError(f"semantic operators run on pandas, Dask and Polars frames, not {type(obj).__name__}")
+
+
+def to_pandas(obj) -> pd.DataFrame:
+    """A pandas or Polars (eager or lazy) frame as pandas (Polars through Arrow)."""
+    kind = frame_kind(obj)
+    if kind == "pandas":
+        return obj
+    if kind == "lazy":
+        obj = obj.collect()
+    if kind in ("polars", "lazy"):
+        return obj.to_pandas(use_pyarrow_extension_array=True)
+    raise TypeError("expected an eager frame")
+
+
+def back(obj, df: pd.DataFrame):
+    """``df`` as the kind of frame ``obj`` is (pandas as is; Polars eager or lazy)."""
+    kind = frame_kind(obj)
+    if kind in ("polars", "lazy"):
+        from dfllm.accessors.semantic.frames import to_polars
+
+        out = to_polars(df)
+        return out.lazy() if kind == "lazy" else out
+    return df
+
+
+def columns_of(obj) -> list[str]:
+    kind = frame_kind(obj)
+    if kind == "lazy":
+        return list(obj.collect_schema().names())
+    return [str(c) for c in obj.columns]
+
+
+def empty_of(obj) -> pd.DataFrame:
+    """An empty pandas frame with ``obj``'s columns and dtypes (Dask's ``meta``)."""
+    kind = frame_kind(obj)
+    if kind == "dask":
+        return obj._meta
+    if kind == "pandas":
+        return obj.iloc[:0]
+    return to_pandas(obj.head(0) if kind == "polars" else obj.limit(0))
+
+
+# --- join -----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JoinSpec:
+    """A checked ``join`` or ``sim_join``: the pair judge (None for ``sim_join``), how each side
+    is embedded (None: no blocking), the blocking bounds, and how the right side's columns
+    are named in the result."""
+
+    judge: PairJudge | None
+    left_fields: tuple[tuple[str, str], ...]  # (pair-frame column, left column)
+    right_fields: tuple[tuple[str, str], ...]  # (pair-frame column, right column)
+    left_embedder: Embedder | None
+    right_embedder: Embedder | None
+    block_k: int | None
+    min_similarity: float | None
+    right_names: tuple[tuple[str, str], ...]  # right column -> its name in the result
+    similarity_column: str | None
+
+
+def parse_join_instruction(instruction: str, left: list[str], right: list[str]) -> tuple[str, list, list, dict]:
+    """``instruction`` with each field renamed to a pair-frame column, the left and right
+    fields ``[(pair column, column)]`` and the labels the prompt shows. A field is a column
+    of one side (``{abstract}``), or of the side named after a colon (``{title:left}``,
+    ``{title:right}``) when both sides have it. ``ValueError`` names an unknown or ambiguous one."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"join: the instruction must be a non-empty string, got {instruction!r}")
+    parts: list[str] = []
+    lf: dict[str, str] = {}
+    rf: dict[str, str] = {}
+    names: dict[str, str] = {}
+    try:
+        parsed = list(string.Formatter().parse(instruction))
+    except ValueError as exc:
+        raise ValueError(f"join: bad instruction {instruction!r}: {exc}") from None
+    for literal, name, spec, conv in parsed:
+        parts.append(literal.replace("{", "{{").replace("}", "}}"))
+        if name is None:
+            continue
+        if conv or (spec and spec not in ("left", "right")):
+            raise ValueError(f"join: {{{name}:{spec}}}: a field is {{column}}, {{column:left}} or {{column:right}}")
+        side = spec or ("left" if name in left and name not in right else "right" if name in right and
+                        name not in left else None)
+        if side is None:
+            where = "both frames" if name in left else "neither frame"
+            raise ValueError(f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
+                             f"columns: {right}); write {{{name}:left}} or {{{name}:right}}" if name in left else
+                             f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
+                             f"columns: {right})")
+        if name not in (left if side == "left" else right):
+            raise ValueError(f"join: {{{name}:{side}}}: no column {name!r} in the {side} frame")
+        col = f"__{side[0]}_{name}"
+        (lf if side == "left" else rf)[col] = name
+        names[col] = f"{side}.{name}" if (name in left and name in right) else name
+        parts.append("{" + col + "}")
+    if not lf or not rf:
+        raise ValueError(f"join: the instruction {instruction!r} must name a field of each frame "
+                         f"(left columns: {left}; right columns: {right})")
+    return "".join(parts), list(lf.items()), list(rf.items()), names
+
+
+def right_names(left: list[str], right: list[str], suffix: str, reserved: Sequence[str]) -> dict[str, str]:
+    """The result's name of each right column: as is, or with ``suffix`` where the left has it."""
+    out = {c: (c + suffix if c in left else c) for c in right}
+    clash = sorted(set(out.values()) & (set(left) | set(reserved)))
+    if clash:
+        raise ValueError(f"join: the result would have column(s) {clash} twice; pass another suffix=")
+    return out
+
+
+def _fields_frame(df: pd.DataFrame, fields: Sequence[tuple[str, str]]) -> pd.DataFrame:
+    return pd.DataFrame({col: df[src].reset_index(drop=True) for col, src in fields})
+
+
+def embed_side(df: pd.DataFrame, embedder: Embedder, fields: Sequence[tuple[str, str]],
+               cost: SemanticCost | None = None) -> pd.DataFrame:
+    """``df`` with its records' unit vectors and each row's error (naming the frame's column)."""
+    vecs, errors = embedder(_fields_frame(df, fields), cost)
+    errors = [None if e is None else rename_columns(e, fields) for e in errors]
+    return df.assign(**{_EMB: pd.Series(list(vecs) if len(df) else [], index=df.index, dtype=object),
+                        _ERR: pd.Series(errors, index=df.index, dtype=object)})
+
+
+def rename_columns(message: str, fields: Sequence[tuple[str, str]]) -> str:
+    """An engine's message with the operator's internal column names as the user's columns."""
+    for col, src in fields:
+        message = message.replace(repr(col), repr(src)).replace(col, src)
+    return message
+
+
+def candidate_pairs(lv: np.ndarray, rv: np.ndarray, lok: np.ndarray, rok: np.ndarray, k: int | None,
+                    min_similarity: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(left positions, right positions, similarities)`` of the pairs to judge: for every
+    usable left row its ``k`` most similar usable right rows (all of them when ``k`` is None),
+    those below ``min_similarity`` left out; ordered by left row, then similarity (highest
+    first), ties by right position."""
+    li_all, ri_all, s_all = [], [], []
+    rpos = np.flatnonzero(rok)
+    if not len(rpos):
+        return np.zeros(0, int), np.zeros(0, int), np.zeros(0, float)
+    sims = lv[np.flatnonzero(lok)] @ rv[rpos].T if lv.size and rv.size else np.zeros((int(lok.sum()), len(rpos)))
+    for row, i in enumerate(np.flatnonzero(lok)):
+        s = sims[row].astype(np.float64)
+        order = np.lexsort((rpos, -s))  # similarity desc, then right position
+        if k is not None:
+            order = order[:k]
+        if min_similarity is not None:
+            order = order[s[order] >= min_similarity]
+        li_all.append(np.full(len(order), i))
+        ri_all.append(rpos[order])
+        s_all.append(s[order])
+    if not li_all:
+        return np.zeros(0, int), np.zeros(0, int), np.zeros(0, float)
+    return np.concatenate(li_all), np.concatenate(ri_all), np.concatenate(s_all)
+
+
+def _assemble(left: pd.DataFrame, right: pd.DataFrame, li: list, ri: list, sims: list | None, errors: list,
+              spec: JoinSpec) -> pd.DataFrame:
+    """Result rows: left row ``li[n]`` beside right row ``ri[n]`` (None: that side null)."""
+    lcols = [c for c in left.columns if c not in (_EMB, _ERR)]
+    rcols = [c for c in right.columns if c not in (_EMB, _ERR)]
+    lpart = _take(left[lcols], li)
+    rpart = _take(right[rcols], ri).rename(columns=dict(spec.right_names))
+    parts = [lpart, rpart]
+    if spec.similarity_column:
+        parts.append(pd.DataFrame({spec.similarity_column: pd.Series(sims if sims is not None else [None] * len(li),
+                                                                     dtype="double[pyarrow]")}))
+    parts.append(pd.DataFrame({LLM_ERROR: pd.Series(errors, dtype="string[pyarrow]")}))
+    return pd.concat(parts, axis=1)
+
+
+def _take(df: pd.DataFrame, positions: list) -> pd.DataFrame:
+    """Rows at ``positions`` (None: a row of nulls), index dropped, dtypes kept where they can hold nulls."""
+    if all(p is not None for p in positions):
+        return df.iloc[list(positions)].reset_index(drop=True)
+    rows = df.reset_index(drop=True).reindex([-1 if p is None else p for p in positions])
+    rows.index = pd.RangeIndex(len(positions))
+    return rows
+
+
+def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: SemanticCost,
+                report_right_errors: bool = True) -> pd.DataFrame:
+    """The join of two pandas frames (``right`` already embedded when the spec blocks):
+    matching pairs, then every left row and (``report_right_errors``) right row that could not
+    be used, with its error; a pair whose judgment failed is kept with its error, never dropped."""
+    blocked = spec.left_embedder is not None
+    if blocked and _EMB not in left.columns:
+        left = embed_side(left, spec.left_embedder, spec.left_fields, cost)
+    if blocked and _EMB not in right.columns:
+        right = embed_side(right, spec.right_embedder, spec.right_fields, cost)
+    lidx, ridx = list(left.index), list(right.index)
+    left, right = left.reset_index(drop=True), right.reset_index(drop=True)
+    lerr = list(left[_ERR]) if blocked else [None] * len(left)
+    rerr = list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right)
+    lok = np.array([e is None for e in lerr], dtype=bool)
+    rok = np.array([e is None for e in rerr], dtype=bool)
+    if blocked:
+        lv = np.stack(left[_EMB].to_list()) if len(left) else np.zeros((0, 0), np.float32)
+        rv = np.stack(right[_EMB].to_list()) if len(right) else np.zeros((0, 0), np.float32)
+        li, ri, sims = candidate_pairs(lv, rv, lok, rok, spec.block_k, spec.min_similarity)
+    else:
+        li, ri = (a.ravel() for a in np.meshgrid(np.arange(len(left)), np.arange(len(right)), indexing="ij"))
+        sims = None
+    cost.count("cross_product", len(left) * len(right))
+    out_l: list = []
+    out_r: list = []
+    out_s: list = []
+    out_e: list = []
+    if spec.judge is not None:
+        pairs = pd.concat([_fields_frame(left.iloc[li], spec.left_fields),
+                           _fields_frame(right.iloc[ri], spec.right_fields)], axis=1)
+        answers, errors = spec.judge(pairs, cost)
+        cost.count("pairs_judged", len(pairs))
+        for n, (a, e) in enumerate(zip(answers, errors)):
+            if e is not None or a == TRUE_FALSE[0]:
+                out_l.append(int(li[n]))
+                out_r.append(int(ri[n]))
+                out_s.append(None if sims is None else float(sims[n]))
+                out_e.append(None if e is None else f"join: the pair (left index {lidx[li[n]]!r}, right index "
+                                                    f"{ridx[ri[n]]!r}) could not be judged: "
+                                                    f"{rename_columns(e, spec.left_fields + spec.right_fields)}")
+    else:
+        for n in range(len(li)):
+            out_l.append(int(li[n]))
+            out_r.append(int(ri[n]))
+            out_s.append(None if sims is None else float(sims[n]))
+            out_e.append(None)
+    for i in np.flatnonzero(~lok):
+        out_l.append(int(i))
+        out_r.append(None)
+        out_s.append(None)
+        out_e.append(f"left index {lidx[i]!r}: {lerr[i]}")
+    if report_right_errors:
+        for j in np.flatnonzero(~rok):
+            out_l.append(None)
+            out_r.append(int(j))
+            out_s.append(None)
+            out_e.append(f"right index {ridx[j]!r}: {rerr[j]}")
+    return _assemble(left, right, out_l, out_r, out_s if spec.similarity_column else None, out_e, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinPartition:
+    """One left partition joined with the whole (embedded) right side: a Dask task."""
+
+    spec: JoinSpec
+
+    def __call__(self, left: pd.DataFrame, right: pd.DataFrame, partition_info=None) -> pd.DataFrame:
+        first = partition_info is None or partition_info.get("number", 0) == 0
+        return join_frames(left, right, self.spec, SemanticCost(), report_right_errors=first)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedPartition:
+    """A right partition with its records' vectors and errors: a Dask task."""
+
+    embedder: Embedder
+    fields: tuple
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        return embed_side(df, self.embedder, self.fields)
+
+
+def run_join(accessor, other, spec: JoinSpec, return_stats: bool):
+    """``spec`` over the accessor's frame and ``other`` (the same library's frame, or pandas)."""
+    obj = accessor._obj
+    kind = frame_kind(obj)
+    if kind == "dask":
+        import dask.dataframe as dd
+
+        right = other if isinstance(other, dd.DataFrame) else dd.from_pandas(to_pandas(other), npartitions=1)
+        if spec.right_embedder is not None:
+            meta_r = right._meta.assign(**{_EMB: pd.Series([], dtype=object),
+                                                                  _ERR: pd.Series([], dtype=object)})
+            right = right.map_partitions(EmbedPartition(spec.right_embedder, spec.right_fields), meta=meta_r)
+        right = right.repartition(npartitions=1)
+        meta = _assemble(obj._meta, right._meta, [], [], [], [], spec)
+        if return_stats:
+            raise ValueError("return_stats=True needs an eager frame (pandas or Polars); on Dask, the pairs "
+                             "judged are logged by each task")
+        return obj.map_partitions(JoinPartition(spec), right, meta=meta, align_dataframes=False)
+    cost = SemanticCost()
+    out = join_frames(to_pandas(obj), to_pandas(other), spec, cost)
+    logger.info("%s: %d of %d pairs judged (%d engine calls, %d prompt tokens)", "join" if spec.judge else "sim_join",
+                cost.counts.get("pairs_judged", 0), cost.counts.get("cross_product", 0), cost.engine_calls,
+                cost.input_tokens)
+    result = back(obj, out)
+    return (result, cost) if return_stats else result
+
+
+def semantic_join(accessor, other, instruction: str, *, block_k: int | None, min_similarity: float | None,
+                  embed_model, model, suffix: str, similarity_column: str, chat: bool, sampling_params,
+                  on_error: str, resources: dict | None, cache, return_stats: bool, engine_kwargs: dict):
+    """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
+    left_cols, right_cols = columns_of(accessor._obj), _other_columns(accessor._obj, other, "join")
+    template, lf, rf, names = parse_join_instruction(instruction, left_cols, right_cols)
+    _check_block(block_k, min_similarity, "join")
+    blocked = block_k is not None or min_similarity is not None
+    judge = make_judge(accessor, [c for c, _ in lf + rf], template, JOIN_PREAMBLE,
+                       answer="Does the statement hold for these two records? Answer True or False.",
+                       choices=TRUE_FALSE, names=names, model=model, chat=chat, sampling_params=sampling_params,
+                       on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs, what="join")
+    embed = {}
+    if blocked:
+        for side, fields in (("left", lf), ("right", rf)):
+            labels = {names[c]: c for c, _ in fields}
+            embed[side] = make_embedder(accessor, record_template(labels), [c for c, _ in fields], model=embed_model,
+                                        resources=resources, engine_kwargs=None, what="join")
+    rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column] if blocked else [LLM_ERROR])
+    spec = JoinSpec(judge, tuple(lf), tuple(rf), embed.get("left"), embed.get("right"), block_k, min_similarity,
+                    tuple(rnames.items()), similarity_column if blocked else None)
+    return run_join(accessor, other, spec, return_stats)
+
+
+def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, embed_model, suffix: str,
+                      similarity_column: str, min_similarity: float | None, resources: dict | None,
+                      return_stats: bool, engine_kwargs: dict | None):
+    """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
+    left_cols, right_cols = columns_of(accessor._obj), _other_columns(accessor._obj, other, "sim_join")
+    if left_on not in left_cols:
+        raise ValueError(f"sim_join: left_on {left_on!r} is not a column of the frame (columns: {left_cols})")
+    if right_on not in right_cols:
+        raise ValueError(f"sim_join: right_on {right_on!r} is not a column of other (columns: {right_cols})")
+    _check_block(k, min_similarity, "sim_join")
+    if k is None:
+        raise ValueError("sim_join: k (the neighbours per left row) is required")
+    lf, rf = (("__l_text", left_on),), (("__r_text", right_on),)
+    le = make_embedder(accessor, "{__l_text}", ["__l_text"], model=embed_model, resources=resources,
+                       engine_kwargs=engine_kwargs, what="sim_join")
+    re_ = make_embedder(accessor, "{__r_text}", ["__r_text"], model=embed_model, resources=resources,
+                        engine_kwargs=engine_kwargs, what="sim_join")
+    rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column])
+    spec = JoinSpec(None, lf, rf, le, re_, k, min_similarity, tuple(rnames.items()), similarity_column)
+    return run_join(accessor, other, spec, return_stats)
+
+
+def _other_columns(obj, other, what: str) -> list[str]:
+    kind = frame_kind(obj)
+    okind = frame_kind(other)
+    allowed = {"pandas": ("pandas",), "dask": ("dask", "pandas"), "polars": ("polars", "lazy", "pandas"),
+               "lazy": ("polars", "lazy", "pandas")}[kind]
+    if okind not in allowed:
+        raise ValueError(f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} "
+                         "frames")
+    return columns_of(other)
+
+
+def _check_block(k, min_similarity, what: str) -> None:
+    if k is not None and (not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"{what}: k must be a positive integer, got {k!r}")
+    if min_similarity is not None and not (isinstance(min_similarity, (int, float)) and -1 <= min_similarity <= 1):
+        raise ValueError(f"{what}: min_similarity must be a number in [-1, 1], got {min_similarity!r}")

@@ -1,0 +1,274 @@
+"""``.llm.topk``: the k rows that best satisfy a criterion, by LLM pairwise comparisons.
+
+Each comparison is one constrained decode ("which of A and B better satisfies ...", a
+``choice`` of "A"/"B", greedy). A pair of rows is always asked in one orientation, the row
+that comes first in the frame as A, and asked at most once per call, so the comparator is a
+function of the pair (antisymmetric by construction) and identical judgments are computed
+once. ``method="quick"`` (default) is a batched quickselect: every round compares each row
+of every undecided block that reaches into the top k with that block's pivot, all in one
+engine call, splits the block, and drops the blocks past k; it ends with the top k sorted.
+``method="heap"`` keeps a k-heap (``heapq.nlargest``), one comparison per engine call.
+On Dask each partition keeps its own top k (one task each) and one last task merges them.
+User docs: docs/semantic.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import logging
+
+import numpy as np
+import pandas as pd
+
+from dfllm.accessors.schema import LLM_ERROR
+from dfllm.accessors.semantic.join import (
+    Embedder,
+    PairJudge,
+    SemanticCost,
+    back,
+    frame_kind,
+    make_embedder,
+    make_judge,
+    to_pandas,
+)
+from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
+
+logger = logging.getLogger("dfllm")
+
+METHODS = ("quick", "heap")
+AB = ("A", "B")
+TOPK_PREAMBLE = ("You compare two records, A and B, by a criterion. The criterion names the records' fields in "
+                 "[brackets]; the two records follow it.")
+TOPK_ANSWER = "Which record better satisfies the criterion? Answer A or B."
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKSpec:
+    """A checked ``topk``: the comparator, the rows' fields, k, the method, and the optional
+    embedder seeding the first pivot."""
+
+    judge: PairJudge
+    fields: tuple[str, ...]
+    k: int
+    method: str
+    rank_column: str
+    embedder: Embedder | None = None  # records' vectors (seeding)
+    query_embedder: Embedder | None = None  # the criterion's vector (seeding)
+    query: str = ""
+
+
+class _Comparator:
+    """Memoised pair judgments over one frame: ``better(i, j)`` is whether row ``i`` beats
+    row ``j``; the pair is asked with the earlier row as A. Failed pairs land in ``failed``."""
+
+    def __init__(self, df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost):
+        self.df, self.spec, self.cost = df, spec, cost
+        self.memo: dict[tuple[int, int], bool] = {}
+        self.failed: dict[tuple[int, int], str] = {}
+
+    def ask(self, pairs: list[tuple[int, int]]) -> None:
+        """Judge every pair not yet judged, in one engine call."""
+        todo = list(dict.fromkeys((min(i, j), max(i, j)) for i, j in pairs))
+        todo = [p for p in todo if p not in self.memo and p not in self.failed]
+        if not todo:
+            return
+        a = self.df.iloc[[p[0] for p in todo]]
+        b = self.df.iloc[[p[1] for p in todo]]
+        frame = pd.concat([pd.DataFrame({f"__a_{f}": a[f].to_numpy() for f in self.spec.fields}),
+                           pd.DataFrame({f"__b_{f}": b[f].to_numpy() for f in self.spec.fields})], axis=1)
+        answers, errors = self.spec.judge(frame, self.cost)
+        self.cost.count("comparisons", len(todo))
+        for p, ans, err in zip(todo, answers, errors):
+            if err is not None:
+                self.failed[p] = err
+            else:
+                self.memo[p] = ans == AB[0]
+
+    def better(self, i: int, j: int) -> bool | None:
+        """Whether row ``i`` beats row ``j`` (None: the judgment failed)."""
+        p = (min(i, j), max(i, j))
+        if p in self.failed:
+            return None
+        first_wins = self.memo[p]
+        return first_wins if i < j else not first_wins
+
+
+def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | None = None) -> tuple[list, dict]:
+    """The best ``k`` of ``items`` (positions), best first, by batched quickselect; and the rows
+    whose comparison failed, with the message."""
+    blocks: list[list[int]] = [list(items)] if items else []
+    errors: dict[int, str] = {}
+    first = True
+    while True:
+        kept, start = [], 0
+        for b in blocks:
+            if start >= k:
+                break
+            kept.append(b)
+            start += len(b)
+        blocks = kept
+        pending = [n for n, b in enumerate(blocks) if len(b) > 1]
+        if not pending:
+            break
+        pivots = {}
+        for n in pending:
+            b = blocks[n]
+            pivots[n] = first_pivot if first and first_pivot in b else b[len(b) // 2]
+        first = False
+        cmp.ask([(x, pivots[n]) for n in pending for x in blocks[n] if x != pivots[n]])
+        new: list[list[int]] = []
+        for n, b in enumerate(blocks):
+            if n not in pivots:
+                new.append(b)
+                continue
+            p = pivots[n]
+            better, worse = [], []
+            for x in b:
+                if x == p:
+                    continue
+                verdict = cmp.better(x, p)
+                if verdict is None:
+                    errors[x] = (f"its comparison with the row of index {cmp.df.index[p]!r} failed: "
+                                 f"{cmp.failed[(min(x, p), max(x, p))]}")
+                else:
+                    (better if verdict else worse).append(x)
+            new.extend(part for part in (better, [p], worse) if part)
+        blocks = new
+    return [b[0] for b in blocks][:k], errors
+
+
+class _Failed(Exception):
+    def __init__(self, i: int, j: int):
+        self.i, self.j = i, j
+
+
+def heap_order(items: list[int], k: int, cmp: _Comparator) -> tuple[list, dict]:
+    """The best ``k`` of ``items``, best first, by ``heapq.nlargest`` with one comparison per
+    engine call; a failed comparison drops both rows (their errors) and starts again."""
+    errors: dict[int, str] = {}
+    items = list(items)
+
+    def less(x: int, y: int) -> int:  # -1 when x is worse than y
+        cmp.ask([(x, y)])
+        verdict = cmp.better(x, y)
+        if verdict is None:
+            raise _Failed(x, y)
+        return -1 if not verdict else 1
+
+    while True:
+        try:
+            return heapq.nlargest(k, items, key=functools.cmp_to_key(less)), errors
+        except _Failed as exc:
+            msg = cmp.failed[(min(exc.i, exc.j), max(exc.i, exc.j))]
+            for x, y in ((exc.i, exc.j), (exc.j, exc.i)):
+                errors[x] = f"its comparison with the row of index {cmp.df.index[y]!r} failed: {msg}"
+            items = [x for x in items if x not in errors]
+
+
+def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_order: bool = False) -> pd.DataFrame:
+    """The top ``k`` rows of a pandas frame, best first, with their rank; then the rows that
+    could not be ranked (a null field, a failed comparison, an error from an earlier stage),
+    with a null rank and their ``llm_error``. The index is kept. ``in_frame_order`` keeps the
+    top rows in the frame's order instead (a partition's candidates, so that the merge shows
+    every pair in the orientation a single frame would)."""
+    prior = df[LLM_ERROR].astype(object).where(df[LLM_ERROR].notna(), None).tolist() \
+        if LLM_ERROR in df.columns else [None] * len(df)
+    errors: dict[int, str] = {i: e for i, e in enumerate(prior) if e is not None}
+    for f in spec.fields:
+        for i in np.flatnonzero(df[f].isna().to_numpy()):
+            errors.setdefault(int(i), f"topk: the field {f!r} is null")
+    items = [i for i in range(len(df)) if i not in errors]
+    cmp = _Comparator(df, spec, cost)
+    first_pivot = None
+    if spec.embedder is not None and len(items) > 1 and spec.query_embedder is not None:
+        vecs, verrs = spec.embedder(df.iloc[items], cost)
+        qvec, _ = spec.query_embedder(pd.DataFrame({"__q": [spec.query]}), cost)
+        sims = [(-float(vecs[n] @ qvec[0]) if verrs[n] is None else np.inf, i) for n, i in enumerate(items)]
+        seeded = [i for _, i in sorted(sims)]
+        first_pivot = seeded[min(spec.k, len(seeded) - 1)]
+    if spec.method == "quick":
+        order, failed = quick_order(items, spec.k, cmp, first_pivot)
+    else:
+        order, failed = heap_order(items, spec.k, cmp)
+    for i, msg in failed.items():
+        errors.setdefault(i, f"topk: the row could not be ranked: {msg}")
+    err_rows = sorted(errors)
+    rank_of = {i: r for r, i in enumerate(order, start=1)}
+    if in_frame_order:
+        order = sorted(order)
+    out = df.iloc[order + err_rows].copy()
+    ranks = [rank_of[i] for i in order] + [None] * len(err_rows)
+    if spec.rank_column in out.columns:
+        out = out.drop(columns=[spec.rank_column])
+    msgs = [None] * len(order) + [errors[i] for i in err_rows]
+    out = out.drop(columns=[LLM_ERROR], errors="ignore")
+    out[spec.rank_column] = pd.Series(ranks, index=out.index, dtype="int64[pyarrow]")
+    out[LLM_ERROR] = pd.Series(msgs, index=out.index, dtype="string[pyarrow]")
+    logger.info("topk: %d comparisons in %d engine calls for %d rows (k=%d, %s)", cost.counts.get("comparisons", 0),
+                cost.engine_calls, len(df), spec.k, spec.method)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKPartition:
+    """``topk_frame`` of one partition: a Dask task (the partition-local candidates, and the merge)."""
+
+    spec: TopKSpec
+    in_frame_order: bool = False
+
+    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        return topk_frame(df, self.spec, SemanticCost(), self.in_frame_order)
+
+
+def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, rank_column: str, seed_embeddings: bool,
+                  embed_model, chat: bool, on_error: str, resources: dict | None, cache, return_stats: bool,
+                  engine_kwargs: dict):
+    """``df.llm.topk``: see :meth:`SemanticFrameMethods.topk`."""
+    from dfllm.accessors.semantic.join import columns_of
+
+    columns = columns_of(accessor._obj)
+    try:
+        fields = instruction_fields(instruction)
+    except ValueError as exc:
+        raise ValueError(f"topk: {exc}") from None
+    missing = [f for f in fields if f not in columns]
+    if missing:
+        raise ValueError(f"topk: the instruction names column(s) {missing} not in the frame (columns: {columns})")
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"topk: k must be a positive integer, got {k!r}")
+    if method not in METHODS:
+        raise ValueError(f"topk: method must be one of {METHODS}, got {method!r}")
+    if rank_column in columns and rank_column != LLM_ERROR:
+        raise ValueError(f"topk: the frame already has a column {rank_column!r}; pass another rank_column=")
+    record = {}
+    for side in AB:
+        record.update({f"{side}.{f}": f"__{side.lower()}_{f}" for f in fields})
+    judge = make_judge(accessor, list(record.values()), instruction, TOPK_PREAMBLE, answer=TOPK_ANSWER, choices=AB,
+                       names=None, model=model, chat=chat, sampling_params=None, on_error=on_error,
+                       resources=resources, cache=cache, engine_kwargs=engine_kwargs, what="topk",
+                       record=record)
+    embedder = query = None
+    if seed_embeddings:
+        embedder = make_embedder(accessor, record_template(fields), fields, model=embed_model, resources=resources,
+                                 engine_kwargs=None, what="topk")
+        query = make_embedder(accessor, "{__q}", ["__q"], model=embed_model, resources=resources,
+                              engine_kwargs=None, what="topk")
+    spec = TopKSpec(judge, tuple(fields), int(k), method, rank_column, embedder, query,
+                    render_instruction(instruction))
+    obj = accessor._obj
+    kind = frame_kind(obj)
+    if kind == "dask":
+        if return_stats:
+            raise ValueError("topk: return_stats=True needs an eager frame (pandas or Polars); on Dask each task "
+                             "logs its comparisons")
+        meta = topk_frame(obj._meta, spec, SemanticCost())
+        if obj.npartitions == 1:
+            return obj.map_partitions(TopKPartition(spec), meta=meta)
+        local = obj.map_partitions(TopKPartition(spec, in_frame_order=True), meta=meta)
+        return local.repartition(npartitions=1).map_partitions(TopKPartition(spec), meta=meta)
+    cost = SemanticCost()
+    out = topk_frame(to_pandas(obj), spec, cost)
+    result = back(obj, out)
+    return (result, cost) if return_stats else result
