@@ -30,6 +30,7 @@ JUDGE_PREAMBLE = ("You judge whether a claim holds for a record. The claim refer
 ANSWER = "Is the claim true for this record? Answer True or False."
 EXPLAINED_ANSWER = ("Is the claim true for this record? Answer True or False, then a colon and a one-sentence "
                     "explanation.")
+DEFAULT_MAX_LOGPROBS = 20  # the engine's max_logprobs unless told otherwise
 TEXT = "__dfllm_sem_text__"  # the task's own output column (private, so that it clashes with no input)
 
 
@@ -109,6 +110,8 @@ def judge_task(accessor, instruction: str, *, model, return_explanations: bool, 
                          f"(columns: {columns})")
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
         raise ValueError(f"{what}: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
+    if (logprobs == -1 or logprobs > DEFAULT_MAX_LOGPROBS) and "max_logprobs" not in engine_kwargs:
+        engine_kwargs = {**engine_kwargs, "max_logprobs": logprobs}  # the engine allows 20 unless told
     kind = "chat" if chat else "generate"
     shadow, seen = shadowed(columns, kind, TEXT, ("logprobs",), fields)
     prompt = semantic_prompt(JUDGE_PREAMBLE, instruction, fields,
