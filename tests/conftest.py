@@ -47,6 +47,12 @@ def tiny_qwen2(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_judge(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama whose True/False answers differ from row to row (the semantic operators' tests)."""
+    return build_tiny_model(tmp_path_factory.mktemp("models"), smollm2_dir, seed=5)
+
+
+@pytest.fixture(scope="session")
 def cli_cluster():
     """A scheduler and two single-thread workers started with ``dask scheduler``/``dask worker``."""
     cluster = CLICluster()
