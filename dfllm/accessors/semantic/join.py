@@ -326,11 +326,30 @@ def candidate_pairs(lv: np.ndarray, rv: np.ndarray, lok: np.ndarray, rok: np.nda
     return np.concatenate(li_all), np.concatenate(ri_all), np.concatenate(s_all)
 
 
+def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: list) -> list:
+    """``errors`` with a message for each row (without one) that has a null field or an
+    earlier operator's ``llm_error``: such a row is not paired."""
+    errors = list(errors)
+    prior = df[LLM_ERROR].tolist() if LLM_ERROR in df.columns else [None] * len(df)
+    for i in range(len(df)):
+        if errors[i] is not None:
+            continue
+        if prior[i] is not None and not pd.isna(prior[i]):
+            errors[i] = str(prior[i])
+            continue
+        for _, src in fields:
+            v = df[src].iat[i]
+            if v is None or (np.ndim(v) == 0 and pd.isna(v)):
+                errors[i] = f"column {src!r} is null"
+                break
+    return errors
+
+
 def _assemble(left: pd.DataFrame, right: pd.DataFrame, li: list, ri: list, sims: list | None, errors: list,
               spec: JoinSpec) -> pd.DataFrame:
     """Result rows: left row ``li[n]`` beside right row ``ri[n]`` (None: that side null)."""
-    lcols = [c for c in left.columns if c not in (_EMB, _ERR)]
-    rcols = [c for c in right.columns if c not in (_EMB, _ERR)]
+    lcols = [c for c in left.columns if c not in (_EMB, _ERR, LLM_ERROR)]
+    rcols = [c for c in right.columns if c not in (_EMB, _ERR, LLM_ERROR)]
     lpart = _take(left[lcols], li)
     rpart = _take(right[rcols], ri).rename(columns=dict(spec.right_names))
     parts = [lpart, rpart]
@@ -362,8 +381,9 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
         right = embed_side(right, spec.right_embedder, spec.right_fields, cost)
     lidx, ridx = list(left.index), list(right.index)
     left, right = left.reset_index(drop=True), right.reset_index(drop=True)
-    lerr = list(left[_ERR]) if blocked else [None] * len(left)
-    rerr = list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right)
+    lerr = _null_fields(left, spec.left_fields, list(left[_ERR]) if blocked else [None] * len(left))
+    rerr = _null_fields(right, spec.right_fields,
+                        list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right))
     lok = np.array([e is None for e in lerr], dtype=bool)
     rok = np.array([e is None for e in rerr], dtype=bool)
     if blocked:
@@ -371,7 +391,7 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
         rv = np.stack(right[_EMB].to_list()) if len(right) else np.zeros((0, 0), np.float32)
         li, ri, sims = candidate_pairs(lv, rv, lok, rok, spec.block_k, spec.min_similarity)
     else:
-        li, ri = (a.ravel() for a in np.meshgrid(np.arange(len(left)), np.arange(len(right)), indexing="ij"))
+        li, ri = (a.ravel() for a in np.meshgrid(np.flatnonzero(lok), np.flatnonzero(rok), indexing="ij"))
         sims = None
     cost.count("cross_product", len(left) * len(right))
     out_l: list = []
@@ -464,7 +484,7 @@ def semantic_join(accessor, other, instruction: str, *, block_k: int | None, min
                   embed_model, model, suffix: str, similarity_column: str, chat: bool, sampling_params,
                   on_error: str, resources: dict | None, cache, return_stats: bool, engine_kwargs: dict):
     """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
-    left_cols, right_cols = columns_of(accessor._obj), _other_columns(accessor._obj, other, "join")
+    left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "join")
     template, lf, rf, names = parse_join_instruction(instruction, left_cols, right_cols)
     _check_block(block_k, min_similarity, "join")
     blocked = block_k is not None or min_similarity is not None
@@ -488,7 +508,7 @@ def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, e
                       similarity_column: str, min_similarity: float | None, resources: dict | None,
                       return_stats: bool, engine_kwargs: dict | None):
     """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
-    left_cols, right_cols = columns_of(accessor._obj), _other_columns(accessor._obj, other, "sim_join")
+    left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "sim_join")
     if left_on not in left_cols:
         raise ValueError(f"sim_join: left_on {left_on!r} is not a column of the frame (columns: {left_cols})")
     if right_on not in right_cols:
@@ -514,7 +534,12 @@ def _other_columns(obj, other, what: str) -> list[str]:
     if okind not in allowed:
         raise ValueError(f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} "
                          "frames")
-    return columns_of(other)
+    return _data_columns(other)
+
+
+def _data_columns(obj) -> list[str]:
+    """A frame's columns but an earlier operator's ``llm_error`` (its rows are reported, not paired)."""
+    return [c for c in columns_of(obj) if c != LLM_ERROR]
 
 
 def _check_block(k, min_similarity, what: str) -> None:
