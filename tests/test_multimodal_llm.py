@@ -169,3 +169,149 @@ def test_llava_greedy_equals_transformers(tiny_llava):
     assert got == want
     stats = small.llm_engine.scheduler.stats()
     assert stats.num_preemptions > 0, stats
+
+
+@pytest.fixture(scope="module")
+def llava_llm(tiny_llava):
+    return _llm(tiny_llava, block_size=4, limit_mm_per_prompt={"image": 2})
+
+
+@pytest.fixture(scope="module")
+def llava_want(tiny_llava):
+    """transformers' greedy tokens of the mixed requests (computed once)."""
+    return hf_llava_greedy(tiny_llava, _mixed_requests(), 8)
+
+
+def _greedy(n: int = 8):
+    from dfllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_prefix_cache_keys_include_the_image(llava_llm, llava_want):
+    llm = llava_llm
+    a, b = _images()[:2]
+    system = "SYSTEM: a long shared instruction that fills a few KV blocks before the image. "
+    text = system + "USER: <image>\nWhat is this? ASSISTANT:"
+    llm.reset_prefix_cache()
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, _greedy(), use_tqdm=False)[0]
+    # (on CPU freed blocks are reused first, so the same image runs before the other evicts its blocks)
+    same = llm.generate({"prompt": text, "multi_modal_data": {"image": a.copy()}}, _greedy(), use_tqdm=False)[0]
+    other = llm.generate({"prompt": text, "multi_modal_data": {"image": b}}, _greedy(), use_tqdm=False)[0]
+    image_at = first.prompt_token_ids.index(llm.get_tokenizer().convert_tokens_to_ids(IMAGE_TOKEN))
+    assert first.num_cached_tokens == 0
+    # another image: only the text blocks before the image are shared
+    assert 0 < other.num_cached_tokens <= image_at
+    # the same image (another PIL object, same pixels): the image's blocks too
+    assert same.num_cached_tokens >= image_at + 16
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    # and each equals a fresh engine's answer for its image
+    fresh = _llm(llm.config.model_path, block_size=4, enable_prefix_caching=False)
+    for out, image in ((first, a), (other, b)):
+        want = fresh.generate({"prompt": text, "multi_modal_data": {"image": image}}, _greedy(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_image_cache_counts_and_reset_mm_cache(tiny_llava):
+    llm = _llm(tiny_llava, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    mm, enc = engine.input_processor.mm, engine.runner.encoder_cache
+    a, b = _images()[:2]
+    prompts = [{"prompt": f"USER: <image>\nQuestion {i}? ASSISTANT:", "multi_modal_data": {"image": im}}
+               for i, im in enumerate([a, b, a, a.copy()])]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(4), use_tqdm=False)]
+    assert (mm.images_processed, enc.images_encoded) == (2, 2)  # two distinct images, four rows
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(4), use_tqdm=False)]
+    assert again == first
+    assert (mm.images_processed, enc.images_encoded) == (2, 2)  # every image from the caches
+    llm.reset_mm_cache()
+    assert not mm.cache and not enc.entries
+    third = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(4), use_tqdm=False)]
+    assert third == first
+    assert (mm.images_processed, enc.images_encoded) == (4, 4)  # computed again after the reset
+    # processor settings are part of the key: other kwargs, other pixels, computed anew
+    other = {**prompts[0], "mm_processor_kwargs": {"do_normalize": False}}
+    llm.generate(other, _greedy(2), use_tqdm=False)
+    assert (mm.images_processed, enc.images_encoded) == (5, 5)
+
+
+def test_vllm_prompt_forms_and_chat_parts(llava_llm, llava_want, tmp_path, smollm2_dir):
+    import base64
+    import io
+
+    llm = llava_llm
+    a = _images()[0]
+    text, images = _mixed_requests()[0]
+    # token ids with one image token, as vLLM takes them
+    ids = llm.get_tokenizer().encode(text)
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [a]}}, _greedy(), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == llava_want[0]
+    assert len(out[0].prompt_token_ids) == len(ids) + 15  # the image token expanded to 16
+    # chat: image_url (data: URL, path, file:// URL) and image_pil parts; the string-content
+    # template gets "<image>\n" before the text, as vLLM renders it
+    buf = io.BytesIO()
+    a.save(buf, format="PNG")
+    path = tmp_path / "a.png"
+    path.write_bytes(buf.getvalue())
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    question = {"type": "text", "text": "What is this?"}
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": str(path)}},
+             {"type": "image_url", "image_url": {"url": "file://" + str(path)}}, {"type": "image_pil", "image_pil": a}]
+    convs = [[{"role": "user", "content": [p, question]}] for p in parts]
+    outs = llm.chat(convs, _greedy(), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is this?"}], tokenize=False,
+                                       add_generation_prompt=True)
+    want = hf_llava_greedy(llm.config.model_path, [(rendered, [a])], 8)[0]
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 4
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [1, 2, 3]}}, "limit_mm_per_prompt"),
+    ({"prompt": "no placeholder", "multi_modal_data": {"image": "IMG"}}, "0 image placeholder token"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": b"not an image"}}, r"prompt 0: .*cannot decode"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": 42}}, "type int"),
+    ({"prompt": "<image>", "multi_modal_data": {"video": "x"}}, "images only"),
+    ({"prompt": "<image>", "multi_modal_data": "IMG"}, "must be a dict"),
+])
+def test_bad_image_inputs_are_refused_by_name(llava_llm, prompt, match):
+    from dfllm import InvalidRequestError
+
+    a = _images()[0]
+    data = prompt.get("multi_modal_data")
+    if isinstance(data, dict) and data.get("image") in ("IMG", [1, 2, 3]):
+        prompt = {**prompt, "multi_modal_data": {"image": [a, a, a] if data["image"] == [1, 2, 3] else a}}
+    with pytest.raises(InvalidRequestError, match=match):
+        llava_llm.generate(prompt, _greedy(), use_tqdm=False)
+
+
+def test_text_only_model_refuses_images(tiny_llama):
+    from dfllm import LLM, InvalidRequestError
+
+    llm = LLM(tiny_llama, kv_cache_memory_bytes=2**20, max_model_len=64)
+    a = _images()[0]
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": a}}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": a}]}], use_tqdm=False)
+    llm.reset_mm_cache()  # nothing to reset: a no-op
+
+
+def test_unsupported_llava_variants_are_refused(tmp_path, tiny_llava):
+    import json
+    import shutil
+
+    from dfllm.config import EngineConfig
+
+    bad = tmp_path / "pixtral-llava"
+    shutil.copytree(tiny_llava, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vision_config"]["model_type"] = "pixtral"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    from dfllm import LLM
+
+    with pytest.raises(ValueError, match="'pixtral' vision tower is not supported"):
+        LLM(bad, kv_cache_memory_bytes=2**20, max_model_len=64)
+    with pytest.raises(NotImplementedError, match="run on one rank"):
+        EngineConfig.create(tiny_llava, tensor_parallel_size=2)

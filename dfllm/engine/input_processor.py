@@ -38,6 +38,7 @@ from dfllm.inputs import (
     check_unicode,
     per_prompt_params,
 )
+from dfllm.lora.request import LoRARequest
 from dfllm.multimodal.inputs import MultiModalInputs
 from dfllm.multimodal.processor import ImageInputProcessor, has_image_parts
 from dfllm.reasoning import ReasoningParser, make_reasoning_parser
@@ -56,6 +57,8 @@ class EngineRequest:
     # the engine's reasoning parser for this prompt (with the chat template variables it was rendered with)
     reasoning: ReasoningParser | None = None
     mm_inputs: MultiModalInputs | None = None  # the prompt's images (dfllm.multimodal), placeholders expanded
+    # LoRA: the adapter it runs with (a dataframe row's; LLM calls pass theirs to add_request instead)
+    lora_request: LoRARequest | None = None
 
 
 NO_TOKENIZER = "Unable to get tokenizer because skip_tokenizer_init is True"
@@ -106,8 +109,8 @@ class InputProcessor:
             template = chat_template or getattr(tokenizer, "chat_template", None)
             conversation = [self.mm.flatten_content(m, template) for m in conversation]
         elif has_image_parts(conversation):
-            raise InvalidRequestError("image parts: this model takes no images (it is a text-only model)",
-                                      parameter="messages")
+            raise InvalidRequestError("image parts: this model takes no images (it is a text-only model: content "
+                                      "must be a str or a list of text parts)", parameter="messages")
         text = cast(str, tokenizer.apply_chat_template(
             [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -218,7 +221,8 @@ class InputProcessor:
         if self.mm is None:
             if has_image_parts(conversation):
                 raise InvalidRequestError(f"{what}: image parts: this model takes no images (it is a text-only "
-                                          "model)", parameter="messages")
+                                          "model: content must be a str or a list of text parts)",
+                                          parameter="messages")
             return []
         return self.mm.images_of_conversation(conversation, what)
 

@@ -104,8 +104,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         total = vspec.num_hidden_layers + 1  # hidden_states: the encoder's input, then each layer's output
         self.feature_layers = tuple(layer % total for layer in info.feature_layers)
         needed = max(self.feature_layers)
+        self.vision_tower: CLIPVisionTransformer | SiglipVisionTransformer
         if tower_cls is SiglipVisionTransformer:
-            self.vision_tower: nn.Module = SiglipVisionTransformer(vspec, num_layers=needed, use_head=False)
+            self.vision_tower = SiglipVisionTransformer(vspec, num_layers=needed, use_head=False)
         else:
             self.vision_tower = CLIPVisionTransformer(vspec, num_layers=needed)
         self.multi_modal_projector = LlavaMultiModalProjector(vspec.hidden_size * len(self.feature_layers),

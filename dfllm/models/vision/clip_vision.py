@@ -14,6 +14,7 @@ from the three checkpoint tensors, as for the decoders). ``checkpoint_name`` dro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,9 @@ class VisionSpec:
     @classmethod
     def from_hf(cls, config) -> VisionSpec:
         """The spec of a transformers vision config (an object or a dict)."""
-        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        def get(key: str, default: Any = None) -> Any:
+            return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
         return cls(hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
                    num_hidden_layers=get("num_hidden_layers"), num_attention_heads=get("num_attention_heads"),
                    image_size=get("image_size"), patch_size=get("patch_size"), num_channels=get("num_channels", 3),
@@ -82,7 +85,8 @@ class VisionAttention(nn.Module):
             raise ValueError(f"vision tower: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         self.heads, self.head_dim = heads, hidden // heads
         self.qkv_proj = nn.Linear(hidden, 3 * hidden)
-        self.qkv_proj.output_sizes = [hidden, hidden, hidden]  # the loader's fused-tensor layout
+        # the loader's fused-tensor layout (a plain attribute, as the decoders' fused layers have)
+        object.__setattr__(self.qkv_proj, "output_sizes", [hidden, hidden, hidden])
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
