@@ -60,6 +60,7 @@ def as_json_schema(schema) -> dict:
     JSON schema of an object with properties; ``ValueError`` naming what is wrong."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         out = schema.model_json_schema()
+        out.setdefault("additionalProperties", False)  # only the model's fields become columns
     elif isinstance(schema, dict) and ("properties" in schema or isinstance(schema.get("type"), str)):
         out = schema
     elif isinstance(schema, dict) and schema and all(isinstance(k, str) for k in schema):
@@ -78,7 +79,7 @@ def fields_text(schema: dict) -> str:
     """The schema's fields for the prompt: ``name (type: description)``, in order."""
     parts = []
     for name, prop in schema["properties"].items():
-        kind = prop.get("type") or ("one of " + ", ".join(map(json.dumps, prop["enum"])) if "enum" in prop else "value")
+        kind = "one of " + ", ".join(map(json.dumps, prop["enum"])) if "enum" in prop else prop.get("type", "value")
         desc = prop.get("description")
         parts.append(f"{name} ({kind}{': ' + desc if desc else ''})")
     return "; ".join(parts)
