@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -284,3 +285,117 @@ def test_triton_sgmv_equals_reference(dtype):
     got = lora_apply(x, y.clone(), a, b, meta, [16, 8, 16], triton=True)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * 10)
+
+
+# ---- dataframes, the Ray-compatible processor and the CLI ---------------------------------------
+TEXTS = ["The sky is blue because", "Dask splits frames into", "A haiku about rain:", "One two three four"]
+
+
+@pytest.fixture(scope="module")
+def frame_case(setups, tmp_path_factory):
+    """A frame of texts with a per-row adapter column (paths, a name under a root, null, a bad
+    one) and PEFT's output for every good row."""
+    from transformers import AutoTokenizer
+
+    setup = setups["llama"]
+    root = tmp_path_factory.mktemp("adapter-root")
+    shutil.copytree(setup["adapters"]["qv"], root / "qv-named")
+    tok = AutoTokenizer.from_pretrained(setup["base"])
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    adapters = [str(setup["adapters"]["all"]), None, "qv-named", str(setup["adapters"]["mlp"]),
+                str(setup["adapters"]["all"]), "missing-one", None, str(setup["adapters"]["mlp"])]
+    a = setup["adapters"]
+    sources = [a["all"], None, a["qv"], a["mlp"], a["all"], "bad", None, a["mlp"]]
+    expected = [None if src == "bad" else tok.decode(peft_greedy(setup["base"], src, [ids[i % 4]])[0])
+                for i, src in enumerate(sources)]
+    df = pd.DataFrame({"q": TEXTS * 2, "adapter": adapters})
+    return dict(df=df, root=str(root), expected=expected, base=setup["base"])
+
+
+def _check_frame(got: pd.DataFrame, case) -> None:
+    for i, (want, err) in enumerate(zip(case["expected"], got["llm_error"])):
+        if want is None:
+            assert "missing-one" in err and "not a directory" in err, err
+        else:
+            assert err is None or pd.isna(err), (i, err)
+            assert got["generated_text"].iloc[i] == want, i
+
+
+FRAME_KW = dict(sampling_params={"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+                kv_cache_memory_bytes=1 << 22, device="cpu", max_loras=2)
+
+
+def test_pandas_per_row_adapters_equal_peft(frame_case):
+    got = frame_case["df"].llm.generate("{q}", model=str(frame_case["base"]), lora="adapter",
+                                        lora_root=frame_case["root"], **FRAME_KW)
+    _check_frame(got, frame_case)
+
+
+def test_fsspec_url_adapter_fetched_once(frame_case, setups, monkeypatch, tmp_path):
+    import fsspec
+
+    from dfllm.lora import resolve
+
+    monkeypatch.setenv("DFLLM_LORA_CACHE", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("memory")
+    for f in Path(setups["llama"]["adapters"]["all"]).glob("adapter_*"):
+        fs.pipe(f"/lora-test/all/{f.name}", f.read_bytes())
+    calls = []
+    monkeypatch.setattr(resolve, "_fetched", {})
+    original = resolve.fetch
+    monkeypatch.setattr(resolve, "fetch", lambda url: calls.append(url) or original(url))
+    df = pd.DataFrame({"q": TEXTS[:1] * 3, "adapter": ["memory://lora-test/all"] * 3})
+    got = df.llm.generate("{q}", model=str(frame_case["base"]), lora="adapter", **FRAME_KW)
+    assert list(got["generated_text"]) == [frame_case["expected"][0]] * 3
+    assert calls == ["memory://lora-test/all"] and len(resolve._fetched) == 1
+
+
+def test_dask_local_cluster_per_row_adapters(frame_case):
+    import dask.dataframe as dd
+
+    from helpers import local_client
+
+    with local_client(workers=1) as client:
+        ddf = dd.from_pandas(frame_case["df"], npartitions=2)
+        got = ddf.llm.generate("{q}", model=str(frame_case["base"]), lora="adapter", lora_root=frame_case["root"],
+                               **FRAME_KW).compute(scheduler=client.get)
+    _check_frame(got.sort_index(), frame_case)
+
+
+def test_processor_per_row_model_with_dynamic_lora_loading_path(frame_case):
+    import dfllm
+
+    base = str(frame_case["base"])
+    root = Path(frame_case["root"])
+    for name, src in (("all", frame_case["df"]["adapter"][0]), ("mlp", frame_case["df"]["adapter"][3])):
+        if not (root / name).exists():
+            shutil.copytree(src, root / name)
+    config = dfllm.vLLMEngineProcessorConfig(
+        model_source=base, dynamic_lora_loading_path=str(root), should_continue_on_error=True,
+        engine_kwargs=dict(kv_cache_memory_bytes=1 << 22, device="cpu", max_loras=2), apply_chat_template=False,
+        tokenize=False, detokenize=False)
+    models = ["all", base, "qv-named", "mlp", "missing-one"]
+    df = pd.DataFrame({"q": TEXTS + TEXTS[:1], "model": models})
+    processor = dfllm.build_processor(config, preprocess=lambda row: dict(
+        prompt=row["q"], model=row["model"], sampling_params=dict(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                    ignore_eos=True)))
+    got = processor(df)
+    assert list(got["generated_text"])[:4] == frame_case["expected"][:4]
+    assert "missing-one" in got["__inference_error__"].iloc[4]
+
+
+def test_cli_lora_column(frame_case, cli_cluster, tmp_path):
+    from dfllm.jobs.cli import main as cli_main
+
+    src = tmp_path / "in.parquet"
+    frame_case["df"].to_parquet(src)
+    out = tmp_path / "out"
+    status = cli_main(["run", str(src), str(out), "--prompt", "{q}", "--model", str(frame_case["base"]),
+                       "--max-tokens", str(MAX_TOKENS), "--lora-column", "adapter", "--lora-root", frame_case["root"],
+                       "--max-loras", "2", "--max-model-len", "64", "--npartitions", "2",
+                       "--scheduler", cli_cluster.address])
+    assert status == 0
+    got = pd.read_parquet(out)
+    assert list(got["q"]) == list(frame_case["df"]["q"]) and len(got) == len(frame_case["df"])
+    for g, w in zip(got["generated_text"], frame_case["expected"]):
+        assert pd.isna(g) if w is None else g == w
