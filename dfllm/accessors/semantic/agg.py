@@ -305,7 +305,8 @@ def semantic_agg(accessor, instruction: str, *, by, model, output_column: str, m
         if chat and getattr(tok, "chat_template", None):
             msgs = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + \
                 [{"role": "user", "content": prompt.template.format(**{_BODY: ""})}]
-            n_fixed = len(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))
+            rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            n_fixed = len(tok.encode(rendered, add_special_tokens=False))
         else:
             n_fixed = len(tok.encode(fixed))
         budget = _model_len(model_name, engine_kwargs) - max_tokens - n_fixed - 8
