@@ -223,3 +223,55 @@ def test_dask_parquet_image_captions_equal_transformers(client, llava_dir, image
     for i, im in images.items():
         assert pd.isna(g["llm_error"][i]), g["llm_error"][i]
         assert list(g["generated_tokens"][i]) == want[0 if im is images[0] else 1]
+
+
+# ---- Ray Data LLM's processor and dfllm run ------------------------------------------------------------------
+def test_ray_processor_messages_with_image_parts(llava_dir):
+    """Ray's ``messages`` with image parts (``image`` with bytes, ``image_url`` with a data: URL),
+    as its vLLM engine stage takes them, with ``has_image=True``: each row as ``LLM.chat`` gives it."""
+    import base64
+
+    from dfllm import build_processor, vLLMEngineProcessorConfig
+
+    a, b = random_image(31, (40, 40)), random_image(32, (64, 20))
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(b)).decode()
+    frame = pd.DataFrame({"q": ["Describe:", "What is it?", "Broken:"],
+                          "img": pd.Series([png_bytes(a), url, b"not an image"], dtype=object)})
+
+    def preprocess(row: dict) -> dict:
+        part = ({"type": "image_url", "image_url": {"url": row["img"]}} if isinstance(row["img"], str)
+                else {"type": "image", "image": row["img"]})
+        return {"q": row["q"], "messages": [{"role": "user", "content": [part, {"type": "text", "text": row["q"]}]}],
+                "sampling_params": {"max_tokens": 6, "temperature": 0}}
+
+    config = vLLMEngineProcessorConfig(model_source=str(llava_dir), engine_kwargs={"max_model_len": 256},
+                                       has_image=True, prepare_image_stage=True, should_continue_on_error=True)
+    out = build_processor(config, preprocess=preprocess,
+                          postprocess=lambda r: {"q": r["q"], "answer": r["generated_text"],
+                                                 "tokens": r["generated_tokens"]})(frame)
+    llm = engine_cache.get_engine(str(llava_dir), {"max_model_len": 256})
+    for i, im in ((0, a), (1, b)):
+        want = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": im},
+                                                       {"type": "text", "text": frame.q[i]}]}],
+                        GREEDY, use_tqdm=False)[0].outputs[0]
+        assert list(out["tokens"][i]) == list(want.token_ids) and out["answer"][i] == want.text
+    assert "cannot decode image" in out["__inference_error__"][2]
+
+
+def test_dfllm_run_images_column(client, clip_dir, tmp_path):
+    import subprocess
+    import sys
+
+    a = random_image(41)
+    pq.write_table(pa.table({"id": [0, 1, 2], "img": pa.array([png_bytes(a), None, png_bytes(a)], pa.binary())}),
+                   tmp_path / "in.parquet")
+    run = subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", "run", str(tmp_path / "in.parquet"),
+                          str(tmp_path / "out"), "--task", "embed", "--images-column", "img", "--model", str(clip_dir),
+                          "--scheduler", client.scheduler.address, "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = pd.read_parquet(tmp_path / "out").sort_values("id").reset_index(drop=True)
+    want = LLM(model=clip_dir, runner="pooling").embed({"multi_modal_data": {"image": a}}, use_tqdm=False)
+    for i in (0, 2):
+        assert list(result["embedding"][i]) == pytest.approx(want[0].outputs.embedding, abs=1e-5)
+    assert "is null" in result["llm_error"][1]
