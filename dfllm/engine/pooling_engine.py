@@ -115,7 +115,7 @@ class PoolingEngine:
             if on_batch is not None:
                 on_batch(len(images))
         texts = [i for i, p in enumerate(prompts) if not isinstance(p, ImagePrompt)]
-        order = sorted(texts, key=lambda i: len(prompts[i]), reverse=True)
+        order = sorted(texts, key=lambda i: len(cast(list, prompts[i])), reverse=True)
         for batch in self._batches(order, prompts):
             types = [token_types[i] for i in batch] if token_types else None
             for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch])):

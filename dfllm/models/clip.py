@@ -117,6 +117,7 @@ class TextTransformer(nn.Module):
 
     def forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
+        mask: torch.Tensor | None
         if self.causal:  # padding is on the right: a causal mask never lets a real token see it
             mask = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         else:
