@@ -121,3 +121,35 @@ def test_sim_join_equals_knn():
     assert cost.engine_calls == 2 and cost.requests == len(left) + len(right)
     lazy = dd.from_pandas(left, npartitions=3).llm.sim_join(dd.from_pandas(right, npartitions=2), "review", "topic", 2)
     assert sorted(zip(lazy.compute()["id"], lazy.compute()["topic_id"])) == sorted(expected)
+
+
+def test_dask_join_with_a_killed_worker_every_pair_once(tiny_llama):
+    import os
+    import signal
+    import time
+
+    from helpers import local_client
+
+    left = reviews(16, null_at=5)
+    want = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), **ENGINE)
+    with local_client(workers=2, threads=1) as client:
+        lazy = dd.from_pandas(left, npartitions=8, sort=False).llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama),
+                                                                         **ENGINE)
+        future = client.compute(lazy)
+        pids = client.run(os.getpid)
+
+        def done() -> int:
+            return client.run_on_scheduler(lambda dask_scheduler: sum(
+                ts.state == "memory" and "llm-sem-join" in str(ts.key) for ts in dask_scheduler.tasks.values()))
+
+        deadline = time.time() + 120
+        while done() < 1 and time.time() < deadline and not future.done():
+            time.sleep(0.05)
+        assert not future.done(), "the join ended before a worker could be killed"
+        os.kill(sorted(pids.values())[0], signal.SIGKILL)
+        got = future.result(timeout=240)
+    key = ["id", "topic_id"]
+    assert not got.duplicated(key).any()  # every pair exactly once
+    assert pairs_of(got) == pairs_of(want)
+    failed = got[got.llm_error.notna()]
+    assert failed["id"].tolist() == [5] and failed["topic_id"].isna().all()  # the null row, once

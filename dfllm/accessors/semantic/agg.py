@@ -21,7 +21,15 @@ from collections.abc import Sequence
 import pandas as pd
 
 from dfllm.accessors.schema import LLM_ERROR
-from dfllm.accessors.semantic.join import SemanticCost, back, columns_of, frame_kind, to_pandas
+from dfllm.accessors.semantic.join import (
+    Placed,
+    SemanticCost,
+    back,
+    columns_of,
+    frame_kind,
+    operator_resources,
+    to_pandas,
+)
 from dfllm.accessors.semantic.prompts import instruction_fields, record_template, semantic_prompt
 from dfllm.accessors.task import LLMTask, make_task
 
@@ -69,6 +77,7 @@ class AggSpec:
     budget_fold: int
     output_column: str
     split_every: int
+    resources: dict | None = None
 
 
 def pack(texts: Sequence[str], budget: int, tokenizer) -> tuple[list[list[str]], list[str]]:
@@ -315,14 +324,16 @@ def semantic_agg(accessor, instruction: str, *, by, model, output_column: str, m
                              f"{n_fixed} and max_tokens={max_tokens}; raise max_model_len or lower max_tokens")
         budgets.append(budget)
     spec = AggSpec(tasks[0], tasks[1], tuple(fields), by_cols, model_name, budgets[0], budgets[1], output_column,
-                   split_every)
+                   split_every, operator_resources(accessor, resources))
     obj = accessor._obj
     if frame_kind(obj) == "dask":
         if return_stats:
             raise ValueError("agg: return_stats=True needs an eager frame (pandas or Polars)")
         meta = _frame([], [], [], spec, obj._meta, True)
-        return obj.reduction(AggChunk(spec), aggregate=AggCombine(spec, final=True), combine=AggCombine(spec),
-                             split_every=split_every, meta=meta)
+        return obj.reduction(Placed(AggChunk(spec), spec.resources, "agg"),
+                             aggregate=Placed(AggCombine(spec, final=True), spec.resources, "agg"),
+                             combine=Placed(AggCombine(spec), spec.resources, "agg"), split_every=split_every,
+                             meta=meta)
     cost = SemanticCost()
     out = agg_frame(to_pandas(obj), spec, cost)
     result = back(obj, out)

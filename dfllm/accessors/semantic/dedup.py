@@ -23,12 +23,14 @@ from dfllm.accessors.semantic.join import (
     TRUE_FALSE,
     Embedder,
     PairJudge,
+    Placed,
     SemanticCost,
     back,
     columns_of,
     frame_kind,
     make_embedder,
     make_judge,
+    operator_resources,
     rename_columns,
     to_pandas,
 )
@@ -49,6 +51,7 @@ class DedupSpec:
     judge: PairJudge | None
     cluster_column: str
     representative_column: str
+    resources: dict | None = None
 
 
 class UnionFind:
@@ -220,14 +223,15 @@ def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, e
                            choices=TRUE_FALSE, names=None, model=model, chat=chat, sampling_params=None,
                            on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs,
                            what="dedup", record={"A": "__a_text", "B": "__b_text"})
-    spec = DedupSpec(column, float(threshold), embedder, judge, cluster_column, representative_column)
+    spec = DedupSpec(column, float(threshold), embedder, judge, cluster_column, representative_column,
+                     operator_resources(accessor, resources))
     obj = accessor._obj
     if frame_kind(obj) == "dask":
         if return_stats:
             raise ValueError("dedup: return_stats=True needs an eager frame (pandas or Polars)")
         meta = _labelled(obj._meta, [], [], spec)
-        stage1 = obj.map_partitions(EmbedRows(spec), meta=EmbedRows(spec)(obj._meta))
-        labels = stage1.repartition(npartitions=1).map_partitions(ClusterAll(spec),
+        stage1 = obj.map_partitions(Placed(EmbedRows(spec), spec.resources, "embed"), meta=EmbedRows(spec)(obj._meta))
+        labels = stage1.repartition(npartitions=1).map_partitions(Placed(ClusterAll(spec), spec.resources, "dedup"),
                                                                   meta=ClusterAll(spec)(stage1._meta))
         return obj.map_partitions(Attach(spec), labels, meta=meta, align_dataframes=False)
     cost = SemanticCost()

@@ -12,9 +12,11 @@ lazy with exact ``meta``. User docs: docs/semantic.md.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import string
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -154,6 +156,55 @@ def make_embedder(accessor, template: str, columns: Sequence[str], *, model, res
     return Embedder(task)
 
 
+# --- Dask tasks -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A semantic operator's Dask task function, run on a worker declaring ``resources``: here
+    when this worker does (or without any), else handed to one that does, as a task holding
+    them, and waited for without holding a thread (as :func:`dfllm.accessors.placement.run_placed`
+    places an ``.llm`` task). Named ``llm-sem-<name>`` in the dashboard's task stream."""
+
+    fn: Callable
+    resources: dict | None
+    name: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "__name__", f"llm-sem-{self.name}")
+
+    def __call__(self, *args, partition_info=None):
+        kwargs = {"partition_info": partition_info} \
+            if "partition_info" in inspect.signature(self.fn).parameters else {}
+        if self.resources is None or not _on_worker():
+            return self.fn(*args, **kwargs)
+        from dfllm.accessors.placement import worker_has
+
+        if worker_has(self.resources):
+            return self.fn(*args, **kwargs)
+        from distributed import worker_client
+
+        with worker_client() as client:
+            future = client.submit(self.fn, *args, resources=self.resources, pure=False,
+                                   key=f"llm-sem-{self.name}-placed-{uuid.uuid4().hex[:12]}", **kwargs)
+            return future.result()
+
+
+def _on_worker() -> bool:
+    try:
+        from distributed import get_worker
+
+        get_worker()
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+def dask_resources(resources: dict | None) -> dict | None:
+    """``resources`` checked for a Dask call (``ValueError`` for a malformed dict)."""
+    from dfllm.accessors.placement import check_resources
+
+    return check_resources(resources)
+
+
 # --- frames ---------------------------------------------------------------------------------------------
 def frame_kind(obj) -> str:
     """``"pandas"``, ``"dask"``, ``"polars"`` or ``"lazy"`` (a Polars LazyFrame)."""
@@ -228,6 +279,7 @@ class JoinSpec:
     min_similarity: float | None
     right_names: tuple[tuple[str, str], ...]  # right column -> its name in the result
     similarity_column: str | None
+    resources: dict | None = None  # Dask: the worker resources its tasks run with
 
 
 def parse_join_instruction(instruction: str, left: list[str], right: list[str]) -> tuple[str, list, list, dict]:
@@ -464,13 +516,15 @@ def run_join(accessor, other, spec: JoinSpec, return_stats: bool):
         if spec.right_embedder is not None:
             meta_r = right._meta.assign(**{_EMB: pd.Series([], dtype=object),
                                                                   _ERR: pd.Series([], dtype=object)})
-            right = right.map_partitions(EmbedPartition(spec.right_embedder, spec.right_fields), meta=meta_r)
+            right = right.map_partitions(Placed(EmbedPartition(spec.right_embedder, spec.right_fields),
+                                                spec.resources, "embed"), meta=meta_r)
         right = right.repartition(npartitions=1)
         meta = _assemble(obj._meta, right._meta, [], [], [], [], spec)
         if return_stats:
             raise ValueError("return_stats=True needs an eager frame (pandas or Polars); on Dask, the pairs "
                              "judged are logged by each task")
-        return obj.map_partitions(JoinPartition(spec), right, meta=meta, align_dataframes=False)
+        return obj.map_partitions(Placed(JoinPartition(spec), spec.resources, "join"), right, meta=meta,
+                                  align_dataframes=False)
     cost = SemanticCost()
     out = join_frames(to_pandas(obj), to_pandas(other), spec, cost)
     logger.info("%s: %d of %d pairs judged (%d engine calls, %d prompt tokens)", "join" if spec.judge else "sim_join",
@@ -500,7 +554,8 @@ def semantic_join(accessor, other, instruction: str, *, block_k: int | None, min
                                         resources=resources, engine_kwargs=None, what="join")
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column] if blocked else [LLM_ERROR])
     spec = JoinSpec(judge, tuple(lf), tuple(rf), embed.get("left"), embed.get("right"), block_k, min_similarity,
-                    tuple(rnames.items()), similarity_column if blocked else None)
+                    tuple(rnames.items()), similarity_column if blocked else None,
+                    operator_resources(accessor, resources))
     return run_join(accessor, other, spec, return_stats)
 
 
@@ -522,7 +577,8 @@ def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, e
     re_ = make_embedder(accessor, "{__r_text}", ["__r_text"], model=embed_model, resources=resources,
                         engine_kwargs=engine_kwargs, what="sim_join")
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column])
-    spec = JoinSpec(None, lf, rf, le, re_, k, min_similarity, tuple(rnames.items()), similarity_column)
+    spec = JoinSpec(None, lf, rf, le, re_, k, min_similarity, tuple(rnames.items()), similarity_column,
+                    operator_resources(accessor, resources))
     return run_join(accessor, other, spec, return_stats)
 
 
@@ -535,6 +591,15 @@ def _other_columns(obj, other, what: str) -> list[str]:
         raise ValueError(f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} "
                          "frames")
     return _data_columns(other)
+
+
+def operator_resources(accessor, resources: dict | None) -> dict | None:
+    """``resources`` for a Dask frame's tasks; for a pandas or Polars frame the accessor's own
+    check refuses them (they run in this process)."""
+    if frame_kind(accessor._obj) == "dask":
+        return dask_resources(resources)
+    accessor._model_check(resources)
+    return None
 
 
 def _data_columns(obj) -> list[str]:

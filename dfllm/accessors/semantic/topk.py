@@ -26,11 +26,13 @@ from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.semantic.join import (
     Embedder,
     PairJudge,
+    Placed,
     SemanticCost,
     back,
     frame_kind,
     make_embedder,
     make_judge,
+    operator_resources,
     to_pandas,
 )
 from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
@@ -57,6 +59,7 @@ class TopKSpec:
     embedder: Embedder | None = None  # records' vectors (seeding)
     query_embedder: Embedder | None = None  # the criterion's vector (seeding)
     query: str = ""
+    resources: dict | None = None
 
 
 class _Comparator:
@@ -256,7 +259,7 @@ def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, ran
         query = make_embedder(accessor, "{__q}", ["__q"], model=embed_model, resources=resources,
                               engine_kwargs=None, what="topk")
     spec = TopKSpec(judge, tuple(fields), int(k), method, rank_column, embedder, query,
-                    render_instruction(instruction))
+                    render_instruction(instruction), operator_resources(accessor, resources))
     obj = accessor._obj
     kind = frame_kind(obj)
     if kind == "dask":
@@ -265,9 +268,10 @@ def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, ran
                              "logs its comparisons")
         meta = topk_frame(obj._meta, spec, SemanticCost())
         if obj.npartitions == 1:
-            return obj.map_partitions(TopKPartition(spec), meta=meta)
-        local = obj.map_partitions(TopKPartition(spec, in_frame_order=True), meta=meta)
-        return local.repartition(npartitions=1).map_partitions(TopKPartition(spec), meta=meta)
+            return obj.map_partitions(Placed(TopKPartition(spec), spec.resources, "topk"), meta=meta)
+        local = obj.map_partitions(Placed(TopKPartition(spec, in_frame_order=True), spec.resources, "topk"), meta=meta)
+        return local.repartition(npartitions=1).map_partitions(Placed(TopKPartition(spec), spec.resources, "topk"),
+                                                               meta=meta)
     cost = SemanticCost()
     out = topk_frame(to_pandas(obj), spec, cost)
     result = back(obj, out)
