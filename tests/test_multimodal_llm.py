@@ -315,3 +315,127 @@ def test_unsupported_llava_variants_are_refused(tmp_path, tiny_llava):
         LLM(bad, kv_cache_memory_bytes=2**20, max_model_len=64)
     with pytest.raises(NotImplementedError, match="run on one rank"):
         EngineConfig.create(tiny_llava, tensor_parallel_size=2)
+
+
+def test_qwen2_vl_vision_tower_matches_transformers():
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    from dfllm.models.vision.qwen2_vl_vision import Qwen2VisionTransformer
+
+    torch.manual_seed(0)
+    cfg = Qwen2VLConfig(vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
+                                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2)).vision_config
+    hf = Qwen2VisionTransformerPretrainedModel(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours = Qwen2VisionTransformer(cfg)
+    missing = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    grids = [(1, 4, 6), (1, 2, 2), (2, 4, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        want = hf(pixels, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(pixels, grids)
+    want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---- a tiny Qwen2-VL ----------------------------------------------------------------------------
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def build_tiny_qwen2_vl(root, tokenizer_dir, seed: int = 0):
+    """A random Qwen2-VL (2-block vision tower, 14px patches, 2x2 merge; a 2-layer Qwen2 text model
+    with mrope_section [2, 3, 3]) with the SmolLM2 tokenizer plus Qwen's vision tokens, and its
+    image processor (56x56 to 112x112 pixels), saved in ``root``."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    start, end, pad, video = tok.convert_tokens_to_ids(QWEN_TOKENS)
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    path = root / "tiny-qwen2-vl"
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def hf_qwen2_vl_greedy(path, requests, max_new_tokens: int):
+    """transformers' Qwen2-VL ``generate`` (greedy), one request at a time; the image pad token
+    expanded to each image's size as Qwen2VLProcessor does (its class needs torchvision here)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tok = AutoTokenizer.from_pretrained(path)
+    ip = AutoImageProcessor.from_pretrained(path, backend="pil")
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    outs = []
+    with torch.inference_mode():
+        for text, images in requests:
+            kw = {}
+            ids = tok.encode(text)
+            if images:
+                kw = dict(ip(images=images, return_tensors="pt"))
+                sizes = iter([int(g.prod()) // 4 for g in kw["image_grid_thw"]])
+                ids = [x for t in ids for x in ([pad] * next(sizes) if t == pad else [t])]
+            x = torch.tensor([ids])
+            kw["mm_token_type_ids"] = (x == pad).int()
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=0, **kw)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_vl(tmp_path_factory, smollm2_dir):
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2vl"), smollm2_dir)
+
+
+def test_qwen2_vl_greedy_equals_transformers(tiny_qwen2_vl):
+    a, b, c, d = _images()
+    requests = [
+        (f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [a]),
+        (f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [b]),  # same text, another image (of another size)
+        ("USER: only text here. ASSISTANT:", []),
+        (f"USER: {QWEN_IMAGE} and {QWEN_IMAGE}, compare. ASSISTANT:", [c, d]),
+    ]
+    want = hf_qwen2_vl_greedy(tiny_qwen2_vl, requests, 8)
+    assert want[0] != want[1]
+    llm = _llm(tiny_qwen2_vl)
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)]
+    assert got == want
+    # chunked prefill (5-token chunks split the images' placeholders) and preemption (a tight cache)
+    block = 2 * 4 * 2 * 16 * 2 * 4
+    small = _llm(tiny_qwen2_vl, max_num_batched_tokens=5, max_model_len=48, block_size=4,
+                 kv_cache_memory_bytes=13 * block)
+    small.llm_engine.scheduler.reserve_growth = False
+    got = [o.outputs[0].token_ids for o in small.generate(_prompts(requests), _greedy(), use_tqdm=False)]
+    assert got == want
+    assert small.llm_engine.scheduler.stats().num_preemptions > 0
+    # chat image parts become <|vision_start|><|image_pad|><|vision_end|> before the text
+    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": a},
+                                                 {"type": "text", "text": "What is this?"}]}], _greedy(),
+                   use_tqdm=False)
+    rendered = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": f"{QWEN_IMAGE}\nWhat is this?"}], tokenize=False, add_generation_prompt=True)
+    assert out[0].outputs[0].token_ids == hf_qwen2_vl_greedy(tiny_qwen2_vl, [(rendered, [a])], 8)[0]

@@ -27,6 +27,7 @@ from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.spec import ModelSpec
 from dfllm.models.vision.clip_vision import CLIPVisionTransformer, VisionSpec, vision_activation
 from dfllm.models.vision.siglip_vision import SiglipVisionTransformer
+from dfllm.multimodal.encoder import embed_with_images
 
 TEXT_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 VISION_MODEL_TYPES = {"clip_vision_model": CLIPVisionTransformer, "siglip_vision_model": SiglipVisionTransformer}
@@ -149,11 +150,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None, mm_embeds=None):
         if mm_embeds is not None and intermediate is None:
-            embed = self.model.embed_tokens
-            assert embed is not None
-            ids = torch.where(input_ids == self.info.image_token_id, 0, input_ids)  # its row is overwritten
-            x = embed(ids)
-            rows, values = mm_embeds
-            x = x.index_copy(0, rows, values.to(x.dtype))
-            intermediate = (x, None)
+            assert self.model.embed_tokens is not None
+            intermediate = (embed_with_images(self.model.embed_tokens, input_ids, self.info.image_token_id,
+                                              mm_embeds), None)
         return super().forward(input_ids, positions, meta, intermediate)

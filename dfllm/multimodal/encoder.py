@@ -77,12 +77,7 @@ def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
             cache.hits += 1
         else:
             missing[item.key] = item
-    by_shape: dict[tuple[int, ...], list[ImageItem]] = {}
-    for item in missing.values():
-        by_shape.setdefault(tuple(item.pixel_values.shape), []).append(item)
-    for items in by_shape.values():
-        pixels = torch.stack([it.pixel_values for it in items]).to(device)
-        out = model.encode_images(pixels)
+    for items, out in _encode(model, list(missing.values()), device):
         cache.images_encoded += len(items)
         for it, value in zip(items, out):
             if value.shape[0] != it.length:
@@ -93,3 +88,63 @@ def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
     rows = torch.cat([torch.arange(r, r + hi - lo) for r, _, lo, hi in wanted]).to(device)
     values = torch.cat([feats[item.key][lo:hi] for _, item, lo, hi in wanted])
     return rows, values
+
+
+def _encode(model, items: list[ImageItem], device: torch.device):
+    """``(images, their embeddings)`` batches: fixed-size images stacked per pixel shape
+    (``model.encode_images``); images with a patch grid (Qwen2-VL) all in one batch
+    (``model.encode_image_items``)."""
+    if not items:
+        return
+    if hasattr(model, "encode_image_items"):
+        yield items, model.encode_image_items(items, device)
+        return
+    by_shape: dict[tuple[int, ...], list[ImageItem]] = {}
+    for item in items:
+        by_shape.setdefault(tuple(item.pixel_values.shape), []).append(item)
+    for group in by_shape.values():
+        yield group, model.encode_images(torch.stack([it.pixel_values for it in group]).to(device))
+
+
+def step_mrope_positions(sched, device: torch.device) -> torch.Tensor | None:
+    """The step's 3-D rotary positions ``(3, tokens)`` (Qwen2-VL), laid out as ``prepare_inputs``
+    lays out the tokens; None when no sequence of the step has images (1-D positions are then
+    the same on all three axes)."""
+    if not any(s.request.mm_inputs is not None and s.request.mm_inputs.mrope_positions is not None
+               for s in sched.seqs):
+        return None
+    parts = []
+    for seq, n in zip(sched.seqs, sched.num_new_tokens):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        mm = seq.request.mm_inputs
+        if mm is None or mm.mrope_positions is None:
+            parts.append(torch.arange(start, end).expand(3, -1))
+            continue
+        table, prompt = mm.mrope_positions, mm.mrope_positions.shape[1]
+        head = table[:, start : min(end, prompt)]
+        tail = torch.arange(max(start, prompt), max(end, prompt)) + mm.mrope_delta
+        parts.append(torch.cat([head, tail.expand(3, -1)], dim=1))
+    return torch.cat(parts, dim=1).to(device)
+
+
+def step_mm_kwargs(model, sched, cache: EncoderCache, device: torch.device) -> dict:
+    """What a vision-language model's ``forward`` takes besides the tokens this step:
+    ``mm_embeds`` (see :func:`step_image_embeds`) and, for Qwen2-VL, ``mrope_positions``;
+    empty when the step needs neither."""
+    out: dict = {}
+    mm = step_image_embeds(model, sched, cache, device)
+    if mm is not None:
+        out["mm_embeds"] = mm
+    if getattr(model, "uses_mrope", False):
+        pos = step_mrope_positions(sched, device)
+        if pos is not None:
+            out["mrope_positions"] = pos
+    return out
+
+
+def embed_with_images(embed, input_ids: torch.Tensor, image_token_id: int,
+                      mm_embeds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Token embeddings with the image placeholder rows replaced by the images' embeddings."""
+    x = embed(torch.where(input_ids == image_token_id, 0, input_ids))  # those rows are overwritten
+    rows, values = mm_embeds
+    return x.index_copy(0, rows, values.to(x.dtype))

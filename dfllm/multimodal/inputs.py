@@ -11,13 +11,15 @@ import torch
 @dataclass(frozen=True, eq=False)
 class ImageItem:
     """One image of a prompt: ``key`` identifies its processed pixels (a hash of the image's
-    pixels and of the processor settings), ``pixel_values`` is ``(channels, height, width)``,
+    pixels and of the processor settings), ``pixel_values`` is ``(channels, height, width)``
+    (or Qwen2-VL's ``(patches, patch values)`` with its ``grid``),
     and its ``length`` placeholder tokens start at prompt position ``offset``."""
 
     key: str
     pixel_values: torch.Tensor
     offset: int
     length: int
+    grid: tuple[int, int, int] | None = None  # (frames, rows, columns) in patches (Qwen2-VL; None: fixed-size)
 
     @property
     def end(self) -> int:
@@ -34,6 +36,10 @@ class MultiModalInputs:
     """A request's images, in prompt order."""
 
     images: tuple[ImageItem, ...]
+    # Qwen2-VL: the prompt's 3-D rotary positions (3, prompt length) and what later tokens add to
+    # their index (None and 0 elsewhere)
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -46,21 +46,26 @@ class ImageInputProcessor:
     """Images to :class:`MultiModalInputs` for one model (see the module's docstring).
 
     ``image_token_id``/``image_token`` are the model's placeholder token and its text;
-    ``tokens_per_image`` how many embeddings one image becomes. ``limit_per_prompt`` is vLLM's
-    ``limit_mm_per_prompt`` (``{"image": n}``; None: no limit) and ``processor_kwargs`` its
-    ``mm_processor_kwargs`` (passed to the image processor; a prompt's own override them)."""
+    ``tokens_per_image`` how many embeddings one image becomes (for processors that give each
+    image's patch grid, Qwen2-VL's, ``t * h * w / merge**2``; ``mrope``: 3-D rotary positions).
+    ``limit_per_prompt`` is vLLM's ``limit_mm_per_prompt`` (``{"image": n}``; None: no limit) and
+    ``processor_kwargs`` its ``mm_processor_kwargs`` (passed to the image processor; a prompt's own override them)."""
 
     def __init__(self, path: Path, image_token_id: int, image_token: str, tokens_per_image: int, *,
                  limit_per_prompt: dict[str, int] | None = None, processor_kwargs: dict[str, Any] | None = None,
-                 max_cached: int = DEFAULT_PROCESSED_CACHE_ITEMS):
+                 max_cached: int = DEFAULT_PROCESSED_CACHE_ITEMS, merge: int = 1, mrope: bool = False,
+                 placeholder: str | None = None):
         self.path = path
         self.image_token_id = image_token_id
         self.image_token = image_token
         self.tokens_per_image = tokens_per_image
+        self.merge = merge  # images with a grid (Qwen2-VL): one token per merge x merge patches
+        self.mrope = mrope  # Qwen2-VL's 3-D rotary positions, computed per prompt
+        self.placeholder = placeholder or image_token  # what a chat message's image part becomes in the text
         self.limit = check_limit_mm_per_prompt(limit_per_prompt)
         self.processor_kwargs = check_mm_processor_kwargs(processor_kwargs, "mm_processor_kwargs")
         self._image_processor: Any = None
-        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.cache: OrderedDict[str, tuple[torch.Tensor, tuple[int, int, int] | None]] = OrderedDict()
         self.max_cached = max_cached
         self.images_processed = 0  # images run through the image processor (the rest came from the cache)
 
@@ -139,39 +144,45 @@ class ImageInputProcessor:
             if t != self.image_token_id:
                 out.append(t)
                 continue
-            key, px = next(it)
-            items.append(ImageItem(key, px, len(out), self.tokens_per_image))
-            out.extend([self.image_token_id] * self.tokens_per_image)
-        return out, MultiModalInputs(tuple(items))
+            key, px, grid = next(it)
+            n = self.tokens_per_image if grid is None else grid[0] * grid[1] * grid[2] // self.merge ** 2
+            items.append(ImageItem(key, px, len(out), n, grid))
+            out.extend([self.image_token_id] * n)
+        mrope = mrope_positions(len(out), items, self.merge) if self.mrope else None
+        return out, MultiModalInputs(tuple(items), *(mrope or (None, 0)))
 
-    def _pixels(self, images: list[Image.Image], settings: dict, what: str) -> list[tuple[str, torch.Tensor]]:
-        """``(key, pixel values)`` of each image, processed once per image and settings."""
+    def _pixels(self, images: list[Image.Image], settings: dict, what: str
+                ) -> list[tuple[str, torch.Tensor, tuple[int, int, int] | None]]:
+        """``(key, pixel values, grid)`` of each image (the grid ``(t, h, w)`` in patches for
+        processors that give one, Qwen2-VL's), processed once per image and settings."""
         skey = _settings_key(settings)
         keys = [hashlib.blake2b(f"{image_hash(im)}|{skey}".encode(), digest_size=20).hexdigest() for im in images]
-        todo = [(k, im) for k, im in zip(keys, images) if k not in self.cache]
-        todo = list(dict(todo).items())  # the same image twice in a prompt is processed once
+        done = {k: self.cache[k] for k in keys if k in self.cache}
+        todo = {k: im for k, im in zip(keys, images) if k not in done}  # the same image twice: processed once
         if todo:
             try:
-                batch = self.image_processor(images=[im for _, im in todo], return_tensors="pt", **settings)
+                batch = self.image_processor(images=list(todo.values()), return_tensors="pt", **settings)
             except Exception as exc:  # a bad kwarg, an image the processor cannot take
                 raise InvalidRequestError(f"{what}: the image processor failed: {type(exc).__name__}: {exc}",
                                           parameter="mm_processor_kwargs") from None
-            values = batch["pixel_values"]
+            values, grids = batch["pixel_values"], batch.get("image_grid_thw")
+            if values.dtype == torch.float64:
+                values = values.float()
+            if grids is None:
+                per = [(px, None) for px in values]
+            else:
+                sizes = [int(g.prod()) for g in grids]
+                per = [(px, tuple(int(x) for x in g)) for px, g in zip(values.split(sizes), grids)]
             self.images_processed += len(todo)
-            for (k, _), px in zip(todo, values):
-                self.cache[k] = px.float() if px.dtype == torch.float64 else px
+            for k, value in zip(todo, per):
+                done[k] = value
+                self.cache[k] = value
                 while len(self.cache) > self.max_cached:
                     self.cache.popitem(last=False)
-        result = []
         for k in keys:
-            px = self.cache.get(k)
-            if px is None:  # evicted by this very call (more images than the cache holds)
-                px = self.image_processor(images=[images[keys.index(k)]], return_tensors="pt",
-                                          **settings)["pixel_values"][0]
-            else:
+            if k in self.cache:
                 self.cache.move_to_end(k)
-            result.append((k, px))
-        return result
+        return [(k, *done[k]) for k in keys]
 
     # ---- chat rendering ------------------------------------------------------------------
     def flatten_content(self, msg: dict, template: str | None) -> dict:
@@ -186,7 +197,7 @@ class ImageInputProcessor:
             parts = [{"type": "image"} if p.get("type") in IMAGE_PART_TYPES else {"type": "text", "text": p["text"]}
                      for p in content]
             return {**msg, "content": parts}
-        placeholders = [self.image_token for p in content if p.get("type") in IMAGE_PART_TYPES]
+        placeholders = [self.placeholder for p in content if p.get("type") in IMAGE_PART_TYPES]
         texts = [p["text"] for p in content if p.get("type") == "text"]
         return {**msg, "content": "\n".join(placeholders + ["\n".join(texts)] if texts else placeholders)}
 
@@ -237,9 +248,38 @@ def image_input_processor(path: Path, spec, tokenizer, *, limit_per_prompt: dict
         if limit_per_prompt:
             check_limit_mm_per_prompt(limit_per_prompt)
         return None
+    kw: dict[str, Any] = dict(limit_per_prompt=limit_per_prompt, processor_kwargs=processor_kwargs)
+    if "Qwen2VLForConditionalGeneration" in spec.architectures:
+        from dfllm.models.qwen2_vl import qwen2_vl_info
+
+        q = qwen2_vl_info(spec.multimodal)
+        return ImageInputProcessor(path, q.image_token_id, "<|image_pad|>", 0, merge=q.merge, mrope=True,
+                                   placeholder="<|vision_start|><|image_pad|><|vision_end|>", **kw)
     from dfllm.models.llava import llava_info
 
     info = llava_info(spec.multimodal)
     token = tokenizer.convert_ids_to_tokens(info.image_token_id) if tokenizer is not None else "<image>"
-    return ImageInputProcessor(path, info.image_token_id, token or "<image>", info.tokens_per_image,
-                               limit_per_prompt=limit_per_prompt, processor_kwargs=processor_kwargs)
+    return ImageInputProcessor(path, info.image_token_id, token or "<image>", info.tokens_per_image, **kw)
+
+
+def mrope_positions(length: int, items: list[ImageItem], merge: int) -> tuple[torch.Tensor, int]:
+    """Qwen2-VL's 3-D rotary positions of a prompt of ``length`` tokens (as transformers'
+    ``get_rope_index``): text tokens count up on all three axes; an image's tokens take
+    (start + frame, start + row, start + column) of its merged grid, and the text after it
+    resumes at start + max(rows, columns). Returns ``(positions (3, length), delta)``, ``delta``
+    being what generated tokens add to their index."""
+    pos = torch.empty(3, length, dtype=torch.long)
+    current, at = 0, 0
+    for item in items:
+        n = item.offset - at
+        pos[:, at : item.offset] = torch.arange(current, current + n)
+        current += n
+        assert item.grid is not None
+        t, h, w = item.grid[0], item.grid[1] // merge, item.grid[2] // merge
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        pos[:, item.offset : item.end] = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + current
+        current += max(h, w)
+        at = item.end
+    pos[:, at:] = torch.arange(current, current + length - at)
+    delta = int(pos.max()) + 1 - length
+    return pos, delta

@@ -1,0 +1,141 @@
+"""Qwen2-VL's vision transformer, as transformers' ``Qwen2VisionTransformerPretrainedModel``.
+
+An image arrives as its patches (``(t * h * w, channels * temporal_patch * patch * patch)``, as
+the Qwen2-VL image processor flattens them, 2x2 patch blocks adjacent) with its grid
+``(t, h, w)``. A 3-D convolution embeds each patch; the blocks (pre-norm attention with a 2-D
+rotary embedding of each patch's row and column, and a quick-GELU MLP) attend within each
+image (each frame); the merger layer-norms and concatenates each 2x2 block of patches and
+projects it to the text model's width: one embedding per ``spatial_merge_size ** 2`` patches.
+Several images run as one batch (attention stays within each). Parameter names follow
+transformers' (``patch_embed.proj``, ``blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}``,
+``merger.{ln_q,mlp.0,mlp.2}``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dfllm.models.vision.clip_vision import vision_activation
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Qwen2VLVisionAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        dtype = q.dtype
+        q = (q.float() * c + _rotate_half(q.float()) * s).to(dtype)
+        k = (k.float() * c + _rotate_half(k.float()) * s).to(dtype)
+        out = torch.empty_like(q)
+        for a, b in zip(bounds, bounds[1:]):  # each image (frame) attends within itself
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+        return self.proj(out.reshape(n, -1))
+
+
+class Qwen2VLVisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.act = vision_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Qwen2VLVisionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_hidden: int, act: str):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Qwen2VLVisionAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Qwen2VLVisionMLP(dim, mlp_hidden, act)
+
+    def forward(self, x, cos, sin, bounds):
+        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen2VLPatchMerger(nn.Module):
+    def __init__(self, dim: int, context_dim: int, merge: int):
+        super().__init__()
+        self.hidden = context_dim * merge * merge
+        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    """Qwen2-VL's vision tower (see the module's docstring); ``config`` is its ``vision_config``
+    (an object or a dict)."""
+
+    inv_freq: torch.Tensor  # buffer
+
+    def __init__(self, config):
+        super().__init__()
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        self.embed_dim, heads = cfg["embed_dim"], cfg["num_heads"]
+        self.patch_size, self.temporal_patch_size = cfg.get("patch_size", 14), cfg.get("temporal_patch_size", 2)
+        self.in_channels = cfg.get("in_channels", 3)
+        self.merge = cfg.get("spatial_merge_size", 2)
+        kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.embed_dim, kernel_size=kernel, stride=kernel,
+                                          bias=False)
+        mlp_hidden = int(self.embed_dim * cfg.get("mlp_ratio", 4))
+        act = cfg.get("hidden_act", "quick_gelu")
+        self.blocks = nn.ModuleList(Qwen2VLVisionBlock(self.embed_dim, heads, mlp_hidden, act)
+                                    for _ in range(cfg["depth"]))
+        self.merger = Qwen2VLPatchMerger(cfg["hidden_size"], self.embed_dim, self.merge)
+        theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        spatial = (self.embed_dim // heads) // 2
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial),
+                             persistent=False)
+
+    def _positions(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Each patch's (row, column), 2x2 merge blocks adjacent, as the processor lays them out."""
+        m, out = self.merge, []
+        for t, h, w in grids:
+            hpos, wpos = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            shape = (h // m, m, w // m, m)
+            hw = torch.stack([hpos.reshape(shape).transpose(1, 2).flatten(),
+                              wpos.reshape(shape).transpose(1, 2).flatten()], dim=-1)
+            out.append(hw.repeat(t, 1))
+        return torch.cat(out)
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The merged embeddings of the images, concatenated: ``t * h * w / merge**2`` rows each."""
+        proj = self.patch_embed.proj
+        x = pixel_values.view(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
+        x = proj(x.to(proj.weight.dtype)).view(-1, self.embed_dim)
+        pos = self._positions(grids).to(x.device)
+        freqs = pos.unsqueeze(-1).float() * self.inv_freq.to(x.device)  # (n, 2, spatial / 2)
+        angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        bounds = [0]
+        for t, h, w in grids:
+            for _ in range(t):
+                bounds.append(bounds[-1] + h * w)
+        for block in self.blocks:
+            x = block(x, cos, sin, bounds)
+        return self.merger(x)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return name
