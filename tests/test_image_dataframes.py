@@ -275,3 +275,18 @@ def test_dfllm_run_images_column(client, clip_dir, tmp_path):
     for i in (0, 2):
         assert list(result["embedding"][i]) == pytest.approx(want[0].outputs.embedding, abs=1e-5)
     assert "is null" in result["llm_error"][1]
+
+
+def test_response_cache_keys_rows_by_their_images(llava_dir, tmp_path):
+    """Two rows with the same prompt and different images never share a response-cache entry
+    (their placeholder tokens are the same; the images' content hashes are in the key)."""
+    a, b = random_image(51), random_image(52)
+    kw = dict(model=str(llava_dir), max_model_len=256, sampling_params=GREEDY, cache=str(tmp_path / "cache"),
+              engine_columns=["generated_tokens", "from_cache"])
+    first = pd.DataFrame({"q": ["Describe:"], "img": [png_bytes(a)]}).llm.generate("<image>\n{q}", images="img",
+                                                                                   **kw)
+    again = pd.DataFrame({"q": ["Describe:"] * 2, "img": [png_bytes(a), png_bytes(b)]}).llm.generate(
+        "<image>\n{q}", images="img", **kw)
+    assert not first["from_cache"][0] and again["from_cache"].tolist() == [True, False]
+    assert list(again["generated_tokens"][0]) == list(first["generated_tokens"][0])
+    assert list(again["generated_tokens"][1]) == hf_llava_greedy(llava_dir, "<image>\nDescribe:", [b])
