@@ -178,8 +178,8 @@ def test_a_bad_row_fails_the_job_with_rays_class_and_is_kept_with_processor_conf
 @pytest.mark.parametrize("fields, match", [
     (dict(concurrency=0), "concurrency"), (dict(concurrency=-2), "concurrency"),
     (dict(concurrency=(3, 1)), "concurrency"),
-    (dict(prepare_multimodal_stage=True), "multimodal"), (dict(prepare_image_stage={"enabled": True}), "multimodal"),
-    (dict(has_image=True), "multimodal"), (dict(chat_template_stage="yes"), "chat_template_stage"),
+    (dict(prepare_image_stage={"enabled": True, "nope": 1}), "unknown key"),
+    (dict(chat_template_stage="yes"), "chat_template_stage"),
     (dict(tokenize_stage={"enabled": True, "nope": 1}), "unknown key"), (dict(max_concurrent_batches=0), "max_conc"),
     (dict(max_pending_requests=0), "max_pending"), (dict(dynamic_lora_loading_path="/lora"), "LoRA"),
     (dict(should_continue_on_error="no"), "should_continue"),
