@@ -137,3 +137,16 @@ def test_agg_folds_within_max_model_len(tiny_llama):
           f"(max_model_len=192), {cost.input_tokens} prompt tokens")
     with pytest.raises(ValueError, match="raise max_model_len"):
         df.llm.agg(AGG, model=str(tiny_llama), max_tokens=8, max_model_len=64)
+
+
+def test_candidate_links_blockwise_equal_the_full_matrix():
+    from dfllm.accessors.semantic.dedup import candidate_links
+
+    rng = np.random.default_rng(0)
+    vecs = rng.normal(size=(50, 4)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    ok = np.ones(50, bool)
+    ok[7] = False  # a row that failed is never linked
+    sims = vecs @ vecs.T
+    want = [(i, j) for i in range(50) for j in range(i + 1, 50) if ok[i] and ok[j] and sims[i, j] >= 0.8]
+    assert candidate_links(vecs, ok, 0.8, block=7) == candidate_links(vecs, ok, 0.8) == want and want

@@ -72,14 +72,17 @@ class UnionFind:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
-def candidate_links(vecs: np.ndarray, ok: np.ndarray, threshold: float) -> list[tuple[int, int]]:
-    """Pairs ``(i, j)``, ``i < j``, of usable rows whose cosine similarity is ``>= threshold``."""
+def candidate_links(vecs: np.ndarray, ok: np.ndarray, threshold: float, block: int = 1024) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of usable rows whose cosine similarity is ``>= threshold``
+    (computed ``block`` rows at a time, so memory grows with the rows, not their square)."""
     idx = np.flatnonzero(ok)
-    if len(idx) < 2:
-        return []
-    sims = vecs[idx] @ vecs[idx].T
-    a, b = np.nonzero(np.triu(sims >= threshold, k=1))
-    return [(int(idx[i]), int(idx[j])) for i, j in zip(a, b)]
+    links: list[tuple[int, int]] = []
+    for start in range(0, len(idx), block):
+        rows = idx[start:start + block]
+        sims = vecs[rows] @ vecs[idx[start:]].T  # this block against itself and every later row
+        a, b = np.nonzero(np.triu(sims >= threshold, k=1))
+        links += [(int(rows[i]), int(idx[start + j])) for i, j in zip(a, b)]
+    return sorted(links)
 
 
 def cluster(vecs: np.ndarray, errors: list, texts: list, spec: DedupSpec, cost: SemanticCost,

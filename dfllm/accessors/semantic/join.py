@@ -426,10 +426,10 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
     """The join of two pandas frames (``right`` already embedded when the spec blocks):
     matching pairs, then every left row and (``report_right_errors``) right row that could not
     be used, with its error; a pair whose judgment failed is kept with its error, never dropped."""
-    blocked = spec.left_embedder is not None
-    if blocked and _EMB not in left.columns:
+    blocked = spec.left_embedder is not None and spec.right_embedder is not None
+    if spec.left_embedder is not None and _EMB not in left.columns:
         left = embed_side(left, spec.left_embedder, spec.left_fields, cost)
-    if blocked and _EMB not in right.columns:
+    if spec.right_embedder is not None and _EMB not in right.columns:
         right = embed_side(right, spec.right_embedder, spec.right_fields, cost)
     lidx, ridx = list(left.index), list(right.index)
     left, right = left.reset_index(drop=True), right.reset_index(drop=True)

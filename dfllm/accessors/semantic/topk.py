@@ -127,7 +127,8 @@ def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | N
                 new.append(b)
                 continue
             p = pivots[n]
-            better, worse = [], []
+            better: list[int] = []
+            worse: list[int] = []
             for x in b:
                 if x == p:
                     continue
