@@ -147,7 +147,7 @@ def importance_sample(scores: np.ndarray, size: int, weight: float, rng: np.rand
     s = np.clip(np.nan_to_num(np.asarray(scores, dtype=float), nan=0.5), 0.0, 1.0)
     root = np.sqrt(s)
     total = root.sum()
-    w = (1 - weight) / n + (weight * root / total if total > 0 else weight / n)
+    w = (1 - weight) / n + (weight * root / total if total > 0 else np.full(n, weight / n))
     w = w / w.sum()
     draws = rng.choice(n, size=size, p=w)
     return draws, (1.0 / n) / w[draws]
@@ -256,7 +256,7 @@ class EmbeddingScore:
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         q = np.asarray(self.query, dtype=float)
         q = q / (np.linalg.norm(q) or 1.0)
-        scores = []
+        scores: list[float | None] = []
         for v in df[EMBEDDING].tolist():
             if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
                 scores.append(None)
@@ -373,8 +373,8 @@ class CascadeFinish:
             if self.explanation_column is not None:
                 note[mask] = judged[self.explanation_column].astype(object).to_numpy()
         out = part[self.inputs].copy()
-        verdict = [None if v is pd.NA else v for v in verdict]
-        out[self.output_column] = pd.Series(verdict, index=part.index, dtype=BOOL)
+        out[self.output_column] = pd.Series([None if v is pd.NA else v for v in verdict], index=part.index,
+                                            dtype=BOOL)
         out[self.probability_column] = pd.Series([None if v is pd.NA else v for v in prob], index=part.index,
                                                  dtype=FLOAT)
         if self.explanation_column is not None:

@@ -22,6 +22,7 @@ from dfllm.accessors.schema import FLOAT, LLM_ERROR, STRING
 from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed, task_columns
 from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
 from dfllm.sampling_params import SamplingParams
+from dfllm.structured_outputs import StructuredOutputsParams
 
 BOOL = pd.ArrowDtype(pa.bool_())
 ANSWERS = ("True", "False")
@@ -118,7 +119,7 @@ def judge_task(accessor, instruction: str, *, model, return_explanations: bool, 
                              answer=EXPLAINED_ANSWER if return_explanations else ANSWER, chat=chat)
     if return_explanations:
         sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=max_explanation_tokens,
-                                  structured_outputs={"regex": r"(True|False): [^\n]+"})
+                                  structured_outputs=StructuredOutputsParams(regex=r"(True|False): [^\n]+"))
         choice = None
     else:
         sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8)

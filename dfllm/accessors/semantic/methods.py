@@ -31,7 +31,9 @@ class SemanticFrameMethods:
         from the first answer token's log-probabilities over "True" and "False"),
         ``explanation`` (with ``return_explanations``) and ``llm_error``. One constrained
         decode per row (greedy, ``choice`` of "True"/"False"). A row that failed has a null
-        verdict and its message in ``llm_error``.
+        verdict and its message in ``llm_error``. ``logprobs`` (default 20) top log-probabilities
+        of the answer's first token give the probability (a lower bound when the other answer's
+        tokens are not among them); ``-1`` reads the whole vocabulary and makes it exact.
 
         ``cascade`` (a :class:`dfllm.Cascade`) judges the confident rows by a cheap proxy and
         only the others with ``model``, with recall/precision targets; ``return_stats=True``
