@@ -87,6 +87,37 @@ def main() -> None:
           f"({100 * stats.large_model_share:.0f}%); estimated recall {stats.estimated_recall:.2f}, "
           f"precision {stats.estimated_precision:.2f}")
     # --- semantic-2's operators (topk, join, sim_join, dedup, agg) go below ---
+    semantic_2(df, spent)
+
+
+def semantic_2(df: pd.DataFrame, spent: dict) -> dict:
+    """topk, join, sim_join, dedup and agg on the same reviews, each with its cost."""
+    top, cost = df.llm.topk("{review} is the angriest complaint", 2, return_stats=True)
+    spent = show('df.llm.topk("{review} is the angriest complaint", 2)', top[["review", "rank"]], spent)
+    print(f"   {cost.counts['comparisons']} comparisons in {cost.engine_calls} engine calls (a full sort's "
+          f"tournament: {len(df) * (len(df) - 1) // 2})")
+
+    subjects = pd.DataFrame({"subject": ["late or lost delivery", "sound quality", "price"]})
+    pairs, cost = df.llm.join(subjects, "{review} is about {subject}", block_k=1, return_stats=True)
+    spent = show('df.llm.join(subjects, "{review} is about {subject}", block_k=1)',
+                 pairs[["review", "subject", "similarity", "llm_error"]], spent)
+    print(f"   {cost.counts['pairs_judged']} of {cost.counts['cross_product']} pairs judged")
+
+    nearest = df.llm.sim_join(subjects, "review", "subject", 1)
+    spent = show('df.llm.sim_join(subjects, "review", "subject", 1)', nearest[["review", "subject", "similarity"]],
+                 spent)
+
+    dupes = pd.concat([df, pd.DataFrame({"review": ["My parcel arrived two weeks late!"], "topic": ["shipping"]})],
+                      ignore_index=True)
+    clusters, cost = dupes.llm.dedup("review", threshold=0.7, return_stats=True)
+    spent = show('df.llm.dedup("review", threshold=0.7)', clusters[["review", "cluster_id", "is_representative"]],
+                 spent)
+    print(f"   {cost.counts['candidate_pairs']} pair above the threshold among {len(dupes)} rows")
+
+    summary, cost = df.llm.agg("Summarise the complaints in {review}", by="topic", max_tokens=32, return_stats=True)
+    spent = show('df.llm.agg("Summarise the complaints in {review}", by="topic")', summary, spent)
+    print(f"   {cost.counts['summaries']} summaries in {cost.engine_calls} engine calls")
+    return spent
 
 
 if __name__ == "__main__":
