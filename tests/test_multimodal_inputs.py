@@ -79,8 +79,13 @@ def test_image_hash_is_pixel_based_and_stable_across_processes():
     assert image_hash(a) != image_hash(c)
     assert image_hash(a) != image_hash(a.convert("RGBA"))  # mode is part of the key
     assert image_hash(Image.new("RGB", (2, 3))) != image_hash(Image.new("RGB", (3, 2)))  # so is size
-    code = ("import io,base64,sys; from dfllm.multimodal import image_hash, load_image; "
-            f"print(image_hash(load_image(base64.b64decode({base64.b64encode(_png()).decode()!r}))))")
+    # image.py alone in a fresh interpreter (importing dfllm would load dask, torch...: seconds)
+    import dfllm.multimodal.image as module
+
+    code = ("import base64, importlib.util as u; "
+            f"s = u.spec_from_file_location('image', {module.__file__!r}); m = u.module_from_spec(s); "
+            "s.loader.exec_module(m); "
+            f"print(m.image_hash(m.load_image(base64.b64decode({base64.b64encode(_png()).decode()!r}))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == image_hash(a)
     with pytest.raises(TypeError):

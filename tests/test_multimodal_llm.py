@@ -263,8 +263,16 @@ def test_vllm_prompt_forms_and_chat_parts(llava_llm, llava_want, tmp_path, smoll
     tok = llm.get_tokenizer()
     rendered = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is this?"}], tokenize=False,
                                        add_generation_prompt=True)
-    want = hf_llava_greedy(llm.config.model_path, [(rendered, [a])], 8)[0]
+    # a template that renders image parts itself gets Hugging Face's {"type": "image"} parts
+    template = ("{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                "<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}ASSISTANT:")
+    own = llm.chat(convs[0], _greedy(), chat_template=template, use_tqdm=False)[0]
+    hf_parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    own_text = tok.apply_chat_template(hf_parts, chat_template=template, tokenize=False)
+    assert own.prompt == own_text and own_text.startswith("user: <image>\nWhat is this?")
+    want, want_own = hf_llava_greedy(llm.config.model_path, [(rendered, [a]), (own_text, [a])], 8)
     assert [o.outputs[0].token_ids for o in outs] == [want] * 4
+    assert own.outputs[0].token_ids == want_own
 
 
 @pytest.mark.parametrize("prompt,match", [
@@ -313,8 +321,11 @@ def test_unsupported_llava_variants_are_refused(tmp_path, tiny_llava):
 
     with pytest.raises(ValueError, match="'pixtral' vision tower is not supported"):
         LLM(bad, kv_cache_memory_bytes=2**20, max_model_len=64)
-    with pytest.raises(NotImplementedError, match="run on one rank"):
-        EngineConfig.create(tiny_llava, tensor_parallel_size=2)
+    cfg["vision_config"]["model_type"] = "clip_vision_model"
+    cfg["text_config"]["model_type"] = "gemma"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'gemma' text model is not supported"):
+        EngineConfig.create(bad)
 
 
 def test_qwen2_vl_vision_tower_matches_transformers():
@@ -411,15 +422,24 @@ def tiny_qwen2_vl(tmp_path_factory, smollm2_dir):
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2vl"), smollm2_dir)
 
 
-def test_qwen2_vl_greedy_equals_transformers(tiny_qwen2_vl):
+def _qwen_requests():
     a, b, c, d = _images()
-    requests = [
+    return [
         (f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [a]),
         (f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [b]),  # same text, another image (of another size)
         ("USER: only text here. ASSISTANT:", []),
         (f"USER: {QWEN_IMAGE} and {QWEN_IMAGE}, compare. ASSISTANT:", [c, d]),
     ]
-    want = hf_qwen2_vl_greedy(tiny_qwen2_vl, requests, 8)
+
+
+@pytest.fixture(scope="module")
+def qwen_want(tiny_qwen2_vl):
+    return hf_qwen2_vl_greedy(tiny_qwen2_vl, _qwen_requests(), 8)
+
+
+def test_qwen2_vl_greedy_equals_transformers(tiny_qwen2_vl, qwen_want):
+    a = _images()[0]
+    requests, want = _qwen_requests(), qwen_want
     assert want[0] != want[1]
     llm = _llm(tiny_qwen2_vl)
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)]
@@ -439,3 +459,20 @@ def test_qwen2_vl_greedy_equals_transformers(tiny_qwen2_vl):
     rendered = llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": f"{QWEN_IMAGE}\nWhat is this?"}], tokenize=False, add_generation_prompt=True)
     assert out[0].outputs[0].token_ids == hf_qwen2_vl_greedy(tiny_qwen2_vl, [(rendered, [a])], 8)[0]
+
+
+def test_parallel_ranks_replicate_the_vision_tower(tiny_llava, llava_want, tiny_qwen2_vl, qwen_want):
+    """Tensor parallel LLaVA and pipeline parallel Qwen2-VL (worker processes, gloo on CPU): rank 0
+    encodes the images, the text model is split; the same tokens as transformers'."""
+    llm = _llm(tiny_llava, tensor_parallel_size=2, max_num_batched_tokens=24)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(_mixed_requests()), _greedy(), use_tqdm=False)]
+        assert got == llava_want
+    finally:
+        llm.shutdown()
+    llm = _llm(tiny_qwen2_vl, pipeline_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(_qwen_requests()), _greedy(), use_tqdm=False)]
+        assert got == qwen_want
+    finally:
+        llm.shutdown()

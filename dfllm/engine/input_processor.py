@@ -107,12 +107,14 @@ class InputProcessor:
         # tokenize=False: the rendered text (transformers annotates every return type at once)
         if self.mm is not None:  # image parts: placeholders as the template takes them (dfllm.multimodal)
             template = chat_template or getattr(tokenizer, "chat_template", None)
-            conversation = [self.mm.flatten_content(m, template) for m in conversation]
+            messages = [self.mm.flatten_content(m, template) for m in conversation]
         elif has_image_parts(conversation):
             raise InvalidRequestError("image parts: this model takes no images (it is a text-only model: content "
                                       "must be a str or a list of text parts)", parameter="messages")
+        else:
+            messages = [_flatten_content(m) for m in conversation]
         text = cast(str, tokenizer.apply_chat_template(
-            [_flatten_content(m) for m in conversation], chat_template=chat_template, tokenize=False,
+            messages, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {})))
         return TokenizedPrompt(text, tokenizer.encode(text, add_special_tokens=False),

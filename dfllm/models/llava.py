@@ -6,8 +6,9 @@ under ``vision_feature_select_strategy="default"``), written over the image's pl
 tokens in the text model's input embeddings. The tower runs only up to its
 ``vision_feature_layer`` (the later layers' weights are skipped). The text model is dfllm's
 own decoder; this class is that decoder with the tower and projector added, so the engine
-drives it like any other. It runs on one rank (``tensor_parallel_size`` and
-``pipeline_parallel_size`` 1; the config refuses more).
+drives it like any other. Split over ranks (tensor or pipeline parallel), only the text model
+is split: the tower and projector are replicated on every rank, rank 0 encodes the images and
+ships their embeddings with the step (``dfllm.engine.executor``).
 
 Not supported (refused by name): towers other than CLIP/SigLIP (Pixtral, ...), text models
 other than Llama/Mistral/Qwen2, and LLaVA-NeXT/OneVision's tiled images (other architectures).
@@ -94,8 +95,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     :mod:`dfllm.multimodal.encoder`)."""
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
-        if parallel is not None:
-            raise NotImplementedError("LLaVA runs on one rank (tensor_parallel_size=pipeline_parallel_size=1)")
         super().__init__(spec, ops, max_positions, parallel)
         assert spec.multimodal is not None
         info = llava_info(spec.multimodal)
@@ -113,6 +112,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.multi_modal_projector = LlavaMultiModalProjector(vspec.hidden_size * len(self.feature_layers),
                                                               spec.hidden_size, info.projector_act,
                                                               info.projector_bias)
+        self._text_checkpoint_name = self.checkpoint_name  # the decoder's (a pipeline stage's) naming
         self.checkpoint_name = self._llava_checkpoint_name
 
     @staticmethod
@@ -134,7 +134,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if name.startswith("vision_tower."):
             inner = self.vision_tower.checkpoint_name(name[len("vision_tower."):])
             return None if inner is None else "vision_tower." + inner
-        return name
+        if name.startswith("multi_modal_projector."):
+            return name
+        return self._text_checkpoint_name(name)
 
     @property
     def tokens_per_image(self) -> int:

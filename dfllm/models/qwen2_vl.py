@@ -8,7 +8,8 @@ sections (``mrope_section``) by a token's temporal, row and column position: tex
 the same position on all three axes, an image's tokens their (frame, row, column) in the
 merged grid, offset by where the image starts (``dfllm.multimodal.processor.mrope_positions``);
 generated tokens count on from the prompt's largest position. The engine passes these
-positions per step (``dfllm.multimodal.encoder.step_mrope_positions``). One rank only.
+positions per step (``dfllm.multimodal.encoder.step_mrope_positions``). Split over ranks, the
+vision tower is replicated (rank 0 encodes the images) and the text model split.
 Qwen2.5-VL (window attention, another architecture name) is not supported.
 """
 
@@ -79,23 +80,22 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     uses_mrope = True
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
-        if parallel is not None:
-            raise NotImplementedError("Qwen2-VL runs on one rank (tensor_parallel_size=pipeline_parallel_size=1)")
         super().__init__(spec, ops, max_positions, parallel)
         assert spec.multimodal is not None
         self.info = qwen2_vl_info(spec.multimodal)
         self.visual = Qwen2VisionTransformer(self.info.vision_config)
         self.model.rotary_emb = MRotaryEmbedding(self.model.rotary_emb, self.info.mrope_section)  # type: ignore[assignment]
+        self._text_checkpoint_name = self.checkpoint_name  # the decoder's (a pipeline stage's) naming
         self.checkpoint_name = self._qwen2_vl_checkpoint_name
 
-    @staticmethod
-    def _qwen2_vl_checkpoint_name(name: str) -> str | None:
+    def _qwen2_vl_checkpoint_name(self, name: str) -> str | None:
         """Parameter key of a checkpoint tensor: Qwen's names (``model.layers.*``, ``visual.*``)
         or transformers 5's (``model.language_model.*``, ``model.visual.*``)."""
         for old, new in (("model.language_model.", "model."), ("model.visual.", "visual.")):
             if name.startswith(old):
-                return new + name[len(old):]
-        return name
+                name = new + name[len(old):]
+                break
+        return name if name.startswith("visual.") else self._text_checkpoint_name(name)
 
     def encode_image_items(self, items, device: torch.device) -> list[torch.Tensor]:
         """Each image's embeddings; all images in one vision batch (attention within each)."""

@@ -142,6 +142,14 @@ def step_mm_kwargs(model, sched, cache: EncoderCache, device: torch.device) -> d
     return out
 
 
+def move_mm(mm: dict, device: torch.device) -> dict:
+    """:func:`step_mm_kwargs`'s result with its tensors on ``device``."""
+    out: dict = {}
+    for key, value in mm.items():
+        out[key] = tuple(v.to(device) for v in value) if isinstance(value, tuple) else value.to(device)
+    return out
+
+
 def embed_with_images(embed, input_ids: torch.Tensor, image_token_id: int,
                       mm_embeds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Token embeddings with the image placeholder rows replaced by the images' embeddings."""

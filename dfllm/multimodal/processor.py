@@ -241,6 +241,19 @@ def check_mm_processor_kwargs(value: Any, name: str) -> dict:
     return dict(value)
 
 
+def check_vision_language(spec) -> None:
+    """``ValueError`` naming what dfllm does not run in a vision-language config (a vision
+    tower or text model it does not implement)."""
+    if "Qwen2VLForConditionalGeneration" in spec.architectures:
+        from dfllm.models.qwen2_vl import qwen2_vl_info
+
+        qwen2_vl_info(spec.multimodal)
+    else:
+        from dfllm.models.llava import llava_info
+
+        llava_info(spec.multimodal)
+
+
 def image_input_processor(path: Path, spec, tokenizer, *, limit_per_prompt: dict | None = None,
                           processor_kwargs: dict | None = None) -> ImageInputProcessor | None:
     """The image input processor of a vision-language model (None for a text-only one)."""
