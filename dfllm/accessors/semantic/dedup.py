@@ -142,8 +142,9 @@ def dedup_frame(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> pd.Dat
     """A pandas frame with its rows' cluster ids, representative flags and errors."""
     vecs, errors = _embed(df, spec, cost)
     ids, errors = cluster(vecs, errors, df[spec.column].astype(object).tolist(), spec, cost, list(df.index))
-    logger.info("dedup: %d rows, %d candidate pairs, %d clusters", len(df), cost.counts.get("candidate_pairs", 0),
-                len({c for c in ids if c is not None}))
+    if len(df):
+        logger.info("dedup: %d rows, %d candidate pairs, %d clusters", len(df),
+                    cost.counts.get("candidate_pairs", 0), len({c for c in ids if c is not None}))
     return _labelled(df, ids, errors, spec)
 
 

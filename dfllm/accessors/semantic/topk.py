@@ -210,8 +210,9 @@ def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_or
     out = out.drop(columns=[LLM_ERROR], errors="ignore")
     out[spec.rank_column] = pd.Series(ranks, index=out.index, dtype="int64[pyarrow]")
     out[LLM_ERROR] = pd.Series(msgs, index=out.index, dtype="string[pyarrow]")
-    logger.info("topk: %d comparisons in %d engine calls for %d rows (k=%d, %s)", cost.counts.get("comparisons", 0),
-                cost.engine_calls, len(df), spec.k, spec.method)
+    if len(df):
+        logger.info("topk: %d comparisons in %d engine calls for %d rows (k=%d, %s)", cost.counts.get("comparisons", 0),
+                    cost.engine_calls, len(df), spec.k, spec.method)
     return out
 
 
