@@ -120,3 +120,6 @@ def test_bad_cascades_fail_before_any_work(tiny_judge):
     with pytest.raises(ValueError, match="dfllm.Cascade"):
         reviews(2).llm.filter(INSTRUCTION, model=str(tiny_judge), cascade={"proxy": "embedding"})
     assert dfllm.Cascade is Cascade
+    empty, stats = reviews(0).llm.judge(INSTRUCTION, model=str(tiny_judge), cascade=Cascade(proxy="embedding"),
+                                        return_stats=True, **ENGINE)
+    assert len(empty) == 0 and "decided_by" in empty.columns and stats.rows == stats.large_model_rows == 0

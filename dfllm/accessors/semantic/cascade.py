@@ -144,6 +144,8 @@ def importance_sample(scores: np.ndarray, size: int, weight: float, rng: np.rand
     with probability ``weight * sqrt(s_i) / sum(sqrt(s)) + (1 - weight) / n`` (a missing
     score counts as 0.5), and each draw's correction ``(1 / n) / w_i``."""
     n = len(scores)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
     s = np.clip(np.nan_to_num(np.asarray(scores, dtype=float), nan=0.5), 0.0, 1.0)
     root = np.sqrt(s)
     total = root.sum()
