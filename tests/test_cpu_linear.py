@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from dfllm import LLM, SamplingParams
-from dfllm.models.cpu_linear import PackableLinear, pack_linears, repack_linears
+from dfllm.models import cpu_linear
+from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa, pack_linears, repack_linears
 
 from helpers import build_tiny_model
 
@@ -40,10 +41,28 @@ def test_in_place_writes_and_replacements_repack():
 
 
 def test_not_packed_where_onednn_cannot_take_it():
-    layer = PackableLinear(16, 16).to(torch.bfloat16)
+    layer = PackableLinear(16, 16).to(torch.float16)
     assert not layer.pack() and layer._packed is None
-    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, dtype=torch.float16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.skipif(bf16_gemm_isa() is None, reason="this CPU has no bfloat16 matrix instructions")
+@pytest.mark.parametrize("rows", [1, 64, 300, 1024])
+def test_bfloat16_packed_at_every_size_where_the_cpu_has_bf16_instructions(rows, monkeypatch):
+    """bfloat16 layers go through the packed oneDNN GEMM at any batch (prefill chunks too),
+    equal to F.linear's bfloat16 result up to bfloat16 rounding."""
+    torch.manual_seed(rows)
+    layer = PackableLinear(96, 160, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    assert layer.pack() and layer._packed is not None
+    calls = []
+    real = cpu_linear._packed_linear
+    monkeypatch.setattr(cpu_linear, "_packed_linear", lambda *a: calls.append(1) or real(*a))
+    out = layer(x)
+    assert calls, "the packed GEMM did not run"
+    torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
+                               rtol=2e-2, atol=2e-2)
 
 
 def test_a_model_whose_copies_exceed_the_memory_budget_is_not_packed():

@@ -166,3 +166,27 @@ def test_bfloat16_kv_cache_is_logprob_close_to_the_float32_cache(smollm2_dir, sm
     got = dfllm_greedy_logprobs(llm, smol_chat_prompts, 24)
     check_logprobs_close(got, smol_default, "kv bfloat16", "kv float32")
     assert LLM(smollm2_dir, kv_cache_dtype="bfloat16", dtype="bfloat16").config.kv_cache_dtype is None  # "auto" then
+
+
+def test_bfloat16_model_is_logprob_close_to_transformers_float32(smollm2_dir, smol_chat_prompts):
+    """dtype="bfloat16" (weights, activations and cache; GEMMs packed for oneDNN where the CPU
+    has bfloat16 instructions) against transformers in float32, by vLLM's criterion."""
+    from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa
+
+    llm = LLM(smollm2_dir, dtype="bfloat16")
+    packed = llm.collective_rpc(lambda w: sum(m._packed is not None for m in w.model.modules()
+                                              if isinstance(m, PackableLinear)))
+    assert packed[0] > 0 if bf16_gemm_isa() is not None else packed[0] == 0
+    check_logprobs_close(dfllm_greedy_logprobs(llm, smol_chat_prompts, 24),
+                         hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24),
+                         "dfllm bfloat16", "transformers float32")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_bfloat16_tiny_models_are_logprob_close_to_transformers_float32(tmp_path, smollm2_dir, arch):
+    path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, initializer_range=0.05)
+    prompts = random_prompts(4, 5, 60, seed=3)
+    max_tokens = [10, 6, 12, 8]
+    check_logprobs_close(dfllm_greedy_logprobs(LLM(path, dtype="bfloat16"), prompts, max_tokens),
+                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm bfloat16", "transformers float32")
+

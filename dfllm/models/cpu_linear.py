@@ -31,7 +31,19 @@ logger = logging.getLogger("dfllm")
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can take a linear layer of ``dtype`` on ``device``: float32 on any CPU,
+    bfloat16 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_gemm_isa() is not None)
+
+
+def bf16_gemm_isa() -> str | None:
+    """The CPU's bfloat16 matrix instructions oneDNN uses ("AMX", "AVX512-BF16"), or None
+    where it has none (there bfloat16 GEMMs are emulated and float32 is faster)."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return "AMX" if torch.cpu._is_amx_tile_supported() else "AVX512-BF16"
 
 
 class PackedLinear(nn.Module):
@@ -68,16 +80,17 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Above this many rows (a prefill chunk) F.linear's GEMM was as fast or faster (SmolLM2's shapes,
-# all 30 layers streamed, 2026-12-01: packed 1.1x F.linear at 8-32 and 256 rows, even at 64-128,
-# 0.91x at 512 and 2048)
+# In float32, above this many rows (a prefill chunk) F.linear's GEMM was as fast or faster
+# (SmolLM2's shapes, all 30 layers streamed, 2026-12-01: packed 1.1x F.linear at 8-32 and 256
+# rows, even at 64-128, 0.91x at 512 and 2048). In bfloat16 the packed GEMM is used at every
+# size: F.linear's bfloat16 path was 2x slower than packed at 128-512 rows (2026-12-03).
 PACKED_MAX_ROWS = 256
 
 
 class PackableLinear(nn.Linear):
-    """``nn.Linear`` that multiplies batches of at most :data:`PACKED_MAX_ROWS` rows through a
-    oneDNN-packed copy of its weight once :meth:`pack` has run (CPU, float32), and exactly
-    like ``nn.Linear`` otherwise."""
+    """``nn.Linear`` that multiplies through a oneDNN-packed copy of its weight once
+    :meth:`pack` has run (CPU: bfloat16 batches of any size, float32 batches of at most
+    :data:`PACKED_MAX_ROWS` rows), and exactly like ``nn.Linear`` otherwise."""
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
 
@@ -96,7 +109,7 @@ class PackableLinear(nn.Linear):
         # no longer packed where oneDNN cannot take it
         if packed is not None and packed[0] != _weight_key(self.weight):
             packed = self._packed if self.pack() else None
-        if packed is None or x.numel() > PACKED_MAX_ROWS * x.shape[-1]:
+        if packed is None or (x.numel() > PACKED_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, packed[1], self.bias)
 
@@ -113,11 +126,18 @@ PACK_MEMORY_FRACTION = 0.125
 
 
 def pack_linears(model: nn.Module, budget_bytes: int | None = None) -> int:
-    """Pack every :class:`PackableLinear` of ``model`` whose weight is float32 on a CPU, when
+    """Pack every :class:`PackableLinear` of ``model`` that oneDNN can take (:func:`packing_available`), when
     the packed copies fit in ``budget_bytes`` (default :data:`PACK_MEMORY_FRACTION` of the
     available RAM); returns how many were packed (0 elsewhere: the layers run ``F.linear``)."""
-    layers = [m for m in model.modules() if isinstance(m, PackableLinear)
-              and packing_available(m.weight.device, m.weight.dtype)]
+    linears = [m for m in model.modules() if isinstance(m, PackableLinear) and m.weight.device.type == "cpu"]
+    if any(m.weight.dtype == torch.bfloat16 for m in linears):
+        isa = bf16_gemm_isa()
+        if isa is None:
+            logger.warning("this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX): bfloat16 GEMMs run "
+                           "emulated, slower than float32 (dtype='auto' or 'float32' is faster here)")
+        else:
+            logger.info("bfloat16 linear layers: oneDNN GEMMs on %s", isa)
+    layers = [m for m in linears if packing_available(m.weight.device, m.weight.dtype)]
     size = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     if budget_bytes is None:
         budget_bytes = int(psutil.virtual_memory().available * PACK_MEMORY_FRACTION)
