@@ -108,6 +108,22 @@ def test_prompt_puts_the_instruction_first_and_the_fields_last():
     assert completion.system is None and completion.text({"q": "x"}) == "Use {braces}.\n\n[q] holds\n\n[q]: x\nAnswer:"
 
 
+def test_the_prefix_cache_serves_the_instruction_once(tiny_judge):
+    """Every row after the first reads the fixed part (system message and instruction, three
+    full blocks of 16 tokens or more) from the prefix cache."""
+    from dfllm.accessors.engine_cache import engines
+
+    def hits() -> float:
+        return sum(m.value for llm in engines() if llm.engine is not None for m in llm.get_metrics()
+                   if m.name == "dfllm_prefix_cache_hits" and m.labels["model_name"] == tiny_judge.name)
+
+    df = reviews(8)
+    df.llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)  # the engine exists, its counters count from here
+    before = hits()
+    df.assign(review=df["review"] + " (again)").llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)
+    assert hits() - before >= 8 * 3 * 16
+
+
 def test_chained_operators_keep_earlier_errors_and_columns(tiny_judge):
     df = reviews(4).assign(llm_error=["earlier failure", None, None, None], num_input_tokens=[1, 2, 3, 4])
     df.loc[1, "review"] = None
@@ -197,4 +213,18 @@ def test_dask_filter_then_extract_and_resumed_writes(client, tiny_judge, tmp_pat
         else:
             assert back["id"].tolist() == list(range(12))
             assert first.rows == again.rows == 12
+
+
+def test_dask_cascade_on_the_cluster_equals_pandas(client, tiny_judge):
+    df = reviews(48, null_at=7)
+    cascade = dfllm.Cascade(proxy="embedding", recall_target=0.6, precision_target=0.6, failure_probability=0.3,
+                            min_sample=12, sample_fraction=0.25, seed=3)
+    want = df.llm.filter(INSTRUCTION, model=str(tiny_judge), cascade=cascade, **ENGINE)
+    lazy = dd.from_pandas(df, npartitions=3, sort=False).llm.filter(INSTRUCTION, model=str(tiny_judge),
+                                                                   cascade=cascade, **ENGINE)
+    assert list(lazy._meta.columns) == list(want.columns) == ["id", "review", "label", "decided_by", "llm_error"]
+    got = lazy.compute().sort_values("id")
+    assert got["id"].tolist() == want["id"].tolist()
+    assert got["decided_by"].tolist() == want["decided_by"].tolist()
+    assert (want["decided_by"] == "proxy").any()
 
