@@ -114,6 +114,9 @@ def test_bad_cascades_fail_before_any_work(tiny_judge):
         reviews(2).llm.judge(INSTRUCTION, model=str(tiny_judge), cascade=Cascade(proxy="embedding"), on_error="raise")
     with pytest.raises(ValueError, match="dfllm.Cascade"):
         reviews(2).llm.filter(INSTRUCTION, model=str(tiny_judge), cascade={"proxy": "embedding"})
+    with pytest.raises(ValueError, match="decided_by"):
+        reviews(2).assign(decided_by=1).llm.judge(INSTRUCTION, model=str(tiny_judge),
+                                                  cascade=Cascade(proxy="embedding"))
     assert dfllm.Cascade is Cascade
     empty, stats = reviews(0).llm.judge(INSTRUCTION, model=str(tiny_judge), cascade=Cascade(proxy="embedding"),
                                         return_stats=True, **ENGINE)

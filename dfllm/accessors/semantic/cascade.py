@@ -407,6 +407,8 @@ def cascade_judge(accessor, instruction: str, cascade: Cascade, *, keep: bool, m
         raise ValueError(f"{what}: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
     if on_error != "null":
         raise ValueError(f"{what}: a cascade keeps failed rows with their llm_error; on_error must be 'null'")
+    if SOURCE in accessor._columns():
+        raise ValueError(f"{what}: a cascade adds the column {SOURCE!r}, which the dataframe already has; rename it")
     obj = accessor._obj
     lazy_polars = _is_polars_lazy(obj)
     polars = lazy_polars or _is_polars(obj)
