@@ -20,6 +20,8 @@ import polars as pl
 import pytest
 
 import dfllm  # noqa: F401  (registers .llm)
+from dfllm import LLM, SamplingParams, StructuredOutputsParams
+from dfllm.accessors.semantic.join import first_choice_probability
 from dfllm.accessors.semantic.prompts import semantic_prompt
 from dfllm.accessors.semantic.topk import AB, TOPK_ANSWER, TOPK_PREAMBLE
 
@@ -48,29 +50,34 @@ def direct_judgments(model: str, texts: list[str]) -> dict[tuple[int, int], bool
     return {p: a == "A" for p, a in zip(pairs, out.generated_text)}
 
 
-@pytest.fixture(scope="module")
-def table(judge_model):
-    """A table of 8 rows on which the comparator is a total order, and the order it gives."""
-    wins = direct_judgments(judge_model, POOL)
-
+def pick_table(wins: dict[tuple[int, int], bool], pool: list[str], size: int = 8) -> tuple[pd.DataFrame, list]:
+    """A table of ``size`` rows of ``pool`` (in pool order) on which the comparator ``wins``
+    (pair i < j -> whether i beats j) is a total order that is not the rows' order, and the
+    first K of that order."""
     def better(x: int, y: int) -> bool:
         return wins[(x, y)] if x < y else not wins[(y, x)]
 
-    rng, best = random.Random(0), None
+    rng, best, pairs = random.Random(0), None, size * (size - 1) // 2
     for _ in range(3000):
-        sub = sorted(rng.sample(range(len(POOL)), 8))
+        sub = sorted(rng.sample(range(len(pool)), size))
         if any(better(a, b) and better(b, c) and not better(a, c) for a, b, c in itertools.permutations(sub, 3)):
             continue
-        mixed = min(s := sum(wins[p] for p in itertools.combinations(sub, 2)), 28 - s)
+        mixed = min(s := sum(wins[p] for p in itertools.combinations(sub, 2)), pairs - s)
         if best is None or mixed > best[0]:
             best = (mixed, sub)
-    assert best is not None and best[0] >= 3, "no transitive, non-trivial table of 8 rows in the pool"
+    assert best is not None and best[0] >= 3, f"no transitive, non-trivial table of {size} rows in the pool"
     sub = best[1]
     order = sorted(sub, key=functools.cmp_to_key(lambda x, y: -1 if better(x, y) else 1))
-    texts = [POOL[i] for i in sub]
-    ranked = [POOL[i] for i in order]
+    texts = [pool[i] for i in sub]
+    ranked = [pool[i] for i in order]
     assert ranked[:K] != texts[:K] and ranked[:K] != texts[::-1][:K]  # not the rows' order either way
     return pd.DataFrame({"fruit": texts, "id": range(len(texts))}), ranked[:K]
+
+
+@pytest.fixture(scope="module")
+def table(judge_model):
+    """A table of 8 rows on which the comparator is a total order, and the order it gives."""
+    return pick_table(direct_judgments(judge_model, POOL), POOL)
 
 
 def test_topk_equals_full_sort(judge_model, table):
@@ -117,3 +124,51 @@ def test_topk_reports_rows_it_cannot_rank(judge_model, table):
         df.llm.topk(INSTRUCTION, 0, model=judge_model)
     with pytest.raises(ValueError, match="method must be one of"):
         df.llm.topk(INSTRUCTION, 2, model=judge_model, method="bubble")
+
+
+@pytest.fixture(scope="module")
+def ab_model(tmp_path_factory, smollm2_dir):
+    """A tiny random model whose output layer gives "A" the logit a = h.w and "B" -a and every
+    other token about 0, so that both answers' log-probabilities are among the top 20 whenever
+    they matter (a random model's A and B are far down its 49,152 tokens)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model(tmp_path_factory.mktemp("topk_ab"), smollm2_dir, seed=2, tie_word_embeddings=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    a, b = tok.convert_tokens_to_ids("A"), tok.convert_tokens_to_ids("B")
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"]
+    w = head[a].clone() * 4
+    head *= 1e-3
+    head[a], head[b] = w, -w
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def test_topk_both_orders_equals_full_sort(ab_model):
+    """``both_orders``: each pair asked both ways; i beats j when the probability of A (from the
+    answer token's top-20 log-probabilities) is higher with i shown first. The reference reads
+    the same probabilities from ``LLM.chat`` one request per ordered pair."""
+    pool = POOL[:12]
+    judge_model = ab_model
+    llm = LLM(judge_model, max_model_len=512, kv_cache_memory_bytes=2**24)
+    prompt = semantic_prompt(TOPK_PREAMBLE, INSTRUCTION, {"A.fruit": "a", "B.fruit": "b"}, answer=TOPK_ANSWER)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=20,
+                        structured_outputs=StructuredOutputsParams(choice=list(AB)))
+    ordered = list(itertools.permutations(range(len(pool)), 2))
+    convs = [[{"role": "system", "content": prompt.system},
+              {"role": "user", "content": prompt.template.format(a=pool[i], b=pool[j])}] for i, j in ordered]
+    p_a = {}
+    for (i, j), out in zip(ordered, llm.chat(convs, sp, use_tqdm=False)):
+        first = {t: {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
+                 for t, lp in out.outputs[0].logprobs[0].items()}
+        p_a[(i, j)] = first_choice_probability(first, *AB)
+    wins = {(i, j): p_a[(i, j)] >= p_a[(j, i)] for i, j in itertools.combinations(range(len(pool)), 2)}
+    df, expected = pick_table(wins, pool, size=7)
+    out, cost = df.llm.topk(INSTRUCTION, K, model=judge_model, both_orders=True, return_stats=True,
+                            max_model_len=512, kv_cache_memory_bytes=2**24)
+    assert out.fruit.tolist() == expected
+    assert cost.requests == 2 * cost.counts["comparisons"] and cost.counts["comparisons"] < 21
+    print(f"topk both_orders: {cost.counts['comparisons']} comparisons ({cost.requests} decodes) in "
+          f"{cost.engine_calls} engine calls")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import string
 import uuid
 from collections.abc import Callable, Sequence
@@ -81,8 +82,14 @@ class PairJudge:
 
     def __call__(self, pairs: pd.DataFrame, cost: SemanticCost | None = None) -> tuple[list, list]:
         """Each pair's answer (one of the choices; None where it failed) and error (None where it did not)."""
+        answers, errors, _ = self.judge(pairs, cost)
+        return answers, errors
+
+    def judge(self, pairs: pd.DataFrame, cost: SemanticCost | None = None) -> tuple[list, list, list]:
+        """``(answers, errors, first)``: ``first`` is each pair's probability of the first
+        choice from its first answer token's log-probabilities (None without them)."""
         if not len(pairs):
-            return [], []
+            return [], [], []
         out = run_task(pairs, self.task)
         if cost is not None:
             cost.add(out, generative=True)
@@ -91,19 +98,47 @@ class PairJudge:
         for i, (a, e) in enumerate(zip(answers, errors)):
             if a is None and e is None:  # never silently: an answer that is missing is an error
                 errors[i] = "the judgment gave no answer"
-        return answers, errors
+        choices = tuple(self.task.structured[1]) if self.task.structured[:1] == ("choice",) else ()
+        if "logprobs" in out.columns and len(choices) == 2:
+            first = [first_choice_probability(lps[0] if isinstance(lps, list) and lps else None, *choices)
+                     for lps in out["logprobs"]]
+        else:
+            first = [None] * len(out)
+        return answers, errors, first
+
+
+def first_choice_probability(first_token: dict | None, one: str, other: str) -> float | None:
+    """The probability of answer ``one`` against ``other`` from the first answer token's top
+    log-probabilities (token id -> ``{"logprob", "decoded_token", ...}``): the mass of listed
+    tokens that begin ``one`` against that of those that begin ``other``, an answer none of
+    whose tokens is listed counted at the smallest listed log-probability. None without them."""
+    if not first_token:
+        return None
+    entries = [(str(e["decoded_token"]).strip(), e["logprob"]) for e in first_token.values()
+               if e.get("decoded_token") and e.get("logprob") is not None and math.isfinite(e["logprob"])]
+    if not entries:
+        return None
+    floor = min(lp for _, lp in entries)
+    mass = []
+    for answer in (one, other):
+        lps = [lp for tok, lp in entries if tok and answer.startswith(tok)]
+        mass.append(max(lps) + math.log(sum(math.exp(lp - max(lps)) for lp in lps)) if lps else floor)
+    return 1.0 / (1.0 + math.exp(mass[1] - mass[0]))
 
 
 def make_judge(accessor, template_columns: Sequence[str], instruction: str, preamble: str, *, answer: str,
                choices: Sequence[str], names: dict | None, model, chat: bool, sampling_params, on_error: str,
                resources: dict | None, cache, engine_kwargs: dict, what: str,
-               record: dict | None = None) -> PairJudge:
+               record: dict | None = None, logprobs: int | None = None) -> PairJudge:
     """A :class:`PairJudge` for ``instruction`` (its fields already the pair frame's columns),
     checked now: its task is built as ``.llm.chat``/``.llm.generate`` builds theirs (the model
     checked by the accessor, on a worker for Dask). ``record`` (label -> pair column) lists the
-    record after the instruction (default: the instruction's fields)."""
+    record after the instruction (default: the instruction's fields); ``logprobs`` (top
+    log-probabilities per token) lets :meth:`PairJudge.judge` read the first choice's probability."""
     prompt = semantic_prompt(preamble, instruction, record, answer=answer, chat=chat, names=names)
-    params = {"temperature": 0.0, "max_tokens": 8}
+    params: dict = {"temperature": 0.0, "max_tokens": 8}
+    if logprobs is not None:
+        params["logprobs"] = logprobs
     if sampling_params is not None:
         params.update(sampling_params if isinstance(sampling_params, dict) else
                       {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)})
@@ -111,7 +146,8 @@ def make_judge(accessor, template_columns: Sequence[str], instruction: str, prea
         task = make_task("chat" if chat else "generate", (prompt.template,), list(template_columns),
                          output_column="__dfllm_answer__", model=model, sampling_params=params,
                          system=prompt.system if chat else None, on_error=on_error, engine_kwargs=engine_kwargs,
-                         choice=list(choices), model_check=accessor._model_check(resources), cache=cache)
+                         choice=list(choices), model_check=accessor._model_check(resources), cache=cache,
+                         engine_columns=("logprobs",) if logprobs is not None else ())
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return PairJudge(task)

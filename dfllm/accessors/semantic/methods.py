@@ -83,7 +83,8 @@ class SemanticFrameMethods:
     # --- semantic-2's operators (topk, join, sim_join, dedup, agg) go below, in one block ---
 
     def topk(self, instruction: str, k: int, *, method: str = "quick", model=None, rank_column: str = "rank",
-             seed_embeddings: bool = False, embed_model=None, chat: bool = True, on_error: str = "null",
+             seed_embeddings: bool = False, embed_model=None, both_orders: bool = False,
+             logprobs: int = DEFAULT_LOGPROBS, chat: bool = True, on_error: str = "null",
              resources: dict | None = None, cache=None, return_stats: bool = False, **engine_kwargs):
         """The ``k`` rows that best satisfy the criterion ``instruction`` (a template such as
         ``"{review} is the most enthusiastic"``), best first, by LLM pairwise comparisons: a
@@ -95,6 +96,9 @@ class SemanticFrameMethods:
         (default): batched quickselect, one engine call per round; ``"heap"``: a k-heap, one
         comparison per engine call. ``seed_embeddings`` picks the first pivot by the rows'
         embedding similarity to the criterion (``embed_model``, default the bundled MiniLM).
+        ``both_orders=True`` asks each pair both ways (two decodes) and lets the row win whose
+        probability of being chosen as A, read from the answer token's ``logprobs`` top
+        log-probabilities, is the higher: a model's bias for one position cancels.
         On Dask: each partition's top k, then one merge task (one partition out).
         ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
         ``counts["comparisons"]``. See docs/semantic.md."""
@@ -102,7 +106,8 @@ class SemanticFrameMethods:
 
         return semantic_topk(self, instruction, k, method=method, model=model, rank_column=rank_column,
                              seed_embeddings=seed_embeddings, embed_model=embed_model, chat=chat, on_error=on_error,
-                             resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs)
+                             resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs,
+                             both_orders=both_orders, logprobs=logprobs)
 
     def join(self, other, instruction: str, *, block_k: int | None = None, min_similarity: float | None = None,
              model=None, embed_model=None, suffix: str = "_right", similarity_column: str = "similarity",

@@ -60,6 +60,7 @@ class TopKSpec:
     query_embedder: Embedder | None = None  # the criterion's vector (seeding)
     query: str = ""
     resources: dict | None = None
+    both_orders: bool = False  # ask each pair both ways and compare the probabilities of A
 
 
 class _Comparator:
@@ -77,17 +78,27 @@ class _Comparator:
         todo = [p for p in todo if p not in self.memo and p not in self.failed]
         if not todo:
             return
-        a = self.df.iloc[[p[0] for p in todo]]
-        b = self.df.iloc[[p[1] for p in todo]]
+        asked = todo + [(j, i) for i, j in todo] if self.spec.both_orders else todo
+        a = self.df.iloc[[p[0] for p in asked]]
+        b = self.df.iloc[[p[1] for p in asked]]
         frame = pd.concat([pd.DataFrame({f"__a_{f}": a[f].to_numpy() for f in self.spec.fields}),
                            pd.DataFrame({f"__b_{f}": b[f].to_numpy() for f in self.spec.fields})], axis=1)
-        answers, errors = self.spec.judge(frame, self.cost)
+        answers, errors, first = self.spec.judge.judge(frame, self.cost)
         self.cost.count("comparisons", len(todo))
-        for p, ans, err in zip(todo, answers, errors):
+        n = len(todo)
+        for k, p in enumerate(todo):
+            if not self.spec.both_orders:
+                if errors[k] is not None:
+                    self.failed[p] = errors[k]
+                else:
+                    self.memo[p] = answers[k] == AB[0]
+                continue
+            err = errors[k] or errors[n + k] or (None if first[k] is not None and first[n + k] is not None else
+                                                "no log-probabilities of A and B to compare")
             if err is not None:
                 self.failed[p] = err
-            else:
-                self.memo[p] = ans == AB[0]
+            else:  # P(A | i shown first) against P(A | j shown first): the position's bias cancels
+                self.memo[p] = first[k] >= first[n + k]
 
     def better(self, i: int, j: int) -> bool | None:
         """Whether row ``i`` beats row ``j`` (None: the judgment failed)."""
@@ -229,7 +240,7 @@ class TopKPartition:
 
 def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, rank_column: str, seed_embeddings: bool,
                   embed_model, chat: bool, on_error: str, resources: dict | None, cache, return_stats: bool,
-                  engine_kwargs: dict):
+                  engine_kwargs: dict, both_orders: bool = False, logprobs: int = 20):
     """``df.llm.topk``: see :meth:`SemanticFrameMethods.topk`."""
     from dfllm.accessors.semantic.join import columns_of
 
@@ -243,6 +254,8 @@ def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, ran
         raise ValueError(f"topk: the instruction names column(s) {missing} not in the frame (columns: {columns})")
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
         raise ValueError(f"topk: k must be a positive integer, got {k!r}")
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
+        raise ValueError(f"topk: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
     if method not in METHODS:
         raise ValueError(f"topk: method must be one of {METHODS}, got {method!r}")
     if rank_column in columns and rank_column != LLM_ERROR:
@@ -253,7 +266,7 @@ def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, ran
     judge = make_judge(accessor, list(record.values()), instruction, TOPK_PREAMBLE, answer=TOPK_ANSWER, choices=AB,
                        names=None, model=model, chat=chat, sampling_params=None, on_error=on_error,
                        resources=resources, cache=cache, engine_kwargs=engine_kwargs, what="topk",
-                       record=record)
+                       record=record, logprobs=logprobs if both_orders else None)
     embedder = query = None
     if seed_embeddings:
         embedder = make_embedder(accessor, record_template(fields), fields, model=embed_model, resources=resources,
@@ -261,7 +274,7 @@ def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, ran
         query = make_embedder(accessor, "{__q}", ["__q"], model=embed_model, resources=resources,
                               engine_kwargs=None, what="topk")
     spec = TopKSpec(judge, tuple(fields), int(k), method, rank_column, embedder, query,
-                    render_instruction(instruction), operator_resources(accessor, resources))
+                    render_instruction(instruction), operator_resources(accessor, resources), bool(both_orders))
     obj = accessor._obj
     kind = frame_kind(obj)
     if kind == "dask":
