@@ -171,6 +171,20 @@ def test_llava_greedy_equals_transformers(tiny_llava):
     assert stats.num_preemptions > 0, stats
 
 
+def test_chunked_prefill_encodes_a_split_image_once(tiny_llava, llava_want):
+    """An image whose placeholders two chunks share is encoded once, even with no cache at all
+    (its embeddings are pinned for the sequence until its last placeholder is prefilled)."""
+    llm = _llm(tiny_llava, max_num_batched_tokens=8, enable_prefix_caching=False)
+    cache = llm.llm_engine.runner.encoder_cache
+    cache.max_bytes = 0  # nothing kept across requests
+    text, images = _mixed_requests()[0]  # 16 image tokens from position 3: over three 8-token chunks
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == llava_want[0]
+    assert cache.images_encoded == 1 and not cache.entries and not cache.pins
+    llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, _greedy(), use_tqdm=False)
+    assert cache.images_encoded == 2  # not cached: encoded again, once
+
+
 @pytest.fixture(scope="module")
 def llava_llm(tiny_llava):
     return _llm(tiny_llava, block_size=4, limit_mm_per_prompt={"image": 2})

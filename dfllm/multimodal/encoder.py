@@ -3,9 +3,9 @@
 :class:`EncoderCache` keeps each image's embeddings (keyed by :attr:`ImageItem.key`) up to a
 byte budget, least recently used first out. A step's images that are not cached are encoded
 together (one batch per pixel shape); an image whose placeholders a chunked prefill splits
-over several steps is encoded once and its rows are read from the cache in each step (if
-the cache evicted it meanwhile it is encoded again, with the same result). A preempted
-request recomputes from its prompt and finds its images cached. ``reset`` clears it
+over several steps is encoded once: its embeddings are pinned for the sequence until the step
+that reaches its last placeholder, whatever the cache evicts meanwhile. A preempted request
+recomputes from its prompt and finds its images cached (or pinned). ``reset`` clears it
 (``LLM.reset_mm_cache``).
 """
 
@@ -29,24 +29,36 @@ class EncoderCache:
         self.bytes = 0
         self.images_encoded = 0  # images run through the vision encoder (a counter, for tests and stats)
         self.hits = 0  # images whose embeddings came from the cache
+        # (sequence id, image key) -> embeddings of an image a sequence has prefilled part of
+        self.pins: dict[tuple[int, str], torch.Tensor] = {}
 
     def get(self, key: str) -> torch.Tensor | None:
         value = self.entries.get(key)
         if value is not None:
             self.entries.move_to_end(key)
-        return value
+            return value
+        return next((v for (_, k), v in self.pins.items() if k == key), None)
+
+    def hold(self, seq_id: int, key: str, value: torch.Tensor, partial: bool) -> None:
+        """Pin an image's embeddings for a sequence that has prefilled only part of its
+        placeholders (``partial``); unpin once it has all of them."""
+        if partial:
+            self.pins[(seq_id, key)] = value
+        else:
+            self.pins.pop((seq_id, key), None)
 
     def put(self, key: str, value: torch.Tensor) -> None:
         if key in self.entries:
             return
         self.entries[key] = value
         self.bytes += value.numel() * value.element_size()
-        while self.bytes > self.max_bytes and len(self.entries) > 1:
+        while self.bytes > self.max_bytes and self.entries:
             _, old = self.entries.popitem(last=False)
             self.bytes -= old.numel() * old.element_size()
 
     def reset(self) -> None:
         self.entries.clear()
+        self.pins.clear()
         self.bytes = 0
 
 
@@ -54,7 +66,7 @@ def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(rows, embeddings)`` of the step's image placeholder tokens (rows of the flattened
     batch, as ``prepare_inputs`` lays it out); None when the step has none."""
-    wanted: list[tuple[int, ImageItem, int, int]] = []  # (batch row, image, first, last placeholder index)
+    wanted: list[tuple[int, ImageItem, int, int, int]] = []  # (batch row, image, first, end placeholder, seq)
     row = 0
     for seq, n in zip(sched.seqs, sched.num_new_tokens):
         mm = seq.request.mm_inputs
@@ -62,13 +74,13 @@ def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
         if mm is not None and start < seq.num_prompt_tokens:
             for item in mm.overlapping(start, start + n):
                 lo, hi = max(start, item.offset), min(start + n, item.end)
-                wanted.append((row + lo - start, item, lo - item.offset, hi - item.offset))
+                wanted.append((row + lo - start, item, lo - item.offset, hi - item.offset, seq.seq_id))
         row += n
     if not wanted:
         return None
     feats: dict[str, torch.Tensor] = {}
     missing: dict[str, ImageItem] = {}
-    for _, item, _, _ in wanted:
+    for _, item, _, _, _ in wanted:
         if item.key in feats or item.key in missing:
             continue
         cached = cache.get(item.key)
@@ -85,8 +97,10 @@ def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
                                  f"{it.length} placeholder tokens for it")
             feats[it.key] = value
             cache.put(it.key, value)
-    rows = torch.cat([torch.arange(r, r + hi - lo) for r, _, lo, hi in wanted]).to(device)
-    values = torch.cat([feats[item.key][lo:hi] for _, item, lo, hi in wanted])
+    for _, item, _, hi, seq_id in wanted:
+        cache.hold(seq_id, item.key, feats[item.key], partial=hi < item.length)
+    rows = torch.cat([torch.arange(r, r + hi - lo) for r, _, lo, hi, _ in wanted]).to(device)
+    values = torch.cat([feats[item.key][lo:hi] for _, item, lo, hi, _ in wanted])
     return rows, values
 
 
