@@ -490,3 +490,27 @@ def test_parallel_ranks_replicate_the_vision_tower(tiny_llava, llava_want, tiny_
         assert got == qwen_want
     finally:
         llm.shutdown()
+
+
+def test_llava_checkpoint_name_forms(tmp_path, tiny_llava, llava_want):
+    """transformers 4's tensor names (``vision_tower.vision_model.*``, as llava-hf checkpoints) and
+    5's in-memory ones (``model.language_model.*``, ``model.vision_tower.*``) load alike."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tiny_llava / "model.safetensors"))
+    forms = {
+        "v4": lambda k: k.replace("vision_tower.", "vision_tower.vision_model.", 1),
+        "v5": lambda k: ("model." + k if k.startswith(("vision_tower.", "multi_modal_projector.")) else
+                         k.replace("language_model.model.", "model.language_model.", 1)
+                         .replace("language_model.lm_head.", "lm_head.", 1)),
+    }
+    requests = _mixed_requests()[:1]
+    for name, rename in forms.items():
+        path = tmp_path / name
+        shutil.copytree(tiny_llava, path)
+        save_file({rename(k): v for k, v in tensors.items()}, str(path / "model.safetensors"))
+        llm = _llm(path)
+        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)] == \
+            llava_want[:1], name

@@ -18,6 +18,7 @@ import torch
 from dfllm.multimodal.inputs import ImageItem
 
 DEFAULT_CACHE_BYTES = 512 * 2**20
+MAX_PINS = 4096  # images held for sequences mid-prefill (far more than any step has)
 
 
 class EncoderCache:
@@ -44,6 +45,8 @@ class EncoderCache:
         placeholders (``partial``); unpin once it has all of them."""
         if partial:
             self.pins[(seq_id, key)] = value
+            if len(self.pins) > MAX_PINS:  # a sequence aborted mid-image never unpins: drop the oldest
+                self.pins.pop(next(iter(self.pins)))
         else:
             self.pins.pop((seq_id, key), None)
 
