@@ -153,3 +153,55 @@ def test_dask_join_with_a_killed_worker_every_pair_once(tiny_llama):
     assert pairs_of(got) == pairs_of(want)
     failed = got[got.llm_error.notna()]
     assert failed["id"].tolist() == [5] and failed["topic_id"].isna().all()  # the null row, once
+
+
+@pytest.fixture(scope="module")
+def true_false_model(tmp_path_factory, smollm2_dir):
+    """A tiny random model whose output layer gives "True" the logit t = h.w, "False" -t and
+    every other token about 0: its verdict probabilities (from the top 20 log-probabilities)
+    are informative, where a random model's True and False are far down its vocabulary."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from helpers import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("join_tf"), smollm2_dir, seed=3, tie_word_embeddings=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    yes, no = tok.convert_tokens_to_ids("True"), tok.convert_tokens_to_ids("False")
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"]
+    w = head[yes].clone() * 4
+    head *= 1e-3
+    head[yes], head[no] = w, -w
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def test_join_with_a_cascade(true_false_model):
+    """``cascade=``: the pairs go through ``.llm.judge(..., cascade=)``; those the large model
+    decided match its judgment of every pair, and the figures say how many reached it. The
+    proxy is the large model itself (a proxy that agrees with it), so the cascade can be sure of
+    most pairs from a sample."""
+    tiny_llama = true_false_model
+    left = reviews(24)
+    pairs = left.merge(TOPICS, how="cross")
+    full = pairs.llm.judge("{review} is about {topic}", model=str(tiny_llama), **ENGINE)
+    truth = {(int(a), int(b)) for a, b, v in zip(full["id"], full["topic_id"], full["verdict"]) if v}
+    cascade = dfllm.Cascade(proxy="model", proxy_model=str(tiny_llama), recall_target=0.6, precision_target=0.6,
+                            failure_probability=0.5, min_sample=48, sample_fraction=0.5, proxy_kwargs=ENGINE)
+    out, cost = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), cascade=cascade, return_stats=True,
+                              **ENGINE)
+    assert list(out.columns) == ["id", "review", "label", "topic_id", "topic", "decided_by", "llm_error"]
+    stats = cost.cascade
+    assert stats.rows == 96 and cost.counts["large_model_pairs"] == stats.large_model_rows < 96
+    by_model = out[out.decided_by == "model"]
+    assert {(int(a), int(b)) for a, b in zip(by_model["id"], by_model["topic_id"])} <= truth
+    got = pairs_of(out)
+    recall = len(got & truth) / max(len(truth), 1)
+    precision = len(got & truth) / max(len(got), 1)
+    print(f"join cascade: {stats.large_model_rows} of 96 pairs reached the large model; recall {recall:.2f}, "
+          f"precision {precision:.2f} against judging every pair (estimated {stats.estimated_recall:.2f}, "
+          f"{stats.estimated_precision:.2f})")
+    assert recall >= 0.6 and precision >= 0.6
+    with pytest.raises(ValueError, match="runs on pandas and Polars"):
+        dd.from_pandas(left, npartitions=2).llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), cascade=cascade)

@@ -51,6 +51,7 @@ class SemanticCost:
     input_tokens: int = 0
     output_tokens: int = 0
     counts: dict = dataclasses.field(default_factory=dict)
+    cascade: object = None  # a join with cascade=: the cascade's CascadeStats
 
     def add(self, out: pd.DataFrame, generative: bool) -> None:
         self.engine_calls += 1 if len(out) else 0
@@ -316,6 +317,12 @@ class JoinSpec:
     right_names: tuple[tuple[str, str], ...]  # right column -> its name in the result
     similarity_column: str | None
     resources: dict | None = None  # Dask: the worker resources its tasks run with
+    # cascade= (eager frames): the Cascade, the statement over readable pair columns, the pair
+    # columns' readable names, and the judge's keyword arguments (model, chat, engine arguments)
+    cascade: object = None
+    cascade_instruction: str = ""
+    readable: tuple[tuple[str, str], ...] = ()
+    judge_kwargs: tuple = ()
 
 
 def parse_join_instruction(instruction: str, left: list[str], right: list[str]) -> tuple[str, list, list, dict]:
@@ -486,13 +493,19 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
     out_r: list = []
     out_s: list = []
     out_e: list = []
+    sources: list | None = None
     if spec.judge is not None:
         pairs = pd.concat([_fields_frame(left.iloc[li], spec.left_fields),
                            _fields_frame(right.iloc[ri], spec.right_fields)], axis=1)
-        answers, errors = spec.judge(pairs, cost)
+        if spec.cascade is not None:
+            answers, errors, sources = _cascade_pairs(pairs, spec, cost)
+        else:
+            answers, errors = spec.judge(pairs, cost)
         cost.count("pairs_judged", len(pairs))
+        out_src: list = []
         for n, (a, e) in enumerate(zip(answers, errors)):
             if e is not None or a == TRUE_FALSE[0]:
+                out_src.append(None if sources is None else sources[n])
                 out_l.append(int(li[n]))
                 out_r.append(int(ri[n]))
                 out_s.append(None if sims is None else float(sims[n]))
@@ -516,7 +529,34 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
             out_r.append(int(j))
             out_s.append(None)
             out_e.append(f"right index {ridx[j]!r}: {rerr[j]}")
-    return _assemble(left, right, out_l, out_r, out_s if spec.similarity_column else None, out_e, spec)
+    out = _assemble(left, right, out_l, out_r, out_s if spec.similarity_column else None, out_e, spec)
+    if spec.cascade is not None:
+        from dfllm.accessors.semantic.cascade import SOURCE
+
+        src = out_src + [None] * (len(out) - len(out_src))
+        out.insert(len(out.columns) - 1, SOURCE, pd.Series(src, index=out.index, dtype="string[pyarrow]"))
+    return out
+
+
+def _cascade_pairs(pairs: pd.DataFrame, spec: JoinSpec, cost: SemanticCost) -> tuple[list, list, list]:
+    """The pairs judged by ``.llm.judge`` with the spec's cascade (on readable column names):
+    answers, errors and which model decided each pair."""
+    from dfllm.accessors.semantic.cascade import SOURCE
+
+    readable = pairs.rename(columns=dict(spec.readable))
+    kwargs = dict(spec.judge_kwargs)
+    engine_kwargs = kwargs.pop("engine_kwargs", {})
+    out, stats = readable.llm.judge(spec.cascade_instruction, cascade=spec.cascade, return_stats=True, **kwargs,
+                                    **engine_kwargs)
+    cost.cascade = stats
+    cost.count("large_model_pairs", stats.large_model_rows)
+    answers = [None if pd.isna(v) else TRUE_FALSE[0] if bool(v) else TRUE_FALSE[1] for v in out["verdict"]]
+    errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
+    for i, (a, e) in enumerate(zip(answers, errors)):
+        if a is None and e is None:
+            errors[i] = "the judgment gave no answer"
+    sources = [None if pd.isna(v) else str(v) for v in out[SOURCE]]
+    return answers, errors, sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,7 +612,8 @@ def run_join(accessor, other, spec: JoinSpec, return_stats: bool):
 
 def semantic_join(accessor, other, instruction: str, *, block_k: int | None, min_similarity: float | None,
                   embed_model, model, suffix: str, similarity_column: str, chat: bool, sampling_params,
-                  on_error: str, resources: dict | None, cache, return_stats: bool, engine_kwargs: dict):
+                  on_error: str, resources: dict | None, cache, return_stats: bool, engine_kwargs: dict,
+                  cascade=None):
     """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
     left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "join")
     template, lf, rf, names = parse_join_instruction(instruction, left_cols, right_cols)
@@ -592,7 +633,39 @@ def semantic_join(accessor, other, instruction: str, *, block_k: int | None, min
     spec = JoinSpec(judge, tuple(lf), tuple(rf), embed.get("left"), embed.get("right"), block_k, min_similarity,
                     tuple(rnames.items()), similarity_column if blocked else None,
                     operator_resources(accessor, resources))
+    if cascade is not None:
+        spec = _with_cascade(accessor, spec, cascade, template, names, model=model, chat=chat, cache=cache,
+                             on_error=on_error, engine_kwargs=engine_kwargs)
     return run_join(accessor, other, spec, return_stats)
+
+
+def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict, *, model, chat: bool, cache,
+                  on_error: str, engine_kwargs: dict) -> JoinSpec:
+    """``spec`` judging its pairs through ``.llm.judge(..., cascade=cascade)`` (pandas and
+    Polars frames): the pair columns renamed as the prompt shows them (``review``, or
+    ``left_title``/``right_title`` for a column both frames have)."""
+    from dfllm.accessors.semantic.cascade import Cascade
+
+    if not isinstance(cascade, Cascade):
+        raise ValueError(f"join: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
+    if frame_kind(accessor._obj) == "dask":
+        raise ValueError("join: cascade= learns its thresholds on a sample of every pair; it runs on pandas and "
+                         "Polars frames (compute the Dask frames first, or join without cascade=)")
+    if on_error != "null":
+        raise ValueError("join: a cascade keeps failed pairs with their llm_error; on_error must be 'null'")
+    from dfllm.accessors.semantic.cascade import SOURCE
+
+    if SOURCE in _data_columns(accessor._obj) or SOURCE in dict(spec.right_names).values():
+        raise ValueError(f"join: a cascade adds the column {SOURCE!r}, which a frame already has; rename it")
+    readable = {col: label.replace(".", "_") for col, label in names.items()}
+    if len(set(readable.values())) != len(readable):
+        raise ValueError(f"join: the instruction's fields {sorted(readable.values())} must have distinct names")
+    instruction = template
+    for col, name in readable.items():
+        instruction = instruction.replace("{" + col + "}", "{" + name + "}")
+    kwargs = (("model", model), ("chat", chat), ("cache", cache), ("engine_kwargs", dict(engine_kwargs)))
+    return dataclasses.replace(spec, cascade=cascade, cascade_instruction=instruction,
+                               readable=tuple(readable.items()), judge_kwargs=kwargs)
 
 
 def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, embed_model, suffix: str,

@@ -112,7 +112,7 @@ class SemanticFrameMethods:
     def join(self, other, instruction: str, *, block_k: int | None = None, min_similarity: float | None = None,
              model=None, embed_model=None, suffix: str = "_right", similarity_column: str = "similarity",
              chat: bool = True, sampling_params=None, on_error: str = "null", resources: dict | None = None,
-             cache=None, return_stats: bool = False, **engine_kwargs):
+             cache=None, return_stats: bool = False, cascade=None, **engine_kwargs):
         """The pairs of this frame's rows and ``other``'s for which the model judges the
         statement ``instruction`` true (``"{abstract} cites {title}"``; a column both frames have
         is ``{title:left}`` or ``{title:right}``): this frame's columns, ``other``'s (with
@@ -126,14 +126,19 @@ class SemanticFrameMethods:
         ``llm_error`` (never dropped as false), and so is a row that could not be embedded (the
         other side null). On Dask the right side is embedded once and each left partition is
         one task. ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
-        ``counts["pairs_judged"]`` and ``counts["cross_product"]``. See docs/semantic.md."""
+        ``counts["pairs_judged"]`` and ``counts["cross_product"]``.
+
+        ``cascade`` (a :class:`dfllm.Cascade`; pandas and Polars) judges the (blocked) pairs with
+        ``.llm.judge(..., cascade=)``: a proxy decides the pairs it is sure about, ``model`` the
+        rest; the result adds ``decided_by`` and the cost carries ``cascade`` (its
+        ``CascadeStats``) and ``counts["large_model_pairs"]``. See docs/semantic.md."""
         from dfllm.accessors.semantic.join import semantic_join
 
         return semantic_join(self, other, instruction, block_k=block_k, min_similarity=min_similarity,
                              embed_model=embed_model, model=model, suffix=suffix,
                              similarity_column=similarity_column, chat=chat, sampling_params=sampling_params,
                              on_error=on_error, resources=resources, cache=cache, return_stats=return_stats,
-                             engine_kwargs=engine_kwargs)
+                             engine_kwargs=engine_kwargs, cascade=cascade)
 
     def sim_join(self, other, left_on: str, right_on: str, k: int, *, embed_model=None, suffix: str = "_right",
                  similarity_column: str = "similarity", min_similarity: float | None = None,
