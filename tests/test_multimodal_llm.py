@@ -372,32 +372,43 @@ QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def build_tiny_qwen2_vl(root, tokenizer_dir, seed: int = 0):
+def build_tiny_qwen2_vl(root, tokenizer_dir, seed: int = 0, v25: bool = False):
     """A random Qwen2-VL (2-block vision tower, 14px patches, 2x2 merge; a 2-layer Qwen2 text model
     with mrope_section [2, 3, 3]) with the SmolLM2 tokenizer plus Qwen's vision tokens, and its
-    image processor (56x56 to 112x112 pixels), saved in ``root``."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    image processor (56x56 to 112x112 pixels), saved in ``root``; ``v25``: Qwen2.5-VL (window
+    attention over 56px windows in its first block, full attention in its second)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
     start, end, pad, video = tok.convert_tokens_to_ids(QWEN_TOKENS)
-    cfg = Qwen2VLConfig(
+    vision = (dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+              if v25 else dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2))
+    config_cls, model_cls = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if v25 else
+                             (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    cfg = config_cls(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-        tie_word_embeddings=False)
+        vision_config=vision, image_token_id=pad, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = model_cls(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "visual" in name:
                 p.add_(torch.randn_like(p) * 0.2)
-    path = root / "tiny-qwen2-vl"
+    path = root / ("tiny-qwen2.5-vl" if v25 else "tiny-qwen2-vl")
     model.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(path)
     tok.save_pretrained(path)
@@ -407,9 +418,9 @@ def build_tiny_qwen2_vl(root, tokenizer_dir, seed: int = 0):
 def hf_qwen2_vl_greedy(path, requests, max_new_tokens: int):
     """transformers' Qwen2-VL ``generate`` (greedy), one request at a time; the image pad token
     expanded to each image's size as Qwen2VLProcessor does (its class needs torchvision here)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     tok = AutoTokenizer.from_pretrained(path)
     ip = AutoImageProcessor.from_pretrained(path, backend="pil")
@@ -514,3 +525,44 @@ def test_llava_checkpoint_name_forms(tmp_path, tiny_llava, llava_want):
         llm = _llm(path)
         assert [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)] == \
             llava_want[:1], name
+
+
+def test_qwen25_vl_vision_tower_matches_transformers():
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from dfllm.models.loader import load_weights
+    from dfllm.models.vision.qwen2_vl_vision import Qwen25VisionTransformer
+
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLConfig(vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4,
+                                              out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                                              temporal_patch_size=2, window_size=56,
+                                              fullatt_block_indexes=[1])).vision_config
+    hf = Qwen2_5_VisionTransformerPretrainedModel(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    import tempfile
+    from pathlib import Path
+
+    ours = Qwen25VisionTransformer(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        load_weights(ours, Path(d))  # gate_proj/up_proj fused by the loader
+    grids = [(1, 12, 8), (1, 2, 2), (2, 4, 6)]  # windows of 2x2 merge units: some padded
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        want = hf(pixels, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(pixels, grids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen25_vl_greedy_equals_transformers(tmp_path, smollm2_dir):
+    path = build_tiny_qwen2_vl(tmp_path, smollm2_dir, v25=True)
+    a, b, c, d = _images()
+    requests = [(f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [d]),  # 112x112: four 56px windows
+                (f"USER: {QWEN_IMAGE} and {QWEN_IMAGE}? ASSISTANT:", [b, c]), ("USER: text only. ASSISTANT:", [])]
+    want = hf_qwen2_vl_greedy(path, requests, 8)
+    llm = _llm(path, max_num_batched_tokens=7)
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)] == want

@@ -10,7 +10,10 @@ merged grid, offset by where the image starts (``dfllm.multimodal.processor.mrop
 generated tokens count on from the prompt's largest position. The engine passes these
 positions per step (``dfllm.multimodal.encoder.step_mrope_positions``). Split over ranks, the
 vision tower is replicated (rank 0 encodes the images) and the text model split.
-Qwen2.5-VL (window attention, another architecture name) is not supported.
+
+Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``) is the same with its own vision tower
+(RMS norms, gated MLPs, window attention); its images' positions are Qwen2-VL's (videos,
+whose temporal positions differ, are not supported).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.layers import RotaryEmbedding
 from dfllm.models.llama import Qwen2ForCausalLM
 from dfllm.models.spec import ModelSpec
-from dfllm.models.vision.qwen2_vl_vision import Qwen2VisionTransformer
+from dfllm.models.vision.qwen2_vl_vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 from dfllm.multimodal.encoder import embed_with_images
 
 
@@ -78,12 +81,13 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     ``mm_embeds`` (as LLaVA's) and ``mrope_positions`` ``(3, tokens)``."""
 
     uses_mrope = True
+    vision_tower_class: type[Qwen2VisionTransformer] = Qwen2VisionTransformer
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)
         assert spec.multimodal is not None
         self.info = qwen2_vl_info(spec.multimodal)
-        self.visual = Qwen2VisionTransformer(self.info.vision_config)
+        self.visual = self.vision_tower_class(self.info.vision_config)
         self.model.rotary_emb = MRotaryEmbedding(self.model.rotary_emb, self.info.mrope_section)  # type: ignore[assignment]
         self._text_checkpoint_name = self.checkpoint_name  # the decoder's (a pipeline stage's) naming
         self.checkpoint_name = self._qwen2_vl_checkpoint_name
@@ -111,3 +115,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                                               mm_embeds), None)
         return super().forward(input_ids, positions if mrope_positions is None else mrope_positions, meta,
                                intermediate)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (transformers' name)
+    """Qwen2.5-VL: Qwen2-VL with the Qwen2.5-VL vision tower."""
+
+    vision_tower_class = Qwen25VisionTransformer

@@ -25,6 +25,7 @@ from dfllm.multimodal.image import ImageLoadError, image_hash, load_image
 from dfllm.multimodal.inputs import ImageItem, MultiModalInputs
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+QWEN2_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
 DEFAULT_PROCESSED_CACHE_ITEMS = 1024
 
 
@@ -244,7 +245,7 @@ def check_mm_processor_kwargs(value: Any, name: str) -> dict:
 def check_vision_language(spec) -> None:
     """``ValueError`` naming what dfllm does not run in a vision-language config (a vision
     tower or text model it does not implement)."""
-    if "Qwen2VLForConditionalGeneration" in spec.architectures:
+    if set(spec.architectures) & QWEN2_VL_ARCHITECTURES:
         from dfllm.models.qwen2_vl import qwen2_vl_info
 
         qwen2_vl_info(spec.multimodal)
@@ -262,7 +263,7 @@ def image_input_processor(path: Path, spec, tokenizer, *, limit_per_prompt: dict
             check_limit_mm_per_prompt(limit_per_prompt)
         return None
     kw: dict[str, Any] = dict(limit_per_prompt=limit_per_prompt, processor_kwargs=processor_kwargs)
-    if "Qwen2VLForConditionalGeneration" in spec.architectures:
+    if set(spec.architectures) & QWEN2_VL_ARCHITECTURES:
         from dfllm.models.qwen2_vl import qwen2_vl_info
 
         q = qwen2_vl_info(spec.multimodal)
