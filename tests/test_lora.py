@@ -248,27 +248,30 @@ def test_scheduler_admits_at_most_max_loras_adapters():
 
 
 # ---- the segmented kernels ---------------------------------------------------------------
-SLOTS = [0, 0, 0, -1, 2, 1, 2, -1, 1, 1, 0, 2, 2, 2]  # consecutive runs and scattered rows
+SLOTS = [0, 0, 0, -1, 2, 1, 2, -1, 1, 1, 0, 2, 2, 2]  # three adapters, rows scattered: the batched path
+TWO = [0, 0, 0, -1, 2, -1, 2, -1, 2, 2, 0, 2, 2, 2, 2, 2, 2, 2]  # two adapters: per-segment slices and gathers
+SORTED = [-1, -1, 0, 0, 0, 1, 2, 2, 2, 2, 3, 3]  # the engine's order (by slot): batched, added back by one gather
 
 
-def _kernel_case(dtype=torch.float32, device="cpu"):
+def _kernel_case(dtype=torch.float32, device="cpu", slots=SLOTS):
     g = torch.Generator().manual_seed(0)
-    t, k, n, r = len(SLOTS), 40, 72, 16
+    t, k, n, r = len(slots), 40, 72, 16
     x = torch.randn(t, k, generator=g).to(dtype)
-    a = torch.randn(3, r, k, generator=g).to(dtype)
-    b = torch.randn(3, n, r, generator=g).to(dtype)
+    a = torch.randn(4, r, k, generator=g).to(dtype)
+    b = torch.randn(4, n, r, generator=g).to(dtype)
     a[1, 8:], b[1, :, 8:] = 0, 0  # slot 1 has rank 8
     y = torch.randn(t, n, generator=g).to(dtype)
-    meta = lora_metadata(SLOTS, torch.device(device))
-    assert meta is not None
-    want = y.float() + lora_reference(x, a, b, torch.tensor(SLOTS)).float()
+    meta = lora_metadata(slots, torch.device(device))
+    assert meta is not None and meta.batched == (slots is not TWO) and (meta.unpad is not None) == (slots is SORTED)
+    want = y.float() + lora_reference(x, a, b, torch.tensor(slots)).float()
     return [v.to(device) for v in (x, a, b, y)], meta, want
 
 
+@pytest.mark.parametrize("slots", [SLOTS, TWO, SORTED])
 @pytest.mark.parametrize("reduce", [None, lambda s: s])
-def test_cpu_segments_equal_reference(reduce):
-    (x, a, b, y), meta, want = _kernel_case()
-    got = lora_apply(x, y.clone(), a, b, meta, [16, 8, 16], reduce=reduce)
+def test_cpu_segments_equal_reference(reduce, slots):
+    (x, a, b, y), meta, want = _kernel_case(slots=slots)
+    got = lora_apply(x, y.clone(), a, b, meta, [16, 8, 16, 16], reduce=reduce)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert lora_metadata([-1, -1], torch.device("cpu")) is None
 
@@ -282,7 +285,7 @@ def test_triton_sgmv_equals_reference(dtype):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton's interpreter needs TRITON_INTERPRET=1 (conftest sets it without a GPU)")
     (x, a, b, y), meta, want = _kernel_case(dtype, device)
-    got = lora_apply(x, y.clone(), a, b, meta, [16, 8, 16], triton=True)
+    got = lora_apply(x, y.clone(), a, b, meta, [16, 8, 16, 16], triton=True)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * 10)
 

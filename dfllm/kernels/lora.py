@@ -39,7 +39,11 @@ class LoRAMetadata:
     of rows (``seg_rows[i]`` None) or its rows ``seg_rows[i]`` (int64). For one-launch
     kernels: ``sorted_rows`` (int64, the adapted rows ordered by slot) and per segment its
     ``seg_start``/``seg_len`` in them and its ``seg_slot`` (int32 tensors), with
-    ``max_seg_len`` on the host.
+    ``max_seg_len`` on the host. For the batched path (many adapters of few rows each, as in
+    decode steps): ``pad_rows`` (int64 ``[span * max_seg_len]``) lays the adapted rows out as
+    ``[span, max_seg_len]`` by slot (``span`` = the highest slot + 1; padding points at row 0)
+    and ``pad_valid`` (bool ``[span, max_seg_len, 1]``) marks the real rows; ``batched`` says
+    whether :func:`lora_apply` takes that path.
     """
 
     token_slots: torch.Tensor
@@ -51,6 +55,13 @@ class LoRAMetadata:
     seg_len: torch.Tensor
     seg_slot: torch.Tensor
     max_seg_len: int
+    pad_rows: torch.Tensor | None = None
+    pad_valid: torch.Tensor | None = None
+    batched: bool = False
+    # when the adapted rows are the consecutive rows [lo, hi) in slot order (the engine sorts a
+    # step's sequences by slot): the padded position of each, so that one gather adds them back
+    unpad: torch.Tensor | None = None
+    adapted: tuple[int, int] = (0, 0)
 
     def to(self, device: torch.device) -> LoRAMetadata:
         """This metadata with its tensors on ``device``."""
@@ -59,7 +70,10 @@ class LoRAMetadata:
         return LoRAMetadata(self.token_slots.to(device), self.seg_slots, self.seg_bounds,
                             [None if r is None else r.to(device) for r in self.seg_rows],
                             self.sorted_rows.to(device), self.seg_start.to(device), self.seg_len.to(device),
-                            self.seg_slot.to(device), self.max_seg_len)
+                            self.seg_slot.to(device), self.max_seg_len,
+                            None if self.pad_rows is None else self.pad_rows.to(device),
+                            None if self.pad_valid is None else self.pad_valid.to(device), self.batched,
+                            None if self.unpad is None else self.unpad.to(device), self.adapted)
 
 
 def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata | None:
@@ -86,11 +100,31 @@ def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata 
         starts.append(len(flat))
         lens.append(len(r))
         flat.extend(r)
-    return LoRAMetadata(
+    meta = LoRAMetadata(
         torch.tensor(token_slots, dtype=torch.long, device=device), seg_slots, bounds, rows,
         torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(starts, dtype=torch.int32, device=device),
         torch.tensor(lens, dtype=torch.int32, device=device),
         torch.tensor(seg_slots, dtype=torch.int32, device=device), max(lens))
+    span, width = seg_slots[-1] + 1, max(lens)
+    # many segments of few rows: two batched matmuls beat two per segment when padding wastes little
+    if (len(seg_slots) >= BATCHED_MIN_SEGMENTS and width <= BATCHED_MAX_ROWS
+            and span * width <= BATCHED_MAX_PADDING * len(flat)):
+        pad = torch.zeros(span, width, dtype=torch.long)
+        valid = torch.zeros(span, width, 1, dtype=torch.bool)
+        for slot, r in by_slot.items():
+            pad[slot, : len(r)] = torch.tensor(r)
+            valid[slot, : len(r)] = True
+        meta.pad_rows, meta.pad_valid, meta.batched = pad.flatten().to(device), valid.to(device), True
+        if flat == list(range(flat[0], flat[0] + len(flat))):  # sorted by slot and consecutive
+            unpad = [slot * width + k for slot in seg_slots for k in range(len(by_slot[slot]))]
+            meta.unpad, meta.adapted = torch.tensor(unpad, dtype=torch.long, device=device), (flat[0],
+                                                                                               flat[0] + len(flat))
+    return meta
+
+
+BATCHED_MIN_SEGMENTS = 3
+BATCHED_MAX_PADDING = 2.0  # padded rows at most this many times the adapted rows
+BATCHED_MAX_ROWS = 32  # longer segments (prefill chunks) multiply in place, one slice each: no copies
 
 
 def lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -119,6 +153,8 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
             s = reduce(s)
         sgmv_expand(s, b, y, meta)
         return y
+    if meta.batched:
+        return _apply_batched(x, y, a, b, meta, ranks, reduce)
     if reduce is None:
         for slot, (lo, hi), rows in zip(meta.seg_slots, meta.seg_bounds, meta.seg_rows):
             r = ranks[slot]
@@ -149,4 +185,25 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
             y[lo:hi].addmm_(s[lo:hi, :r], b_t)
         else:
             y.index_add_(0, rows, s[rows, :r] @ b_t)
+    return y
+
+
+def _apply_batched(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata,
+                   ranks: list[int], reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """The batched path: the adapted rows laid out ``[span, max_seg_len]`` by slot, one ``bmm``
+    for every shrink and one for every expand (padding masked out), one ``index_add_``."""
+    assert meta.pad_rows is not None and meta.pad_valid is not None
+    span, width = meta.pad_valid.shape[0], meta.pad_valid.shape[1]
+    r = max(ranks[slot] for slot in meta.seg_slots)
+    xs = x.index_select(0, meta.pad_rows).view(span, width, x.shape[1])
+    s = torch.bmm(xs, a[:span, :r].transpose(1, 2))
+    if meta.unpad is None:  # padded rows are added too (to row 0): zero them
+        s = s * meta.pad_valid
+    if reduce is not None:
+        s = reduce(s)
+    d = torch.bmm(s, b[:span, :, :r].transpose(1, 2)).view(span * width, -1)
+    if meta.unpad is None:
+        return y.index_add_(0, meta.pad_rows, d)
+    lo, hi = meta.adapted  # the padded rows are never read back
+    y[lo:hi] += d.index_select(0, meta.unpad)
     return y

@@ -181,7 +181,7 @@ def test_a_bad_row_fails_the_job_with_rays_class_and_is_kept_with_processor_conf
     (dict(prepare_image_stage={"enabled": True, "nope": 1}), "unknown key"),
     (dict(chat_template_stage="yes"), "chat_template_stage"),
     (dict(tokenize_stage={"enabled": True, "nope": 1}), "unknown key"), (dict(max_concurrent_batches=0), "max_conc"),
-    (dict(max_pending_requests=0), "max_pending"), (dict(dynamic_lora_loading_path="/lora"), "LoRA"),
+    (dict(max_pending_requests=0), "max_pending"), (dict(dynamic_lora_loading_path=""), "dynamic_lora_loading_path"),
     (dict(should_continue_on_error="no"), "should_continue"),
     (dict(chat_template_kwargs={1: True}), "chat_template_kwargs"), (dict(chat_template_kwargs=["x"]), "kwargs"),
     (dict(batch_size=0), "batch_size"),
