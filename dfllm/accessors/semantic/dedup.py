@@ -52,6 +52,7 @@ class DedupSpec:
     cluster_column: str
     representative_column: str
     resources: dict | None = None
+    images: bool = False  # the column holds images (embedded by an image-text model)
 
 
 class UnionFind:
@@ -159,7 +160,8 @@ class EmbedRows:
         number = 0 if partition_info is None else partition_info["number"]
         return pd.DataFrame({_EMB: list(vecs) if len(df) else pd.Series([], dtype=object),
                              _ERR: pd.Series(errors, dtype=object),
-                             "__text": df[self.spec.column].astype(object).to_numpy(),
+                             "__text": [None] * len(df) if self.spec.images  # the images stay here
+                             else df[self.spec.column].astype(object).to_numpy(),
                              _PART: pd.Series([number] * len(df), dtype="int64"),
                              _POS: pd.Series(range(len(df)), dtype="int64"),
                              "__label": pd.Series(list(df.index), dtype=object)})
@@ -203,7 +205,7 @@ class Attach:
 
 def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, embed_model, cluster_column: str,
                    representative_column: str, chat: bool, on_error: str, resources: dict | None, cache,
-                   return_stats: bool, engine_kwargs: dict):
+                   return_stats: bool, engine_kwargs: dict, images: bool = False):
     """``df.llm.dedup``: see :meth:`SemanticFrameMethods.dedup`."""
     columns = columns_of(accessor._obj)
     if column not in columns:
@@ -215,8 +217,13 @@ def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, e
             raise ValueError(f"dedup: the frame already has a column {name!r}; choose another name")
     if cluster_column == representative_column:
         raise ValueError("dedup: cluster_column and representative_column must differ")
+    if not isinstance(images, (bool, np.bool_)):
+        raise ValueError(f"dedup: images must be True or False, got {images!r}")
+    if images and confirm:
+        raise ValueError("dedup: confirm= has a language model judge each pair's texts; with images=True the "
+                         "clusters come from the image embeddings alone (leave confirm off)")
     embedder = make_embedder(accessor, "{__text}", ["__text"], model=embed_model, resources=resources,
-                             engine_kwargs=None, what="dedup")
+                             engine_kwargs=None, what="dedup", images="images=True" if images else None)
     judge = None
     if confirm:
         statement = DEFAULT_CONFIRM if confirm is True else confirm
@@ -228,7 +235,7 @@ def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, e
                            on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs,
                            what="dedup", record={"A": "__a_text", "B": "__b_text"})
     spec = DedupSpec(column, float(threshold), embedder, judge, cluster_column, representative_column,
-                     operator_resources(accessor, resources))
+                     operator_resources(accessor, resources), bool(images))
     obj = accessor._obj
     if frame_kind(obj) == "dask":
         if return_stats:

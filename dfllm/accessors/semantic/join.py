@@ -161,9 +161,12 @@ class Embedder:
     task: LLMTask
 
     def __call__(self, df: pd.DataFrame, cost: SemanticCost | None = None) -> tuple[np.ndarray, list]:
-        """``(vectors, errors)``: one L2-normalised row per input row (zeros where it failed)."""
+        """``(vectors, errors)``: one L2-normalised row per input row (zeros where it failed).
+        An image task on a text-only model (known only here, on a worker): every row's error."""
         if not len(df):
             return np.zeros((0, 0), dtype=np.float32), []
+        if self.task.images and image_text_model(self.task.model) is False:
+            return np.zeros((len(df), 0), dtype=np.float32), [text_only_message(self.task.model)] * len(df)
         out = run_task(df, self.task)
         if cost is not None:
             cost.add(out, generative=False)
@@ -180,17 +183,53 @@ class Embedder:
 
 
 def make_embedder(accessor, template: str, columns: Sequence[str], *, model, resources: dict | None,
-                  engine_kwargs: dict | None, what: str) -> Embedder:
-    """An :class:`Embedder` of ``template`` (default model: the bundled MiniLM), checked now."""
+                  engine_kwargs: dict | None, what: str, images: str | None = None) -> Embedder:
+    """An :class:`Embedder` of ``template`` (default model: the bundled MiniLM), checked now.
+    ``images`` (the argument that asked for it, e.g. ``"right_images=True"``) embeds the
+    single column ``columns[0]`` as images instead (its cells as ``.llm.embed(images=)``
+    takes them), which needs an image-text model (CLIP, SigLIP): a text-only one is refused
+    now when its files are here, else each row's error on the workers."""
     from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
+    from dfllm.accessors.task import check_model
+
+    base = accessor._model_check(resources)
+
+    def check(task: LLMTask) -> None:
+        (base or check_model)(task)
+        if images and image_text_model(task.model) is False:
+            raise ValueError(f"{images} embeds images: {text_only_message(task.model)}")
 
     try:
-        task = make_task("embed", (template,), list(columns), output_column="__dfllm_vector__",
-                         model=model or DEFAULT_EMBED_MODEL, engine_kwargs=engine_kwargs or {},
-                         model_check=accessor._model_check(resources))
+        if images:
+            task = make_task("embed", (), list(columns), output_column="__dfllm_vector__",
+                             model=model or DEFAULT_EMBED_MODEL, engine_kwargs=engine_kwargs or {},
+                             model_check=check, images=columns[0])
+        else:
+            task = make_task("embed", (template,), list(columns), output_column="__dfllm_vector__",
+                             model=model or DEFAULT_EMBED_MODEL, engine_kwargs=engine_kwargs or {},
+                             model_check=check)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return Embedder(task)
+
+
+def image_text_model(model: str | None) -> bool | None:
+    """Whether ``model`` (a bundled alias or a directory) embeds images too (CLIP, SigLIP),
+    read from its ``config.json``; None when its files are not here (a worker's directory)."""
+    from dfllm.models.bundled import resolve_model
+    from dfllm.models.loader import load_config
+    from dfllm.models.registry import ENCODER_ARCHITECTURES
+
+    try:
+        archs = load_config(resolve_model(model)).architectures or []
+    except (ValueError, OSError):
+        return None
+    return any(getattr(ENCODER_ARCHITECTURES.get(a), "image_text", False) for a in archs)
+
+
+def text_only_message(model: str | None) -> str:
+    return (f"{model!r} is a text-only model; embedding images needs an image-text embed_model (CLIP, SigLIP) "
+            "that embeds texts and images into one space")
 
 
 # --- Dask tasks -----------------------------------------------------------------------------------------
@@ -670,21 +709,27 @@ def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict,
 
 def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, embed_model, suffix: str,
                       similarity_column: str, min_similarity: float | None, resources: dict | None,
-                      return_stats: bool, engine_kwargs: dict | None):
+                      return_stats: bool, engine_kwargs: dict | None, left_images: bool = False,
+                      right_images: bool = False):
     """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
     left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "sim_join")
     if left_on not in left_cols:
         raise ValueError(f"sim_join: left_on {left_on!r} is not a column of the frame (columns: {left_cols})")
     if right_on not in right_cols:
         raise ValueError(f"sim_join: right_on {right_on!r} is not a column of other (columns: {right_cols})")
+    for name, flag in (("left_images", left_images), ("right_images", right_images)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"sim_join: {name} must be True or False, got {flag!r}")
     _check_block(k, min_similarity, "sim_join")
     if k is None:
         raise ValueError("sim_join: k (the neighbours per left row) is required")
     lf, rf = (("__l_text", left_on),), (("__r_text", right_on),)
     le = make_embedder(accessor, "{__l_text}", ["__l_text"], model=embed_model, resources=resources,
-                       engine_kwargs=engine_kwargs, what="sim_join")
+                       engine_kwargs=engine_kwargs, what="sim_join",
+                       images="left_images=True" if left_images else None)
     re_ = make_embedder(accessor, "{__r_text}", ["__r_text"], model=embed_model, resources=resources,
-                        engine_kwargs=engine_kwargs, what="sim_join")
+                        engine_kwargs=engine_kwargs, what="sim_join",
+                        images="right_images=True" if right_images else None)
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column])
     spec = JoinSpec(None, lf, rf, le, re_, k, min_similarity, tuple(rnames.items()), similarity_column,
                     operator_resources(accessor, resources))

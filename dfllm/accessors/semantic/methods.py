@@ -140,22 +140,32 @@ class SemanticFrameMethods:
                              on_error=on_error, resources=resources, cache=cache, return_stats=return_stats,
                              engine_kwargs=engine_kwargs, cascade=cascade)
 
-    def sim_join(self, other, left_on: str, right_on: str, k: int, *, embed_model=None, suffix: str = "_right",
+    def sim_join(self, other, left_on: str, right_on: str, k: int, *, left_images: bool = False,
+                 right_images: bool = False, embed_model=None, suffix: str = "_right",
                  similarity_column: str = "similarity", min_similarity: float | None = None,
                  resources: dict | None = None, return_stats: bool = False, **engine_kwargs):
         """For every row, the ``k`` rows of ``other`` whose ``right_on`` text is most similar to
         its ``left_on`` text (cosine of ``embed_model``'s embeddings, default the bundled MiniLM;
         ``min_similarity`` drops weaker ones): this frame's columns, ``other``'s (``suffix`` on
         clashes), ``similarity`` (highest first per left row) and ``llm_error``. A row that could
-        not be embedded comes once, the other side null, with its error. See docs/semantic.md."""
+        not be embedded comes once, the other side null, with its error.
+
+        ``left_images=True`` (``right_images=True``) embeds ``left_on`` (``right_on``) as a
+        column of images instead (one a row: bytes, paths, URLs or PIL images, as
+        ``.llm.embed(images=)`` takes them; decoded on the workers), through an image-text
+        ``embed_model`` (CLIP, SigLIP) that puts texts and images in one space: text-to-image
+        search with ``right_images=True``, image-to-image with both. A text-only model is
+        refused at call time (on Dask, when only the workers have it: each row's error); an
+        unreadable image is its row's error. See docs/semantic.md."""
         from dfllm.accessors.semantic.join import semantic_sim_join
 
         return semantic_sim_join(self, other, left_on, right_on, k, embed_model=embed_model, suffix=suffix,
                                  similarity_column=similarity_column, min_similarity=min_similarity,
-                                 resources=resources, return_stats=return_stats, engine_kwargs=engine_kwargs)
+                                 resources=resources, return_stats=return_stats, engine_kwargs=engine_kwargs,
+                                 left_images=left_images, right_images=right_images)
 
-    def dedup(self, column: str, *, threshold: float = 0.9, confirm=False, model=None, embed_model=None,
-              cluster_column: str = "cluster_id", representative_column: str = "is_representative",
+    def dedup(self, column: str, *, images: bool = False, threshold: float = 0.9, confirm=False, model=None,
+              embed_model=None, cluster_column: str = "cluster_id", representative_column: str = "is_representative",
               chat: bool = True, on_error: str = "null", resources: dict | None = None, cache=None,
               return_stats: bool = False, **engine_kwargs):
         """Near-duplicate clusters of the texts in ``column``: rows whose embeddings
@@ -166,14 +176,19 @@ class SemanticFrameMethods:
         row number, 0-based in the frame's order, of the cluster's first row),
         ``is_representative`` (that first row) and ``llm_error`` (a row that could not be
         embedded has null labels; a pair that could not be judged is reported on both rows).
-        Drop duplicates with ``df[df.is_representative]``. See docs/semantic.md."""
+        Drop duplicates with ``df[df.is_representative]``.
+
+        ``images=True``: ``column`` holds images (one a row, as ``.llm.embed(images=)`` takes
+        them; decoded on the workers), clustered by their embeddings under an image-text
+        ``embed_model`` (CLIP, SigLIP; a text-only model is refused); ``confirm`` is refused
+        with it. An unreadable image is its row's error (null labels). See docs/semantic.md."""
         from dfllm.accessors.semantic.dedup import semantic_dedup
 
         return semantic_dedup(self, column, threshold=threshold, confirm=confirm, model=model,
                               embed_model=embed_model, cluster_column=cluster_column,
                               representative_column=representative_column, chat=chat, on_error=on_error,
                               resources=resources, cache=cache, return_stats=return_stats,
-                              engine_kwargs=engine_kwargs)
+                              engine_kwargs=engine_kwargs, images=images)
 
     def agg(self, instruction: str, *, by=None, model=None, output_column: str = "summary", max_tokens: int = 128,
             chat: bool = True, split_every: int = 8, on_error: str = "null", resources: dict | None = None,
