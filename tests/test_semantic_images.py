@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -239,7 +240,7 @@ def test_dask_image_sim_join_and_dedup_equal_pandas(client, clip_dir, tmp_path, 
         photos, "query", "photo", k=2, right_images=True, embed_model=str(clip_dir))
     lazy_dedup = photos.llm.dedup("photo", images=True, threshold=0.95, embed_model=str(clip_dir))
     assert list(lazy_dedup._meta.columns) == ["pid", "photo", "cluster_id", "is_representative", "llm_error"]
-    joined, clusters = dask_compute(lazy_join, lazy_dedup)
+    joined, clusters = dask.compute(lazy_join, lazy_dedup)  # both graphs at once, on the workers
     monkeypatch.undo()  # the pandas references below decode here
 
     local = pd.read_parquet(path)
@@ -251,9 +252,3 @@ def test_dask_image_sim_join_and_dedup_equal_pandas(client, clip_dir, tmp_path, 
     cols = ["pid", "cluster_id", "is_representative", "llm_error"]
     assert rows_of(clusters, cols) == rows_of(want_dedup, cols)
     assert clusters["cluster_id"].notna().sum() == len(cells) - 1
-
-
-def dask_compute(*frames):
-    import dask
-
-    return dask.compute(*frames)
