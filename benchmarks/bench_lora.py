@@ -7,10 +7,11 @@ Workload
 Random rank-``--rank`` (8) adapters on q/k/v/o and gate/up/down are written as PEFT writes
 them (``adapter_config.json``, ``adapter_model.safetensors``; lora_alpha 16). For each count
 in ``--adapters`` (4, 16) the rows are assigned adapters uniformly (row ``i`` runs adapter
-``i % n``), and three ways of running them are timed (model loading excluded, each engine
-warmed first):
+``i % n``), and three ways of running them are timed (model loading excluded; each engine
+runs the workload once untimed first, then once timed):
 
-- base: the base model alone on the same rows (no adapters): the ceiling;
+- base: the base model alone on the same rows (no adapters), alternated with mixed on the same
+  engine ``--repeats`` (3) times, medians reported: the ceiling;
 - mixed: one ``LLM(enable_lora=True, max_loras=n)``, every row with its adapter, one
   ``generate`` call (adapters share every step);
 - merged: for each adapter, its weights merged into the base (``W + scale B A``), one engine
@@ -31,6 +32,7 @@ import datetime
 import json
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -84,9 +86,12 @@ def write_merged(base: Path, adapter: Path, out: Path) -> Path:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras=None) -> tuple[float, list]:
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False,
-                 lora_request=None if loras is None else loras[:4])  # warm up
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras=None, warm: bool = True
+        ) -> tuple[float, list]:
+    """The time and outputs of a run, after an untimed identical one when ``warm`` (the first run
+    touches the KV cache's memory and loads the adapters: up to 4x slower on CPU)."""
+    if warm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--adapters", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--repeats", type=int, default=3, help="alternated base/mixed runs (medians reported)")
     ap.add_argument("--skip-merged", action="store_true", help="time base and mixed only")
     args = ap.parse_args()
     base = resolve_model(args.model)
@@ -111,19 +117,28 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     try:
         adapters = [write_adapter(base, tmp / f"adapter{i}", i, args.rank) for i in range(max(args.adapters))]
-        base_s, _ = run(LLM(str(base), **common), prompts, params)
-        print(f"base model alone: {base_s:.1f} s, {tokens / base_s:.0f} generated tok/s")
         report = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                   "threads": torch.get_num_threads(), "rows": args.rows, "max_tokens": args.max_tokens,
-                  "rank": args.rank, "base_tok_s": round(tokens / base_s)}
+                  "rank": args.rank}
         for n in args.adapters:
             loras = [LoRARequest(f"a{i}", i + 1, str(adapters[i])) for i in range(n)]
             per_row = [loras[i % n] for i in range(args.rows)]
             llm = LLM(str(base), enable_lora=True, max_loras=n, max_lora_rank=args.rank, **common)
-            mixed_s, mixed = run(llm, prompts, params, per_row)
+            # base (no row with an adapter: the base model's path) and mixed alternate on one engine,
+            # so that both see the same machine; medians of --repeats
+            run(llm, prompts, params)
+            times: dict[str, list[float]] = {"base": [], "mixed": []}
+            for _ in range(args.repeats):
+                times["base"].append(run(llm, prompts, params, warm=False)[0])
+                took, mixed = run(llm, prompts, params, per_row, warm=len(times["mixed"]) == 0)
+                times["mixed"].append(took)
+            base_s, mixed_s = statistics.median(times["base"]), statistics.median(times["mixed"])
             del llm
+            print(f"base model alone: {base_s:.1f} s, {tokens / base_s:.0f} generated tok/s "
+                  f"(runs {[round(t, 1) for t in times['base']]})")
+            report[f"base_{n}_tok_s"] = round(tokens / base_s)
             line = (f"{n} adapters mixed: {mixed_s:.1f} s, {tokens / mixed_s:.0f} tok/s, "
-                    f"{mixed_s / base_s:.2f}x the base model's time")
+                    f"{mixed_s / base_s:.2f}x the base model's time (runs {[round(t, 1) for t in times['mixed']]})")
             report[f"mixed_{n}_tok_s"] = round(tokens / mixed_s)
             report[f"mixed_{n}_slowdown"] = round(mixed_s / base_s, 2)
             if not args.skip_merged:
