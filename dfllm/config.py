@@ -363,6 +363,10 @@ def _check_model(spec: ModelSpec, runner_type: str, max_model_len: int) -> None:
         raise ValueError(unsupported_architecture_message(spec.architectures))
     if spec.quantization is not None:
         raise ValueError(f"quantized checkpoints ({spec.quantization}) are not supported; use float weights")
+    if spec.multimodal is not None:  # a vision-language variant dfllm does not run is refused by name
+        from dfllm.multimodal.processor import check_vision_language
+
+        check_vision_language(spec)
     # A decoder embedder is held to the model's full length (as the engine always has).
     limit = max_model_len if runner_type == "generate" else spec.max_position_embeddings or max_model_len
     # Sliding windows are honoured by the attention kernels: on every layer alike (Mistral), or

@@ -124,8 +124,18 @@ class LLM:
     (``structured_outputs_config={"enable_in_reasoning": True}`` constrains the reasoning
     too). An unknown name, a tokenizer without the parser's tokens or ``skip_tokenizer_init``
     raise ``ValueError`` here.
+
+    Vision-language models (LLaVA) take images as vLLM does: ``{"prompt": ..., "multi_modal_data":
+    {"image": image_or_list}}`` prompts and chat messages with ``image_url``/``image_pil`` parts
+    (see docs/images.md). ``limit_mm_per_prompt={"image": n}`` refuses a prompt with more images;
+    ``mm_processor_kwargs`` go to the model's image processor (a prompt's own override them);
+    :meth:`reset_mm_cache` forgets the processed images and image embeddings cached so far.
     :data:`dfllm.engine_args.VLLM_ARGS` lists each one and what dfllm does with it. Unknown
     names raise ``TypeError``.
+
+    ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, as vLLM)
+    serves PEFT LoRA adapters: ``lora_request=`` on ``generate``/``chat``/``enqueue``, requests
+    of different adapters sharing every step (docs/lora.md).
     """
 
     def __init__(
@@ -179,6 +189,8 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ):
         vllm = check_vllm_args(
             enforce_eager=enforce_eager, compilation_config=compilation_config,
@@ -224,7 +236,8 @@ class LLM:
             self.engine = LLMEngine(
                 self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer),
                 reasoning_parser=None if reasoning is None else make_reasoning_parser(reasoning, self.tokenizer),
-                enable_in_reasoning=enable_in_reasoning)
+                enable_in_reasoning=enable_in_reasoning, limit_mm_per_prompt=limit_mm_per_prompt,
+                mm_processor_kwargs=mm_processor_kwargs)
         self._control = EngineControl(self.config, self.engine, self.pooling_engine, profiler_dir)
         self._queued: list[tuple[int, list[str]]] = []  # (group, request ids) of enqueue calls not yet waited for
         self._outputs: dict[str, RequestOutput] = {}  # finished, not yet returned
@@ -457,6 +470,11 @@ class LLM:
         else:
             loras = [lora_request] * num_requests
         engine = self._engine("lora_request")
+        given = next((lora for lora in loras if lora is not None), None)
+        if engine.lora is None and given is not None:
+            raise InvalidRequestError(f"Got lora_request {given!r} but LoRA is not enabled! (lora_request: LoRA "
+                                      "adapters are not supported by this engine; start it with "
+                                      "LLM(enable_lora=True))", parameter="lora_request")
         checked: set[int] = set()
         for i, lora in enumerate(loras):
             if lora is None or id(lora) in checked:

@@ -79,8 +79,14 @@ class EngineControl:
         return self.require_generative("reset_prefix_cache").reset_prefix_cache()
 
     def reset_mm_cache(self) -> None:
-        """For API compatibility: dfllm serves no multimodal models yet, so there is no
-        multimodal cache to reset."""
+        """Forget the processed images and image embeddings cached by a vision-language model
+        (keyed by image hash and processor settings); nothing to do for a text-only model."""
+        if self.engine is not None:
+            self.engine.reset_mm_cache()
+        else:
+            reset = getattr(self.pooling_engine, "reset_mm_cache", None)
+            if reset is not None:
+                reset()
 
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the engine's Prometheus metrics (``dfllm_*``) as Counter, Gauge and

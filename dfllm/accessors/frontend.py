@@ -47,7 +47,8 @@ class LLMFrameMethods:
 
     def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = _COLUMN["generate"],
                  on_error: str = "null", json_schema=None, choice=None, engine_columns=(), sort_by=None,
-                 resources: dict | None = None, cache=None, **engine_kwargs):
+                 resources: dict | None = None, cache=None, images: str | None = None, lora: str | None = None,
+                 lora_root: str | None = None, **engine_kwargs):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
 
         Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
@@ -84,31 +85,48 @@ class LLMFrameMethods:
         ``resources`` (Dask only), e.g. ``{"GPU": 0.25}``, makes the ``llm-*`` tasks run on
         workers declaring those resources (see :func:`dfllm.jobs.cluster.task_resources`),
         whatever computes or writes the result.
+
+        ``images`` names a column of each row's image or list of images (PNG/JPEG bytes, a path
+        or URL, a PIL image; null: none) for a vision-language model, given with the row's prompt
+        as its ``multi_modal_data``; they are decoded on the workers, and a row whose image
+        cannot be read gets its ``llm_error`` (docs/images.md).
+
+        ``lora`` runs LoRA adapters (docs/lora.md): the name of a column of each row's adapter
+        (a local folder, an fsspec URL, or with ``lora_root`` a folder name under it; null: the
+        base model), or one adapter for every row. Adapters are read on the workers; rows of
+        different adapters share batches; a row whose adapter cannot be read or does not fit
+        the model gets its ``llm_error``. It turns on ``enable_lora`` (with ``max_loras=4``
+        unless given).
         """
         return self._call("generate", (prompt,), resources, output_column=output_column, model=model,
                           sampling_params=sampling_params, on_error=on_error, engine_kwargs=engine_kwargs,
                           json_schema=json_schema, choice=choice, engine_columns=engine_columns, sort_by=sort_by,
-                          cache=cache)
+                          cache=cache, images=images, lora=lora, lora_root=lora_root)
 
     def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
              output_column: str = _COLUMN["chat"], on_error: str = "null", json_schema=None, choice=None,
              chat_template: str | None = None, engine_columns=(), sort_by=None, resources: dict | None = None,
-             cache=None, **engine_kwargs):
+             cache=None, images: str | None = None, lora: str | None = None, lora_root: str | None = None,
+             **engine_kwargs):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
         ``json_schema``, ``choice``, ``engine_columns``, ``sort_by``, ``resources`` and ``cache`` as in
         ``generate`` (``sort_by="prompt"`` sorts by the conversation as the chat template
-        renders it); ``chat_template`` (Jinja text) replaces the tokenizer's template."""
+        renders it); ``chat_template`` (Jinja text) replaces the tokenizer's template; ``images``
+        as in ``generate``, each row's images going first into its last user turn; ``lora`` and
+        ``lora_root`` as in ``generate``."""
         return self._call("chat", (messages,), resources, output_column=output_column, model=model,
                           sampling_params=sampling_params, system=system, on_error=on_error,
                           engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
                           chat_template=chat_template, engine_columns=engine_columns, sort_by=sort_by,
-                          cache=cache)
+                          cache=cache, images=images, lora=lora, lora_root=lora_root)
 
-    def embed(self, text: str, *, model=None, output_column: str = _COLUMN["embed"], on_error: str = "null",
-              resources: dict | None = None, **engine_kwargs):
-        """Embed ``text`` (a column or template): a ``list<float32>`` column."""
-        return self._call("embed", (text,), resources, output_column=output_column, model=model,
-                          on_error=on_error, engine_kwargs=engine_kwargs)
+    def embed(self, text: str | None = None, *, model=None, output_column: str = _COLUMN["embed"],
+              on_error: str = "null", resources: dict | None = None, images: str | None = None, **engine_kwargs):
+        """Embed ``text`` (a column or template), or with ``images`` (instead of text) each row's
+        image (a column as in ``generate``; an image-text model such as CLIP or SigLIP):
+        a ``list<float32>`` column."""
+        return self._call("embed", () if text is None else (text,), resources, output_column=output_column,
+                          model=model, on_error=on_error, engine_kwargs=engine_kwargs, images=images)
 
     def score(self, left: str, right: str, *, model=None, output_column: str = _COLUMN["score"], on_error: str = "null",
               resources: dict | None = None, **engine_kwargs):

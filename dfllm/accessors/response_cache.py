@@ -187,6 +187,14 @@ def request_key(engine: str, request: EngineRequest) -> str | None:
               "params": params}
     if request.reasoning is not None:  # how its text is split into reasoning and answer
         fields["reasoning"] = list(request.reasoning.key)
+    mm = getattr(request, "mm_inputs", None)
+    if mm is not None:  # its images' content (their placeholder tokens are the same for every image)
+        fields["images"] = list(mm.keys)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:  # its LoRA adapter: what its files hold
+        from dfllm.lora.resolve import adapter_identity
+
+        fields["lora"] = adapter_identity(lora.lora_path)
     try:
         return canonical(fields)
     except TypeError:  # a logits processor or another callable

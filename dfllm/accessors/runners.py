@@ -40,10 +40,12 @@ import pandas as pd
 
 from dfllm.accessors.driver import driver
 from dfllm.accessors.engine_cache import lease
+from dfllm.accessors.images import row_images, with_image_parts
 from dfllm.accessors.response_cache import generate_cached
 from dfllm.accessors.rows import (
     cell_texts,
     conversations,
+    is_null,
     is_template,
     row_chat_template_kwargs,
     row_error,
@@ -79,6 +81,7 @@ class Generation:
     lock: threading.Lock
     generate: Callable[[list[EngineRequest]], list[RequestOutput]]  # outputs in order, batched with other tasks
     config: EngineConfig | None = None  # the engine's resolved settings (the response cache's key reads them)
+    check_lora: Callable[[Any], None] | None = None  # LoRA: the engine's check of an adapter (call holding ``lock``)
 
 
 class Pooling:
@@ -88,7 +91,13 @@ class Pooling:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def embed(self, texts: list[str], params: list[PoolingParams] | None = None) -> list:
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model embeds images too (CLIP, SigLIP)."""
+        engine = self.llm.pooling_engine
+        return engine is not None and engine.image_text
+
+    def embed(self, texts: list, params: list[PoolingParams] | None = None) -> list:
         return driver().call(lambda: self.llm.embed(texts, params, use_tqdm=False))
 
     def score(self, left: list[str], right: list[str], params: PoolingParams | None = None) -> list:
@@ -116,7 +125,7 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
                                      "model; use embed, classify, score or encode")
                 generate = lambda requests: driver().generate(engine, entry.lock, requests, progress)  # noqa: E731
                 spec.runner(df, task, out, Generation(engine.input_processor, entry.lock, generate,
-                                                      entry.llm.config))
+                                                      entry.llm.config, check_lora=engine.check_lora))
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
 
@@ -135,6 +144,13 @@ def run_generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) ->
     with gen.lock:
         ids = gen.processor.tokenize(list(texts.values()))
     prompts.update({i: {"prompt": text, "prompt_token_ids": t} for (i, text), t in zip(texts.items(), ids)})
+    if task.images:  # the row's images, as its multi_modal_data (the processor tokenizes text and placeholders)
+        for i, images in row_images(df, task, out, sorted(prompts)).items():
+            if images:
+                p = prompts[i]
+                prompts[i] = ({"prompt": p["prompt"]} if "prompt" in p else {"prompt_token_ids": p["prompt_token_ids"]})
+                prompts[i]["multi_modal_data"] = {"image": images}
+        prompts = {i: p for i, p in prompts.items() if out[LLM_ERROR][i] is None}
     _generate(df, task, out, gen, prompts)
 
 
@@ -145,11 +161,25 @@ def run_chat(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) -> Non
     last message is not the user's is continued rather than answered."""
     prompts: dict[int, Any] = {i: {"prompt_token_ids": ids} for i, ids in token_id_prompts(df, task, out).items()}
     convs = conversations(df, task, out, skip=_taken(prompts, out))
+    if task.images:  # the row's images as image_pil parts of its last user turn
+        for i, images in row_images(df, task, out, sorted(convs)).items():
+            try:
+                convs[i] = with_image_parts(convs[i], images)
+            except ValueError as exc:
+                row_error(task, out, i, f"messages: {exc}")
+        convs = {i: c for i, c in convs.items() if out[LLM_ERROR][i] is None}
     kwargs = row_chat_template_kwargs(df, task, list(convs), out)
+    images: dict[int, list] = {}  # the images of rows whose conversations have image parts
     for i, conv in convs.items():
         if i not in kwargs:
             continue
         cont = task.continue_final_message and conv[-1].get("role") != "user"
+        try:
+            with gen.lock:
+                images[i] = _conversation_images(gen.processor, conv, f"row {i}")
+        except ValueError as exc:
+            row_error(task, out, i, f"messages: {exc}")
+            continue
         try:
             with gen.lock:
                 prompts[i] = gen.processor.render_chat(conv, task.chat_template, add_generation_prompt=not cont,
@@ -157,7 +187,20 @@ def run_chat(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) -> Non
                                                        chat_template_kwargs=kwargs[i] or None)
         except Exception as exc:  # a template that cannot render this conversation
             row_error(task, out, i, f"chat template: {exc}")
-    _generate(df, task, out, gen, prompts)
+    _generate(df, task, out, gen, prompts, images)
+
+
+def _conversation_images(processor: InputProcessor, conv: list[dict], what: str) -> list:
+    """The images of a conversation's image parts, decoded (``ValueError`` for one that
+    cannot be read, or for image parts given to a text-only model)."""
+    from dfllm.multimodal.processor import has_image_parts
+
+    if not has_image_parts(conv):
+        return []
+    mm = getattr(processor, "mm", None)
+    if mm is None:
+        raise ValueError("image parts: this model takes no images (it is a text-only model)")
+    return mm.images_of_conversation(conv, what)
 
 
 def _taken(prompts: dict, out: dict) -> set[int]:
@@ -166,10 +209,11 @@ def _taken(prompts: dict, out: dict) -> set[int]:
     return set(prompts) | {i for i, e in enumerate(out[LLM_ERROR]) if e is not None}
 
 
-def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, prompts: dict) -> None:
-    """Generate ``prompts`` (row position -> prompt) with each row's sampling params, and
-    fill the generation columns (and the engine columns the task asks for); rows the input
-    processor refuses get its message."""
+def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, prompts: dict,
+              images: dict[int, list] | None = None) -> None:
+    """Generate ``prompts`` (row position -> prompt; ``images``: a rendered chat's images by
+    row) with each row's sampling params, and fill the generation columns (and the engine
+    columns the task asks for); rows the input processor refuses get its message."""
     params = row_params(df, task, list(prompts), out)
     so = task.structured_params()
     rows, requests = [], []
@@ -178,11 +222,14 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
         sp = params[i] if so is None else dataclasses.replace(params[i], structured_outputs=so)
         try:
             with gen.lock:
-                requests.append(gen.processor.process(prompts[i], sp, what="the prompt"))
+                own = {"images": images[i]} if images and images.get(i) else {}
+                requests.append(gen.processor.process(prompts[i], sp, what="the prompt", **own))
         except ValueError as exc:
             row_error(task, out, i, str(exc))
             continue
         rows.append(i)
+    if task.lora or task.lora_column:  # each row's LoRA adapter, resolved and checked here
+        rows, requests = _with_loras(df, task, out, gen, rows, requests)
     if not rows:
         return
     if task.sort_by:
@@ -210,6 +257,42 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
             out[task.output_column][i] = structured_value(task.structured, c, dtype)
         except ValueError as exc:
             row_error(task, out, i, str(exc))
+
+
+def _with_loras(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, rows: list[int],
+                requests: list[EngineRequest]) -> tuple[list[int], list[EngineRequest]]:
+    """The rows and requests with each row's LoRA adapter (the task's, or its column's; null:
+    the base model), resolved on this worker (:func:`dfllm.lora.resolve.resolve`) and checked
+    by the engine once per adapter; a row whose adapter fails gets its error instead."""
+    from dfllm.lora.resolve import resolve
+
+    column = df[task.lora_column].tolist() if task.lora_column else None
+    seen: dict[str, Any] = {}  # adapter -> its LoRARequest, or why it cannot run
+    kept_rows, kept = [], []
+    for i, req in zip(rows, requests):
+        spec = task.lora if column is None else column[i]
+        if is_null(spec):
+            kept_rows.append(i)
+            kept.append(req)
+            continue
+        if not isinstance(spec, str) or not spec:
+            row_error(task, out, i, f"lora: expected an adapter's path, URL or name, got {spec!r}")
+            continue
+        if spec not in seen:
+            try:
+                lora = resolve(spec, task.lora_root)
+                if gen.check_lora is not None:
+                    with gen.lock:
+                        gen.check_lora(lora)
+                seen[spec] = lora
+            except ValueError as exc:
+                seen[spec] = exc
+        if isinstance(seen[spec], Exception):
+            row_error(task, out, i, f"lora: {seen[spec]}")
+            continue
+        kept_rows.append(i)
+        kept.append(dataclasses.replace(req, lora_request=seen[spec]))
+    return kept_rows, kept
 
 
 def request_order(df: pd.DataFrame, keys: tuple[str, ...], rows: list[int], requests: list[EngineRequest]) -> list[int]:
@@ -272,13 +355,23 @@ def logprob_dicts(logprobs) -> list | None:
 
 # ---- pooling ----------------------------------------------------------------------------------------------
 def run_embed(df: pd.DataFrame, task: LLMTask, out: dict, model: Pooling) -> None:
-    """Embed each row's text (with its pooling params)."""
-    texts = cell_texts(df, task.inputs[0], task, out)
-    params = row_pooling_params(df, task, list(texts), out)
-    rows = [i for i in texts if i in params]
+    """Embed each row's text, or its image (``task.images``), with its pooling params."""
+    if task.images:
+        if not model.takes_images:
+            raise ValueError(f"embed images=: {model.llm.config.model_path.name} is a text-only model; image "
+                             "embeddings need an image-text model (CLIP, SigLIP)")
+        images = row_images(df, task, out, range(len(df)))
+        params = row_pooling_params(df, task, list(images), out)
+        rows = [i for i in images if i in params]
+        inputs: list = [{"multi_modal_data": {"image": images[i][0]}} for i in rows]
+    else:
+        texts = cell_texts(df, task.inputs[0], task, out)
+        params = row_pooling_params(df, task, list(texts), out)
+        rows = [i for i in texts if i in params]
+        inputs = [texts[i] for i in rows]
     if rows:
         start = time.perf_counter()
-        results = model.embed([texts[i] for i in rows], [params[i] for i in rows])
+        results = model.embed(inputs, [params[i] for i in rows])
         took = time.perf_counter() - start
         for i, e in zip(rows, results):
             out[task.output_column][i] = e.outputs.embedding

@@ -54,6 +54,13 @@ class LLMTask:
     # generative: the response cache deterministic requests are answered from and stored in
     # (dfllm.accessors.response_cache); it decides no output, so a resumed write's key leaves it out
     cache: ResponseCache | None = None
+    # generate, chat, embed: a column of each row's image(s), decoded on the worker (dfllm.accessors.images)
+    images: str | None = None
+    # generate, chat: LoRA adapters (dfllm.lora.resolve): one for every row, or a column of each row's
+    # (null: the base model), and the root bare adapter names are looked up under
+    lora: str | None = None
+    lora_column: str | None = None
+    lora_root: str | None = None
 
     @property
     def spec(self) -> TaskKind:
@@ -67,7 +74,7 @@ class LLMTask:
     def columns_needed(self) -> set[str]:
         cols = {c for i in self.inputs for c in (template_fields(i) if is_template(i) else [i])}
         extra = (self.sampling_column, self.pooling_column, self.chat_template_kwargs_column,
-                 self.prompt_token_ids_column)
+                 self.prompt_token_ids_column, self.images, self.lora_column)
         return cols | {c for c in extra if c} | {c for c in self.sort_by if c != SORT_BY_PROMPT}
 
     @property
@@ -97,7 +104,8 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
               chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None,
               engine_columns: tuple[str, ...] = (), pooling_params=None, chat_template_kwargs=None,
               continue_final_message: bool = False, prompt_token_ids: str | None = None,
-              sort_by: str | list[str] | tuple[str, ...] | None = None, cache=None) -> LLMTask:
+              sort_by: str | list[str] | tuple[str, ...] | None = None, cache=None,
+              images: str | None = None, lora: str | None = None, lora_root: str | None = None) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``).
 
     ``model_check`` checks the task's model (default: :func:`check_model`, here and now).
@@ -110,9 +118,13 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     is a key or a list of keys, each a column name or ``"prompt"`` (the rendered prompt):
     each partition's requests go to the engine in that order (see :func:`check_sort_by`).
     ``cache`` (generative) is a response cache (a path or URL, a :class:`ResponseCache` or a
-    dict of its fields; see :func:`dfllm.accessors.response_cache.as_cache`)."""
+    dict of its fields; see :func:`dfllm.accessors.response_cache.as_cache`). ``images``
+    (generate, chat, embed) names a column of each row's image or list of images (embed:
+    then no text input; see :mod:`dfllm.accessors.images`). ``lora`` (generate, chat) is a
+    column of each row's LoRA adapter, or one adapter for every row (see :func:`_lora`)."""
     spec = task_kind(kind)
-    if len(inputs) != spec.inputs:
+    _check_images(kind, images, inputs, columns)
+    if len(inputs) != spec.inputs and not (kind == "embed" and images is not None):
         raise ValueError(f"{kind} takes {spec.inputs} input column(s) or template(s), got {len(inputs)}")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -136,13 +148,15 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     response_cache = as_cache(cache)
     if response_cache is not None and not spec.generative:
         raise ValueError(f"{kind} takes no cache (the response cache is for generate and chat)")
+    lora_one, lora_column, engine_kwargs = _lora(lora, lora_root, columns, kind, engine_kwargs)
     task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
                    sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
                    structured=structured, chat_template=chat_template,
                    engine_columns=tuple(dict.fromkeys(engine_columns)), pooling=pooling, pooling_column=pooling_column,
                    chat_template_kwargs=ctk, chat_template_kwargs_column=ctk_column,
                    continue_final_message=bool(continue_final_message), prompt_token_ids_column=prompt_token_ids,
-                   sort_by=sort_keys, cache=response_cache)
+                   sort_by=sort_keys, cache=response_cache, images=images, lora=lora_one, lora_column=lora_column,
+                   lora_root=lora_root)
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
     missing = sorted(task.columns_needed() - set(map(str, columns)))
@@ -162,6 +176,47 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     _check_engine_kwargs(kind, engine_kwargs or {})
     (model_check or check_model)(task)
     return task
+
+
+def _lora(lora, root, columns, kind: str, engine_kwargs: dict | None) -> tuple[str | None, str | None, dict]:
+    """``lora=``: None, a column of the dataframe (each row's adapter), or an adapter for every
+    row (a path or URL, checked on the workers); ``(adapter, column, engine_kwargs)`` with
+    ``enable_lora`` (and ``max_loras=4``) added unless given."""
+    kwargs = dict(engine_kwargs or {})
+    if lora is None:
+        if root is not None:
+            raise ValueError(f"{kind}: lora_root is the folder of the adapters lora= names; pass lora= too")
+        return None, None, kwargs
+    if kind not in ("generate", "chat"):
+        raise ValueError(f"{kind} takes no LoRA adapters (lora= is for generate and chat)")
+    if not isinstance(lora, str) or not lora:
+        raise ValueError(f"{kind}: lora must be a column name or an adapter's path or URL, got {lora!r}")
+    if root is not None and not isinstance(root, str):
+        raise ValueError(f"{kind}: lora_root must be a folder path or URL, got {root!r}")
+    kwargs.setdefault("enable_lora", True)
+    kwargs.setdefault("max_loras", 4)
+    if isinstance(kwargs["max_loras"], int):  # every adapter of a partition stays read
+        kwargs.setdefault("max_cpu_loras", max(32, kwargs["max_loras"]))
+    if lora in list(map(str, columns)):
+        return None, lora, kwargs
+    return lora, None, kwargs
+
+
+def _check_images(kind: str, images, inputs: tuple, columns) -> None:
+    """``images=``: None, or the name of a column, for generate, chat or embed (embed reads
+    text or images, not both); ``ValueError`` otherwise. Its values are read on the workers."""
+    if images is None:
+        if kind == "embed" and not inputs:
+            raise ValueError("embed needs a text column or template, or images=... (a column of images)")
+        return
+    if kind not in ("generate", "chat", "embed"):
+        raise ValueError(f"{kind} takes no images (images= is for generate, chat and embed)")
+    if not isinstance(images, str) or images not in list(map(str, columns)):
+        raise ValueError(f"{kind}: images must name a column of the dataframe (of image bytes, paths or URLs, or "
+                         f"PIL images), got {images!r}; columns: {list(columns)}")
+    if kind == "embed" and inputs:
+        raise ValueError("embed takes text or images=, not both: an embedding is of a text or of an image "
+                         "(embed the two columns in two calls; they share one space)")
 
 
 def _names(value, what: str, kind: str) -> tuple[str, ...]:

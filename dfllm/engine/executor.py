@@ -35,6 +35,7 @@ from dfllm.engine.pipeline import execute_step
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.step_inputs import StepInputs, StepOutput, prepare_inputs
 from dfllm.engine.worker import build_runner, dumps_step, worker_main
+from dfllm.multimodal.encoder import move_mm, step_mm_kwargs
 
 logger = logging.getLogger("dfllm")
 
@@ -130,7 +131,11 @@ class ParallelExecutor:
         self._check_alive()
         parts = _micro_batches(sched, self.cfg.pipeline_parallel_size)
         micro = [prepare_inputs(part, self.cfg.block_size, torch.device("cpu")) for part in parts]
-        shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, []) for mb in micro]
+        if self.cfg.model.multimodal is not None:  # images: encoded on rank 0 only, their embeddings shipped
+            for part, mb in zip(parts, micro):
+                mb.mm = move_mm(step_mm_kwargs(self.driver.model, part, self.driver.encoder_cache,
+                                               self.driver.device), torch.device("cpu"))
+        shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, [], [], mb.mm) for mb in micro]
         zero, self._zero = self._zero, []
         try:
             self._send(dumps_step(("step", (zero, shipped))))

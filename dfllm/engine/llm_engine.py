@@ -45,7 +45,12 @@ from dfllm.engine.runner import make_runner
 from dfllm.engine.sampler import SampledToken, Sampler
 from dfllm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from dfllm.engine.sequence import Request, Sequence
+from dfllm.errors import InvalidRequestError
+from dfllm.lora.adapter import LoRAAdapterError
+from dfllm.lora.manager import LoRAManager
+from dfllm.lora.request import LoRARequest
 from dfllm.models.sliding_window import uniform_window
+from dfllm.multimodal.processor import image_input_processor
 from dfllm.outputs import RequestMetrics, RequestOutput
 from dfllm.reasoning import ReasoningParser
 
@@ -58,7 +63,8 @@ class LLMEngine:
     accessors use; nothing outside the engine touches its parts."""
 
     def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int], *,
-                 reasoning_parser: str | ReasoningParser | None = None, enable_in_reasoning: bool = False):
+                 reasoning_parser: str | ReasoningParser | None = None, enable_in_reasoning: bool = False,
+                 limit_mm_per_prompt: dict | None = None, mm_processor_kwargs: dict | None = None):
         """``tokenizer`` is None under vLLM's ``skip_tokenizer_init=True``: prompts are token
         ids, outputs have empty text (see :class:`~dfllm.engine.input_processor.InputProcessor`).
         ``reasoning_parser`` (a :mod:`dfllm.reasoning` parser or its name) splits every output's text into
@@ -89,9 +95,17 @@ class LLMEngine:
                                    prefix_aware=cfg.prefix_aware_scheduling,
                                    # blocks out of every layer's window are freed (the config refuses a
                                    # window shorter than max_model_len for a model that does not honour it)
-                                   sliding_window=uniform_window(cfg.model))
+                                   sliding_window=uniform_window(cfg.model),
+                                   max_loras=cfg.max_loras if cfg.enable_lora else None)
+        # LoRA adapters (dfllm.lora): the CPU cache and the model's slots
+        self.lora: LoRAManager | None = LoRAManager(
+            cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, self.runner.set_lora_slot,
+            self.runner.lora_modules()) if cfg.enable_lora else None
         self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids,
-                                              max_logprobs=cfg.max_logprobs, reasoning_parser=reasoning_parser)
+                                              max_logprobs=cfg.max_logprobs, reasoning_parser=reasoning_parser,
+                                              mm=image_input_processor(cfg.model_path, cfg.model, tokenizer,
+                                                                       limit_per_prompt=limit_mm_per_prompt,
+                                                                       processor_kwargs=mm_processor_kwargs))
         self.enable_in_reasoning = enable_in_reasoning
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
@@ -108,16 +122,22 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, request: EngineRequest, *, group: Hashable = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queue a checked request under ``request_id`` (unique among unfinished requests);
         its ``params.n`` sequences are scheduled independently. Under the ``"priority"``
         scheduling policy a lower ``priority`` runs earlier (vLLM's convention); under
-        ``"fcfs"`` it is ignored."""
+        ``"fcfs"`` it is ignored. ``lora_request`` runs it with that LoRA adapter
+        (``enable_lora``; checked as :meth:`check_lora` does)."""
         if request_id in self.requests or request_id in self.following:
             raise ValueError(f"request id {request_id!r} is already queued or running")
+        if lora_request is None:  # a dataframe row's adapter travels with its request
+            lora_request = request.lora_request
+        if lora_request is not None:
+            self.check_lora(lora_request)
         req = Request(request_id, request.prompt, list(request.prompt_token_ids), request.params,
                       RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids, priority,
-                      reasoning=request.reasoning)
+                      reasoning=request.reasoning, lora_request=lora_request)
+        req.mm_inputs = request.mm_inputs
         key = _dedupe_key(req) if self.deduplicate else None
         leader = self.leaders.get(key) if key is not None else None
         if leader is not None:
@@ -151,6 +171,52 @@ class LLMEngine:
                     if rest:
                         self.followers[heir.request_id] = rest
                         self.following.update((f.request_id, heir.request_id) for f in rest)
+
+    # ---- LoRA adapters (dfllm.lora.manager) -------------------------------------------------
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raise :class:`~dfllm.errors.InvalidRequestError` unless ``lora_request`` can run: LoRA
+        is enabled and its adapter reads and fits the model (read into the CPU cache now)."""
+        if self.lora is None:
+            raise InvalidRequestError(f"Got lora_request {lora_request!r} but LoRA is not enabled! (lora_request: "
+                                      "start the engine with enable_lora=True)", parameter="lora_request")
+        try:
+            self.lora.check(lora_request)
+        except LoRAAdapterError as exc:
+            raise InvalidRequestError(str(exc), parameter="lora_request") from None
+
+    def _lora_manager(self, method: str) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError(f"{method}: LoRA is not enabled (LLM(enable_lora=True))")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter into the CPU cache ahead of its requests (vLLM's)."""
+        return self._lora_manager("add_lora").add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; ``ValueError`` while requests that use it are queued or running."""
+        manager = self._lora_manager("remove_lora")
+        if any(r.lora_request is not None and r.lora_request.lora_int_id == lora_id for r in self.requests.values()):
+            raise ValueError(f"remove_lora: requests with lora_int_id={lora_id} are queued or running")
+        return manager.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters in the CPU cache."""
+        return self._lora_manager("list_loras").list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Never evict this adapter from the CPU cache (and from its slot last)."""
+        return self._lora_manager("pin_lora").pin_lora(lora_id)
+
+    def _activate_loras(self, seqs: list[Sequence]) -> None:
+        """Put the adapters of a step's sequences into slots; each request learns its slot."""
+        assert self.lora is not None
+        wanted = {s.request.lora_request.lora_int_id: s.request.lora_request
+                  for s in seqs if s.request.lora_request is not None}
+        slots = self.lora.activate(wanted)
+        for s in seqs:
+            lora = s.request.lora_request
+            s.request.lora_slot = -1 if lora is None else slots[lora.lora_int_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -206,6 +272,8 @@ class LLMEngine:
         before = self.scheduler.stats()
         sched = self.scheduler.schedule()
         self.last_step_groups = {s.request.group for s in sched.seqs}
+        if self.lora is not None:
+            self._activate_loras(sched.seqs)
         self.runner.zero_blocks(self.scheduler.blocks_to_zero())
         with torch.profiler.record_function("dfllm.step"):
             out = self.runner.run(sched)
@@ -311,7 +379,8 @@ class LLMEngine:
         so a greedy or seeded request gives the output it would have had)."""
         self._queue(Request(req.request_id, req.prompt, req.prompt_token_ids, req.params,
                             RequestMetrics(req.metrics.arrival_time), req.group, req.grammar, req.bad_words_ids,
-                            req.priority, reasoning=req.reasoning))
+                            req.priority, reasoning=req.reasoning, lora_request=req.lora_request,
+                            mm_inputs=req.mm_inputs))
 
     def _queue(self, req: Request) -> None:
         params = req.params
@@ -366,6 +435,8 @@ class LLMEngine:
             else:
                 self.runner.reload_weights()
             self.asleep.discard("weights")
+            if self.lora is not None:  # the rebuilt model's adapter slots are empty
+                self.lora.reset_slots()
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             self.runner.allocate_kv_cache(self.num_blocks)
             self.scheduler.reset_cache()
@@ -378,6 +449,15 @@ class LLMEngine:
         """Stop the worker processes of a parallel engine (nothing to do on one rank)."""
         self.runner.shutdown()
 
+    def reset_mm_cache(self) -> None:
+        """Forget the processed images (input side) and image embeddings (runner) cached so far."""
+        if self.input_processor.mm is not None:
+            self.input_processor.mm.reset()
+        runner = getattr(self.runner, "driver", self.runner)  # a parallel engine's rank 0 encodes the images
+        cache = getattr(runner, "encoder_cache", None)
+        if cache is not None:
+            cache.reset()
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; refuse (False) while requests are queued or running."""
         if self.has_unfinished_requests():
@@ -387,13 +467,15 @@ class LLMEngine:
 
 def _dedupe_key(req: Request) -> Hashable | None:
     """What identical deterministic requests share (prompt tokens, every sampling parameter,
-    banned words, how their text is split into reasoning and answer); None for a request
+    banned words, how their text is split into reasoning and answer, their images); None for a request
     whose output may differ from an identical one's."""
     params = req.params
     if not (params.is_greedy or params.seed is not None):
         return None
     return (tuple(req.prompt_token_ids), repr(params), req.bad_words_ids,
-            None if req.reasoning is None else req.reasoning.key)
+            None if req.reasoning is None else req.reasoning.key,
+            None if req.mm_inputs is None else req.mm_inputs.keys,
+            None if req.lora_request is None else ("lora", req.lora_request.lora_int_id))
 
 
 def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:

@@ -26,6 +26,7 @@ from dfllm.models.loader import load_weights
 from dfllm.models.quantization import quantize_model
 from dfllm.models.registry import model_class
 from dfllm.models.spec import ModelSpec
+from dfllm.multimodal.encoder import EncoderCache, step_mm_kwargs
 
 logger = logging.getLogger("dfllm")
 
@@ -60,6 +61,8 @@ class ModelRunner:
         # the weights or the KV cache last moved; None where the step runs eagerly
         self.decode_graphs: CudaGraphRunner | None = None
         self._graphs_set_up = False
+        # a vision-language model's image embeddings, by image (dfllm.multimodal.encoder)
+        self.encoder_cache = EncoderCache()
 
     # ---- what vLLM's workers expose to collective_rpc callables ----------------------------------
     @property
@@ -214,10 +217,12 @@ class ModelRunner:
         if not self._graphs_set_up:
             self.setup_decode_graphs()
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(sched):
+        # a vision-language model's image embeddings (and Qwen2-VL's 3-D positions) for this step
+        mm = {} if self.spec.multimodal is None else step_mm_kwargs(model, sched, self.encoder_cache, self.device)
+        if graphs is not None and graphs.fits(sched) and not mm:
             return self._run_graph(graphs, sched)
         inputs = prepare_inputs(sched, self.block_size, self.device)
-        hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta, **mm)
         if not inputs.logit_rows.numel():
             return StepOutput(torch.empty(0, device=self.device), [])
         logits = model.compute_logits(hidden[inputs.logit_rows])

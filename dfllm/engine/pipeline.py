@@ -34,7 +34,7 @@ def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor |
     for i, mb in enumerate(micro):
         mb = move_inputs(mb, runner.device)
         assert runner.model is not None  # its weights loaded
-        out = runner.model(mb.input_ids, mb.positions, mb.meta, _receive_hidden(runner, mb, i))
+        out = runner.model(mb.input_ids, mb.positions, mb.meta, _receive_hidden(runner, mb, i), **mb.mm)
         if not ctx.is_last_stage:
             for k, t in enumerate(out):
                 t = t.contiguous()

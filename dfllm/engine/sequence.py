@@ -15,6 +15,8 @@ from dfllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from dfllm.engine.structured import Grammar, SequenceGrammar
+    from dfllm.lora.request import LoRARequest
+    from dfllm.multimodal.inputs import MultiModalInputs
     from dfllm.reasoning import ReasoningParser
 
 
@@ -106,6 +108,11 @@ class Request:
     dedupe_key: Hashable = None  # set on a request identical deterministic ones may follow
     reasoning: ReasoningParser | None = None  # splits its outputs' text (and gates its grammar): dfllm.reasoning
     seqs: list[Sequence] = field(default_factory=list)
+    # LoRA (dfllm.lora): the request's adapter (None: the base model) and the slot it runs in this step
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
+    # images (dfllm.multimodal): their pixels and placeholder positions in the prompt (None: text only)
+    mm_inputs: MultiModalInputs | None = None
 
     @property
     def is_finished(self) -> bool:

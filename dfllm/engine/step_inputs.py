@@ -10,6 +10,7 @@ from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
 from dfllm.kernels.lora import lora_metadata
 from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
+from dfllm.multimodal.encoder import move_mm
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class StepInputs:
     logit_rows: torch.Tensor
     sample_seqs: list[Sequence]
     prompt_spans: list[PromptLogitSpan] = field(default_factory=list)
+    # a vision-language model's extra forward arguments (dfllm.multimodal.encoder.step_mm_kwargs)
+    mm: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -77,7 +80,11 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     prompt_rows: list[int] = []
     prompt_spans: list[PromptLogitSpan] = []
     qsl = [0]
-    for seq, n in zip(sched.seqs, sched.num_new_tokens):
+    scheduled = list(zip(sched.seqs, sched.num_new_tokens))
+    lora = any(s.request.lora_request is not None for s in sched.seqs)
+    if lora:  # LoRA: each adapter's rows together (one slice per adapter in every adapted layer)
+        scheduled.sort(key=lambda sn: sn[0].request.lora_slot)
+    for seq, n in scheduled:
         start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
         ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
@@ -101,14 +108,13 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
                 prompt_rows.extend(range(row + first - start, row + last - start))
                 prompt_spans.append(PromptLogitSpan(seq, first, last - first))
         qsl.append(len(ids))
-    seq_lens = [s.num_computed_tokens + n for s, n in zip(sched.seqs, sched.num_new_tokens)]
-    tables = [s.block_table for s in sched.seqs]
+    seq_lens = [s.num_computed_tokens + n for s, n in scheduled]
+    tables = [s.block_table for s, _ in scheduled]
     groups = _decode_groups(dec_rows, dec_seqs, bs)
     meta = attention_metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, device)
     meta.decodes = _decode_batch(dec_rows, dec_seqs, device)
-    if any(s.request.lora_request is not None for s in sched.seqs):  # each token row's adapter slot
-        meta.lora = lora_metadata([s.request.lora_slot for s, n in zip(sched.seqs, sched.num_new_tokens)
-                                   for _ in range(n)], device)
+    if lora:  # each token row's adapter slot
+        meta.lora = lora_metadata([s.request.lora_slot for s, n in scheduled for _ in range(n)], device)
     return StepInputs(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
                       torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device), sample_seqs,
                       prompt_spans)
@@ -131,7 +137,7 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
                    query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables),
                    decodes=decodes, lora=None if m.lora is None else m.lora.to(device))
     return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs,
-                      inputs.prompt_spans)
+                      inputs.prompt_spans, move_mm(inputs.mm, device))
 
 
 def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:

@@ -76,6 +76,16 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    "(default: prompt; chat: messages; embed/classify: text; score: text_1)")
     p.add_argument("--right", help="score: the second text's column or template (default: text_2)")
     p.add_argument("--system", help="chat: a system message before each conversation")
+    p.add_argument("--images-column", metavar="COLUMN",
+                   help="generate/chat/embed: a column of each row's image or list of images (bytes, paths or URLs) "
+                   "for a vision-language or image-text model (embed: instead of --prompt); see docs/images.md")
+    p.add_argument("--lora-column", metavar="COLUMN",
+                   help="generate/chat: a column of each row's LoRA adapter (a PEFT folder, an fsspec URL, or a "
+                   "name under --lora-root; empty: the base model); see docs/lora.md")
+    p.add_argument("--lora-root", metavar="PATH", help="generate/chat: the folder (or URL) of the adapters "
+                   "--lora-column names")
+    p.add_argument("--max-loras", type=int, help="LoRA: the most distinct adapters in one step (default 4)")
+    p.add_argument("--max-lora-rank", type=int, help="LoRA: the largest adapter rank accepted (default 16)")
     p.add_argument("--model", help="model directory or bundled alias (default per task; see `dfllm models`)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -216,6 +226,23 @@ def engine_kwargs_from(args) -> dict:
     return kwargs
 
 
+def lora_from(args) -> dict:
+    """``--lora-column``/``--lora-root``/``--max-loras``/``--max-lora-rank`` as the task's
+    keyword arguments (generate and chat only)."""
+    column = getattr(args, "lora_column", None)
+    extra = {k: getattr(args, k, None) for k in ("max_loras", "max_lora_rank")}
+    if column is None:
+        given = [f"--{k.replace('_', '-')}" for k, v in {**extra, "lora_root": getattr(args, "lora_root", None)}.items()
+                 if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply with --lora-column")
+        return {}
+    if not KINDS[args.task].generative:
+        raise ValueError("--lora-column applies to --task generate or chat")
+    return {"lora": column, "lora_root": getattr(args, "lora_root", None),
+            **{k: v for k, v in extra.items() if v is not None}}
+
+
 def build_job(args, resources: dict | None = None):
     """The lazy result of the task over the input (checks columns, model and params now);
     ``resources`` go on its llm tasks (``--gpu``)."""
@@ -226,9 +253,14 @@ def build_job(args, resources: dict | None = None):
         raise ValueError(f"--task {args.task} needs --model (a sequence-classification model; none is bundled)")
     ddf = read_input(args.input, fmt=args.format, storage_options=args.storage_options)
     ddf = repartition(ddf, partition_size=args.partition_size, npartitions=args.npartitions)
-    first = args.prompt or _default_input(args.task, ddf.columns)
+    images = getattr(args, "images_column", None)
+    embed_images = args.task == "embed" and images and not args.prompt  # embed the images, not a text
+    first = None if embed_images else args.prompt or _default_input(args.task, ddf.columns)
     common = {"model": args.model, "on_error": args.on_error, "resources": resources, **engine_kwargs_from(args)}
+    if images:
+        common["images"] = images
     constraint = structured_from(args)
+    constraint.update(lora_from(args))
     cache = cache_from(args)
     if cache is not None:
         constraint["cache"] = cache
@@ -433,7 +465,7 @@ def models(args) -> int:
     print(f"{'alias':24} {'package':22} {'status':14} location")
     for alias, m in BUNDLED_MODELS.items():
         source = _package_file(m)
-        where = bundled_model_dir(alias) if m.format == "gguf" else source
+        where: object = bundled_model_dir(alias) if m.format == "gguf" else source
         if source is None:
             status, where = "not installed", m.install_hint
         elif m.format == "gguf" and not (bundled_model_dir(alias) / "config.json").exists():

@@ -224,11 +224,12 @@ class DetokenizeStageConfig(StageConfig):
 
 
 class PrepareMultimodalStageConfig(StageConfig):
-    """Ray's multimodal stage config (only ``enabled=False`` here: no multimodal models)."""
+    """Ray's multimodal stage config: accepted on or off (the engine reads the image parts of
+    ``messages`` on the workers either way)."""
 
 
 class PrepareImageStageConfig(StageConfig):
-    """Ray's image stage config (only ``enabled=False`` here: no multimodal models)."""
+    """Ray's image stage config: accepted on or off (as :class:`PrepareMultimodalStageConfig`)."""
 
 
 def _stage(name: str, value, keys: set) -> tuple[bool | None, dict]:
@@ -287,8 +288,11 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
       itself, so the rows are the same either way (with the detokenize stage on, a row whose
       ``sampling_params`` say ``detokenize=False`` still gets ``generated_text``, as Ray's
       stage decodes it).
-    - ``prepare_multimodal_stage``, ``prepare_image_stage``, ``has_image``: only off: dfllm
-      runs no multimodal models (enabling one is a ``ValueError``).
+    - ``prepare_multimodal_stage``, ``prepare_image_stage``, ``has_image``: accepted, on or
+      off: the image parts of a row's ``messages`` (``{"type": "image", "image": ...}``,
+      ``{"type": "image_url", "image_url": {"url": ...}}``, ``image_pil``; bytes, paths, URLs,
+      PIL images) are decoded on the workers and given to a vision-language model; one that
+      cannot be read is the row's error (docs/images.md).
     - ``should_continue_on_error``: False (Ray's default, and this class's): the first
       failed row fails the job (``RowFailedError`` naming the row and its error, when the
       partition is computed), and the output has no error column. True: failed rows are
@@ -307,8 +311,11 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
       {"max_tasks_in_flight_per_actor": n}``), ``max_pending_requests`` (int >= 1 or None),
       ``log_engine_metrics`` (bool), ``runtime_env``, ``placement_group_config``,
       ``resources_per_bundle`` (dicts), and the stages' ``batch_size``/``concurrency``/
-      ``num_cpus``/``memory``/``runtime_env``. ``dynamic_lora_loading_path``: None only (no
-      LoRA adapters).
+      ``num_cpus``/``memory``/``runtime_env``.
+    - ``dynamic_lora_loading_path`` (Ray's multi-LoRA): a generate row whose ``model`` differs
+      from ``model_source`` runs the LoRA adapter of that name, the folder ``<path>/<model>``
+      (a local folder or an fsspec URL, fetched once per worker); rows of different adapters
+      share batches, and a row whose adapter cannot be read gets its error (docs/lora.md).
     - ``chat_template_kwargs`` (here, in ``chat_template_stage`` or in ``build_processor``'s
       ``builder_kwargs``): extra variables for the chat template (e.g. ``{"enable_thinking":
       False}``), passed to its rendering; a row's own ``chat_template_kwargs`` (from
@@ -399,13 +406,12 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
                              f"got {self.chat_template_kwargs!r}")
         _stage("tokenize_stage", self.tokenize_stage, _STAGE_KEYS)
         _stage("detokenize_stage", self.detokenize_stage, _STAGE_KEYS)
-        for name in ("prepare_multimodal_stage", "prepare_image_stage", "has_image"):
-            on = self.has_image if name == "has_image" else _stage(name, getattr(self, name), _STAGE_KEYS)[0]
-            if on:
-                raise ValueError(f"{name}: dfllm runs no multimodal models, so images and other media cannot be "
-                                 "prepared; leave it off (the default)")
-        if self.dynamic_lora_loading_path is not None:
-            raise ValueError("dynamic_lora_loading_path: dfllm loads no LoRA adapters; leave it None")
+        for name in ("prepare_multimodal_stage", "prepare_image_stage"):  # images: read from messages either way
+            _stage(name, getattr(self, name), _STAGE_KEYS)
+        if self.dynamic_lora_loading_path is not None and (not isinstance(self.dynamic_lora_loading_path, str)
+                                                           or not self.dynamic_lora_loading_path):
+            raise ValueError("dynamic_lora_loading_path must be a folder path or URL (of LoRA adapter folders), "
+                             f"got {self.dynamic_lora_loading_path!r}")
         if self.accelerator_type is not None and (not isinstance(self.accelerator_type, str)
                                                   or not self.accelerator_type):
             raise ValueError(f"accelerator_type must be a non-empty string like 'H100', got {self.accelerator_type!r}")
@@ -489,6 +495,7 @@ _LOGPROBS = pd.ArrowDtype(pa.list_(LOGPROB_MAP))
 _ENGINE_FALLBACK = {"logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS}
 #: What a row may hand the engine (from preprocess), besides the task's inputs.
 _OPTIONAL_KEYS = ("tokenized_prompt", "sampling_params", "pooling_params", "chat_template_kwargs")
+_LORA_COLUMN = "__dfllm_lora__"  # Ray's multi-LoRA: each row's adapter name (None: the base model)
 
 
 class ProcessorFunction(WritableFunction):
@@ -680,6 +687,7 @@ class Processor:
         generative = KINDS[kind].generative
         model = self.config.model_source or KINDS[kind].default_model  # None: the task's default model
         ctk = self.config.chat_template_kwargs or None
+        lora = self._lora(frame, rows, generative, model)  # a column of each row's adapter (Ray's multi-LoRA)
         task = make_task(
             kind, inputs, frame.columns, output_column=KINDS[kind].output_column, model=model,
             sampling_params="sampling_params" if generative and "sampling_params" in frame else None,
@@ -690,7 +698,7 @@ class Processor:
             if kind == "chat" else None,
             continue_final_message=kind == "chat",
             prompt_token_ids="tokenized_prompt" if generative and "tokenized_prompt" in frame else None,
-            cache=self.config.cache if generative else None)
+            cache=self.config.cache if generative else None, **lora)
         if kind == "chat" and ctk and "chat_template_kwargs" in frame:  # the config's, a row's own over them
             frame["chat_template_kwargs"] = [{**ctk, **v} if isinstance(v, Mapping) else ctk if _is_null(v) else v
                                              for v in frame["chat_template_kwargs"]]
@@ -707,6 +715,17 @@ class Processor:
             out = {names.get(k, k): v for k, v in next(outputs).items()}
             done.append(({**row, **out}, out[self._err]))
         return done
+
+    def _lora(self, frame: pd.DataFrame, rows: list[dict], generative: bool, model) -> dict:
+        """Ray's multi-LoRA: with ``dynamic_lora_loading_path``, each row's adapter (its ``model``
+        when that differs from ``model_source``; else None, the base model) in a column of
+        ``frame``, and ``make_task``'s arguments reading it."""
+        root = self.config.dynamic_lora_loading_path
+        if root is None or not generative:
+            return {}
+        frame[_LORA_COLUMN] = [None if _is_null(r.get("model")) or str(r.get("model")) == str(model)
+                               else str(r.get("model")) for r in rows]
+        return {"lora": _LORA_COLUMN, "lora_root": root}
 
     def _sampling_params(self, value, errors: list, j: int):
         """A row's ``sampling_params`` as the engine task reads them: Ray's ``guided_decoding``

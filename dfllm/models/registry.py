@@ -6,18 +6,22 @@ from __future__ import annotations
 from torch import nn
 
 from dfllm.models.bert import BertForSequenceClassification, BertModel
+from dfllm.models.clip import CLIPModel
 from dfllm.models.colbert import ColBERTModel
 from dfllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from dfllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from dfllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from dfllm.models.llava import LlavaForConditionalGeneration
 from dfllm.models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from dfllm.models.phi3 import Phi3ForCausalLM
+from dfllm.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from dfllm.models.qwen3 import Qwen3ForCausalLM
 from dfllm.models.seq_cls import (
     LlamaForSequenceClassification,
     Qwen2ForSequenceClassification,
     Qwen3ForSequenceClassification,
 )
+from dfllm.models.siglip import SiglipModel
 from dfllm.models.spec import ModelSpec
 from dfllm.models.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
@@ -36,6 +40,10 @@ GENERATIVE_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     # multi-head latent attention (and mixture of experts)
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # vision-language (images in the prompt): dfllm.models.llava, dfllm.multimodal
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 
@@ -47,6 +55,9 @@ ENCODER_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "RobertaModel": XLMRobertaModel,
     "RobertaForSequenceClassification": XLMRobertaForSequenceClassification,
     "HF_ColBERT": ColBERTModel,
+    # image-text embedders: text and images into one space (runner="pooling")
+    "CLIPModel": CLIPModel,
+    "SiglipModel": SiglipModel,
 }
 
 

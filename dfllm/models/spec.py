@@ -89,10 +89,15 @@ class ModelSpec:
     # resolved to token ids, and ``method``; see ``seq_cls``)
     classifier_token_ids: tuple[int, ...] = ()
     classifier_method: str | None = None
+    # vision-language models (LLaVA): the whole config as a dict (vision tower, image token...);
+    # every other field describes the text model (``text_config``)
+    multimodal: dict | None = None
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> ModelSpec:
         """The spec of a Hugging Face config (never raises for an unknown model family)."""
+        if set(getattr(config, "architectures", None) or ()) & VISION_LANGUAGE_ARCHITECTURES:
+            return _vision_language_spec(cls, config)
         heads = getattr(config, "num_attention_heads", 0)
         hidden = getattr(config, "hidden_size", 0)
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -101,17 +106,19 @@ class ModelSpec:
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
         window = getattr(config, "sliding_window", None)
         quantization = getattr(config, "quantization_config", None)
+        text = getattr(config, "text_config", None)  # a nested config (CLIP, SigLIP): its text tower's sizes
         return cls(
             architectures=tuple(getattr(config, "architectures", None) or ()),
             dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
-            vocab_size=getattr(config, "vocab_size", 0),
+            vocab_size=getattr(config, "vocab_size", 0) or getattr(text, "vocab_size", 0),
             hidden_size=hidden,
             num_hidden_layers=getattr(config, "num_hidden_layers", 0),
             num_attention_heads=heads,
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or (hidden // heads if heads else 0),
             intermediate_size=getattr(config, "intermediate_size", 0),
-            max_position_embeddings=getattr(config, "max_position_embeddings", None),
+            max_position_embeddings=(getattr(config, "max_position_embeddings", None)
+                                     or getattr(text, "max_position_embeddings", None)),
             hidden_act=getattr(config, "hidden_act", None),
             rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
             attention_bias=bool(getattr(config, "attention_bias", False)),
@@ -160,3 +167,21 @@ class ModelSpec:
                                if getattr(config, "classifier_token_ids", None) else None),
         )
 
+
+
+# image-text generators: the spec is their text model's, plus the whole config (dfllm.models.llava)
+VISION_LANGUAGE_ARCHITECTURES = {"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                 "Qwen2_5_VLForConditionalGeneration"}
+
+
+def _vision_language_spec(cls: type[ModelSpec], config: PretrainedConfig) -> ModelSpec:
+    """A vision-language config's spec: its ``text_config``'s, under the top-level architecture,
+    dtype and word-embedding tying, with the whole config in ``multimodal``."""
+    from dataclasses import replace
+
+    text = cls.from_hf(config.text_config)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or text.dtype
+    return replace(text, architectures=tuple(config.architectures or ()), model_type=config.model_type,
+                   dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings)),
+                   multimodal=config.to_dict())
