@@ -82,7 +82,8 @@ def check_conversation(conv, i: int) -> None:
         content = msg.get("content")
         if not isinstance(content, str) and not _is_text_parts(content):
             raise ValueError(f"{where}: content must be a str or a list of text parts, got {type(content).__name__}")
-        for text in [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]:
+        parts: list = [] if isinstance(content, str) or content is None else list(content)
+        for text in [content] if isinstance(content, str) else [p["text"] for p in parts if p["type"] == "text"]:
             check_unicode(text, f"{where}: content")
 
 

@@ -491,10 +491,11 @@ class LLM:
         """Queue one call's checked requests as one group, with their priorities (default 0)
         and LoRA adapters (default none); (the group, their request ids)."""
         self._control.check_can_serve()
+        engine = self._control.require_generative("generate")
         group, ids = next(self._groups), [self._next_id() for _ in requests]
         for rid, request, p, lora in zip(ids, requests, priorities or [0] * len(requests),
                                          loras or [None] * len(requests)):
-            self.engine.add_request(rid, request, group=group, priority=p, lora_request=lora)
+            engine.add_request(rid, request, group=group, priority=p, lora_request=lora)
         return group, ids
 
     def _run(self, groups: list[tuple[int, list[str]]], use_tqdm: bool, *,
@@ -509,16 +510,17 @@ class LLM:
         ids = [rid for _, group_ids in groups for rid in group_ids]
         wanted, groups_now = set(ids), {group for group, _ in groups}
         bar = _ProgressBar(len(ids), use_tqdm)
+        engine = self._control.require_generative("generate")
         try:
             while not wanted <= self._outputs.keys():
-                if not self.engine.has_unfinished_requests():  # cannot happen: a bug, not a hang
+                if not engine.has_unfinished_requests():  # cannot happen: a bug, not a hang
                     raise RuntimeError(f"requests {sorted(wanted - self._outputs.keys())} were lost by the engine")
-                for out in self.engine.step(rerun=groups_now):
+                for out in engine.step(rerun=groups_now):
                     self._outputs[out.request_id] = out
                     if out.request_id in wanted:
                         bar.update(out)
                 for group, _ in groups:
-                    failure = self.engine.take_failure(group)
+                    failure = engine.take_failure(group)
                     if failure is not None and raise_failures:
                         raise failure
         except BaseException:

@@ -129,7 +129,7 @@ class EngineControl:
         requests are served again; ``weight_version`` is recorded if given."""
         if not self._updating_weights:
             raise RuntimeError("finish_weight_update: no weight update is in progress")
-        self.engine.reset_prefix_cache()
+        self.require_generative("finish_weight_update").reset_prefix_cache()
         self._updating_weights = False
         if weight_version is not None:
             self._weight_version = weight_version
@@ -156,6 +156,7 @@ class EngineControl:
         """
         if self.engine is not None:
             return self.engine.runner.collective_rpc(method, timeout, args, kwargs)
+        assert self.pooling_engine is not None
         return [call_with_timeout(rpc_target(self.pooling_engine, method), timeout, args, kwargs or {})]
 
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
@@ -174,7 +175,8 @@ class EngineControl:
         """Raise ``RuntimeError`` during a weight update or while the engine is asleep."""
         if self._updating_weights:
             raise RuntimeError("a weight update is in progress; call finish_weight_update() first")
-        self.engine.check_awake()
+        if self.engine is not None:
+            self.engine.check_awake()
 
 
 def _update_runner_weights(runner, weights: list) -> list[str]:

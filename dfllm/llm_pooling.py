@@ -55,7 +55,7 @@ class _Queued:
     """A checked pooling request waiting for :meth:`PoolingFrontend.wait_for_completion`."""
 
     request_id: str
-    token_ids: list[int]
+    token_ids: list[int] | ImagePrompt  # an image prompt: the image to embed
     params: PoolingParams
     task: str
 
@@ -250,7 +250,7 @@ class PoolingFrontend:
         return limit
 
     def _pooling_inputs(self, prompts, pooling_params, truncate_prompt_tokens
-                        ) -> tuple[list[list[int]], list[PoolingParams]]:
+                        ) -> tuple[list[list[int] | ImagePrompt], list[PoolingParams]]:
         """Every prompt checked, tokenized and truncated (token ids, params), before any work;
         :class:`~dfllm.errors.InvalidRequestError` naming the first bad one by index."""
         with invalid_request():
@@ -260,7 +260,7 @@ class PoolingFrontend:
                                           f"prompt), got {type(pooling_params).__name__}",
                                           parameter="pooling_params")
             params = per_prompt_params(pooling_params, len(items), PoolingParams, "pooling_params")
-            ids: list[list[int] | None] = [None] * len(items)
+            ids: list[list[int] | ImagePrompt | None] = [None] * len(items)
             texts: dict[int, list[int]] = {}
             for i, (item, p) in enumerate(zip(items, params)):
                 limit = self._limit(p, truncate_prompt_tokens)

@@ -9,6 +9,9 @@ Dask's ``series.llm.score(other)`` do).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pandas as pd
 import polars as pl
 import pyarrow as pa
@@ -19,7 +22,8 @@ from dfllm.accessors.runners import run_task
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.accessors.task import LLMTask, make_task
 
-POLARS_TYPES = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64, "list<item: float>": pl.List(pl.Float32)}
+POLARS_TYPES: dict[str, Any] = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64,
+                                "list<item: float>": pl.List(pl.Float32)}
 #: The Arrow types of the engine columns that pandas holds as Python objects (per token a dict
 #: token id -> its Logprob's fields): a Polars list of maps.
 OBJECT_COLUMNS = {"logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP)),
@@ -43,7 +47,7 @@ def _polars_dtype(dtype, column: str = "") -> pl.DataType:
     name = str(dtype.pyarrow_dtype)
     if name in POLARS_TYPES:
         return POLARS_TYPES[name]
-    return pl.from_arrow(pa.array([], type=dtype.pyarrow_dtype)).dtype
+    return pl.Series(pa.array([], type=dtype.pyarrow_dtype)).dtype
 
 
 def _polars_schema(task: LLMTask) -> dict:
@@ -105,7 +109,7 @@ class PolarsExprLLMNamespace:
             raise TypeError(f"score: other must be a Polars expression or a column name, got {type(other).__name__}")
         second = SERIES_INPUT + "2"
 
-        def apply(columns: list[pl.Series]) -> pl.Series:
+        def apply(columns: Sequence[pl.Series]) -> pl.Series:
             left, texts = columns
             if len(texts) == 1 and len(left) != 1:  # one text against every row
                 texts = pl.repeat(texts[0], len(left), dtype=texts.dtype, eager=True)

@@ -16,7 +16,7 @@ import json
 import math
 import string
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -100,9 +100,9 @@ def _text(value, what: str) -> str:
 def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict, skip=()) -> dict[int, str]:
     """Row position -> text, from a column or a ``{column}`` template; bad rows get errors.
     Rows in ``skip`` are not read."""
-    texts = {}
-    records = df.to_dict("records") if is_template(spec) else None
-    values = None if records is not None else df[spec].tolist()
+    texts: dict[int, str] = {}
+    records: list[dict] | None = df.to_dict("records") if is_template(spec) else None
+    values: list = [] if records is not None else df[spec].tolist()
     for i in range(len(df)):
         if i in skip:
             continue
@@ -168,7 +168,8 @@ def conversations(df: pd.DataFrame, task: LLMTask, out: dict, skip=()) -> dict[i
 def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, SamplingParams]:
     """Row position -> its SamplingParams, for ``rows``: the task's, or with a sampling
     column the row's own dict of fields (a null cell: the task's); bad rows get errors."""
-    base = SamplingParams(**{k: list(v) if isinstance(v, tuple) else v for k, v in task.sampling})
+    fields: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in task.sampling}
+    base = SamplingParams(**fields)
     if not task.sampling_column:
         return {i: base for i in rows}
     params, column = {}, df[task.sampling_column].tolist()

@@ -162,9 +162,9 @@ def run_chat(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) -> Non
     prompts: dict[int, Any] = {i: {"prompt_token_ids": ids} for i, ids in token_id_prompts(df, task, out).items()}
     convs = conversations(df, task, out, skip=_taken(prompts, out))
     if task.images:  # the row's images as image_pil parts of its last user turn
-        for i, images in row_images(df, task, out, sorted(convs)).items():
+        for i, row_imgs in row_images(df, task, out, sorted(convs)).items():
             try:
-                convs[i] = with_image_parts(convs[i], images)
+                convs[i] = with_image_parts(convs[i], row_imgs)
             except ValueError as exc:
                 row_error(task, out, i, f"messages: {exc}")
         convs = {i: c for i, c in convs.items() if out[LLM_ERROR][i] is None}
@@ -338,7 +338,9 @@ def _engine_columns(task: LLMTask, out: dict, i: int, gen: Generation, req: Engi
         prompt = r.prompt if r.prompt is not None else req.prompt
         if prompt is None:  # a row given as token ids: their text
             with gen.lock:
-                prompt = gen.processor.tokenizer.decode(req.prompt_token_ids)
+                tokenizer = gen.processor.tokenizer
+                assert tokenizer is not None  # rows given as text: a tokenizer was loaded
+                prompt = str(tokenizer.decode(req.prompt_token_ids))
         values["rendered_prompt"] = prompt
     for name in want:
         out[name][i] = values[name]

@@ -353,7 +353,7 @@ def _structured(json_schema, choice, kind: str, sampling: tuple) -> tuple:
         raise ValueError(f"{kind}: sampling_params already has structured_outputs; pass the constraint once")
     if choice is not None:
         so = StructuredOutputsParams(choice=choice)
-        return ("choice", tuple(so.choice))
+        return ("choice", tuple(so.choice or ()))
     so = StructuredOutputsParams(json=json_schema)
     structured = ("json", so.key[1])
     try:

@@ -302,7 +302,7 @@ def kv_cache_layout(spec: ModelSpec, tp_size: int = 1) -> kv_memory.KVCacheLayou
     return kv_memory.KVCacheLayout(spec.num_key_value_heads // tp_size, spec.head_dim)
 
 
-def rpc_target(runner: ModelRunner, method: str | Callable) -> Callable:
+def rpc_target(runner: object, method: str | Callable) -> Callable:
     """``method`` of ``runner``: its method of that name, or a callable taking the runner first.
 
     A callable may write the weights in place (``update_weights``, vLLM's RLHF recipes writing

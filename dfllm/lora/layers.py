@@ -11,6 +11,8 @@ of each part, a row-parallel projection's A this rank's input columns.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -84,14 +86,16 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, tp: GroupComm |
     slots; ``{layer index: {projection: slots}}``."""
     from dfllm.models.layers import GatedMLP, PagedAttention
 
-    dec = model.model  # type: ignore[union-attr]
+    dec: Any = model.model
     param = next(model.parameters())
     found: dict[int, dict[str, LoRASlots]] = {}
     for offset, layer in enumerate(dec.stage_layers):
         index = dec.start + offset
-        attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn, PagedAttention):
-            raise ValueError(f"enable_lora: layer {index}'s attention ({type(attn).__name__}) takes no LoRA adapters")
+        if not isinstance(layer.self_attn, PagedAttention):
+            raise ValueError(f"enable_lora: layer {index}'s attention ({type(layer.self_attn).__name__}) "
+                             "takes no LoRA adapters")
+        attn: Any = layer.self_attn  # Any: its sub-layers' shapes are read through nn.Module attributes
+        mlp: Any = layer.mlp
 
         def slots(name: str, in_features: int, out_sizes: list[int]) -> LoRASlots:
             parts, row = PROJECTIONS[name]
@@ -102,7 +106,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, tp: GroupComm |
         here = {"qkv_proj": slots("qkv_proj", h, [attn.q_size, attn.kv_size, attn.kv_size]),
                 "o_proj": slots("o_proj", attn.q_size, [attn.o_proj.weight.shape[0]])}
         attn.qkv_lora, attn.o_lora = here["qkv_proj"], here["o_proj"]
-        if isinstance(mlp, GatedMLP):
+        if isinstance(layer.mlp, GatedMLP):
             inter = mlp.gate_up_proj.weight.shape[0] // 2
             here["gate_up_proj"] = slots("gate_up_proj", h, [inter, inter])
             here["down_proj"] = slots("down_proj", inter, [mlp.down_proj.weight.shape[0]])

@@ -169,6 +169,7 @@ class ImageInputProcessor:
             values, grids = batch["pixel_values"], batch.get("image_grid_thw")
             if values.dtype == torch.float64:
                 values = values.float()
+            per: list[tuple[Any, Any]]
             if grids is None:
                 per = [(px, None) for px in values]
             else:
