@@ -223,8 +223,9 @@ def _check_lora_args(enable_lora: bool, max_loras: int, max_lora_rank: int, max_
     if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < max_loras:
         raise ValueError(f"max_cpu_loras must be None or an int >= max_loras ({max_loras}), got {max_cpu_loras!r}")
     if enable_lora:
-        if runner_type != "generate":
-            raise ValueError("enable_lora=True serves generating models; pooling models take no LoRA adapters")
+        if runner_type not in ("generate", "pooling"):
+            raise ValueError(f"enable_lora=True serves generating models and decoders run with runner='pooling', "
+                             f"not runner={runner_type!r}")
         if quantization is not None:
             raise ValueError(f"enable_lora=True runs quantization=None (got {quantization!r})")
         if not set(spec.architectures) & set(LORA_ARCHITECTURES):

@@ -19,6 +19,7 @@ from dfllm.inputs import (
     check_unicode,
     per_prompt_params,
 )
+from dfllm.lora.request import LoRARequest
 from dfllm.models.colbert import maxsim
 from dfllm.outputs import (
     ClassificationOutput,
@@ -76,36 +77,48 @@ class PoolingFrontend:
 
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                pooling_task: str | None = None, use_tqdm: bool = True,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+               truncate_prompt_tokens: int | None = None,
+               lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
         """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required;
         "token_embed" gives a ``[tokens, dim]`` tensor per prompt, see :mod:`dfllm.engine.pooling_engine`).
 
+        ``lora_request`` (vLLM's; a decoder with ``runner="pooling"`` and ``enable_lora=True``):
+        one :class:`~dfllm.lora.request.LoRARequest` for every prompt, or a list with one per
+        prompt (None: the base model).
+
         Every prompt is checked before any work starts; a bad one (or params whose ``task``
-        is another one) raises :class:`~dfllm.errors.InvalidRequestError` naming its index."""
+        is another one, or an adapter that cannot run) raises
+        :class:`~dfllm.errors.InvalidRequestError` naming its index."""
         task = self.require(check_pooling_task(pooling_task))
         ids, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+        loras = self._loras(lora_request, len(ids))
         for i, p in enumerate(params):
             if p.task is not None and p.task != task:
                 raise InvalidRequestError(f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
                                           f"{task!r}. You cannot overwrite self.task={p.task!r} with task={task!r}!",
                                           parameter="task", value=p.task)
-        data = self._pool(ids, params, task, use_tqdm)
+        data = self._pool(ids, params, task, use_tqdm, loras=loras)
         return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), _token_ids(p)) for d, p in zip(data, ids)]
 
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
-              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
-        """One embedding (a list of floats) per prompt, in input order."""
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding (a list of floats) per prompt, in input order; ``lora_request`` as in
+        :meth:`encode`."""
         outs = self.encode(prompts, pooling_params, pooling_task="embed", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens)
+                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
                 for o in outs]
 
     def classify(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                  use_tqdm: bool = True,
-                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
-        """Class probabilities per prompt; ``outputs.label`` names the most likely class (``id2label``)."""
+                 truncate_prompt_tokens: int | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt; ``outputs.label`` names the most likely class
+        (``id2label``); ``lora_request`` as in :meth:`encode`."""
         outs = self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens)
+                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
         id2label = self.cfg.model.id2label or {}
         return [
             ClassificationRequestOutput(o.request_id, ClassificationOutput(
@@ -114,8 +127,10 @@ class PoolingFrontend:
         ]
 
     def score(self, data_1, data_2, /, *, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """Similarity of text pairs: one to one, one to many, or many to many (pairwise).
+              truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Similarity of text pairs: one to one, one to many, or many to many (pairwise);
+        ``lora_request``: one adapter every text runs with (as in :meth:`encode`).
 
         A cross-encoder (a sequence classifier with one label) reads each pair together and
         its sigmoid is the score; a late-interaction (ColBERT) model scores by MaxSim over
@@ -130,13 +145,17 @@ class PoolingFrontend:
         if self.tokenizer is None:
             raise InvalidRequestError("You cannot pass text prompts when `skip_tokenizer_init` is True (score "
                                       "reads texts; this LLM has no tokenizer)", parameter="prompt")
+        if isinstance(lora_request, list | tuple):
+            raise InvalidRequestError("score: lora_request takes one LoRARequest (every text runs with it), "
+                                      f"got a {type(lora_request).__name__}", parameter="lora_request")
+        self._loras(lora_request, 1)  # checked before any work
         if self.engine.num_labels == 1:
-            return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm)
+            return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
         if self.engine.late_interaction:
-            return self._late_interaction(left, right, params, truncate_prompt_tokens, use_tqdm)
+            return self._late_interaction(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is embedded once
         embs = self.embed(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
-                          use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+                          use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
         by_text = {t: e for t, e in zip(unique, embs)}
         return [
             ScoringRequestOutput(self._next_id(), ScoringOutput(float(torch.tensor(a.outputs.embedding)
@@ -239,6 +258,25 @@ class PoolingFrontend:
         return results, errors
 
     # ---- helpers ----------------------------------------------------------------------
+    def _loras(self, lora_request, num_prompts: int) -> list[LoRARequest | None] | None:
+        """vLLM's ``lora_request`` as one adapter (or None) per prompt, each checked now
+        (:class:`~dfllm.errors.InvalidRequestError` naming the adapter and why); None if none."""
+        if lora_request is None:
+            return None
+        if isinstance(lora_request, list | tuple):
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise InvalidRequestError(f"lora_request: got {len(loras)} LoRA requests for {num_prompts} prompts "
+                                          "(give one, or a list with one per prompt)", parameter="lora_request")
+        else:
+            loras = [lora_request] * num_prompts
+        checked: set[int] = set()
+        for i, lora in enumerate(loras):
+            if lora is not None and id(lora) not in checked:
+                self.engine.check_lora(lora, f"lora_request (prompt {i})")
+                checked.add(id(lora))
+        return loras if any(lora is not None for lora in loras) else None
+
     def _limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
         limit = min(self.cfg.max_model_len, self.engine.pooler.max_length or self.cfg.max_model_len,
                     self.engine.max_input_tokens or self.cfg.max_model_len)
@@ -319,11 +357,11 @@ class PoolingFrontend:
             raise ValueError(f"prompt {i}: multi_modal_data image: {exc}") from exc
         return ImagePrompt(img, image_hash(img))
 
-    def _late_interaction(self, left, right, params, truncate_prompt_tokens, use_tqdm):
+    def _late_interaction(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
         token_params = PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
         outs = self.encode(unique, token_params, pooling_task="token_embed", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens)
+                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
         by_text = {t: o for t, o in zip(unique, outs)}
         return [
             ScoringRequestOutput(self._next_id(), ScoringOutput(maxsim(a.outputs.data, b.outputs.data)),
@@ -331,20 +369,21 @@ class PoolingFrontend:
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
 
-    def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm):
+    def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
         limit = self._limit(params, truncate_prompt_tokens)
         if self.engine.is_decoder:  # an LLM as reranker: vLLM tokenizes the two texts joined, no separator
             enc = self.tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit)
         else:
             enc = self.tokenizer(list(left), list(right), truncation=True, max_length=limit)
         ids, types = enc["input_ids"], enc.get("token_type_ids")
-        data = self._pool(ids, [params] * len(ids), "classify", use_tqdm, types)
+        data = self._pool(ids, [params] * len(ids), "classify", use_tqdm, types,
+                          None if lora_request is None else [lora_request] * len(ids))
         return [ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), p) for d, p in zip(data, ids)]
 
-    def _pool(self, ids, params, task, use_tqdm, types=None):
+    def _pool(self, ids, params, task, use_tqdm, types=None, loras=None):
         bar = tqdm(total=len(ids), desc=f"Pooling ({task})", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            return self.engine.encode(ids, params, task, types, on_batch=bar.update)
+            return self.engine.encode(ids, params, task, types, on_batch=bar.update, loras=loras)
         finally:
             bar.close()
 

@@ -12,6 +12,11 @@ step per batch, with a KV cache just large enough for a batch.
 head (``token_head``: ``HF_ColBERT``, bge-m3 with its head in safetensors) the head's
 projections, normalised unless ``PoolingParams(normalize=False)``.
 
+With ``enable_lora`` a decoder runs each prompt with its LoRA adapter (``loras``, one per
+prompt, None: the base model): a batch holds at most ``max_loras`` distinct adapters, put into
+the model's slots before it runs by a :class:`~dfllm.lora.manager.LoRAManager`, as the
+generation engine's steps.
+
 Image-text models (CLIP, SigLIP: ``image_text``) also embed images (:class:`ImagePrompt`):
 each distinct image (by content hash) is preprocessed by the model's image processor and
 encoded once, in batches of ``max_num_seqs``; its features are kept (LRU, :data:`IMAGE_CACHE_SIZE`
@@ -33,6 +38,10 @@ from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.engine.step_inputs import prepare_inputs
+from dfllm.errors import InvalidRequestError
+from dfllm.lora.adapter import LoRAAdapterError
+from dfllm.lora.manager import LoRAManager
+from dfllm.lora.request import LoRARequest
 from dfllm.models.bert import BertForSequenceClassification
 from dfllm.models.cpu_linear import packing_available, prepack_linears
 from dfllm.models.loader import load_weights
@@ -86,6 +95,29 @@ class PoolingEngine:
         self.late_interaction = bool(getattr(self.model, "late_interaction", False))
         # RoBERTa reads fewer tokens than max_position_embeddings (its positions start after the pad id)
         self.max_input_tokens: int | None = getattr(self.model, "max_input_tokens", None)
+        # LoRA adapters (decoders with enable_lora): the CPU cache and the model's slots, as LLMEngine's
+        self.lora: LoRAManager | None = LoRAManager(
+            cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, self.runner.set_lora_slot,
+            self.runner.lora_modules()) if self.is_decoder and cfg.enable_lora else None
+
+    def check_lora(self, lora_request: LoRARequest, where: str = "lora_request") -> None:
+        """Raise :class:`~dfllm.errors.InvalidRequestError` naming ``lora_request`` unless it can
+        run: a decoder started with ``enable_lora=True``, and an adapter that reads and fits."""
+        if not self.is_decoder:
+            raise InvalidRequestError(f"{where}: {lora_request!r}: this is an encoder pooling model "
+                                      f"({', '.join(self.cfg.model.architectures)}), which takes no LoRA adapters; "
+                                      "adapters are served for decoders run with runner='pooling'",
+                                      parameter="lora_request")
+        if self.lora is None:
+            raise InvalidRequestError(f"Got lora_request {lora_request!r} but LoRA is not enabled! ({where}: "
+                                      "start the engine with enable_lora=True)", parameter="lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"{where}: expected a LoRARequest or None, got {type(lora_request).__name__}",
+                                      parameter="lora_request")
+        try:
+            self.lora.check(lora_request)
+        except LoRAAdapterError as exc:
+            raise InvalidRequestError(f"{where}: {exc}", parameter="lora_request") from None
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -102,9 +134,13 @@ class PoolingEngine:
 
     # ---- batching ---------------------------------------------------------------------
     def encode(self, prompts: list[list[int]] | list[list[int] | ImagePrompt], params: list[PoolingParams], task: str,
-               token_types: list[list[int]] | None = None, on_batch=None) -> list[torch.Tensor]:
+               token_types: list[list[int]] | None = None, on_batch=None,
+               loras: list[LoRARequest | None] | None = None) -> list[torch.Tensor]:
         """Run ``task`` over token-id prompts (and images, :class:`ImagePrompt`, of an
-        image-text model); one CPU tensor per prompt, in input order."""
+        image-text model); one CPU tensor per prompt, in input order. ``loras``: each text
+        prompt's LoRA adapter (None: the base model), checked already (:meth:`check_lora`)."""
+        if loras is not None and all(lora is None for lora in loras):
+            loras = None
         results: list[torch.Tensor | None] = [None] * len(prompts)
         images = [i for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)]
         if images:
@@ -116,9 +152,11 @@ class PoolingEngine:
                 on_batch(len(images))
         texts = [i for i, p in enumerate(prompts) if not isinstance(p, ImagePrompt)]
         order = sorted(texts, key=lambda i: len(cast(list, prompts[i])), reverse=True)
-        for batch in self._batches(order, prompts):
+        for batch in self._batches(order, prompts, loras):
             types = [token_types[i] for i in batch] if token_types else None
-            for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch])):
+            batch_loras = [loras[i] for i in batch] if loras is not None else None
+            for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch],
+                                               batch_loras)):
                 results[i] = out
             if on_batch is not None:
                 on_batch(len(batch))
@@ -155,22 +193,31 @@ class PoolingEngine:
         """Forget the cached image features (the next call encodes every image again)."""
         self._image_cache.clear()
 
-    def _batches(self, order: list[int], prompts):
+    def _batches(self, order: list[int], prompts, loras: list[LoRARequest | None] | None = None):
+        """``order`` cut into batches under the token and sequence budgets, each with at most
+        ``max_loras`` distinct LoRA adapters."""
         batch: list[int] = []
+        adapters: set[int] = set()
         for i in order:
             longest = len(prompts[batch[0]]) if batch else len(prompts[i])
+            lora = loras[i] if loras is not None else None
+            new_adapter = lora is not None and lora.lora_int_id not in adapters
             if batch and ((len(batch) + 1) * longest > self.cfg.max_num_batched_tokens
-                          or len(batch) >= self.cfg.max_num_seqs):
+                          or len(batch) >= self.cfg.max_num_seqs
+                          or (new_adapter and len(adapters) >= self.cfg.max_loras)):
                 yield batch
-                batch = []
+                batch, adapters = [], set()
             batch.append(i)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
         if batch:
             yield batch
 
     # ---- one batch --------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, prompts, types, task: str, params: list[PoolingParams]) -> list[torch.Tensor]:
-        hidden, valid = self._hidden(prompts, types)
+    def _run(self, prompts, types, task: str, params: list[PoolingParams],
+             loras: list[LoRARequest | None] | None = None) -> list[torch.Tensor]:
+        hidden, valid = self._hidden(prompts, types, loras)
         if task == "token_embed":
             return self._token_embed(hidden, prompts, params)
         if task == "classify":
@@ -199,7 +246,8 @@ class PoolingEngine:
             out.append((normalize(v) if wanted else v).cpu())
         return out
 
-    def _hidden(self, prompts: list[list[int]], types) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(self, prompts: list[list[int]], types,
+                loras: list[LoRARequest | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token hidden states ``[batch, longest, h]`` (right-padded) and the valid mask."""
         dev = self.cfg.device
         longest = len(prompts[0])
@@ -212,23 +260,40 @@ class PoolingEngine:
         valid = (torch.arange(longest).unsqueeze(0) < torch.tensor([len(p) for p in prompts]).unsqueeze(1)).to(dev)
         if not self.is_decoder:
             return self.model(ids.to(dev), tt.to(dev), valid), valid
-        return self._decoder_hidden(prompts, longest), valid
+        return self._decoder_hidden(prompts, longest, loras), valid
 
-    def _decoder_hidden(self, prompts: list[list[int]], longest: int) -> torch.Tensor:
+    def _lora_requests(self, loras: list[LoRARequest | None]) -> list[Request]:
+        """One request per prompt carrying its adapter and the slot it runs in (adapters put
+        into slots now)."""
+        assert self.lora is not None, "lora_request needs enable_lora=True"
+        wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
+        slots = self.lora.activate(wanted)
+        by_id: dict[int | None, Request] = {None: _POOL_REQUEST}
+        for lid, lora in wanted.items():
+            by_id[lid] = replace(_POOL_REQUEST, seqs=[], lora_request=lora, lora_slot=slots[lid])
+        return [by_id[None if lora is None else lora.lora_int_id] for lora in loras]
+
+    def _decoder_hidden(self, prompts: list[list[int]], longest: int,
+                        loras: list[LoRARequest | None] | None = None) -> torch.Tensor:
+        requests = self._lora_requests(loras) if loras is not None else [_POOL_REQUEST] * len(prompts)
+        # prepare_inputs puts each adapter's rows together (by slot): give them in that order
+        order = sorted(range(len(prompts)), key=lambda i: requests[i].lora_slot)
         seqs, bs, next_block = [], self.cfg.block_size, 0
-        for p in prompts:
-            seq = Sequence(_POOL_REQUEST, 0, p, len(p))
+        for i in order:
+            p = prompts[i]
+            seq = Sequence(requests[i], 0, p, len(p))
             n = -(-len(p) // bs)
             seq.block_table = list(range(next_block, next_block + n))
             next_block += n
             seqs.append(seq)
-        inputs = prepare_inputs(SchedulerOutput(seqs, [len(p) for p in prompts]), bs, self.cfg.device)
+        inputs = prepare_inputs(SchedulerOutput(seqs, [len(prompts[i]) for i in order]), bs, self.cfg.device)
         flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         hidden = flat.new_zeros(len(prompts), longest, flat.shape[-1])
         start = 0
-        for i, p in enumerate(prompts):
-            hidden[i, : len(p)] = flat[start : start + len(p)]
-            start += len(p)
+        for i in order:
+            n = len(prompts[i])
+            hidden[i, :n] = flat[start : start + n]
+            start += n
         return hidden
 
 
