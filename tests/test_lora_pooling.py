@@ -3,6 +3,8 @@
 Two random PEFT adapters and the base model share one ``embed`` call; every row must equal
 the PEFT-merged model (the adapter merged into the weights, saved, and served alone) and
 differ from the base. Bad adapters and encoder models refuse ``lora_request`` by name.
+A resumed ``write_parquet`` recomputes when an adapter given for every row is rewritten
+at the same path (its files' bytes are in each partition's key).
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import dask.dataframe as dd
+import pandas as pd
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+import dfllm
 from dfllm import LLM, InvalidRequestError, LoRARequest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -108,3 +113,24 @@ def test_encoder_models_refuse_lora_request(adapters):
     with pytest.raises(InvalidRequestError, match="lora_request.*encoder") as err:
         llm.embed(["x"], use_tqdm=False, lora_request=LoRARequest("b", 2, adapters["b"][0]))
     assert err.value.parameter == "lora_request"
+
+
+def test_resume_recomputes_when_the_adapter_is_rewritten(tiny_llama, tmp_path):
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter", 1, 4, ["q_proj", "v_proj"])
+    df = pd.DataFrame({"id": range(4), "q": ["one", "two", "three", "four"]})
+
+    def write():
+        result = dd.from_pandas(df, npartitions=2).llm.generate(
+            "{q}", model=str(tiny_llama), lora=str(adapter), max_model_len=64, kv_cache_memory_bytes=2**22,
+            sampling_params={"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+        return dfllm.write_parquet(result, str(tmp_path / "out"), resume=True, progress=False)
+
+    first = write()
+    assert (first.written, first.skipped) == (2, 0)
+    again = write()  # nothing changed: both partitions kept
+    assert (again.written, again.skipped) == (0, 2)
+    make_adapter(tiny_llama, tmp_path / "adapter", 2, 4, ["q_proj", "v_proj"])  # same path and shapes, new weights
+    changed = write()
+    assert (changed.written, changed.skipped) == (2, 0)
+    back = pd.read_parquet(tmp_path / "out")
+    assert sorted(back["id"]) == list(range(4)) and back["llm_error"].isna().all()

@@ -24,7 +24,7 @@ from dfllm.accessors.placement import check_resources, model_check, run_placed
 from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.accessors.task import LLMTask
-from dfllm.accessors.write_key import canonical
+from dfllm.accessors.write_key import AdapterSource, canonical
 
 
 class WritableFunction:
@@ -76,6 +76,9 @@ class PartitionFunction(WritableFunction):
         return canonical(dataclasses.replace(self.task, cache=None))
 
     def model_sources(self) -> tuple:
+        # an adapter for every row by its files (a per-row column's adapters are in the rows' data)
+        if self.task.lora is not None:
+            return (self.task.model, AdapterSource(self.task.lora, self.task.lora_root))
         return (self.task.model,)
 
     def arrow_types(self) -> dict:

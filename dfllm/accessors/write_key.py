@@ -4,8 +4,8 @@
 key through: JSON of every field (dataclasses by their fields, mappings sorted, floats
 exact), never ``repr``, so that no field is left out and no field's text depends on the
 process. :func:`model_key` adds what the models' files hold (see
-:func:`dfllm.models.identity.model_identity`), so that new weights copied over a model's
-folder recompute.
+:func:`dfllm.models.identity.model_identity`) and a LoRA adapter's (:class:`AdapterSource`),
+so that new weights copied over a model's or an adapter's folder recompute.
 """
 
 from __future__ import annotations
@@ -57,8 +57,28 @@ def _plain(v):
     raise TypeError(f"a {type(v).__name__} has no stable key")
 
 
-def model_key(models: Iterable[str | None]) -> str:
-    """The content identity of each model (None: the default chat model), in order."""
+@dataclasses.dataclass(frozen=True)
+class AdapterSource:
+    """A LoRA adapter given for every row (``lora=`` a path, URL, or name under ``root``): its
+    files' bytes enter the key (:func:`dfllm.lora.resolve.adapter_identity`)."""
+
+    spec: str
+    root: str | None = None
+
+
+def model_key(models: Iterable[str | AdapterSource | None]) -> str:
+    """The content identity of each model (None: the default chat model) and adapter, in order."""
     from dfllm.models.identity import model_identity
 
-    return ",".join(model_identity(m) for m in models)
+    return ",".join(_adapter_identity(m) if isinstance(m, AdapterSource) else model_identity(m) for m in models)
+
+
+def _adapter_identity(source: AdapterSource) -> str:
+    """What the adapter's files hold (a URL fetched on this worker), or, when it cannot be
+    read, its name (its rows then fail with their own error)."""
+    from dfllm.lora.resolve import adapter_identity, resolve
+
+    try:
+        return "lora:" + adapter_identity(resolve(source.spec, source.root).lora_path)
+    except ValueError:
+        return f"unresolved-lora:{source.spec!r}"
