@@ -79,3 +79,24 @@ def direct_extract(model, df: pd.DataFrame, schema, instruction: str = "{review}
         completion = llm.chat(_messages(prompt, row), sp, use_tqdm=False)[0].outputs[0]
         out.append(json.loads(completion.text) if completion.finish_reason == "stop" else None)
     return out
+
+
+def two_answer_model(root, smollm2_dir, first: str, second: str, seed: int) -> str:
+    """A tiny random model whose output layer gives ``first`` the logit t = h.w, ``second`` -t
+    and every other token about 0, so both answers' log-probabilities are among the top 20
+    whenever they matter (a random model's answers are far down its 49,152 tokens)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from helpers import build_tiny_model
+
+    path = build_tiny_model(root, smollm2_dir, seed=seed, tie_word_embeddings=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    a, b = tok.convert_tokens_to_ids(first), tok.convert_tokens_to_ids(second)
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"]
+    w = head[a].clone() * 4
+    head *= 1e-3
+    head[a], head[b] = w, -w
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)

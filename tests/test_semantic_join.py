@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import polars as pl
 import pytest
-from semantic_data import reviews
+from semantic_data import reviews, two_answer_model
 
 import dfllm  # noqa: F401  (registers .llm)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
@@ -157,24 +157,9 @@ def test_dask_join_with_a_killed_worker_every_pair_once(tiny_llama):
 
 @pytest.fixture(scope="module")
 def true_false_model(tmp_path_factory, smollm2_dir):
-    """A tiny random model whose output layer gives "True" the logit t = h.w, "False" -t and
-    every other token about 0: its verdict probabilities (from the top 20 log-probabilities)
-    are informative, where a random model's True and False are far down its vocabulary."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    from helpers import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("join_tf"), smollm2_dir, seed=3, tie_word_embeddings=False)
-    tok = AutoTokenizer.from_pretrained(path)
-    yes, no = tok.convert_tokens_to_ids("True"), tok.convert_tokens_to_ids("False")
-    weights = load_file(path / "model.safetensors")
-    head = weights["lm_head.weight"]
-    w = head[yes].clone() * 4
-    head *= 1e-3
-    head[yes], head[no] = w, -w
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return str(path)
+    """A tiny random model whose verdict probabilities are informative ("True" and "False" lead
+    its output layer; see :func:`semantic_data.two_answer_model`)."""
+    return two_answer_model(tmp_path_factory.mktemp("join_tf"), smollm2_dir, "True", "False", seed=3)
 
 
 def test_join_with_a_cascade(true_false_model):

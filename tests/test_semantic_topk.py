@@ -18,6 +18,7 @@ import dask.dataframe as dd
 import pandas as pd
 import polars as pl
 import pytest
+from semantic_data import two_answer_model
 
 import dfllm  # noqa: F401  (registers .llm)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
@@ -128,22 +129,9 @@ def test_topk_reports_rows_it_cannot_rank(judge_model, table):
 
 @pytest.fixture(scope="module")
 def ab_model(tmp_path_factory, smollm2_dir):
-    """A tiny random model whose output layer gives "A" the logit a = h.w and "B" -a and every
-    other token about 0, so that both answers' log-probabilities are among the top 20 whenever
-    they matter (a random model's A and B are far down its 49,152 tokens)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    path = build_tiny_model(tmp_path_factory.mktemp("topk_ab"), smollm2_dir, seed=2, tie_word_embeddings=False)
-    tok = AutoTokenizer.from_pretrained(path)
-    a, b = tok.convert_tokens_to_ids("A"), tok.convert_tokens_to_ids("B")
-    weights = load_file(path / "model.safetensors")
-    head = weights["lm_head.weight"]
-    w = head[a].clone() * 4
-    head *= 1e-3
-    head[a], head[b] = w, -w
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return str(path)
+    """A tiny random model whose "A"/"B" answers lead its output layer
+    (:func:`semantic_data.two_answer_model`)."""
+    return two_answer_model(tmp_path_factory.mktemp("topk_ab"), smollm2_dir, "A", "B", seed=2)
 
 
 def test_topk_both_orders_equals_full_sort(ab_model):
