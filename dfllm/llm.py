@@ -33,7 +33,7 @@ from dfllm.inputs import as_prompt_list
 from dfllm.llm_control import EngineControl
 from dfllm.llm_pooling import PoolingFrontend, check_pooling_task, not_pooling_error
 from dfllm.logger import init_logger
-from dfllm.lora.request import LoRARequest
+from dfllm.lora.request import LoRARequest, per_prompt
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
 from dfllm.outputs import PoolingRequestOutput, RequestOutput, raise_for_errors
@@ -462,13 +462,7 @@ class LLM:
         engine now (:class:`~dfllm.errors.InvalidRequestError` naming the adapter and why)."""
         if lora_request is None:
             return [None] * num_requests
-        if isinstance(lora_request, list | tuple):
-            loras = list(lora_request)
-            if len(loras) != num_requests:
-                raise InvalidRequestError(f"lora_request: got {len(loras)} LoRA requests for {num_requests} prompts "
-                                          "(give one, or a list with one per prompt)", parameter="lora_request")
-        else:
-            loras = [lora_request] * num_requests
+        loras = per_prompt(lora_request, num_requests)
         engine = self._engine("lora_request")
         given = next((lora for lora in loras if lora is not None), None)
         if engine.lora is None and given is not None:

@@ -19,7 +19,7 @@ from dfllm.inputs import (
     check_unicode,
     per_prompt_params,
 )
-from dfllm.lora.request import LoRARequest
+from dfllm.lora.request import LoRARequest, per_prompt
 from dfllm.models.colbert import maxsim
 from dfllm.outputs import (
     ClassificationOutput,
@@ -263,13 +263,7 @@ class PoolingFrontend:
         (:class:`~dfllm.errors.InvalidRequestError` naming the adapter and why); None if none."""
         if lora_request is None:
             return None
-        if isinstance(lora_request, list | tuple):
-            loras = list(lora_request)
-            if len(loras) != num_prompts:
-                raise InvalidRequestError(f"lora_request: got {len(loras)} LoRA requests for {num_prompts} prompts "
-                                          "(give one, or a list with one per prompt)", parameter="lora_request")
-        else:
-            loras = [lora_request] * num_prompts
+        loras = per_prompt(lora_request, num_prompts)
         checked: set[int] = set()
         for i, lora in enumerate(loras):
             if lora is not None and id(lora) not in checked:

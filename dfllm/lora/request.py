@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
+
+from dfllm.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -55,3 +58,14 @@ class LoRARequest:
         key = name or path
         int_id = int.from_bytes(hashlib.sha1(key.encode()).digest()[:4], "big") % (2**31 - 1) + 1
         return cls(name or path, int_id, path)
+
+
+def per_prompt(lora_request: Any, num_prompts: int) -> list:
+    """vLLM's ``lora_request`` argument (one adapter, or a list with one per prompt) as one
+    entry per prompt; a list of another length is an :class:`InvalidRequestError`."""
+    if not isinstance(lora_request, list | tuple):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise InvalidRequestError(f"lora_request: got {len(lora_request)} LoRA requests for {num_prompts} prompts "
+                                  "(give one, or a list with one per prompt)", parameter="lora_request")
+    return list(lora_request)
