@@ -15,7 +15,7 @@ Per round (``--repeats``, median reported), each job is ``dd.from_pandas(...).ll
 - A with a new, empty cache (the cost of storing every row), then B with it.
 
 Engine requests are read from the worker's engine (its finished-request count), cache hits
-from the worker's :func:`dfllm.accessors.response_cache.counts`. B's outputs with the cache
+from the worker's :func:`dfllm.tasks.response_cache.counts`. B's outputs with the cache
 are compared row by row with B's without.
 
 Run (idle machine)::
@@ -54,14 +54,14 @@ def questions(ids) -> pd.DataFrame:
 
 def engine_requests() -> int:
     """Requests the worker's engines finished."""
-    from dfllm.accessors.engine_cache import engines_now
+    from dfllm.worker.engine_cache import engines_now
 
     return sum(m.count for llm in engines_now() if llm.engine is not None for m in llm.get_metrics()
                if m.name == "dfllm_request_generation_tokens")
 
 
 def cache_hits() -> int:
-    from dfllm.accessors.response_cache import counts
+    from dfllm.tasks.response_cache import counts
 
     return counts()["hits"]
 

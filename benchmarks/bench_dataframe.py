@@ -212,7 +212,7 @@ def _worker_state() -> dict:
     """On a worker: pid, torch threads, and a freshly emptied prefix cache on every engine."""
     import torch as _torch
 
-    from dfllm.accessors import engine_cache
+    from dfllm.worker import engine_cache
 
     for llm in engine_cache.engines():  # idle: the workers run no task now
         if llm.engine is not None:

@@ -93,14 +93,14 @@ def engine_kwargs(args, on: bool) -> dict:
 
 
 def reset_prefix_cache(model, kw) -> None:
-    from dfllm.accessors import engine_cache
+    from dfllm.worker import engine_cache
 
     engine_cache.get_engine(model, kw).reset_prefix_cache()
 
 
 def worker_counts(client, model, kw) -> dict:
     def read(model=model, kw=kw):
-        from dfllm.accessors import engine_cache
+        from dfllm.worker import engine_cache
 
         llm = engine_cache.get_engine(model, kw)
         stats = llm.llm_engine.stats()

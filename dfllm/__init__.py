@@ -1,8 +1,8 @@
 """dfllm: dataframe-native batch LLM inference on its own paged-KV engine."""
 
+from importlib.metadata import version
+
 from dfllm import accessors  # noqa: F401  (registers .llm on Dask, pandas and Polars)
-from dfllm.accessors.engine_cache import release_engines
-from dfllm.accessors.response_cache import ResponseCache
 from dfllm.accessors.semantic.cascade import Cascade, CascadeStats
 from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.errors import InvalidRequestError, VLLMValidationError
@@ -39,6 +39,8 @@ from dfllm.outputs import (
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
+from dfllm.tasks.response_cache import ResponseCache
+from dfllm.worker.engine_cache import release_engines
 
 __all__ = [
     "LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
@@ -51,4 +53,4 @@ __all__ = [
     "Cascade", "CascadeStats",
     "LoRARequest",
 ]
-__version__ = "0.1.0"
+__version__ = version("dfllm")  # pyproject.toml's

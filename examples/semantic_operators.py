@@ -14,7 +14,7 @@ import dask.dataframe as dd
 import pandas as pd
 
 import dfllm
-from dfllm.accessors.engine_cache import engines
+from dfllm.worker.engine_cache import engines
 
 REVIEWS = [
     ("My parcel arrived two weeks late and the box was crushed.", "shipping"),

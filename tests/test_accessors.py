@@ -9,7 +9,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import driver, engine_cache
+from dfllm.worker import driver, engine_cache
 
 from helpers import build_tiny_classifier, local_client
 
@@ -207,8 +207,8 @@ def test_concurrent_partitions_share_batches(kw):
     import threading
     import time
 
-    from dfllm.accessors.driver import driver, partitions_per_step
-    from dfllm.accessors.engine_cache import get_engine
+    from dfllm.worker.driver import driver, partitions_per_step
+    from dfllm.worker.engine_cache import get_engine
 
     frames = [pd.DataFrame({"q": [f"question {i} {j}" for j in range(4)]}) for i in range(2)]
     serial = [f.llm.generate("q", sampling_params=SP, **kw) for f in frames]
@@ -392,7 +392,7 @@ def classifier(tmp_path_factory):
 def test_registry_drives_the_output_columns(kw, classifier):
     """Every kind of KINDS adds exactly its registered columns, with their dtypes and
     ``llm_error`` last: on real rows, on an empty frame (no model runs) and in Dask's meta."""
-    from dfllm.accessors.kinds import KINDS
+    from dfllm.tasks.kinds import KINDS
 
     df = pd.DataFrame({"t": ["Paris is in France.", None], "u": ["The capital of France", "x"]})
     options = {"generate": dict(sampling_params=SP, **kw), "chat": dict(sampling_params=SP, **kw),
@@ -419,7 +419,7 @@ def test_registry_drives_the_output_columns(kw, classifier):
 def test_release_engines_drops_only_idle_engines():
     """``dfllm.release_engines()`` shuts down and forgets every idle engine of the process
     (a later call loads its engine again) and leaves an engine that a running task holds."""
-    from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
+    from dfllm.tasks.kinds import DEFAULT_EMBED_MODEL
 
     frame = pd.DataFrame({"t": ["alpha", "beta"]})
     want = frame.llm.embed("t").embedding.tolist()
@@ -457,7 +457,7 @@ def test_engine_bound_drops_the_least_recently_used_idle_engine(monkeypatch, cap
     """At most ``DFLLM_MAX_ENGINES`` engine configurations per process: a new one first drops
     the least recently used idle engine; one in use is never dropped (the bound is then
     exceeded, with a warning)."""
-    from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
+    from dfllm.tasks.kinds import DEFAULT_EMBED_MODEL
 
     frame = pd.DataFrame({"t": ["alpha", "beta"]})
 
@@ -489,7 +489,7 @@ def test_engine_bound_drops_the_least_recently_used_idle_engine(monkeypatch, cap
 def test_prometheus_unexpose():
     from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-    from dfllm.accessors.prometheus import expose, unexpose
+    from dfllm.worker.prometheus import expose, unexpose
 
     registry = CollectorRegistry()
     Counter("dfllm_test_unexposed", "a test counter", registry=registry).inc()

@@ -12,7 +12,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import SamplingParams
-from dfllm.accessors.runners import request_order
+from dfllm.tasks.runners import request_order
 from dfllm.engine.input_processor import EngineRequest
 
 from helpers import local_client

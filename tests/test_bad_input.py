@@ -498,7 +498,7 @@ def test_failed_step_is_reported_and_engine_recovers(kw, alone):
     """A step that raises (here a forward hook, installed through the public ``apply_model``)
     fails the calls whose rows were in it, clearly and without hanging, and leaves the
     engine serving the next call normally, in the LLM and in the dataframe path."""
-    from dfllm.accessors.engine_cache import get_engine
+    from dfllm.worker.engine_cache import get_engine
 
     shared = get_engine(kw["model"], ENGINE)
     hooks = shared.apply_model(lambda m: m.register_forward_hook(_raise))

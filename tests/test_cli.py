@@ -166,7 +166,7 @@ def test_demo_runs_the_main_job_on_a_local_cluster(smollm2_dir, tmp_path):
 def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp_path):
     """``--gpu`` on an existing cluster: tasks go to workers started with ``--resources GPU=1``
     (here CPU workers standing in for GPU ones), and only those load the model."""
-    from dfllm.accessors import engine_cache
+    from dfllm.worker import engine_cache
 
     from helpers import CLICluster
 
@@ -231,7 +231,7 @@ def test_gpu_worker_hosts_a_tensor_parallel_engine(tiny_llama, questions, tmp_pa
                           "--tensor-parallel-size", "2", "--scheduler", cluster.address))
         assert "rows:        10 (1 with llm_error)" in stdout
         def engine_ranks() -> list[int]:  # on the worker: how many ranks answer, per engine
-            from dfllm.accessors import engine_cache
+            from dfllm.worker import engine_cache
 
             return [len(llm.apply_model(lambda model: 0)) for llm in engine_cache.engines()]
 

@@ -186,7 +186,7 @@ def test_every_route_of_the_schedulers_sitemap_answers_with_the_page_installed(f
 
 def test_job_names_group_a_jobs_partitions():
     from dfllm.dashboard import data_url, page_url
-    from dfllm.dashboard.progress import job_of
+    from dfllm.worker.progress import job_of
 
     assert job_of(("llm-generate-0a1b2c", 7)) == "llm-generate-0a1b2c"
     assert job_of("llm-write-chat-12-ab12cd34") == "llm-write-chat-ab12cd34"

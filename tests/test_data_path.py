@@ -15,7 +15,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import engine_cache
+from dfllm.worker import engine_cache
 
 from helpers import CLICluster
 

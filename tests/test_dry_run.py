@@ -192,7 +192,7 @@ def test_budget_and_dry_run_options_are_checked(tmp_path, capsys, argv, message,
 
 
 def test_dry_run_counts_response_cache_hits_and_writes_no_entry(tiny_llama, tmp_path):
-    pytest.importorskip("dfllm.accessors.response_cache")
+    pytest.importorskip("dfllm.tasks.response_cache")
     cache = tmp_path / "cache"
     df = pd.DataFrame({"id": range(6), "q": [f"Name river number {i}." for i in range(5)] + [None]})
 

@@ -27,7 +27,7 @@ from transformers import (
 import dfllm.accessors.pandas_ext  # noqa: F401  (registers .llm)
 import dfllm.accessors.polars_ext  # noqa: F401
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import engine_cache
+from dfllm.worker import engine_cache
 
 from helpers import local_client
 

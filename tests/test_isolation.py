@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import driver, engine_cache
+from dfllm.worker import driver, engine_cache
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.outputs import RequestFailedError
 

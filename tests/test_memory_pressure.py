@@ -104,7 +104,7 @@ def test_growth_reserve_admits_what_can_finish(tiny_llama, roomy):
 
 def test_dataframe_rows_complete_under_memory_pressure(tiny_llama, roomy):
     """The same pressure through ``df.llm.generate`` (the shared engine and its driver thread)."""
-    from dfllm.accessors.engine_cache import get_engine
+    from dfllm.worker.engine_cache import get_engine
 
     texts = [f"Row {i}: tell me something about the number {i * 7}." for i in range(10)]
     sp = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}

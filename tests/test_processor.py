@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 import dfllm
-from dfllm.accessors import engine_cache
+from dfllm.worker import engine_cache
 
 SP = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
 ENGINE = {"max_model_len": 64, "kv_cache_memory_bytes": 2**22}

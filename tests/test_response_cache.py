@@ -22,9 +22,9 @@ import prometheus_client
 import pytest
 
 import dfllm
-from dfllm.accessors import response_cache as rc
+from dfllm.tasks import response_cache as rc
 from dfllm.accessors.dask_ext import PartitionFunction
-from dfllm.accessors.task import make_task
+from dfllm.tasks.task import make_task
 from dfllm.engine.input_processor import EngineRequest
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -48,7 +48,7 @@ def no_idle_engines():
 
 def engine_requests() -> int:
     """Requests this process's engines finished (each engine's finished-request histogram)."""
-    from dfllm.accessors.engine_cache import engines_now
+    from dfllm.worker.engine_cache import engines_now
 
     return sum(m.count for llm in engines_now() if llm.engine is not None for m in llm.get_metrics()
                if m.name == "dfllm_request_generation_tokens")

@@ -25,7 +25,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dfllm import LLM, SamplingParams
-from dfllm.accessors import engine_cache
+from dfllm.worker import engine_cache
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.jobs.batch import BatchOptions, Engines, answer
 from dfllm.jobs.batch_job import run_batch

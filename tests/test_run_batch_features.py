@@ -23,7 +23,7 @@ from test_run_batch import ENGINE, chat, check_line, line, read_jsonl, write_jso
 from transformers import AutoTokenizer
 
 from dfllm import SamplingParams
-from dfllm.accessors import engine_cache
+from dfllm.worker import engine_cache
 from dfllm.jobs.batch import BatchOptions
 from dfllm.jobs.batch_job import BatchRequests, dry_run_batch, dry_run_rows, run_batch
 from dfllm.jobs.cli import main as cli_main
@@ -50,7 +50,7 @@ def finished_requests(model, engine_kwargs: dict) -> int:
     Dask client is current (a job then runs on its cluster), on every worker; 0 where it is
     not loaded."""
     def count(model: str = str(model), kwargs: dict = engine_kwargs) -> int:
-        from dfllm.accessors import engine_cache
+        from dfllm.worker import engine_cache
 
         entry = engine_cache._engines.get(engine_cache.engine_key(model, kwargs))
         if entry is None or entry.llm.engine is None:

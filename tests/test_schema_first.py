@@ -252,7 +252,7 @@ def test_resume_recomputes_after_new_weights_in_the_same_folder(tiny_llama, smol
 
 def test_every_sampling_field_enters_the_write_key():
     """The one serialisation of a task: changing any field of SamplingParams changes it."""
-    from dfllm.accessors.write_key import canonical
+    from dfllm.tasks.write_key import canonical
     from dfllm.sampling_params import SamplingParams
     from dfllm.structured_outputs import StructuredOutputsParams
 

@@ -111,7 +111,7 @@ def test_prompt_puts_the_instruction_first_and_the_fields_last():
 def test_the_prefix_cache_serves_the_instruction_once(tiny_judge):
     """Every row after the first reads the fixed part (system message and instruction, three
     full blocks of 16 tokens or more) from the prefix cache."""
-    from dfllm.accessors.engine_cache import engines
+    from dfllm.worker.engine_cache import engines
 
     def hits() -> float:
         return sum(m.value for llm in engines() if llm.engine is not None for m in llm.get_metrics()

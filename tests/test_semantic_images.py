@@ -26,7 +26,7 @@ import dfllm.accessors.pandas_ext  # noqa: F401  (registers .llm)
 import dfllm.accessors.polars_ext  # noqa: F401
 from dfllm import LLM
 from dfllm.accessors.semantic.join import Embedder
-from dfllm.accessors.task import make_task
+from dfllm.tasks.task import make_task
 
 from helpers import local_client
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
-from dfllm.accessors.schema import arrow_type
+from dfllm.tasks.schema import arrow_type
 
 # Bounded, so that even a random model's output completes within max_tokens.
 SCHEMA = {
@@ -352,8 +352,8 @@ def test_dask_meta_is_exact_and_polars_types(frame, kw):
 def test_a_value_the_column_type_cannot_hold_is_that_rows_error():
     """JSON integers are unbounded; a completed output whose integer is past int64 gets an
     llm_error naming the column type instead of failing the partition."""
-    from dfllm.accessors.schema import structured_value
-    from dfllm.accessors.task import make_task
+    from dfllm.tasks.schema import structured_value
+    from dfllm.tasks.task import make_task
     from dfllm.outputs import CompletionOutput
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

@@ -1,7 +1,7 @@
 """``.llm`` on Dask DataFrames and Series: lazy, with exact ``meta``, one task per partition.
 
 Partitions run wherever Dask schedules them; on a distributed cluster each worker process
-keeps one engine per model configuration (see :mod:`dfllm.accessors.engine_cache`). Tasks
+keeps one engine per model configuration (see :mod:`dfllm.worker.engine_cache`). Tasks
 are named ``llm-<task>`` in the dashboard's task stream. ``resources=`` keeps the engine
 work on workers declaring those resources (see :mod:`dfllm.accessors.placement`). The
 result carries its task: its expression maps its source frame with a
@@ -19,12 +19,12 @@ import pandas as pd
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
-from dfllm.accessors.kinds import ENGINE_ARROW_TYPES
 from dfllm.accessors.placement import check_resources, model_check, run_placed
-from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
-from dfllm.accessors.task import LLMTask
-from dfllm.accessors.write_key import AdapterSource, canonical
+from dfllm.tasks.kinds import ENGINE_ARROW_TYPES
+from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.task import LLMTask
+from dfllm.tasks.write_key import AdapterSource, canonical
 
 
 class WritableFunction:
@@ -38,7 +38,7 @@ class WritableFunction:
     - ``kind``: lower-case letters naming the write's tasks (``llm-write-<kind>-<i>-<run>``);
     - ``resources``: the worker resources the write's tasks ask for (None: any worker);
     - ``model_sources()``: the models whose files' identity enters each partition's key
-      (computed on the worker that writes it; see :func:`dfllm.accessors.write_key.model_key`);
+      (computed on the worker that writes it; see :func:`dfllm.tasks.write_key.model_key`);
     - ``arrow_types()``: the Arrow types of output columns that ``meta`` holds as ``object``.
     """
 

@@ -1,16 +1,16 @@
 """The methods of ``.llm``, shared by every dataframe library: one signature per method.
 
 Each method checks its arguments against the frame's columns (raising ``ValueError`` at
-call time) and hands an :class:`~dfllm.accessors.task.LLMTask` to the library's
-``_apply``. Defaults (from :data:`~dfllm.accessors.kinds.KINDS`): ``generate``/``chat``
+call time) and hands an :class:`~dfllm.tasks.task.LLMTask` to the library's
+``_apply``. Defaults (from :data:`~dfllm.tasks.kinds.KINDS`): ``generate``/``chat``
 use the bundled chat model, ``embed``/``score`` the bundled all-MiniLM-L6-v2; ``classify``
 needs a ``model``.
 """
 
 from __future__ import annotations
 
-from dfllm.accessors.kinds import KINDS
-from dfllm.accessors.task import LLMTask, make_task
+from dfllm.tasks.kinds import KINDS
+from dfllm.tasks.task import LLMTask, make_task
 
 _COLUMN = {name: kind.output_column for name, kind in KINDS.items()}  # each method's main output column
 
@@ -56,7 +56,7 @@ class LLMFrameMethods:
         or the name of a column of dicts (one per row).
 
         ``engine_columns`` (a name or a list of names) adds what the engine reports per row,
-        before ``llm_error`` (see :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`):
+        before ``llm_error`` (see :data:`dfllm.tasks.kinds.ENGINE_COLUMNS`):
         ``"num_cached_tokens"`` (int64: prompt tokens served from the prefix cache, or by
         computing an identical request once), ``"rendered_prompt"``, ``"prompt_token_ids"``,
         ``"generated_tokens"``, ``"logprobs"``, ``"prompt_logprobs"``, ``"time_taken_llm"``,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
-from dfllm.accessors.runners import run_task
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
-from dfllm.accessors.task import LLMTask
+from dfllm.tasks.runners import run_task
+from dfllm.tasks.task import LLMTask
 
 
 @pd.api.extensions.register_dataframe_accessor("llm")

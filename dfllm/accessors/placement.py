@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from dfllm.accessors.runners import run_task
-from dfllm.accessors.task import LLMTask, check_model
+from dfllm.dashboard.reporting import ensure_installed
+from dfllm.tasks.runners import run_task
+from dfllm.tasks.task import LLMTask, check_model
 
 MODEL_CHECK_TIMEOUT_S = 120.0
 
@@ -62,6 +63,8 @@ def run_placed(df: pd.DataFrame, task: LLMTask, resources: dict | None) -> pd.Da
     """``run_task(df, task)`` on a worker declaring ``resources``: here if this worker does
     (or if this is no Dask worker at all: a local scheduler has nowhere else to go),
     otherwise as a task of its own on one that does, waited for without holding a thread."""
+    if _worker() is not None and len(df):
+        ensure_installed()  # the first partition on a worker brings the dashboard page
     if resources is None or _worker() is None or worker_has(resources):
         return run_task(df, task)
     from distributed import worker_client

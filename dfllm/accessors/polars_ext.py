@@ -17,10 +17,10 @@ import polars as pl
 import pyarrow as pa
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
-from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
-from dfllm.accessors.runners import run_task
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
-from dfllm.accessors.task import LLMTask, make_task
+from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
+from dfllm.tasks.runners import run_task
+from dfllm.tasks.task import LLMTask, make_task
 
 POLARS_TYPES: dict[str, Any] = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64,
                                 "list<item: float>": pl.List(pl.Float32)}

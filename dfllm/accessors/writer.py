@@ -5,7 +5,7 @@ call (``ddf.llm.generate(...)`` etc.) or of a processor (``build_processor(...)(
 Both map their source frame's partitions with a
 :class:`~dfllm.accessors.dask_ext.WritableFunction`, whose ``write_key`` names what
 decides a partition's output besides its rows: the accessor's task (every field of it,
-through :func:`dfllm.accessors.write_key.canonical`); the processor's config, output types
+through :func:`dfllm.tasks.write_key.canonical`); the processor's config, output types
 and fingerprints of ``preprocess`` and ``postprocess`` (see :mod:`dfllm.jobs.processor`).
 The models' files enter each partition's key too (:mod:`dfllm.models.identity`), so new
 weights copied into the same folder recompute.
@@ -95,8 +95,8 @@ import pyarrow.parquet as pq
 from dfllm.accessors.arrow_schema import INDEX, conform, job_schema, unify_counts, value_types
 from dfllm.accessors.budget import Budget, Gate
 from dfllm.accessors.dask_ext import WritableFunction, llm_origin
-from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
-from dfllm.accessors.write_key import model_key
+from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.tasks.write_key import model_key
 
 KEYS = "_dfllm_keys"
 FOOTER_KEY = b"dfllm"  # the part's record in its parquet footer's key-value metadata

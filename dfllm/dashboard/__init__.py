@@ -14,7 +14,7 @@ How it gets installed (any one is enough; repeating it does nothing):
 
 Workers report through Dask's own heartbeats: the plugin installs a ``WorkerPlugin``
 (:class:`~dfllm.dashboard.reporting.WorkerReporter`) that adds a ``dfllm`` entry to each
-worker's Dask metrics. Submodules: :mod:`~dfllm.dashboard.progress` (worker-side state and
+worker's Dask metrics. Submodules: :mod:`~dfllm.worker.progress` (worker-side state and
 the hooks the engine cache and driver call), :mod:`~dfllm.dashboard.reporting` (the worker
 plugin), :mod:`~dfllm.dashboard.collector` (the scheduler plugin, the JSON endpoint) and
 :mod:`~dfllm.dashboard.page` (the Bokeh document). Importing this package imports none of

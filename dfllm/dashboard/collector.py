@@ -36,9 +36,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 from tornado.ioloop import PeriodicCallback
 
-from dfllm.dashboard.progress import METRIC
-from dfllm.dashboard.progress import PLUGIN_NAME as WORKER_PLUGIN
 from dfllm.dashboard.reporting import WorkerReporter
+from dfllm.worker.progress import METRIC
+from dfllm.worker.progress import PLUGIN_NAME as WORKER_PLUGIN
 
 logger = logging.getLogger("dfllm")
 

@@ -1,6 +1,6 @@
 """The worker's side of the dfllm dashboard: :class:`WorkerReporter`, a Dask ``WorkerPlugin``.
 
-It adds :func:`dfllm.dashboard.progress.worker_report` to the worker's Dask metrics
+It adds :func:`dfllm.worker.progress.worker_report` to the worker's Dask metrics
 (``worker.metrics["dfllm"]``), which the worker's own heartbeat carries to the scheduler,
 and counts the rows of the dfllm tasks that finish on the worker. The scheduler's
 :class:`~dfllm.dashboard.collector.DashboardPlugin` installs it on every worker.
@@ -13,13 +13,13 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from dfllm.dashboard.progress import METRIC, PLUGIN_NAME, task_dropped, task_finished, tracked, worker_report
+from dfllm.worker.progress import METRIC, PLUGIN_NAME, task_dropped, task_finished, tracked, worker_report
 
 logger = logging.getLogger("dfllm")
 
 
 class WorkerReporter(WorkerPlugin):
-    """Adds :func:`~dfllm.dashboard.progress.worker_report` to the worker's Dask metrics (sent with every heartbeat)
+    """Adds :func:`~dfllm.worker.progress.worker_report` to the worker's Dask metrics (sent with every heartbeat)
     and counts the rows of the dfllm tasks that finish on it."""
 
     name = PLUGIN_NAME
@@ -56,3 +56,27 @@ async def register(worker: Any) -> None:
         logger.warning("dfllm: the scheduler could not load the dashboard plugin: %s", exc)
         if PLUGIN_NAME not in worker.plugins:  # this worker still reports, for a scheduler-side preload
             await worker.plugin_add(plugin=WorkerReporter(), name=PLUGIN_NAME)
+
+
+_installing = False
+
+
+def ensure_installed() -> None:
+    """In a Dask worker: once, ask the scheduler to load the dashboard plugin
+    (:class:`~dfllm.dashboard.collector.DashboardPlugin`), which adds the page and installs
+    :class:`WorkerReporter` on every worker. Best effort: a scheduler that cannot load it
+    (dfllm not installed there, pickled plugins refused) is logged and the job goes on.
+    Called as a ``.llm`` partition starts on a worker (:func:`dfllm.accessors.placement.run_placed`)."""
+    global _installing
+    if _installing:
+        return
+    _installing = True
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except Exception:  # not in a worker
+        return
+    if PLUGIN_NAME in getattr(worker, "plugins", {}):  # already there (preload, client.register_plugin)
+        return
+    worker.loop.add_callback(register, worker)

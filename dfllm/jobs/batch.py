@@ -30,7 +30,7 @@ whole (reasoning, ``</think>`` and answer), as vLLM's completions responses do, 
 structured output still constrains only what follows the reasoning (:class:`WholeText`).
 
 With a response cache (:class:`Engines`' ``cache``), the generative lines' requests go
-through :func:`dfllm.accessors.response_cache.generate_cached`: a deterministic request
+through :func:`dfllm.tasks.response_cache.generate_cached`: a deterministic request
 (greedy, or seeded) asked before on the same engine is answered from the cache, not the engine.
 """
 
@@ -44,8 +44,6 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dfllm.accessors.driver import driver
-from dfllm.accessors.response_cache import ResponseCache, generate_cached
 from dfllm.errors import InvalidRequestError
 from dfllm.jobs.openai_batch import BatchRequestInput, LineError
 from dfllm.jobs.openai_requests import (
@@ -58,6 +56,8 @@ from dfllm.jobs.openai_requests import (
 from dfllm.jobs.openai_responses import chat_completion, completion, embeddings, rerank, scores
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import ReasoningParser
+from dfllm.tasks.response_cache import ResponseCache, generate_cached
+from dfllm.worker.driver import driver
 
 GENERATIVE = ("chat", "completions")
 POOLING = ("embeddings", "score", "rerank")
@@ -157,7 +157,7 @@ class PoolingModel:
 @dataclass
 class Engines:
     """The engines a set of lines runs on: the process's cached engines (see
-    :mod:`dfllm.accessors.engine_cache`), leased on first use and held until :meth:`close`
+    :mod:`dfllm.worker.engine_cache`), leased on first use and held until :meth:`close`
     (use it as a context manager); ``cache``, the job's response cache (None: none)."""
 
     options: BatchOptions
@@ -176,10 +176,12 @@ class Engines:
         self._entries.clear()
 
     def _entry(self, endpoint: str):
-        from dfllm.accessors.engine_cache import lease
+        from dfllm.dashboard.reporting import ensure_installed
+        from dfllm.worker.engine_cache import lease
 
         model = self.options.model_for(endpoint)
         if model not in self._entries:
+            ensure_installed()  # on a Dask worker, the first engine brings the dashboard page
             self._entries[model] = self._stack.enter_context(lease(model, dict(self.options.engine_kwargs)))
         return self._entries[model]
 

@@ -29,7 +29,7 @@ it, so that a later resumed run recomputes nothing).
 ``reasoning_parser=`` (``--reasoning-parser``) splits a thinking model's chat answers into
 ``reasoning_content`` and ``content`` (see :mod:`dfllm.jobs.batch`); ``cache=`` (``--cache``)
 answers the deterministic lines asked before from a response cache
-(:mod:`dfllm.accessors.response_cache`). :func:`dry_run_batch` (``--dry-run``) reads and
+(:mod:`dfllm.tasks.response_cache`). :func:`dry_run_batch` (``--dry-run``) reads and
 checks every line and tokenizes the chat and completions ones on the cluster, writing nothing.
 """
 
@@ -50,11 +50,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.dask_ext import WritableFunction
-from dfllm.accessors.response_cache import ResponseCache, as_cache
-from dfllm.accessors.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
-from dfllm.accessors.write_key import canonical
 from dfllm.jobs.batch import BatchOptions, Engines, answer
 from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
+from dfllm.tasks.response_cache import ResponseCache, as_cache
+from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.tasks.write_key import canonical
 
 if TYPE_CHECKING:
     from dfllm.jobs.dry_run import DryRunReport
@@ -359,7 +359,7 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
     ``reasoning_parser`` (``"qwen3"``, ``"deepseek_r1"``; vLLM's ``--reasoning-parser``): chat
     answers carry a thinking model's reasoning in ``message.reasoning_content`` and the answer
     alone in ``message.content`` (see :mod:`dfllm.jobs.batch`). ``cache``: a response cache
-    (a path or fsspec URL, a :class:`~dfllm.accessors.response_cache.ResponseCache` or a dict
+    (a path or fsspec URL, a :class:`~dfllm.tasks.response_cache.ResponseCache` or a dict
     of its fields): deterministic chat and completions lines (greedy, or seeded) asked before
     on the same model and engine settings are answered from it without the engine, and the
     new ones stored.
@@ -407,9 +407,9 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
 
 
 def cache_counts() -> dict[str, int]:
-    """The response cache counts (:func:`dfllm.accessors.response_cache.counts`) of every
+    """The response cache counts (:func:`dfllm.tasks.response_cache.counts`) of every
     worker of the current Dask client's cluster, summed; of this process without one."""
-    from dfllm.accessors.response_cache import counts
+    from dfllm.tasks.response_cache import counts
 
     try:
         from distributed import default_client

@@ -33,8 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dfllm.accessors.kinds import KINDS
 from dfllm.reasoning import reasoning_parser_names
+from dfllm.tasks.kinds import KINDS
 
 if TYPE_CHECKING:
     from dfllm.accessors.writer import WriteSummary
@@ -313,7 +313,7 @@ def cache_of(args):
         if args.cache_max_bytes is not None or args.cache_storage_options is not None:
             raise ValueError("--cache-max-bytes and --cache-storage-options need --cache")
         return None
-    from dfllm.accessors.response_cache import DEFAULT_MAX_BYTES, ResponseCache, as_cache
+    from dfllm.tasks.response_cache import DEFAULT_MAX_BYTES, ResponseCache, as_cache
 
     options = args.cache_storage_options
     if options is None and "://" in args.cache and not args.cache.startswith("file://"):
@@ -412,8 +412,8 @@ def deduplicated_requests(client) -> int:
 
 
 def cache_counts(client) -> dict[str, int]:
-    """The response cache counts of every worker (:func:`dfllm.accessors.response_cache.counts`), summed."""
-    from dfllm.accessors.response_cache import counts
+    """The response cache counts of every worker (:func:`dfllm.tasks.response_cache.counts`), summed."""
+    from dfllm.tasks.response_cache import counts
 
     total: dict[str, int] = {}
     for worker in client.run(counts, on_error="ignore").values():
@@ -423,7 +423,7 @@ def cache_counts(client) -> dict[str, int]:
 
 
 def _engine_deduplicated() -> int:
-    from dfllm.accessors.engine_cache import engines_now
+    from dfllm.worker.engine_cache import engines_now
 
     return sum(int(m.value) for llm in engines_now() if llm.engine is not None
                for m in llm.get_metrics() if m.name == "dfllm_deduplicated_requests")

@@ -1,6 +1,6 @@
 """The Dask cluster a job runs on: an existing scheduler, a local CPU cluster, or one worker per GPU.
 
-dfllm keeps one engine per worker process (see :mod:`dfllm.accessors.engine_cache`), so a
+dfllm keeps one engine per worker process (see :mod:`dfllm.worker.engine_cache`), so a
 worker's threads are not compute parallelism but the number of partitions feeding its
 engine at once; torch inside the worker uses the worker's cores. On CPU one worker is
 the right default: two engines on the same cores only compete. With ``gpu=True`` each

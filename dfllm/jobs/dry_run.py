@@ -52,13 +52,13 @@ import dask
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.schema import LLM_ERROR
+from dfllm.tasks.schema import LLM_ERROR
 
 if TYPE_CHECKING:
-    from dfllm.accessors.task import LLMTask
     from dfllm.config import EngineConfig
     from dfllm.engine.input_processor import EngineRequest, InputProcessor
     from dfllm.engine.llm_engine import LLMEngine
+    from dfllm.tasks.task import LLMTask
 
 DEFAULT_SAMPLE_ROWS = 16
 DEFAULT_CALIBRATION_SECONDS = 30.0
@@ -109,8 +109,8 @@ def _capture(requests: list[EngineRequest]) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class TaskRequests:
-    """The requests of a generate or chat :class:`~dfllm.accessors.task.LLMTask`: its own
-    runner (:mod:`dfllm.accessors.runners`) builds them, so rows are read, rendered, checked
+    """The requests of a generate or chat :class:`~dfllm.tasks.task.LLMTask`: its own
+    runner (:mod:`dfllm.tasks.runners`) builds them, so rows are read, rendered, checked
     exactly as in the real run; the runner stops where it would generate. Requests stay in
     row order (a task's ``sort_by`` changes the engine's order, not what it computes), and
     bad rows are collected whatever the task's ``on_error`` (the dry run lists them all)."""
@@ -132,7 +132,7 @@ class TaskRequests:
 
     def requests(self, df: pd.DataFrame, processor: InputProcessor,
                  lock: threading.Lock) -> tuple[list[EngineRequest], dict[int, str]]:
-        from dfllm.accessors.runners import Generation
+        from dfllm.tasks.runners import RUNNERS, Generation
 
         fields: dict[str, Any] = {"on_error": "null", "sort_by": ()}
         if getattr(self.task, "cache", None) is not None:
@@ -140,7 +140,7 @@ class TaskRequests:
         task = dataclasses.replace(self.task, **fields)
         out: dict[str, list] = {c: [None] * len(df) for c in task.output_dtypes()}
         try:
-            task.spec.runner(df, task, out, Generation(processor, lock, _capture))
+            RUNNERS[task.spec.runner](df, task, out, Generation(processor, lock, _capture))
             requests: list[EngineRequest] = []  # no row got through
         except _Captured as captured:
             requests = captured.requests
@@ -160,7 +160,7 @@ def cached_requests(cache, config: EngineConfig, engine_kwargs: tuple, requests:
 
     import fsspec
 
-    from dfllm.accessors.response_cache import engine_identity, request_key
+    from dfllm.tasks.response_cache import engine_identity, request_key
 
     engine = engine_identity(config, engine_kwargs)
     keys = [None if engine is None else request_key(engine, r) for r in requests]
@@ -219,7 +219,7 @@ class PartitionSurvey:
 def survey_partition(df: pd.DataFrame, source: RequestSource, partition: int) -> PartitionSurvey:
     """Turn one partition's rows into requests on this worker's engine (loaded if need be)
     and summarize them (see the module docstring)."""
-    from dfllm.accessors.engine_cache import lease, load_count
+    from dfllm.worker.engine_cache import lease, load_count
 
     start = time.perf_counter()
     loads = load_count()
@@ -377,8 +377,8 @@ class Calibration:
 def calibrate(frames: list[pd.DataFrame], source: RequestSource, sample_rows: int, seconds: float) -> Calibration:
     """Run up to ``sample_rows`` distinct accepted requests of ``frames`` (spread over them)
     through this worker's engine, timed (see :class:`Calibration`)."""
-    from dfllm.accessors.driver import driver
-    from dfllm.accessors.engine_cache import lease
+    from dfllm.worker.driver import driver
+    from dfllm.worker.engine_cache import lease
 
     with lease(source.model, dict(source.engine_kwargs)) as entry:
         engine = _generative(entry.llm)

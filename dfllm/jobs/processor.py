@@ -156,13 +156,13 @@ import pandas as pd
 import pyarrow as pa
 
 from dfllm.accessors.dask_ext import WritableFunction
-from dfllm.accessors.kinds import KINDS, LOGPROB_MAP
 from dfllm.accessors.placement import check_resources, run_placed
-from dfllm.accessors.response_cache import as_cache
-from dfllm.accessors.schema import LLM_ERROR
-from dfllm.accessors.task import make_task
-from dfllm.accessors.write_key import canonical
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
+from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
+from dfllm.tasks.response_cache import as_cache
+from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.task import make_task
+from dfllm.tasks.write_key import canonical
 
 TASK_TYPES = ("generate", "embed", "classify", "score")
 SAMPLE_ROWS = 8
@@ -322,7 +322,7 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
       preprocess, a dfllm addition) are merged over them.
     - ``cache`` (dfllm's): a response cache for generate (a path or fsspec URL, a
       :class:`dfllm.ResponseCache` or a dict of its fields; see
-      :mod:`dfllm.accessors.response_cache`): deterministic rows asked before with the same
+      :mod:`dfllm.tasks.response_cache`): deterministic rows asked before with the same
       model, prompt tokens and sampling params are answered from it without the engine. It
       decides no output, so it is not part of a resumed write's key.
     """
@@ -481,7 +481,7 @@ class RowResult(NamedTuple):
 
 
 # ---- Ray Data LLM's engine columns ------------------------------------------------------------------
-#: The engine columns (``dfllm.accessors.kinds.ENGINE_COLUMNS``) a processor's tasks ask for,
+#: The engine columns (``dfllm.tasks.kinds.ENGINE_COLUMNS``) a processor's tasks ask for,
 #: by task kind, and Ray's name of each (its ``prompt`` is the engine's ``rendered_prompt``).
 RAY_COLUMNS: dict[str, dict[str, str]] = {
     "generate": {"rendered_prompt": "prompt", "prompt_token_ids": "prompt_token_ids",
@@ -1108,7 +1108,7 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
     ``preprocess`` and ``postprocess`` do for :func:`dfllm.write_parquet` with
     ``resume=True``, in place of their fingerprints. ``cache`` (a path or URL, a
     :class:`dfllm.ResponseCache` or a dict of its fields) sets the config's response cache
-    (see :mod:`dfllm.accessors.response_cache`). See :mod:`dfllm.jobs.processor`.
+    (see :mod:`dfllm.tasks.response_cache`). See :mod:`dfllm.jobs.processor`.
 
     Ray Data LLM's other arguments are accepted: ``preprocess_map_kwargs`` and
     ``postprocess_map_kwargs`` (Ray's ``map`` options: Ray-cluster-only, no effect on Dask;

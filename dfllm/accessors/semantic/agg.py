@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.semantic.join import (
     Placed,
     SemanticCost,
@@ -31,7 +30,8 @@ from dfllm.accessors.semantic.join import (
     to_pandas,
 )
 from dfllm.accessors.semantic.prompts import instruction_fields, record_template, semantic_prompt
-from dfllm.accessors.task import LLMTask, make_task
+from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.task import LLMTask, make_task
 
 logger = logging.getLogger("dfllm")
 
@@ -106,7 +106,7 @@ def pack(texts: Sequence[str], budget: int, tokenizer) -> tuple[list[list[str]],
 
 
 def _summarise(task: LLMTask, bodies: list[str], cost: SemanticCost) -> tuple[list, list]:
-    from dfllm.accessors.runners import run_task
+    from dfllm.tasks.runners import run_task
 
     if not bodies:
         return [], []

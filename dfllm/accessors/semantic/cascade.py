@@ -47,10 +47,10 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.schema import FLOAT, LLM_ERROR, STRING
 from dfllm.accessors.semantic.filter import BOOL, judge_step, judge_task
 from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed
 from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
+from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
 
 logger = logging.getLogger("dfllm")
 

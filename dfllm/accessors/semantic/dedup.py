@@ -18,7 +18,6 @@ import logging
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.semantic.join import (
     TRUE_FALSE,
     Embedder,
@@ -34,6 +33,7 @@ from dfllm.accessors.semantic.join import (
     rename_columns,
     to_pandas,
 )
+from dfllm.tasks.schema import LLM_ERROR
 
 logger = logging.getLogger("dfllm")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dfllm.accessors.schema import LLM_ERROR, structured_dtype
 from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed, task_columns
 from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
+from dfllm.tasks.schema import LLM_ERROR, structured_dtype
 
 EXTRACT_PREAMBLE = ("You extract structured data from a record. Reply with one JSON object with these fields: "
                     "{fields}.")

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.schema import FLOAT, LLM_ERROR, STRING
 from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed, task_columns
 from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
+from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
 
 BOOL = pd.ArrowDtype(pa.bool_())
 ANSWERS = ("True", "False")

@@ -1,6 +1,6 @@
 """How a row-wise semantic operator runs on every dataframe library.
 
-A row-wise operator is one ``.llm`` task (an :class:`~dfllm.accessors.task.LLMTask`:
+A row-wise operator is one ``.llm`` task (an :class:`~dfllm.tasks.task.LLMTask`:
 ``generate``/``chat`` with ``choice=``, ``json_schema=`` or logprobs) followed by a pandas
 step that turns its output columns into the operator's (a verdict, typed fields, fewer
 rows...). :class:`SemanticFunction` is the two together: picklable, mapped over a Dask
@@ -19,9 +19,9 @@ import pandas as pd
 
 from dfllm.accessors.dask_ext import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
-from dfllm.accessors.schema import LLM_ERROR, STRING
-from dfllm.accessors.task import LLMTask, make_task
-from dfllm.accessors.write_key import canonical
+from dfllm.tasks.schema import LLM_ERROR, STRING
+from dfllm.tasks.task import LLMTask, make_task
+from dfllm.tasks.write_key import canonical
 
 #: An input column the task writes too is renamed to this prefix + its name while the task runs.
 SHADOW = "__dfllm_in__"
@@ -95,7 +95,7 @@ class SemanticFunction(WritableFunction):
 
 def task_columns(kind: str, output_column: str, engine_columns: tuple[str, ...] = ()) -> list[str]:
     """Every column a generative task of ``kind`` may write (a reasoning parser's included)."""
-    from dfllm.accessors.kinds import KINDS
+    from dfllm.tasks.kinds import KINDS
 
     return list(KINDS[kind].output_dtypes(output_column, (), engine_columns, reasoning=True))
 
@@ -117,7 +117,7 @@ def make_llm_task(accessor, kind: str, inputs: tuple[str, ...], resources: dict 
                   columns=None, **kwargs) -> LLMTask:
     """An ``.llm`` task of ``kind`` checked against the accessor's frame (or ``columns``), as
     the accessor's own methods check theirs (its model check), without running it."""
-    from dfllm.accessors.kinds import KINDS
+    from dfllm.tasks.kinds import KINDS
 
     spec = KINDS[kind]
     if not model and spec.default_model:
@@ -151,7 +151,7 @@ def run_step(obj, step: SemanticFunction):
 
 
 def _pandas(df: pd.DataFrame, step: SemanticFunction) -> pd.DataFrame:
-    from dfllm.accessors.runners import run_task
+    from dfllm.tasks.runners import run_task
 
     return step.apply(df, lambda frame, task: run_task(frame, task, progress=True))
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.runners import run_task
-from dfllm.accessors.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.accessors.semantic.prompts import record_template, semantic_prompt
-from dfllm.accessors.task import LLMTask, make_task
+from dfllm.tasks.runners import run_task
+from dfllm.tasks.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.tasks.task import LLMTask, make_task
 
 logger = logging.getLogger("dfllm")
 
@@ -189,8 +189,8 @@ def make_embedder(accessor, template: str, columns: Sequence[str], *, model, res
     single column ``columns[0]`` as images instead (its cells as ``.llm.embed(images=)``
     takes them), which needs an image-text model (CLIP, SigLIP): a text-only one is refused
     now when its files are here, else each row's error on the workers."""
-    from dfllm.accessors.kinds import DEFAULT_EMBED_MODEL
-    from dfllm.accessors.task import check_model
+    from dfllm.tasks.kinds import DEFAULT_EMBED_MODEL
+    from dfllm.tasks.task import check_model
 
     base = accessor._model_check(resources)
 

@@ -18,7 +18,7 @@ import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dfllm.accessors.rows import template_fields
+from dfllm.tasks.templates import template_fields
 
 
 def instruction_fields(instruction: str) -> list[str]:

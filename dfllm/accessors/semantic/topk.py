@@ -22,7 +22,6 @@ import logging
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.schema import LLM_ERROR
 from dfllm.accessors.semantic.join import (
     Embedder,
     PairJudge,
@@ -36,6 +35,7 @@ from dfllm.accessors.semantic.join import (
     to_pandas,
 )
 from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
+from dfllm.tasks.schema import LLM_ERROR
 
 logger = logging.getLogger("dfllm")
 

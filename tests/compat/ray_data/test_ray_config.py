@@ -196,7 +196,7 @@ def test_accelerator_type_places_the_engine_on_workers_declaring_it(tiny_llama, 
     ``accelerator_type:H100`` loads the model, whatever worker a partition started on."""
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
-    from dfllm.accessors import engine_cache
+    from dfllm.worker import engine_cache
 
     workers = {"cpu": {"cls": Nanny, "options": {"nthreads": 2}},
                "h100": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"accelerator_type:H100": 1}}}}

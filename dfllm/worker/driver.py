@@ -7,7 +7,7 @@ its own team of worker threads; once there are more of those than cores, libgomp
 spinning between regions and each small op pays a futex wake-up (a decode step ran 30-40%
 slower in a Dask worker whose engine was built on one task thread and stepped on
 another). One thread, one team. Its start tunes a Dask worker's process once (see
-:mod:`dfllm.accessors.worker_tuning`).
+:mod:`dfllm.worker.tuning`).
 
 Generation from concurrent tasks of one process (a Dask worker's threads) shares an
 engine's continuous batches: a task turns its rows into checked requests (the engine's
@@ -23,7 +23,7 @@ while generating these rows: ...")``, the others the outputs they would have had
 which the model produces non-finite logits are not a failed step: they end with
 ``finish_reason="error"`` and the rest of the batch goes on. For tests and diagnostics,
 :func:`partitions_per_step` says how many tasks shared each step; each step's batch size
-also goes to the dashboard (:func:`dfllm.dashboard.progress.record_step`).
+also goes to the dashboard (:func:`dfllm.worker.progress.record_step`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from dfllm.accessors.worker_tuning import tune_worker_process, worker_thread_count
-from dfllm.dashboard import progress
 from dfllm.engine.input_processor import EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.outputs import RequestOutput
+from dfllm.worker import progress
+from dfllm.worker.tuning import tune_worker_process, worker_thread_count
 
 STEP_RECORD = 100_000  # steps whose task count is kept (the most recent)
 _step_tasks: collections.deque[int] = collections.deque(maxlen=STEP_RECORD)
@@ -204,7 +204,7 @@ _driver_guard = threading.Lock()
 
 def driver() -> Driver:
     """The process's driver thread, started on first use (in a Dask worker, after tuning
-    the worker's process once: :func:`~dfllm.accessors.worker_tuning.tune_worker_process`)."""
+    the worker's process once: :func:`~dfllm.worker.tuning.tune_worker_process`)."""
     global _driver
     with _driver_guard:
         if _driver is None:

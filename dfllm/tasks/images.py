@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dfllm.accessors.rows import is_null, row_error
+from dfllm.tasks.rows import row_error
+from dfllm.tasks.templates import is_null
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-    from dfllm.accessors.task import LLMTask
+    from dfllm.tasks.task import LLMTask
 
 
 def image_limit(task: LLMTask) -> int | None:

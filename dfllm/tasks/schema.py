@@ -1,6 +1,6 @@
 """The accessors' output column names and Arrow-backed pandas dtypes, and structured-output types.
 
-Which columns each task adds is in :mod:`dfllm.accessors.kinds`. With structured outputs
+Which columns each task adds is in :mod:`dfllm.tasks.kinds`. With structured outputs
 the main column is typed from the constraint: a JSON schema gives an Arrow struct (see
 :func:`arrow_type`), a choice a pandas categorical of exactly those values;
 :func:`structured_value` turns a constrained completion into that column's value.
@@ -27,7 +27,7 @@ PROBS = "probs"
 #: generate's and chat's reasoning, when the engine has a reasoning parser (``reasoning_parser=``)
 REASONING_CONTENT = "reasoning_content"
 #: ``sort_by``'s name for a row's rendered prompt (its token ids) as a sort key (see
-#: :func:`dfllm.accessors.runners.request_order`)
+#: :func:`dfllm.tasks.runners.request_order`)
 SORT_BY_PROMPT = "prompt"
 
 

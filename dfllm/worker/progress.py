@@ -2,22 +2,22 @@
 
 Everything here runs in the worker process. Three small sources feed one report:
 
-- :mod:`dfllm.accessors.engine_cache` calls :func:`partition_started` and
+- :mod:`dfllm.worker.engine_cache` calls :func:`partition_started` and
   :func:`partition_ended` around each partition that holds an engine (a dfllm task's
   partition with rows): partitions in flight, done and failed, per job;
-- :mod:`dfllm.accessors.driver` calls :func:`record_step` after each engine step: the
+- :mod:`dfllm.worker.driver` calls :func:`record_step` after each engine step: the
   batch size of recent steps;
 - :class:`~dfllm.dashboard.reporting.WorkerReporter`, a Dask ``WorkerPlugin``, hands each
   finished dfllm task's result in the worker's memory to :func:`task_finished`: its rows
   and rows with ``llm_error`` (a partition frame, or :func:`dfllm.write_parquet`'s record
   of the part it wrote).
 
-:func:`worker_report` puts these and every engine's ``dfllm_`` metrics into one plain
-dict, which the plugin adds to the worker's Dask metrics (``worker.metrics["dfllm"]``): the
+:func:`worker_report` puts these and what the registered engine sources report (the
+engine cache's engines and their ``dfllm_`` metrics) into one plain dict, which the plugin adds to the worker's Dask metrics (``worker.metrics["dfllm"]``): the
 worker's own heartbeat carries it to the scheduler, where
 :class:`dfllm.dashboard.collector.DashboardPlugin` reads it. No port, no service. This
-module imports nothing beyond the standard library (``distributed`` only when it runs in
-a worker), so the engine cache imports it everywhere for free.
+module imports nothing beyond the standard library: the worker writes to it, the dashboard
+reads it, and neither reaches into the other.
 
 A job is one graph layer of dfllm tasks (see :func:`job_of`): ``llm-generate-<token>``
 for ``ddf.llm.generate(...)``, ``llm-write-generate-<run>`` for one ``write_parquet``.
@@ -26,16 +26,14 @@ for ``ddf.llm.generate(...)``, ``llm-write-generate-<run>`` for one ``write_parq
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import re
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
-
-logger = logging.getLogger("dfllm")
 
 METRIC = "dfllm"  # the key of the report in a worker's Dask metrics
 PLUGIN_NAME = "dfllm-dashboard-reporter"
@@ -80,7 +78,6 @@ _lock = threading.Lock()
 _jobs: collections.OrderedDict[str, JobProgress] = collections.OrderedDict()  # least recently active first
 _keys: dict[Any, str] = {}  # task key -> job, for dfllm tasks whose result is not counted yet
 _steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=10_000)  # (time, batch size)
-_installing = False
 _PROCESS = f"{socket.gethostname()}:{os.getpid()}"  # workers of one process (processes=False) share its state
 
 
@@ -107,7 +104,7 @@ def current_task_key() -> Any:
 def partition_started() -> Any:
     """Called as a task starts using an engine: its partition is in flight. Returns the
     task key (None outside a Dask worker's task, where nothing is recorded) for
-    :func:`partition_ended`. The first call in a worker installs the dashboard."""
+    :func:`partition_ended`."""
     key = current_task_key()
     if key is None:
         return None
@@ -116,7 +113,6 @@ def partition_started() -> Any:
         _keys[key] = job_of(key)
         while len(_keys) > MAX_KEYS:  # results never seen (no reporter on this worker): forget the oldest
             del _keys[next(iter(_keys))]
-    ensure_installed()
     return key
 
 
@@ -176,31 +172,14 @@ def _count(result: Any) -> tuple[int, int]:
 
 
 # ---- the report ---------------------------------------------------------------------------------------
-def engine_reports() -> list[dict]:
-    """Each engine this process holds: its model, device, parallel sizes and metrics."""
-    from dfllm.accessors.engine_cache import engines_now
-    from dfllm.engine.metrics import Counter, Gauge, snapshot
+_engine_sources: list[Callable[[], list[dict]]] = []
 
-    out = []
-    for llm in engines_now():
-        cfg = llm.config
-        info: dict[str, Any] = {"model": cfg.model_path.name, "device": str(cfg.device),
-                                "tensor_parallel_size": cfg.tensor_parallel_size,
-                                "pipeline_parallel_size": cfg.pipeline_parallel_size,
-                                "kind": "generate" if llm.engine is not None else "pooling"}
-        if llm.engine is not None:
-            values = {m.name: m.value for m in snapshot(llm.engine.metrics.registry) if isinstance(m, Counter | Gauge)}
-            for field, name in (("running", "dfllm_num_requests_running"), ("waiting", "dfllm_num_requests_waiting"),
-                                ("kv_cache_usage", "dfllm_kv_cache_usage_perc"),
-                                ("prompt_tokens", "dfllm_prompt_tokens"),
-                                ("generation_tokens", "dfllm_generation_tokens"),
-                                ("preemptions", "dfllm_num_preemptions"),
-                                ("prefix_cache_queries", "dfllm_prefix_cache_queries"),
-                                ("prefix_cache_hits", "dfllm_prefix_cache_hits")):
-                value = values.get(name, 0)
-                info[field] = float(value) if field == "kv_cache_usage" else int(value)
-        out.append(info)
-    return out
+
+def add_engine_source(source: Callable[[], list[dict]]) -> None:
+    """Register a function returning a report per engine this process holds (the engine cache
+    registers :func:`dfllm.worker.engine_cache.engine_reports`), read by :func:`worker_report`."""
+    if source not in _engine_sources:
+        _engine_sources.append(source)
 
 
 def worker_report(worker: Any = None) -> dict:
@@ -210,31 +189,8 @@ def worker_report(worker: Any = None) -> dict:
     recent = [b for t, b in list(_steps) if now - t <= BATCH_WINDOW_S]
     with _lock:
         jobs = {name: job.as_dict() for name, job in _jobs.items()}
-    engines = engine_reports() if "dfllm.accessors.engine_cache" in sys.modules else []
+    engines = [info for source in _engine_sources for info in source()]
     return {"time": now, "process": _PROCESS, "engines": engines,
             "batch_last": recent[-1] if recent else 0,
             "batch_mean": sum(recent) / len(recent) if recent else 0.0,
             "steps": len(recent), "jobs": jobs}
-
-
-# ---- installing from a worker ---------------------------------------------------------------------------
-def ensure_installed() -> None:
-    """In a Dask worker: once, ask the scheduler to load the dashboard plugin
-    (:class:`~dfllm.dashboard.collector.DashboardPlugin`), which adds the page and installs
-    :class:`~dfllm.dashboard.reporting.WorkerReporter` on every worker. Best effort: a scheduler that cannot load it
-    (dfllm not installed there, pickled plugins refused) is logged and the job goes on."""
-    global _installing
-    if _installing:
-        return
-    _installing = True
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except Exception:  # not in a worker
-        return
-    if PLUGIN_NAME in getattr(worker, "plugins", {}):  # already there (preload, client.register_plugin)
-        return
-    from dfllm.dashboard.reporting import register
-
-    worker.loop.add_callback(register, worker)

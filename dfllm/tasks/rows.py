@@ -10,60 +10,20 @@ only ever text for the model: a string that names a file is never opened.
 from __future__ import annotations
 
 import ast
-import datetime
-import decimal
 import json
-import math
-import string
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dfllm.accessors.schema import LLM_ERROR
 from dfllm.inputs import check_conversation, check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
+from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.templates import cell_text, is_null, is_template, template_fields, template_value
 
 if TYPE_CHECKING:
-    from dfllm.accessors.task import LLMTask
-
-TEMPLATE_SCALARS = (str, bool, int, float, decimal.Decimal, datetime.date, datetime.time, datetime.timedelta)
-
-
-def is_template(text: str) -> bool:
-    """Whether an input is a ``{column}`` template rather than a column name."""
-    return "{" in text
-
-
-def template_fields(template: str) -> list[str]:
-    """The ``{column}`` names a template uses, those nested in format specs (``{q:>{width}}``)
-    included; malformed templates raise ``ValueError``. A field is a plain column name:
-    attribute or index access (``{q.__class__}``, ``{q[0]}``) is refused, so a template
-    can only ever read the row's values."""
-    names: list[str] = []
-
-    def walk(text: str, depth: int) -> None:
-        for _, name, spec, conversion in string.Formatter().parse(text):
-            if name is None:
-                continue
-            if conversion not in (None, "r", "s", "a"):
-                raise ValueError(f"unknown conversion !{conversion}")
-            names.append(name)
-            if spec and depth < 2:
-                walk(spec, depth + 1)
-
-    try:
-        walk(template, 0)
-    except ValueError as exc:
-        raise ValueError(f"bad template {template!r}: {exc}") from None
-    if any(n == "" or n.isdigit() for n in names):
-        raise ValueError(f"template {template!r}: placeholders must name columns, like {{question}}")
-    for n in names:
-        if "." in n or "[" in n:
-            raise ValueError(f"template {template!r}: {{{n}}} is not a plain column name (attribute and index "
-                             "access are not allowed; pass a column whose name has '.' or '[' directly)")
-    return list(dict.fromkeys(names))
+    from dfllm.tasks.task import LLMTask
 
 
 def row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
@@ -72,29 +32,6 @@ def row_error(task: LLMTask, out: dict, i: int, message: str) -> None:
     if task.on_error == "raise":
         raise ValueError(f"row {i} of the partition: {message}")
     out[LLM_ERROR][i] = message
-
-
-def is_null(value) -> bool:
-    """Whether a cell is missing (None, NA, NaT or a float NaN)."""
-    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and math.isnan(value))
-
-
-def _text(value, what: str) -> str:
-    """The value as a non-empty string, or raise ``ValueError`` saying what is wrong.
-
-    Bytes (a binary column) are read as UTF-8."""
-    if is_null(value):
-        raise ValueError(f"{what} is null")
-    if isinstance(value, (bytes, bytearray)):
-        try:
-            value = bytes(value).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{what} is not valid UTF-8: byte {value[exc.start]:#04x} at offset {exc.start}") from None
-    if not isinstance(value, str):
-        raise ValueError(f"{what} is not a string ({type(value).__name__})")
-    if not value.strip():
-        raise ValueError(f"{what} is empty")
-    return check_unicode(value, what)
 
 
 def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict, skip=()) -> dict[int, str]:
@@ -108,34 +45,17 @@ def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict, skip=()) -
             continue
         try:
             if records is not None:
-                row = {k: _template_value(records[i][k], f"column {k!r}") for k in template_fields(spec)}
+                row = {k: template_value(records[i][k], f"column {k!r}") for k in template_fields(spec)}
                 try:
                     texts[i] = spec.format_map(row)
                 except (ValueError, TypeError) as exc:  # a format spec this row's value does not fit
                     raise ValueError(f"template {spec!r}: {exc}") from None
                 check_unicode(texts[i], f"template {spec!r}")
             else:
-                texts[i] = _text(values[i], f"column {spec!r}")
+                texts[i] = cell_text(values[i], f"column {spec!r}")
         except ValueError as exc:
             row_error(task, out, i, str(exc))
     return texts
-
-
-def _template_value(value, what: str):
-    """A row's value for a template field, formatted later exactly as ``str.format`` would:
-    text (bytes read as UTF-8) and scalars (ints, floats, bools, dates, times, decimals)
-    pass as they are, so ``{price:.2f}`` works; a null (None, NA, NaN, NaT) is the row's
-    error naming the column, and so is a nested value (a list, a dict) or an empty text."""
-    if is_null(value):
-        raise ValueError(f"{what} is null")
-    if isinstance(value, (str, bytes, bytearray)):
-        return _text(value, what)
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy scalar
-        value = value.item()
-    if not isinstance(value, TEMPLATE_SCALARS):
-        raise ValueError(f"{what} holds a {type(value).__name__}; templates format text, numbers, booleans, "
-                         "dates and decimals (pass a column of text for anything else)")
-    return value
 
 
 def conversations(df: pd.DataFrame, task: LLMTask, out: dict, skip=()) -> dict[int, list[dict]]:
@@ -197,7 +117,7 @@ def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, Sa
 def row_pooling_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, PoolingParams]:
     """Row position -> its PoolingParams, for ``rows``: the task's, or with a pooling column
     the row's own dict of fields (a null cell: the task's); bad rows get errors."""
-    from dfllm.accessors.task import pooling_params_from
+    from dfllm.tasks.task import pooling_params_from
 
     base = task.pooling_params()
     if not task.pooling_column:
@@ -215,7 +135,7 @@ def row_pooling_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict
 def row_chat_template_kwargs(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, dict]:
     """Row position -> the chat template variables of ``rows``: the task's, with a row's own
     (a dict in the task's column; null: none) merged over them; bad rows get errors."""
-    from dfllm.accessors.task import thawed
+    from dfllm.tasks.task import thawed
 
     base = {k: thawed(v) for k, v in task.chat_template_kwargs}
     if not task.chat_template_kwargs_column:

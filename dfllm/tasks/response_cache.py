@@ -9,7 +9,7 @@ path or fsspec URL, or a :class:`ResponseCache` (URL, ``storage_options``, ``max
 (``temperature=0``) or seeded (``seed`` set); anything else, any request for several
 completions (``n > 1``: an entry holds one) and any request whose params have no stable key
 (a logits processor, a callable) bypasses the cache. Its key is the SHA-256 of the
-canonical JSON (:func:`dfllm.accessors.write_key.canonical`) of
+canonical JSON (:func:`dfllm.tasks.write_key.canonical`) of
 
 - the engine's identity: the loaded model's content identity
   (:func:`dfllm.models.identity.model_identity`: config, tokenizer and chat template by
@@ -66,8 +66,8 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from dfllm.accessors.write_key import canonical
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
+from dfllm.tasks.write_key import canonical
 
 if TYPE_CHECKING:
     from dfllm.config import EngineConfig
@@ -163,14 +163,15 @@ def as_cache(value, what: str = "cache") -> ResponseCache | None:
 def engine_identity(config: EngineConfig, engine_kwargs: tuple) -> str | None:
     """What besides a request decides its output on this engine, as a digest; None when the
     engine arguments have no stable key (then every request bypasses the cache)."""
-    import dfllm
+    from importlib.metadata import version
+
     from dfllm.models.identity import model_identity
 
     try:
         text = canonical({"model": model_identity(config.model_path), "engine_kwargs": list(engine_kwargs),
                           "dtype": str(config.dtype), "kv_cache_dtype": str(config.kv_dtype),
                           "quantization": config.quantization, "device": config.device.type,
-                          "dfllm": dfllm.__version__})
+                          "dfllm": version("dfllm")})
     except TypeError:
         return None
     return hashlib.sha256(text.encode()).hexdigest()

@@ -1,5 +1,5 @@
 """Settings of a process that hosts engines for Dask tasks, applied once, when its driver
-thread starts (see :mod:`dfllm.accessors.driver`): how many threads torch uses, glibc's
+thread starts (see :mod:`dfllm.worker.driver`): how many threads torch uses, glibc's
 malloc thresholds, and the Dask worker's profiler.
 """
 

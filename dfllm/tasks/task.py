@@ -1,8 +1,8 @@
 """What an accessor call asks for: a small picklable :class:`LLMTask` (columns or
 template, model, sampling settings), checked at call time by :func:`make_task`.
 
-Running it on a partition is :func:`dfllm.accessors.runners.run_task`; the task kinds and
-their output columns are in :mod:`dfllm.accessors.kinds`.
+Running it on a partition is :func:`dfllm.tasks.runners.run_task`; the task kinds and
+their output columns are in :mod:`dfllm.tasks.kinds`.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dfllm.accessors.kinds import KINDS, TaskKind, task_kind
-from dfllm.accessors.response_cache import ResponseCache, as_cache
-from dfllm.accessors.rows import is_template, template_fields
-from dfllm.accessors.schema import LLM_ERROR, REASONING_CONTENT, SORT_BY_PROMPT
 from dfllm.inputs import check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import reasoning_parser_of
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
+from dfllm.tasks.kinds import KINDS, TaskKind, task_kind
+from dfllm.tasks.response_cache import ResponseCache, as_cache
+from dfllm.tasks.schema import LLM_ERROR, REASONING_CONTENT, SORT_BY_PROMPT
+from dfllm.tasks.templates import is_template, template_fields
 
 ON_ERROR = ("null", "raise")
 
@@ -38,7 +38,7 @@ class LLMTask:
     engine_kwargs: tuple = field(default=())
     structured: tuple = ()  # ("json", schema text) or ("choice", values): a typed main column
     chat_template: str | None = None  # chat: a Jinja template replacing the tokenizer's
-    # engine columns (dfllm.accessors.kinds.ENGINE_COLUMNS) to add besides the kind's own
+    # engine columns (dfllm.tasks.kinds.ENGINE_COLUMNS) to add besides the kind's own
     engine_columns: tuple[str, ...] = ()
     pooling: tuple = ()  # pooling kinds: PoolingParams fields as sorted (key, value) pairs
     pooling_column: str | None = None  # pooling kinds: a column of each row's PoolingParams fields
@@ -52,9 +52,9 @@ class LLMTask:
     # (column names, or schema.SORT_BY_PROMPT for the rendered prompt); outputs keep row order
     sort_by: tuple[str, ...] = ()
     # generative: the response cache deterministic requests are answered from and stored in
-    # (dfllm.accessors.response_cache); it decides no output, so a resumed write's key leaves it out
+    # (dfllm.tasks.response_cache); it decides no output, so a resumed write's key leaves it out
     cache: ResponseCache | None = None
-    # generate, chat, embed: a column of each row's image(s), decoded on the worker (dfllm.accessors.images)
+    # generate, chat, embed: a column of each row's image(s), decoded on the worker (dfllm.tasks.images)
     images: str | None = None
     # generate, chat: LoRA adapters (dfllm.lora.resolve): one for every row, or a column of each row's
     # (null: the base model), and the root bare adapter names are looked up under
@@ -110,7 +110,7 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
 
     ``model_check`` checks the task's model (default: :func:`check_model`, here and now).
     ``engine_columns`` are engine columns of the kind to add (see
-    :data:`dfllm.accessors.kinds.ENGINE_COLUMNS`); ``pooling_params`` (pooling kinds) and
+    :data:`dfllm.tasks.kinds.ENGINE_COLUMNS`); ``pooling_params`` (pooling kinds) and
     ``chat_template_kwargs`` (chat) are a dict (``PoolingParams`` too) for every row, or
     the name of a column of each row's own; ``continue_final_message`` (chat) continues a
     conversation whose last message is not the user's; ``prompt_token_ids`` (generative)
@@ -118,9 +118,9 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     is a key or a list of keys, each a column name or ``"prompt"`` (the rendered prompt):
     each partition's requests go to the engine in that order (see :func:`check_sort_by`).
     ``cache`` (generative) is a response cache (a path or URL, a :class:`ResponseCache` or a
-    dict of its fields; see :func:`dfllm.accessors.response_cache.as_cache`). ``images``
+    dict of its fields; see :func:`dfllm.tasks.response_cache.as_cache`). ``images``
     (generate, chat, embed) names a column of each row's image or list of images (embed:
-    then no text input; see :mod:`dfllm.accessors.images`). ``lora`` (generate, chat) is a
+    then no text input; see :mod:`dfllm.tasks.images`). ``lora`` (generate, chat) is a
     column of each row's LoRA adapter, or one adapter for every row (see :func:`_lora`)."""
     spec = task_kind(kind)
     _check_images(kind, images, inputs, columns)

@@ -4,7 +4,8 @@
 A kind says how many inputs it reads, its main output column's default name and dtype,
 the other columns it adds (every task ends with ``llm_error``), whether it takes sampling
 params and structured outputs (the generative kinds, which share the engine's continuous
-batches), its default model, the function that runs it on one partition, and the engine
+batches), its default model, the key of the function that runs it on one partition (the
+table names its runner; it never imports the code that runs it), and the engine
 columns a task may ask for besides (:data:`ENGINE_COLUMNS`: what Ray Data LLM's engine stage
 gives, which :mod:`dfllm.jobs.processor` asks for, and ``num_cached_tokens``; the accessors'
 ``engine_columns=``). The
@@ -14,14 +15,12 @@ and the CLI all read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.runners import run_chat, run_classify, run_embed, run_generate, run_score
-from dfllm.accessors.schema import (
+from dfllm.tasks.schema import (
     FINISH_REASON,
     FLOAT,
     INT,
@@ -49,7 +48,7 @@ class TaskKind:
     output_dtype: pd.api.extensions.ExtensionDtype  # the main column's dtype (unconstrained)
     other_columns: tuple[tuple[str, pd.api.extensions.ExtensionDtype], ...]  # after the main one
     generative: bool  # takes sampling_params, json_schema and choice; rows share the engine's batches
-    runner: Callable  # runner(df, task, out, engine): fills ``out`` (see dfllm.accessors.runners)
+    runner: str  # the key of the function that runs it in :data:`dfllm.tasks.runners.RUNNERS`
     default_model: str | None = None  # None: LLM's default (the bundled chat model), unless model_required
     model_required: str | None = None  # what to pass as model= when the kind has no default
     engine_columns: tuple[str, ...] = ()  # the ENGINE_COLUMNS a task of this kind may ask for
@@ -94,7 +93,7 @@ _INTS = pd.ArrowDtype(pa.list_(pa.int64()))
 #:   (``deduplicate_requests``), every prompt token but the last; for a row answered from
 #:   the response cache, every prompt token;
 #: - ``from_cache`` (generative kinds, bool): whether the row was answered from the response
-#:   cache (``cache=``, see :mod:`dfllm.accessors.response_cache`) without the engine; its
+#:   cache (``cache=``, see :mod:`dfllm.tasks.response_cache`) without the engine; its
 #:   ``time_taken_llm`` is then 0.
 ENGINE_COLUMNS: dict[str, pd.api.extensions.ExtensionDtype | str] = {
     "rendered_prompt": STRING, "prompt_token_ids": _INTS, "generated_tokens": _INTS, "logprobs": "object",
@@ -117,13 +116,13 @@ def engine_dtype(kind: str, name: str) -> pd.api.extensions.ExtensionDtype | str
 
 
 KINDS: dict[str, TaskKind] = {k.name: k for k in (
-    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_generate,
+    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, "generate",
              engine_columns=_GENERATION_ENGINE),
-    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, run_chat, engine_columns=_GENERATION_ENGINE),
-    TaskKind("embed", 1, "embedding", VECTOR, (), False, run_embed, DEFAULT_EMBED_MODEL,
+    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, "chat", engine_columns=_GENERATION_ENGINE),
+    TaskKind("embed", 1, "embedding", VECTOR, (), False, "embed", DEFAULT_EMBED_MODEL,
              engine_columns=_POOLING_ENGINE),
-    TaskKind("score", 2, "score", FLOAT, (), False, run_score, DEFAULT_EMBED_MODEL, engine_columns=_POOLING_ENGINE),
-    TaskKind("classify", 1, "label", STRING, ((PROBS, VECTOR),), False, run_classify,
+    TaskKind("score", 2, "score", FLOAT, (), False, "score", DEFAULT_EMBED_MODEL, engine_columns=_POOLING_ENGINE),
+    TaskKind("classify", 1, "label", STRING, ((PROBS, VECTOR),), False, "classify",
              model_required="a classifier model", engine_columns=_POOLING_ENGINE),
 )}
 

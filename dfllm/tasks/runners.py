@@ -2,8 +2,8 @@
 
 ``run_task`` turns a pandas frame into the same frame with the task's output columns, rows
 in the same order, holding the process's engine for the task while it runs (see
-:mod:`dfllm.accessors.engine_cache`). Bad rows get a null output and a message in
-``llm_error`` (see :mod:`dfllm.accessors.rows`); every other row is processed.
+:mod:`dfllm.worker.engine_cache`). Bad rows get a null output and a message in
+``llm_error`` (see :mod:`dfllm.tasks.rows`); every other row is processed.
 
 A generative runner (``generate``, ``chat``) turns its rows into requests checked by the
 engine's input processor, the one place inputs are checked (a row it refuses gets the
@@ -14,10 +14,10 @@ with each row's pooling params.
 
 With a response cache (``LLMTask.cache``), a generative runner answers the deterministic
 requests found there without the engine and stores the outputs of the others (see
-:mod:`dfllm.accessors.response_cache`); the engine column ``from_cache`` says which.
+:mod:`dfllm.tasks.response_cache`); the engine column ``from_cache`` says which.
 
 A task that asks for engine columns (``LLMTask.engine_columns``, see
-:data:`dfllm.accessors.kinds.ENGINE_COLUMNS`: Ray Data LLM's engine stage's outputs) gets
+:data:`dfllm.tasks.kinds.ENGINE_COLUMNS`: Ray Data LLM's engine stage's outputs) gets
 them filled by its runner from the engine's outputs, on the rows that got through; so does
 ``reasoning_content``, the reasoning a generative task's engine split off the answer when it
 has a reasoning parser (``reasoning_parser=``, :mod:`dfllm.reasoning`).
@@ -38,22 +38,22 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dfllm.accessors.driver import driver
-from dfllm.accessors.engine_cache import lease
-from dfllm.accessors.images import row_images, with_image_parts
-from dfllm.accessors.response_cache import generate_cached
-from dfllm.accessors.rows import (
+from dfllm.engine.input_processor import EngineRequest, InputProcessor
+from dfllm.llm import LLM
+from dfllm.outputs import RequestOutput
+from dfllm.pooling_params import PoolingParams
+from dfllm.tasks.images import row_images, with_image_parts
+from dfllm.tasks.response_cache import generate_cached
+from dfllm.tasks.rows import (
     cell_texts,
     conversations,
-    is_null,
-    is_template,
     row_chat_template_kwargs,
     row_error,
     row_params,
     row_pooling_params,
     token_id_prompts,
 )
-from dfllm.accessors.schema import (
+from dfllm.tasks.schema import (
     FINISH_REASON,
     LLM_ERROR,
     NUM_GENERATED_TOKENS,
@@ -63,14 +63,13 @@ from dfllm.accessors.schema import (
     SORT_BY_PROMPT,
     structured_value,
 )
-from dfllm.engine.input_processor import EngineRequest, InputProcessor
-from dfllm.llm import LLM
-from dfllm.outputs import RequestOutput
-from dfllm.pooling_params import PoolingParams
+from dfllm.tasks.templates import is_null, is_template
+from dfllm.worker.driver import driver
+from dfllm.worker.engine_cache import lease
 
 if TYPE_CHECKING:
-    from dfllm.accessors.task import LLMTask
     from dfllm.config import EngineConfig
+    from dfllm.tasks.task import LLMTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +116,14 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
         with lease(task.model, dict(task.engine_kwargs)) as entry:
             if not spec.generative:
                 with entry.lock:
-                    spec.runner(df, task, out, Pooling(entry.llm))
+                    RUNNERS[spec.runner](df, task, out, Pooling(entry.llm))
             else:
                 engine = entry.llm.engine
                 if engine is None:
                     raise ValueError(f"{task.kind}: {entry.llm.config.model_path.name} is loaded as a pooling "
                                      "model; use embed, classify, score or encode")
                 generate = lambda requests: driver().generate(engine, entry.lock, requests, progress)  # noqa: E731
-                spec.runner(df, task, out, Generation(engine.input_processor, entry.lock, generate,
+                RUNNERS[spec.runner](df, task, out, Generation(engine.input_processor, entry.lock, generate,
                                                       entry.llm.config, check_lora=engine.check_lora))
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
@@ -421,3 +420,8 @@ def _pooling_columns(task: LLMTask, out: dict, i: int, embeddings, took: float) 
         out["embeddings"][i] = embeddings
     if "time_taken_llm" in task.engine_columns:
         out["time_taken_llm"][i] = took
+
+
+#: The function that runs each task kind on one partition, by the kind's ``runner`` key.
+RUNNERS: dict[str, Callable[..., None]] = {"generate": run_generate, "chat": run_chat, "embed": run_embed,
+                                           "score": run_score, "classify": run_classify}

@@ -2,7 +2,7 @@
 
 On a Dask worker the process is the worker, so each worker loads a model once however many
 partitions it runs; without a distributed client the calling process holds the engines.
-Engines are built and shut down on the driver thread (:mod:`dfllm.accessors.driver`). A
+Engines are built and shut down on the driver thread (:mod:`dfllm.worker.driver`). A
 generative engine's ``dfllm_`` metrics join the process's default Prometheus registry,
 which a Dask worker serves on ``/metrics``, for as long as the engine is held.
 
@@ -18,7 +18,7 @@ holds is idle.
   engine now, e.g. ``client.run(dfllm.release_engines)`` on every Dask worker between jobs;
   engines in use are left to their tasks. A later task loads its engine again.
 
-Each lease in a Dask task also tells the dashboard (:mod:`dfllm.dashboard.progress`) that
+Each lease in a Dask task also tells the dashboard (:mod:`dfllm.worker.progress`) that
 its partition is in flight, then done or failed.
 
 For tests and diagnostics, :func:`load_count` counts the engines this process built and
@@ -34,13 +34,14 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from dfllm.accessors.driver import driver
-from dfllm.accessors.prometheus import expose, unexpose
-from dfllm.dashboard import progress
 from dfllm.llm import LLM
+from dfllm.worker import progress
+from dfllm.worker.driver import driver
+from dfllm.worker.prometheus import expose, unexpose
 
 logger = logging.getLogger("dfllm")
 
@@ -186,3 +187,33 @@ def engines_now() -> list[LLM]:
 def load_count() -> int:
     """How many engines this process has created (for tests and diagnostics)."""
     return _loads
+
+
+def engine_reports() -> list[dict]:
+    """Each engine this process holds: its model, device, parallel sizes and metrics (what
+    the dashboard shows; registered with :func:`dfllm.worker.progress.add_engine_source`)."""
+    from dfllm.engine.metrics import Counter, Gauge, snapshot
+
+    out = []
+    for llm in engines_now():
+        cfg = llm.config
+        info: dict[str, Any] = {"model": cfg.model_path.name, "device": str(cfg.device),
+                                "tensor_parallel_size": cfg.tensor_parallel_size,
+                                "pipeline_parallel_size": cfg.pipeline_parallel_size,
+                                "kind": "generate" if llm.engine is not None else "pooling"}
+        if llm.engine is not None:
+            values = {m.name: m.value for m in snapshot(llm.engine.metrics.registry) if isinstance(m, Counter | Gauge)}
+            for field, name in (("running", "dfllm_num_requests_running"), ("waiting", "dfllm_num_requests_waiting"),
+                                ("kv_cache_usage", "dfllm_kv_cache_usage_perc"),
+                                ("prompt_tokens", "dfllm_prompt_tokens"),
+                                ("generation_tokens", "dfllm_generation_tokens"),
+                                ("preemptions", "dfllm_num_preemptions"),
+                                ("prefix_cache_queries", "dfllm_prefix_cache_queries"),
+                                ("prefix_cache_hits", "dfllm_prefix_cache_hits")):
+                value = values.get(name, 0)
+                info[field] = float(value) if field == "kv_cache_usage" else int(value)
+        out.append(info)
+    return out
+
+
+progress.add_engine_source(engine_reports)
