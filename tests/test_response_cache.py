@@ -23,7 +23,7 @@ import pytest
 
 import dfllm
 from dfllm.tasks import response_cache as rc
-from dfllm.accessors.dask_ext import PartitionFunction
+from dfllm.accessors.partitions import PartitionFunction
 from dfllm.tasks.task import make_task
 from dfllm.engine.input_processor import EngineRequest
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput

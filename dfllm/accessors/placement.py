@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dfllm.dashboard.reporting import ensure_installed
+from dfllm.dashboard import ensure_installed
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.task import LLMTask, check_model
 

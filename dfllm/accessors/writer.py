@@ -3,7 +3,7 @@
 ``write_parquet(result, path, resume=True)`` takes the direct result of a Dask ``.llm``
 call (``ddf.llm.generate(...)`` etc.) or of a processor (``build_processor(...)(ddf)``).
 Both map their source frame's partitions with a
-:class:`~dfllm.accessors.dask_ext.WritableFunction`, whose ``write_key`` names what
+:class:`~dfllm.accessors.partitions.WritableFunction`, whose ``write_key`` names what
 decides a partition's output besides its rows: the accessor's task (every field of it,
 through :func:`dfllm.tasks.write_key.canonical`); the processor's config, output types
 and fingerprints of ``preprocess`` and ``postprocess`` (see :mod:`dfllm.jobs.processor`).
@@ -94,7 +94,7 @@ import pyarrow.parquet as pq
 
 from dfllm.accessors.arrow_schema import INDEX, conform, job_schema, unify_counts, value_types
 from dfllm.accessors.budget import Budget, Gate
-from dfllm.accessors.dask_ext import WritableFunction, llm_origin
+from dfllm.accessors.partitions import WritableFunction, llm_origin
 from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.write_key import model_key
 

@@ -23,6 +23,7 @@ them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 PAGE = "dfllm"
@@ -34,8 +35,6 @@ def install(client: Any) -> str | None:
     workers); the page's URL, or None where the scheduler serves no Bokeh dashboard (the
     JSON endpoint is still there) or cannot load the plugin (logged: e.g. dfllm is not
     installed in the scheduler's environment). The job runs either way."""
-    import logging
-
     from dfllm.dashboard.collector import DashboardPlugin
 
     try:
@@ -87,3 +86,47 @@ async def dask_setup(server: Any) -> None:
 
         if WorkerReporter.name not in server.plugins:
             await server.plugin_add(WorkerReporter(), name=WorkerReporter.name)
+
+
+async def register(worker: Any) -> None:
+    """Ask the scheduler to load :class:`~dfllm.dashboard.collector.DashboardPlugin` (once
+    per worker; loading it twice does nothing); if it cannot, this worker reports anyway."""
+    from distributed.protocol.pickle import dumps
+
+    from dfllm.dashboard.collector import PLUGIN_NAME as SCHEDULER_PLUGIN
+    from dfllm.dashboard.collector import DashboardPlugin
+    from dfllm.dashboard.reporting import PLUGIN_NAME, WorkerReporter
+
+    try:
+        await worker.scheduler.register_scheduler_plugin(plugin=dumps(DashboardPlugin()), name=SCHEDULER_PLUGIN,
+                                                         idempotent=True)
+    except Exception as exc:  # the job goes on without the page
+        logging.getLogger("dfllm").warning("dfllm: the scheduler could not load the dashboard plugin: %s", exc)
+        if PLUGIN_NAME not in worker.plugins:  # this worker still reports, for a scheduler-side preload
+            await worker.plugin_add(plugin=WorkerReporter(), name=PLUGIN_NAME)
+
+
+_installing = False
+
+
+def ensure_installed() -> None:
+    """In a Dask worker: once, ask the scheduler to load the dashboard plugin
+    (:class:`~dfllm.dashboard.collector.DashboardPlugin`), which adds the page and installs
+    :class:`~dfllm.dashboard.reporting.WorkerReporter` on every worker. Best effort: a scheduler that cannot load it
+    (dfllm not installed there, pickled plugins refused) is logged and the job goes on.
+    Called as a ``.llm`` partition starts on a worker (:func:`dfllm.accessors.placement.run_placed`)."""
+    global _installing
+    if _installing:
+        return
+    _installing = True
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except Exception:  # not in a worker
+        return
+    from dfllm.worker.progress import PLUGIN_NAME
+
+    if PLUGIN_NAME in getattr(worker, "plugins", {}):  # already there (preload, client.register_plugin)
+        return
+    worker.loop.add_callback(register, worker)

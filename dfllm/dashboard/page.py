@@ -9,7 +9,7 @@ per worker, and the jobs table. It uses Dask's page template, theme and navigati
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, DataRange1d, FactorRange, HoverTool, Range1d
@@ -18,9 +18,6 @@ from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
-if TYPE_CHECKING:
-    from dfllm.dashboard.collector import DashboardPlugin
 
 REFRESH_MS = 1000
 PLOT_HEIGHT = 240
@@ -79,7 +76,13 @@ def _summary(data: dict) -> str:
             f"{c['running']} running, {c['waiting']} waiting; {running} partition(s) in flight")
 
 
-def dfllm_doc(plugin: DashboardPlugin, scheduler: Any, extra: dict, doc: Any) -> None:
+class PageData(Protocol):
+    """What the page reads: the scheduler plugin's :meth:`~dfllm.dashboard.collector.DashboardPlugin.data`."""
+
+    def data(self) -> dict: ...
+
+
+def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
     """Build one browser session's document (called by Bokeh's server as Dask's pages are)."""
     data = plugin.data()
     int_fmt, rate_fmt = NumberFormatter(format="0,0"), NumberFormatter(format="0,0.0")

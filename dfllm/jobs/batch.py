@@ -176,7 +176,7 @@ class Engines:
         self._entries.clear()
 
     def _entry(self, endpoint: str):
-        from dfllm.dashboard.reporting import ensure_installed
+        from dfllm.dashboard import ensure_installed
         from dfllm.worker.engine_cache import lease
 
         model = self.options.model_for(endpoint)

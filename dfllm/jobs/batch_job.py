@@ -49,7 +49,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dfllm.accessors.dask_ext import WritableFunction
+from dfllm.accessors.partitions import WritableFunction
 from dfllm.jobs.batch import BatchOptions, Engines, answer
 from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
 from dfllm.tasks.response_cache import ResponseCache, as_cache

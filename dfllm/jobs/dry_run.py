@@ -658,7 +658,7 @@ def dry_run(job, *, output: str | None = None, storage_options: dict | None = No
     :func:`dfllm.write_parquet` would check it (not the input, only dfllm's files), read only;
     ``budget`` (a :class:`~dfllm.accessors.budget.Budget`) is compared with the job's tokens;
     ``sample_rows=0`` skips the calibration (and the estimate)."""
-    from dfllm.accessors.dask_ext import PartitionFunction, llm_origin
+    from dfllm.accessors.partitions import PartitionFunction, llm_origin
 
     origin = llm_origin(job)
     if origin is None or not isinstance(origin[1], PartitionFunction):

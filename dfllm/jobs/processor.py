@@ -155,7 +155,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.dask_ext import WritableFunction
+from dfllm.accessors.partitions import WritableFunction
 from dfllm.accessors.placement import check_resources, run_placed
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed, task_columns
+from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, shadowed, task_columns
 from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
@@ -137,37 +137,4 @@ def judge_step(task, shadow, *, keep: bool, output_column: str, probability_colu
     post = JudgeStep(output_column, probability_column, explanation_column if return_explanations else None, keep,
                      tuple(task_columns(task.kind, TEXT, ("logprobs",))))
     return SemanticFunction("judge" if keep else "filter", task, post, resources, shadow)
-
-
-def semantic_judge(accessor, instruction: str, *, keep: bool, model, output_column: str, probability_column: str,
-                   return_explanations: bool, explanation_column: str, cascade, return_stats: bool, chat: bool,
-                   logprobs: int, max_explanation_tokens: int, on_error: str, resources, cache,
-                   engine_kwargs: dict):
-    """``.llm.judge`` (``keep``) and ``.llm.filter``: see their docstrings."""
-    what = "judge" if keep else "filter"
-    new = [output_column, probability_column] + ([explanation_column] if return_explanations else [])
-    if len(set(new)) != len(new):
-        raise ValueError(f"{what}: the output columns {new} must differ")
-    clash = sorted(set(new) & set(accessor._columns())) if keep else []
-    if return_explanations and not keep and explanation_column in accessor._columns():
-        clash = [explanation_column]
-    if clash:
-        raise ValueError(f"{what}: output column(s) {clash} already exist; choose other names")
-    if cascade is not None:
-        from dfllm.accessors.semantic.cascade import cascade_judge
-
-        return cascade_judge(accessor, instruction, cascade, keep=keep, model=model, output_column=output_column,
-                             probability_column=probability_column, return_explanations=return_explanations,
-                             explanation_column=explanation_column, return_stats=return_stats, chat=chat,
-                             logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
-                             resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
-    if return_stats:
-        raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
-    task, shadow = judge_task(accessor, instruction, model=model, return_explanations=return_explanations, chat=chat,
-                              logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
-                              resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
-    step = judge_step(task, shadow, keep=keep, output_column=output_column, probability_column=probability_column,
-                      return_explanations=return_explanations, explanation_column=explanation_column,
-                      resources=resources)
-    return run_step(accessor._obj, step)
 

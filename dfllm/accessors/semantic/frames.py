@@ -5,7 +5,7 @@ A row-wise operator is one ``.llm`` task (an :class:`~dfllm.tasks.task.LLMTask`:
 step that turns its output columns into the operator's (a verdict, typed fields, fewer
 rows...). :class:`SemanticFunction` is the two together: picklable, mapped over a Dask
 frame's partitions in one task each (lazy, with ``meta`` from running the step on the
-task's empty output), and a :class:`~dfllm.accessors.dask_ext.WritableFunction`, so that
+task's empty output), and a :class:`~dfllm.accessors.partitions.WritableFunction`, so that
 :func:`dfllm.write_parquet` writes it resumably as it writes any ``.llm`` task.
 :func:`run_step` runs one on a pandas, Dask or Polars (eager or lazy) frame.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from dfllm.accessors.dask_ext import WritableFunction, output_meta
+from dfllm.accessors.partitions import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
 from dfllm.tasks.schema import LLM_ERROR, STRING
 from dfllm.tasks.task import LLMTask, make_task

@@ -40,8 +40,6 @@ class SemanticFrameMethods:
         then returns ``(frame, CascadeStats)``. ``chat=False`` prompts with ``.llm.generate``
         instead of ``.llm.chat``. ``model``, ``resources``, ``cache`` and engine arguments as in
         ``.llm.generate``. See docs/semantic.md."""
-        from dfllm.accessors.semantic.filter import semantic_judge
-
         return semantic_judge(self, instruction, keep=True, model=model, output_column=output_column,
                               probability_column=probability_column, return_explanations=return_explanations,
                               explanation_column=explanation_column, cascade=cascade, return_stats=return_stats,
@@ -57,8 +55,6 @@ class SemanticFrameMethods:
         ``explanation`` (with ``return_explanations``) and ``llm_error``. A row whose judgment
         failed is kept, with its message in ``llm_error`` (nothing is dropped silently);
         drop them with ``df[df.llm_error.isna()]``. Arguments as in :meth:`judge`."""
-        from dfllm.accessors.semantic.filter import semantic_judge
-
         return semantic_judge(self, instruction, keep=False, model=model, output_column="verdict",
                               probability_column="verdict_probability", return_explanations=return_explanations,
                               explanation_column=explanation_column, cascade=cascade, return_stats=return_stats,
@@ -206,3 +202,38 @@ class SemanticFrameMethods:
         return semantic_agg(self, instruction, by=by, model=model, output_column=output_column,
                             max_tokens=max_tokens, chat=chat, split_every=split_every, on_error=on_error,
                             resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs)
+
+
+def semantic_judge(accessor, instruction: str, *, keep: bool, model, output_column: str, probability_column: str,
+                   return_explanations: bool, explanation_column: str, cascade, return_stats: bool, chat: bool,
+                   logprobs: int, max_explanation_tokens: int, on_error: str, resources, cache,
+                   engine_kwargs: dict):
+    """``.llm.judge`` (``keep``) and ``.llm.filter``: see their docstrings."""
+    from dfllm.accessors.semantic.cascade import cascade_judge
+    from dfllm.accessors.semantic.filter import judge_step, judge_task
+    from dfllm.accessors.semantic.frames import run_step
+
+    what = "judge" if keep else "filter"
+    new = [output_column, probability_column] + ([explanation_column] if return_explanations else [])
+    if len(set(new)) != len(new):
+        raise ValueError(f"{what}: the output columns {new} must differ")
+    clash = sorted(set(new) & set(accessor._columns())) if keep else []
+    if return_explanations and not keep and explanation_column in accessor._columns():
+        clash = [explanation_column]
+    if clash:
+        raise ValueError(f"{what}: output column(s) {clash} already exist; choose other names")
+    if cascade is not None:
+        return cascade_judge(accessor, instruction, cascade, keep=keep, model=model, output_column=output_column,
+                             probability_column=probability_column, return_explanations=return_explanations,
+                             explanation_column=explanation_column, return_stats=return_stats, chat=chat,
+                             logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
+                             resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
+    if return_stats:
+        raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
+    task, shadow = judge_task(accessor, instruction, model=model, return_explanations=return_explanations, chat=chat,
+                              logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
+                              resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
+    step = judge_step(task, shadow, keep=keep, output_column=output_column, probability_column=probability_column,
+                      return_explanations=return_explanations, explanation_column=explanation_column,
+                      resources=resources)
+    return run_step(accessor._obj, step)
