@@ -1,0 +1,136 @@
+"""dfllm's folders are layers a row passes down through: every import in ``dfllm/`` (function-level
+and ``TYPE_CHECKING`` ones included) points to its own layer or one below, and no modules import
+each other in a circle. See docs/architecture.md for the route these layers draw."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "dfllm"
+
+#: Top to bottom. A module belongs to the first entry naming its folder or module.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dfllm",),  # the package's facade: what ``import dfllm`` gives
+    ("dfllm.jobs",),  # the CLI, Ray's processor, OpenAI batch files
+    ("dfllm.accessors",),  # .llm on Dask, pandas and Polars; placement; the parquet writer
+    ("dfllm.tasks",),  # a task as data, its rows, its runners
+    ("dfllm.dashboard",),  # the Dask dashboard's page, reading the worker's leaf counters
+    ("dfllm.worker",),  # the engine cache and driver thread of a worker process
+    ("dfllm.llm", "dfllm.llm_pooling", "dfllm.llm_control", "dfllm.engine_args"),  # the LLM class
+    ("dfllm.engine",),
+    ("dfllm.config",),
+    ("dfllm.lora",),
+    ("dfllm.models",),
+    ("dfllm.multimodal",),
+    ("dfllm.distributed",),
+    ("dfllm.kernels",),
+    ("dfllm.errors", "dfllm.logger", "dfllm.outputs", "dfllm.sampling_params", "dfllm.pooling_params",
+     "dfllm.inputs", "dfllm.structured_outputs", "dfllm.reasoning"),  # plain types every layer shares
+)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The dfllm modules ``name`` imports anywhere in its file (an imported name that is a
+    module counts as that module; else its package)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def layer(name: str) -> int:
+    """The index in :data:`LAYERS` of the layer holding module ``name``."""
+    for i, prefixes in enumerate(LAYERS):
+        if any(name == p or (p != "dfllm" and name.startswith(p + ".")) for p in prefixes):
+            return i
+    raise AssertionError(f"{name} is in no layer: add its folder or module to LAYERS in {__file__}")
+
+
+def test_every_module_has_a_layer():
+    for name in MODULES:
+        layer(name)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name):
+    upward = sorted(t for t in GRAPH[name] if layer(t) < layer(name))
+    assert not upward, f"{name} (layer {LAYERS[layer(name)][0]}) imports from layers above it: {upward}"
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert circles(GRAPH) == []
+
+
+def test_the_checks_see_circles_and_upward_imports():
+    # the checks themselves: a planted circle is found, and a worker module importing the
+    # accessors would be an upward import
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert layer("dfllm.worker.engine_cache") > layer("dfllm.accessors.writer")
+    assert "dfllm.worker.progress" in GRAPH["dfllm.worker.engine_cache"]
