@@ -230,8 +230,8 @@ class LLM:
         self._groups = itertools.count()  # one group per generate/chat/enqueue call
         if self.runner_type == "pooling":
             pooler = load_pooler_config(path, is_decoder=not is_pooling_only(self.config.model))
-            self.pooling_engine = PoolingEngine(self.config, pooler)
-            self._pooling = PoolingFrontend(self.config, self.tokenizer, self.pooling_engine, self._next_id)
+            self.pooling_engine = PoolingEngine(self.config, pooler, self.tokenizer)
+            self._pooling = PoolingFrontend(self.pooling_engine, self._next_id)
         else:
             self.engine = LLMEngine(
                 self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer),

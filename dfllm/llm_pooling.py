@@ -8,17 +8,10 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
-from dfllm.config import EngineConfig
-from dfllm.engine.input_processor import check_prompt_length, check_token_ids
-from dfllm.engine.pooling_engine import ImagePrompt, PoolingEngine
-from dfllm.errors import InvalidRequestError, invalid_request
-from dfllm.inputs import (
-    as_prompt_list,
-    check_unicode,
-    per_prompt_params,
-)
+from dfllm.engine.input_processor import PoolingRequest, score_pairs
+from dfllm.engine.pooling_engine import PoolingEngine
+from dfllm.errors import InvalidRequestError
 from dfllm.lora.request import LoRARequest, per_prompt
 from dfllm.models.colbert import maxsim
 from dfllm.outputs import (
@@ -56,22 +49,18 @@ class _Queued:
     """A checked pooling request waiting for :meth:`PoolingFrontend.wait_for_completion`."""
 
     request_id: str
-    token_ids: list[int] | ImagePrompt  # an image prompt: the image to embed
-    params: PoolingParams
+    request: PoolingRequest
     task: str
 
 
 class PoolingFrontend:
     """Pooling requests (vLLM's ``encode``/``embed``/``classify``/``score``) on a pooling
-    engine: prompts are checked, tokenized and truncated here; ``next_id`` names the requests."""
+    engine: prompts are checked, tokenized and truncated by the engine's input processor
+    (as ``LLM.generate``'s); ``next_id`` names the requests."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, engine: PoolingEngine,
-                 next_id: Callable[[], str]):
-        """``tokenizer`` is None under ``skip_tokenizer_init=True``: prompts are then token ids,
-        and text (a text prompt, ``score``) raises, as in vLLM."""
-        self.cfg = cfg
-        self.tokenizer = tokenizer
+    def __init__(self, engine: PoolingEngine, next_id: Callable[[], str]):
         self.engine = engine
+        self.processor = engine.input_processor
         self._next_id = next_id
         self._queued: list[_Queued] = []  # enqueued, not yet waited for; in enqueue order
 
@@ -90,15 +79,10 @@ class PoolingFrontend:
         is another one, or an adapter that cannot run) raises
         :class:`~dfllm.errors.InvalidRequestError` naming its index."""
         task = self.require(check_pooling_task(pooling_task))
-        ids, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-        loras = self._loras(lora_request, len(ids))
-        for i, p in enumerate(params):
-            if p.task is not None and p.task != task:
-                raise InvalidRequestError(f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
-                                          f"{task!r}. You cannot overwrite self.task={p.task!r} with task={task!r}!",
-                                          parameter="task", value=p.task)
-        data = self._pool(ids, params, task, use_tqdm, loras=loras)
-        return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), _token_ids(p)) for d, p in zip(data, ids)]
+        requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens, task)
+        data = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
+        return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), r.prompt_token_ids)
+                for d, r in zip(data, requests)]
 
     def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
@@ -119,7 +103,7 @@ class PoolingFrontend:
         (``id2label``); ``lora_request`` as in :meth:`encode`."""
         outs = self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm,
                            truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
-        id2label = self.cfg.model.id2label or {}
+        id2label = self.engine.cfg.model.id2label or {}
         return [
             ClassificationRequestOutput(o.request_id, ClassificationOutput(
                 o.outputs.data.tolist(), id2label.get(int(o.outputs.data.argmax()))), o.prompt_token_ids)
@@ -138,11 +122,10 @@ class PoolingFrontend:
         best dot product with any token of the second); any other embedding model scores by
         the cosine similarity of the two embeddings.
         """
-        with invalid_request():
-            left, right = _pairs(data_1, data_2)
+        left, right = score_pairs(data_1, data_2)
         params = pooling_params or PoolingParams()
         self.require("score")
-        if self.tokenizer is None:
+        if self.processor.tokenizer is None:
             raise InvalidRequestError("You cannot pass text prompts when `skip_tokenizer_init` is True (score "
                                       "reads texts; this LLM has no tokenizer)", parameter="prompt")
         if isinstance(lora_request, list | tuple):
@@ -151,15 +134,15 @@ class PoolingFrontend:
         self._loras(lora_request, 1)  # checked before any work
         if self.engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
-        if self.engine.late_interaction:
-            return self._late_interaction(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
-        unique = list(dict.fromkeys(left + right))  # a 1-to-N query is embedded once
-        embs = self.embed(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
-                          use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
-        by_text = {t: e for t, e in zip(unique, embs)}
+        late = self.engine.late_interaction  # token vectors and MaxSim; else one normalised vector and a dot
+        unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
+        outs = self.encode(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
+                           pooling_task="token_embed" if late else "embed", use_tqdm=use_tqdm,
+                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
+        by_text = dict(zip(unique, outs))
         return [
-            ScoringRequestOutput(self._next_id(), ScoringOutput(float(torch.tensor(a.outputs.embedding)
-                                                                      @ torch.tensor(b.outputs.embedding))),
+            ScoringRequestOutput(self._next_id(), ScoringOutput(maxsim(a.outputs.data, b.outputs.data) if late
+                                                                else float(a.outputs.data @ b.outputs.data)),
                                  a.prompt_token_ids + b.prompt_token_ids)
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
@@ -188,9 +171,9 @@ class PoolingFrontend:
         is None the model's own task: "embed" for an embedding model, "classify" for a
         classifier or cross-encoder (a task the model does not serve is refused here).
         """
-        ids, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-        tasks = [self.require(p.task or self.engine.supported_tasks[0]) for p in params]
-        queued = [_Queued(self._next_id(), i, p, t) for i, p, t in zip(ids, params, tasks)]
+        requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens)
+        tasks = [self.require(r.params.task or self.engine.supported_tasks[0]) for r in requests]
+        queued = [_Queued(self._next_id(), r, t) for r, t in zip(requests, tasks)]
         self._queued += queued
         return [q.request_id for q in queued]
 
@@ -217,7 +200,8 @@ class PoolingFrontend:
             self._queued = queued + self._queued
             raise
         outputs = [PoolingRequestOutput(q.request_id, PoolingOutput(results.get(q.request_id, torch.empty(0))),
-                                        _token_ids(q.token_ids), finished=q.request_id not in errors) for q in queued]
+                                        q.request.prompt_token_ids, finished=q.request_id not in errors)
+                   for q in queued]
         failed = [i for i, q in enumerate(queued) if q.request_id in errors]
         if failed:
             lines = [f"request {queued[i].request_id}: {errors[queued[i].request_id]!r}" for i in failed[:5]]
@@ -241,15 +225,14 @@ class PoolingFrontend:
             for task, items in by_task.items():
                 start = bar.n
                 try:
-                    data = self.engine.encode([q.token_ids for q in items], [q.params for q in items], task,
-                                              on_batch=bar.update)
+                    data = self.engine.encode([q.request for q in items], task, on_batch=bar.update)
                     results.update((q.request_id, d) for q, d in zip(items, data))
                     continue
                 except Exception:  # which request caused it is found below, one at a time
                     bar.n = start
                 for q in items:
                     try:
-                        results[q.request_id] = self.engine.encode([q.token_ids], [q.params], task)[0]
+                        results[q.request_id] = self.engine.encode([q.request], task)[0]
                     except Exception as exc:  # this request fails on its own: its error, the others go on
                         errors[q.request_id] = exc
                     bar.update(1)
@@ -271,135 +254,15 @@ class PoolingFrontend:
                 checked.add(id(lora))
         return loras if any(lora is not None for lora in loras) else None
 
-    def _limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
-        limit = min(self.cfg.max_model_len, self.engine.pooler.max_length or self.cfg.max_model_len,
-                    self.engine.max_input_tokens or self.cfg.max_model_len)
-        for t in (truncate_prompt_tokens, params.truncate_prompt_tokens):
-            if t is not None and t != -1:
-                with invalid_request():
-                    PoolingParams(truncate_prompt_tokens=t)  # validates
-                limit = min(limit, t)
-        return limit
-
-    def _pooling_inputs(self, prompts, pooling_params, truncate_prompt_tokens
-                        ) -> tuple[list[list[int] | ImagePrompt], list[PoolingParams]]:
-        """Every prompt checked, tokenized and truncated (token ids, params), before any work;
-        :class:`~dfllm.errors.InvalidRequestError` naming the first bad one by index."""
-        with invalid_request():
-            items = as_prompt_list(prompts)
-            if pooling_params is not None and not isinstance(pooling_params, PoolingParams | list | tuple):
-                raise InvalidRequestError("pooling_params must be a PoolingParams or a list of them (one per "
-                                          f"prompt), got {type(pooling_params).__name__}",
-                                          parameter="pooling_params")
-            params = per_prompt_params(pooling_params, len(items), PoolingParams, "pooling_params")
-            ids: list[list[int] | ImagePrompt | None] = [None] * len(items)
-            texts: dict[int, list[int]] = {}
-            for i, (item, p) in enumerate(zip(items, params)):
-                limit = self._limit(p, truncate_prompt_tokens)
-                if isinstance(item, dict) and item.get("multi_modal_data") is not None:
-                    ids[i] = self._image_prompt(item, i)
-                elif isinstance(item, dict) and "prompt_token_ids" in item:
-                    ids[i] = check_token_ids(item["prompt_token_ids"], f"prompt {i}", self.cfg.model.vocab_size)[:limit]
-                else:
-                    text = item.get("prompt") if isinstance(item, dict) else item
-                    if not isinstance(text, str):
-                        raise InvalidRequestError(f"prompt {i}: expected a str or a dict with 'prompt' or "
-                                                  f"'prompt_token_ids', got {type(item).__name__}")
-                    check_unicode(text, f"prompt {i}")
-                    texts.setdefault(limit, []).append(i)
-            if texts and self.tokenizer is None:
-                i = min(i for idx in texts.values() for i in idx)
-                raise InvalidRequestError("You cannot pass text prompts when `skip_tokenizer_init` is True (prompt "
-                                          f"{i}: this LLM has no tokenizer; give {{\"prompt_token_ids\": [...]}})",
-                                          parameter="prompt")
-            for limit, idx in texts.items():
-                assert self.tokenizer is not None
-                enc = self.tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
-                                     truncation=True, max_length=limit)["input_ids"]
-                for i, e in zip(idx, enc):
-                    ids[i] = e
-            for i, e in enumerate(ids):
-                if not isinstance(e, ImagePrompt):
-                    check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
-            return [e or [] for e in ids], params
-
-    def _image_prompt(self, item: dict, i: int) -> ImagePrompt:
-        """Prompt ``i``, ``{"multi_modal_data": {"image": image}}`` with an empty or absent
-        prompt, as the image to embed (decoded now); ``ValueError`` saying what is wrong."""
-        from dfllm.multimodal import image_hash, load_image
-
-        if not self.engine.image_text:
-            raise InvalidRequestError(f"prompt {i}: multi_modal_data: {self.cfg.model_path.name} is a text-only "
-                                      "model; image embeddings need an image-text model (CLIP, SigLIP)",
-                                      parameter="multi_modal_data")
-        mm = item["multi_modal_data"]
-        if not isinstance(mm, dict) or set(mm) != {"image"}:
-            raise ValueError(f"prompt {i}: multi_modal_data must be {{'image': image}}, got "
-                             f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}")
-        image = mm["image"]
-        if isinstance(image, (list, tuple)):
-            if len(image) != 1:
-                raise ValueError(f"prompt {i}: an embedding prompt takes one image, got {len(image)} "
-                                 "(at most 1 image per prompt)")
-            image = image[0]
-        if item.get("prompt") or item.get("prompt_token_ids"):
-            raise ValueError(f"prompt {i}: embed text or an image, not both (give the image with an empty or "
-                             "absent prompt, and the text as a prompt of its own)")
-        try:
-            img = load_image(image)
-        except ValueError as exc:  # ImageLoadError: what could not be read, and why
-            raise ValueError(f"prompt {i}: multi_modal_data image: {exc}") from exc
-        return ImagePrompt(img, image_hash(img))
-
-    def _late_interaction(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
-        unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
-        token_params = PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
-        outs = self.encode(unique, token_params, pooling_task="token_embed", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
-        by_text = {t: o for t, o in zip(unique, outs)}
-        return [
-            ScoringRequestOutput(self._next_id(), ScoringOutput(maxsim(a.outputs.data, b.outputs.data)),
-                                 a.prompt_token_ids + b.prompt_token_ids)
-            for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
-        ]
-
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
-        limit = self._limit(params, truncate_prompt_tokens)
-        if self.engine.is_decoder:  # an LLM as reranker: vLLM tokenizes the two texts joined, no separator
-            enc = self.tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit)
-        else:
-            enc = self.tokenizer(list(left), list(right), truncation=True, max_length=limit)
-        ids, types = enc["input_ids"], enc.get("token_type_ids")
-        data = self._pool(ids, [params] * len(ids), "classify", use_tqdm, types,
-                          None if lora_request is None else [lora_request] * len(ids))
-        return [ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), p) for d, p in zip(data, ids)]
+        requests = self.processor.process_pairs(left, right, params, truncate_prompt_tokens, self.engine.is_decoder)
+        data = self._pool(requests, "classify", use_tqdm, None if lora_request is None else [lora_request] * len(left))
+        return [ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), r.prompt_token_ids)
+                for d, r in zip(data, requests)]
 
-    def _pool(self, ids, params, task, use_tqdm, types=None, loras=None):
-        bar = tqdm(total=len(ids), desc=f"Pooling ({task})", dynamic_ncols=True, disable=not use_tqdm)
+    def _pool(self, requests: list[PoolingRequest], task: str, use_tqdm: bool, loras=None) -> list[torch.Tensor]:
+        bar = tqdm(total=len(requests), desc=f"Pooling ({task})", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            return self.engine.encode(ids, params, task, types, on_batch=bar.update, loras=loras)
+            return self.engine.encode(requests, task, on_batch=bar.update, loras=loras)
         finally:
             bar.close()
-
-
-def _token_ids(prompt: list[int] | ImagePrompt) -> list[int]:
-    """A pooling prompt's token ids ([] for an image)."""
-    return [] if isinstance(prompt, ImagePrompt) else prompt
-
-
-def _pairs(data_1, data_2) -> tuple[list[str], list[str]]:
-    """Broadcast score inputs: 1 to 1, 1 to N, or N to N."""
-    left = [data_1] if isinstance(data_1, str) else list(data_1)
-    right = [data_2] if isinstance(data_2, str) else list(data_2)
-    if not left or not right:
-        raise InvalidRequestError("score needs at least one text on each side")
-    for side, texts in (("data_1", left), ("data_2", right)):
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise InvalidRequestError(f"score {side}[{i}] must be a str, got {type(t).__name__}")
-            check_unicode(t, f"score {side}[{i}]")
-    if len(left) == 1 and len(right) > 1:
-        left = left * len(right)
-    if len(left) != len(right):
-        raise InvalidRequestError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and {len(right)}")
-    return left, right

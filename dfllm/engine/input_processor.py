@@ -11,7 +11,8 @@ checks nothing again. Messages start with vLLM's words for the same failure ("Pr
 be empty", "Token id N is out of vocabulary", "The decoder prompt (length N) is longer than
 the maximum model length of L", "Requested sample logprobs of K, which is greater than max
 allowed: M", "vLLM V1 does not yet support best_of.") and go on with dfllm's (which prompt,
-which field).
+which field). A pooling model's prompts become :class:`PoolingRequest` objects
+(:meth:`InputProcessor.process_pooling`), truncated rather than refused when long.
 
 Without a tokenizer (``LLM(skip_tokenizer_init=True)``, as vLLM) prompts are token ids and
 outputs carry token ids with empty text; what needs a tokenizer (a text prompt, a chat,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -41,6 +42,7 @@ from dfllm.inputs import (
 from dfllm.lora.request import LoRARequest
 from dfllm.multimodal.inputs import MultiModalInputs
 from dfllm.multimodal.processor import ImageInputProcessor, has_image_parts
+from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import ReasoningParser, make_reasoning_parser
 from dfllm.sampling_params import SamplingParams
 
@@ -61,6 +63,24 @@ class EngineRequest:
     lora_request: LoRARequest | None = None
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """An image to embed (decoded) and its content hash (:func:`dfllm.multimodal.image_hash`)."""
+
+    image: Any  # PIL.Image.Image
+    hash: str
+
+
+@dataclass(frozen=True)
+class PoolingRequest:
+    """A checked pooling prompt (its token ids, truncated, or an image) and its params, for ``PoolingEngine``."""
+
+    prompt_token_ids: list[int]  # [] for an image
+    params: PoolingParams
+    token_type_ids: list[int] | None = None  # a cross-encoder pair's segment of each token
+    image: ImagePrompt | None = None  # the image to embed (an image-text model)
+
+
 NO_TOKENIZER = "Unable to get tokenizer because skip_tokenizer_init is True"
 
 
@@ -69,9 +89,11 @@ class InputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
                  eos_token_ids: set[int], *, max_logprobs: int = -1,
-                 reasoning_parser: str | ReasoningParser | None = None, mm: ImageInputProcessor | None = None):
+                 reasoning_parser: str | ReasoningParser | None = None, mm: ImageInputProcessor | None = None,
+                 embeds_images: bool = False, model_name: str = "this model"):
         """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
         engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary.
+        A pooling model's (``model_name``'s) ``max_model_len`` is its input limit; ``embeds_images``: CLIP, SigLIP.
         ``tokenizer`` is None under ``skip_tokenizer_init=True``. ``reasoning_parser`` (a
         :mod:`dfllm.reasoning` parser, or its name: ``ValueError`` now for an unknown one or a
         tokenizer without its markers) is given to every request, for the template variables
@@ -85,6 +107,7 @@ class InputProcessor:
         self.reasoning = (make_reasoning_parser(reasoning_parser, tokenizer) if isinstance(reasoning_parser, str)
                           else reasoning_parser)
         self.mm = mm  # a vision-language model's images (None: text only)
+        self.embeds_images, self.model_name = embeds_images, model_name
 
     # ---- text to tokens --------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -228,6 +251,101 @@ class InputProcessor:
             return []
         return self.mm.images_of_conversation(conversation, what)
 
+    # ---- pooling requests ------------------------------------------------------------
+    def process_pooling(self, prompts, pooling_params, truncate_prompt_tokens: int | None = None,
+                        task: str | None = None) -> list[PoolingRequest]:
+        """A pooling call's prompts (one or a list) with their params, each checked, tokenized
+        and truncated (to ``max_model_len`` and ``truncate_prompt_tokens``) before any is
+        returned; an error names the prompt by index. ``task``: the call's, which params
+        naming another task are refused for."""
+        with invalid_request():
+            items = as_prompt_list(prompts)
+            params = _per_prompt(pooling_params, len(items), PoolingParams, "pooling_params")
+            ids: list[list[int] | ImagePrompt | None] = [None] * len(items)
+            texts: dict[int, list[int]] = {}
+            for i, (item, p) in enumerate(zip(items, params)):
+                limit = self._pooling_limit(p, truncate_prompt_tokens)
+                if isinstance(item, dict) and item.get("multi_modal_data") is not None:
+                    ids[i] = self._image_prompt(item, i)
+                elif isinstance(item, dict) and "prompt_token_ids" in item:
+                    ids[i] = check_token_ids(item["prompt_token_ids"], f"prompt {i}", self.vocab_size)[:limit]
+                else:
+                    text = item.get("prompt") if isinstance(item, dict) else item
+                    if not isinstance(text, str):
+                        raise InvalidRequestError(f"prompt {i}: expected a str or a dict with 'prompt' or "
+                                                  f"'prompt_token_ids', got {type(item).__name__}")
+                    check_unicode(text, f"prompt {i}")
+                    texts.setdefault(limit, []).append(i)
+            if texts:
+                tokenizer = self._tokenizer("You cannot pass text prompts when `skip_tokenizer_init` is True (prompt "
+                                            f"{min(min(idx) for idx in texts.values())}: this LLM has no tokenizer; "
+                                            "give {\"prompt_token_ids\": [...]})", "prompt")
+                for limit, idx in texts.items():
+                    enc = tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
+                                    truncation=True, max_length=limit)["input_ids"]
+                    for i, e in zip(idx, enc):
+                        ids[i] = e
+            for i, e in enumerate(ids):
+                if not isinstance(e, ImagePrompt):
+                    check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
+            for i, p in enumerate(params):
+                if task is not None and p.task is not None and p.task != task:
+                    raise InvalidRequestError(f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
+                                              f"{task!r}. You cannot overwrite self.task={p.task!r} with "
+                                              f"task={task!r}!", parameter="task", value=p.task)
+            return [PoolingRequest([], p, image=e) if isinstance(e, ImagePrompt) else PoolingRequest(e or [], p)
+                    for e, p in zip(ids, params)]
+
+    def process_pairs(self, left: list[str], right: list[str], params: PoolingParams,
+                      truncate_prompt_tokens: int | None, joined: bool) -> list[PoolingRequest]:
+        """A cross-encoder's text pairs (checked by :func:`score_pairs`) tokenized together and
+        truncated as :meth:`process_pooling` truncates; ``joined`` (an LLM as reranker): the two
+        texts concatenated with no separator, as vLLM tokenizes them."""
+        limit = self._pooling_limit(params, truncate_prompt_tokens)
+        tokenizer = self._tokenizer(f"{NO_TOKENIZER} (score reads texts)", "prompt")
+        enc = (tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit) if joined
+               else tokenizer(list(left), list(right), truncation=True, max_length=limit))
+        types = enc.get("token_type_ids") or [None] * len(left)
+        return [PoolingRequest(ids, params, t) for ids, t in zip(enc["input_ids"], types)]
+
+    def _pooling_limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
+        """How many tokens a pooling prompt keeps: ``max_model_len``, or fewer when asked."""
+        limit = self.max_model_len
+        for t in (truncate_prompt_tokens, params.truncate_prompt_tokens):
+            if t is not None and t != -1:
+                with invalid_request():
+                    PoolingParams(truncate_prompt_tokens=t)  # validates
+                limit = min(limit, t)
+        return limit
+
+    def _image_prompt(self, item: dict, i: int) -> ImagePrompt:
+        """Prompt ``i``, ``{"multi_modal_data": {"image": image}}`` with an empty or absent
+        prompt, as the image to embed (decoded now); ``ValueError`` saying what is wrong."""
+        from dfllm.multimodal import image_hash, load_image
+
+        if not self.embeds_images:
+            raise InvalidRequestError(f"prompt {i}: multi_modal_data: {self.model_name} is a text-only "
+                                      "model; image embeddings need an image-text model (CLIP, SigLIP)",
+                                      parameter="multi_modal_data")
+        mm = item["multi_modal_data"]
+        if not isinstance(mm, dict) or set(mm) != {"image"}:
+            raise ValueError(f"prompt {i}: multi_modal_data must be {{'image': image}}, got "
+                             f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}")
+        image = mm["image"]
+        if isinstance(image, (list, tuple)):
+            if len(image) != 1:
+                raise ValueError(f"prompt {i}: an embedding prompt takes one image, got {len(image)} "
+                                 "(at most 1 image per prompt)")
+            image = image[0]
+        if item.get("prompt") or item.get("prompt_token_ids"):
+            raise ValueError(f"prompt {i}: embed text or an image, not both (give the image with an empty or "
+                             "absent prompt, and the text as a prompt of its own)")
+        try:
+            img = load_image(image)
+        except ValueError as exc:  # ImageLoadError: what could not be read, and why
+            raise ValueError(f"prompt {i}: multi_modal_data image: {exc}") from exc
+        return ImagePrompt(img, image_hash(img))
+
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens at the start of a text and, when that tokenizes differently
         into as many tokens, after a space (vLLM's rule)."""
@@ -267,7 +385,7 @@ class InputProcessor:
         return TokenizedPrompt(text, check_token_ids(ids, what, self.vocab_size))
 
 
-# ---- the checks, shared with the pooling frontend (dfllm.llm_pooling) ----------------------
+# ---- the checks ------------------------------------------------------------------------------
 def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
     """The token ids of a prompt as a list; :class:`~dfllm.errors.InvalidRequestError` naming
     it (``what``, e.g. "prompt 3") if they are not ints or one is outside the vocabulary."""
@@ -329,13 +447,33 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
                                   f"({what}: {why})", parameter=field, value=k)
 
 
-def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt (see ``dfllm.inputs.per_prompt_params``); anything else
-    (a PoolingParams, a dict) is refused by name."""
-    if sampling_params is not None and not isinstance(sampling_params, SamplingParams | list | tuple):
-        raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
-                                  f"got {type(sampling_params).__name__}", parameter="sampling_params")
-    return per_prompt_params(sampling_params, n)
+def score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
+    """``score``'s texts, each checked, broadcast to pairs: 1 to 1, 1 to N, or N to N."""
+    with invalid_request():
+        left = [data_1] if isinstance(data_1, str) else list(data_1)
+        right = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not left or not right:
+            raise InvalidRequestError("score needs at least one text on each side")
+        for side, texts in (("data_1", left), ("data_2", right)):
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise InvalidRequestError(f"score {side}[{i}] must be a str, got {type(t).__name__}")
+                check_unicode(t, f"score {side}[{i}]")
+        if len(left) == 1 and len(right) > 1:
+            left = left * len(right)
+        if len(left) != len(right):
+            raise InvalidRequestError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and "
+                                      f"{len(right)}")
+        return left, right
+
+
+def _per_prompt(params, n: int, cls: type = SamplingParams, name: str = "sampling_params") -> list:
+    """One ``cls`` per prompt (see ``dfllm.inputs.per_prompt_params``); anything else (a
+    PoolingParams for a SamplingParams, a dict) is refused by ``name``."""
+    if params is not None and not isinstance(params, cls | list | tuple):
+        raise InvalidRequestError(f"{name} must be a {cls.__name__} or a list of them (one per prompt), "
+                                  f"got {type(params).__name__}", parameter=name)
+    return per_prompt_params(params, n, cls, name)
 
 
 def _flatten_content(msg: dict) -> dict:

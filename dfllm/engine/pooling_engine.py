@@ -1,6 +1,8 @@
 """The pooling engine: embeddings, class probabilities and per-token states, batched by length.
 
-Prompts of one call are sorted by length and packed into batches under a token budget
+Its ``input_processor`` checks and tokenizes prompts into the requests it runs
+(:meth:`~dfllm.engine.input_processor.InputProcessor.process_pooling`). Requests of one call
+are sorted by length and packed into batches under a token budget
 (``max_num_batched_tokens`` padded tokens, ``max_num_seqs`` sequences), so a batch pads
 only to its own longest member; results come back in input order.
 
@@ -27,13 +29,15 @@ Their embeddings are normalised unless ``PoolingParams(normalize=False)``, as vL
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from dfllm.config import EngineConfig
+from dfllm.engine.input_processor import ImagePrompt, InputProcessor, PoolingRequest
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
@@ -56,19 +60,11 @@ TASKS = POOLING_TASKS  # "embed", "classify", "token_embed"
 IMAGE_CACHE_SIZE = 4096  # image embeddings kept per engine (a few MB)
 
 
-@dataclass(frozen=True)
-class ImagePrompt:
-    """An image to embed with an image-text model: the decoded image and its content hash
-    (:func:`dfllm.multimodal.image_hash`)."""
-
-    image: Any  # PIL.Image.Image
-    hash: str
-
-
 class PoolingEngine:
     """A pooling model on one device."""
 
-    def __init__(self, cfg: EngineConfig, pooler: PoolerConfig):
+    def __init__(self, cfg: EngineConfig, pooler: PoolerConfig, tokenizer: PreTrainedTokenizerBase | None):
+        """``tokenizer`` is None under ``skip_tokenizer_init=True``: prompts are then token ids."""
         self.cfg, self.pooler = cfg, pooler
         cls, self.is_decoder = pooling_model_class(cfg.model)
         self.num_labels = cfg.model.num_labels if hasattr(cls, "classify") else 0
@@ -99,6 +95,9 @@ class PoolingEngine:
         self.lora: LoRAManager | None = LoRAManager(
             cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, self.runner.set_lora_slot,
             self.runner.lora_modules()) if self.is_decoder and cfg.enable_lora else None
+        limit = min(n for n in (cfg.max_model_len, pooler.max_length, self.max_input_tokens) if n)
+        self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, limit, set(),
+                                              embeds_images=self.image_text, model_name=cfg.model_path.name)
 
     def check_lora(self, lora_request: LoRARequest, where: str = "lora_request") -> None:
         """Raise :class:`~dfllm.errors.InvalidRequestError` naming ``lora_request`` unless it can
@@ -133,27 +132,27 @@ class PoolingEngine:
         return -(-max(cfg.max_num_batched_tokens, cfg.max_model_len) // bs) + cfg.max_num_seqs
 
     # ---- batching ---------------------------------------------------------------------
-    def encode(self, prompts: list[list[int]] | list[list[int] | ImagePrompt], params: list[PoolingParams], task: str,
-               token_types: list[list[int]] | None = None, on_batch=None,
+    def encode(self, requests: list[PoolingRequest], task: str, on_batch=None,
                loras: list[LoRARequest | None] | None = None) -> list[torch.Tensor]:
-        """Run ``task`` over token-id prompts (and images, :class:`ImagePrompt`, of an
-        image-text model); one CPU tensor per prompt, in input order. ``loras``: each text
-        prompt's LoRA adapter (None: the base model), checked already (:meth:`check_lora`)."""
+        """Run ``task`` over checked requests (token ids, and images of an image-text model);
+        one CPU tensor per request, in input order. ``loras``: each text prompt's LoRA adapter
+        (None: the base model), checked already (:meth:`check_lora`)."""
         if loras is not None and all(lora is None for lora in loras):
             loras = None
+        prompts, params = [r.prompt_token_ids for r in requests], [r.params for r in requests]
         results: list[torch.Tensor | None] = [None] * len(prompts)
-        images = [i for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)]
+        images = [i for i, r in enumerate(requests) if r.image is not None]
         if images:
-            embedded = self.encode_images([cast(ImagePrompt, prompts[i]) for i in images], [params[i] for i in images],
-                                          task)
+            embedded = self.encode_images([cast(ImagePrompt, requests[i].image) for i in images],
+                                          [params[i] for i in images], task)
             for i, out in zip(images, embedded):
                 results[i] = out
             if on_batch is not None:
                 on_batch(len(images))
-        texts = [i for i, p in enumerate(prompts) if not isinstance(p, ImagePrompt)]
-        order = sorted(texts, key=lambda i: len(cast(list, prompts[i])), reverse=True)
+        texts = [i for i, r in enumerate(requests) if r.image is None]
+        order = sorted(texts, key=lambda i: len(prompts[i]), reverse=True)
         for batch in self._batches(order, prompts, loras):
-            types = [token_types[i] for i in batch] if token_types else None
+            types = [requests[i].token_type_ids for i in batch]
             batch_loras = [loras[i] for i in batch] if loras is not None else None
             for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch],
                                                batch_loras)):
@@ -255,7 +254,7 @@ class PoolingEngine:
         tt = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-            if types:
+            if types[i] is not None:
                 tt[i, : len(p)] = torch.tensor(types[i])
         valid = (torch.arange(longest).unsqueeze(0) < torch.tensor([len(p) for p in prompts]).unsqueeze(1)).to(dev)
         if not self.is_decoder:
