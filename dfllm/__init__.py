@@ -7,16 +7,14 @@ from dfllm.accessors.semantic.cascade import Cascade, CascadeStats
 from dfllm.accessors.writer import WriteSummary, write_parquet
 from dfllm.errors import InvalidRequestError, VLLMValidationError
 from dfllm.jobs.batch_job import BatchSummary, run_batch
-from dfllm.jobs.processor import (
+from dfllm.jobs.processor import Processor, build_llm_processor, build_processor
+from dfllm.jobs.ray_config import (
     ChatTemplateStageConfig,
     DetokenizeStageConfig,
     PrepareImageStageConfig,
     PrepareMultimodalStageConfig,
-    Processor,
     ProcessorConfig,
     TokenizerStageConfig,
-    build_llm_processor,
-    build_processor,
     vLLMEngineProcessorConfig,
 )
 from dfllm.llm import LLM

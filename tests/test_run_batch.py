@@ -25,13 +25,13 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dfllm import LLM, SamplingParams
-from dfllm.worker import engine_cache
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.jobs.batch import BatchOptions, Engines, answer
 from dfllm.jobs.batch_job import run_batch
 from dfllm.jobs.cli import main as cli_main
-from dfllm.jobs.openai_batch import BatchRequestOutput, LineError, parse_line
-from dfllm.jobs.openai_requests import ChatCompletionRequest
+from dfllm.jobs.openai_batch import BatchRequestOutput, parse_line
+from dfllm.jobs.openai_requests import ChatCompletionRequest, LineError
+from dfllm.worker import engine_cache
 
 from helpers import build_tiny_model, free_port, local_client
 

@@ -15,12 +15,20 @@ out: its values do not fit.
 :func:`conform` converts a partition to the schema. A value that does not fit its column's
 type becomes null and its row gets an error naming the column and the value; the row's
 other columns are kept, and nothing fails the partition.
+
+A processor's output (:mod:`dfllm.jobs.processor`) is typed before it is written:
+:func:`meta_dtypes` reads ``meta=``, :func:`input_dtypes` and :func:`infer_dtype` type the
+input's and postprocess's columns (Arrow-backed pandas dtypes that hold nulls, dicts keyed by
+token id as maps), and :func:`typed_column` converts a column's values, stricter than
+:func:`conform`: a value fits only a column of its kind (no number in a string column),
+except an error row's input values, which go through Arrow's safe casts.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import pandas as pd
@@ -28,6 +36,9 @@ import pyarrow as pa
 
 #: What a partition reports for a column: each Arrow type of its values and how many values had it.
 TypeCounts = Counter
+#: What ``meta=`` accepts: a DataFrame, a dict or list of (column, dtype) pairs, a pyarrow schema.
+Meta: TypeAlias = pd.DataFrame | Mapping[str, Any] | Sequence[tuple[str, Any]] | pa.Schema
+STRING = pd.ArrowDtype(pa.string())
 
 
 # ---- deciding types ----------------------------------------------------------------------------------
@@ -70,7 +81,7 @@ def value_types(values) -> TypeCounts:
     counts: Counter = Counter()
     for v in values:
         try:
-            counts[pa.null() if _is_null(v) else value_type(v)] += 1
+            counts[pa.null() if is_null(v) else value_type(v)] += 1
         except ValueError:
             continue
     return counts
@@ -242,7 +253,7 @@ def _check_shapes(values: list, type_: pa.DataType) -> None:
 
 
 def _shape_fits(value, type_: pa.DataType) -> None:
-    if _is_null(value):
+    if is_null(value):
         return
     if pa.types.is_struct(type_):
         if not isinstance(value, Mapping):
@@ -269,7 +280,207 @@ def _shape_fits(value, type_: pa.DataType) -> None:
             _shape_fits(v, type_.value_type)
 
 
-def _is_null(value) -> bool:
+# ---- a processor's output columns --------------------------------------------------------------------
+def meta_dtypes(meta: Meta) -> dict:
+    """``meta=`` as column -> dtype (``pd.ArrowDtype`` or ``pd.CategoricalDtype``)."""
+    if isinstance(meta, pa.Schema):
+        pairs = [(f.name, f.type) for f in meta]
+    elif isinstance(meta, pd.DataFrame):
+        pairs = list(meta.dtypes.items())
+    elif isinstance(meta, Mapping):
+        pairs = list(meta.items())
+    elif isinstance(meta, (list, tuple)) and all(isinstance(p, tuple) and len(p) == 2 for p in meta):
+        pairs = list(meta)
+    else:
+        raise TypeError("meta= must be a pandas DataFrame, a dict or list of (column, dtype) pairs, or a "
+                        f"pyarrow schema, got {type(meta).__name__}")
+    out = {}
+    for name, dtype in pairs:
+        try:
+            out[name] = _as_dtype(dtype)
+        except (TypeError, ValueError, pa.ArrowException) as exc:
+            raise ValueError(f"meta=: column {name!r}: {dtype!r} is not a dtype dfllm can hold ({exc})") from None
+    return out
+
+
+def _as_dtype(dtype) -> pd.api.extensions.ExtensionDtype:
+    if isinstance(dtype, pa.DataType):
+        return pd.ArrowDtype(_nullable(dtype))
+    dtype = pd.api.types.pandas_dtype(dtype)
+    if isinstance(dtype, pd.CategoricalDtype):
+        return dtype
+    return pd.ArrowDtype(_nullable(dtype_type(dtype) or pa.null()))
+
+
+def _nullable(t: pa.DataType) -> pa.DataType:
+    """``t`` with a null type (nothing known) read as a string, and large strings as strings."""
+    if pa.types.is_null(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(_nullable(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _nullable(f.type)) for f in t])
+    return t
+
+
+def input_dtypes(df: pd.DataFrame, error: str) -> dict:
+    """The input's columns (but the error column ``error``) as Arrow-backed dtypes, from the column's
+    dtype and values (an ``object`` column without values, or of values with no Arrow type,
+    is a string)."""
+    out = {}
+    for name in df.columns:
+        if name == error:
+            continue
+        series = df[name]
+        if isinstance(series.dtype, pd.CategoricalDtype):  # as its values (Dask's may be unknown)
+            series = pd.Series(series.dtype.categories[:0] if not len(series) else series.astype(object))
+        try:
+            t = pa.Array.from_pandas(series).type
+        except (pa.ArrowException, TypeError, ValueError):
+            t = pa.string()
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        out[name] = pd.ArrowDtype(_nullable(t))
+    return out
+
+
+def infer_dtype(values: list, column, fallback) -> pd.api.extensions.ExtensionDtype:
+    """The Arrow-backed dtype of postprocess's ``values`` for ``column`` (``fallback``, else
+    a string, when they are all null)."""
+    try:
+        t = _infer_type(values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        t = None
+        for v in values:
+            try:
+                t = _infer_type([v])
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"build_processor: postprocess's column {column!r} has a value of type "
+                                 f"{type(v).__name__} with no Arrow type ({exc}); return plain values "
+                                 "(str, int, float, bool, list, dict...), or pass meta=") from None
+            if not pa.types.is_null(t):
+                break
+    if t is None or pa.types.is_null(t):
+        return fallback if fallback is not None else STRING
+    return pd.ArrowDtype(_nullable(t))
+
+
+def _infer_type(values: list) -> pa.DataType:
+    """The Arrow type of ``values`` as pyarrow infers it, except that dicts whose keys are
+    not strings (token id -> logprob, as in Ray's ``logprobs``) are maps, at any depth."""
+    try:
+        return pa.array(values, from_pandas=True).type
+    except (pa.ArrowException, TypeError) as exc:
+        present = [v for v in values if not is_null(v)]
+        if present and all(isinstance(v, Mapping) for v in present) and any(
+                not isinstance(k, str) for v in present for k in v):
+            keys = _infer_type([k for v in present for k in v])
+            items = _infer_type([x for v in present for x in v.values()])
+            return pa.map_(keys, items)
+        if present and all(isinstance(v, (list, tuple, np.ndarray)) for v in present):
+            return pa.list_(_infer_type([x for v in present for x in v]))
+        if present and all(isinstance(v, Mapping) for v in present):
+            names = list(dict.fromkeys(k for v in present for k in v))
+            return pa.struct([(n, _infer_type([v.get(n) for v in present])) for n in names])
+        raise exc
+
+
+def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether values inferred as ``src`` may go into a ``dst`` column (a safe cast then
+    checks the values themselves: fractions, ranges). No change of kind: a number is no
+    string, a string no list, and a struct takes no field it lacks."""
+    if src == dst or pa.types.is_null(src):
+        return True
+    t = pa.types
+    numeric = lambda x: t.is_integer(x) or t.is_floating(x) or t.is_decimal(x)  # noqa: E731
+    for kind in (numeric, lambda x: t.is_string(x) or t.is_large_string(x) or t.is_string_view(x),
+                 lambda x: t.is_binary(x) or t.is_large_binary(x) or t.is_fixed_size_binary(x),
+                 t.is_timestamp, t.is_date, t.is_time, t.is_duration, t.is_boolean):
+        if kind(src) and kind(dst):
+            return True
+    if (t.is_list(src) or t.is_large_list(src) or t.is_fixed_size_list(src)) and (
+            t.is_list(dst) or t.is_large_list(dst) or t.is_fixed_size_list(dst)):
+        return _compatible(src.value_type, dst.value_type)
+    if t.is_struct(src) and t.is_struct(dst):
+        fields = {f.name: f.type for f in dst}
+        return all(f.name in fields and _compatible(f.type, fields[f.name]) for f in src)
+    return False
+
+
+def _to_arrow(values: list, dtype, cast: bool = False) -> pa.Array:
+    """``values`` as an Arrow array of ``dtype``'s type; ``ValueError`` saying why a value
+    does not fit. Only values of the column's kind fit (see :func:`_compatible`), unless
+    ``cast``: then any value Arrow's safe cast converts does (an int in a string column is
+    its text, a string of digits in an integer column its number)."""
+    target = dtype.pyarrow_dtype
+    try:
+        arr = pa.array(values, from_pandas=True)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        try:  # e.g. dicts keyed by token id, for a map column
+            return pa.array(values, type=target, from_pandas=True)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            pass
+        raise ValueError(f"has no Arrow type ({type(exc).__name__}: {exc})") from None
+    if not cast and not _compatible(arr.type, target):
+        raise ValueError(f"is {arr.type}, not {target}")
+    try:
+        return arr.cast(target, safe=True)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"does not fit {target} ({type(exc).__name__}: {exc})") from None
+
+
+def typed_column(values: list, dtype, index: pd.Index, column, errors: list,
+                 inputs: set | frozenset = frozenset()) -> pd.Series:
+    """A typed column; values that do not fit are null, with a message in ``errors``. The
+    values of the rows in ``inputs`` are an error row's input values: they go in through
+    Arrow's safe casts (see :func:`_to_arrow`), so that the row still says which input row it
+    was, and one that cannot be converted is named in the row's error."""
+    if isinstance(dtype, pd.CategoricalDtype):
+        for i, v in enumerate(values):
+            if not is_null(v) and v not in dtype.categories and i in inputs:
+                v = values[i] = _category(v, dtype)
+            if not is_null(v) and v not in dtype.categories:
+                what = "the input value" if i in inputs else ""
+                errors[i] = join_errors(errors[i], f"column {column!r}: {what}{' ' if what else ''}{_show(v)} is "
+                                                   f"not one of the categories {list(dtype.categories)}")
+                values[i] = None
+        return pd.Series(values, index=index, dtype=dtype)
+    try:
+        arr = _to_arrow(values, dtype)
+    except ValueError:  # find the rows, one value at a time
+        cells = []
+        for i, v in enumerate(values):
+            try:
+                cells.append(_to_arrow([v], dtype, cast=i in inputs))
+            except ValueError as exc:
+                what = "input value" if i in inputs else "value"
+                errors[i] = join_errors(errors[i], f"column {column!r}: the {what} {_show(v)} {exc}")
+                values[i] = None
+                cells.append(pa.nulls(1, dtype.pyarrow_dtype))
+        arr = pa.concat_arrays(cells)
+    return pd.Series(arr, index=index, dtype=dtype)
+
+
+def _category(value, dtype: pd.CategoricalDtype):
+    """An input value as the category Arrow's safe cast makes of it (7 as "7" among string
+    categories), or the value itself when none matches."""
+    try:
+        kind = pd.ArrowDtype(pa.array(dtype.categories, from_pandas=True).type)
+        cast = _to_arrow([value], kind, cast=True)[0].as_py()
+    except (ValueError, pa.ArrowException, TypeError):
+        return value
+    return cast if cast in dtype.categories else value
+
+
+def join_errors(first: str | None, second: str | None) -> str | None:
+    """Two error messages (either None) as one."""
+    if first is None:
+        return second
+    return first if second is None else f"{first}; {second}"
+
+
+def is_null(value) -> bool:
+    """Whether ``value`` is None or a pandas/numpy null (a list or dict is not)."""
     try:
         return value is None or bool(pd.isna(value))
     except (TypeError, ValueError):

@@ -45,11 +45,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dfllm.errors import InvalidRequestError
-from dfllm.jobs.openai_batch import BatchRequestInput, LineError
+from dfllm.jobs.openai_batch import BatchRequestInput
 from dfllm.jobs.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    LineError,
     RerankRequest,
     ScoreRequest,
 )
@@ -93,7 +94,7 @@ class BatchOptions:
 @dataclass
 class LineResult:
     """One line's answer: ``status_code`` 200 and its response ``body``, or the status and
-    :class:`~dfllm.jobs.openai_batch.LineError`; prompt and generated token counts."""
+    :class:`~dfllm.jobs.openai_requests.LineError`; prompt and generated token counts."""
 
     status_code: int
     body: dict | None = None

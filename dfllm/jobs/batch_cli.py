@@ -29,6 +29,17 @@ import json
 from typing import Any
 
 from dfllm.jobs.batch_job import DEFAULT_PARTITION_BYTES
+from dfllm.jobs.cli_options import (
+    DEFAULT_MAX_ERROR_RATE,
+    EXIT_TOO_MANY_ERRORS,
+    _bytes,
+    _describe,
+    _json_object,
+    _rate,
+    _say,
+    add_cache_options,
+    cache_of,
+)
 
 #: LLM arguments that are not generic engine flags of run-batch (``--model`` and
 #: ``--reasoning-parser``, which names one of the known parsers, have their own).
@@ -41,7 +52,6 @@ VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str,
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
-    from dfllm.jobs.cli import DEFAULT_MAX_ERROR_RATE, _bytes, _json_object, _rate, add_cache_options
     from dfllm.reasoning import reasoning_parser_names
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, "
@@ -135,7 +145,6 @@ def engine_kwargs_of(args: argparse.Namespace) -> dict:
 def run_batch_command(args: argparse.Namespace) -> int:
     """``dfllm run-batch``: the job on its cluster, then the summary; the exit status."""
     from dfllm.jobs.batch_job import check_options, check_paths, run_batch
-    from dfllm.jobs.cli import EXIT_TOO_MANY_ERRORS, _describe, _say, cache_of
     from dfllm.jobs.cluster import connect
 
     engine_kwargs = engine_kwargs_of(args)

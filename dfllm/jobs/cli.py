@@ -33,6 +33,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dfllm.jobs.cli_options import (
+    DEFAULT_MAX_ERROR_RATE,
+    EXIT_TOO_MANY_ERRORS,
+    _describe,
+    _json_object,
+    _rate,
+    _say,
+    add_cache_options,
+    cache_of,
+)
 from dfllm.reasoning import reasoning_parser_names
 from dfllm.tasks.kinds import KINDS
 
@@ -40,8 +50,6 @@ if TYPE_CHECKING:
     from dfllm.accessors.writer import WriteSummary
 
 TASKS = tuple(KINDS)
-DEFAULT_MAX_ERROR_RATE = 0.5
-EXIT_TOO_MANY_ERRORS = 3
 EXIT_BUDGET = 4  # a token budget stopped the job; finished parts kept, --resume finishes it
 DEFAULT_INPUT = {"generate": "prompt", "chat": "messages", "embed": "text", "classify": "text", "score": "text_1"}
 
@@ -134,26 +142,6 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help="generate/chat: a budget of generated tokens, as --max-prompt-tokens")
 
 
-def add_cache_options(p: argparse.ArgumentParser, what: str) -> None:
-    """``--cache`` (helped as ``what``), ``--cache-max-bytes`` and ``--cache-storage-options``
-    (read back by :func:`cache_of`), for ``dfllm run`` and ``dfllm run-batch``."""
-    p.add_argument("--cache", metavar="URL", help=what)
-    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
-                   help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go")
-    p.add_argument("--cache-storage-options", type=_json_object, default=None,
-                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
-    return value
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -171,29 +159,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
     if not value > 0 or value == float("inf"):  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _bytes(text: str) -> int:
-    """A byte count as Dask reads one (``1048576``, ``500MB``, ``2GiB``)."""
-    from dask.utils import parse_bytes
-
-    try:
-        value = parse_bytes(text)
-    except (ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"must be a size like 1048576, 500MB or 2GiB, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
-    return value
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"anon\": false}'")
     return value
 
 
@@ -305,22 +270,6 @@ def cache_from(args):
     return cache_of(args)
 
 
-def cache_of(args):
-    """The response cache that ``--cache``, ``--cache-max-bytes`` and ``--cache-storage-options``
-    name (``dfllm run`` and ``dfllm run-batch``), or None; the cache's storage options default
-    to ``--storage-options`` for a URL with a protocol."""
-    if args.cache is None:
-        if args.cache_max_bytes is not None or args.cache_storage_options is not None:
-            raise ValueError("--cache-max-bytes and --cache-storage-options need --cache")
-        return None
-    from dfllm.tasks.response_cache import DEFAULT_MAX_BYTES, ResponseCache, as_cache
-
-    options = args.cache_storage_options
-    if options is None and "://" in args.cache and not args.cache.startswith("file://"):
-        options = args.storage_options
-    return as_cache(ResponseCache(args.cache, options, args.cache_max_bytes or DEFAULT_MAX_BYTES), "--cache")
-
-
 def _default_input(task: str, columns) -> str:
     name = DEFAULT_INPUT[task]
     if name not in columns:
@@ -399,11 +348,6 @@ def too_many_errors(summary: WriteSummary, max_error_rate: float) -> str | None:
             f"above --max-error-rate {max_error_rate:g}; the output was written to {summary.path}")
 
 
-def _describe(client) -> str:
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return f"{len(workers)} worker(s), {sum(w['nthreads'] for w in workers)} thread(s)"
-
-
 def deduplicated_requests(client) -> int:
     """The requests the cluster's engines answered with an identical request's output
     (``dfllm_deduplicated_requests``, summed over the workers' engines). A worker that died
@@ -452,10 +396,6 @@ def format_summary(s, deduplicated: int = 0, cache: dict[str, int] | None = None
         lines.append(f"throughput:  {s.rows / max(s.seconds, 1e-9):.2f} rows/s")
     lines += [f"wall time:   {s.seconds:.1f} s", f"output:      {s.path}"]
     return "\n".join(lines)
-
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 # ---- dfllm models ------------------------------------------------------------------------------------

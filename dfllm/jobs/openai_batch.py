@@ -31,6 +31,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dfllm.jobs.openai_requests import LineError, parse_body
+
 #: The endpoints dfllm answers, by the ``url`` of a line; vLLM's spellings of score and
 #: rerank (without ``/v1``, and ``/v2/rerank``) are accepted too.
 ENDPOINTS = {
@@ -44,28 +46,6 @@ ENDPOINTS = {
     "/v2/rerank": "rerank",
 }
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
-
-
-class LineError(ValueError):
-    """Why a batch line gets an error answer instead of a response: the HTTP ``status``,
-    a short ``code`` (``invalid_json``, ``invalid_request``, ``unknown_url``,
-    ``engine_error``...), the message (without the line number: the output adds it) and
-    ``param``, the field at fault (``body.messages[0].role``) or None."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-    @property
-    def message(self) -> str:
-        return str(self)
-
-    def __reduce__(self):  # keeps status, code and param across pickling (Dask workers)
-        return _rebuild, (str(self), self.status, self.code, self.param)
-
-
-def _rebuild(message: str, status: int, code: str, param: str | None) -> LineError:
-    return LineError(message, status=status, code=code, param=param)
 
 
 @dataclass
@@ -98,8 +78,6 @@ class BatchRequestInput:
 def parse_line(text: str, key: str = "") -> BatchRequestInput:
     """One input line (JSON text) as a :class:`BatchRequestInput`, its body checked for its
     endpoint; :class:`LineError` naming the field at fault otherwise."""
-    from dfllm.jobs.openai_requests import parse_body
-
     try:
         line = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:

@@ -1,7 +1,7 @@
 """The request bodies of OpenAI's endpoints (and vLLM's score and rerank), as typed objects.
 
 Each ``from_body`` checks one line's ``body`` and names the field at fault
-(:class:`~dfllm.jobs.openai_batch.LineError`, ``param="body.max_tokens"``); a field the
+(:class:`LineError`, ``param="body.max_tokens"``); a field the
 endpoint does not have is refused, so that a typo is not ignored silently. OpenAI's fields
 that change nothing here (``user``, ``store``, ``metadata``, ``service_tier``...) are
 accepted; ``stream: true`` is refused (a batch line has one answer), and so are tools,
@@ -37,7 +37,6 @@ from typing import Any
 
 from dfllm.errors import InvalidRequestError
 from dfllm.inputs import VALID_ROLES
-from dfllm.jobs.openai_batch import LineError
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
@@ -62,6 +61,28 @@ STREAM_REFUSED = "Request must not be sent in stream mode"
 
 
 # ---- checks -------------------------------------------------------------------------------------------
+class LineError(ValueError):
+    """Why a batch line gets an error answer instead of a response: the HTTP ``status``,
+    a short ``code`` (``invalid_json``, ``invalid_request``, ``unknown_url``,
+    ``engine_error``...), the message (without the line number: the output adds it) and
+    ``param``, the field at fault (``body.messages[0].role``) or None."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def __reduce__(self):  # keeps status, code and param across pickling (Dask workers)
+        return _rebuild, (str(self), self.status, self.code, self.param)
+
+
+def _rebuild(message: str, status: int, code: str, param: str | None) -> LineError:
+    return LineError(message, status=status, code=code, param=param)
+
+
 def _check_fields(body: dict, known: tuple[str, ...], url: str) -> None:
     for name in body:
         if name in UNSUPPORTED:

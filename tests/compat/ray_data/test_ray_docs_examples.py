@@ -14,7 +14,7 @@ import pytest
 
 import dfllm
 from dfllm import build_llm_processor, build_processor, vLLMEngineProcessorConfig
-from dfllm.jobs.processor import DetokenizeStageConfig, TokenizerStageConfig
+from dfllm.jobs.ray_config import DetokenizeStageConfig, TokenizerStageConfig
 
 ITEMS = ["Start of the haiku is: Complete this for me...", "Hello world!"]
 

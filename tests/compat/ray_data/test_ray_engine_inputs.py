@@ -14,7 +14,8 @@ import pytest
 
 import dfllm
 from dfllm import build_processor, vLLMEngineProcessorConfig
-from dfllm.jobs.processor import ChatTemplateStageConfig, RowFailedError
+from dfllm.jobs.processor import RowFailedError
+from dfllm.jobs.ray_config import ChatTemplateStageConfig
 
 ENGINE = {"max_model_len": 256}
 GREEDY = dict(temperature=0.0, max_tokens=4)
