@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from dfllm.distributed.parallel_state import check_parallel_config
-from dfllm.engine.cuda_graphs import default_capture_sizes, parse_capture_sizes
 from dfllm.kernels.backend import BACKENDS
 from dfllm.models.bundled import resolve_model
 from dfllm.models.families import unsupported_architecture_message
@@ -25,7 +23,7 @@ from dfllm.models.registry import (
 )
 from dfllm.models.seq_cls import adapt_seq_cls_config
 from dfllm.models.sliding_window import honours_windows
-from dfllm.models.spec import ModelSpec
+from dfllm.models.spec import ModelSpec, check_parallel_config
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -36,6 +34,8 @@ RUNNERS = ("auto", "generate", "pooling")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}  # vLLM's kv_cache_dtype values dfllm serves
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default
+MAX_CAPTURE_SIZE = 512  # vLLM's largest default capture size
+CAPTURE_SIZES_FIELD = "compilation_config.cudagraph_capture_sizes"
 
 
 @dataclass(frozen=True)
@@ -365,16 +365,51 @@ def _check_model(spec: ModelSpec, runner_type: str, max_model_len: int) -> None:
     if spec.quantization is not None:
         raise ValueError(f"quantized checkpoints ({spec.quantization}) are not supported; use float weights")
     if spec.multimodal is not None:  # a vision-language variant dfllm does not run is refused by name
-        from dfllm.multimodal.processor import check_vision_language
-
-        check_vision_language(spec)
+        model_class(spec).image_tokens(spec)
     # A decoder embedder is held to the model's full length (as the engine always has).
     limit = max_model_len if runner_type == "generate" else spec.max_position_embeddings or max_model_len
     # Sliding windows are honoured by the attention kernels: on every layer alike (Mistral), or
     # per layer by the classes that say so (Gemma); other mixes (Qwen2's max_window_layers) are not.
     window = spec.sliding_window
-    if window is not None and window < limit and not honours_windows(model_class(spec), spec):
+    if window is not None and window < limit and not honours_windows(model_class(spec).window_support, spec):
         raise ValueError(
             f"sliding-window attention (window {window}) on these layers is not supported for "
             f"{list(spec.architectures)}; set max_model_len <= {window}"
         )
+
+
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """vLLM's buckets: 1, 2, 4, 8, then multiples of 8, up to the first one holding
+    ``max_num_seqs`` sequences (at most :data:`MAX_CAPTURE_SIZE`)."""
+    sizes = []
+    for size in [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]:
+        sizes.append(size)
+        if size >= max_num_seqs:
+            break
+    return tuple(sizes)
+
+
+def parse_capture_sizes(compilation_config: Any) -> tuple[int, ...] | None:
+    """The ``cudagraph_capture_sizes`` of vLLM's ``compilation_config`` (sorted, unique), or None
+    for the defaults. ``compilation_config`` may be None, an int (vLLM's compilation level:
+    accepted, nothing to compile), a dict or an object with that attribute (vLLM's
+    ``CompilationConfig``); its other fields are accepted and ignored. ``ValueError`` names the
+    field for anything else; an empty list captures nothing."""
+    if compilation_config is None or (isinstance(compilation_config, int) and not isinstance(compilation_config,
+                                                                                                bool)):
+        return None
+    if isinstance(compilation_config, str | bytes | bool | float):
+        raise ValueError("compilation_config must be None, an int (a compilation level), a dict or an object with "
+                         f"a cudagraph_capture_sizes attribute, got {compilation_config!r}")
+    if isinstance(compilation_config, dict):
+        sizes = compilation_config.get("cudagraph_capture_sizes")
+    else:
+        sizes = getattr(compilation_config, "cudagraph_capture_sizes", None)
+    if sizes is None:
+        return None
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Iterable):
+        raise ValueError(f"{CAPTURE_SIZES_FIELD} must be a list of ints >= 1, got {sizes!r}")
+    sizes = list(sizes)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"{CAPTURE_SIZES_FIELD} must be a list of ints >= 1, got {sizes!r}")
+    return tuple(sorted(set(sizes)))

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dfllm.config import KV_CACHE_DTYPES
-from dfllm.engine.cuda_graphs import parse_capture_sizes
+from dfllm.config import KV_CACHE_DTYPES, parse_capture_sizes
 from dfllm.reasoning import check_reasoning_parser
 
 _LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "

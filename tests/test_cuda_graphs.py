@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dfllm import LLM, SamplingParams
-from dfllm.config import EngineConfig
-from dfllm.engine.cuda_graphs import bucket_for, default_capture_sizes, parse_capture_sizes, unsupported_reason
+from dfllm.config import EngineConfig, default_capture_sizes, parse_capture_sizes
+from dfllm.engine.cuda_graphs import bucket_for, unsupported_reason
 from dfllm.engine_args import check_vllm_args
 
 from helpers import build_tiny_model, random_prompts

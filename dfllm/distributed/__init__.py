@@ -6,6 +6,6 @@ through ``torch.distributed`` process groups built directly (NCCL on CUDA, gloo 
 never through the global default group, so several engines can live in one process.
 """
 
-from dfllm.distributed.parallel_state import ParallelConfig, ParallelContext, check_parallel_config
+from dfllm.distributed.parallel_state import ParallelConfig, ParallelContext
 
-__all__ = ["ParallelConfig", "ParallelContext", "check_parallel_config"]
+__all__ = ["ParallelConfig", "ParallelContext"]

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from dfllm.distributed.communication import GroupComm
-from dfllm.models.spec import ModelSpec
 
 # How long a rank waits for its peers in a collective or at start-up before failing.
 # A dead peer is noticed at once on CPU (gloo sees the closed socket); this bounds the rest.
@@ -83,21 +82,6 @@ def layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]
     base, extra = divmod(num_layers, num_stages)
     start = stage * base + min(stage, extra)
     return start, start + base + (stage < extra)
-
-
-def check_parallel_config(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Reject sizes the model cannot be split by, naming the count that does not divide."""
-    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if tp == 1 and pp == 1:
-        return
-    for what, n in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_key_value_heads),
-                    ("MLP intermediate size", spec.intermediate_size)):
-        if n % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {n} {what}")
-    if pp > spec.num_hidden_layers:
-        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {spec.num_hidden_layers} layers")
 
 
 def create_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:

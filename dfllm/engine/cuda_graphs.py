@@ -19,8 +19,8 @@ replays the graph of the smallest bucket that holds the step:
 * the LM head and sampling stay outside the graph (as in vLLM): the graph returns hidden states.
 
 Graphs are used only where replay is exact: a model on CUDA with the Triton kernels, on one rank,
-whose attention is plain :class:`~dfllm.models.layers.PagedAttention` without sliding windows or
-soft-capping (Llama, Mistral without a window, Qwen2/3, Phi-3 and their mixtures of experts).
+whose class declares ``supports_cuda_graphs`` (plain :class:`~dfllm.models.layers.PagedAttention`
+on every layer: Llama, Qwen2/3, Phi-3 and their mixtures of experts) and which has no sliding window.
 Everything else, and every step that is not a pure decode batch, runs eagerly. The graphs bake in
 the addresses of the weights and of the KV cache: the model runner drops them whenever either
 moves (sleep mode) and captures again on the next step.
@@ -34,60 +34,19 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
+from dfllm.config import CAPTURE_SIZES_FIELD
 from dfllm.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from dfllm.engine.scheduler import SchedulerOutput
     from dfllm.engine.sequence import Sequence
+    from dfllm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("dfllm")
-
-MAX_CAPTURE_SIZE = 512  # vLLM's largest default capture size
-CAPTURE_SIZES_FIELD = "compilation_config.cudagraph_capture_sizes"
-
-
-def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """vLLM's buckets: 1, 2, 4, 8, then multiples of 8, up to the first one holding
-    ``max_num_seqs`` sequences (at most :data:`MAX_CAPTURE_SIZE`)."""
-    sizes = []
-    for size in [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]:
-        sizes.append(size)
-        if size >= max_num_seqs:
-            break
-    return tuple(sizes)
-
-
-def parse_capture_sizes(compilation_config: Any) -> tuple[int, ...] | None:
-    """The ``cudagraph_capture_sizes`` of vLLM's ``compilation_config`` (sorted, unique), or None
-    for the defaults. ``compilation_config`` may be None, an int (vLLM's compilation level:
-    accepted, nothing to compile), a dict or an object with that attribute (vLLM's
-    ``CompilationConfig``); its other fields are accepted and ignored. ``ValueError`` names the
-    field for anything else; an empty list captures nothing."""
-    if compilation_config is None or (isinstance(compilation_config, int) and not isinstance(compilation_config,
-                                                                                                bool)):
-        return None
-    if isinstance(compilation_config, str | bytes | bool | float):
-        raise ValueError("compilation_config must be None, an int (a compilation level), a dict or an object with "
-                         f"a cudagraph_capture_sizes attribute, got {compilation_config!r}")
-    if isinstance(compilation_config, dict):
-        sizes = compilation_config.get("cudagraph_capture_sizes")
-    else:
-        sizes = getattr(compilation_config, "cudagraph_capture_sizes", None)
-    if sizes is None:
-        return None
-    if isinstance(sizes, str | bytes) or not isinstance(sizes, Iterable):
-        raise ValueError(f"{CAPTURE_SIZES_FIELD} must be a list of ints >= 1, got {sizes!r}")
-    sizes = list(sizes)
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"{CAPTURE_SIZES_FIELD} must be a list of ints >= 1, got {sizes!r}")
-    return tuple(sorted(set(sizes)))
-
 
 def bucket_for(batch: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest of the (sorted) ``sizes`` holding ``batch`` rows; None when none does."""
@@ -95,19 +54,11 @@ def bucket_for(batch: int, sizes: tuple[int, ...]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def unsupported_reason(model: nn.Module, *, device: torch.device | None = None, ops_name: str = "triton",
+def unsupported_reason(model: LlamaForCausalLM, *, device: torch.device | None = None, ops_name: str = "triton",
                        parallel: object = None, quantization: str | None = None) -> str | None:
     """Why the decode forward of ``model`` cannot be captured (None when it can): graphs need
-    CUDA (when ``device`` is given), the Triton kernels, one rank, float weights and plain paged
-    attention on every layer."""
-    from dfllm.models.layers import PagedAttention
-    from dfllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-    from dfllm.models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-    from dfllm.models.phi3 import Phi3ForCausalLM
-    from dfllm.models.qwen3 import Qwen3ForCausalLM
-
-    capturable = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, MixtralForCausalLM,
-                  Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
+    CUDA (when ``device`` is given), the Triton kernels, one rank, float weights, a model class
+    declaring ``supports_cuda_graphs`` and no sliding window."""
     if device is not None and device.type != "cuda":
         return f"the model runs on {device.type}, not CUDA"
     if ops_name != "triton":
@@ -116,14 +67,10 @@ def unsupported_reason(model: nn.Module, *, device: torch.device | None = None, 
         return "the model is split over several ranks"
     if quantization is not None:
         return f"quantization={quantization!r}"
-    if type(model) not in capturable:
-        return f"{type(model).__name__} is not among the captured architectures"
-    if getattr(model, "sliding_window", None) is not None:
+    if not model.supports_cuda_graphs:
+        return f"{type(model).__name__} does not declare supports_cuda_graphs"
+    if model.sliding_window is not None:
         return "sliding-window attention"
-    for layer in model.model.stage_layers:  # type: ignore[union-attr]
-        attn = layer.self_attn
-        if type(attn) is not PagedAttention or attn.sliding_window is not None or attn.softcap is not None:
-            return f"{type(attn).__name__} with its options is not captured"
     return None
 
 
@@ -132,7 +79,7 @@ class CudaGraphRunner:
     model's forward over each (see the module docstring). Build it once the KV cache is attached;
     :meth:`forward` runs a step that :meth:`fits`."""
 
-    def __init__(self, model: nn.Module, sizes: tuple[int, ...], block_size: int, max_model_len: int,
+    def __init__(self, model: LlamaForCausalLM, sizes: tuple[int, ...], block_size: int, max_model_len: int,
                  device: torch.device, capture: bool = True):
         if not sizes:
             raise ValueError(f"{CAPTURE_SIZES_FIELD} is empty: no bucket to capture")

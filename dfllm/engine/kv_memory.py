@@ -2,34 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 import psutil
 import torch
 
-logger = logging.getLogger("dfllm")
-
 CPU_MEMORY_FRACTION = 0.25
 CPU_MAX_BYTES = 4 * 2**30
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What one layer caches per token: ``heads`` x ``head_dim`` keys and, when ``values``, as
-    many values. The default (every decoder but MLA) is the model's KV heads and head size with
-    values; a model class may declare another through a ``kv_cache_layout(spec, tp_size)``
-    classmethod (DeepSeek's latent attention caches one "head" of latent and rope key, no values).
-    """
-
-    heads: int
-    head_dim: int
-    values: bool = True
-
-    @property
-    def num_tensors(self) -> int:
-        """How many cache tensors per layer: 2 (keys and values), or 1 (keys only)."""
-        return 2 if self.values else 1
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

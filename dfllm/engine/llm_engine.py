@@ -49,6 +49,7 @@ from dfllm.errors import InvalidRequestError
 from dfllm.lora.adapter import LoRAAdapterError
 from dfllm.lora.manager import LoRAManager
 from dfllm.lora.request import LoRARequest
+from dfllm.models.registry import model_class
 from dfllm.models.sliding_window import uniform_window
 from dfllm.multimodal.processor import image_input_processor
 from dfllm.outputs import RequestMetrics, RequestOutput
@@ -101,9 +102,10 @@ class LLMEngine:
         self.lora: LoRAManager | None = LoRAManager(
             cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, self.runner.set_lora_slot,
             self.runner.lora_modules()) if cfg.enable_lora else None
+        images = model_class(cfg.model).image_tokens(cfg.model, tokenizer)  # None: a text-only model
         self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids,
                                               max_logprobs=cfg.max_logprobs, reasoning_parser=reasoning_parser,
-                                              mm=image_input_processor(cfg.model_path, cfg.model, tokenizer,
+                                              mm=image_input_processor(cfg.model_path, images,
                                                                        limit_per_prompt=limit_mm_per_prompt,
                                                                        processor_kwargs=mm_processor_kwargs))
         self.enable_in_reasoning = enable_in_reasoning

@@ -25,7 +25,6 @@ from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
 from dfllm.models.quantization import quantize_model
 from dfllm.models.registry import model_class
-from dfllm.models.spec import ModelSpec
 from dfllm.multimodal.encoder import EncoderCache, step_mm_kwargs
 
 logger = logging.getLogger("dfllm")
@@ -52,7 +51,7 @@ class ModelRunner:
         if parallel is not None:
             start, end = layer_range(self.num_layers, parallel.pp_rank, parallel.pp_size)
             self.num_layers = end - start
-        self.kv_layout = kv_cache_layout(self.spec, 1 if parallel is None else parallel.tp_size)
+        self.kv_layout = model_class(self.spec).kv_cache_layout(self.spec, 1 if parallel is None else parallel.tp_size)
         self.lora_slots: dict = {}  # LoRA: {layer: {projection: LoRASlots}} (dfllm.lora.layers), when enabled
         self.num_kv_heads, self.head_dim = self.kv_layout.heads, self.kv_layout.head_dim
         self.model: LlamaForCausalLM | None = self._build_model()  # None while dropped
@@ -290,16 +289,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to stop on one rank."""
-
-
-def kv_cache_layout(spec: ModelSpec, tp_size: int = 1) -> kv_memory.KVCacheLayout:
-    """What each layer of the model caches per token on one of ``tp_size`` ranks: the model class's
-    own ``kv_cache_layout(spec, tp_size)`` when it declares one, else its KV heads (split over the
-    ranks) and head size, keys and values."""
-    declared = getattr(model_class(spec), "kv_cache_layout", None)
-    if declared is not None:
-        return declared(spec, tp_size)
-    return kv_memory.KVCacheLayout(spec.num_key_value_heads // tp_size, spec.head_dim)
 
 
 def rpc_target(runner: object, method: str | Callable) -> Callable:

@@ -9,22 +9,34 @@ logits of the sampled rows back to rank 0 (the driver), which samples.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from dfllm.engine.step_inputs import StepInputs, move_inputs
 
-if TYPE_CHECKING:  # for annotations only: the model runner calls this module
+if TYPE_CHECKING:  # for annotations only
     from dfllm.distributed.communication import GroupComm
     from dfllm.distributed.parallel_state import ParallelContext
-    from dfllm.engine.model_runner import ModelRunner
+    from dfllm.models.llama import LlamaForCausalLM
+    from dfllm.models.spec import ModelSpec
+
+
+class Stage(Protocol):
+    """What a step reads off a rank's runner (a :class:`~dfllm.engine.model_runner.ModelRunner`)."""
+
+    parallel: ParallelContext | None
+    model: LlamaForCausalLM | None
+    spec: ModelSpec
+    dtype: torch.dtype
+    device: torch.device
+
 
 LOGITS_TAG = 1_000_000  # pipeline tags: 2i and 2i + 1 carry micro-batch i's hidden states and residual
 
 
 @torch.inference_mode()
-def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor | None:
+def execute_step(runner: Stage, micro: list[StepInputs]) -> torch.Tensor | None:
     """This rank's part of one step over its micro-batches; on rank 0 the logits (float32,
     on rank 0's device) of the sampled rows of all micro-batches, in order; None elsewhere."""
     ctx = runner.parallel
@@ -56,7 +68,7 @@ def execute_step(runner: ModelRunner, micro: list[StepInputs]) -> torch.Tensor |
     return logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
-def _receive_hidden(runner: ModelRunner, mb: StepInputs, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _receive_hidden(runner: Stage, mb: StepInputs, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Micro-batch ``i``'s hidden states and residual from the previous stage (None on the first)."""
     ctx = runner.parallel
     assert ctx is not None
@@ -68,14 +80,14 @@ def _receive_hidden(runner: ModelRunner, mb: StepInputs, i: int) -> tuple[torch.
             pp.recv(shape, runner.dtype, runner.device, src, 2 * i + 1))
 
 
-def _logits(runner: ModelRunner, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _logits(runner: Stage, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if rows.numel() == 0:
         return torch.empty(0, runner.spec.vocab_size, device=runner.device)
     assert runner.model is not None
     return runner.model.compute_logits(hidden[rows]).float()
 
 
-def _receive_logits(runner: ModelRunner, mb: StepInputs, i: int) -> torch.Tensor:
+def _receive_logits(runner: Stage, mb: StepInputs, i: int) -> torch.Tensor:
     rows, vocab = mb.logit_rows.numel(), runner.spec.vocab_size
     if rows == 0:
         return torch.empty(0, vocab, device=runner.device)

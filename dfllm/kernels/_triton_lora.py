@@ -1,6 +1,6 @@
 """Triton SGMV kernels for many LoRA adapters in one batch (the GPU twin of
 :func:`dfllm.kernels.lora.lora_apply`), as Punica's SGMV: the adapted rows sorted by slot
-(:class:`~dfllm.kernels.lora.LoRAMetadata`), one program per (segment, block of its rows,
+(:class:`~dfllm.kernels.metadata.LoRAMetadata`), one program per (segment, block of its rows,
 block of output features), each a tiled ``tl.dot`` over the input features.
 
 ``sgmv_shrink``: ``s[row] = x[row] @ a[slot].T`` (``[T, R]``, zeros for base rows);
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dfllm.kernels.lora import LoRAMetadata
+from dfllm.kernels.metadata import LoRAMetadata
 
 
 @triton.jit

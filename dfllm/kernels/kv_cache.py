@@ -1,11 +1,30 @@
-"""Writing new keys and values into the paged KV cache (PyTorch reference).
+"""The paged KV cache: what a layer caches per token, and writing keys and values into it (PyTorch reference).
 
 The Triton twin, same signature and semantics, is in ``_triton_kv_cache.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What one layer caches per token: ``heads`` x ``head_dim`` keys and, when ``values``, as
+    many values, as a model class declares it (``kv_cache_layout(spec, tp_size)``): its KV heads
+    and head size by default, one "head" of latent and rope key and no values for DeepSeek's
+    latent attention."""
+
+    heads: int
+    head_dim: int
+    values: bool = True
+
+    @property
+    def num_tensors(self) -> int:
+        """How many cache tensors per layer: 2 (keys and values), or 1 (keys only)."""
+        return 2 if self.values else 1
 
 
 def write_kv_cache_torch(

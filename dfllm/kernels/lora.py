@@ -25,55 +25,10 @@ over the ranks (``reduce``) before the expand, which every rank does in full.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class LoRAMetadata:
-    """The adapter slots of a step's token rows, grouped by slot.
-
-    ``token_slots`` (int64 ``[T]``, -1 for base rows). Per segment (one per slot used):
-    ``seg_slots[i]`` and either a consecutive range ``[seg_bounds[i][0], seg_bounds[i][1])``
-    of rows (``seg_rows[i]`` None) or its rows ``seg_rows[i]`` (int64). For one-launch
-    kernels: ``sorted_rows`` (int64, the adapted rows ordered by slot) and per segment its
-    ``seg_start``/``seg_len`` in them and its ``seg_slot`` (int32 tensors), with
-    ``max_seg_len`` on the host. For the batched path (many adapters of few rows each, as in
-    decode steps): ``pad_rows`` (int64 ``[span * max_seg_len]``) lays the adapted rows out as
-    ``[span, max_seg_len]`` by slot (``span`` = the highest slot + 1; padding points at row 0)
-    and ``pad_valid`` (bool ``[span, max_seg_len, 1]``) marks the real rows; ``batched`` says
-    whether :func:`lora_apply` takes that path.
-    """
-
-    token_slots: torch.Tensor
-    seg_slots: list[int]
-    seg_bounds: list[tuple[int, int]]
-    seg_rows: list[torch.Tensor | None]
-    sorted_rows: torch.Tensor
-    seg_start: torch.Tensor
-    seg_len: torch.Tensor
-    seg_slot: torch.Tensor
-    max_seg_len: int
-    pad_rows: torch.Tensor | None = None
-    pad_valid: torch.Tensor | None = None
-    batched: bool = False
-    # when the adapted rows are the consecutive rows [lo, hi) in slot order (the engine sorts a
-    # step's sequences by slot): the padded position of each, so that one gather adds them back
-    unpad: torch.Tensor | None = None
-    adapted: tuple[int, int] = (0, 0)
-
-    def to(self, device: torch.device) -> LoRAMetadata:
-        """This metadata with its tensors on ``device``."""
-        if self.token_slots.device == device:
-            return self
-        return LoRAMetadata(self.token_slots.to(device), self.seg_slots, self.seg_bounds,
-                            [None if r is None else r.to(device) for r in self.seg_rows],
-                            self.sorted_rows.to(device), self.seg_start.to(device), self.seg_len.to(device),
-                            self.seg_slot.to(device), self.max_seg_len,
-                            None if self.pad_rows is None else self.pad_rows.to(device),
-                            None if self.pad_valid is None else self.pad_valid.to(device), self.batched,
-                            None if self.unpad is None else self.unpad.to(device), self.adapted)
+from dfllm.kernels.metadata import LoRAMetadata
 
 
 def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata | None:

@@ -4,7 +4,7 @@
 ``qkv_lora``/``o_lora`` on its attention and a ``gate_up_lora``/``down_lora`` on its MLP:
 the ``max_loras`` slots' A and B stacked (buffers, not parameters: weight updates and the
 checkpoint loader never see them). The layers apply them when the step's metadata carries
-:class:`~dfllm.kernels.lora.LoRAMetadata` (``meta.lora``). Under tensor parallelism each
+:class:`~dfllm.kernels.metadata.LoRAMetadata` (``meta.lora``). Under tensor parallelism each
 slot is sharded as its base layer is: a column-parallel projection's B keeps this rank's rows
 of each part, a row-parallel projection's A this rank's input columns.
 """
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from dfllm.distributed.communication import GroupComm
-from dfllm.kernels.lora import LoRAMetadata, lora_apply
+from dfllm.kernels.lora import lora_apply
+from dfllm.kernels.metadata import LoRAMetadata
 
 # the model's projection -> the checkpoint modules it fuses, and whether it is row-parallel
 PROJECTIONS: dict[str, tuple[tuple[str, ...], bool]] = {

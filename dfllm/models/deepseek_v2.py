@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dfllm.distributed.parallel_state import ParallelContext
-from dfllm.engine.kv_memory import KVCacheLayout
 from dfllm.kernels.backend import KernelOps
+from dfllm.kernels.kv_cache import KVCacheLayout
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dfllm.models.llama import DecoderLayer, LlamaForCausalLM
@@ -153,6 +153,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     packed_modules_mapping = PACKED_MLP
     sigmoid_router = False  # V2 routes by softmax
+    window_support = "none"
+    supports_cuda_graphs = False  # latent attention
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         nn.Module.__init__(self)

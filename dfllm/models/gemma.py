@@ -179,8 +179,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """
 
     qk_norm = False
-    # config.py: this class honours a sliding window on some layers only
-    per_layer_windows = True
+    window_support = "per_layer"  # each layer's own window goes to the kernel (GemmaAttention)
+    supports_cuda_graphs = False  # soft-capped attention
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         nn.Module.__init__(self)

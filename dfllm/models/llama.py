@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -21,12 +21,16 @@ from torch import nn
 from dfllm.distributed.communication import GroupComm
 from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.kernels.backend import KernelOps
+from dfllm.kernels.kv_cache import KVCacheLayout
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from dfllm.models.parallel_layers import lm_head, vocab_embedding
 from dfllm.models.rope import rope_inv_freq
-from dfllm.models.sliding_window import uniform_window
+from dfllm.models.sliding_window import WindowSupport, uniform_window
 from dfllm.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from dfllm.multimodal.processor import ImageTokens
 
 # tensor names of a checkpoint saved from the bare decoder (no ``model.`` prefix)
 BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
@@ -139,6 +143,20 @@ class LlamaForCausalLM(nn.Module):
     qk_norm: bool = False
     # the window of every layer (Mistral), set in __init__ from the spec
     sliding_window: int | None = None
+
+    # ---- capabilities: what the config and the engine read off the class (a family overrides them)
+    window_support: WindowSupport = "uniform"  # one window on every layer, handed to the kernels by forward
+    supports_cuda_graphs: bool = True  # plain paged attention on every layer (dfllm.engine.cuda_graphs)
+
+    @classmethod
+    def kv_cache_layout(cls, spec: ModelSpec, tp_size: int = 1) -> KVCacheLayout:
+        """What each layer caches per token on one of ``tp_size`` ranks: its KV heads, keys and values."""
+        return KVCacheLayout(spec.num_key_value_heads // tp_size, spec.head_dim)
+
+    @classmethod
+    def image_tokens(cls, spec: ModelSpec, tokenizer=None) -> ImageTokens | None:
+        """How a prompt holds images (declared by the vision-language classes); None: text only."""
+        return None
 
     @classmethod
     def make_layer(cls, spec: ModelSpec, index: int, ops: KernelOps, tp: GroupComm | None) -> nn.Module:

@@ -29,6 +29,7 @@ from dfllm.models.spec import ModelSpec
 from dfllm.models.vision.clip_vision import CLIPVisionTransformer, VisionSpec, vision_activation
 from dfllm.models.vision.siglip_vision import SiglipVisionTransformer
 from dfllm.multimodal.encoder import embed_with_images
+from dfllm.multimodal.processor import ImageTokens
 
 TEXT_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 VISION_MODEL_TYPES = {"clip_vision_model": CLIPVisionTransformer, "siglip_vision_model": SiglipVisionTransformer}
@@ -93,6 +94,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     ``forward`` takes ``mm_embeds=(rows, embeddings)``: the batch rows of image placeholder
     tokens and the image embeddings that replace their token embeddings (see
     :mod:`dfllm.multimodal.encoder`)."""
+
+    window_support = "none"  # a windowed text model (Mistral's) is refused beyond its window
+    supports_cuda_graphs = False
+
+    @classmethod
+    def image_tokens(cls, spec: ModelSpec, tokenizer=None) -> ImageTokens:
+        """LLaVA's image token, ``tokens_per_image`` per image (``ValueError`` for a variant dfllm does not run)."""
+        info = llava_info(spec.multimodal)
+        token = tokenizer.convert_ids_to_tokens(info.image_token_id) if tokenizer is not None else None
+        return ImageTokens(info.image_token_id, token or "<image>", info.tokens_per_image)
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)

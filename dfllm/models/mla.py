@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dfllm.engine.kv_memory import KVCacheLayout
 from dfllm.kernels.backend import KernelOps
+from dfllm.kernels.kv_cache import KVCacheLayout
 from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup
 from dfllm.models.layers import RMSNorm
 from dfllm.models.spec import ModelSpec

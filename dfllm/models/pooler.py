@@ -16,8 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-POOLING_TYPES = ("MEAN", "CLS", "LAST")
-
 
 @dataclass
 class PoolerConfig:

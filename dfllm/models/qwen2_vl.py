@@ -31,6 +31,7 @@ from dfllm.models.llama import Qwen2ForCausalLM
 from dfllm.models.spec import ModelSpec
 from dfllm.models.vision.qwen2_vl_vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 from dfllm.multimodal.encoder import embed_with_images
+from dfllm.multimodal.processor import ImageTokens
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,15 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     uses_mrope = True
     vision_tower_class: type[Qwen2VisionTransformer] = Qwen2VisionTransformer
+    window_support = "none"
+    supports_cuda_graphs = False  # 3-D rotary positions
+
+    @classmethod
+    def image_tokens(cls, spec: ModelSpec, tokenizer=None) -> ImageTokens:
+        """``<|image_pad|>``, expanded to each image's merged patch grid, with 3-D positions."""
+        info = qwen2_vl_info(spec.multimodal)
+        return ImageTokens(info.image_token_id, "<|image_pad|>", 0, merge=info.merge, mrope=True,
+                           placeholder="<|vision_start|><|image_pad|><|vision_end|>")
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)

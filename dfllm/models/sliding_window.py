@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from dfllm.models.spec import ModelSpec
+
+# the windows a decoder class honours (its ``window_support``): none, one on every layer, or each layer's own
+WindowSupport = Literal["none", "uniform", "per_layer"]
 
 
 def layer_windows(spec: ModelSpec) -> tuple[int | None, ...]:
@@ -27,15 +32,12 @@ def uniform_window(spec: ModelSpec) -> int | None:
     return windows.pop() if len(windows) == 1 else None
 
 
-def honours_windows(cls: type, spec: ModelSpec) -> bool:
-    """Whether the decoder class ``cls`` attends within the windows of ``spec``'s layers: every
-    class when there are none; a class that passes each layer's own window to the kernel
-    (``per_layer_windows``, Gemma); and, for one window on every layer (Mistral, Phi-3), a class
-    running :class:`~dfllm.models.llama.LlamaForCausalLM`'s ``forward``, which hands it to the
-    kernels through the step's metadata."""
-    from dfllm.models.llama import LlamaForCausalLM
-
+def honours_windows(support: WindowSupport, spec: ModelSpec) -> bool:
+    """Whether a decoder class declaring ``support`` (its ``window_support``) attends within
+    the windows of ``spec``'s layers: every class when there are none; "per_layer" (Gemma) for
+    any windows; "uniform" (Llama's forward, which hands the window to the kernels through the
+    step's metadata) for one window on every layer (Mistral, Phi-3); "none" for no windows."""
     windows = set(layer_windows(spec))
-    if windows <= {None} or getattr(cls, "per_layer_windows", False):
+    if windows <= {None} or support == "per_layer":
         return True
-    return len(windows) == 1 and getattr(cls, "forward", None) is LlamaForCausalLM.forward
+    return len(windows) == 1 and support == "uniform"

@@ -168,6 +168,20 @@ class ModelSpec:
         )
 
 
+def check_parallel_config(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Reject sizes the model cannot be split by, naming the count that does not divide."""
+    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if tp == 1 and pp == 1:
+        return
+    for what, n in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_key_value_heads),
+                    ("MLP intermediate size", spec.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {n} {what}")
+    if pp > spec.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {spec.num_hidden_layers} layers")
+
 
 # image-text generators: the spec is their text model's, plus the whole config (dfllm.models.llava)
 VISION_LANGUAGE_ARCHITECTURES = {"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",

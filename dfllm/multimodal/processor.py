@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,23 @@ from dfllm.multimodal.image import ImageLoadError, image_hash, load_image
 from dfllm.multimodal.inputs import ImageItem, MultiModalInputs
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
-QWEN2_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
 DEFAULT_PROCESSED_CACHE_ITEMS = 1024
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """How a vision-language model's prompts hold images, as its class declares them
+    (``image_tokens(spec, tokenizer)``): the placeholder token ``image_token_id`` and its text
+    ``image_token``; ``tokens_per_image`` embeddings per image or, for processors that give each
+    image's patch grid (Qwen2-VL's), ``t * h * w / merge**2``; ``mrope``: 3-D rotary positions;
+    ``placeholder``: what a chat message's image part becomes in the text (default ``image_token``)."""
+
+    image_token_id: int
+    image_token: str
+    tokens_per_image: int
+    merge: int = 1
+    mrope: bool = False
+    placeholder: str | None = None
 
 
 def load_image_processor(path: Path):
@@ -44,25 +60,17 @@ def _settings_key(kwargs: dict) -> str:
 
 
 class ImageInputProcessor:
-    """Images to :class:`MultiModalInputs` for one model (see the module's docstring).
+    """Images to :class:`MultiModalInputs` for one model (see the module's docstring), whose
+    prompts hold images as ``tokens`` says. ``limit_per_prompt`` is vLLM's ``limit_mm_per_prompt``
+    (``{"image": n}``; None: no limit) and ``processor_kwargs`` its ``mm_processor_kwargs``
+    (passed to the image processor; a prompt's own override them)."""
 
-    ``image_token_id``/``image_token`` are the model's placeholder token and its text;
-    ``tokens_per_image`` how many embeddings one image becomes (for processors that give each
-    image's patch grid, Qwen2-VL's, ``t * h * w / merge**2``; ``mrope``: 3-D rotary positions).
-    ``limit_per_prompt`` is vLLM's ``limit_mm_per_prompt`` (``{"image": n}``; None: no limit) and
-    ``processor_kwargs`` its ``mm_processor_kwargs`` (passed to the image processor; a prompt's own override them)."""
-
-    def __init__(self, path: Path, image_token_id: int, image_token: str, tokens_per_image: int, *,
-                 limit_per_prompt: dict[str, int] | None = None, processor_kwargs: dict[str, Any] | None = None,
-                 max_cached: int = DEFAULT_PROCESSED_CACHE_ITEMS, merge: int = 1, mrope: bool = False,
-                 placeholder: str | None = None):
+    def __init__(self, path: Path, tokens: ImageTokens, *, limit_per_prompt: dict[str, int] | None = None,
+                 processor_kwargs: dict[str, Any] | None = None, max_cached: int = DEFAULT_PROCESSED_CACHE_ITEMS):
         self.path = path
-        self.image_token_id = image_token_id
-        self.image_token = image_token
-        self.tokens_per_image = tokens_per_image
-        self.merge = merge  # images with a grid (Qwen2-VL): one token per merge x merge patches
-        self.mrope = mrope  # Qwen2-VL's 3-D rotary positions, computed per prompt
-        self.placeholder = placeholder or image_token  # what a chat message's image part becomes in the text
+        self.image_token_id, self.image_token = tokens.image_token_id, tokens.image_token
+        self.tokens_per_image, self.merge, self.mrope = tokens.tokens_per_image, tokens.merge, tokens.mrope
+        self.placeholder = tokens.placeholder or tokens.image_token
         self.limit = check_limit_mm_per_prompt(limit_per_prompt)
         self.processor_kwargs = check_mm_processor_kwargs(processor_kwargs, "mm_processor_kwargs")
         self._image_processor: Any = None
@@ -243,38 +251,15 @@ def check_mm_processor_kwargs(value: Any, name: str) -> dict:
     return dict(value)
 
 
-def check_vision_language(spec) -> None:
-    """``ValueError`` naming what dfllm does not run in a vision-language config (a vision
-    tower or text model it does not implement)."""
-    if set(spec.architectures) & QWEN2_VL_ARCHITECTURES:
-        from dfllm.models.qwen2_vl import qwen2_vl_info
-
-        qwen2_vl_info(spec.multimodal)
-    else:
-        from dfllm.models.llava import llava_info
-
-        llava_info(spec.multimodal)
-
-
-def image_input_processor(path: Path, spec, tokenizer, *, limit_per_prompt: dict | None = None,
+def image_input_processor(path: Path, tokens: ImageTokens | None, *, limit_per_prompt: dict | None = None,
                           processor_kwargs: dict | None = None) -> ImageInputProcessor | None:
-    """The image input processor of a vision-language model (None for a text-only one)."""
-    if spec.multimodal is None:
+    """The image input processor of a model whose prompts hold images as ``tokens`` says (its
+    class's ``image_tokens``); None for a text-only model (``tokens`` None)."""
+    if tokens is None:
         if limit_per_prompt:
             check_limit_mm_per_prompt(limit_per_prompt)
         return None
-    kw: dict[str, Any] = dict(limit_per_prompt=limit_per_prompt, processor_kwargs=processor_kwargs)
-    if set(spec.architectures) & QWEN2_VL_ARCHITECTURES:
-        from dfllm.models.qwen2_vl import qwen2_vl_info
-
-        q = qwen2_vl_info(spec.multimodal)
-        return ImageInputProcessor(path, q.image_token_id, "<|image_pad|>", 0, merge=q.merge, mrope=True,
-                                   placeholder="<|vision_start|><|image_pad|><|vision_end|>", **kw)
-    from dfllm.models.llava import llava_info
-
-    info = llava_info(spec.multimodal)
-    token = tokenizer.convert_ids_to_tokens(info.image_token_id) if tokenizer is not None else "<image>"
-    return ImageInputProcessor(path, info.image_token_id, token or "<image>", info.tokens_per_image, **kw)
+    return ImageInputProcessor(path, tokens, limit_per_prompt=limit_per_prompt, processor_kwargs=processor_kwargs)
 
 
 def mrope_positions(length: int, items: list[ImageItem], merge: int) -> tuple[torch.Tensor, int]:

@@ -13,6 +13,7 @@ from fidelity import check_logprobs_close, dfllm_greedy_logprobs, from_outputs, 
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from dfllm import LLM, SamplingParams
+from dfllm.engine.cuda_graphs import unsupported_reason
 
 from helpers import random_prompts
 
@@ -106,10 +107,13 @@ def test_gemma3_head_dim_256(tmp_path, smollm2_dir, prompts):
 
 
 def test_gemma2_triton_backend(gemma2, prompts):
-    """The Triton kernels (the interpreter on a CPU): windowed and soft-capped layers in one launch."""
+    """The Triton kernels (the interpreter on a CPU): windowed and soft-capped layers in one launch;
+    decode steps stay eager, the class declaring no CUDA-graph support."""
     few, max_tokens = [prompts[0], prompts[2]], [4, 3]
-    check_logprobs_close(dfllm_greedy_logprobs(_engine(gemma2, attention_backend="triton"), few, max_tokens),
+    llm = _engine(gemma2, attention_backend="triton")
+    check_logprobs_close(dfllm_greedy_logprobs(llm, few, max_tokens),
                          hf_greedy_logprobs(gemma2, few, max_tokens), "dfllm-triton", "transformers")
+    assert "supports_cuda_graphs" in unsupported_reason(llm.engine.runner.model)
 
 
 @pytest.mark.parametrize("model", ["gemma2", "gemma3"])

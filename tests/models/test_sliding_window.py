@@ -194,11 +194,8 @@ def test_only_classes_that_honour_the_window_accept_it():
     some = replace(every, layer_types=("full_attention", "sliding_attention", "full_attention"))
     assert layer_windows(some) == (None, 16, None)
 
-    class OwnForward(LlamaForCausalLM):
-        def forward(self, input_ids, positions, meta, intermediate=None):
-            return self.model(input_ids, positions, meta, intermediate)
-
-    assert honours_windows(LlamaForCausalLM, every) and not honours_windows(LlamaForCausalLM, some)
-    assert honours_windows(Gemma2ForCausalLM, some)
-    assert not honours_windows(OwnForward, every)
-    assert honours_windows(OwnForward, replace(every, sliding_window=None))
+    llama, gemma = LlamaForCausalLM.window_support, Gemma2ForCausalLM.window_support
+    assert honours_windows(llama, every) and not honours_windows(llama, some)
+    assert honours_windows(gemma, some)
+    assert not honours_windows("none", every)
+    assert honours_windows("none", replace(every, sliding_window=None))
