@@ -1,9 +1,11 @@
-"""Engine configuration: the constructor arguments of :class:`dfllm.LLM`, resolved and checked."""
+"""Engine configuration: the constructor arguments of :class:`dfllm.LLM` (:class:`EngineArgs`, one
+field each: type, default, help, and for vLLM's what dfllm does with them), resolved and checked
+(:class:`EngineConfig`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from dfllm.models.registry import (
 from dfllm.models.seq_cls import adapt_seq_cls_config
 from dfllm.models.sliding_window import honours_windows
 from dfllm.models.spec import ModelSpec, check_parallel_config
+from dfllm.reasoning import check_reasoning_parser, reasoning_parser_names
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -69,22 +72,22 @@ class EngineConfig:
     attention_backend: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    scheduling_policy: str = "fcfs"
-    deduplicate_requests: bool = True
-    prefix_aware_scheduling: bool = True
-    quantization: str | None = None  # "int8": dynamic int8 linear layers (dfllm.models.quantization)
+    max_logprobs: int
+    scheduling_policy: str
+    deduplicate_requests: bool
+    prefix_aware_scheduling: bool
+    quantization: str | None  # "int8": dynamic int8 linear layers (dfllm.models.quantization)
     # CUDA graphs of decode steps (dfllm.engine.cuda_graphs): vLLM's enforce_eager turns them off;
     # the batch-size buckets captured (vLLM's compilation_config.cudagraph_capture_sizes)
-    enforce_eager: bool = False
-    cudagraph_capture_sizes: tuple[int, ...] = ()
+    enforce_eager: bool
+    cudagraph_capture_sizes: tuple[int, ...]
     # the KV cache's element type when it differs from the model's (vLLM's kv_cache_dtype)
-    kv_cache_dtype: torch.dtype | None = None
+    kv_cache_dtype: torch.dtype | None
     # LoRA adapters (vLLM's enable_lora, max_loras, max_lora_rank, max_cpu_loras): see dfllm.lora
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 1
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -97,90 +100,59 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
-    def create(
-        cls,
-        model: str | Path | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        attention_backend: str = "auto",
-        runner: str = "auto",
-        hf_overrides: dict[str, Any] | Callable[[PretrainedConfig], PretrainedConfig] | None = None,
-        max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
-        scheduling_policy: str = "fcfs",
-        deduplicate_requests: bool = True,
-        prefix_aware_scheduling: bool = True,
-        quantization: str | None = None,
-        enforce_eager: bool = False,
-        compilation_config: Any = None,
-        kv_cache_dtype: str = "auto",
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-    ) -> EngineConfig:
-        """Resolve and check :class:`dfllm.LLM`'s engine arguments (see there) and the model
-        they name, before anything is loaded but its ``config.json``: bad arguments, a model
+    def create(cls, args: EngineArgs) -> EngineConfig:
+        """Resolve and check :class:`dfllm.LLM`'s engine arguments (:class:`dfllm.engine_args.EngineArgs`)
+        and the model they name, before anything is loaded but its ``config.json``: bad arguments, a model
         that cannot be found, an architecture, quantization or sliding windows dfllm does not
         support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
         for an encoder too; ``NotImplementedError`` for a parallel pooling model).
-        ``max_logprobs=None`` is vLLM's default, 20. ``quantization="int8"`` (float32 decoders
-        and BERT-family encoders on CPU, one rank) makes linear layers dynamic int8
-        (:mod:`dfllm.models.quantization`). ``kv_cache_dtype="bfloat16"`` stores keys and
-        values in bfloat16 under a float32 or float16 model (half the cache memory and the
-        bytes decode attention reads; each key and value rounded once, when written)."""
-        if runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
-        max_logprobs = _check_max_logprobs(max_logprobs)
-        if scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
-        check_engine_args(max_num_seqs, block_size, gpu_memory_utilization, tensor_parallel_size, attention_backend)
-        path = resolve_model(model)
-        hf_config = adapt_seq_cls_config(apply_hf_overrides(load_config(path), hf_overrides), path)
+        ``max_logprobs=None`` is vLLM's default, 20; ``quantization="int8"`` is
+        :mod:`dfllm.models.quantization`; ``kv_cache_dtype="bfloat16"`` rounds each key and
+        value once, when written."""
+        if args.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {args.runner!r}")
+        max_logprobs = _check_max_logprobs(args.max_logprobs)
+        if args.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {args.scheduling_policy!r}")
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        check_engine_args(args.max_num_seqs, args.block_size, args.gpu_memory_utilization, tp, args.attention_backend)
+        path = resolve_model(args.model)
+        hf_config = adapt_seq_cls_config(apply_hf_overrides(load_config(path), args.hf_overrides), path)
         spec = ModelSpec.from_hf(hf_config)
-        dev = resolve_device(device)
-        max_len = resolve_max_model_len(max_model_len, spec)
-        runner_type = _resolve_runner(runner, spec, path)
-        _check_parallel(spec, runner_type, tensor_parallel_size, pipeline_parallel_size)
+        dev = resolve_device(args.device)
+        max_len = resolve_max_model_len(args.max_model_len, spec)
+        runner_type = _resolve_runner(args.runner, spec, path)
+        _check_parallel(spec, runner_type, tp, pp)
+        max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = _default_token_budget(dev, runner_type, max_num_seqs)
+            max_num_batched_tokens = _default_token_budget(dev, runner_type, args.max_num_seqs)
         elif max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        resolved_dtype = resolve_dtype(dtype, spec, dev)
+        resolved_dtype = resolve_dtype(args.dtype, spec, dev)
         _check_model(spec, runner_type, max_len)
-        _check_quantization(quantization, dev, resolved_dtype, runner_type, tensor_parallel_size,
-                            pipeline_parallel_size, spec)
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        max_cpu_loras = _check_lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras, spec, runner_type,
-                                         quantization)
-        capture_sizes = parse_capture_sizes(compilation_config)
+        _check_quantization(args.quantization, dev, resolved_dtype, runner_type, tp, pp, spec)
+        if not isinstance(args.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {args.enforce_eager!r}")
+        if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
+        kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
+        max_cpu_loras = _check_lora_args(args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                                         spec, runner_type, args.quantization)
+        capture_sizes = parse_capture_sizes(args.compilation_config)
         if capture_sizes is None:
-            capture_sizes = default_capture_sizes(max_num_seqs)
+            capture_sizes = default_capture_sizes(args.max_num_seqs)
         return cls(
             model_path=path, hf_config=hf_config, dtype=resolved_dtype, device=dev, max_model_len=max_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, seed=seed, attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
-            deduplicate_requests=bool(deduplicate_requests), prefix_aware_scheduling=bool(prefix_aware_scheduling),
-            quantization=quantization, enforce_eager=enforce_eager, cudagraph_capture_sizes=capture_sizes,
-            kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype,
-            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+            attention_backend=args.attention_backend, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=args.scheduling_policy,
+            deduplicate_requests=bool(args.deduplicate_requests),
+            prefix_aware_scheduling=bool(args.prefix_aware_scheduling), quantization=args.quantization,
+            enforce_eager=args.enforce_eager, cudagraph_capture_sizes=capture_sizes,
+            kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype, enable_lora=args.enable_lora,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=max_cpu_loras,
         )
 
 
@@ -413,3 +385,219 @@ def parse_capture_sizes(compilation_config: Any) -> tuple[int, ...] | None:
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
         raise ValueError(f"{CAPTURE_SIZES_FIELD} must be a list of ints >= 1, got {sizes!r}")
     return tuple(sorted(set(sizes)))
+
+
+# ---- the arguments ------------------------------------------------------------------------------
+
+_LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
+          "check out the revision you want into a directory and pass its path")
+
+
+def _refuse(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not supported by dfllm: {why}")
+
+
+def _is(value: Any, allowed: tuple) -> bool:
+    """``value`` among ``allowed``, with bools and ints kept apart (``1`` is not ``True``)."""
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+def _only(allowed: tuple, why: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if not _is(value, allowed):
+            raise _refuse(name, value, why)
+    return check
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _optional_bool(name: str, value: Any) -> None:
+    if value is not None:
+        _bool(name, value)
+
+
+def _number(minimum: float) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise ValueError(f"{name} must be a number >= {minimum}, got {value!r}")
+    return check
+
+
+def _optional_int(minimum: int) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+    return check
+
+
+def _structured_outputs_config(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be None or a dict such as {{'backend': 'xgrammar'}}, got {value!r}")
+    unknown = sorted(set(value) - {"backend", "disable_fallback", "reasoning_parser", "enable_in_reasoning"})
+    if unknown:
+        raise _refuse(name, value, f"only 'backend', 'reasoning_parser' and 'enable_in_reasoning' can be set "
+                                   f"(found {unknown}); dfllm's structured outputs follow xgrammar's defaults")
+    _reasoning_parser(f"{name}['reasoning_parser']", value.get("reasoning_parser"))
+    if "enable_in_reasoning" in value:
+        _bool(f"{name}['enable_in_reasoning']", value["enable_in_reasoning"])
+    backend = value.get("backend", "auto")
+    if not _is(backend, ("auto", "xgrammar")):
+        raise _refuse(name, value, f"backend {backend!r}: dfllm's only structured-outputs backend is xgrammar "
+                                   "(use 'auto' or 'xgrammar')")
+
+
+def _reasoning_parser(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a reasoning parser's name (a str), got {value!r}")
+    try:
+        check_reasoning_parser(value)
+    except ValueError as exc:  # name the argument as given
+        raise ValueError(str(exc).replace("reasoning_parser=", f"{name}=", 1)) from None
+
+
+def _compilation_config(name: str, value: Any) -> None:
+    try:
+        parse_capture_sizes(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r} is not supported by dfllm: {exc}") from None
+
+
+def _hf_overrides(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, dict) and not callable(value):
+        raise _refuse(name, value, "give a dict of config.json fields or a callable taking and returning the config")
+
+
+def _arg(default: Any, help: str, effect: str | None = None, check: Callable[[str, Any], None] | None = None,
+         choices: tuple[str, ...] | None = None) -> Any:
+    """One engine argument: its default and help text; vLLM's compatibility arguments add what
+    dfllm does with them (``effect``: "maps", "no-op" or "refuses"; the help is the docs table's
+    cell) and a ``check`` raising ``ValueError`` for a value dfllm cannot honour."""
+    return field(default=default, metadata={"help": help, "effect": effect, "check": check, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The arguments of :class:`dfllm.LLM`, one field each (see :func:`_arg` for a field's metadata),
+    in the order of ``LLM.__init__``'s signature, which spells them out for users and IDEs;
+    :mod:`dfllm.engine_args` derives vLLM's table, the keyword check and the command line's
+    flags from them, and :meth:`EngineConfig.create` resolves them."""
+
+    model: str | Path | None = _arg(None, "model directory or the alias of a bundled model (default: the bundled "
+                                          "chat model, SmolLM2-135M-Instruct)")
+    tokenizer: str | Path | None = _arg(None, "tokenizer directory (default: the model's)")
+    dtype: str | torch.dtype = _arg("auto", "auto (float32 on CPU; on CUDA the checkpoint's, bfloat16 for float32 "
+                                            "checkpoints), float32, float16 or bfloat16")
+    device: str | torch.device = _arg("auto", "auto (CUDA when available, else CPU), cpu or cuda")
+    max_model_len: int | None = _arg(None, "the engine's context length (default: the model's "
+                                           "max_position_embeddings)")
+    max_num_seqs: int = _arg(256, "the most sequences in one step")
+    max_num_batched_tokens: int | None = _arg(None, "tokens per step (default 8192 on CUDA, 2048 on CPU, 1024 padded "
+                                                    "tokens for pooling on CPU; never below max_num_seqs)")
+    block_size: int = _arg(16, "tokens per KV cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "keep the KV cache blocks of prompts' shared prefixes for reuse")
+    kv_cache_memory_bytes: int | None = _arg(None, "the KV cache's size in bytes (default: from free memory)")
+    gpu_memory_utilization: float = _arg(0.9, "the share of the GPU's memory the engine may use, in (0, 1]")
+    seed: int = _arg(0, "the engine's random seed")
+    tensor_parallel_size: int = _arg(1, "ranks each layer is split over (processes this one spawns)")
+    pipeline_parallel_size: int = _arg(1, "ranks the layers are split over (processes this one spawns)")
+    attention_backend: str = _arg("auto", "the attention kernels (auto: the fastest for the device)")
+    runner: str = _arg("auto", "auto, generate or pooling (auto: pooling for encoders and sentence-transformers "
+                               "directories)")
+    deduplicate_requests: bool = _arg(True, "compute identical deterministic requests once (dfllm's)")
+    prefix_aware_scheduling: bool = _arg(True, "admit waiting requests longest cached prefix first (dfllm's)")
+    profiler_dir: str | Path = _arg("./dfllm_traces", "where start_profile() writes its traces")
+    # vLLM engine arguments, with vLLM's defaults: the table of docs/from_vllm.md
+    enforce_eager: bool = _arg(
+        False, "`True` turns off the CUDA graphs of decode steps (captured per batch-size bucket on CUDA with the "
+        "Triton kernels, as vLLM; prefill always runs eagerly)", "maps", _bool)
+    compilation_config: Any = _arg(
+        None, "a dict or `CompilationConfig` whose `cudagraph_capture_sizes` sets the decode batch sizes captured "
+        "(default 1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`, at most 512; `[]` captures none); an int "
+        "level and the other fields are accepted and ignored", "maps", _compilation_config)
+    max_seq_len_to_capture: int | None = _arg(
+        8192, "accepted, ignored: the decode graphs serve every context length up to `max_model_len`", "no-op",
+        _optional_int(1))
+    disable_log_stats: bool = _arg(
+        True, "accepted: dfllm logs no periodic stats either way, and `get_metrics()` works whatever the value",
+        "no-op", _bool)
+    max_logprobs: int | None = _arg(
+        20, "enforced as in vLLM: a request asking more `logprobs` or `prompt_logprobs` (-1 counts as the vocabulary "
+        "size) raises `ValueError` (\"Requested sample logprobs of K, which is greater than max allowed: 20\"); "
+        "`-1` allows the whole vocabulary", "maps", _optional_int(-1))
+    enable_chunked_prefill: bool | None = _arg(
+        None, "accepted: chunked prefill is always on (as in vLLM V1); `False` changes nothing", "no-op",
+        _optional_bool)
+    swap_space: float = _arg(4, "accepted, ignored: preempted requests are recomputed, never swapped", "no-op",
+                             _number(0))
+    enable_sleep_mode: bool = _arg(False, "accepted: `sleep()`/`wake_up()` are always available", "no-op", _bool)
+    disable_custom_all_reduce: bool = _arg(
+        False, "accepted, ignored: parallel ranks use torch.distributed collectives", "no-op", _bool)
+    tokenizer_mode: str = _arg(
+        "auto", "`\"auto\"`, `\"hf\"`; `\"slow\"` asks transformers for `use_fast=False`; `\"mistral\"` and others "
+        "refused", "maps", _only(("auto", "hf", "slow"), "dfllm uses Hugging Face tokenizers: 'auto', 'hf' or 'slow'"))
+    skip_tokenizer_init: bool = _arg(
+        False, "`True` loads no tokenizer, as vLLM: prompts are token ids (`{\"prompt_token_ids\": [...]}`) and "
+        "outputs carry token ids with empty text; what needs a tokenizer (text prompts, chat, stop strings, bad "
+        "words, structured outputs) raises `ValueError` at `generate`", "maps", _bool)
+    trust_remote_code: bool = _arg(
+        False, "`True` refused: dfllm never runs remote code", "refuses",
+        _only((False,), "dfllm never runs remote code; it serves the architectures it implements"))
+    load_format: str = _arg(
+        "auto", "`\"auto\"`, `\"safetensors\"`; others refused (safetensors only)", "refuses",
+        _only(("auto", "safetensors"), "dfllm reads safetensors weights only ('auto' or 'safetensors')"))
+    revision: str | None = _arg(None, "only `None`: models are local directories or bundled aliases", "refuses",
+                                _only((None,), _LOCAL))
+    tokenizer_revision: str | None = _arg(None, "only `None` (as `revision`)", "refuses", _only((None,), _LOCAL))
+    download_dir: str | None = _arg(None, "only `None`: nothing is downloaded", "refuses", _only((None,), _LOCAL))
+    kv_cache_dtype: str = _arg(
+        "auto", "`\"auto\"` (the model's dtype) or `\"bfloat16\"`: keys and values stored in bfloat16 under a "
+        "float32/float16 model (half the cache memory and half the bytes decode attention reads); fp8 refused",
+        "maps", _only(tuple(KV_CACHE_DTYPES), "dfllm stores the KV cache in the model's dtype ('auto') or in "
+                                              "'bfloat16'"))
+    quantization: str | None = _arg(
+        None, "`None` or `\"int8\"`: dynamic int8 linear layers for a float32 decoder or a BERT-family encoder on "
+        "CPU, one rank; quantized checkpoints and other methods refused", "maps",
+        _only((None, "int8"), "dfllm quantizes float weights on CPU with quantization='int8' only "
+                              "(accepted: None, 'int8')"))
+    cpu_offload_gb: float = _arg(0, "only `0`: weights live on the device", "refuses",
+                                 _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)"))
+    structured_outputs_config: dict | None = _arg(
+        None, "`None` or a dict of `backend` (`\"auto\"`/`\"xgrammar\"`; other backends refused, xgrammar only), "
+        "`reasoning_parser` (as the argument) and `enable_in_reasoning` (`True`: the grammar constrains the "
+        "reasoning too)", "refuses", _structured_outputs_config)
+    reasoning_parser: str | None = _arg(
+        "", "`\"qwen3\"` or `\"deepseek_r1\"`: each completion's reasoning (`<think>`...`</think>`) goes to "
+        "`CompletionOutput.reasoning_content` (a `reasoning_content` column on dataframes) and only the answer "
+        "stays in `text`; structured outputs constrain the answer, as in vLLM; other names refused (see "
+        "\"Reasoning models\")", "maps", _reasoning_parser, tuple(reasoning_parser_names()))
+    scheduling_policy: str = _arg(
+        "fcfs", "`\"fcfs\"` (arrival order) or `\"priority\"`: the `priority=` of `generate`/`chat`/`enqueue`, "
+        "lower first, then arrival (as vLLM); under `\"fcfs\"` any priority is accepted and changes nothing, as in "
+        "vLLM; others refused", "maps",
+        _only(("fcfs", "priority"), "dfllm schedules first come, first served ('fcfs') or by request priority "
+                                    "('priority')"))
+    hf_overrides: dict[str, Any] | Callable | None = _arg(
+        None, "a dict of `config.json` fields (a nested dict updates a sub-config) or a callable taking and "
+        "returning the Hugging Face config; applied before dfllm reads the config", "maps", _hf_overrides)
+    enable_lora: bool = _arg(
+        False, "`True` serves LoRA adapters: `lora_request=LoRARequest(name, id, path)` on `generate`/`chat`/"
+        "`enqueue` (one, or one per prompt), adapters of different requests sharing every step; `add_lora`/"
+        "`remove_lora`/`list_loras`/`pin_lora` (see docs/lora.md)", "maps", _bool)
+    max_loras: int = _arg(1, "adapter slots: the most distinct adapters in one step", "maps", _optional_int(1))
+    max_lora_rank: int = _arg(16, "the largest adapter rank accepted (a higher one is refused by name)", "maps",
+                              _optional_int(1))
+    max_cpu_loras: int | None = _arg(
+        None, "adapters kept read in host memory (least recently used evicted; None: `max_loras`)", "maps",
+        _optional_int(1))
+    distributed_executor_backend: str | None = _arg(
+        None, "`None`, `\"mp\"`; `\"ray\"` and others refused", "refuses",
+        _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')"))
+    # vLLM's multimodal arguments (docs/images.md)
+    limit_mm_per_prompt: dict[str, int] | None = _arg(None, "the most items of each modality in one prompt, e.g. "
+                                                            "{\"image\": 2}")
+    mm_processor_kwargs: dict[str, Any] | None = _arg(None, "keyword arguments of the model's image processor")

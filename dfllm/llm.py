@@ -23,11 +23,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from dfllm.config import EngineConfig
+from dfllm.config import EngineArgs, EngineConfig
 from dfllm.engine.input_processor import NO_TOKENIZER, EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
-from dfllm.engine_args import check_vllm_args
+from dfllm.engine_args import check_vllm_args, vllm_args
 from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import as_prompt_list
 from dfllm.llm_control import EngineControl
@@ -102,20 +102,12 @@ class LLM:
     re-queues requests of ``enqueue`` from scratch for a later call.
 
     vLLM's common engine arguments are accepted too, with vLLM's defaults, so that vLLM
-    examples run unchanged: ``swap_space``, ``disable_log_stats`` and the like are no-ops
-    (dfllm never swaps, logs no periodic stats); on CUDA with the Triton kernels, decode steps
-    replay CUDA graphs captured per batch-size bucket unless ``enforce_eager=True``, and
-    ``compilation_config={"cudagraph_capture_sizes": [...]}`` (or vLLM's ``CompilationConfig``)
-    sets the buckets (its other fields are ignored); ``tokenizer_mode="slow"`` asks transformers for a slow
-    tokenizer, ``max_logprobs`` caps the ``logprobs``/``prompt_logprobs`` a request may ask
-    (20; -1 for the whole vocabulary), ``scheduling_policy="priority"`` schedules by the
-    ``priority=`` of ``generate``/``chat``/``enqueue`` (under the default "fcfs" any priority is
-    accepted and changes nothing, as in vLLM), ``skip_tokenizer_init=True`` loads no tokenizer
-    (prompts are ``{"prompt_token_ids": [...]}``, outputs carry token ids with empty text; text
-    prompts, chat, stop strings, bad words and structured outputs then raise ``ValueError`` per
-    call, as in vLLM), and values dfllm cannot honour
-    (``trust_remote_code=True``, a ``quantization`` other than ``"int8"``, a ``revision``, ``load_format`` other
-    than safetensors ...) raise ``ValueError`` naming the argument and value.
+    examples run unchanged: each is mapped (``enforce_eager``, ``max_logprobs``,
+    ``scheduling_policy``, ``tokenizer_mode="slow"``, ``skip_tokenizer_init``...), a no-op
+    (``swap_space``, ``disable_log_stats``...) or, for a value dfllm cannot honour
+    (``trust_remote_code=True``, a ``revision``...), refused with a ``ValueError`` naming the
+    argument and value. :class:`dfllm.config.EngineArgs` defines every argument of this
+    signature (docs/from_vllm.md tables the vLLM ones); unknown names raise ``TypeError``.
 
     ``reasoning_parser`` (vLLM's engine argument: ``"qwen3"``, ``"deepseek_r1"``; see
     :mod:`dfllm.reasoning`) splits a thinking model's output: each completion's reasoning goes
@@ -130,8 +122,6 @@ class LLM:
     (see docs/images.md). ``limit_mm_per_prompt={"image": n}`` refuses a prompt with more images;
     ``mm_processor_kwargs`` go to the model's image processor (a prompt's own override them);
     :meth:`reset_mm_cache` forgets the processed images and image embeddings cached so far.
-    :data:`dfllm.engine_args.VLLM_ARGS` lists each one and what dfllm does with it. Unknown
-    names raise ``TypeError``.
 
     ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, as vLLM)
     serves PEFT LoRA adapters: ``lora_request=`` on ``generate``/``chat``/``enqueue``, requests
@@ -160,7 +150,7 @@ class LLM:
         deduplicate_requests: bool = True,
         prefix_aware_scheduling: bool = True,
         profiler_dir: str | Path = "./dfllm_traces",
-        # vLLM engine arguments, with vLLM's defaults: checked by dfllm.engine_args
+        # vLLM engine arguments, with vLLM's defaults: the table of docs/from_vllm.md
         enforce_eager: bool = False,
         compilation_config: Any = None,
         max_seq_len_to_capture: int | None = 8192,
@@ -181,44 +171,24 @@ class LLM:
         quantization: str | None = None,
         cpu_offload_gb: float = 0,
         structured_outputs_config: dict | None = None,
+        reasoning_parser: str | None = "",
         scheduling_policy: str = "fcfs",
         hf_overrides: dict[str, Any] | Callable | None = None,
-        distributed_executor_backend: str | None = None,
-        reasoning_parser: str | None = "",
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        distributed_executor_backend: str | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ):
-        vllm = check_vllm_args(
-            enforce_eager=enforce_eager, compilation_config=compilation_config,
-            max_seq_len_to_capture=max_seq_len_to_capture, disable_log_stats=disable_log_stats,
-            max_logprobs=max_logprobs, enable_chunked_prefill=enable_chunked_prefill, swap_space=swap_space,
-            enable_sleep_mode=enable_sleep_mode, disable_custom_all_reduce=disable_custom_all_reduce,
-            tokenizer_mode=tokenizer_mode, skip_tokenizer_init=skip_tokenizer_init,
-            trust_remote_code=trust_remote_code, load_format=load_format, revision=revision,
-            tokenizer_revision=tokenizer_revision, download_dir=download_dir, kv_cache_dtype=kv_cache_dtype,
-            quantization=quantization, cpu_offload_gb=cpu_offload_gb,
-            structured_outputs_config=structured_outputs_config, scheduling_policy=scheduling_policy,
-            hf_overrides=hf_overrides, distributed_executor_backend=distributed_executor_backend,
-            reasoning_parser=reasoning_parser, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+        # the signature is EngineArgs' fields, one for one (tests/compat/vllm/test_engine_args.py)
+        args = EngineArgs(**{name: value for name, value in locals().items() if name != "self"})
+        vllm = check_vllm_args(**vllm_args(args))
         reasoning, enable_in_reasoning = reasoning_settings(reasoning_parser, structured_outputs_config)
         if reasoning is not None and skip_tokenizer_init:
             make_reasoning_parser(reasoning, None)  # ValueError: a parser reads text and needs the tokenizer
-        self.config = EngineConfig.create(
-            model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, attention_backend=attention_backend, runner=runner,
-            hf_overrides=hf_overrides, max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
-            deduplicate_requests=deduplicate_requests, prefix_aware_scheduling=prefix_aware_scheduling,
-            quantization=quantization, enforce_eager=enforce_eager, compilation_config=compilation_config,
-            kv_cache_dtype=kv_cache_dtype, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+        self.config = EngineConfig.create(args)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase | None = None if skip_tokenizer_init else (

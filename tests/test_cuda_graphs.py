@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dfllm import LLM, SamplingParams
-from dfllm.config import EngineConfig, default_capture_sizes, parse_capture_sizes
+from dfllm.config import EngineArgs, EngineConfig, default_capture_sizes, parse_capture_sizes
 from dfllm.engine.cuda_graphs import bucket_for, unsupported_reason
 from dfllm.engine_args import check_vllm_args
 
@@ -47,12 +47,13 @@ def test_capture_sizes_from_compilation_config(tiny):
     assert parse_capture_sizes(SimpleNamespace(cudagraph_capture_sizes=(4,), level=3)) == (4,)
     assert parse_capture_sizes({"cudagraph_capture_sizes": []}) == ()
 
-    cfg = EngineConfig.create(tiny, max_num_seqs=20)
+    cfg = EngineConfig.create(EngineArgs(tiny, max_num_seqs=20))
     assert cfg.cudagraph_capture_sizes == (1, 2, 4, 8, 16, 24) and cfg.enforce_eager is False
-    cfg = EngineConfig.create(tiny, enforce_eager=True, compilation_config={"cudagraph_capture_sizes": [4, 1]})
+    cfg = EngineConfig.create(EngineArgs(tiny, enforce_eager=True,
+                                         compilation_config={"cudagraph_capture_sizes": [4, 1]}))
     assert cfg.cudagraph_capture_sizes == (1, 4) and cfg.enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
-        EngineConfig.create(tiny, enforce_eager="yes")
+        EngineConfig.create(EngineArgs(tiny, enforce_eager="yes"))
 
 
 @pytest.mark.parametrize("value", ["fast", {"cudagraph_capture_sizes": [0, 2]}, {"cudagraph_capture_sizes": [True]},

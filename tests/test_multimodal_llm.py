@@ -324,7 +324,7 @@ def test_unsupported_llava_variants_are_refused(tmp_path, tiny_llava):
     import json
     import shutil
 
-    from dfllm.config import EngineConfig
+    from dfllm.config import EngineArgs, EngineConfig
 
     bad = tmp_path / "pixtral-llava"
     shutil.copytree(tiny_llava, bad)
@@ -339,7 +339,7 @@ def test_unsupported_llava_variants_are_refused(tmp_path, tiny_llava):
     cfg["text_config"]["model_type"] = "gemma"
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'gemma' text model is not supported"):
-        EngineConfig.create(bad)
+        EngineConfig.create(EngineArgs(bad))
 
 
 def test_qwen2_vl_vision_tower_matches_transformers():

@@ -24,10 +24,8 @@ output was written but more than ``--max-error-rate`` (default 0.5) of the lines
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
-from typing import Any
 
+from dfllm.engine_args import add_cli_args, cli_kwargs
 from dfllm.jobs.batch_job import DEFAULT_PARTITION_BYTES
 from dfllm.jobs.cli_options import (
     DEFAULT_MAX_ERROR_RATE,
@@ -41,9 +39,7 @@ from dfllm.jobs.cli_options import (
     cache_of,
 )
 
-#: LLM arguments that are not generic engine flags of run-batch (``--model`` and
-#: ``--reasoning-parser``, which names one of the known parsers, have their own).
-NOT_FLAGS = frozenset({"self", "model", "reasoning_parser"})
+ENGINE = "engine_"  # where the engine flags are stored: args.engine_max_model_len...
 #: vLLM's run-batch and server flags that mean nothing for a file here: accepted, no effect.
 VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str, "--port": int, "--url": str,
                "--max-log-len": int, "--disable-log-requests": None, "--enable-prompt-tokens-details": None,
@@ -92,11 +88,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--calibration-seconds", type=float, default=None, metavar="S",
                    help="--dry-run: the most the calibration run may take (default 30)")
     engine = p.add_argument_group("engine arguments (dfllm.LLM's, vLLM's spelling)")
-    engine.add_argument("--reasoning-parser", choices=reasoning_parser_names(), metavar="NAME", default=None,
-                        help="a thinking model's parser: chat answers carry the reasoning in "
-                        "message.reasoning_content and the answer alone in message.content; completions text stays "
-                        f"whole, as in vLLM ({', '.join(reasoning_parser_names())})")
-    add_engine_flags(engine)
+    add_cli_args(engine, prefix=ENGINE, reasoning_parser="a thinking model's parser: chat answers carry the "
+                 "reasoning in message.reasoning_content and the answer alone in message.content; completions text "
+                 f"stays whole, as in vLLM ({', '.join(reasoning_parser_names())})")
     vllm = p.add_argument_group("vLLM server flags (accepted; no effect on a batch file)")
     for flag, kind in VLLM_NO_OPS.items():
         if kind is None:
@@ -106,50 +100,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _json_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
-
-
-def add_engine_flags(group) -> None:
-    """One flag per keyword argument of :class:`dfllm.LLM` (``max_model_len`` ->
-    ``--max-model-len``); bools take ``--x``/``--no-x``; dict-valued ones take JSON. Each
-    defaults to unset (``LLM``'s default)."""
-    from dfllm.llm import LLM
-
-    for name, param in inspect.signature(LLM.__init__).parameters.items():
-        if name in NOT_FLAGS:
-            continue
-        flag = "--" + name.replace("_", "-")
-        kind = str(param.annotation).replace(" ", "")
-        dest = f"engine_{name}"
-        if kind.startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=dest)
-        elif kind.startswith("int"):
-            group.add_argument(flag, type=int, default=None, dest=dest, metavar="N")
-        elif kind.startswith("float"):
-            group.add_argument(flag, type=float, default=None, dest=dest, metavar="X")
-        elif kind.startswith("str"):
-            group.add_argument(flag, default=None, dest=dest, metavar="TEXT")
-        else:
-            group.add_argument(flag, type=_json_value, default=None, dest=dest, metavar="JSON")
-
-
-def engine_kwargs_of(args: argparse.Namespace) -> dict:
-    """The engine flags given, as ``LLM(...)`` keyword arguments."""
-    return {k.removeprefix("engine_"): v for k, v in vars(args).items() if k.startswith("engine_") and v is not None}
-
-
 def run_batch_command(args: argparse.Namespace) -> int:
     """``dfllm run-batch``: the job on its cluster, then the summary; the exit status."""
     from dfllm.jobs.batch_job import check_options, check_paths, run_batch
     from dfllm.jobs.cluster import connect
 
-    engine_kwargs = engine_kwargs_of(args)
-    if args.reasoning_parser:
-        engine_kwargs["reasoning_parser"] = args.reasoning_parser
+    engine_kwargs = cli_kwargs(args, ENGINE)
     cache = cache_of(args)
     if args.calibration_seconds is not None and not (args.dry_run and args.calibration_seconds > 0):
         raise ValueError("--calibration-seconds applies to --dry-run and must be positive")

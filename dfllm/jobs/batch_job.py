@@ -36,7 +36,6 @@ checks every line and tokenizes the chat and completions ones on the cluster, wr
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -560,10 +559,9 @@ def check_options(model: str | None, engine_kwargs: dict, response_role: str = "
                   served_model_name: str | None = None) -> BatchOptions:
     """The job's :class:`~dfllm.jobs.batch.BatchOptions`, checked before any work: engine
     argument names and vLLM values, a model that can be checked here, the role."""
-    from dfllm.engine_args import BY_NAME, check_vllm_args
-    from dfllm.llm import LLM
+    from dfllm.engine_args import BY_NAME, ENGINE_ARG_NAMES, check_vllm_args
 
-    known = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
+    known = set(ENGINE_ARG_NAMES)
     unknown = sorted(set(engine_kwargs) - known)
     if unknown:
         raise ValueError(f"unknown engine argument(s) {unknown}: they go to dfllm.LLM, which takes {sorted(known)}")

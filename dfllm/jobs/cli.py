@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dfllm.engine_args import DEFAULTS, add_cli_args
 from dfllm.jobs.cli_options import (
     DEFAULT_MAX_ERROR_RATE,
     EXIT_TOO_MANY_ERRORS,
@@ -92,22 +93,20 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    "name under --lora-root; empty: the base model); see docs/lora.md")
     p.add_argument("--lora-root", metavar="PATH", help="generate/chat: the folder (or URL) of the adapters "
                    "--lora-column names")
-    p.add_argument("--max-loras", type=int, help="LoRA: the most distinct adapters in one step (default 4)")
-    p.add_argument("--max-lora-rank", type=int, help="LoRA: the largest adapter rank accepted (default 16)")
+    add_cli_args(p, ("max_loras", "max_lora_rank"), max_loras="LoRA: the most distinct adapters in one step "
+                 "(default 4)", max_lora_rank="LoRA: the largest adapter rank accepted (default 16)")
     p.add_argument("--model", help="model directory or bundled alias (default per task; see `dfllm models`)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="per-row sampling seed (reproducible sampled text)")
-    p.add_argument("--max-model-len", type=int, help="the engine's context length")
     p.add_argument("--json-schema", help="generate/chat: constrain output to a JSON schema (JSON text or a "
                    ".json file); the output column is a struct of its fields")
     p.add_argument("--choice", help="generate/chat: constrain output to one of these comma-separated values "
                    "(a categorical column)")
-    p.add_argument("--reasoning-parser", choices=reasoning_parser_names(), metavar="NAME",
-                   help="generate/chat with a thinking model: put the reasoning (<think>...</think>) in a "
-                   "reasoning_content column and only the answer in the output column "
-                   f"({', '.join(reasoning_parser_names())})")
+    add_cli_args(p, ("max_model_len", "reasoning_parser"), reasoning_parser="generate/chat with a thinking "
+                 "model: put the reasoning (<think>...</think>) in a reasoning_content column and only the answer "
+                 f"in the output column ({', '.join(reasoning_parser_names())})")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
     size.add_argument("--npartitions", type=int, help="number of partitions")
@@ -126,8 +125,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
     p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    add_cli_args(p, ("tensor_parallel_size", "pipeline_parallel_size"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true",
                    help="read and check the input and options, tokenize every row on the cluster and print what "
@@ -177,13 +175,9 @@ def sampling_from(args) -> dict | None:
 
 
 def engine_kwargs_from(args) -> dict:
-    kwargs = {}
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
-    if args.tensor_parallel_size != 1:
-        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
-    if args.pipeline_parallel_size != 1:
-        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    """The engine flags given, but LoRA's (:func:`lora_from`), as the task's keyword arguments."""
+    kwargs = {k: v for k in ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size")
+              if (v := getattr(args, k)) not in (None, DEFAULTS[k])}
     if getattr(args, "reasoning_parser", None):
         if not KINDS[args.task].generative:
             raise ValueError("--reasoning-parser applies to --task generate or chat")
@@ -288,7 +282,7 @@ def run(args) -> int:
         raise ValueError("--calibration-seconds applies to --dry-run")
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
         build_job(args)
-    gpus = args.tensor_parallel_size * args.pipeline_parallel_size
+    gpus = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
     with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
                  gpus_per_engine=gpus) as (client, resources):
         # built with the client current, so that a model directory only the workers have is

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dfllm.engine_args import ENGINE_ARG_NAMES
 from dfllm.inputs import check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import reasoning_parser_of
@@ -250,11 +251,7 @@ def check_sort_by(sort_by, columns, kind: str) -> tuple[str, ...]:
 
 def _check_engine_kwargs(kind: str, engine_kwargs: dict) -> None:
     """Extra keyword arguments go to ``LLM(...)``: unknown names fail now, not on a worker."""
-    import inspect
-
-    from dfllm.llm import LLM
-
-    known = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
+    known = set(ENGINE_ARG_NAMES)
     unknown = sorted(set(engine_kwargs) - known)
     if unknown:
         raise ValueError(f"{kind}: unknown argument(s) {unknown}: extra keyword arguments go to dfllm.LLM, "

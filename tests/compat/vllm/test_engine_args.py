@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from pathlib import Path
 
@@ -9,7 +10,17 @@ import pandas as pd
 import pytest
 
 from dfllm import LLM, SamplingParams
-from dfllm.engine_args import DEFAULTS, VLLM_ARGS, check_vllm_args, markdown_table
+from dfllm.config import EngineArgs
+from dfllm.engine_args import (
+    ENGINE_ARG_NAMES,
+    ENGINE_ARGS,
+    VLLM_ARGS,
+    add_cli_args,
+    check_vllm_args,
+    cli_kwargs,
+    markdown_table,
+    vllm_args,
+)
 
 from helpers import build_tiny_model  # noqa: F401  (tests/ is on sys.path in this subfolder too)
 
@@ -40,16 +51,42 @@ ACCEPTED = dict(enforce_eager=True, disable_log_stats=False, swap_space=0,
                 distributed_executor_backend="mp")
 
 
-def test_signature_lists_the_table_with_vllm_defaults():
-    params = inspect.signature(LLM.__init__).parameters
-    for arg in VLLM_ARGS:
-        assert arg.name in params, arg.name
-        assert params[arg.name].kind is inspect.Parameter.KEYWORD_ONLY
-        assert params[arg.name].default == arg.default, arg.name
-    assert check_vllm_args(**DEFAULTS) == {"use_fast": True}
+def test_signature_is_the_engine_args_fields():
+    """``LLM.__init__`` spells out EngineArgs' fields for users and IDEs: the same names, in the
+    same order, with the same defaults and annotations (an argument added to one place only fails)."""
+    params = list(inspect.signature(LLM.__init__).parameters.values())[1:]  # without self
+    assert [p.name for p in params] == [a.name for a in ENGINE_ARGS]
+    for param, arg in zip(params, ENGINE_ARGS):
+        assert param.default == arg.default, arg.name
+        assert param.annotation == arg.type, arg.name
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if arg.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        assert param.kind is kind, arg.name
+    assert list(ENGINE_ARG_NAMES) == [p.name for p in params[1:]]
+
+
+def test_table_arguments_are_checked_by_effect():
+    assert {a.metadata["effect"] for a in VLLM_ARGS} == {"maps", "no-op", "refuses"}
+    assert check_vllm_args(**vllm_args(EngineArgs())) == {"use_fast": True}
     assert check_vllm_args(**ACCEPTED) == {"use_fast": True}
     assert check_vllm_args(scheduling_policy="priority", max_logprobs=5) == {"use_fast": True}
     assert check_vllm_args(tokenizer_mode="slow") == {"use_fast": False}
+
+
+def test_cli_flags_come_from_the_fields():
+    """Every engine argument but ``model`` is a flag in vLLM's spelling, typed by its field;
+    flags not given stay unset (None: LLM's default)."""
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser, prefix="engine_")
+    assert {a.dest for a in parser._actions if a.dest.startswith("engine_")} == {f"engine_{n}" for n in
+                                                                                ENGINE_ARG_NAMES}
+    args = parser.parse_args(["--max-model-len", "64", "--no-enable-prefix-caching", "--swap-space", "2.5",
+                              "--hf-overrides", '{"rope_theta": 10.0}', "--reasoning-parser", "qwen3",
+                              "--enforce-eager", "--dtype", "float32"])
+    assert cli_kwargs(args, "engine_") == {"max_model_len": 64, "enable_prefix_caching": False, "swap_space": 2.5,
+                                           "hf_overrides": {"rope_theta": 10.0}, "reasoning_parser": "qwen3",
+                                           "enforce_eager": True, "dtype": "float32"}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reasoning-parser", "nope"])
 
 
 @pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])

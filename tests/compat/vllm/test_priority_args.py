@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dfllm import LLM, InvalidRequestError, SamplingParams
-from dfllm.config import EngineConfig
+from dfllm.config import EngineArgs, EngineConfig
 
 ENGINE = dict(max_num_seqs=8, max_model_len=64, kv_cache_memory_bytes=2**22)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -35,7 +35,7 @@ def test_policy_is_in_the_engine_config(tiny_llama, fcfs, prio):
     with pytest.raises(ValueError, match="scheduling_policy='lottery'"):
         LLM(tiny_llama, scheduling_policy="lottery")
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
-        EngineConfig.create(tiny_llama, scheduling_policy="lottery")
+        EngineConfig.create(EngineArgs(tiny_llama, scheduling_policy="lottery"))
 
 
 @pytest.mark.parametrize("call", ["generate", "chat", "enqueue", "enqueue_chat"])

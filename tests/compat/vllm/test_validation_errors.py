@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from dfllm import LLM, InvalidRequestError, PoolingParams, SamplingParams, VLLMValidationError
-from dfllm.config import EngineConfig
+from dfllm.config import EngineArgs, EngineConfig
 
 MAX_LEN = 64
 ENGINE = dict(max_num_seqs=8, max_model_len=MAX_LEN, kv_cache_memory_bytes=2**22)
@@ -143,12 +143,12 @@ def test_max_logprobs_set_and_unlimited(tiny_llama, vocab):
 
 
 def test_max_logprobs_in_engine_config(tiny_llama):
-    assert EngineConfig.create(tiny_llama).max_logprobs == 20
-    assert EngineConfig.create(tiny_llama, max_logprobs=None).max_logprobs == 20
-    assert EngineConfig.create(tiny_llama, max_logprobs=-1).max_logprobs == -1
+    assert EngineConfig.create(EngineArgs(tiny_llama)).max_logprobs == 20
+    assert EngineConfig.create(EngineArgs(tiny_llama, max_logprobs=None)).max_logprobs == 20
+    assert EngineConfig.create(EngineArgs(tiny_llama, max_logprobs=-1)).max_logprobs == -1
     for bad in (-2, 1.5, True):
         with pytest.raises(ValueError, match="max_logprobs"):
-            EngineConfig.create(tiny_llama, max_logprobs=bad)
+            EngineConfig.create(EngineArgs(tiny_llama, max_logprobs=bad))
 
 
 # ---- pooling --------------------------------------------------------------------------------
