@@ -30,13 +30,13 @@ from dfllm.jobs.batch_job import DEFAULT_PARTITION_BYTES
 from dfllm.jobs.cli_options import (
     DEFAULT_MAX_ERROR_RATE,
     EXIT_TOO_MANY_ERRORS,
-    _bytes,
-    _describe,
-    _json_object,
-    _rate,
-    _say,
     add_cache_options,
+    byte_size,
     cache_of,
+    describe_client,
+    json_object,
+    say,
+    unit_rate,
 )
 
 ENGINE = "engine_"  # where the engine flags are stored: args.engine_max_model_len...
@@ -66,13 +66,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "input order (join on custom_id)")
     p.add_argument("--resume", action="store_true", help="keep the partitions an earlier, killed run of this job "
                    "finished (in <output>.parts/); every line is still answered exactly once")
-    p.add_argument("--max-error-rate", type=_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
+    p.add_argument("--max-error-rate", type=unit_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
                    help="exit with status 3 (after writing the output) if more than this share of the lines failed "
                    f"(0 to 1; default {DEFAULT_MAX_ERROR_RATE})")
-    p.add_argument("--partition-bytes", type=_bytes, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
+    p.add_argument("--partition-bytes", type=byte_size, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
                    help="input bytes per partition: the unit of work and of resume (default 1MiB; e.g. 4MiB)")
     p.add_argument("--keep-parts", action="store_true", help="keep <output>.parts/ after the output is written")
-    p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
+    p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options as JSON")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
     p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
@@ -114,7 +114,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     gpus = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
     with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
                  gpus_per_engine=gpus) as (client, resources):
-        _say(f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {_describe(client)}; dashboard "
+        say(f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {describe_client(client)}; dashboard "
              f"{getattr(client, 'dashboard_link', None)}")
         if args.dry_run:
             from dfllm.jobs.batch_job import dry_run_batch
@@ -134,7 +134,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
                             progress=not args.no_progress, keep_parts=args.keep_parts, cache=cache, **engine_kwargs)
     print(format_batch_summary(summary), flush=True)
     if summary.lines and summary.failed / summary.lines > args.max_error_rate:
-        _say(f"dfllm: error: {summary.failed} of {summary.lines} lines ({100 * summary.failed / summary.lines:.1f}%) "
+        say(f"dfllm: error: {summary.failed} of {summary.lines} lines ({100 * summary.failed / summary.lines:.1f}%) "
              f"failed, above --max-error-rate {args.max_error_rate:g}; the answers were written to "
              f"{summary.output_file}" + (f" and {summary.error_file}" if summary.error_file else ""))
         return EXIT_TOO_MANY_ERRORS

@@ -37,12 +37,14 @@ from dfllm.engine_args import DEFAULTS, add_cli_args
 from dfllm.jobs.cli_options import (
     DEFAULT_MAX_ERROR_RATE,
     EXIT_TOO_MANY_ERRORS,
-    _describe,
-    _json_object,
-    _rate,
-    _say,
     add_cache_options,
     cache_of,
+    describe_client,
+    json_object,
+    positive_float,
+    positive_int,
+    say,
+    unit_rate,
 )
 from dfllm.reasoning import reasoning_parser_names
 from dfllm.tasks.kinds import KINDS
@@ -114,10 +116,10 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep what an earlier run wrote for the same rows and task; the output stays exact")
     p.add_argument("--on-error", choices=("null", "raise"), default="null")
-    p.add_argument("--max-error-rate", type=_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
+    p.add_argument("--max-error-rate", type=unit_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
                    help="exit with status 3 (after writing the output) if more than this share of the rows "
                    f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)")
-    p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options as JSON")
+    p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options as JSON")
     add_cache_options(p, "generate/chat: a response cache (local folder or fsspec URL) shared across jobs: "
                       "deterministic rows (greedy, or --seed) asked before with the same model, prompt and "
                       "sampling params are answered from it without the engine (docs/cache.md)")
@@ -131,33 +133,14 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help="read and check the input and options, tokenize every row on the cluster and print what "
                    "the job would do (rows refused, prompt tokens, prefix sharing, an estimate of its time from a "
                    "short calibration run); nothing is written (docs/dry_run.md)")
-    p.add_argument("--calibration-seconds", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--calibration-seconds", type=positive_float, default=None, metavar="S",
                    help="--dry-run: the most the calibration run may take (default 30)")
-    p.add_argument("--max-prompt-tokens", type=_positive_int, metavar="N",
+    p.add_argument("--max-prompt-tokens", type=positive_int, metavar="N",
                    help="generate/chat: a budget; once the partitions computed hold N prompt tokens no new "
                    f"partition starts (those running finish), exit status {EXIT_BUDGET}; --resume finishes the job")
-    p.add_argument("--max-generated-tokens", type=_positive_int, metavar="N",
+    p.add_argument("--max-generated-tokens", type=positive_int, metavar="N",
                    help="generate/chat: a budget of generated tokens, as --max-prompt-tokens")
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 # ---- dfllm run --------------------------------------------------------------------------------------
@@ -289,7 +272,7 @@ def run(args) -> int:
         # checked on a worker, and with --gpu's resources on the llm tasks themselves
         job = build_job(args, resources)
         page = page_link(client)
-        _say(f"dfllm: {args.task} on {_describe(client)}; dashboard {client.dashboard_link}"
+        say(f"dfllm: {args.task} on {describe_client(client)}; dashboard {client.dashboard_link}"
              + (f"; dfllm page {page}" if page else ""))
         if args.dry_run:
             return print_dry_run(args, job, budget)
@@ -300,12 +283,12 @@ def run(args) -> int:
         cache = {k: v - cache_before.get(k, 0) for k, v in cache_counts(client).items()} if args.cache else None
     print(format_summary(summary, deduplicated, cache), flush=True)
     if summary.stopped:
-        _say(f"dfllm: stopped: {summary.stopped}; {summary.missing} of {summary.partitions} partition(s) not "
+        say(f"dfllm: stopped: {summary.stopped}; {summary.missing} of {summary.partitions} partition(s) not "
              f"written; run again with --resume to finish the job in {summary.path}")
         return EXIT_BUDGET
     failed = too_many_errors(summary, args.max_error_rate)
     if failed:
-        _say(f"dfllm: error: {failed}")
+        say(f"dfllm: error: {failed}")
         return EXIT_TOO_MANY_ERRORS
     return 0
 
@@ -474,13 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        _say("dfllm: interrupted")
+        say("dfllm: interrupted")
         return 130
     except Exception as exc:  # one line for the user; DFLLM_DEBUG=1 for the traceback
         if os.environ.get("DFLLM_DEBUG"):
             raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        _say(f"dfllm: error: {type(exc).__name__}: {message}" if message else f"dfllm: error: {type(exc).__name__}")
+        say(f"dfllm: error: {type(exc).__name__}: {message}" if message else f"dfllm: error: {type(exc).__name__}")
         return 1
 
 

@@ -15,23 +15,36 @@ def add_cache_options(p: argparse.ArgumentParser, what: str) -> None:
     """``--cache`` (helped as ``what``), ``--cache-max-bytes`` and ``--cache-storage-options``
     (read back by :func:`cache_of`), for ``dfllm run`` and ``dfllm run-batch``."""
     p.add_argument("--cache", metavar="URL", help=what)
-    p.add_argument("--cache-max-bytes", type=_bytes, default=None, metavar="SIZE",
+    p.add_argument("--cache-max-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go")
-    p.add_argument("--cache-storage-options", type=_json_object, default=None,
+    p.add_argument("--cache-storage-options", type=json_object, default=None,
                    help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
 
 
-def _rate(text: str) -> float:
+def _checked(text: str, convert, ok, what: str):
+    """``convert(text)`` if it converts and passes ``ok``, else argparse's error saying ``what`` it must be."""
     try:
-        value = float(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not ok(value):  # a nan fails every comparison
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
 
 
-def _bytes(text: str) -> int:
+def positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "a positive integer")
+
+
+def positive_float(text: str) -> float:
+    return _checked(text, float, lambda v: 0 < v < float("inf"), "a positive number")
+
+
+def unit_rate(text: str) -> float:
+    return _checked(text, float, lambda v: 0.0 <= v <= 1.0, "a number from 0 to 1")
+
+
+def byte_size(text: str) -> int:
     """A byte count as Dask reads one (``1048576``, ``500MB``, ``2GiB``)."""
     from dask.utils import parse_bytes
 
@@ -44,7 +57,7 @@ def _bytes(text: str) -> int:
     return value
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -70,10 +83,10 @@ def cache_of(args):
     return as_cache(ResponseCache(args.cache, options, args.cache_max_bytes or DEFAULT_MAX_BYTES), "--cache")
 
 
-def _describe(client) -> str:
+def describe_client(client) -> str:
     workers = client.scheduler_info(n_workers=-1)["workers"].values()
     return f"{len(workers)} worker(s), {sum(w['nthreads'] for w in workers)} thread(s)"
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
