@@ -60,10 +60,15 @@ def decode_batch(args, device: torch.device):
     lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
     mask = torch.arange(width * bs, device=device)[None, :] < lens[:, None]
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long, device=device), prefills=[],
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        prefills=[],
         decode_groups=[DecodeGroup(torch.arange(args.batch, device=device), tables.long(), mask)],
-        query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32, device=device), seq_lens=lens,
-        block_tables=tables.to(torch.int32), block_size=bs, max_query_len=1, max_seq_len=args.context,
+        query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32, device=device),
+        seq_lens=lens,
+        block_tables=tables.to(torch.int32),
+        block_size=bs,
+        max_query_len=1,
+        max_seq_len=args.context,
     )
     return q, k_cache, v_cache, meta
 
@@ -105,8 +110,9 @@ def main() -> None:
     err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
     t_split = seconds_per_call(lambda: paged_attention_launch(q, k_cache, v_cache, meta, scale), args.iters, device)
-    t_plain = seconds_per_call(lambda: paged_attention_launch(q, k_cache, v_cache, meta, scale, num_segments=1),
-                               args.iters, device)
+    t_plain = seconds_per_call(
+        lambda: paged_attention_launch(q, k_cache, v_cache, meta, scale, num_segments=1), args.iters, device
+    )
     src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t_copy = seconds_per_call(lambda: dst.copy_(src), args.iters, device)
@@ -114,11 +120,18 @@ def main() -> None:
     figures = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         "shape": f"B={args.batch} H={args.heads}/{args.kv_heads} D={args.head_dim} L={args.context} "
-                 f"bs={args.block_size} {args.dtype}",
-        "dtype": args.dtype, "kv_bytes": kv_bytes, "segments": segments, "rel_err": err, "tol": TOL[args.dtype],
-        "attn_us": t_split * 1e6, "attn_gb_s": kv_bytes / t_split / 1e9,
-        "attn_nosplit_us": t_plain * 1e6, "attn_nosplit_gb_s": kv_bytes / t_plain / 1e9,
-        "copy_us": t_copy * 1e6, "copy_gb_s": 2 * kv_bytes / t_copy / 1e9,
+        f"bs={args.block_size} {args.dtype}",
+        "dtype": args.dtype,
+        "kv_bytes": kv_bytes,
+        "segments": segments,
+        "rel_err": err,
+        "tol": TOL[args.dtype],
+        "attn_us": t_split * 1e6,
+        "attn_gb_s": kv_bytes / t_split / 1e9,
+        "attn_nosplit_us": t_plain * 1e6,
+        "attn_nosplit_gb_s": kv_bytes / t_plain / 1e9,
+        "copy_us": t_copy * 1e6,
+        "copy_gb_s": 2 * kv_bytes / t_copy / 1e9,
     }
     figures["ratio"] = figures["attn_gb_s"] / figures["copy_gb_s"]
     print_report(figures)
@@ -130,8 +143,10 @@ def main() -> None:
 
 
 def print_report(f: dict) -> None:
-    print(f"decode attention on {f['device']}: {f['shape']}, K+V {f['kv_bytes'] / 1e6:.1f} MB, "
-          f"max rel err vs torch {f['rel_err']:.1e}")
+    print(
+        f"decode attention on {f['device']}: {f['shape']}, K+V {f['kv_bytes'] / 1e6:.1f} MB, "
+        f"max rel err vs torch {f['rel_err']:.1e}"
+    )
     print(f"  kernel, {f['segments']} KV segments: {f['attn_us']:10.1f} us  {f['attn_gb_s']:8.1f} GB/s")
     print(f"  kernel, no KV split:      {f['attn_nosplit_us']:10.1f} us  {f['attn_nosplit_gb_s']:8.1f} GB/s")
     print(f"  copy_ (read + write):     {f['copy_us']:10.1f} us  {f['copy_gb_s']:8.1f} GB/s")

@@ -42,22 +42,44 @@ import torch
 
 import dfllm  # noqa: F401  (registers the .llm accessors)
 
-TOPICS = ["rivers", "bridges", "forests", "planets", "markets", "engines", "gardens", "libraries", "oceans",
-          "mountains", "villages", "languages", "seasons", "signals", "windows", "machines"]
+TOPICS = [
+    "rivers",
+    "bridges",
+    "forests",
+    "planets",
+    "markets",
+    "engines",
+    "gardens",
+    "libraries",
+    "oceans",
+    "mountains",
+    "villages",
+    "languages",
+    "seasons",
+    "signals",
+    "windows",
+    "machines",
+]
 OUTPUTS = ["generated_text", "num_input_tokens", "num_generated_tokens", "finish_reason", "llm_error"]
 
 
 def questions(ids) -> pd.DataFrame:
-    return pd.DataFrame({"id": list(ids), "q": [f"Question {i}: name one fact about {TOPICS[i % len(TOPICS)]}."
-                                                for i in ids]})
+    return pd.DataFrame(
+        {"id": list(ids), "q": [f"Question {i}: name one fact about {TOPICS[i % len(TOPICS)]}." for i in ids]}
+    )
 
 
 def engine_requests() -> int:
     """Requests the worker's engines finished."""
     from dfllm.worker.engine_cache import engines_now
 
-    return sum(m.count for llm in engines_now() if llm.engine is not None for m in llm.get_metrics()
-               if m.name == "dfllm_request_generation_tokens")
+    return sum(
+        m.count
+        for llm in engines_now()
+        if llm.engine is not None
+        for m in llm.get_metrics()
+        if m.name == "dfllm_request_generation_tokens"
+    )
 
 
 def cache_hits() -> int:
@@ -71,13 +93,22 @@ def job(client, df: pd.DataFrame, args, cache: str | None) -> dict:
     ddf = dd.from_pandas(df, npartitions=args.partitions)
     requests, hits = sum(client.run(engine_requests).values()), sum(client.run(cache_hits).values())
     start = time.perf_counter()
-    out = ddf.llm.generate("{q}", model=args.model, cache=cache, engine_columns="from_cache",
-                           sampling_params={"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True},
-                           max_model_len=args.max_model_len).compute()
+    out = ddf.llm.generate(
+        "{q}",
+        model=args.model,
+        cache=cache,
+        engine_columns="from_cache",
+        sampling_params={"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True},
+        max_model_len=args.max_model_len,
+    ).compute()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "rows_per_s": len(df) / seconds,
-            "engine_requests": sum(client.run(engine_requests).values()) - requests,
-            "cache_hits": sum(client.run(cache_hits).values()) - hits, "output": out.set_index("id").sort_index()}
+    return {
+        "seconds": seconds,
+        "rows_per_s": len(df) / seconds,
+        "engine_requests": sum(client.run(engine_requests).values()) - requests,
+        "cache_hits": sum(client.run(cache_hits).values()) - hits,
+        "output": out.set_index("id").sort_index(),
+    }
 
 
 def main() -> None:
@@ -107,23 +138,40 @@ def main() -> None:
             cached_a, cached_b = job(client, a, args, cache), job(client, b, args, cache)
             same = plain_b["output"][OUTPUTS].equals(cached_b["output"][OUTPUTS])
             overlap = cached_b["output"]["from_cache"]
-            rounds.append({"plain_a": plain_a, "plain_b": plain_b, "cached_a": cached_a, "cached_b": cached_b,
-                           "same_outputs": same, "from_cache_rows": int(overlap.sum())})
-            print(f"round {r}: rerun B without cache {plain_b['rows_per_s']:.2f} rows/s "
-                  f"({plain_b['engine_requests']} engine requests); with cache {cached_b['rows_per_s']:.2f} rows/s "
-                  f"({cached_b['engine_requests']} engine requests, {cached_b['cache_hits']} hits); first run A "
-                  f"storing {cached_a['rows_per_s']:.2f} vs {plain_a['rows_per_s']:.2f} rows/s; same outputs: {same}",
-                  flush=True)
+            rounds.append(
+                {
+                    "plain_a": plain_a,
+                    "plain_b": plain_b,
+                    "cached_a": cached_a,
+                    "cached_b": cached_b,
+                    "same_outputs": same,
+                    "from_cache_rows": int(overlap.sum()),
+                }
+            )
+            print(
+                f"round {r}: rerun B without cache {plain_b['rows_per_s']:.2f} rows/s "
+                f"({plain_b['engine_requests']} engine requests); with cache {cached_b['rows_per_s']:.2f} rows/s "
+                f"({cached_b['engine_requests']} engine requests, {cached_b['cache_hits']} hits); first run A "
+                f"storing {cached_a['rows_per_s']:.2f} vs {plain_a['rows_per_s']:.2f} rows/s; same outputs: {same}",
+                flush=True,
+            )
     shutil.rmtree(root, ignore_errors=True)
 
     def median(mode: str, field: str) -> float:
         return statistics.median(r[mode][field] for r in rounds)
 
     result = {
-        "date": datetime.date.today().isoformat(), "machine": platform.platform(),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "model": args.model or "smollm2-135m-instruct", "rows": args.rows, "overlap_rows": args.rows - half,
-        "max_tokens": args.max_tokens, "partitions": args.partitions, "threads": args.threads,
+        "date": datetime.date.today().isoformat(),
+        "machine": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "model": args.model or "smollm2-135m-instruct",
+        "rows": args.rows,
+        "overlap_rows": args.rows - half,
+        "max_tokens": args.max_tokens,
+        "partitions": args.partitions,
+        "threads": args.threads,
         "repeats": args.repeats,
         "rerun_rows_per_s_without_cache": median("plain_b", "rows_per_s"),
         "rerun_rows_per_s_with_cache": median("cached_b", "rows_per_s"),

@@ -27,15 +27,32 @@ import time
 import torch
 
 
-def _run(model: str, dtype: str, eager: bool, prompts: list[list[int]], max_tokens: int, single_tokens: int,
-         max_num_seqs: int) -> dict:
+def _run(
+    model: str,
+    dtype: str,
+    eager: bool,
+    prompts: list[list[int]],
+    max_tokens: int,
+    single_tokens: int,
+    max_num_seqs: int,
+) -> dict:
     from dfllm import LLM, SamplingParams
 
-    llm = LLM(model, device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=max_num_seqs,
-              kv_cache_memory_bytes=4 << 30, max_model_len=1024)
+    llm = LLM(
+        model,
+        device="cuda",
+        dtype=dtype,
+        enforce_eager=eager,
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory_bytes=4 << 30,
+        max_model_len=1024,
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:max_num_seqs]], SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up: kernels, graphs
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:max_num_seqs]],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )  # warm-up: kernels, graphs
     llm.reset_prefix_cache()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -50,10 +67,13 @@ def _run(model: str, dtype: str, eager: bool, prompts: list[list[int]], max_toke
     single_s = time.perf_counter() - t0
     assert llm.engine is not None
     graphs = getattr(llm.engine.runner, "decode_graphs", None)
-    res = {"batch_tok_s": len(prompts) * max_tokens / batch_s, "single_tok_s": single_tokens / single_s,
-           "tokens": [list(o.outputs[0].token_ids) for o in outs],
-           "graph_sizes": list(graphs.sizes) if graphs is not None and graphs.captured else [],
-           "replays": graphs.replays if graphs is not None else 0}
+    res = {
+        "batch_tok_s": len(prompts) * max_tokens / batch_s,
+        "single_tok_s": single_tokens / single_s,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "graph_sizes": list(graphs.sizes) if graphs is not None and graphs.captured else [],
+        "replays": graphs.replays if graphs is not None else 0,
+    }
     llm.shutdown()
     del llm
     gc.collect()
@@ -78,15 +98,25 @@ def main() -> int:
             json.dump({"skipped": why}, open(args.json, "w"), indent=2)
         return 0
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(20, 40000, (int(n),), generator=g).tolist()
-               for n in torch.randint(32, 129, (args.num_prompts,), generator=g)]
-    graphs, eager = (_run(args.model, args.dtype, eager_mode, prompts, args.max_tokens, args.single_tokens,
-                          args.max_num_seqs) for eager_mode in (False, True))
+    prompts = [
+        torch.randint(20, 40000, (int(n),), generator=g).tolist()
+        for n in torch.randint(32, 129, (args.num_prompts,), generator=g)
+    ]
+    graphs, eager = (
+        _run(args.model, args.dtype, eager_mode, prompts, args.max_tokens, args.single_tokens, args.max_num_seqs)
+        for eager_mode in (False, True)
+    )
     same = sum(a == b for a, b in zip(graphs["tokens"], eager["tokens"]))
     res: dict[str, object] = {
-        "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-        "single_tokens": args.single_tokens, "graph_sizes": graphs["graph_sizes"], "replays": graphs["replays"],
-        "identical": same}
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "single_tokens": args.single_tokens,
+        "graph_sizes": graphs["graph_sizes"],
+        "replays": graphs["replays"],
+        "identical": same,
+    }
     for leg in ("batch", "single"):
         fast, slow = float(graphs[f"{leg}_tok_s"]), float(eager[f"{leg}_tok_s"])
         res.update({f"{leg}_graphs": fast, f"{leg}_eager": slow, f"{leg}_speedup": fast / slow})

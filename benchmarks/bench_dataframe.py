@@ -81,7 +81,7 @@ from dfllm import LLM, SamplingParams
 SEED = 1234
 TEMPLATE = "Question: {question}\nAnswer:"
 MIN_WORDS, MAX_WORDS = 5, 40
-MiB = 2 ** 20
+MiB = 2**20
 
 WORDS = """
 time year people way day man thing woman life child world school state family student group
@@ -145,8 +145,13 @@ class Baseline:
         start = time.perf_counter()
         outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        return {"rows": len(prompts), "seconds": seconds, "rows_s": len(prompts) / seconds,
-                "texts": [o.outputs[0].text for o in outs], "torch_threads": torch.get_num_threads()}
+        return {
+            "rows": len(prompts),
+            "seconds": seconds,
+            "rows_s": len(prompts) / seconds,
+            "texts": [o.outputs[0].text for o in outs],
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def close(self) -> None:
         del self.llm
@@ -192,8 +197,9 @@ class RSSSampler:
 def start_cluster(args):
     from distributed import Client, LocalCluster
 
-    cluster = LocalCluster(n_workers=args.workers, threads_per_worker=args.threads, processes=True,
-                           dashboard_address=":0")
+    cluster = LocalCluster(
+        n_workers=args.workers, threads_per_worker=args.threads, processes=True, dashboard_address=":0"
+    )
     client = Client(cluster)
     client.wait_for_workers(args.workers)
     return cluster, client
@@ -223,9 +229,12 @@ def _worker_state() -> dict:
 def warm_up_workers(client, args) -> dict:
     """Load and warm every worker's engine (pinned per worker); the workers' state afterwards."""
     warm = dict(sampling(args), max_tokens=min(4, args.max_tokens))
-    futures = [client.submit(_warm_worker, args.model, warm, engine_kwargs(args), workers=[w],
-                             allow_other_workers=False, pure=False)
-               for w in client.scheduler_info()["workers"]]
+    futures = [
+        client.submit(
+            _warm_worker, args.model, warm, engine_kwargs(args), workers=[w], allow_other_workers=False, pure=False
+        )
+        for w in client.scheduler_info()["workers"]
+    ]
     client.gather(futures)
     return client.run(_worker_state)
 
@@ -235,11 +244,11 @@ def run_dask(client, in_path: Path, out_path: Path, pids: dict[str, int], args) 
     with RSSSampler(pids, args.sample_interval) as sampler:
         start = time.perf_counter()
         ddf = dd.read_parquet(str(in_path))
-        ddf.llm.generate(TEMPLATE, model=args.model, sampling_params=sampling(args),
-                         **engine_kwargs(args)).to_parquet(str(out_path), write_index=False)
+        ddf.llm.generate(TEMPLATE, model=args.model, sampling_params=sampling(args), **engine_kwargs(args)).to_parquet(
+            str(out_path), write_index=False
+        )
         seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_rss": sampler.peaks, "samples": sampler.samples,
-            "partitions": ddf.npartitions}
+    return {"seconds": seconds, "peak_rss": sampler.peaks, "samples": sampler.samples, "partitions": ddf.npartitions}
 
 
 def check_output(out_path: Path, rows: int, max_tokens: int, baseline_texts: list[str]) -> dict:
@@ -252,13 +261,26 @@ def check_output(out_path: Path, rows: int, max_tokens: int, baseline_texts: lis
     texts = out["generated_text"].tolist()
     compared = min(len(baseline_texts), len(texts)) if every_row_once else 0
     same = sum(a == b for a, b in zip(texts[:compared], baseline_texts[:compared]))
-    return {"every_row_once": every_row_once, "rows_out": len(ids), "row_errors": errors,
-            "full_length": full_length, "match": same / compared if compared else float("nan"),
-            "compared": compared}
+    return {
+        "every_row_once": every_row_once,
+        "rows_out": len(ids),
+        "row_errors": errors,
+        "full_length": full_length,
+        "match": same / compared if compared else float("nan"),
+        "compared": compared,
+    }
 
 
-def measure_size(questions: pd.DataFrame, partitions: int, workdir: Path, tag: str, args,
-                 baseline: Baseline | None = None, repeats: int = 1, reference: list[str] | None = None) -> dict:
+def measure_size(
+    questions: pd.DataFrame,
+    partitions: int,
+    workdir: Path,
+    tag: str,
+    args,
+    baseline: Baseline | None = None,
+    repeats: int = 1,
+    reference: list[str] | None = None,
+) -> dict:
     """One dataset size on a fresh cluster: warm up, time the write ``repeats`` times (each
     right after a baseline run when ``baseline`` is given, so both see the same machine
     state), check the output, shut down. Seconds are medians; the ratio is the median of
@@ -286,16 +308,31 @@ def measure_size(questions: pd.DataFrame, partitions: int, workdir: Path, tag: s
     rows = len(questions)
     seconds = statistics.median(t["seconds"] for t in timings)
     peaks = {w: max(t["peak_rss"][w] for t in timings) for w in pids}
-    out = {"tag": tag, "rows": rows, "seconds": seconds, "rows_s": rows / seconds, "repeats": repeats,
-           "rows_s_runs": [rows / t["seconds"] for t in timings], "peak_rss": peaks,
-           "samples": sum(t["samples"] for t in timings), "partitions": timings[0]["partitions"],
-           "peak_rss_max": max(peaks.values()), "idle_rss_max": max(idle_rss.values()),
-           "worker_torch_threads": sorted({s["torch_threads"] for s in state.values()}),
-           "engine_loads": sorted(s["engines"] for s in state.values()), **check}
+    out = {
+        "tag": tag,
+        "rows": rows,
+        "seconds": seconds,
+        "rows_s": rows / seconds,
+        "repeats": repeats,
+        "rows_s_runs": [rows / t["seconds"] for t in timings],
+        "peak_rss": peaks,
+        "samples": sum(t["samples"] for t in timings),
+        "partitions": timings[0]["partitions"],
+        "peak_rss_max": max(peaks.values()),
+        "idle_rss_max": max(idle_rss.values()),
+        "worker_torch_threads": sorted({s["torch_threads"] for s in state.values()}),
+        "engine_loads": sorted(s["engines"] for s in state.values()),
+        **check,
+    }
     if bases:
         base_seconds = statistics.median(b["seconds"] for b in bases)
-        out["baseline"] = {"rows": rows, "seconds": base_seconds, "rows_s": rows / base_seconds,
-                           "rows_s_runs": [b["rows_s"] for b in bases], "torch_threads": bases[0]["torch_threads"]}
+        out["baseline"] = {
+            "rows": rows,
+            "seconds": base_seconds,
+            "rows_s": rows / base_seconds,
+            "rows_s_runs": [b["rows_s"] for b in bases],
+            "torch_threads": bases[0]["torch_threads"],
+        }
         out["ratio"] = statistics.median(b["seconds"] / t["seconds"] for b, t in zip(bases, timings))
         out["texts"] = texts
     return out
@@ -305,33 +342,49 @@ def measure_size(questions: pd.DataFrame, partitions: int, workdir: Path, tag: s
 def print_report(base: dict, runs: list[dict], meta: dict) -> None:
     one = runs[0]
     print()
-    print(f"{'run':<22}{'rows':>7}{'parts':>7}{'seconds':>10}{'rows/s':>10}{'peak RSS MiB':>14}"
-          f"{'torch thr':>11}{'match':>8}")
-    print(f"{'LLM.generate (1 proc)':<22}{base['rows']:>7}{'-':>7}{base['seconds']:>10.2f}{base['rows_s']:>10.2f}"
-          f"{'-':>14}{base['torch_threads']:>11}{'-':>8}")
+    print(
+        f"{'run':<22}{'rows':>7}{'parts':>7}{'seconds':>10}{'rows/s':>10}{'peak RSS MiB':>14}"
+        f"{'torch thr':>11}{'match':>8}"
+    )
+    print(
+        f"{'LLM.generate (1 proc)':<22}{base['rows']:>7}{'-':>7}{base['seconds']:>10.2f}{base['rows_s']:>10.2f}"
+        f"{'-':>14}{base['torch_threads']:>11}{'-':>8}"
+    )
     for r in runs:
         threads = ",".join(map(str, r["worker_torch_threads"]))
-        print(f"{'dask ' + r['tag']:<22}{r['rows']:>7}{r['partitions']:>7}{r['seconds']:>10.2f}{r['rows_s']:>10.2f}"
-              f"{r['peak_rss_max'] / MiB:>14.0f}{threads:>11}{r['match']:>8.3f}")
+        print(
+            f"{'dask ' + r['tag']:<22}{r['rows']:>7}{r['partitions']:>7}{r['seconds']:>10.2f}{r['rows_s']:>10.2f}"
+            f"{r['peak_rss_max'] / MiB:>14.0f}{threads:>11}{r['match']:>8.3f}"
+        )
     print()
-    print(f"throughput dask/baseline (1x): {one['ratio']:.2f}  (median of {one['repeats']} alternating pairs; "
-          f"runs dask {', '.join(f'{x:.2f}' for x in one['rows_s_runs'])}, baseline "
-          f"{', '.join(f'{x:.2f}' for x in base['rows_s_runs'])} rows/s; target >= 0.85)")
+    print(
+        f"throughput dask/baseline (1x): {one['ratio']:.2f}  (median of {one['repeats']} alternating pairs; "
+        f"runs dask {', '.join(f'{x:.2f}' for x in one['rows_s_runs'])}, baseline "
+        f"{', '.join(f'{x:.2f}' for x in base['rows_s_runs'])} rows/s; target >= 0.85)"
+    )
     if one["worker_torch_threads"] != [base["torch_threads"]]:
-        print(f"note: torch threads differ: baseline {base['torch_threads']}, workers "
-              f"{one['worker_torch_threads']} (see --torch-threads)")
+        print(
+            f"note: torch threads differ: baseline {base['torch_threads']}, workers "
+            f"{one['worker_torch_threads']} (see --torch-threads)"
+        )
     if len(runs) > 1:
         big = runs[1]
-        print(f"peak worker RSS: 1x {one['peak_rss_max'] / MiB:.0f} MiB, "
-              f"{big['tag']} {big['peak_rss_max'] / MiB:.0f} MiB, "
-              f"ratio {big['peak_rss_max'] / one['peak_rss_max']:.3f}  (target <= 1.3)")
+        print(
+            f"peak worker RSS: 1x {one['peak_rss_max'] / MiB:.0f} MiB, "
+            f"{big['tag']} {big['peak_rss_max'] / MiB:.0f} MiB, "
+            f"ratio {big['peak_rss_max'] / one['peak_rss_max']:.3f}  (target <= 1.3)"
+        )
     for r in runs:
-        print(f"dask {r['tag']}: every row once {r['every_row_once']} ({r['rows_out']} rows out), row errors "
-              f"{r['row_errors']}, all {meta['max_tokens']} tokens {r['full_length']}, greedy match with baseline "
-              f"{r['match']:.3f} of {r['compared']} rows; RSS before the write {r['idle_rss_max'] / MiB:.0f} MiB, "
-              f"{r['samples']} RSS samples")
-    print(f"date {meta['date']}, CPUs {meta['cpu_count']}, torch {meta['torch']}, dask {meta['dask']}, "
-          f"{meta['workers']} worker(s) x {meta['threads']} thread(s), {meta['machine']}")
+        print(
+            f"dask {r['tag']}: every row once {r['every_row_once']} ({r['rows_out']} rows out), row errors "
+            f"{r['row_errors']}, all {meta['max_tokens']} tokens {r['full_length']}, greedy match with baseline "
+            f"{r['match']:.3f} of {r['compared']} rows; RSS before the write {r['idle_rss_max'] / MiB:.0f} MiB, "
+            f"{r['samples']} RSS samples"
+        )
+    print(
+        f"date {meta['date']}, CPUs {meta['cpu_count']}, torch {meta['torch']}, dask {meta['dask']}, "
+        f"{meta['workers']} worker(s) x {meta['threads']} thread(s), {meta['machine']}"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -346,9 +399,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--scale", type=int, default=10, help="the memory run uses this many times the rows and partitions")
     p.add_argument("--skip-scale", action="store_true", help="skip the large memory run")
     p.add_argument("--sample-interval", type=float, default=0.2, help="seconds between RSS samples")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch threads for the baseline and each worker (default: torch's default here, "
-                        "Dask's OMP_NUM_THREADS=1 on workers)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads for the baseline and each worker (default: torch's default here, "
+        "Dask's OMP_NUM_THREADS=1 on workers)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="alternating baseline/Dask pairs for the 1x size")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     args = p.parse_args()
@@ -362,16 +419,25 @@ def main() -> None:
     if args.torch_threads is not None:
         n = args.torch_threads
         torch.set_num_threads(n)
-        dask.config.set({"distributed.nanny.pre-spawn-environ": {
-            **dask.config.get("distributed.nanny.pre-spawn-environ", {}),
-            "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}})
+        dask.config.set(
+            {
+                "distributed.nanny.pre-spawn-environ": {
+                    **dask.config.get("distributed.nanny.pre-spawn-environ", {}),
+                    "OMP_NUM_THREADS": n,
+                    "MKL_NUM_THREADS": n,
+                    "OPENBLAS_NUM_THREADS": n,
+                }
+            }
+        )
     scale = 1 if args.skip_scale else args.scale
     questions = make_questions(args.rows * scale)
-    small = questions.iloc[:args.rows].reset_index(drop=True)
+    small = questions.iloc[: args.rows].reset_index(drop=True)
     words = small["question"].str.split().str.len()
-    print(f"workload: {args.rows} rows in {args.partitions} partitions ({words.min()}-{words.max()} words, "
-          f"median {int(words.median())}), {args.max_tokens} tokens each, greedy"
-          + ("" if args.skip_scale else f"; memory run: {len(questions)} rows in {args.partitions * scale} partitions"))
+    print(
+        f"workload: {args.rows} rows in {args.partitions} partitions ({words.min()}-{words.max()} words, "
+        f"median {int(words.median())}), {args.max_tokens} tokens each, greedy"
+        + ("" if args.skip_scale else f"; memory run: {len(questions)} rows in {args.partitions * scale} partitions")
+    )
 
     baseline = Baseline(args)
     runs = []
@@ -380,24 +446,41 @@ def main() -> None:
         baseline.close()
         base = runs[0]["baseline"]
         r = runs[0]
-        print(f"1x: baseline {base['rows_s']:.2f} rows/s, dask {r['rows_s']:.2f} rows/s (medians of {args.repeats}), "
-              f"ratio {r['ratio']:.2f}; peak worker RSS {r['peak_rss_max'] / MiB:.0f} MiB", flush=True)
+        print(
+            f"1x: baseline {base['rows_s']:.2f} rows/s, dask {r['rows_s']:.2f} rows/s (medians of {args.repeats}), "
+            f"ratio {r['ratio']:.2f}; peak worker RSS {r['peak_rss_max'] / MiB:.0f} MiB",
+            flush=True,
+        )
         if not args.skip_scale:
-            runs.append(measure_size(questions, args.partitions * scale, Path(tmp), f"{scale}x", args,
-                                     reference=runs[0]["texts"]))
+            runs.append(
+                measure_size(
+                    questions, args.partitions * scale, Path(tmp), f"{scale}x", args, reference=runs[0]["texts"]
+                )
+            )
             r = runs[-1]
-            print(f"dask {r['tag']}: {r['seconds']:.2f}s, {r['rows_s']:.2f} rows/s, "
-                  f"peak worker RSS {r['peak_rss_max'] / MiB:.0f} MiB", flush=True)
+            print(
+                f"dask {r['tag']}: {r['seconds']:.2f}s, {r['rows_s']:.2f} rows/s, "
+                f"peak worker RSS {r['peak_rss_max'] / MiB:.0f} MiB",
+                flush=True,
+            )
 
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "dask": dask.__version__, "workers": args.workers, "threads": args.threads,
-            "max_tokens": args.max_tokens, "machine": platform.processor() or platform.machine()}
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "dask": dask.__version__,
+        "workers": args.workers,
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "machine": platform.processor() or platform.machine(),
+    }
     print_report(base, runs, meta)
 
     if args.json:
         one = runs[0]
         figures = {
-            "args": vars(args), "meta": meta,
+            "args": vars(args),
+            "meta": meta,
             "baseline": base,
             "dask": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
             "throughput_ratio": one["ratio"],

@@ -36,9 +36,11 @@ from datetime import datetime
 import torch
 import torch.nn.functional as F
 
-WORDS = ("the a of to and in is for on with as by at from that this it be are was data model query table "
-         "column partition worker cluster parquet storage engine batch token prompt embedding vector search "
-         "index result user system quickly slowly large small river mountain city music science history").split()
+WORDS = (
+    "the a of to and in is for on with as by at from that this it be are was data model query table "
+    "column partition worker cluster parquet storage engine batch token prompt embedding vector search "
+    "index result user system quickly slowly large small river mountain city music science history"
+).split()
 
 
 def make_texts(n: int, seed: int = 0) -> list[str]:
@@ -57,7 +59,7 @@ def batch_tokens(lengths: list[int], batch: int = 32) -> int:
     """Padded tokens of the median batch when ``lengths`` are sorted and cut into ``batch``-sized
     batches (the shape a length-sorting engine hands the GEMM)."""
     ordered = sorted(lengths, reverse=True)
-    sizes = sorted(max(ordered[i: i + batch]) * len(ordered[i: i + batch]) for i in range(0, len(ordered), batch))
+    sizes = sorted(max(ordered[i : i + batch]) * len(ordered[i : i + batch]) for i in range(0, len(ordered), batch))
     return sizes[len(sizes) // 2]
 
 
@@ -102,8 +104,12 @@ def main() -> None:
     ap.add_argument("--num-texts", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--st-batch-size", type=int, default=32)
-    ap.add_argument("--quantization", choices=["int8"], default=None,
-                    help="also time dfllm with this quantization (alternating with the others)")
+    ap.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="also time dfllm with this quantization (alternating with the others)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -144,32 +150,55 @@ def main() -> None:
     m = batch_tokens(lengths)
     per_call, gflops_linear, gflops_packed = matmul_ceiling(llm.config.hf_config, m)
     ceiling = per_call * n_tokens / m
-    print(f"\nmatmul ceiling: the encoder's float32 linear layers alone on the {n_tokens} real tokens, at {m} tokens "
-          f"per call (a length-sorted batch of 32): {ceiling:.2f} s = {len(texts) / ceiling:.1f} texts/s, "
-          f"{n_tokens / ceiling:.0f} tokens/s (F.linear {gflops_linear:.0f} GFLOP/s, oneDNN packed "
-          f"{gflops_packed:.0f} GFLOP/s, the faster per shape)")
+    print(
+        f"\nmatmul ceiling: the encoder's float32 linear layers alone on the {n_tokens} real tokens, at {m} tokens "
+        f"per call (a length-sorted batch of 32): {ceiling:.2f} s = {len(texts) / ceiling:.1f} texts/s, "
+        f"{n_tokens / ceiling:.0f} tokens/s (F.linear {gflops_linear:.0f} GFLOP/s, oneDNN packed "
+        f"{gflops_packed:.0f} GFLOP/s, the faster per shape)"
+    )
     print(f"\n{'engine':<24}{'seconds':>10}{'texts/s':>10}{'tokens/s':>11}{'% of fp32 matmul ceiling':>26}")
-    print(f"{'(fp32 matmul ceiling)':<24}{ceiling:>10.2f}{len(texts) / ceiling:>10.1f}{n_tokens / ceiling:>11.0f}"
-          f"{100:>25}%")
+    print(
+        f"{'(fp32 matmul ceiling)':<24}{ceiling:>10.2f}{len(texts) / ceiling:>10.1f}{n_tokens / ceiling:>11.0f}"
+        f"{100:>25}%"
+    )
     for k, t in med.items():
         print(f"{k:<24}{t:>10.2f}{len(texts) / t:>10.1f}{n_tokens / t:>11.0f}{100 * ceiling / t:>25.0f}%")
     ratio = med["sentence-transformers"] / med["dfllm"]
-    print(f"ratio dfllm/sentence-transformers: {ratio:.2f}x   (min cosine similarity {cos:.6f}); "
-          f"float32 ceiling/sentence-transformers: {med['sentence-transformers'] / ceiling:.2f}x")
-    result = {"median_seconds": med, "ratio": ratio, "texts": len(texts), "tokens": n_tokens, "min_cosine": cos,
-              "matmul_ceiling_seconds": ceiling, "ceiling_tokens_per_call": m,
-              "ceiling_gflops": {"F.linear": gflops_linear, "packed": gflops_packed}}
+    print(
+        f"ratio dfllm/sentence-transformers: {ratio:.2f}x   (min cosine similarity {cos:.6f}); "
+        f"float32 ceiling/sentence-transformers: {med['sentence-transformers'] / ceiling:.2f}x"
+    )
+    result = {
+        "median_seconds": med,
+        "ratio": ratio,
+        "texts": len(texts),
+        "tokens": n_tokens,
+        "min_cosine": cos,
+        "matmul_ceiling_seconds": ceiling,
+        "ceiling_tokens_per_call": m,
+        "ceiling_gflops": {"F.linear": gflops_linear, "packed": gflops_packed},
+    }
     if int8 is not None:
         name = f"dfllm {args.quantization}"
         q_cos = torch.nn.functional.cosine_similarity(outs[name], outs["dfllm"])
         q_ratio = med["sentence-transformers"] / med[name]
-        print(f"ratio {name}/sentence-transformers: {q_ratio:.2f}x, {name}/dfllm float32: "
-              f"{med['dfllm'] / med[name]:.2f}x   (cosine similarity to dfllm float32: min "
-              f"{q_cos.min().item():.4f}, mean {q_cos.mean().item():.5f})")
-        result.update({"quantization": args.quantization, "quantized_ratio": q_ratio,
-                       "quantized_min_cosine": q_cos.min().item(), "quantized_mean_cosine": q_cos.mean().item()})
-    print(f"date {datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
-          f"CPUs {torch.get_num_threads()} threads, {platform.machine()}")
+        print(
+            f"ratio {name}/sentence-transformers: {q_ratio:.2f}x, {name}/dfllm float32: "
+            f"{med['dfllm'] / med[name]:.2f}x   (cosine similarity to dfllm float32: min "
+            f"{q_cos.min().item():.4f}, mean {q_cos.mean().item():.5f})"
+        )
+        result.update(
+            {
+                "quantization": args.quantization,
+                "quantized_ratio": q_ratio,
+                "quantized_min_cosine": q_cos.min().item(),
+                "quantized_mean_cosine": q_cos.mean().item(),
+            }
+        )
+    print(
+        f"date {datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
+        f"CPUs {torch.get_num_threads()} threads, {platform.machine()}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

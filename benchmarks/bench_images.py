@@ -68,8 +68,9 @@ def bench_llava(path: Path, imgs: list[Image.Image], max_tokens: int, hf_batch: 
     cache = llm.engine.runner.encoder_cache
     encoded0 = cache.images_encoded
     start = time.perf_counter()
-    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, imgs)], sp,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, imgs)], sp, use_tqdm=False
+    )
     ours = time.perf_counter() - start
     encoded = cache.images_encoded - encoded0
 
@@ -83,19 +84,29 @@ def bench_llava(path: Path, imgs: list[Image.Image], max_tokens: int, hf_batch: 
     start = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(prompts), hf_batch):
-            inputs = proc(text=prompts[b: b + hf_batch], images=imgs[b: b + hf_batch], padding=True,
-                          return_tensors="pt")
-            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=proc.tokenizer.pad_token_id)
-            theirs_tokens += out[:, inputs["input_ids"].shape[1]:].tolist()
+            inputs = proc(
+                text=prompts[b : b + hf_batch], images=imgs[b : b + hf_batch], padding=True, return_tensors="pt"
+            )
+            out = model.generate(
+                **inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=proc.tokenizer.pad_token_id
+            )
+            theirs_tokens += out[:, inputs["input_ids"].shape[1] :].tolist()
     theirs = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     same = sum(list(o.outputs[0].token_ids) == t for o, t in zip(outs, theirs_tokens))
-    return {"rows": len(imgs), "dfllm_s": round(ours, 3), "hf_s": round(theirs, 3),
-            "dfllm_images_per_s": round(len(imgs) / ours, 1), "hf_images_per_s": round(len(imgs) / theirs, 1),
-            "dfllm_tokens_per_s": round(tokens / ours, 1), "hf_tokens_per_s": round(tokens / theirs, 1),
-            "speedup": round(theirs / ours, 2), "rows_equal_to_hf": same, "images_encoded": encoded,
-            "encodings_saved": round(1 - encoded / len(imgs), 3)}
+    return {
+        "rows": len(imgs),
+        "dfllm_s": round(ours, 3),
+        "hf_s": round(theirs, 3),
+        "dfllm_images_per_s": round(len(imgs) / ours, 1),
+        "hf_images_per_s": round(len(imgs) / theirs, 1),
+        "dfllm_tokens_per_s": round(tokens / ours, 1),
+        "hf_tokens_per_s": round(tokens / theirs, 1),
+        "speedup": round(theirs / ours, 2),
+        "rows_equal_to_hf": same,
+        "images_encoded": encoded,
+        "encodings_saved": round(1 - encoded / len(imgs), 3),
+    }
 
 
 def bench_clip(path: Path, imgs: list[Image.Image]) -> dict:
@@ -109,8 +120,9 @@ def bench_clip(path: Path, imgs: list[Image.Image]) -> dict:
     engine.reset_mm_cache()
     before = engine.image_stats["encoded"]
     start = time.perf_counter()
-    outs = llm.embed([{"multi_modal_data": {"image": im}} for im in imgs], PoolingParams(normalize=False),
-                     use_tqdm=False)
+    outs = llm.embed(
+        [{"multi_modal_data": {"image": im}} for im in imgs], PoolingParams(normalize=False), use_tqdm=False
+    )
     ours = time.perf_counter() - start
     encoded = engine.image_stats["encoded"] - before
 
@@ -120,16 +132,23 @@ def bench_clip(path: Path, imgs: list[Image.Image]) -> dict:
     start = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(imgs), 32):
-            pixels = proc(images=imgs[b: b + 32], return_tensors="pt")["pixel_values"]
+            pixels = proc(images=imgs[b : b + 32], return_tensors="pt")["pixel_values"]
             feats.append(model.get_image_features(pixel_values=pixels).pooler_output)
     theirs = time.perf_counter() - start
     ref = torch.cat(feats)
     got = torch.tensor([o.outputs.embedding for o in outs])
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    return {"rows": len(imgs), "dfllm_s": round(ours, 3), "hf_s": round(theirs, 3),
-            "dfllm_images_per_s": round(len(imgs) / ours, 1), "hf_images_per_s": round(len(imgs) / theirs, 1),
-            "speedup": round(theirs / ours, 2), "min_cosine_to_hf": round(float(cos.min()), 6),
-            "images_encoded": encoded, "encodings_saved": round(1 - encoded / len(imgs), 3)}
+    return {
+        "rows": len(imgs),
+        "dfllm_s": round(ours, 3),
+        "hf_s": round(theirs, 3),
+        "dfllm_images_per_s": round(len(imgs) / ours, 1),
+        "hf_images_per_s": round(len(imgs) / theirs, 1),
+        "speedup": round(theirs / ours, 2),
+        "min_cosine_to_hf": round(float(cos.min()), 6),
+        "images_encoded": encoded,
+        "encodings_saved": round(1 - encoded / len(imgs), 3),
+    }
 
 
 def main() -> None:
@@ -149,11 +168,14 @@ def main() -> None:
     llava = build_tiny_llava(root, resolve_model("smollm2-135m-instruct"))
     clip = build_tiny_clip(root, "clip")
     imgs = images(args.rows, args.distinct)
-    result = {"date": datetime.now().strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-              "distinct_images": args.distinct, "llava_generate": bench_llava(llava, imgs, args.max_tokens,
-                                                                              args.hf_batch),
-              "clip_embed": bench_clip(clip, imgs)}
+    result = {
+        "date": datetime.now().strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        "distinct_images": args.distinct,
+        "llava_generate": bench_llava(llava, imgs, args.max_tokens, args.hf_batch),
+        "clip_embed": bench_clip(clip, imgs),
+    }
     print(json.dumps(result, indent=2))
 
 

@@ -53,18 +53,18 @@ class Sizes:
     kv_heads: int
     head_dim: int
     block_size: int
-    decode_lens: list[int]          # context length of each decode
+    decode_lens: list[int]  # context length of each decode
     prefills: list[tuple[int, int]]  # (new tokens, context length incl. them) of each prefill chunk
     window: int
     softcap: float
-    tokens: int                      # rows of the KV-write, RMSNorm, rotary and SiLU batches
+    tokens: int  # rows of the KV-write, RMSNorm, rotary and SiLU batches
     hidden: int
     intermediate: int
     experts: int
     top_k: int
     moe_hidden: int
     moe_intermediate: int
-    moe_tokens: tuple[int, int]      # a decode-sized and a prefill-sized MoE batch
+    moe_tokens: tuple[int, int]  # a decode-sized and a prefill-sized MoE batch
 
 
 class Rng:
@@ -82,22 +82,50 @@ class Rng:
 
 def gpu_sizes(rng: Rng) -> Sizes:
     decode_lens = torch.randint(1024, 2049, (64,), generator=rng.host).tolist()
-    return Sizes(heads=32, kv_heads=8, head_dim=128, block_size=16, decode_lens=decode_lens,
-                 prefills=[(512, 512), (512, 1536), (256, 2048), (1024, 1024)], window=512, softcap=50.0,
-                 tokens=8192, hidden=4096, intermediate=11008, experts=64, top_k=8, moe_hidden=2048,
-                 moe_intermediate=1408, moe_tokens=(64, 2048))
+    return Sizes(
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        decode_lens=decode_lens,
+        prefills=[(512, 512), (512, 1536), (256, 2048), (1024, 1024)],
+        window=512,
+        softcap=50.0,
+        tokens=8192,
+        hidden=4096,
+        intermediate=11008,
+        experts=64,
+        top_k=8,
+        moe_hidden=2048,
+        moe_intermediate=1408,
+        moe_tokens=(64, 2048),
+    )
 
 
 def cpu_sizes(rng: Rng) -> Sizes:
     # tests/test_kernels.py's mixed batch: a fresh prefill, a chunk over a cached prefix, decodes
-    return Sizes(heads=4, kv_heads=2, head_dim=64, block_size=16, decode_lens=[33, 70, 17],
-                 prefills=[(5, 5), (7, 40)], window=24, softcap=30.0, tokens=24, hidden=96, intermediate=80,
-                 experts=4, top_k=2, moe_hidden=32, moe_intermediate=48, moe_tokens=(6, 130))
+    return Sizes(
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        decode_lens=[33, 70, 17],
+        prefills=[(5, 5), (7, 40)],
+        window=24,
+        softcap=30.0,
+        tokens=24,
+        hidden=96,
+        intermediate=80,
+        experts=4,
+        top_k=2,
+        moe_hidden=32,
+        moe_intermediate=48,
+        moe_tokens=(6, 130),
+    )
 
 
 # ---- inputs -------------------------------------------------------------------------------
-def attention_inputs(sz: Sizes, seqs: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                     rng: Rng):
+def attention_inputs(sz: Sizes, seqs: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, rng: Rng):
     """q, k, v, paged caches (the new keys written at their slots) and the metadata of a batch
     ``seqs`` = [(q_len, seq_len), ...]: the torch fields (prefill spans, one decode group) and
     the ragged ones, block tables drawn at random from a shuffled pool."""
@@ -108,7 +136,7 @@ def attention_inputs(sz: Sizes, seqs: list[tuple[int, int]], dtype: torch.dtype,
     pool = torch.randperm(num_blocks, generator=rng.host)
     tables, at = [], 0
     for b in blocks:
-        tables.append(pool[at:at + b])
+        tables.append(pool[at : at + b])
         at += b
 
     def rand(*shape):
@@ -124,7 +152,7 @@ def attention_inputs(sz: Sizes, seqs: list[tuple[int, int]], dtype: torch.dtype,
         row = qsl[-1]
         pos = torch.arange(seq_len)
         all_slots = table[pos // bs] * bs + pos % bs
-        slots.append(all_slots[seq_len - q_len:])
+        slots.append(all_slots[seq_len - q_len :])
         if q_len == 1:
             dec_rows.append(row)
             dec_tables.append(table)
@@ -142,11 +170,15 @@ def attention_inputs(sz: Sizes, seqs: list[tuple[int, int]], dtype: torch.dtype,
     width = max(blocks)
     block_tables = torch.stack([torch.cat([t, t.new_full((width - len(t),), -1)]) for t in tables])
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device), prefills=prefills, decode_groups=groups,
+        slot_mapping=torch.cat(slots).to(device),
+        prefills=prefills,
+        decode_groups=groups,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32, device=device),
-        block_tables=block_tables.to(torch.int32).to(device), block_size=bs,
-        max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
+        block_tables=block_tables.to(torch.int32).to(device),
+        block_size=bs,
+        max_query_len=max(q for q, _ in seqs),
+        max_seq_len=max(n for _, n in seqs),
     )
     TORCH_OPS.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k, v, k_cache, v_cache, meta
@@ -169,8 +201,10 @@ def attention_cases(ops: KernelOps, sz: Sizes, dtype, device, rng: Rng) -> list[
     ]:
         q, k, v, kc, vc, meta = attention_inputs(sz, seqs, dtype, device, rng)
         scale = sz.head_dim**-0.5
-        shape = (f"{len(seqs)} seqs, {q.shape[0]} tokens, max ctx {meta.max_seq_len}, "
-                 f"H={sz.heads}/{sz.kv_heads} D={sz.head_dim}")
+        shape = (
+            f"{len(seqs)} seqs, {q.shape[0]} tokens, max ctx {meta.max_seq_len}, "
+            f"H={sz.heads}/{sz.kv_heads} D={sz.head_dim}"
+        )
 
         def run(fn, q=q, k=k, v=v, kc=kc, vc=vc, meta=meta, scale=scale, window=window, cap=cap):
             return lambda: fn(q, k, v, kc, vc, meta, scale, sliding_window=window, softcap=cap)
@@ -187,15 +221,20 @@ def kv_write_case(ops: KernelOps, sz: Sizes, dtype, device, rng: Rng) -> Case:
     slots = torch.randperm(num_blocks * bs, generator=rng.host)[:t]
     slots[::7] = -1  # padding tokens are skipped
     slots = slots.to(device)
-    caches = {name: (torch.zeros(num_blocks, bs, sz.kv_heads, sz.head_dim, dtype=dtype, device=device),
-                     torch.zeros(num_blocks, bs, sz.kv_heads, sz.head_dim, dtype=dtype, device=device))
-              for name in ("triton", "torch")}
+    caches = {
+        name: (
+            torch.zeros(num_blocks, bs, sz.kv_heads, sz.head_dim, dtype=dtype, device=device),
+            torch.zeros(num_blocks, bs, sz.kv_heads, sz.head_dim, dtype=dtype, device=device),
+        )
+        for name in ("triton", "torch")
+    }
 
     def run(fn, name):
         def call():
             kc, vc = caches[name]
             fn(key, value, kc, vc, slots)
             return kc, vc
+
         return call
 
     shape = f"{t} tokens ({(slots < 0).sum().item()} padding), kv {sz.kv_heads}x{sz.head_dim}, block {bs}"
@@ -210,8 +249,12 @@ def norm_act_rotary_cases(ops: KernelOps, sz: Sizes, dtype, device, rng: Rng) ->
     x, res, w = rand(t, h), rand(t, h), (1 + rng.randn(h, scale=0.1)).to(dtype)
     cases: list[Case] = [
         ("rms_norm", f"{t} x {h}", lambda: ops.rms_norm(x, w, 1e-6), lambda: TORCH_OPS.rms_norm(x, w, 1e-6)),
-        ("rms_norm + residual", f"{t} x {h}", lambda: ops.rms_norm(x, w, 1e-6, res),
-         lambda: TORCH_OPS.rms_norm(x, w, 1e-6, res)),
+        (
+            "rms_norm + residual",
+            f"{t} x {h}",
+            lambda: ops.rms_norm(x, w, 1e-6, res),
+            lambda: TORCH_OPS.rms_norm(x, w, 1e-6, res),
+        ),
     ]
     # rotary: Triton rotates in place, so each side gets its own copy (timed in place, no copy)
     q, k = rand(t, sz.heads, sz.head_dim), rand(t, sz.kv_heads, sz.head_dim)
@@ -219,12 +262,23 @@ def norm_act_rotary_cases(ops: KernelOps, sz: Sizes, dtype, device, rng: Rng) ->
     angles = torch.randint(0, 4096, (t, 1), generator=rng.host).to(device) * inv_freq  # positions x frequencies
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     q_tr, k_tr = q.clone(), k.clone()  # compared after its first call, then rotated again and again
-    cases.append(("rotary (in place)", f"{t} tokens, H={sz.heads}/{sz.kv_heads} D={sz.head_dim}",
-                  lambda: ops.rotary(q_tr, k_tr, cos, sin),
-                  lambda: TORCH_OPS.rotary(q, k, cos, sin)))
+    cases.append(
+        (
+            "rotary (in place)",
+            f"{t} tokens, H={sz.heads}/{sz.kv_heads} D={sz.head_dim}",
+            lambda: ops.rotary(q_tr, k_tr, cos, sin),
+            lambda: TORCH_OPS.rotary(q, k, cos, sin),
+        )
+    )
     gate_up = rand(t, 2 * sz.intermediate)
-    cases.append(("silu_and_mul", f"{t} x 2*{sz.intermediate}", lambda: ops.silu_and_mul(gate_up),
-                  lambda: TORCH_OPS.silu_and_mul(gate_up)))
+    cases.append(
+        (
+            "silu_and_mul",
+            f"{t} x 2*{sz.intermediate}",
+            lambda: ops.silu_and_mul(gate_up),
+            lambda: TORCH_OPS.silu_and_mul(gate_up),
+        )
+    )
     return cases
 
 
@@ -238,9 +292,14 @@ def moe_cases(ops: KernelOps, sz: Sizes, dtype, device, rng: Rng) -> list[Case]:
         logits = rng.randn(t, e)
         weights, ids = route_topk(logits, sz.top_k, renormalize=True)
         shape = f"{t} tokens, {e} experts top-{sz.top_k}, H={hdim} I={inter}"
-        cases.append((f"fused_moe {t} tokens", shape,
-                      lambda x=x, weights=weights, ids=ids: ops.fused_moe(x, w13, w2, weights, ids),
-                      lambda x=x, weights=weights, ids=ids: TORCH_OPS.fused_moe(x, w13, w2, weights, ids)))
+        cases.append(
+            (
+                f"fused_moe {t} tokens",
+                shape,
+                lambda x=x, weights=weights, ids=ids: ops.fused_moe(x, w13, w2, weights, ids),
+                lambda x=x, weights=weights, ids=ids: TORCH_OPS.fused_moe(x, w13, w2, weights, ids),
+            )
+        )
     return cases
 
 
@@ -312,19 +371,30 @@ def print_row(r: dict) -> None:
     if "error" in r:
         print(f"{r['kernel']:<48} {r['dtype']:<9} FAIL  {r['error']}", flush=True)
         return
-    print(f"{r['kernel']:<48} {r['dtype']:<9} {'ok  ' if r['ok'] else 'FAIL'}  max|err| {r['max_abs_err']:.2e} "
-          f"(rel {r['rel_err']:.1e} <= {r['tol']:.0e}?)  triton {r['triton_ms']:9.3f} ms  "
-          f"torch {r['torch_ms']:9.3f} ms  {r['speedup']:6.2f}x   [{r['shape']}]", flush=True)
+    print(
+        f"{r['kernel']:<48} {r['dtype']:<9} {'ok  ' if r['ok'] else 'FAIL'}  max|err| {r['max_abs_err']:.2e} "
+        f"(rel {r['rel_err']:.1e} <= {r['tol']:.0e}?)  triton {r['triton_ms']:9.3f} ms  "
+        f"torch {r['torch_ms']:9.3f} ms  {r['speedup']:6.2f}x   [{r['shape']}]",
+        flush=True,
+    )
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
-    p.add_argument("--dtypes", default=None, help="comma-separated, of fp32,fp16,bf16 "
-                   "(default: fp16,bf16 on a GPU; fp32,fp16 with --cpu: the interpreter has no bf16)")
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated, of fp32,fp16,bf16 "
+        "(default: fp16,bf16 on a GPU; fp32,fp16 with --cpu: the interpreter has no bf16)",
+    )
     p.add_argument("--only", default=None, help="run only the kernels whose name contains this")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of timed calls per kernel and side (default 0.05 on a GPU, 0 with --cpu: one call)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds of timed calls per kernel and side (default 0.05 on a GPU, 0 with --cpu: one call)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     args = p.parse_args()
@@ -359,13 +429,18 @@ def main() -> int:
             rows.append(row)
             if args.json:  # after every case, so that a run cut short still leaves its figures
                 with open(args.json, "w") as f:
-                    json.dump({"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
-                               "rows": rows}, f, indent=2)
+                    json.dump(
+                        {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "rows": rows},
+                        f,
+                        indent=2,
+                    )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     failed = [f"{r['kernel']} {r['dtype']}" for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(failed)}/{len(rows)} kernel cases within tolerance"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(
+        f"{len(rows) - len(failed)}/{len(rows)} kernel cases within tolerance"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed or not rows else 0
 
 

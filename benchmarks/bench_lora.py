@@ -54,8 +54,15 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int) -> Path:
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(layers):
@@ -66,9 +73,20 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int) -> Path:
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(TARGETS), "lora_dropout": 0.0,
-        "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base)}))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 16,
+                "target_modules": list(TARGETS),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(base),
+            }
+        )
+    )
     return out
 
 
@@ -86,8 +104,9 @@ def write_merged(base: Path, adapter: Path, out: Path) -> Path:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras=None, warm: bool = True
-        ) -> tuple[float, list]:
+def run(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, loras=None, warm: bool = True
+) -> tuple[float, list]:
     """The time and outputs of a run, after an untimed identical one when ``warm`` (the first run
     touches the KV cache's memory and loads the adapters: up to 4x slower on CPU)."""
     if warm:
@@ -117,9 +136,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     try:
         adapters = [write_adapter(base, tmp / f"adapter{i}", i, args.rank) for i in range(max(args.adapters))]
-        report = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-                  "threads": torch.get_num_threads(), "rows": args.rows, "max_tokens": args.max_tokens,
-                  "rank": args.rank}
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "rows": args.rows,
+            "max_tokens": args.max_tokens,
+            "rank": args.rank,
+        }
         for n in args.adapters:
             loras = [LoRARequest(f"a{i}", i + 1, str(adapters[i])) for i in range(n)]
             per_row = [loras[i % n] for i in range(args.rows)]
@@ -134,11 +158,15 @@ def main() -> None:
                 times["mixed"].append(took)
             base_s, mixed_s = statistics.median(times["base"]), statistics.median(times["mixed"])
             del llm
-            print(f"base model alone: {base_s:.1f} s, {tokens / base_s:.0f} generated tok/s "
-                  f"(runs {[round(t, 1) for t in times['base']]})")
+            print(
+                f"base model alone: {base_s:.1f} s, {tokens / base_s:.0f} generated tok/s "
+                f"(runs {[round(t, 1) for t in times['base']]})"
+            )
             report[f"base_{n}_tok_s"] = round(tokens / base_s)
-            line = (f"{n} adapters mixed: {mixed_s:.1f} s, {tokens / mixed_s:.0f} tok/s, "
-                    f"{mixed_s / base_s:.2f}x the base model's time (runs {[round(t, 1) for t in times['mixed']]})")
+            line = (
+                f"{n} adapters mixed: {mixed_s:.1f} s, {tokens / mixed_s:.0f} tok/s, "
+                f"{mixed_s / base_s:.2f}x the base model's time (runs {[round(t, 1) for t in times['mixed']]})"
+            )
             report[f"mixed_{n}_tok_s"] = round(tokens / mixed_s)
             report[f"mixed_{n}_slowdown"] = round(mixed_s / base_s, 2)
             if not args.skip_merged:
@@ -150,8 +178,10 @@ def main() -> None:
                     merged_s += took
                     equal += sum(o == mixed[r] for r, o in zip(rows, outs))
                     shutil.rmtree(path)
-                line += (f"; {n} merged jobs: {merged_s:.1f} s ({mixed_s / merged_s:.2f}x their time); "
-                         f"outputs equal on {equal}/{args.rows} rows")
+                line += (
+                    f"; {n} merged jobs: {merged_s:.1f} s ({mixed_s / merged_s:.2f}x their time); "
+                    f"outputs equal on {equal}/{args.rows} rows"
+                )
                 report[f"merged_{n}_tok_s"] = round(tokens / merged_s)
                 report[f"merged_{n}_equal_rows"] = equal
             print(line)

@@ -57,19 +57,30 @@ eye job word business issue side kind head house service friend father power hou
 river garden engine bridge market signal network window planet forest ocean mountain village
 library machine theory energy pattern memory language music picture science season winter
 """.split()
-ASKS = ["Summarise the document in one sentence.", "Which place is mentioned first?",
-        "Name three things the document talks about.", "Is the document about a person?",
-        "What is the main topic?", "Give the document a short title.", "Which word appears most often?",
-        "Does the document mention water?"]
+ASKS = [
+    "Summarise the document in one sentence.",
+    "Which place is mentioned first?",
+    "Name three things the document talks about.",
+    "Is the document about a person?",
+    "What is the main topic?",
+    "Give the document a short title.",
+    "Which word appears most often?",
+    "Does the document mention water?",
+]
 
 
 def make_rows(args) -> tuple[pd.DataFrame, str]:
     rng = random.Random(args.seed)
-    instruction = ("You are a careful reader. Answer the question about the document below using only what "
-                   "the document says. " + " ".join(rng.choice(WORDS) for _ in range(150)))
+    instruction = (
+        "You are a careful reader. Answer the question about the document below using only what "
+        "the document says. " + " ".join(rng.choice(WORDS) for _ in range(150))
+    )
     docs = [" ".join(rng.choice(WORDS) for _ in range(args.doc_words)) for _ in range(args.docs)]
-    prompts = [f"{instruction}\n\nDocument {d}:\n{doc}\n\nQuestion: {ask}\nAnswer:"
-               for d, doc in enumerate(docs) for ask in rng.sample(ASKS, args.questions)]
+    prompts = [
+        f"{instruction}\n\nDocument {d}:\n{doc}\n\nQuestion: {ask}\nAnswer:"
+        for d, doc in enumerate(docs)
+        for ask in rng.sample(ASKS, args.questions)
+    ]
     prompts += rng.sample(prompts, round(args.dup_frac * len(prompts)))
     rng.shuffle(prompts)
     return pd.DataFrame({"id": range(len(prompts)), "prompt": prompts}), instruction
@@ -88,8 +99,12 @@ def ideal_prompt_tokens(token_lists: list[list[int]], block_size: int) -> int:
 
 
 def engine_kwargs(args, on: bool) -> dict:
-    return dict(max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_bytes,
-                prefix_aware_scheduling=on, deduplicate_requests=on)
+    return dict(
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_bytes,
+        prefix_aware_scheduling=on,
+        deduplicate_requests=on,
+    )
 
 
 def reset_prefix_cache(model, kw) -> None:
@@ -104,9 +119,12 @@ def worker_counts(client, model, kw) -> dict:
 
         llm = engine_cache.get_engine(model, kw)
         stats = llm.llm_engine.stats()
-        return {"computed": stats.prefix_cache_queries - stats.prefix_cache_hits,
-                "deduplicated": int(llm.llm_engine.metrics.deduplicated._value.get()),
-                "preemptions": stats.num_preemptions}
+        return {
+            "computed": stats.prefix_cache_queries - stats.prefix_cache_hits,
+            "deduplicated": int(llm.llm_engine.metrics.deduplicated._value.get()),
+            "preemptions": stats.num_preemptions,
+        }
+
     return next(iter(client.run(read).values()))
 
 
@@ -125,11 +143,14 @@ def run_mode(client, frame: pd.DataFrame, args, on: bool) -> dict:
     assert sorted(out["id"]) == list(range(len(frame))), "rows lost or duplicated"
     assert out["llm_error"].isna().all(), out["llm_error"].dropna().head()
     out = out.sort_values("id")
-    return {"seconds": seconds, "rows_s": len(frame) / seconds,
-            "computed": after["computed"] - before["computed"],
-            "deduplicated": after["deduplicated"] - before["deduplicated"],
-            "preemptions": after["preemptions"] - before["preemptions"],
-            "texts": list(out["generated_text"])}
+    return {
+        "seconds": seconds,
+        "rows_s": len(frame) / seconds,
+        "computed": after["computed"] - before["computed"],
+        "deduplicated": after["deduplicated"] - before["deduplicated"],
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "texts": list(out["generated_text"]),
+    }
 
 
 def main() -> None:
@@ -162,9 +183,11 @@ def main() -> None:
     args.kv_bytes = -(-args.kv_tokens // block_size) * block_bytes
     ideal = ideal_prompt_tokens(token_lists, block_size)
     total = sum(map(len, token_lists))
-    print(f"{len(frame)} rows ({args.docs} documents x {args.questions} questions + duplicates), "
-          f"{total} prompt tokens, ideal {ideal} computed; KV cache {args.kv_tokens} tokens; "
-          f"{args.partitions} partitions; {args.max_tokens} greedy tokens per row")
+    print(
+        f"{len(frame)} rows ({args.docs} documents x {args.questions} questions + duplicates), "
+        f"{total} prompt tokens, ideal {ideal} computed; KV cache {args.kv_tokens} tokens; "
+        f"{args.partitions} partitions; {args.max_tokens} greedy tokens per row"
+    )
     cluster = LocalCluster(n_workers=1, threads_per_worker=args.threads, processes=True, dashboard_address=":0")
     client = Client(cluster)
     runs: dict[str, list[dict]] = {"off": [], "on": []}
@@ -173,25 +196,36 @@ def main() -> None:
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 res = run_mode(client, frame, args, mode == "on")
                 runs[mode].append(res)
-                print(f"  round {r + 1} {mode:>3}: {res['rows_s']:.2f} rows/s, {res['computed']} prompt tokens "
-                      f"computed, {res['deduplicated']} rows deduplicated, {res['preemptions']} preemptions")
+                print(
+                    f"  round {r + 1} {mode:>3}: {res['rows_s']:.2f} rows/s, {res['computed']} prompt tokens "
+                    f"computed, {res['deduplicated']} rows deduplicated, {res['preemptions']} preemptions"
+                )
     finally:
         client.close()
         cluster.close()
-    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in ("rows_s", "computed", "seconds")}
-           for m in runs}
+    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in ("rows_s", "computed", "seconds")} for m in runs}
     same = sum(a == b for a, b in zip(runs["off"][0]["texts"], runs["on"][0]["texts"]))
     report = {
-        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {torch.get_num_threads()} "
-        "torch threads", "rows": len(frame), "prompt_tokens": total, "ideal_computed": ideal,
-        "off": med["off"], "on": med["on"], "rows_s_ratio": med["on"]["rows_s"] / med["off"]["rows_s"],
-        "computed_vs_ideal_on": med["on"]["computed"] / ideal, "computed_vs_ideal_off": med["off"]["computed"] / ideal,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "rows": len(frame),
+        "prompt_tokens": total,
+        "ideal_computed": ideal,
+        "off": med["off"],
+        "on": med["on"],
+        "rows_s_ratio": med["on"]["rows_s"] / med["off"]["rows_s"],
+        "computed_vs_ideal_on": med["on"]["computed"] / ideal,
+        "computed_vs_ideal_off": med["off"]["computed"] / ideal,
         "same_outputs": f"{same}/{len(frame)}",
     }
-    print(f"\noff (vLLM-like FIFO, no dedupe): {med['off']['rows_s']:.2f} rows/s, {med['off']['computed']:.0f} "
-          f"prompt tokens computed ({report['computed_vs_ideal_off']:.2f}x ideal)")
-    print(f"on  (prefix-aware + dedupe):     {med['on']['rows_s']:.2f} rows/s, {med['on']['computed']:.0f} "
-          f"prompt tokens computed ({report['computed_vs_ideal_on']:.2f}x ideal)")
+    print(
+        f"\noff (vLLM-like FIFO, no dedupe): {med['off']['rows_s']:.2f} rows/s, {med['off']['computed']:.0f} "
+        f"prompt tokens computed ({report['computed_vs_ideal_off']:.2f}x ideal)"
+    )
+    print(
+        f"on  (prefix-aware + dedupe):     {med['on']['rows_s']:.2f} rows/s, {med['on']['computed']:.0f} "
+        f"prompt tokens computed ({report['computed_vs_ideal_on']:.2f}x ideal)"
+    )
     print(f"ratio on/off: {report['rows_s_ratio']:.2f}x rows/s; outputs equal on {report['same_outputs']} rows")
     if args.json:
         with open(args.json, "w") as f:

@@ -79,8 +79,7 @@ def make_llm(kwargs: dict, max_num_seqs: int) -> LLM:
 
 def prompt_logprobs(llm: LLM, ids: list[int]) -> tuple[list[float], list[int]]:
     """Each prompt token's log-probability (from the second) and the most likely token there."""
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     assert out.prompt_logprobs is not None
     own, top = [], []
     for tok, entry in zip(ids[1:], out.prompt_logprobs[1:]):
@@ -110,8 +109,14 @@ def agreement(ref: list[tuple[list[int], list[dict]]], other: list[tuple[list[in
         prefixes.append(k)
         near_ties += a[k] in lb[k] and b[k] in la[k]
     diverged = len(ref) - identical
-    return {"prefix": statistics.mean(prefixes), "identical": identical, "rows": len(ref),
-            "top5_ok": near_ties == diverged, "near_ties": near_ties, "diverged": diverged}
+    return {
+        "prefix": statistics.mean(prefixes),
+        "identical": identical,
+        "rows": len(ref),
+        "top5_ok": near_ties == diverged,
+        "near_ties": near_ties,
+        "diverged": diverged,
+    }
 
 
 def speed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -152,26 +157,36 @@ def main() -> None:
         ids = tok.encode(TEXT, add_special_tokens=False)[: args.text_tokens]
         prompts, _ = build_workload(tok, args.num_prompts)
         own, top = prompt_logprobs(llm, ids)
-        results[name] = {"own": own, "top": top, "greedy": greedy(llm, args.greedy_tokens),
-                         "tok_s": speed(llm, prompts, args.max_tokens)}
+        results[name] = {
+            "own": own,
+            "top": top,
+            "greedy": greedy(llm, args.greedy_tokens),
+            "tok_s": speed(llm, prompts, args.max_tokens),
+        }
         if ceiling is None:
             ceiling = matmul_ceiling(llm.config.hf_config, args.num_prompts)["tok_s"]
         del llm
         gc.collect()
 
     ref = results["fp32"]
-    print(f"SmolLM2-135M (bundled), {len(ids)}-token text, {len(CHATS)} chats x {args.greedy_tokens} greedy "
-          f"tokens, {args.num_prompts} prompts x {args.max_tokens} tokens for speed")
-    print(f"{'variant':8} {'mean|dlp|':>10} {'max|dlp|':>9} {'top1 agree':>10} {'greedy prefix':>14} "
-          f"{'identical':>9} {'top-5 ok':>8} {'tok/s':>8} {'x fp32':>7} {'x ceiling':>9}")
+    print(
+        f"SmolLM2-135M (bundled), {len(ids)}-token text, {len(CHATS)} chats x {args.greedy_tokens} greedy "
+        f"tokens, {args.num_prompts} prompts x {args.max_tokens} tokens for speed"
+    )
+    print(
+        f"{'variant':8} {'mean|dlp|':>10} {'max|dlp|':>9} {'top1 agree':>10} {'greedy prefix':>14} "
+        f"{'identical':>9} {'top-5 ok':>8} {'tok/s':>8} {'x fp32':>7} {'x ceiling':>9}"
+    )
     for name, r in results.items():
         deltas = [abs(a - b) for a, b in zip(r["own"], ref["own"])]
         top1 = sum(a == b for a, b in zip(r["top"], ref["top"])) / len(ref["top"])
         g = agreement(ref["greedy"], r["greedy"])
         ok = "yes" if g["top5_ok"] else f"{g['near_ties']}/{g['diverged']}"
-        print(f"{name:8} {statistics.mean(deltas):10.4f} {max(deltas):9.4f} {top1:10.3f} "
-              f"{g['prefix']:8.1f}/{args.greedy_tokens:<5} {g['identical']:>3}/{g['rows']:<5} {ok:>8} "
-              f"{r['tok_s']:8.1f} {r['tok_s'] / ref['tok_s']:7.2f} {r['tok_s'] / ceiling:9.2f}")
+        print(
+            f"{name:8} {statistics.mean(deltas):10.4f} {max(deltas):9.4f} {top1:10.3f} "
+            f"{g['prefix']:8.1f}/{args.greedy_tokens:<5} {g['identical']:>3}/{g['rows']:<5} {ok:>8} "
+            f"{r['tok_s']:8.1f} {r['tok_s'] / ref['tok_s']:7.2f} {r['tok_s'] / ceiling:9.2f}"
+        )
     print(f"fp32 matmul ceiling at batch {args.num_prompts}: {ceiling:.1f} tok/s")
     print(f"{datetime.date.today().isoformat()} on {machine()}")
 

@@ -47,8 +47,24 @@ import torch
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
 from dfllm.engine.structured import apply_masks
 
-CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Rome", "Seoul", "Accra", "Perth", "Hanoi",
-          "Dakar", "Sofia", "Riga", "Bogota"]
+CITIES = [
+    "Paris",
+    "Tokyo",
+    "Lima",
+    "Cairo",
+    "Oslo",
+    "Delhi",
+    "Quito",
+    "Rome",
+    "Seoul",
+    "Accra",
+    "Perth",
+    "Hanoi",
+    "Dakar",
+    "Sofia",
+    "Riga",
+    "Bogota",
+]
 
 CITY = {
     "type": "object",
@@ -70,9 +86,16 @@ def prompts(llm: LLM, n: int) -> list[dict]:
     for i in range(n):
         city = CITIES[i % len(CITIES)]
         text = tok.apply_chat_template(
-            [{"role": "user", "content": f"Describe {city} (request {i}) as JSON with name, country, population "
-                                         "and whether it is a capital."}],
-            tokenize=False, add_generation_prompt=True)
+            [
+                {
+                    "role": "user",
+                    "content": f"Describe {city} (request {i}) as JSON with name, country, population "
+                    "and whether it is a capital.",
+                }
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         out.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
     return out
 
@@ -115,8 +138,12 @@ def main() -> None:
     llm = LLM(max_model_len=512)
     batch = prompts(llm, args.num_prompts)
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=LONG))
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json=LONG),
+    )
     for params in (free, constrained):  # warm-up (and the schema's compilation)
         llm.generate(batch[:4], params, use_tqdm=False)
 
@@ -132,8 +159,9 @@ def main() -> None:
                 assert all(o.outputs[0].text.startswith("[{") for o in outs)
                 constrained_outs = outs
 
-    real = SamplingParams(temperature=0.0, max_tokens=4 * args.max_tokens,
-                          structured_outputs=StructuredOutputsParams(json=CITY))
+    real = SamplingParams(
+        temperature=0.0, max_tokens=4 * args.max_tokens, structured_outputs=StructuredOutputsParams(json=CITY)
+    )
     seconds, n, outs = timed(llm, batch, real)
     valid = 0
     for o in outs:
@@ -144,9 +172,11 @@ def main() -> None:
             pass
 
     free_rate, json_rate = statistics.median(rates["unconstrained"]), statistics.median(rates["json schema"])
-    print(f"# bench_structured {datetime.date.today()} {platform.machine()} torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.num_prompts} prompts x {args.max_tokens} tokens, greedy, "
-          f"median of {args.repeats} alternating runs")
+    print(
+        f"# bench_structured {datetime.date.today()} {platform.machine()} torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {args.num_prompts} prompts x {args.max_tokens} tokens, greedy, "
+        f"median of {args.repeats} alternating runs"
+    )
     print(f"{'run':<34}{'tokens':>8}{'tokens/s':>10}   single runs")
     for name, rate in (("unconstrained", free_rate), ("json schema (fixed length)", json_rate)):
         key = "unconstrained" if name == "unconstrained" else "json schema"
@@ -154,10 +184,14 @@ def main() -> None:
         print(f"{name:<34}{tokens[key]:>8}{rate:>10.1f}   {singles}")
     print(f"{'ratio (json schema / unconstrained)':<42}{json_rate / free_rate:>10.3f}x")
     us = grammar_us_per_token(llm, constrained_outs, constrained.structured_outputs)
-    print(f"grammar work (bitmask fill + mask + accept), replayed: {us:.0f} us per generated token = "
-          f"{us * 1e-6 * free_rate:.1%} of an unconstrained token's time at the measured rate")
-    print(f"realistic schema (one record, ends when complete): {n} tokens, {n / seconds:.1f} tokens/s, "
-          f"{valid}/{len(outs)} outputs complete and valid")
+    print(
+        f"grammar work (bitmask fill + mask + accept), replayed: {us:.0f} us per generated token = "
+        f"{us * 1e-6 * free_rate:.1%} of an unconstrained token's time at the measured rate"
+    )
+    print(
+        f"realistic schema (one record, ends when complete): {n} tokens, {n / seconds:.1f} tokens/s, "
+        f"{valid}/{len(outs)} outputs complete and valid"
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,14 @@ from dfllm.models.spec import ModelSpec, check_parallel_config
 from dfllm.reasoning import check_reasoning_parser, reasoning_parser_names
 
 DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 RUNNERS = ("auto", "generate", "pooling")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -136,28 +141,60 @@ class EngineConfig:
         if args.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
         kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
-        max_cpu_loras = _check_lora_args(args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
-                                         spec, runner_type, args.quantization)
+        max_cpu_loras = _check_lora_args(
+            args.enable_lora,
+            args.max_loras,
+            args.max_lora_rank,
+            args.max_cpu_loras,
+            spec,
+            runner_type,
+            args.quantization,
+        )
         capture_sizes = parse_capture_sizes(args.compilation_config)
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(args.max_num_seqs)
         return cls(
-            model_path=path, hf_config=hf_config, dtype=resolved_dtype, device=dev, max_model_len=max_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-            attention_backend=args.attention_backend, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            model=spec, runner_type=runner_type, max_logprobs=max_logprobs, scheduling_policy=args.scheduling_policy,
+            model_path=path,
+            hf_config=hf_config,
+            dtype=resolved_dtype,
+            device=dev,
+            max_model_len=max_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            seed=args.seed,
+            attention_backend=args.attention_backend,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            model=spec,
+            runner_type=runner_type,
+            max_logprobs=max_logprobs,
+            scheduling_policy=args.scheduling_policy,
             deduplicate_requests=bool(args.deduplicate_requests),
-            prefix_aware_scheduling=bool(args.prefix_aware_scheduling), quantization=args.quantization,
-            enforce_eager=args.enforce_eager, cudagraph_capture_sizes=capture_sizes,
-            kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype, enable_lora=args.enable_lora,
-            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=max_cpu_loras,
+            prefix_aware_scheduling=bool(args.prefix_aware_scheduling),
+            quantization=args.quantization,
+            enforce_eager=args.enforce_eager,
+            cudagraph_capture_sizes=capture_sizes,
+            kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
 
 
-def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype, runner_type: str,
-                        tp: int, pp: int, spec: ModelSpec | None = None) -> None:
+def _check_quantization(
+    quantization: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    runner_type: str,
+    tp: int,
+    pp: int,
+    spec: ModelSpec | None = None,
+) -> None:
     """``quantization`` is None or "int8"; int8 runs a float32 generating decoder or pooling
     encoder (BERT, RoBERTa, XLM-R, ColBERT; not a decoder used for pooling) on CPU, on one rank."""
     if quantization is None:
@@ -168,22 +205,37 @@ def _check_quantization(quantization: str | None, device: torch.device, dtype: t
     if device.type != "cpu":
         raise ValueError(f"{where} runs on CPU only (device {device}); on GPU use quantization=None")
     if runner_type == "pooling" and spec is not None and pooling_model_class(spec)[1]:
-        raise ValueError(f"{where} serves generating decoders and pooling encoders (BERT, RoBERTa, XLM-R); "
-                         "a decoder used for pooling (embed, classify, score) runs quantization=None")
+        raise ValueError(
+            f"{where} serves generating decoders and pooling encoders (BERT, RoBERTa, XLM-R); "
+            "a decoder used for pooling (embed, classify, score) runs quantization=None"
+        )
     if (tp, pp) != (1, 1):
-        raise ValueError(f"{where} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1 "
-                         f"(got {tp} and {pp})")
+        raise ValueError(
+            f"{where} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1 (got {tp} and {pp})"
+        )
     if dtype != torch.float32:
         raise ValueError(f"{where} needs dtype float32 (or 'auto' on CPU), got {dtype}")
     quantized_engine()  # RuntimeError naming quantization on a platform without fbgemm
 
 
-LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                      "Phi3ForCausalLM")
+LORA_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+)
 
 
-def _check_lora_args(enable_lora: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                     spec: ModelSpec, runner_type: str, quantization: str | None) -> int:
+def _check_lora_args(
+    enable_lora: bool,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    spec: ModelSpec,
+    runner_type: str,
+    quantization: str | None,
+) -> int:
     """vLLM's LoRA arguments checked; ``max_cpu_loras`` resolved (None: ``max_loras``, as vLLM)."""
     if not isinstance(enable_lora, bool):
         raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
@@ -196,13 +248,17 @@ def _check_lora_args(enable_lora: bool, max_loras: int, max_lora_rank: int, max_
         raise ValueError(f"max_cpu_loras must be None or an int >= max_loras ({max_loras}), got {max_cpu_loras!r}")
     if enable_lora:
         if runner_type not in ("generate", "pooling"):
-            raise ValueError(f"enable_lora=True serves generating models and decoders run with runner='pooling', "
-                             f"not runner={runner_type!r}")
+            raise ValueError(
+                f"enable_lora=True serves generating models and decoders run with runner='pooling', "
+                f"not runner={runner_type!r}"
+            )
         if quantization is not None:
             raise ValueError(f"enable_lora=True runs quantization=None (got {quantization!r})")
         if not set(spec.architectures) & set(LORA_ARCHITECTURES):
-            raise ValueError(f"enable_lora=True: LoRA adapters are served for {list(LORA_ARCHITECTURES)}, not "
-                             f"{list(spec.architectures)}")
+            raise ValueError(
+                f"enable_lora=True: LoRA adapters are served for {list(LORA_ARCHITECTURES)}, not "
+                f"{list(spec.architectures)}"
+            )
     return max_cpu_loras
 
 
@@ -232,7 +288,7 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConf
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto" is CUDA when available, else CPU."""
+    """ "auto" is CUDA when available, else CPU."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
@@ -249,7 +305,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: torch.device) -> torch.dtype:
-    """"auto" is the checkpoint's dtype on CUDA (float32 checkpoints run in bfloat16 there);
+    """ "auto" is the checkpoint's dtype on CUDA (float32 checkpoints run in bfloat16 there);
     on CPU it is float32, which the CPU matmul kernels run fastest and most exactly."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
@@ -282,8 +338,9 @@ def resolve_max_model_len(max_model_len: int | None, spec: ModelSpec) -> int:
     return int(max_model_len)
 
 
-def check_engine_args(max_num_seqs: int, block_size: int, gpu_memory_utilization: float,
-                      tensor_parallel_size: int, attention_backend: str) -> None:
+def check_engine_args(
+    max_num_seqs: int, block_size: int, gpu_memory_utilization: float, tensor_parallel_size: int, attention_backend: str
+) -> None:
     """Reject bad constructor arguments before anything is loaded."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -298,11 +355,13 @@ def check_engine_args(max_num_seqs: int, block_size: int, gpu_memory_utilization
 
 
 def _resolve_runner(runner: str, spec: ModelSpec, path: Path) -> str:
-    """"auto" -> pooling for encoders and sentence-transformers directories, else generate."""
+    """ "auto" -> pooling for encoders and sentence-transformers directories, else generate."""
     pooling_only = is_pooling_only(spec)
     if runner == "generate" and pooling_only:
-        raise ValueError(f"{path.name} ({', '.join(spec.architectures)}) cannot generate text; "
-                         "use runner='pooling' (embed, classify, score, encode)")
+        raise ValueError(
+            f"{path.name} ({', '.join(spec.architectures)}) cannot generate text; "
+            "use runner='pooling' (embed, classify, score, encode)"
+        )
     if runner == "auto":
         return "pooling" if pooling_only or (path / "modules.json").is_file() else "generate"
     return runner
@@ -311,11 +370,15 @@ def _resolve_runner(runner: str, spec: ModelSpec, path: Path) -> str:
 def _check_parallel(spec: ModelSpec, runner_type: str, tp: int, pp: int) -> None:
     """Sizes the model splits by; pooling runs on one rank only."""
     if runner_type == "pooling" and (tp, pp) != (1, 1):
-        raise NotImplementedError("pooling models (embed, classify, score, encode) run on one rank: "
-                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
+        raise NotImplementedError(
+            "pooling models (embed, classify, score, encode) run on one rank: "
+            "tensor_parallel_size and pipeline_parallel_size must be 1"
+        )
     if spec.kv_lora_rank and (tp, pp) != (1, 1):
-        raise NotImplementedError("multi-head latent attention (DeepSeek-V2/V3) runs on one rank: "
-                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
+        raise NotImplementedError(
+            "multi-head latent attention (DeepSeek-V2/V3) runs on one rank: "
+            "tensor_parallel_size and pipeline_parallel_size must be 1"
+        )
     check_parallel_config(spec, tp, pp)
 
 
@@ -367,12 +430,13 @@ def parse_capture_sizes(compilation_config: Any) -> tuple[int, ...] | None:
     accepted, nothing to compile), a dict or an object with that attribute (vLLM's
     ``CompilationConfig``); its other fields are accepted and ignored. ``ValueError`` names the
     field for anything else; an empty list captures nothing."""
-    if compilation_config is None or (isinstance(compilation_config, int) and not isinstance(compilation_config,
-                                                                                                bool)):
+    if compilation_config is None or (isinstance(compilation_config, int) and not isinstance(compilation_config, bool)):
         return None
     if isinstance(compilation_config, str | bytes | bool | float):
-        raise ValueError("compilation_config must be None, an int (a compilation level), a dict or an object with "
-                         f"a cudagraph_capture_sizes attribute, got {compilation_config!r}")
+        raise ValueError(
+            "compilation_config must be None, an int (a compilation level), a dict or an object with "
+            f"a cudagraph_capture_sizes attribute, got {compilation_config!r}"
+        )
     if isinstance(compilation_config, dict):
         sizes = compilation_config.get("cudagraph_capture_sizes")
     else:
@@ -389,8 +453,10 @@ def parse_capture_sizes(compilation_config: Any) -> tuple[int, ...] | None:
 
 # ---- the arguments ------------------------------------------------------------------------------
 
-_LOCAL = ("dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
-          "check out the revision you want into a directory and pass its path")
+_LOCAL = (
+    "dfllm downloads nothing: a model is a local directory or the alias of a bundled model; "
+    "check out the revision you want into a directory and pass its path"
+)
 
 
 def _refuse(name: str, value: Any, why: str) -> ValueError:
@@ -406,6 +472,7 @@ def _only(allowed: tuple, why: str) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if not _is(value, allowed):
             raise _refuse(name, value, why)
+
     return check
 
 
@@ -423,6 +490,7 @@ def _number(minimum: float) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
             raise ValueError(f"{name} must be a number >= {minimum}, got {value!r}")
+
     return check
 
 
@@ -430,6 +498,7 @@ def _optional_int(minimum: int) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
             raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
     return check
 
 
@@ -440,15 +509,22 @@ def _structured_outputs_config(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be None or a dict such as {{'backend': 'xgrammar'}}, got {value!r}")
     unknown = sorted(set(value) - {"backend", "disable_fallback", "reasoning_parser", "enable_in_reasoning"})
     if unknown:
-        raise _refuse(name, value, f"only 'backend', 'reasoning_parser' and 'enable_in_reasoning' can be set "
-                                   f"(found {unknown}); dfllm's structured outputs follow xgrammar's defaults")
+        raise _refuse(
+            name,
+            value,
+            f"only 'backend', 'reasoning_parser' and 'enable_in_reasoning' can be set "
+            f"(found {unknown}); dfllm's structured outputs follow xgrammar's defaults",
+        )
     _reasoning_parser(f"{name}['reasoning_parser']", value.get("reasoning_parser"))
     if "enable_in_reasoning" in value:
         _bool(f"{name}['enable_in_reasoning']", value["enable_in_reasoning"])
     backend = value.get("backend", "auto")
     if not _is(backend, ("auto", "xgrammar")):
-        raise _refuse(name, value, f"backend {backend!r}: dfllm's only structured-outputs backend is xgrammar "
-                                   "(use 'auto' or 'xgrammar')")
+        raise _refuse(
+            name,
+            value,
+            f"backend {backend!r}: dfllm's only structured-outputs backend is xgrammar (use 'auto' or 'xgrammar')",
+        )
 
 
 def _reasoning_parser(name: str, value: Any) -> None:
@@ -472,8 +548,13 @@ def _hf_overrides(name: str, value: Any) -> None:
         raise _refuse(name, value, "give a dict of config.json fields or a callable taking and returning the config")
 
 
-def _arg(default: Any, help: str, effect: str | None = None, check: Callable[[str, Any], None] | None = None,
-         choices: tuple[str, ...] | None = None) -> Any:
+def _arg(
+    default: Any,
+    help: str,
+    effect: str | None = None,
+    check: Callable[[str, Any], None] | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     """One engine argument: its default and help text; vLLM's compatibility arguments add what
     dfllm does with them (``effect``: "maps", "no-op" or "refuses"; the help is the docs table's
     cell) and a ``check`` raising ``ValueError`` for a value dfllm cannot honour."""
@@ -487,17 +568,23 @@ class EngineArgs:
     :mod:`dfllm.engine_args` derives vLLM's table, the keyword check and the command line's
     flags from them, and :meth:`EngineConfig.create` resolves them."""
 
-    model: str | Path | None = _arg(None, "model directory or the alias of a bundled model (default: the bundled "
-                                          "chat model, SmolLM2-135M-Instruct)")
+    model: str | Path | None = _arg(
+        None, "model directory or the alias of a bundled model (default: the bundled chat model, SmolLM2-135M-Instruct)"
+    )
     tokenizer: str | Path | None = _arg(None, "tokenizer directory (default: the model's)")
-    dtype: str | torch.dtype = _arg("auto", "auto (float32 on CPU; on CUDA the checkpoint's, bfloat16 for float32 "
-                                            "checkpoints), float32, float16 or bfloat16")
+    dtype: str | torch.dtype = _arg(
+        "auto",
+        "auto (float32 on CPU; on CUDA the checkpoint's, bfloat16 for float32 "
+        "checkpoints), float32, float16 or bfloat16",
+    )
     device: str | torch.device = _arg("auto", "auto (CUDA when available, else CPU), cpu or cuda")
-    max_model_len: int | None = _arg(None, "the engine's context length (default: the model's "
-                                           "max_position_embeddings)")
+    max_model_len: int | None = _arg(None, "the engine's context length (default: the model's max_position_embeddings)")
     max_num_seqs: int = _arg(256, "the most sequences in one step")
-    max_num_batched_tokens: int | None = _arg(None, "tokens per step (default 8192 on CUDA, 2048 on CPU, 1024 padded "
-                                                    "tokens for pooling on CPU; never below max_num_seqs)")
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        "tokens per step (default 8192 on CUDA, 2048 on CPU, 1024 padded "
+        "tokens for pooling on CPU; never below max_num_seqs)",
+    )
     block_size: int = _arg(16, "tokens per KV cache block (a power of two)")
     enable_prefix_caching: bool = _arg(True, "keep the KV cache blocks of prompts' shared prefixes for reuse")
     kv_cache_memory_bytes: int | None = _arg(None, "the KV cache's size in bytes (default: from free memory)")
@@ -506,98 +593,174 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "ranks each layer is split over (processes this one spawns)")
     pipeline_parallel_size: int = _arg(1, "ranks the layers are split over (processes this one spawns)")
     attention_backend: str = _arg("auto", "the attention kernels (auto: the fastest for the device)")
-    runner: str = _arg("auto", "auto, generate or pooling (auto: pooling for encoders and sentence-transformers "
-                               "directories)")
+    runner: str = _arg(
+        "auto", "auto, generate or pooling (auto: pooling for encoders and sentence-transformers directories)"
+    )
     deduplicate_requests: bool = _arg(True, "compute identical deterministic requests once (dfllm's)")
     prefix_aware_scheduling: bool = _arg(True, "admit waiting requests longest cached prefix first (dfllm's)")
     profiler_dir: str | Path = _arg("./dfllm_traces", "where start_profile() writes its traces")
     # vLLM engine arguments, with vLLM's defaults: the table of docs/from_vllm.md
     enforce_eager: bool = _arg(
-        False, "`True` turns off the CUDA graphs of decode steps (captured per batch-size bucket on CUDA with the "
-        "Triton kernels, as vLLM; prefill always runs eagerly)", "maps", _bool)
+        False,
+        "`True` turns off the CUDA graphs of decode steps (captured per batch-size bucket on CUDA with the "
+        "Triton kernels, as vLLM; prefill always runs eagerly)",
+        "maps",
+        _bool,
+    )
     compilation_config: Any = _arg(
-        None, "a dict or `CompilationConfig` whose `cudagraph_capture_sizes` sets the decode batch sizes captured "
+        None,
+        "a dict or `CompilationConfig` whose `cudagraph_capture_sizes` sets the decode batch sizes captured "
         "(default 1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`, at most 512; `[]` captures none); an int "
-        "level and the other fields are accepted and ignored", "maps", _compilation_config)
+        "level and the other fields are accepted and ignored",
+        "maps",
+        _compilation_config,
+    )
     max_seq_len_to_capture: int | None = _arg(
-        8192, "accepted, ignored: the decode graphs serve every context length up to `max_model_len`", "no-op",
-        _optional_int(1))
+        8192,
+        "accepted, ignored: the decode graphs serve every context length up to `max_model_len`",
+        "no-op",
+        _optional_int(1),
+    )
     disable_log_stats: bool = _arg(
-        True, "accepted: dfllm logs no periodic stats either way, and `get_metrics()` works whatever the value",
-        "no-op", _bool)
+        True,
+        "accepted: dfllm logs no periodic stats either way, and `get_metrics()` works whatever the value",
+        "no-op",
+        _bool,
+    )
     max_logprobs: int | None = _arg(
-        20, "enforced as in vLLM: a request asking more `logprobs` or `prompt_logprobs` (-1 counts as the vocabulary "
-        "size) raises `ValueError` (\"Requested sample logprobs of K, which is greater than max allowed: 20\"); "
-        "`-1` allows the whole vocabulary", "maps", _optional_int(-1))
+        20,
+        "enforced as in vLLM: a request asking more `logprobs` or `prompt_logprobs` (-1 counts as the vocabulary "
+        'size) raises `ValueError` ("Requested sample logprobs of K, which is greater than max allowed: 20"); '
+        "`-1` allows the whole vocabulary",
+        "maps",
+        _optional_int(-1),
+    )
     enable_chunked_prefill: bool | None = _arg(
-        None, "accepted: chunked prefill is always on (as in vLLM V1); `False` changes nothing", "no-op",
-        _optional_bool)
-    swap_space: float = _arg(4, "accepted, ignored: preempted requests are recomputed, never swapped", "no-op",
-                             _number(0))
+        None, "accepted: chunked prefill is always on (as in vLLM V1); `False` changes nothing", "no-op", _optional_bool
+    )
+    swap_space: float = _arg(
+        4, "accepted, ignored: preempted requests are recomputed, never swapped", "no-op", _number(0)
+    )
     enable_sleep_mode: bool = _arg(False, "accepted: `sleep()`/`wake_up()` are always available", "no-op", _bool)
     disable_custom_all_reduce: bool = _arg(
-        False, "accepted, ignored: parallel ranks use torch.distributed collectives", "no-op", _bool)
+        False, "accepted, ignored: parallel ranks use torch.distributed collectives", "no-op", _bool
+    )
     tokenizer_mode: str = _arg(
-        "auto", "`\"auto\"`, `\"hf\"`; `\"slow\"` asks transformers for `use_fast=False`; `\"mistral\"` and others "
-        "refused", "maps", _only(("auto", "hf", "slow"), "dfllm uses Hugging Face tokenizers: 'auto', 'hf' or 'slow'"))
+        "auto",
+        '`"auto"`, `"hf"`; `"slow"` asks transformers for `use_fast=False`; `"mistral"` and others refused',
+        "maps",
+        _only(("auto", "hf", "slow"), "dfllm uses Hugging Face tokenizers: 'auto', 'hf' or 'slow'"),
+    )
     skip_tokenizer_init: bool = _arg(
-        False, "`True` loads no tokenizer, as vLLM: prompts are token ids (`{\"prompt_token_ids\": [...]}`) and "
+        False,
+        '`True` loads no tokenizer, as vLLM: prompts are token ids (`{"prompt_token_ids": [...]}`) and '
         "outputs carry token ids with empty text; what needs a tokenizer (text prompts, chat, stop strings, bad "
-        "words, structured outputs) raises `ValueError` at `generate`", "maps", _bool)
+        "words, structured outputs) raises `ValueError` at `generate`",
+        "maps",
+        _bool,
+    )
     trust_remote_code: bool = _arg(
-        False, "`True` refused: dfllm never runs remote code", "refuses",
-        _only((False,), "dfllm never runs remote code; it serves the architectures it implements"))
+        False,
+        "`True` refused: dfllm never runs remote code",
+        "refuses",
+        _only((False,), "dfllm never runs remote code; it serves the architectures it implements"),
+    )
     load_format: str = _arg(
-        "auto", "`\"auto\"`, `\"safetensors\"`; others refused (safetensors only)", "refuses",
-        _only(("auto", "safetensors"), "dfllm reads safetensors weights only ('auto' or 'safetensors')"))
-    revision: str | None = _arg(None, "only `None`: models are local directories or bundled aliases", "refuses",
-                                _only((None,), _LOCAL))
+        "auto",
+        '`"auto"`, `"safetensors"`; others refused (safetensors only)',
+        "refuses",
+        _only(("auto", "safetensors"), "dfllm reads safetensors weights only ('auto' or 'safetensors')"),
+    )
+    revision: str | None = _arg(
+        None, "only `None`: models are local directories or bundled aliases", "refuses", _only((None,), _LOCAL)
+    )
     tokenizer_revision: str | None = _arg(None, "only `None` (as `revision`)", "refuses", _only((None,), _LOCAL))
     download_dir: str | None = _arg(None, "only `None`: nothing is downloaded", "refuses", _only((None,), _LOCAL))
     kv_cache_dtype: str = _arg(
-        "auto", "`\"auto\"` (the model's dtype) or `\"bfloat16\"`: keys and values stored in bfloat16 under a "
+        "auto",
+        '`"auto"` (the model\'s dtype) or `"bfloat16"`: keys and values stored in bfloat16 under a '
         "float32/float16 model (half the cache memory and half the bytes decode attention reads); fp8 refused",
-        "maps", _only(tuple(KV_CACHE_DTYPES), "dfllm stores the KV cache in the model's dtype ('auto') or in "
-                                              "'bfloat16'"))
+        "maps",
+        _only(tuple(KV_CACHE_DTYPES), "dfllm stores the KV cache in the model's dtype ('auto') or in 'bfloat16'"),
+    )
     quantization: str | None = _arg(
-        None, "`None` or `\"int8\"`: dynamic int8 linear layers for a float32 decoder or a BERT-family encoder on "
-        "CPU, one rank; quantized checkpoints and other methods refused", "maps",
-        _only((None, "int8"), "dfllm quantizes float weights on CPU with quantization='int8' only "
-                              "(accepted: None, 'int8')"))
-    cpu_offload_gb: float = _arg(0, "only `0`: weights live on the device", "refuses",
-                                 _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)"))
+        None,
+        '`None` or `"int8"`: dynamic int8 linear layers for a float32 decoder or a BERT-family encoder on '
+        "CPU, one rank; quantized checkpoints and other methods refused",
+        "maps",
+        _only(
+            (None, "int8"),
+            "dfllm quantizes float weights on CPU with quantization='int8' only (accepted: None, 'int8')",
+        ),
+    )
+    cpu_offload_gb: float = _arg(
+        0,
+        "only `0`: weights live on the device",
+        "refuses",
+        _only((0, 0.0), "dfllm keeps all weights on the device (cpu_offload_gb=0)"),
+    )
     structured_outputs_config: dict | None = _arg(
-        None, "`None` or a dict of `backend` (`\"auto\"`/`\"xgrammar\"`; other backends refused, xgrammar only), "
+        None,
+        '`None` or a dict of `backend` (`"auto"`/`"xgrammar"`; other backends refused, xgrammar only), '
         "`reasoning_parser` (as the argument) and `enable_in_reasoning` (`True`: the grammar constrains the "
-        "reasoning too)", "refuses", _structured_outputs_config)
+        "reasoning too)",
+        "refuses",
+        _structured_outputs_config,
+    )
     reasoning_parser: str | None = _arg(
-        "", "`\"qwen3\"` or `\"deepseek_r1\"`: each completion's reasoning (`<think>`...`</think>`) goes to "
+        "",
+        '`"qwen3"` or `"deepseek_r1"`: each completion\'s reasoning (`<think>`...`</think>`) goes to '
         "`CompletionOutput.reasoning_content` (a `reasoning_content` column on dataframes) and only the answer "
         "stays in `text`; structured outputs constrain the answer, as in vLLM; other names refused (see "
-        "\"Reasoning models\")", "maps", _reasoning_parser, tuple(reasoning_parser_names()))
+        '"Reasoning models")',
+        "maps",
+        _reasoning_parser,
+        tuple(reasoning_parser_names()),
+    )
     scheduling_policy: str = _arg(
-        "fcfs", "`\"fcfs\"` (arrival order) or `\"priority\"`: the `priority=` of `generate`/`chat`/`enqueue`, "
-        "lower first, then arrival (as vLLM); under `\"fcfs\"` any priority is accepted and changes nothing, as in "
-        "vLLM; others refused", "maps",
-        _only(("fcfs", "priority"), "dfllm schedules first come, first served ('fcfs') or by request priority "
-                                    "('priority')"))
+        "fcfs",
+        '`"fcfs"` (arrival order) or `"priority"`: the `priority=` of `generate`/`chat`/`enqueue`, '
+        'lower first, then arrival (as vLLM); under `"fcfs"` any priority is accepted and changes nothing, as in '
+        "vLLM; others refused",
+        "maps",
+        _only(
+            ("fcfs", "priority"),
+            "dfllm schedules first come, first served ('fcfs') or by request priority ('priority')",
+        ),
+    )
     hf_overrides: dict[str, Any] | Callable | None = _arg(
-        None, "a dict of `config.json` fields (a nested dict updates a sub-config) or a callable taking and "
-        "returning the Hugging Face config; applied before dfllm reads the config", "maps", _hf_overrides)
+        None,
+        "a dict of `config.json` fields (a nested dict updates a sub-config) or a callable taking and "
+        "returning the Hugging Face config; applied before dfllm reads the config",
+        "maps",
+        _hf_overrides,
+    )
     enable_lora: bool = _arg(
-        False, "`True` serves LoRA adapters: `lora_request=LoRARequest(name, id, path)` on `generate`/`chat`/"
+        False,
+        "`True` serves LoRA adapters: `lora_request=LoRARequest(name, id, path)` on `generate`/`chat`/"
         "`enqueue` (one, or one per prompt), adapters of different requests sharing every step; `add_lora`/"
-        "`remove_lora`/`list_loras`/`pin_lora` (see docs/lora.md)", "maps", _bool)
+        "`remove_lora`/`list_loras`/`pin_lora` (see docs/lora.md)",
+        "maps",
+        _bool,
+    )
     max_loras: int = _arg(1, "adapter slots: the most distinct adapters in one step", "maps", _optional_int(1))
-    max_lora_rank: int = _arg(16, "the largest adapter rank accepted (a higher one is refused by name)", "maps",
-                              _optional_int(1))
+    max_lora_rank: int = _arg(
+        16, "the largest adapter rank accepted (a higher one is refused by name)", "maps", _optional_int(1)
+    )
     max_cpu_loras: int | None = _arg(
-        None, "adapters kept read in host memory (least recently used evicted; None: `max_loras`)", "maps",
-        _optional_int(1))
+        None,
+        "adapters kept read in host memory (least recently used evicted; None: `max_loras`)",
+        "maps",
+        _optional_int(1),
+    )
     distributed_executor_backend: str | None = _arg(
-        None, "`None`, `\"mp\"`; `\"ray\"` and others refused", "refuses",
-        _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')"))
+        None,
+        '`None`, `"mp"`; `"ray"` and others refused',
+        "refuses",
+        _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')"),
+    )
     # vLLM's multimodal arguments (docs/images.md)
-    limit_mm_per_prompt: dict[str, int] | None = _arg(None, "the most items of each modality in one prompt, e.g. "
-                                                            "{\"image\": 2}")
+    limit_mm_per_prompt: dict[str, int] | None = _arg(
+        None, 'the most items of each modality in one prompt, e.g. {"image": 2}'
+    )
     mm_processor_kwargs: dict[str, Any] | None = _arg(None, "keyword arguments of the model's image processor")

@@ -90,8 +90,11 @@ def add_cli_args(parser: Any, names: Iterable[str] = ENGINE_ARG_NAMES, prefix: s
     wanted = set(names)
     for arg in (a for a in ENGINE_ARGS if a.name in wanted):
         kind = str(arg.type).replace(" ", "")
-        options: dict[str, Any] = {"default": None, "dest": prefix + arg.name,
-                                   "help": helps.get(arg.name, arg.metadata["help"]).replace("%", "%%")}
+        options: dict[str, Any] = {
+            "default": None,
+            "dest": prefix + arg.name,
+            "help": helps.get(arg.name, arg.metadata["help"]).replace("%", "%%"),
+        }
         if kind.startswith("bool"):
             options["action"] = argparse.BooleanOptionalAction
         elif arg.metadata["choices"]:

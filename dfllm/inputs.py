@@ -38,8 +38,9 @@ def check_unicode(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid Unicode: lone surrogate {text[exc.start]!r} at character "
-                         f"{exc.start}") from None
+        raise ValueError(
+            f"{what} is not valid Unicode: lone surrogate {text[exc.start]!r} at character {exc.start}"
+        ) from None
     return text
 
 
@@ -51,8 +52,10 @@ def per_prompt_params(params, n: int, cls: type = SamplingParams, name: str = "s
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"The lengths of prompts ({n}) and {name} ({len(params)}) must be the same. (got "
-                         f"{len(params)} {name} for {n} prompts)")
+        raise ValueError(
+            f"The lengths of prompts ({n}) and {name} ({len(params)}) must be the same. (got "
+            f"{len(params)} {name} for {n} prompts)"
+        )
     for i, p in enumerate(params):
         if not isinstance(p, cls):
             raise ValueError(f"{name}[{i}] must be a {cls.__name__}, got {type(p).__name__}")
@@ -91,7 +94,10 @@ def _is_text_parts(content) -> bool:
     """A list of text parts, and image parts (``image_url``, ``image_pil``, ``image``: a
     vision-language model takes them, any other model refuses them naming the conversation)."""
     return isinstance(content, list) and all(
-        isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
-                                 or p.get("type") in ("image_url", "image_pil", "image"))
+        isinstance(p, dict)
+        and (
+            (p.get("type") == "text" and isinstance(p.get("text"), str))
+            or p.get("type") in ("image_url", "image_pil", "image")
+        )
         for p in content
     )

@@ -46,6 +46,7 @@ init_logger()
 def _delegate(component: str, method: Callable) -> Callable:
     """An ``LLM`` method that calls ``method`` of the component held in ``self.<component>``
     (its signature and docstring)."""
+
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         return getattr(self._component(component, method.__name__, kwargs), method.__name__)(*args, **kwargs)
@@ -191,8 +192,11 @@ class LLM:
         self.config = EngineConfig.create(args)
         path = self.config.model_path
         self.runner_type = self.config.runner_type
-        self.tokenizer: PreTrainedTokenizerBase | None = None if skip_tokenizer_init else (
-            AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=False, use_fast=vllm["use_fast"]))
+        self.tokenizer: PreTrainedTokenizerBase | None = (
+            None
+            if skip_tokenizer_init
+            else (AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=False, use_fast=vllm["use_fast"]))
+        )
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
         self._pooling: PoolingFrontend | None = None
@@ -204,18 +208,28 @@ class LLM:
             self._pooling = PoolingFrontend(self.pooling_engine, self._next_id)
         else:
             self.engine = LLMEngine(
-                self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer),
+                self.config,
+                self.tokenizer,
+                _eos_token_ids(path, self.tokenizer),
                 reasoning_parser=None if reasoning is None else make_reasoning_parser(reasoning, self.tokenizer),
-                enable_in_reasoning=enable_in_reasoning, limit_mm_per_prompt=limit_mm_per_prompt,
-                mm_processor_kwargs=mm_processor_kwargs)
+                enable_in_reasoning=enable_in_reasoning,
+                limit_mm_per_prompt=limit_mm_per_prompt,
+                mm_processor_kwargs=mm_processor_kwargs,
+            )
         self._control = EngineControl(self.config, self.engine, self.pooling_engine, profiler_dir)
         self._queued: list[tuple[int, list[str]]] = []  # (group, request ids) of enqueue calls not yet waited for
         self._outputs: dict[str, RequestOutput] = {}  # finished, not yet returned
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, lora_request: Any = None, priority: int | list[int] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: int | list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts, returned in input order.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
@@ -242,14 +256,21 @@ class LLM:
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
         loras = self._loras(lora_request, len(requests))
         priorities = self._priorities(priority, len(requests))
-        return raise_for_errors(self._run([self._add(requests, priorities, loras)], use_tqdm),
-                                lambda i: f"prompt {i}")
+        return raise_for_errors(self._run([self._add(requests, priorities, loras)], use_tqdm), lambda i: f"prompt {i}")
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, use_tqdm: bool = True, lora_request: Any = None,
-             chat_template_kwargs: dict[str, Any] | None = None,
-             priority: int | list[int] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        priority: int | list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations.
 
         Each conversation is a list of ``{"role", "content"}`` messages, rendered with the
@@ -260,15 +281,22 @@ class LLM:
         ``{"enable_thinking": False}``). ``lora_request`` as in ``generate``.
         """
         requests = self._engine("chat").input_processor.process_chats(
-            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
-            chat_template_kwargs)
+            messages,
+            sampling_params,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+        )
         loras = self._loras(lora_request, len(requests))
         priorities = self._priorities(priority, len(requests))
-        return raise_for_errors(self._run([self._add(requests, priorities, loras)], use_tqdm),
-                                lambda i: f"conversation {i}")
+        return raise_for_errors(
+            self._run([self._add(requests, priorities, loras)], use_tqdm), lambda i: f"conversation {i}"
+        )
 
-    def enqueue(self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None,
-                lora_request: Any = None) -> list[str]:
+    def enqueue(
+        self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None, lora_request: Any = None
+    ) -> list[str]:
         """Queue prompts without running them; return their request ids.
 
         Each prompt is checked now, as ``generate`` checks it: a bad one raises
@@ -296,14 +324,27 @@ class LLM:
         self._queued.append(self._add(requests, self._priorities(priority, len(requests)), loras))
         return self._queued[-1][1]
 
-    def enqueue_chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
-                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     chat_template_kwargs: dict[str, Any] | None = None,
-                     priority: int | list[int] | None = None, lora_request: Any = None) -> list[str]:
+    def enqueue_chat(
+        self,
+        messages,
+        sampling_params=None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        priority: int | list[int] | None = None,
+        lora_request: Any = None,
+    ) -> list[str]:
         """Queue conversations like :meth:`chat` (same keyword arguments); return their request ids."""
         requests = self._engine("enqueue_chat").input_processor.process_chats(
-            messages, sampling_params, chat_template, add_generation_prompt, continue_final_message,
-            chat_template_kwargs)
+            messages,
+            sampling_params,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+        )
         loras = self._loras(lora_request, len(requests))
         self._queued.append(self._add(requests, self._priorities(priority, len(requests)), loras))
         return self._queued[-1][1]
@@ -355,8 +396,10 @@ class LLM:
         """
         engine = self.llm_engine
         if engine is None:
-            raise ValueError("wake_up: this LLM is loaded as a pooling model (no generation engine to wake); "
-                             "sleep mode is for generative models")
+            raise ValueError(
+                "wake_up: this LLM is loaded as a pooling model (no generation engine to wake); "
+                "sleep mode is for generative models"
+            )
         return engine.wake_up(tags)
 
     def shutdown(self) -> None:
@@ -417,14 +460,20 @@ class LLM:
                 raise InvalidRequestError(
                     f"The lengths of prompts ({num_requests}) and priority ({len(priorities)}) must be the same. "
                     f"(priority: got {len(priorities)} priorities for {num_requests} prompts)",
-                    parameter="priority", value=priority)
+                    parameter="priority",
+                    value=priority,
+                )
         else:
-            raise InvalidRequestError(f"priority must be an int or a list of ints (one per prompt), got "
-                                      f"{type(priority).__name__}", parameter="priority", value=priority)
+            raise InvalidRequestError(
+                f"priority must be an int or a list of ints (one per prompt), got {type(priority).__name__}",
+                parameter="priority",
+                value=priority,
+            )
         for p in priorities:
             if isinstance(p, bool) or not isinstance(p, int):
-                raise InvalidRequestError(f"priority: every priority must be an int, got {p!r}",
-                                          parameter="priority", value=p)
+                raise InvalidRequestError(
+                    f"priority: every priority must be an int, got {p!r}", parameter="priority", value=p
+                )
         return priorities
 
     def _loras(self, lora_request: Any, num_requests: int) -> list[LoRARequest | None]:
@@ -436,34 +485,45 @@ class LLM:
         engine = self._engine("lora_request")
         given = next((lora for lora in loras if lora is not None), None)
         if engine.lora is None and given is not None:
-            raise InvalidRequestError(f"Got lora_request {given!r} but LoRA is not enabled! (lora_request: LoRA "
-                                      "adapters are not supported by this engine; start it with "
-                                      "LLM(enable_lora=True))", parameter="lora_request")
+            raise InvalidRequestError(
+                f"Got lora_request {given!r} but LoRA is not enabled! (lora_request: LoRA "
+                "adapters are not supported by this engine; start it with "
+                "LLM(enable_lora=True))",
+                parameter="lora_request",
+            )
         checked: set[int] = set()
         for i, lora in enumerate(loras):
             if lora is None or id(lora) in checked:
                 continue
             if not isinstance(lora, LoRARequest):
-                raise InvalidRequestError(f"lora_request (prompt {i}): expected a LoRARequest or None, got "
-                                          f"{type(lora).__name__}", parameter="lora_request")
+                raise InvalidRequestError(
+                    f"lora_request (prompt {i}): expected a LoRARequest or None, got {type(lora).__name__}",
+                    parameter="lora_request",
+                )
             engine.check_lora(lora)
             checked.add(id(lora))
         return loras
 
-    def _add(self, requests: list[EngineRequest], priorities: list[int] | None = None,
-             loras: list[LoRARequest | None] | None = None) -> tuple[int, list[str]]:
+    def _add(
+        self,
+        requests: list[EngineRequest],
+        priorities: list[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
+    ) -> tuple[int, list[str]]:
         """Queue one call's checked requests as one group, with their priorities (default 0)
         and LoRA adapters (default none); (the group, their request ids)."""
         self._control.check_can_serve()
         engine = self._control.require_generative("generate")
         group, ids = next(self._groups), [self._next_id() for _ in requests]
-        for rid, request, p, lora in zip(ids, requests, priorities or [0] * len(requests),
-                                         loras or [None] * len(requests)):
+        for rid, request, p, lora in zip(
+            ids, requests, priorities or [0] * len(requests), loras or [None] * len(requests)
+        ):
             engine.add_request(rid, request, group=group, priority=p, lora_request=lora)
         return group, ids
 
-    def _run(self, groups: list[tuple[int, list[str]]], use_tqdm: bool, *,
-             raise_failures: bool = True) -> list[RequestOutput]:
+    def _run(
+        self, groups: list[tuple[int, list[str]]], use_tqdm: bool, *, raise_failures: bool = True
+    ) -> list[RequestOutput]:
         """Step the engine until the requests of ``groups`` are done; their outputs in order.
 
         Other queued requests are batched along; their outputs are kept for
@@ -508,8 +568,9 @@ class _ProgressBar:
         self.tokens_in += len(out.prompt_token_ids)
         self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"in: {self.tokens_in / elapsed:.0f} tok/s, "
-                                 f"out: {self.tokens_out / elapsed:.0f} tok/s", refresh=False)
+        self.bar.set_postfix_str(
+            f"in: {self.tokens_in / elapsed:.0f} tok/s, out: {self.tokens_out / elapsed:.0f} tok/s", refresh=False
+        )
         self.bar.update(1)
 
     def close(self) -> None:

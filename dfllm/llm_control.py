@@ -25,8 +25,13 @@ class EngineControl:
     generative model (``engine``) or of a pooling one (``pooling_engine``; only
     ``collective_rpc``/``apply_model`` and the profiler serve it)."""
 
-    def __init__(self, cfg: EngineConfig, engine: LLMEngine | None, pooling_engine: PoolingEngine | None,
-                 profiler_dir: str | Path):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        engine: LLMEngine | None,
+        pooling_engine: PoolingEngine | None,
+        profiler_dir: str | Path,
+    ):
         self.cfg = cfg
         self.engine = engine
         self.pooling_engine = pooling_engine
@@ -101,8 +106,10 @@ class EngineControl:
         tensors over directly in this process."""
         backend = (config or {}).get("backend", "inprocess")
         if backend not in WEIGHT_TRANSFER_BACKENDS:
-            raise NotImplementedError(f"weight transfer backend {backend!r} is not supported "
-                                      f"(available: {', '.join(WEIGHT_TRANSFER_BACKENDS)})")
+            raise NotImplementedError(
+                f"weight transfer backend {backend!r} is not supported "
+                f"(available: {', '.join(WEIGHT_TRANSFER_BACKENDS)})"
+            )
         self.require_generative("init_weight_transfer_engine")
         self._weight_backend = backend
 
@@ -143,8 +150,9 @@ class EngineControl:
         return self._weight_version
 
     # ---- RPC ----------------------------------------------------------------------------------
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         """Run ``method`` on every worker and return one result per worker.
 
         A worker is the object holding the model (or one rank's share of it) on one device:
@@ -167,8 +175,10 @@ class EngineControl:
     def require_generative(self, method: str) -> LLMEngine:
         """The generation engine; ``ValueError`` naming ``method`` for a pooling model."""
         if self.engine is None:
-            raise ValueError(f"{method}: {self.cfg.model_path.name} is loaded as a pooling model; "
-                             "use embed, classify, score or encode")
+            raise ValueError(
+                f"{method}: {self.cfg.model_path.name} is loaded as a pooling model; "
+                "use embed, classify, score or encode"
+            )
         return self.engine
 
     def check_can_serve(self) -> None:

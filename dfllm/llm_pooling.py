@@ -32,16 +32,21 @@ def check_pooling_task(pooling_task: str | None) -> str:
     """``pooling_task`` of ``encode``, or :class:`~dfllm.errors.InvalidRequestError` if it is
     not one of :data:`POOLING_TASKS`."""
     if pooling_task not in POOLING_TASKS:
-        raise InvalidRequestError(f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}",
-                                  parameter="pooling_task", value=pooling_task)
+        raise InvalidRequestError(
+            f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}",
+            parameter="pooling_task",
+            value=pooling_task,
+        )
     return pooling_task
 
 
 def not_pooling_error(task: str) -> InvalidRequestError:
     """The error for a pooling method (``task``) called on a generative model."""
-    return InvalidRequestError(f"{task}: this is a generative model; load a pooling model "
-                               "(an embedding model, a classifier, or LLM(..., runner='pooling')). "
-                               "This model does not support pooling")
+    return InvalidRequestError(
+        f"{task}: this is a generative model; load a pooling model "
+        "(an embedding model, a classifier, or LLM(..., runner='pooling')). "
+        "This model does not support pooling"
+    )
 
 
 @dataclass
@@ -64,10 +69,16 @@ class PoolingFrontend:
         self._next_id = next_id
         self._queued: list[_Queued] = []  # enqueued, not yet waited for; in enqueue order
 
-    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
-               pooling_task: str | None = None, use_tqdm: bool = True,
-               truncate_prompt_tokens: int | None = None,
-               lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:
+    def encode(
+        self,
+        prompts,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        *,
+        pooling_task: str | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
         """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required;
         "token_embed" gives a ``[tokens, dim]`` tensor per prompt, see :mod:`dfllm.engine.pooling_engine`).
 
@@ -81,38 +92,74 @@ class PoolingFrontend:
         task = self.require(check_pooling_task(pooling_task))
         requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens, task)
         data = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
-        return [PoolingRequestOutput(self._next_id(), PoolingOutput(d), r.prompt_token_ids)
-                for d, r in zip(data, requests)]
+        return [
+            PoolingRequestOutput(self._next_id(), PoolingOutput(d), r.prompt_token_ids) for d, r in zip(data, requests)
+        ]
 
-    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
-              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
-              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding (a list of floats) per prompt, in input order; ``lora_request`` as in
         :meth:`encode`."""
-        outs = self.encode(prompts, pooling_params, pooling_task="embed", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
-                for o in outs]
-
-    def classify(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
-                 use_tqdm: bool = True,
-                 truncate_prompt_tokens: int | None = None,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
-                 ) -> list[ClassificationRequestOutput]:
-        """Class probabilities per prompt; ``outputs.label`` names the most likely class
-        (``id2label``); ``lora_request`` as in :meth:`encode`."""
-        outs = self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
-        id2label = self.engine.cfg.model.id2label or {}
+        outs = self.encode(
+            prompts,
+            pooling_params,
+            pooling_task="embed",
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            lora_request=lora_request,
+        )
         return [
-            ClassificationRequestOutput(o.request_id, ClassificationOutput(
-                o.outputs.data.tolist(), id2label.get(int(o.outputs.data.argmax()))), o.prompt_token_ids)
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
             for o in outs
         ]
 
-    def score(self, data_1, data_2, /, *, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
-              truncate_prompt_tokens: int | None = None,
-              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+    def classify(
+        self,
+        prompts,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt; ``outputs.label`` names the most likely class
+        (``id2label``); ``lora_request`` as in :meth:`encode`."""
+        outs = self.encode(
+            prompts,
+            pooling_params,
+            pooling_task="classify",
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            lora_request=lora_request,
+        )
+        id2label = self.engine.cfg.model.id2label or {}
+        return [
+            ClassificationRequestOutput(
+                o.request_id,
+                ClassificationOutput(o.outputs.data.tolist(), id2label.get(int(o.outputs.data.argmax()))),
+                o.prompt_token_ids,
+            )
+            for o in outs
+        ]
+
+    def score(
+        self,
+        data_1,
+        data_2,
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
         """Similarity of text pairs: one to one, one to many, or many to many (pairwise);
         ``lora_request``: one adapter every text runs with (as in :meth:`encode`).
 
@@ -126,24 +173,39 @@ class PoolingFrontend:
         params = pooling_params or PoolingParams()
         self.require("score")
         if self.processor.tokenizer is None:
-            raise InvalidRequestError("You cannot pass text prompts when `skip_tokenizer_init` is True (score "
-                                      "reads texts; this LLM has no tokenizer)", parameter="prompt")
+            raise InvalidRequestError(
+                "You cannot pass text prompts when `skip_tokenizer_init` is True (score "
+                "reads texts; this LLM has no tokenizer)",
+                parameter="prompt",
+            )
         if isinstance(lora_request, list | tuple):
-            raise InvalidRequestError("score: lora_request takes one LoRARequest (every text runs with it), "
-                                      f"got a {type(lora_request).__name__}", parameter="lora_request")
+            raise InvalidRequestError(
+                "score: lora_request takes one LoRARequest (every text runs with it), "
+                f"got a {type(lora_request).__name__}",
+                parameter="lora_request",
+            )
         self._loras(lora_request, 1)  # checked before any work
         if self.engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
         late = self.engine.late_interaction  # token vectors and MaxSim; else one normalised vector and a dot
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
-        outs = self.encode(unique, PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
-                           pooling_task="token_embed" if late else "embed", use_tqdm=use_tqdm,
-                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request)
+        outs = self.encode(
+            unique,
+            PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
+            pooling_task="token_embed" if late else "embed",
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            lora_request=lora_request,
+        )
         by_text = dict(zip(unique, outs))
         return [
-            ScoringRequestOutput(self._next_id(), ScoringOutput(maxsim(a.outputs.data, b.outputs.data) if late
-                                                                else float(a.outputs.data @ b.outputs.data)),
-                                 a.prompt_token_ids + b.prompt_token_ids)
+            ScoringRequestOutput(
+                self._next_id(),
+                ScoringOutput(
+                    maxsim(a.outputs.data, b.outputs.data) if late else float(a.outputs.data @ b.outputs.data)
+                ),
+                a.prompt_token_ids + b.prompt_token_ids,
+            )
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
 
@@ -152,17 +214,30 @@ class PoolingFrontend:
         it (e.g. "classify" on an embedder)."""
         if task not in self.engine.supported_tasks:
             labels = self.engine.num_labels
-            kind = (f"a classifier with {labels} labels" if labels else "a late-interaction (ColBERT) model"
-                    if self.engine.late_interaction else "an embedding model")
-            raise InvalidRequestError(f"{task} is not supported by this model, {kind} (it supports "
-                                      f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
-                                      f"model or a cross-encoder (one label). Unsupported task: {task!r}",
-                                      parameter="task", value=task)
+            kind = (
+                f"a classifier with {labels} labels"
+                if labels
+                else "a late-interaction (ColBERT) model"
+                if self.engine.late_interaction
+                else "an embedding model"
+            )
+            raise InvalidRequestError(
+                f"{task} is not supported by this model, {kind} (it supports "
+                f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
+                f"model or a cross-encoder (one label). Unsupported task: {task!r}",
+                parameter="task",
+                value=task,
+            )
         return task
 
     # ---- the queue ------------------------------------------------------------------------
-    def enqueue(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
-                truncate_prompt_tokens: int | None = None) -> list[str]:
+    def enqueue(
+        self,
+        prompts,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[str]:
         """Queue prompts without running them; return their request ids.
 
         Each prompt is checked (and tokenized, and truncated) now, as ``encode`` checks it: a
@@ -199,9 +274,15 @@ class PoolingFrontend:
         except BaseException:
             self._queued = queued + self._queued
             raise
-        outputs = [PoolingRequestOutput(q.request_id, PoolingOutput(results.get(q.request_id, torch.empty(0))),
-                                        q.request.prompt_token_ids, finished=q.request_id not in errors)
-                   for q in queued]
+        outputs = [
+            PoolingRequestOutput(
+                q.request_id,
+                PoolingOutput(results.get(q.request_id, torch.empty(0))),
+                q.request.prompt_token_ids,
+                finished=q.request_id not in errors,
+            )
+            for q in queued
+        ]
         failed = [i for i, q in enumerate(queued) if q.request_id in errors]
         if failed:
             lines = [f"request {queued[i].request_id}: {errors[queued[i].request_id]!r}" for i in failed[:5]]
@@ -209,11 +290,14 @@ class PoolingFrontend:
             raise RequestFailedError(
                 f"{len(failed)} of {len(queued)} requests failed (the others completed; their outputs are in this "
                 "error's .outputs): " + "; ".join(lines) + more,
-                outputs, failed)  # type: ignore[arg-type]  # pooling outputs, same contract
+                outputs,  # type: ignore[arg-type]  # pooling outputs, same contract
+                failed,
+            )
         return outputs
 
-    def _run_queued(self, queued: list[_Queued], use_tqdm: bool
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, BaseException]]:
+    def _run_queued(
+        self, queued: list[_Queued], use_tqdm: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, BaseException]]:
         """Pool ``queued``, batched by task; (request id -> tensor, request id -> error)."""
         results: dict[str, torch.Tensor] = {}
         errors: dict[str, BaseException] = {}
@@ -257,8 +341,10 @@ class PoolingFrontend:
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
         requests = self.processor.process_pairs(left, right, params, truncate_prompt_tokens, self.engine.is_decoder)
         data = self._pool(requests, "classify", use_tqdm, None if lora_request is None else [lora_request] * len(left))
-        return [ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), r.prompt_token_ids)
-                for d, r in zip(data, requests)]
+        return [
+            ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), r.prompt_token_ids)
+            for d, r in zip(data, requests)
+        ]
 
     def _pool(self, requests: list[PoolingRequest], task: str, use_tqdm: bool, loras=None) -> list[torch.Tensor]:
         bar = tqdm(total=len(requests), desc=f"Pooling ({task})", dynamic_ncols=True, disable=not use_tqdm)

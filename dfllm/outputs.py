@@ -126,11 +126,16 @@ def raise_for_errors(outputs: list[RequestOutput], name: Callable[[int], str]) -
     failed = failed_outputs(outputs)
     if not failed:
         return outputs
-    lines = [f"{name(i)}: {next(c.error for c in outputs[i].outputs if c.finish_reason == 'error')}"
-             for i in failed[:5]]
+    lines = [
+        f"{name(i)}: {next(c.error for c in outputs[i].outputs if c.finish_reason == 'error')}" for i in failed[:5]
+    ]
     more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
-    raise RequestFailedError(f"{len(failed)} of {len(outputs)} requests failed (the others completed; their "
-                             f"outputs are in this error's .outputs): " + "; ".join(lines) + more, outputs, failed)
+    raise RequestFailedError(
+        f"{len(failed)} of {len(outputs)} requests failed (the others completed; their "
+        f"outputs are in this error's .outputs): " + "; ".join(lines) + more,
+        outputs,
+        failed,
+    )
 
 
 # ---- pooling outputs ----------------------------------------------------------------------

@@ -52,8 +52,13 @@ class ReasoningParser(ABC):
     #: the name it is registered under (set by :func:`register_reasoning_parser`)
     name: str = ""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *args: Any,
-                 chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *args: Any,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ):
         self.model_tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
@@ -104,17 +109,24 @@ class BaseThinkingReasoningParser(ReasoningParser):
     start_token: str = "<think>"
     end_token: str = "</think>"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *args: Any,
-                 chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *args: Any,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(tokenizer, *args, chat_template_kwargs=chat_template_kwargs, **kwargs)
         if tokenizer is None:
             raise ValueError(f"reasoning_parser={self.name!r} needs the model's tokenizer")
         start, end = self.vocab.get(self.start_token), self.vocab.get(self.end_token)
         if start is None or end is None:
             missing = [t for t, i in ((self.start_token, start), (self.end_token, end)) if i is None]
-            raise ValueError(f"reasoning_parser={self.name!r}: the tokenizer has no token {' or '.join(missing)} "
-                             f"({self.start_token!r} and {self.end_token!r} must each be one token of its "
-                             "vocabulary); is this a thinking model?")
+            raise ValueError(
+                f"reasoning_parser={self.name!r}: the tokenizer has no token {' or '.join(missing)} "
+                f"({self.start_token!r} and {self.end_token!r} must each be one token of its "
+                "vocabulary); is this a thinking model?"
+            )
         self.start_token_id: int = start
         self.end_token_id: int = end
 
@@ -158,6 +170,7 @@ _PARSERS: dict[str, type[ReasoningParser]] = {}
 def register_reasoning_parser(*names: str) -> Callable[[_R], _R]:
     """A class decorator registering a :class:`ReasoningParser` under ``names`` (vLLM's
     ``ReasoningParserManager.register_module``); a later class replaces an earlier one."""
+
     def register(cls: _R) -> _R:
         if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
             raise TypeError(f"a reasoning parser must subclass ReasoningParser, got {cls!r}")
@@ -167,6 +180,7 @@ def register_reasoning_parser(*names: str) -> Callable[[_R], _R]:
         for n in names:
             _PARSERS[n] = cls
         return cls
+
     return register
 
 
@@ -179,8 +193,9 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered as ``name``; ``ValueError`` naming ``reasoning_parser`` and
     listing the known names for any other."""
     if not isinstance(name, str) or name not in _PARSERS:
-        raise ValueError(f"reasoning_parser={name!r} is not a known reasoning parser; choose one of "
-                         f"{reasoning_parser_names()}")
+        raise ValueError(
+            f"reasoning_parser={name!r} is not a known reasoning parser; choose one of {reasoning_parser_names()}"
+        )
     return _PARSERS[name]
 
 
@@ -207,18 +222,20 @@ def reasoning_parser_of(engine_kwargs: Mapping[str, Any]) -> str | None:
     """The parser that the engine arguments of a dataframe call or a processor name (None
     for none): those calls add a ``reasoning_content`` column when there is one."""
     config = engine_kwargs.get("structured_outputs_config")
-    return reasoning_settings(engine_kwargs.get("reasoning_parser"),
-                              config if isinstance(config, Mapping) else None)[0]
+    return reasoning_settings(engine_kwargs.get("reasoning_parser"), config if isinstance(config, Mapping) else None)[0]
 
 
-def make_reasoning_parser(name: str, tokenizer: PreTrainedTokenizerBase | None,
-                          chat_template_kwargs: Mapping[str, Any] | None = None) -> ReasoningParser:
+def make_reasoning_parser(
+    name: str, tokenizer: PreTrainedTokenizerBase | None, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> ReasoningParser:
     """Parser ``name`` for ``tokenizer``; ``ValueError`` for an unknown name, no tokenizer
     (``skip_tokenizer_init=True``) or a tokenizer without the parser's markers."""
     cls = get_reasoning_parser(name)
     if tokenizer is None:
-        raise ValueError(f"reasoning_parser={name!r} reads the output's text and tokens and needs the tokenizer; "
-                         "it cannot be used with skip_tokenizer_init=True")
+        raise ValueError(
+            f"reasoning_parser={name!r} reads the output's text and tokens and needs the tokenizer; "
+            "it cannot be used with skip_tokenizer_init=True"
+        )
     return cls(tokenizer, chat_template_kwargs=chat_template_kwargs)
 
 
@@ -249,8 +266,13 @@ class Qwen3ReasoningParser(BaseThinkingReasoningParser):
     #: tokens decoded after a <tool_call> to look for "<function" (vLLM's window)
     _FUNCTION_LOOKAHEAD_TOKENS = 8
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *args: Any,
-                 chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *args: Any,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(tokenizer, *args, chat_template_kwargs=chat_template_kwargs, **kwargs)
         self.thinking_enabled = bool(self.chat_template_kwargs.get("enable_thinking", True))
         self._tool_call_token_id = self.vocab.get(self._tool_call_tag)
@@ -330,6 +352,6 @@ class Qwen3ReasoningParser(BaseThinkingReasoningParser):
         if not self.thinking_enabled:
             return None, model_output
         at = model_output.find(self._tool_call_tag)
-        if at != -1 and _FUNCTION_OPEN.match(model_output[at + len(self._tool_call_tag):].lstrip()):
+        if at != -1 and _FUNCTION_OPEN.match(model_output[at + len(self._tool_call_tag) :].lstrip()):
             return model_output[:at] or None, model_output[at:] or None
         return model_output, None

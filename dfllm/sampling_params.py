@@ -107,8 +107,10 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
-                             f"got {type(self.structured_outputs).__name__}")
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         self._validate()
 
     @classmethod
@@ -147,22 +149,38 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n, 1, _MAX_N, _vllm_n)
-        _check_float("temperature", self.temperature, 0.0, None,  # no upper bound, as in vLLM V1
-                     vllm=lambda v: f"temperature must be {'non-negative' if math.isfinite(v) else 'a finite number'}"
-                                    f", got {v}.")
+        _check_float(
+            "temperature",
+            self.temperature,
+            0.0,
+            None,  # no upper bound, as in vLLM V1
+            vllm=lambda v: f"temperature must be {'non-negative' if math.isfinite(v) else 'a finite number'}, got {v}.",
+        )
         if 0.0 < self.temperature < 1e-2:
             self.temperature = 1e-2
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True, vllm=lambda v: f"top_p must be in (0, 1], got {v}.")
-        _check_int("top_k", self.top_k, -1, None,
-                   lambda v: f"top_k must be 0 (disable), or at least 1, got {v}." if _is_int(v)
-                   else f"top_k must be an integer, got {type(v).__name__}")
+        _check_int(
+            "top_k",
+            self.top_k,
+            -1,
+            None,
+            lambda v: (
+                f"top_k must be 0 (disable), or at least 1, got {v}."
+                if _is_int(v)
+                else f"top_k must be an integer, got {type(v).__name__}"
+            ),
+        )
         _check_float("min_p", self.min_p, 0.0, 1.0, vllm=lambda v: f"min_p must be in [0, 1], got {v}.")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1)
         for s in self._stop_list:
             if not isinstance(s, str) or s == "":
-                raise _invalid("stop", self.stop, "stop cannot contain an empty string.",
-                               f"stop: every stop string must be a non-empty str, got {s!r}")
+                raise _invalid(
+                    "stop",
+                    self.stop,
+                    "stop cannot contain an empty string.",
+                    f"stop: every stop string must be a non-empty str, got {s!r}",
+                )
         self._stop_ids, self._stop_groups = [], []
         stop_token_ids = self.stop_token_ids or []
         for t in stop_token_ids:
@@ -179,81 +197,145 @@ class SamplingParams:
             raise _invalid("ignore_eos", self.ignore_eos, f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None, lambda v: f"max_tokens must be at least 1, got {v}.")
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
-                   lambda v: f"min_tokens must be greater than or equal to 0, got {v}." if v < 0 else
-                   f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {v}.")
+        _check_int(
+            "min_tokens",
+            self.min_tokens,
+            0,
+            self.max_tokens,
+            lambda v: (
+                f"min_tokens must be greater than or equal to 0, got {v}."
+                if v < 0
+                else f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {v}."
+            ),
+        )
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, -1, None,
-                       lambda v: f"logprobs must be non-negative or -1, got {v}.")
+            _check_int("logprobs", self.logprobs, -1, None, lambda v: f"logprobs must be non-negative or -1, got {v}.")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), -2.0, 2.0, vllm=functools.partial(_outside_penalty_range, name))
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True,
-                     vllm=lambda v: "repetition_penalty must be "
-                                    f"{'greater than zero' if math.isfinite(v) else 'a finite number'}, got {v}.")
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            0.0,
+            None,
+            low_open=True,
+            vllm=lambda v: (
+                f"repetition_penalty must be {'greater than zero' if math.isfinite(v) else 'a finite number'}, got {v}."
+            ),
+        )
         if not isinstance(self.detokenize, bool):
             raise _invalid("detokenize", self.detokenize, f"detokenize must be a bool, got {self.detokenize!r}")
         if not self.detokenize and self._stop_list:
-            raise _invalid("stop", self.stop, "stop strings are only supported when detokenize is True. "
-                           "Set detokenize=True to use stop.",
-                           "stop: stop strings are only supported when detokenize is True")
+            raise _invalid(
+                "stop",
+                self.stop,
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+                "stop: stop strings are only supported when detokenize is True",
+            )
         if self.bad_words is not None:
             self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-                vllm = (f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
-                        if any(w == "" for w in self.bad_words) else
-                        "bad_words entries must tokenize to at least one token.")
-                raise _invalid("bad_words", self.bad_words, vllm,
-                               f"bad_words must be non-empty strings, got {self.bad_words!r}")
+                vllm = (
+                    f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
+                    if any(w == "" for w in self.bad_words)
+                    else "bad_words entries must tokenize to at least one token."
+                )
+                raise _invalid(
+                    "bad_words", self.bad_words, vllm, f"bad_words must be non-empty strings, got {self.bad_words!r}"
+                )
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids:
-                raise _invalid("allowed_token_ids", [], "allowed_token_ids is not None and empty!",
-                               "allowed_token_ids: the list is empty (no token could be generated)")
+                raise _invalid(
+                    "allowed_token_ids",
+                    [],
+                    "allowed_token_ids is not None and empty!",
+                    "allowed_token_ids: the list is empty (no token could be generated)",
+                )
             for t in self.allowed_token_ids:
-                _check_int("allowed_token_ids", t, 0, None,
-                           lambda v: "allowed_token_ids contains out-of-vocab token id!")
+                _check_int(
+                    "allowed_token_ids", t, 0, None, lambda v: "allowed_token_ids contains out-of-vocab token id!"
+                )
         if self.logit_bias is not None:
             self._check_logit_bias()
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
-                       lambda v: f"truncate_prompt_tokens must be an integer >= 1 or -1, got {v}")
+            _check_int(
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens,
+                1,
+                None,
+                lambda v: f"truncate_prompt_tokens must be an integer >= 1 or -1, got {v}",
+            )
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, -1, None,
-                       lambda v: f"prompt_logprobs must be non-negative or -1, got {v}.")
+            _check_int(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                -1,
+                None,
+                lambda v: f"prompt_logprobs must be non-negative or -1, got {v}.",
+            )
         if self.logits_processors:
-            raise _invalid("logits_processors", self.logits_processors,
-                           "vLLM V1 does not support per request user provided logits processors.",
-                           "logits_processors: per-request logits processors are not supported by dfllm either")
+            raise _invalid(
+                "logits_processors",
+                self.logits_processors,
+                "vLLM V1 does not support per request user provided logits processors.",
+                "logits_processors: per-request logits processors are not supported by dfllm either",
+            )
         if self.best_of is not None:  # as vLLM V1: checked here; best_of > n is refused by generate
-            _check_int("best_of", self.best_of, 1, None,
-                       lambda v: f"best_of must be at least 1, got {v}" if _is_int(v)
-                       else f"best_of must be an integer, got {type(v)}")
+            _check_int(
+                "best_of",
+                self.best_of,
+                1,
+                None,
+                lambda v: (
+                    f"best_of must be at least 1, got {v}"
+                    if _is_int(v)
+                    else f"best_of must be an integer, got {type(v)}"
+                ),
+            )
             if self.best_of < self.n:
-                raise _invalid("best_of", self.best_of, f"best_of must be greater than or equal to n, got n={self.n} "
-                               f"and best_of={self.best_of}.")
+                raise _invalid(
+                    "best_of",
+                    self.best_of,
+                    f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.",
+                )
         if self.n > 1 and self.is_greedy:
-            raise _invalid("n", self.n, f"n must be 1 when using greedy sampling, got {self.n}.",
-                           "n: greedy sampling (temperature=0) gives one completion; set n=1")
+            raise _invalid(
+                "n",
+                self.n,
+                f"n must be 1 when using greedy sampling, got {self.n}.",
+                "n: greedy sampling (temperature=0) gives one completion; set n=1",
+            )
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
-            raise _invalid("logit_bias", self.logit_bias, "logit_bias must be a dict of token id -> bias, got "
-                           f"{type(self.logit_bias).__name__}")
+            raise _invalid(
+                "logit_bias",
+                self.logit_bias,
+                f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}",
+            )
         bias: dict[int, float] = {}
         for k, b in self.logit_bias.items():  # JSON keys are text
             if not _intable(k):
                 bad = [k for k in self.logit_bias if not _intable(k)]
-                raise _invalid("logit_bias", bad, "logit_bias contains key(s) that cannot be converted to integer "
-                               f"token IDs: {bad!r}")
+                raise _invalid(
+                    "logit_bias",
+                    bad,
+                    f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+                )
             try:
                 bias[int(k)] = float(b)
             except (TypeError, ValueError):
-                raise _invalid("logit_bias", b, f"logit_bias: the bias of token {k!r} must be a number, got "
-                               f"{b!r}") from None
+                raise _invalid(
+                    "logit_bias", b, f"logit_bias: the bias of token {k!r} must be a number, got {b!r}"
+                ) from None
         for t, b in bias.items():
-            _check_int("logit_bias", t, 0, None,
-                       lambda v: f"token_id(s) {[k for k in bias if k < 0]} in logit_bias contain out-of-vocab "
-                                 "token ids.")
+            _check_int(
+                "logit_bias",
+                t,
+                0,
+                None,
+                lambda v: f"token_id(s) {[k for k in bias if k < 0]} in logit_bias contain out-of-vocab token ids.",
+            )
             _check_float("logit_bias", b, -math.inf, None)
         self.logit_bias = bias
 
@@ -263,9 +345,13 @@ class SamplingParams:
         "prompt 3"); raised by ``generate`` (the engine's input processor), not at
         construction, as vLLM does, so that params built once fail per call."""
         if self.best_of is not None and self.best_of > self.n:
-            raise _invalid("best_of", self.best_of, "vLLM V1 does not yet support best_of.",
-                           f"{what}: best_of={self.best_of} with n={self.n}; dfllm returns the n completions it "
-                           "samples, with no best-of selection: set best_of=None or best_of=n")
+            raise _invalid(
+                "best_of",
+                self.best_of,
+                "vLLM V1 does not yet support best_of.",
+                f"{what}: best_of={self.best_of} with n={self.n}; dfllm returns the n completions it "
+                "samples, with no best-of selection: set best_of=None or best_of=n",
+            )
 
 
 def _invalid(name: str, value: object, vllm: str, detail: str | None = None) -> InvalidRequestError:
@@ -297,11 +383,11 @@ def _vllm_stop_token_id(ids: list) -> Callable[[Any], str]:
         if not _is_int(value):
             return f"stop_token_ids must contain only integers, got {ids}."
         return f"token_id(s) {[value]} in stop_token_ids contain out-of-vocab token ids."
+
     return text
 
 
-def _check_int(name: str, value: object, low: int, high: int | None,
-               vllm: Callable[[Any], str] | None = None) -> None:
+def _check_int(name: str, value: object, low: int, high: int | None, vllm: Callable[[Any], str] | None = None) -> None:
     """``value`` an int in [low, high]; otherwise an :class:`InvalidRequestError` with vLLM's
     text (``vllm(value)``) first, then dfllm's."""
     if not _is_int(value):
@@ -319,8 +405,15 @@ def _outside_penalty_range(name: str, value: object) -> str:
     return f"{name} must be in [-2, 2], got {value}."
 
 
-def _check_float(name: str, value: object, low: float, high: float | None, *, low_open: bool = False,
-                 vllm: Callable[[Any], str] | None = None) -> None:
+def _check_float(
+    name: str,
+    value: object,
+    low: float,
+    high: float | None,
+    *,
+    low_open: bool = False,
+    vllm: Callable[[Any], str] | None = None,
+) -> None:
     """``value`` a finite number within the bounds; otherwise an :class:`InvalidRequestError`
     with vLLM's text (``vllm(value)``, for a number) first, then dfllm's."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

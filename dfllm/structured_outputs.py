@@ -67,14 +67,19 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             specified = {k: getattr(self, k) for k in given}
-            vllm = (f"You can only use one kind of structured outputs constraint but multiple are specified: "
-                    f"{specified}" if given else
-                    "You must use one kind of structured outputs constraint but none are specified")
-            raise ValueError(f"{vllm} (structured_outputs: set exactly one of {', '.join(KINDS)}, got "
-                             f"{given or 'none'})")
+            vllm = (
+                f"You can only use one kind of structured outputs constraint but multiple are specified: {specified}"
+                if given
+                else "You must use one kind of structured outputs constraint but none are specified"
+            )
+            raise ValueError(
+                f"{vllm} (structured_outputs: set exactly one of {', '.join(KINDS)}, got {given or 'none'})"
+            )
         if self.whitespace_pattern is not None:
-            raise ValueError("structured_outputs.whitespace_pattern is not supported: dfllm's grammar backend is "
-                             "xgrammar, which has none; use disable_any_whitespace")
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported: dfllm's grammar backend is "
+                "xgrammar, which has none; use disable_any_whitespace"
+            )
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
         if self.json is not None:
@@ -83,8 +88,10 @@ class StructuredOutputsParams:
                 self.json = _closed(self.json)
         elif self.structural_tag is not None:
             if not isinstance(self.structural_tag, str) or not self.structural_tag.strip():
-                raise ValueError(f"Invalid structural tag specification. (structured_outputs.structural_tag must "
-                                 f"be JSON text, got {self.structural_tag!r})")
+                raise ValueError(
+                    f"Invalid structural tag specification. (structured_outputs.structural_tag must "
+                    f"be JSON text, got {self.structural_tag!r})"
+                )
         elif self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
                 raise ValueError(f"structured_outputs.regex must be a non-empty str, got {self.regex!r}")
@@ -93,16 +100,21 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice must be a list of strings, got {self.choice!r}")
             self.choice = list(self.choice)
             if not self.choice:
-                raise ValueError(f"Choice '{self.choice}' cannot be an empty list (structured_outputs.choice must "
-                                 "be a non-empty list of non-empty strings)")
+                raise ValueError(
+                    f"Choice '{self.choice}' cannot be an empty list (structured_outputs.choice must "
+                    "be a non-empty list of non-empty strings)"
+                )
             if not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
-                                 f"got {self.choice!r}")
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+                )
             if len(set(self.choice)) != len(self.choice):
                 raise ValueError(f"structured_outputs.choice has duplicates: {self.choice!r}")
         elif self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise ValueError(f"structured_outputs.grammar cannot be an empty string (structured_outputs.grammar "
-                             f"must be a non-empty str, got {self.grammar!r})")
+            raise ValueError(
+                f"structured_outputs.grammar cannot be an empty string (structured_outputs.grammar "
+                f"must be a non-empty str, got {self.grammar!r})"
+            )
         if self.grammar is None:  # a grammar is checked per request (check()), as vLLM does
             self.check()
 
@@ -125,8 +137,11 @@ class StructuredOutputsParams:
         fields in the output.
         """
         value = ANY_JSON_OBJECT if self.kind == "json_object" else getattr(self, self.kind)
-        text = _json.dumps(value, ensure_ascii=False, separators=(",", ":")) \
-            if self.kind in ("json", "choice", "json_object") else str(value)
+        text = (
+            _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+            if self.kind in ("json", "choice", "json_object")
+            else str(value)
+        )
         return self.kind, text, self.any_whitespace
 
     def __eq__(self, other) -> bool:
@@ -146,8 +161,10 @@ class StructuredOutputsParams:
         """Build from a plain dict such as ``{"json": {...}}``; unknown keys raise."""
         unknown = sorted(set(values) - set(KINDS) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; expected one of "
-                             f"{list(KINDS)} and the options {list(OPTIONS)}")
+            raise ValueError(
+                f"structured_outputs: unknown field(s) {unknown}; expected one of "
+                f"{list(KINDS)} and the options {list(OPTIONS)}"
+            )
         return cls(**{k: v for k, v in values.items() if v is not None})
 
     def to_ebnf(self) -> str | None:
@@ -174,8 +191,9 @@ class StructuredOutputsParams:
                 xgr.Grammar.from_ebnf(self.grammar if self.grammar is not None else self.to_ebnf() or "")
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # xgrammar's parse errors, a bad tag
             message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip()) or repr(exc)
-            raise ValueError(f"{self._vllm_error(message)} (structured_outputs.{self.kind}: invalid {self.kind}: "
-                             f"{message})") from None
+            raise ValueError(
+                f"{self._vllm_error(message)} (structured_outputs.{self.kind}: invalid {self.kind}: {message})"
+            ) from None
 
     def _vllm_error(self, message: str) -> str:
         """vLLM's words (its xgrammar backend's validation) for a constraint that does not compile."""
@@ -188,8 +206,10 @@ class StructuredOutputsParams:
         if self.kind == "structural_tag":
             return "Invalid structural tag specification."
         if _looks_like_lark(self.grammar or ""):  # no "::=" rule: vLLM would try it as Lark; dfllm reads EBNF only
-            return ("Failed to convert the grammar from Lark to EBNF. dfllm reads EBNF grammars only "
-                    "(xgrammar's dialect, 'root ::= ...'), and this is not one.")
+            return (
+                "Failed to convert the grammar from Lark to EBNF. dfllm reads EBNF grammars only "
+                "(xgrammar's dialect, 'root ::= ...'), and this is not one."
+            )
         return "Failed to convert the grammar: Invalid grammar specification."
 
 
@@ -211,8 +231,10 @@ def structural_tag_grammar(structural_tag: str, compiler=None):
     tag = _json.loads(structural_tag)
     build = xgr.Grammar.from_structural_tag if compiler is None else compiler.compile_structural_tag
     if isinstance(tag, dict) and "structures" in tag:
-        items = [xgr.StructuralTagItem(begin=s["begin"], schema=_json.dumps(s["schema"]), end=s["end"])
-                 for s in tag["structures"]]
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=_json.dumps(s["schema"]), end=s["end"])
+            for s in tag["structures"]
+        ]
         return build(items, tag["triggers"])
     return build(structural_tag)
 
@@ -234,8 +256,10 @@ def _schema_dict(schema) -> dict:
     if isinstance(schema, type):
         dump = getattr(schema, "model_json_schema", None)
         if dump is None:
-            raise ValueError(f"structured_outputs.json: {schema.__name__} is not a pydantic model class; "
-                             "pass a JSON schema dict or a pydantic BaseModel subclass")
+            raise ValueError(
+                f"structured_outputs.json: {schema.__name__} is not a pydantic model class; "
+                "pass a JSON schema dict or a pydantic BaseModel subclass"
+            )
         return dump()
     if isinstance(schema, str):
         if not schema.strip():
@@ -243,11 +267,14 @@ def _schema_dict(schema) -> dict:
         try:
             schema = _json.loads(schema)
         except ValueError as exc:
-            raise ValueError(f"Invalid JSON grammar specification. (structured_outputs.json: not valid JSON text: "
-                             f"{exc})") from None
+            raise ValueError(
+                f"Invalid JSON grammar specification. (structured_outputs.json: not valid JSON text: {exc})"
+            ) from None
     if not isinstance(schema, dict):
-        raise ValueError("structured_outputs.json must be a JSON schema dict, its JSON text, or a pydantic "
-                         f"model class, got {type(schema).__name__}")
+        raise ValueError(
+            "structured_outputs.json must be a JSON schema dict, its JSON text, or a pydantic "
+            f"model class, got {type(schema).__name__}"
+        )
     try:
         return _json.loads(_json.dumps(schema))  # a private, JSON-serialisable copy
     except (TypeError, ValueError) as exc:

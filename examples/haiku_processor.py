@@ -41,7 +41,7 @@ def main() -> None:
     # dfllm's config: a failed row is kept, with its error in llm_error (Ray's
     # vLLMEngineProcessorConfig, as Ray, fails the job on it instead)
     config = dfllm.ProcessorConfig(
-        model_source=None,                        # the bundled SmolLM2-135M-Instruct; or a model directory
+        model_source=None,  # the bundled SmolLM2-135M-Instruct; or a model directory
         engine_kwargs={"max_model_len": 1024},
         batch_size=16,
         task_type="generate",
@@ -50,20 +50,22 @@ def main() -> None:
     processor = dfllm.build_processor(
         config,
         preprocess=lambda row: dict(
-            messages=[{"role": "system", "content": "You are a bot that completes unfinished haikus."},
-                      {"role": "user", "content": row["item"]}],
+            messages=[
+                {"role": "system", "content": "You are a bot that completes unfinished haikus."},
+                {"role": "user", "content": row["item"]},
+            ],
             sampling_params=dict(temperature=0.3, max_tokens=args.max_tokens, seed=row["id"]),
         ),
-        postprocess=lambda row: dict(id=row["id"], item=row["item"], answer=row["generated_text"],
-                                     tokens=row["num_generated_tokens"]),
+        postprocess=lambda row: dict(
+            id=row["id"], item=row["item"], answer=row["generated_text"], tokens=row["num_generated_tokens"]
+        ),
     )
 
     ddf = dd.from_pandas(pd.DataFrame({"id": range(len(UNFINISHED)), "item": UNFINISHED}), npartitions=2)
     output = args.output or tempfile.mkdtemp(prefix="haikus-")
-    with LocalCluster(n_workers=args.workers, threads_per_worker=2, dashboard_address=":0") as cluster, \
-            Client(cluster):
-        result = processor(ddf)                 # runs the first rows now, for the output's columns
-        result.to_parquet(output)               # the rest runs here; one engine per worker
+    with LocalCluster(n_workers=args.workers, threads_per_worker=2, dashboard_address=":0") as cluster, Client(cluster):
+        result = processor(ddf)  # runs the first rows now, for the output's columns
+        result.to_parquet(output)  # the rest runs here; one engine per worker
     result = pd.read_parquet(output).sort_values("id")
     for row in result.itertuples():
         print(f"> {row.item}\n{row.answer.strip()}\n({row.tokens} tokens)\n")

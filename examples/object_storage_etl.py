@@ -26,8 +26,14 @@ from distributed import Client, LocalCluster
 
 import dfllm
 
-QUESTIONS = ["What is the boiling point of water at sea level?", "Name three primary colours.",
-             "What does a CPU do?", "Why is the sky blue?", "What is parquet?", "Who wrote Hamlet?"]
+QUESTIONS = [
+    "What is the boiling point of water at sea level?",
+    "Name three primary colours.",
+    "What does a CPU do?",
+    "Why is the sky blue?",
+    "What is parquet?",
+    "Who wrote Hamlet?",
+]
 
 
 @contextlib.contextmanager
@@ -43,8 +49,9 @@ def local_bucket():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="demo", aws_secret_access_key="demo",
-                 region_name="us-east-1").create_bucket(Bucket="etl-demo")
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="demo", aws_secret_access_key="demo", region_name="us-east-1"
+    ).create_bucket(Bucket="etl-demo")
     options = {"key": "demo", "secret": "demo", "client_kwargs": {"endpoint_url": endpoint}}
     sample = pd.DataFrame({"question_id": range(len(QUESTIONS)), "question": QUESTIONS})
     dd.from_pandas(sample, npartitions=3).to_parquet("s3://etl-demo/questions/", storage_options=options)
@@ -57,8 +64,11 @@ def local_bucket():
 def run(source: str, target: str, options: dict, resume: bool, max_tokens: int) -> None:
     with LocalCluster(n_workers=1, threads_per_worker=4, dashboard_address=":0") as cluster, Client(cluster):
         questions = dd.read_parquet(source, storage_options=options)
-        answers = questions.llm.chat("{question}", system="Answer in one short sentence.",
-                                     sampling_params={"temperature": 0.0, "max_tokens": max_tokens})
+        answers = questions.llm.chat(
+            "{question}",
+            system="Answer in one short sentence.",
+            sampling_params={"temperature": 0.0, "max_tokens": max_tokens},
+        )
         summary = dfllm.write_parquet(answers, target, storage_options=options, resume=resume)
     print(summary)
     result = pd.read_parquet(target, storage_options=options).sort_values("question_id")

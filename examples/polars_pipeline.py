@@ -20,11 +20,13 @@ import dfllm  # noqa: F401  (registers .llm on Polars)
 
 REVIEWS = {
     "product": ["kettle", "kettle", "headphones", "headphones", "backpack"],
-    "review": ["Boils water fast and looks great on the counter.",
-               "Stopped working after two weeks, very disappointed.",
-               "Amazing sound and the battery lasts all day.",
-               "Uncomfortable after an hour and the left ear crackles.",
-               "Roomy, sturdy, and the laptop sleeve is padded."],
+    "review": [
+        "Boils water fast and looks great on the counter.",
+        "Stopped working after two weeks, very disappointed.",
+        "Amazing sound and the battery lasts all day.",
+        "Uncomfortable after an hour and the left ear crackles.",
+        "Roomy, sturdy, and the laptop sleeve is padded.",
+    ],
 }
 
 
@@ -39,17 +41,24 @@ def main() -> None:
 
         plan = (
             pl.scan_parquet(source)
-            .llm.chat("Is this review positive or negative?\n\n{review}", system="You are a sentiment classifier.",
-                      choice=["positive", "negative"], output_column="sentiment",  # an Enum column
-                      sampling_params={"temperature": 0.0, "max_tokens": args.max_tokens})
+            .llm.chat(
+                "Is this review positive or negative?\n\n{review}",
+                system="You are a sentiment classifier.",
+                choice=["positive", "negative"],
+                output_column="sentiment",  # an Enum column
+                sampling_params={"temperature": 0.0, "max_tokens": args.max_tokens},
+            )
             .with_columns(pl.col("review").llm.embed().alias("embedding"))
         )
-        print(plan.collect_schema())                 # known before anything runs
+        print(plan.collect_schema())  # known before anything runs
         df = plan.collect()
 
     print(df.select("product", "review", "sentiment", "num_generated_tokens", "llm_error"))
-    print(df.group_by("product").agg(pl.len().alias("reviews"),
-                                     pl.col("num_generated_tokens").sum().alias("tokens")).sort("product"))
+    print(
+        df.group_by("product")
+        .agg(pl.len().alias("reviews"), pl.col("num_generated_tokens").sum().alias("tokens"))
+        .sort("product")
+    )
     print("embedding width:", df["embedding"].list.len().unique().to_list())
 
 

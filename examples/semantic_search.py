@@ -31,20 +31,26 @@ DOCS = [
 
 def main(queries: list[str]) -> None:
     docs = dd.from_pandas(pd.DataFrame({"doc_id": range(len(DOCS)), "text": DOCS}), npartitions=2)
-    corpus = docs.llm.embed("text").compute()          # Dask's local scheduler: one engine in this process
-    matrix = np.array(corpus["embedding"].tolist())     # rows are unit vectors (normalized embeddings)
+    corpus = docs.llm.embed("text").compute()  # Dask's local scheduler: one engine in this process
+    matrix = np.array(corpus["embedding"].tolist())  # rows are unit vectors (normalized embeddings)
 
     found = pd.DataFrame({"query": queries}).llm.embed("query")
     for query, emb in zip(found["query"], found["embedding"]):
         sims = matrix @ np.asarray(emb)
         top = np.argsort(-sims)[:3]
         hits = pd.DataFrame({"query": query, "text": corpus["text"].iloc[top].tolist(), "cosine": sims[top]})
-        hits = hits.llm.score("query", "text")          # pairwise score (cosine for a bi-encoder)
+        hits = hits.llm.score("query", "text")  # pairwise score (cosine for a bi-encoder)
         print(f"\n{query}")
         for row in hits.itertuples():
             print(f"  {row.cosine:.3f}  {row.score:.3f}  {row.text}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["How do I store dataframes on disk efficiently?", "tallest peak in the world",
-                          "how does an LLM server batch requests"])
+    main(
+        sys.argv[1:]
+        or [
+            "How do I store dataframes on disk efficiently?",
+            "tallest peak in the world",
+            "how does an LLM server batch requests",
+        ]
+    )

@@ -48,8 +48,9 @@ def _per_prompt(n: list[int] | int, count: int) -> list[int]:
     return [n] * count if isinstance(n, int) else list(n)
 
 
-def hf_greedy_logprobs(path: Path, prompts: list[list[int]], max_new_tokens: list[int] | int,
-                       topk: int = TOPK) -> list[GreedyLogprobs]:
+def hf_greedy_logprobs(
+    path: Path, prompts: list[list[int]], max_new_tokens: list[int] | int, topk: int = TOPK
+) -> list[GreedyLogprobs]:
     """Transformers' own greedy ``generate`` (float32, eager attention, one prompt at a time,
     no padding, end-of-sequence disabled) with the top-``topk`` log-probabilities of the raw
     logits at every generated position."""
@@ -59,9 +60,16 @@ def hf_greedy_logprobs(path: Path, prompts: list[list[int]], max_new_tokens: lis
     with torch.inference_mode():
         for ids, n in zip(prompts, _per_prompt(max_new_tokens, len(prompts))):
             x = torch.tensor([ids])
-            res = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            tokens = res.sequences[0, len(ids):].tolist()
+            res = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = res.sequences[0, len(ids) :].tolist()
             logprobs = []
             for step in res.logits:
                 values, top = torch.log_softmax(step[0].float(), dim=-1).topk(topk)
@@ -79,8 +87,9 @@ def from_outputs(outputs: Sequence[RequestOutput], topk: int = TOPK) -> list[Gre
         c = out.outputs[0]
         if c.logprobs is None:
             raise ValueError(f"request {out.request_id} was generated without SamplingParams.logprobs")
-        logprobs = [{t: lp.logprob for t, lp in pos.items() if lp.rank is None or lp.rank <= topk}
-                    for pos in c.logprobs]
+        logprobs = [
+            {t: lp.logprob for t, lp in pos.items() if lp.rank is None or lp.rank <= topk} for pos in c.logprobs
+        ]
         result.append(GreedyLogprobs(list(c.token_ids), logprobs))
     return result
 
@@ -90,8 +99,9 @@ def greedy_params(max_tokens: int, topk: int = TOPK) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=topk, ignore_eos=True)
 
 
-def dfllm_greedy_logprobs(llm: LLM, prompts: list[list[int]], max_tokens: list[int] | int,
-                          topk: int = TOPK) -> list[GreedyLogprobs]:
+def dfllm_greedy_logprobs(
+    llm: LLM, prompts: list[list[int]], max_tokens: list[int] | int, topk: int = TOPK
+) -> list[GreedyLogprobs]:
     """dfllm's greedy continuations of token-id ``prompts`` (end-of-sequence ignored) with the
     top-``topk`` log-probabilities, from ``SamplingParams(temperature=0, logprobs=topk)``."""
     params = [greedy_params(n, topk) for n in _per_prompt(max_tokens, len(prompts))]
@@ -108,8 +118,13 @@ def _fmt(lp: dict[int, float]) -> str:
     return "{" + ", ".join(f"{t}: {v:.4f}" for t, v in sorted(lp.items(), key=lambda kv: -kv[1])) + "}"
 
 
-def check_logprobs_close(outputs_0: Sequence[GreedyLogprobs], outputs_1: Sequence[GreedyLogprobs],
-                         name_0: str, name_1: str, eos_token_id: int | None = None) -> None:
+def check_logprobs_close(
+    outputs_0: Sequence[GreedyLogprobs],
+    outputs_1: Sequence[GreedyLogprobs],
+    name_0: str,
+    name_1: str,
+    eos_token_id: int | None = None,
+) -> None:
     """Assert vLLM's log-probability criterion between two lists of greedy continuations (one
     per prompt, same order): tokens equal up to the first divergence, and there each side's
     token in the other side's top-k; comparison stops at the first divergence. Without a
@@ -120,8 +135,9 @@ def check_logprobs_close(outputs_0: Sequence[GreedyLogprobs], outputs_1: Sequenc
     for i, (a, b) in enumerate(zip(outputs_0, outputs_1)):
         for name, o in ((name_0, a), (name_1, b)):
             if len(o.logprobs) != len(o.token_ids):
-                raise AssertionError(f"prompt {i}: {name} has {len(o.token_ids)} tokens but "
-                                     f"{len(o.logprobs)} logprob positions")
+                raise AssertionError(
+                    f"prompt {i}: {name} has {len(o.token_ids)} tokens but {len(o.logprobs)} logprob positions"
+                )
         pos = next((p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if pos is None:
             if len(a.token_ids) != len(b.token_ids):
@@ -130,7 +146,8 @@ def check_logprobs_close(outputs_0: Sequence[GreedyLogprobs], outputs_1: Sequenc
                     raise AssertionError(
                         f"prompt {i}: no divergence but {name_0} has {len(a.token_ids)} tokens and {name_1} "
                         f"{len(b.token_ids)} (the shorter does not end with eos {eos_token_id}); "
-                        f"matched {a.token_ids[:len(short.token_ids)]}")
+                        f"matched {a.token_ids[: len(short.token_ids)]}"
+                    )
             continue
         ta, tb, la, lb = a.token_ids[pos], b.token_ids[pos], a.logprobs[pos], b.logprobs[pos]
         problems = []
@@ -143,4 +160,5 @@ def check_logprobs_close(outputs_0: Sequence[GreedyLogprobs], outputs_1: Sequenc
                 f"prompt {i}, position {pos}: {'; '.join(problems)}\n"
                 f"matched tokens: {a.token_ids[:pos]}\n"
                 f"{name_0}: token {ta}, top-k {_fmt(la)}\n"
-                f"{name_1}: token {tb}, top-k {_fmt(lb)}")
+                f"{name_1}: token {tb}, top-k {_fmt(lb)}"
+            )

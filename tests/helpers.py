@@ -25,14 +25,33 @@ from dfllm.sampling_params import SamplingParams
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def build_tiny_model(root: Path, tokenizer_dir: Path, arch: str = "llama", heads: int = 4, kv_heads: int = 2,
-                     layers: int = 2, hidden: int = 64, seed: int = 0, **overrides) -> Path:
+def build_tiny_model(
+    root: Path,
+    tokenizer_dir: Path,
+    arch: str = "llama",
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    hidden: int = 64,
+    seed: int = 0,
+    **overrides,
+) -> Path:
     """Save a random decoder with the SmolLM2 tokenizer into ``root`` and return its path."""
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     vocab = AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
-    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
-                  initializer_range=0.2, tie_word_embeddings=arch == "llama", bos_token_id=1, eos_token_id=2)
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=arch == "llama",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)
@@ -54,9 +73,8 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: list[int] | 
     with torch.inference_mode():
         for ids, n in zip(prompts, max_new_tokens):
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                               pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -74,8 +92,16 @@ def local_client(workers: int = 2, threads: int = 1):
     """A ``LocalCluster`` of worker processes (each serving its own /metrics) and its client."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=workers, threads_per_worker=threads, processes=True, dashboard_address=None,
-                      worker_dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=workers,
+            threads_per_worker=threads,
+            processes=True,
+            dashboard_address=None,
+            worker_dashboard_address="127.0.0.1:0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         yield client
 
 
@@ -99,17 +125,35 @@ class CLICluster:
         self.address = f"tcp://127.0.0.1:{self.port}"
         env = {**os.environ, "DFLLM_NUM_THREADS": "1"}
         dask = [sys.executable, "-m", "dask"]
-        self.procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", str(self.port),
-                                                "--no-dashboard"], env=env, start_new_session=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        self.procs = [
+            subprocess.Popen(
+                dask + ["scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard"],
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        ]
         per_worker = resources if isinstance(resources, list) else [resources] * workers
         for res in per_worker:
-            cmd = dask + ["worker", self.address, "--nthreads", str(threads), "--no-dashboard",
-                          "--memory-limit", "0", "--host", "127.0.0.1"]
+            cmd = dask + [
+                "worker",
+                self.address,
+                "--nthreads",
+                str(threads),
+                "--no-dashboard",
+                "--memory-limit",
+                "0",
+                "--host",
+                "127.0.0.1",
+            ]
             if res:
                 cmd += ["--resources", res]
-            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
         self.client().wait_for_workers(workers, timeout=120)
 
     def client(self):
@@ -123,8 +167,9 @@ class CLICluster:
         """Worker address -> pid of the worker process (the nanny's child)."""
         return self.client().run(os.getpid)
 
-    def wait_for_worker_pids(self, n: int, gone: list[int] | tuple[int, ...] = (),
-                             timeout: float = 120) -> dict[str, int]:
+    def wait_for_worker_pids(
+        self, n: int, gone: list[int] | tuple[int, ...] = (), timeout: float = 120
+    ) -> dict[str, int]:
         """Worker address -> pid, once exactly ``n`` workers answer and none is one of the
         ``gone`` (killed) pids. Right after a kill the scheduler may still list the dead
         worker (``client.run`` then fails, or ``wait_for_workers(n)`` returns at once) and
@@ -174,10 +219,18 @@ def build_tiny_classifier(root: Path) -> Path:
 
     from dfllm.models.bundled import resolve_model
 
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128, num_labels=3,
-                     id2label={i: f"label_{i}" for i in range(3)}, label2id={f"label_{i}": i for i in range(3)},
-                     architectures=["BertForSequenceClassification"])
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=3,
+        id2label={i: f"label_{i}" for i in range(3)},
+        label2id={f"label_{i}": i for i in range(3)},
+        architectures=["BertForSequenceClassification"],
+    )
     torch.manual_seed(0)
     path = root / "classifier"
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)

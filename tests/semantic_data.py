@@ -36,21 +36,29 @@ def reviews(n: int = len(REVIEWS), null_at: int | None = None) -> pd.DataFrame:
 
 
 def _messages(prompt, row: dict) -> list[dict]:
-    return [{"role": "system", "content": prompt.system},
-            {"role": "user", "content": prompt.template.format(**row)}]
+    return [{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.template.format(**row)}]
 
 
-def direct_judge(model, df: pd.DataFrame, instruction: str = INSTRUCTION, *, explanations: bool = False,
-                 logprobs: int = 20) -> list[tuple | None]:
+def direct_judge(
+    model, df: pd.DataFrame, instruction: str = INSTRUCTION, *, explanations: bool = False, logprobs: int = 20
+) -> list[tuple | None]:
     """Per row ``(verdict, probability, explanation)`` by ``LLM.chat`` one row at a time (None: a null row)."""
     llm = LLM(str(model), **ENGINE, **({"max_logprobs": -1} if logprobs == -1 else {}))
     prompt = semantic_prompt(JUDGE_PREAMBLE, instruction, answer=EXPLAINED_ANSWER if explanations else ANSWER)
     if explanations:
-        sp = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=64,
-                            structured_outputs=StructuredOutputsParams(regex=r"(True|False): [^\n]+"))
+        sp = SamplingParams(
+            temperature=0.0,
+            logprobs=logprobs,
+            max_tokens=64,
+            structured_outputs=StructuredOutputsParams(regex=r"(True|False): [^\n]+"),
+        )
     else:
-        sp = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8,
-                            structured_outputs=StructuredOutputsParams(choice=["True", "False"]))
+        sp = SamplingParams(
+            temperature=0.0,
+            logprobs=logprobs,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(choice=["True", "False"]),
+        )
     out: list[tuple | None] = []
     for row in df.to_dict("records"):
         if row["review"] is None:
@@ -59,8 +67,9 @@ def direct_judge(model, df: pd.DataFrame, instruction: str = INSTRUCTION, *, exp
         completion = llm.chat(_messages(prompt, row), sp, use_tqdm=False)[0].outputs[0]
         answer, _, note = completion.text.partition(":")
         verdict = answer == "True"
-        first = {t: {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
-                 for t, lp in completion.logprobs[0].items()}
+        first = {
+            t: {"logprob": lp.logprob, "decoded_token": lp.decoded_token} for t, lp in completion.logprobs[0].items()
+        }
         out.append((verdict, verdict_probability(first, verdict), note.strip()))
     return out
 

@@ -23,11 +23,22 @@ def kw(tiny_llama):
 
 @pytest.fixture(scope="module")
 def questions():
-    return pd.DataFrame({
-        "id": range(8),
-        "q": ["What is 2+2?", None, "Name a colour.", "", "   ", "Tell me about parquet files.", "x " * 200, "Why?"],
-        "topic": ["math", "none", "art", "none", "none", "data", "long", "why"],
-    })
+    return pd.DataFrame(
+        {
+            "id": range(8),
+            "q": [
+                "What is 2+2?",
+                None,
+                "Name a colour.",
+                "",
+                "   ",
+                "Tell me about parquet files.",
+                "x " * 200,
+                "Why?",
+            ],
+            "topic": ["math", "none", "art", "none", "none", "data", "long", "why"],
+        }
+    )
 
 
 def reference(kw, prompts):
@@ -70,9 +81,12 @@ def test_on_error_raise(questions, kw):
 
 
 def test_per_row_sampling_params_column(kw):
-    df = pd.DataFrame({"q": ["a b c", "d e f", "g h"],
-                       "sp": [{"temperature": 0.0, "max_tokens": 2}, {"temperature": 0.0, "max_tokens": 5},
-                              {"temperature": -3.0}]})
+    df = pd.DataFrame(
+        {
+            "q": ["a b c", "d e f", "g h"],
+            "sp": [{"temperature": 0.0, "max_tokens": 2}, {"temperature": 0.0, "max_tokens": 5}, {"temperature": -3.0}],
+        }
+    )
     out = df.llm.generate("q", sampling_params="sp", **kw)
     assert out.num_generated_tokens.tolist()[:2] == [2, 5]
     assert "temperature" in out.llm_error[2]
@@ -81,8 +95,11 @@ def test_per_row_sampling_params_column(kw):
 def test_sampling_struct_column_from_parquet(kw, tmp_path):
     """Read back from parquet, a column of dicts is a struct with every field in every row;
     a null field is one that row did not set."""
-    rows = [{"temperature": 0.0, "max_tokens": 2}, {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
-            {"max_tokens": 3, "temperature": 0.0, "stop": ["zzz"]}]
+    rows = [
+        {"temperature": 0.0, "max_tokens": 2},
+        {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
+        {"max_tokens": 3, "temperature": 0.0, "stop": ["zzz"]},
+    ]
     pd.DataFrame({"q": ["a b c", "d e f", "g h"], "sp": rows}).to_parquet(tmp_path / "in.parquet")
     back = pd.read_parquet(tmp_path / "in.parquet")
     assert back["sp"].iloc[0]["ignore_eos"] is None  # what parquet gives
@@ -94,16 +111,23 @@ def test_sampling_struct_column_from_parquet(kw, tmp_path):
 
 
 def test_chat_column_and_template(kw):
-    df = pd.DataFrame({"conv": [[{"role": "user", "content": "Hi"}], [{"role": "wizard", "content": "x"}],
-                                "not a conversation"], "q": ["Hi", "Hello", None]})
+    df = pd.DataFrame(
+        {
+            "conv": [[{"role": "user", "content": "Hi"}], [{"role": "wizard", "content": "x"}], "not a conversation"],
+            "q": ["Hi", "Hello", None],
+        }
+    )
     out = df.llm.chat("conv", sampling_params=SP, **kw)
     assert out.llm_error.isna().tolist() == [True, False, False]
     assert "role must be one of" in out.llm_error[1]
     templ = df.llm.chat("{q}", system="Be brief.", sampling_params=SP, **kw)
     assert templ.llm_error.isna().tolist() == [True, True, False]
     llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
-    ref = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-                   SamplingParams(**SP), use_tqdm=False)
+    ref = llm.chat(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        SamplingParams(**SP),
+        use_tqdm=False,
+    )
     assert templ.generated_text[0] == ref[0].outputs[0].text
 
 
@@ -112,12 +136,14 @@ def test_embed_score_and_series(tmp_path):
     emb = df.llm.embed("a")
     assert str(emb.dtypes["embedding"]) == "list<item: float>[pyarrow]"
     llm = LLM("all-minilm-l6-v2")
-    assert emb.embedding[0] == pytest.approx(llm.embed(["Paris is in France."], use_tqdm=False)[0].outputs.embedding,
-                                             abs=1e-6)
+    assert emb.embedding[0] == pytest.approx(
+        llm.embed(["Paris is in France."], use_tqdm=False)[0].outputs.embedding, abs=1e-6
+    )
     assert emb.embedding.isna().tolist() == [False, True, False]
     scored = df.llm.score("a", "b")
-    assert scored.score[0] == pytest.approx(llm.score("Paris is in France.", "The capital of France",
-                                                      use_tqdm=False)[0].outputs.score, abs=1e-5)
+    assert scored.score[0] == pytest.approx(
+        llm.score("Paris is in France.", "The capital of France", use_tqdm=False)[0].outputs.score, abs=1e-5
+    )
     assert pd.isna(scored.score[1]) and "null" in scored.llm_error[1]
     series = df["b"].llm.embed()
     assert series.name == "b" and len(series[0]) == 384
@@ -152,9 +178,11 @@ def test_dask_generate_on_a_cluster(client, questions, kw, tmp_path):
     computed = result.compute()
     assert result._meta.dtypes.to_dict() == computed.dtypes.to_dict()
     expected = questions.llm.generate("Q: {q} ({topic})", sampling_params=SP, **kw)
-    pd.testing.assert_frame_equal(computed[["generated_text", "llm_error"]].reset_index(drop=True),
-                                  expected[["generated_text", "llm_error"]].reset_index(drop=True),
-                                  check_dtype=False)
+    pd.testing.assert_frame_equal(
+        computed[["generated_text", "llm_error"]].reset_index(drop=True),
+        expected[["generated_text", "llm_error"]].reset_index(drop=True),
+        check_dtype=False,
+    )
     loads = client.run(engine_cache.load_count)
     steps = client.run(driver.partitions_per_step)
     ran = [w for w in loads if steps[w]]  # the workers that generated rows
@@ -257,8 +285,7 @@ def test_write_parquet_resumes_only_missing_partitions(client, questions, kw, tm
     mtimes = {p.name: p.stat().st_mtime_ns for p in parts}
     parts[2].unlink()  # a partition lost in a crash
     (tmp_path / "answers" / "_dfllm_keys" / "part.00001.key").unlink()  # a partition whose key was never written
-    again = dfllm.write_parquet(ddf.llm.generate("Q: {q}", sampling_params=SP, **kw), path, resume=True,
-                                progress=False)
+    again = dfllm.write_parquet(ddf.llm.generate("Q: {q}", sampling_params=SP, **kw), path, resume=True, progress=False)
     assert (again.written, again.skipped) == (2, 2)
     for p in parts:
         if p.name not in ("part.00002.parquet", "part.00001.parquet"):
@@ -266,8 +293,9 @@ def test_write_parquet_resumes_only_missing_partitions(client, questions, kw, tm
     back = pd.read_parquet(path)
     assert sorted(back["id"].tolist()) == list(range(8))  # every row exactly once
     assert not list((tmp_path / "answers").rglob(".tmp-*"))
-    changed = dfllm.write_parquet(ddf.llm.generate("Q: {q}", sampling_params={**SP, "max_tokens": 3}, **kw), path,
-                                  resume=True, progress=False)
+    changed = dfllm.write_parquet(
+        ddf.llm.generate("Q: {q}", sampling_params={**SP, "max_tokens": 3}, **kw), path, resume=True, progress=False
+    )
     assert changed.written == 4  # a changed sampling config recomputes everything
     with pytest.raises(ValueError, match="direct result"):
         dfllm.write_parquet(result[["id"]], path)
@@ -277,15 +305,20 @@ def test_build_processor_like_ray_data_llm(client, kw):
     """The Ray Data LLM example on Dask: preprocess -> engine -> postprocess, columns carried."""
     import dfllm
 
-    config = dfllm.ProcessorConfig(model_source=kw["model"], engine_kwargs={"max_model_len": 64,
-                                   "kv_cache_memory_bytes": 2**22}, batch_size=2, concurrency=1)
+    config = dfllm.ProcessorConfig(
+        model_source=kw["model"],
+        engine_kwargs={"max_model_len": 64, "kv_cache_memory_bytes": 2**22},
+        batch_size=2,
+        concurrency=1,
+    )
 
     def preprocess(row):
         if row["id"] == 3:
             raise KeyError("no topic")
-        return dict(messages=[{"role": "system", "content": "You complete haikus."},
-                              {"role": "user", "content": row["item"]}],
-                    sampling_params=dict(temperature=0.0, max_tokens=5, ignore_eos=True))
+        return dict(
+            messages=[{"role": "system", "content": "You complete haikus."}, {"role": "user", "content": row["item"]}],
+            sampling_params=dict(temperature=0.0, max_tokens=5, ignore_eos=True),
+        )
 
     def postprocess(row):
         return dict(id=row["id"], resp=row["generated_text"], n=row["num_generated_tokens"])
@@ -298,9 +331,17 @@ def test_build_processor_like_ray_data_llm(client, kw):
     out = lazy.compute().sort_values("id")
     llm = LLM(kw["model"], max_model_len=64, kv_cache_memory_bytes=2**22)
     ok = [i for i in range(6) if i != 3]
-    ref = llm.chat([[{"role": "system", "content": "You complete haikus."},
-                     {"role": "user", "content": f"first line number {i}"}] for i in ok],
-                   SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    ref = llm.chat(
+        [
+            [
+                {"role": "system", "content": "You complete haikus."},
+                {"role": "user", "content": f"first line number {i}"},
+            ]
+            for i in ok
+        ],
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.set_index("id").loc[ok, "resp"].tolist() == [r.outputs[0].text for r in ref]
     assert out.set_index("id").loc[ok, "n"].tolist() == [5] * 5
     failed = out.set_index("id").loc[3]
@@ -334,8 +375,11 @@ def test_custom_chat_template_in_accessor_and_processor(kw):
     assert out["num_input_tokens"].tolist() == [len(r.prompt_token_ids) for r in ref]
     assert out["generated_text"].tolist() == [r.outputs[0].text for r in ref]
 
-    config = dfllm.ProcessorConfig(model_source=kw["model"], chat_template=template,
-                                   engine_kwargs={"max_model_len": 64, "kv_cache_memory_bytes": 2**22})
+    config = dfllm.ProcessorConfig(
+        model_source=kw["model"],
+        chat_template=template,
+        engine_kwargs={"max_model_len": 64, "kv_cache_memory_bytes": 2**22},
+    )
     processor = dfllm.build_processor(config, preprocess=lambda row: dict(messages=row["conv"], sampling_params=SP))
     got = processor(df)
     assert got["generated_text"].tolist() == [r.outputs[0].text for r in ref]
@@ -366,9 +410,19 @@ def test_nested_arrow_columns_read_back_from_dask_to_parquet(tmp_path):
 
     from dfllm.accessors.arrow_dtypes import parse_arrow_type
 
-    for t in [pa.list_(pa.float32()), pa.large_list(pa.string()), pa.list_(pa.timestamp("ns")),
-              pa.struct([("name", pa.string()), ("n", pa.int64()), ("tags", pa.list_(pa.string())),
-                         ("inner", pa.struct([pa.field("x", pa.bool_(), nullable=False)]))])]:
+    for t in [
+        pa.list_(pa.float32()),
+        pa.large_list(pa.string()),
+        pa.list_(pa.timestamp("ns")),
+        pa.struct(
+            [
+                ("name", pa.string()),
+                ("n", pa.int64()),
+                ("tags", pa.list_(pa.string())),
+                ("inner", pa.struct([pa.field("x", pa.bool_(), nullable=False)])),
+            ]
+        ),
+    ]:
         assert parse_arrow_type(str(t)) == t
     with pytest.raises(TypeError):
         pd.api.types.pandas_dtype("list<item: nonsense>[pyarrow]")
@@ -395,8 +449,11 @@ def test_registry_drives_the_output_columns(kw, classifier):
     from dfllm.tasks.kinds import KINDS
 
     df = pd.DataFrame({"t": ["Paris is in France.", None], "u": ["The capital of France", "x"]})
-    options = {"generate": dict(sampling_params=SP, **kw), "chat": dict(sampling_params=SP, **kw),
-               "classify": {"model": str(classifier)}}
+    options = {
+        "generate": dict(sampling_params=SP, **kw),
+        "chat": dict(sampling_params=SP, **kw),
+        "classify": {"model": str(classifier)},
+    }
     inputs = {"chat": ("{t}",), "score": ("t", "u")}
     assert list(KINDS) == ["generate", "chat", "embed", "score", "classify"]
     for name, spec in KINDS.items():

@@ -33,8 +33,10 @@ from dfllm import LLM, SamplingParams
 SP = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
 ENGINE = dict(max_model_len=64, kv_cache_memory_bytes=2**22)  # as tests/test_accessors.py: one shared engine
 GOOD = ["What is 2+2?", "Name a colour."]
-GOOD_CONV = [[{"role": "user", "content": "Hi"}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]]
+GOOD_CONV = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+]
 BINARY = pd.ArrowDtype(pa.binary())
 
 
@@ -102,17 +104,27 @@ ROW_CASES = [
     # chat: a column of conversations
     RowCase("chat-missing-role", [{"content": "hi"}], "message 0: role must be one of", "chat"),
     RowCase("chat-unknown-role", [{"role": "wizard", "content": "hi"}], "got 'wizard'", "chat"),
-    RowCase("chat-content-int", [{"role": "user", "content": 5}],
-            "content must be a str or a list of text parts, got int", "chat"),
+    RowCase(
+        "chat-content-int",
+        [{"role": "user", "content": 5}],
+        "content must be a str or a list of text parts, got int",
+        "chat",
+    ),
     RowCase("chat-content-null", [{"role": "user", "content": None}], "content must be a str", "chat"),
-    RowCase("chat-content-image-part", [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}],
-            "this model takes no images", "chat"),
-    RowCase("chat-content-surrogate", [{"role": "user", "content": "hi \ud83d"}], "content is not valid Unicode",
-            "chat"),
+    RowCase(
+        "chat-content-image-part",
+        [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}],
+        "this model takes no images",
+        "chat",
+    ),
+    RowCase(
+        "chat-content-surrogate", [{"role": "user", "content": "hi \ud83d"}], "content is not valid Unicode", "chat"
+    ),
     RowCase("chat-message-not-dict", ["hello"], "a message must be a dict, got str", "chat"),
     RowCase("chat-empty-conversation", [], "must be a non-empty list of messages", "chat"),
-    RowCase("chat-string-not-conversation", "hello", "the conversation is a string that is neither JSON nor a list",
-            "chat"),
+    RowCase(
+        "chat-string-not-conversation", "hello", "the conversation is a string that is neither JSON nor a list", "chat"
+    ),
     RowCase("chat-string-holding-a-dict", '{"role": "user"}', "the conversation is a string holding dict", "chat"),
     RowCase("chat-null-conversation", None, "the conversation is null", "chat"),
     RowCase("chat-past-context-length", [{"role": "user", "content": LONG}], "longer than max_model_len=64", "chat"),
@@ -125,14 +137,19 @@ ROW_CASES = [
     RowCase("sp-top-p-above-one", {"top_p": 1.5}, "top_p must be in (0.0, 1.0]", "sampling"),
     RowCase("sp-stop-empty-string", {"stop": ["", "x"]}, "every stop string must be a non-empty str", "sampling"),
     RowCase("sp-unknown-field", {"temprature": 0.5}, "unknown field(s) ['temprature']", "sampling"),
-    RowCase("sp-text-not-a-dict", "greedy please", "a string that is neither JSON nor a dict of SamplingParams",
-            "sampling"),
+    RowCase(
+        "sp-text-not-a-dict", "greedy please", "a string that is neither JSON nor a dict of SamplingParams", "sampling"
+    ),
     RowCase("sp-text-holding-a-list", "[0.5]", "a string holding list, not a dict of SamplingParams", "sampling"),
     RowCase("sp-json-bad-field", '{"max_tokens": 0}', "max_tokens must be >= 1, got 0", "sampling"),
     RowCase("sp-not-a-dict", 7, "must be a dict of SamplingParams fields, got int", "sampling"),
     RowCase("sp-n-above-one", {"n": 2, "temperature": 1.0}, "n must be 1 in a dataframe", "sampling"),
-    RowCase("sp-logprobs-past-vocab", {"logprobs": 10**9, **SP}, "logprobs=1000000000 exceeds the model's vocabulary",
-            "sampling"),
+    RowCase(
+        "sp-logprobs-past-vocab",
+        {"logprobs": 10**9, **SP},
+        "logprobs=1000000000 exceeds the model's vocabulary",
+        "sampling",
+    ),
 ]
 
 
@@ -144,8 +161,9 @@ def case_frame(case: RowCase, index) -> tuple[pd.DataFrame, dict]:
         values = [GOOD[0].encode(), case.bad, GOOD[1].encode()]
         df, args = pd.DataFrame({"q": pd.array(values, dtype=BINARY)}), {"prompt": "q"}
     elif case.kind == "template":
-        df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]],
-                           "topic": pd.Series(["math", case.bad, "art"], dtype=object)})
+        df = pd.DataFrame(
+            {"q": [GOOD[0], "unused", GOOD[1]], "topic": pd.Series(["math", case.bad, "art"], dtype=object)}
+        )
         args = {"prompt": "Q: {q} ({topic})"}
     elif case.kind == "template-width":  # a width taken from a column: "xxx" is no width
         df = pd.DataFrame({"q": [GOOD[0], "unused", GOOD[1]], "topic": ["1", case.bad, "2"]})
@@ -154,8 +172,9 @@ def case_frame(case: RowCase, index) -> tuple[pd.DataFrame, dict]:
         df = pd.DataFrame({"c": pd.Series([GOOD_CONV[0], case.bad, GOOD_CONV[1]], dtype=object)})
         args = {"messages": "c"}
     elif case.kind == "sampling":
-        df = pd.DataFrame({"q": [GOOD[0], GOOD[0], GOOD[1]],
-                           "sp": pd.Series([dict(SP), case.bad, dict(SP)], dtype=object)})
+        df = pd.DataFrame(
+            {"q": [GOOD[0], GOOD[0], GOOD[1]], "sp": pd.Series([dict(SP), case.bad, dict(SP)], dtype=object)}
+        )
         args = {"prompt": "q", "sampling_params": "sp"}
     else:
         raise AssertionError(case.kind)
@@ -214,8 +233,7 @@ def test_bad_row_dask(case, kw, alone):
     check_result(out.compute(scheduler="synchronous"), df, case, alone)
 
 
-@pytest.mark.parametrize("case", [c for c in ROW_CASES if c.kind in ("generate", "sampling")][:4],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in ROW_CASES if c.kind in ("generate", "sampling")][:4], ids=lambda c: c.id)
 def test_on_error_raise_names_the_row(case, kw):
     df, args = case_frame(case, index=[0, 1, 2])
     with pytest.raises(ValueError, match="row 1 of the partition"):
@@ -250,8 +268,14 @@ def test_empty_dataframe(kw):
     df = pd.DataFrame({"q": pd.Series([], dtype=object)})
     out = df.llm.generate("q", sampling_params=SP, **kw)
     assert len(out) == 0
-    assert list(out.columns) == ["q", "generated_text", "num_input_tokens", "num_generated_tokens", "finish_reason",
-                                 "llm_error"]
+    assert list(out.columns) == [
+        "q",
+        "generated_text",
+        "num_input_tokens",
+        "num_generated_tokens",
+        "finish_reason",
+        "llm_error",
+    ]
     assert str(out.dtypes["num_generated_tokens"]) == "int64[pyarrow]"
 
 
@@ -302,8 +326,7 @@ CALL_CASES = [
     CallCase("max-tokens-zero", dict(sampling_params={"max_tokens": 0}), "max_tokens must be >= 1, got 0"),
     CallCase("max-tokens-negative", dict(sampling_params={"max_tokens": -1}), "max_tokens must be >= 1, got -1"),
     CallCase("temperature-nan", dict(sampling_params={"temperature": math.nan}), "temperature must be finite"),
-    CallCase("temperature-negative", dict(sampling_params={"temperature": -1.0}),
-             r"temperature must be >= 0.0"),
+    CallCase("temperature-negative", dict(sampling_params={"temperature": -1.0}), r"temperature must be >= 0.0"),
     CallCase("top-p-zero", dict(sampling_params={"top_p": 0.0}), r"top_p must be in \(0.0, 1.0\]"),
     CallCase("top-p-above-one", dict(sampling_params={"top_p": 1.01}), r"top_p must be in \(0.0, 1.0\]"),
     CallCase("stop-empty-string", dict(sampling_params={"stop": [""]}), "every stop string must be a non-empty str"),
@@ -313,8 +336,9 @@ CALL_CASES = [
     CallCase("sampling-column-missing", dict(sampling_params="sp"), "sampling_params column 'sp' not in the dataframe"),
     CallCase("on-error-unknown", dict(on_error="skip"), "on_error must be one of"),
     CallCase("output-column-clash", dict(output_column="q"), "already exist"),
-    CallCase("unknown-model", dict(model="no/such/model-dir"),
-             "not a bundled model alias and not an existing directory"),
+    CallCase(
+        "unknown-model", dict(model="no/such/model-dir"), "not a bundled model alias and not an existing directory"
+    ),
 ]
 
 
@@ -322,8 +346,11 @@ CALL_CASES = [
 @pytest.mark.parametrize("case", CALL_CASES, ids=[c.id for c in CALL_CASES])
 def test_bad_call_raises_before_work(case, frame, kw):
     df = pd.DataFrame({"q": GOOD})
-    obj = {"pandas": lambda: df, "dask": lambda: dd.from_pandas(df, npartitions=1),
-           "polars": lambda: pl.from_pandas(df)}[frame]()
+    obj = {
+        "pandas": lambda: df,
+        "dask": lambda: dd.from_pandas(df, npartitions=1),
+        "polars": lambda: pl.from_pandas(df),
+    }[frame]()
     args = {**kw, **case.args}
     prompt = args.pop("prompt", "q")
     with pytest.raises(case.exc, match=case.error):
@@ -406,8 +433,9 @@ def test_bad_model_directory(name, make, exc, match, tiny_llama, tmp_path):
 
 # ---- Polars ------------------------------------------------------------------------------------------------
 def test_polars_bad_rows(kw, alone):
-    df = pl.DataFrame({"q": [GOOD[0], None, "   ", GOOD[1]],
-                       "b": [GOOD[0].encode(), b"\xc3\x28", None, GOOD[1].encode()]})
+    df = pl.DataFrame(
+        {"q": [GOOD[0], None, "   ", GOOD[1]], "b": [GOOD[0].encode(), b"\xc3\x28", None, GOOD[1].encode()]}
+    )
     out = df.llm.generate("q", sampling_params=SP, **kw)
     assert out.height == 4 and out["q"].to_list() == df["q"].to_list()
     assert out["llm_error"].to_list()[1:3] == ["column 'q' is null", "column 'q' is empty"]
@@ -428,16 +456,19 @@ def llm(tiny_llama):
     return LLM(tiny_llama, **ENGINE)
 
 
-@pytest.mark.parametrize("prompts,params,match", [
-    (["ok", "bad \ud800"], None, r"prompt 1 is not valid Unicode: lone surrogate"),
-    ([{"prompt": "\udc00"}], None, r"prompt 0 is not valid Unicode"),
-    (None, None, "prompts must be a str, a dict or a list of them, got NoneType"),
-    (["ok", None], None, "prompt 1: expected a str"),
-    (["ok", b"bytes"], None, "prompt 1: expected a str"),
-    (["ok", ""], None, "prompt 1 is empty"),
-    (["ok", "word " * 200], None, "prompt 1 has .* tokens, longer than max_model_len=64"),
-    (["ok", "fine"], [SamplingParams(), SamplingParams(logprobs=10**6)], "prompt 1: logprobs=1000000 exceeds"),
-])
+@pytest.mark.parametrize(
+    "prompts,params,match",
+    [
+        (["ok", "bad \ud800"], None, r"prompt 1 is not valid Unicode: lone surrogate"),
+        ([{"prompt": "\udc00"}], None, r"prompt 0 is not valid Unicode"),
+        (None, None, "prompts must be a str, a dict or a list of them, got NoneType"),
+        (["ok", None], None, "prompt 1: expected a str"),
+        (["ok", b"bytes"], None, "prompt 1: expected a str"),
+        (["ok", ""], None, "prompt 1 is empty"),
+        (["ok", "word " * 200], None, "prompt 1 has .* tokens, longer than max_model_len=64"),
+        (["ok", "fine"], [SamplingParams(), SamplingParams(logprobs=10**6)], "prompt 1: logprobs=1000000 exceeds"),
+    ],
+)
 def test_llm_generate_refuses_before_work(llm, prompts, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, params, use_tqdm=False)
@@ -445,12 +476,15 @@ def test_llm_generate_refuses_before_work(llm, prompts, params, match):
     assert llm.generate("ok", SamplingParams(**SP), use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("messages,match", [
-    ([{"role": "user", "content": "x \ud800"}], "conversation 0, message 0: content is not valid Unicode"),
-    ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "content is not valid Unicode"),
-    ([[{"role": "user", "content": "ok"}], [{"role": "robot", "content": "x"}]], "conversation 1, message 0: role"),
-    ([{"role": "user"}], "content must be a str"),
-])
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([{"role": "user", "content": "x \ud800"}], "conversation 0, message 0: content is not valid Unicode"),
+        ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "content is not valid Unicode"),
+        ([[{"role": "user", "content": "ok"}], [{"role": "robot", "content": "x"}]], "conversation 1, message 0: role"),
+        ([{"role": "user"}], "content must be a str"),
+    ],
+)
 def test_llm_chat_refuses_before_work(llm, messages, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, SamplingParams(**SP), use_tqdm=False)
@@ -462,19 +496,26 @@ def embedder():
     return LLM("all-minilm-l6-v2")
 
 
-@pytest.mark.parametrize("prompts,match", [
-    (["ok", "\ud800"], r"prompt 1 is not valid Unicode"),
-    (["ok", None], "prompt 1: expected a str"),
-    ([{"prompt_token_ids": [1, 10**8]}], "token id 100000000 is outside the model's vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompts,match",
+    [
+        (["ok", "\ud800"], r"prompt 1 is not valid Unicode"),
+        (["ok", None], "prompt 1: expected a str"),
+        ([{"prompt_token_ids": [1, 10**8]}], "token id 100000000 is outside the model's vocabulary"),
+    ],
+)
 def test_llm_embed_refuses_bad_prompts(embedder, prompts, match):
     with pytest.raises(ValueError, match=match):
         embedder.embed(prompts, use_tqdm=False)
 
 
 def test_embed_and_score_bad_rows(embedder):
-    df = pd.DataFrame({"a": pd.Series(["Paris is in France.", "\ud800", None, "Trains"], dtype=object),
-                       "b": ["The capital of France", "x", "y", "Rails"]})
+    df = pd.DataFrame(
+        {
+            "a": pd.Series(["Paris is in France.", "\ud800", None, "Trains"], dtype=object),
+            "b": ["The capital of France", "x", "y", "Rails"],
+        }
+    )
     emb = df.llm.embed("a")
     assert "not valid Unicode" in emb.llm_error[1] and "is null" in emb.llm_error[2]
     ref = embedder.embed(["Paris is in France.", "Trains"], use_tqdm=False)
@@ -518,13 +559,17 @@ def test_failed_step_is_reported_and_engine_recovers(kw, alone):
         t.start()
         t.join(60)
         assert not t.is_alive(), "the dataframe call hung after a failed engine step"
-        assert isinstance(results[0], RuntimeError) and "the engine failed while generating these rows" in str(
-            results[0]) and "injected fault" in str(results[0])
+        assert (
+            isinstance(results[0], RuntimeError)
+            and "the engine failed while generating these rows" in str(results[0])
+            and "injected fault" in str(results[0])
+        )
     finally:
         for h in hooks:
             h.remove()
-    assert shared.generate(GOOD[0], SamplingParams(**SP), use_tqdm=False)[0].outputs[0].text == alone("generate",
-                                                                                                    GOOD[0])
+    assert shared.generate(GOOD[0], SamplingParams(**SP), use_tqdm=False)[0].outputs[0].text == alone(
+        "generate", GOOD[0]
+    )
     out = pd.DataFrame({"q": GOOD}).llm.generate("q", sampling_params=SP, **kw)
     assert out.generated_text.tolist() == [alone("generate", p) for p in GOOD]
 
@@ -552,15 +597,19 @@ def test_failed_step_keeps_queued_requests(llm, alone):
     first, second = llm.enqueue(GOOD[0], SamplingParams(**SP)), llm.enqueue(GOOD[1], SamplingParams(**SP))
     hooks = llm.apply_model(lambda m: m.register_forward_hook(_raise))
     try:
-        with pytest.raises(RequestFailedError, match=rf"2 of 2 requests failed.*request {first[0]}: the engine "
-                           rf"failed while serving request {first[0]}: InjectedFault") as info:
+        with pytest.raises(
+            RequestFailedError,
+            match=rf"2 of 2 requests failed.*request {first[0]}: the engine "
+            rf"failed while serving request {first[0]}: InjectedFault",
+        ) as info:
             llm.wait_for_completion(use_tqdm=False)
     finally:
         for h in hooks:
             h.remove()
     assert [o.request_id for o in info.value.outputs] == first + second and info.value.failed == [0, 1]
-    assert all(o.outputs[0].finish_reason == "error" and "injected fault" in o.outputs[0].error
-               for o in info.value.outputs)
+    assert all(
+        o.outputs[0].finish_reason == "error" and "injected fault" in o.outputs[0].error for o in info.value.outputs
+    )
     assert not llm.engine.has_unfinished_requests()
     llm.enqueue(GOOD, SamplingParams(**SP))
     assert [o.outputs[0].text for o in llm.wait_for_completion(use_tqdm=False)] == [alone("generate", p) for p in GOOD]
@@ -591,8 +640,9 @@ def test_bad_rows_on_a_cluster(client, kw, alone):
     for i, c in enumerate(text):
         assert got.generated_text.iloc[2 * i] == alone("generate", GOOD[i % 2])
         assert pd.isna(got.llm_error.iloc[2 * i]) and c.error in got.llm_error.iloc[2 * i + 1]
-    conv = pd.DataFrame({"c": pd.Series([GOOD_CONV[0], [{"role": "wizard", "content": "x"}], None, GOOD_CONV[1]],
-                                        dtype=object)})
+    conv = pd.DataFrame(
+        {"c": pd.Series([GOOD_CONV[0], [{"role": "wizard", "content": "x"}], None, GOOD_CONV[1]], dtype=object)}
+    )
     chat = from_pandas(conv, npartitions=2).llm.chat("c", sampling_params=SP, **kw).compute()
     assert chat.generated_text.tolist()[::3] == [alone("chat", c) for c in GOOD_CONV]
     assert "got 'wizard'" in chat.llm_error[1] and "is null" in chat.llm_error[2]
@@ -603,19 +653,26 @@ def test_chat_template_rendering_nothing_for_some_rows(tiny_llama, tmp_path):
     renders an empty prompt, a per-row error; the others are generated."""
     path = shutil.copytree(tiny_llama, tmp_path / "system-only")
     (path / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}")
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    convs = [[{"role": "system", "content": GOOD[0]}], [{"role": "user", "content": "no system turn"}],
-             [{"role": "system", "content": GOOD[1]}, {"role": "user", "content": "x"}]]
+    convs = [
+        [{"role": "system", "content": GOOD[0]}],
+        [{"role": "user", "content": "no system turn"}],
+        [{"role": "system", "content": GOOD[1]}, {"role": "user", "content": "x"}],
+    ]
     df = pd.DataFrame({"c": pd.Series(convs, dtype=object)})
     out = df.llm.chat("c", model=str(path), sampling_params=SP, **ENGINE)
     assert "the prompt is empty" in out.llm_error[1] and out.llm_error[[0, 2]].isna().all()
     llm = LLM(path, **ENGINE)
     tok = llm.get_tokenizer()
-    ref = llm.generate([{"prompt_token_ids": tok.encode(g, add_special_tokens=False)} for g in GOOD],
-                       SamplingParams(**SP), use_tqdm=False)
+    ref = llm.generate(
+        [{"prompt_token_ids": tok.encode(g, add_special_tokens=False)} for g in GOOD],
+        SamplingParams(**SP),
+        use_tqdm=False,
+    )
     assert out.generated_text[[0, 2]].tolist() == [r.outputs[0].text for r in ref]
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         llm.chat(convs, SamplingParams(**SP), use_tqdm=False)

@@ -67,9 +67,15 @@ def hf_model(converted: Path):
 @needs_smollm2
 def test_conversion_writes_hf_directory(converted: Path) -> None:
     assert converted == cache_dir() / "models" / ALIAS
-    for name in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json",
-                 "model.safetensors", MARKER_FILE):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "model.safetensors",
+        MARKER_FILE,
+    ):
         assert (converted / name).is_file(), name
     config = json.loads((converted / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -102,8 +108,11 @@ def test_safetensors_names_and_dtype(converted: Path) -> None:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F32"
         assert f.get_slice("model.embed_tokens.weight").get_shape() == [49152, 576]
     assert "lm_head.weight" not in keys  # tied embeddings
-    assert {"model.norm.weight", "model.layers.0.self_attn.q_proj.weight",
-            "model.layers.29.mlp.down_proj.weight"} <= keys
+    assert {
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+    } <= keys
     assert len(keys) == 2 + 30 * 9
 
 
@@ -159,11 +168,13 @@ def test_transformers_generates_paris(hf_model) -> None:
     assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text
 
 
@@ -236,8 +247,7 @@ def fake_converter(monkeypatch, tmp_path):
 
 def test_concurrent_resolves_convert_once(fake_converter) -> None:
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model(ALIAS)))
-               for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(resolve_model(ALIAS))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def dfllm(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def in_process(argv: list[str], capsys) -> tuple[int, str]:
@@ -54,24 +55,56 @@ def questions(tmp_path_factory):
 def test_generate_writes_what_llm_generate_gives(cli_cluster, tiny_llama, questions, tmp_path):
     path, df = questions
     out = tmp_path / "out"
-    stdout = ok(dfllm("run", str(path), str(out), "--prompt", "Q: {q} A:", "--model", str(tiny_llama),
-                      "--max-tokens", "5", "--max-model-len", "64", "--npartitions", "3",
-                      "--scheduler", cli_cluster.address))
+    stdout = ok(
+        dfllm(
+            "run",
+            str(path),
+            str(out),
+            "--prompt",
+            "Q: {q} A:",
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "5",
+            "--max-model-len",
+            "64",
+            "--npartitions",
+            "3",
+            "--scheduler",
+            cli_cluster.address,
+        )
+    )
     assert "rows:        10 (1 with llm_error)" in stdout and "partitions:  3 (3 written" in stdout
     result = pd.read_parquet(out).sort_values("id")
     assert result["id"].tolist() == list(range(10))
     assert result.loc[result["id"] == 3, "llm_error"].item() == "column 'q' is null"
     good = result[result["id"] != 3]
     llm = LLM(tiny_llama, max_model_len=64, kv_cache_memory_bytes=2**22)
-    ref = llm.generate([f"Q: {q} A:" for q in good["q"]], SamplingParams(temperature=0.0, max_tokens=5),
-                       use_tqdm=False)
+    ref = llm.generate([f"Q: {q} A:" for q in good["q"]], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
     assert good["generated_text"].tolist() == [o.outputs[0].text for o in ref]
     assert good["num_generated_tokens"].tolist() == [len(o.outputs[0].token_ids) for o in ref]
     assert f"tokens:      {int(good['num_input_tokens'].sum())} in" in stdout
 
-    again = ok(dfllm("run", str(path), str(out), "--prompt", "Q: {q} A:", "--model", str(tiny_llama),
-                     "--max-tokens", "5", "--max-model-len", "64", "--npartitions", "3", "--resume",
-                     "--scheduler", cli_cluster.address))
+    again = ok(
+        dfllm(
+            "run",
+            str(path),
+            str(out),
+            "--prompt",
+            "Q: {q} A:",
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "5",
+            "--max-model-len",
+            "64",
+            "--npartitions",
+            "3",
+            "--resume",
+            "--scheduler",
+            cli_cluster.address,
+        )
+    )
     assert "partitions:  3 (0 written, 3 already complete)" in again
 
 
@@ -81,8 +114,25 @@ def test_chat_reads_conversations_from_json_lines(cli_cluster, tiny_llama, tmp_p
     rows.append({"messages": [{"role": "wizard", "content": "bad role"}]})
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    ok(dfllm("run", str(src), str(out), "--task", "chat", "--system", "Be brief.", "--model", str(tiny_llama),
-             "--max-tokens", "4", "--max-model-len", "128", "--scheduler", cli_cluster.address))
+    ok(
+        dfllm(
+            "run",
+            str(src),
+            str(out),
+            "--task",
+            "chat",
+            "--system",
+            "Be brief.",
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "4",
+            "--max-model-len",
+            "128",
+            "--scheduler",
+            cli_cluster.address,
+        )
+    )
     result = pd.read_parquet(out)
     assert len(result) == 4
     assert result["llm_error"].isna().tolist() == [True, True, True, False]
@@ -108,13 +158,27 @@ def test_embed_csv_with_the_default_model(cli_cluster, tmp_path):
 def test_score_and_classify(cli_cluster, tmp_path, minilm_classifier):
     src = tmp_path / "pairs.jsonl"
     pd.DataFrame({"text_1": ["a cat", "a cat"], "text_2": ["a kitten", "tax law"]}).to_json(
-        src, orient="records", lines=True)
+        src, orient="records", lines=True
+    )
     ok(dfllm("run", str(src), str(tmp_path / "scores"), "--task", "score", "--scheduler", cli_cluster.address))
     scores = pd.read_parquet(tmp_path / "scores")["score"].tolist()
     assert scores[0] > scores[1]
 
-    ok(dfllm("run", str(src), str(tmp_path / "labels"), "--task", "classify", "--prompt", "text_1",
-             "--model", str(minilm_classifier), "--scheduler", cli_cluster.address))
+    ok(
+        dfllm(
+            "run",
+            str(src),
+            str(tmp_path / "labels"),
+            "--task",
+            "classify",
+            "--prompt",
+            "text_1",
+            "--model",
+            str(minilm_classifier),
+            "--scheduler",
+            cli_cluster.address,
+        )
+    )
     labels = pd.read_parquet(tmp_path / "labels")
     assert set(labels["label"]) <= {"label_0", "label_1", "label_2"}
     assert all(abs(sum(p) - 1) < 1e-5 for p in labels["probs"])
@@ -125,16 +189,21 @@ def minilm_classifier(tmp_path_factory):
     return build_tiny_classifier(tmp_path_factory.mktemp("models"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "{missing}", "{out}"], "input not found"),
-    (["run", "{input}", "{out}", "--prompt", "nope"], "column(s) ['nope'] not in the dataframe"),
-    (["run", "{input}", "{out}", "--prompt", "q", "--model", "no-such-model"], "Unknown model 'no-such-model'"),
-    (["run", "{input}", "{out}", "--prompt", "q", "--storage-options", "{not json"],
-     "--storage-options: not valid JSON"),
-    (["run", "{input}", "{out}", "--prompt", "q", "--storage-options", "[1, 2]"], "must be a JSON object"),
-    (["run", "{input}", "{out}", "--prompt", "q", "--max-tokens", "0"], "max_tokens must be >= 1"),
-    (["run", "{input}", "{out}", "--task", "classify", "--prompt", "q"], "--task classify needs --model"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "{missing}", "{out}"], "input not found"),
+        (["run", "{input}", "{out}", "--prompt", "nope"], "column(s) ['nope'] not in the dataframe"),
+        (["run", "{input}", "{out}", "--prompt", "q", "--model", "no-such-model"], "Unknown model 'no-such-model'"),
+        (
+            ["run", "{input}", "{out}", "--prompt", "q", "--storage-options", "{not json"],
+            "--storage-options: not valid JSON",
+        ),
+        (["run", "{input}", "{out}", "--prompt", "q", "--storage-options", "[1, 2]"], "must be a JSON object"),
+        (["run", "{input}", "{out}", "--prompt", "q", "--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["run", "{input}", "{out}", "--task", "classify", "--prompt", "q"], "--task classify needs --model"),
+    ],
+)
 def test_errors_are_one_line_and_non_zero(questions, tmp_path, args, message, capsys):
     path, _ = questions
     subs = {"{missing}": str(tmp_path / "missing.parquet"), "{input}": str(path), "{out}": str(tmp_path / "out")}
@@ -173,19 +242,47 @@ def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp
     path, _ = questions
     cluster = CLICluster(workers=2, threads=2, resources=["GPU=1", None])
     try:
-        ok(dfllm("run", str(path), str(tmp_path / "out"), "--prompt", "{q}", "--model", str(tiny_llama),
-                 "--max-tokens", "3", "--max-model-len", "64", "--npartitions", "4", "--gpu",
-                 "--scheduler", cluster.address))
+        ok(
+            dfllm(
+                "run",
+                str(path),
+                str(tmp_path / "out"),
+                "--prompt",
+                "{q}",
+                "--model",
+                str(tiny_llama),
+                "--max-tokens",
+                "3",
+                "--max-model-len",
+                "64",
+                "--npartitions",
+                "4",
+                "--gpu",
+                "--scheduler",
+                cluster.address,
+            )
+        )
         info = cluster.client().scheduler_info(n_workers=-1)["workers"]
         loads = cluster.client().run(engine_cache.load_count)
-        assert {a: loads[a] for a, w in info.items() if w["resources"].get("GPU")} == \
-            {a: 1 for a, w in info.items() if w["resources"].get("GPU")}
+        assert {a: loads[a] for a, w in info.items() if w["resources"].get("GPU")} == {
+            a: 1 for a, w in info.items() if w["resources"].get("GPU")
+        }
         assert all(loads[a] == 0 for a, w in info.items() if not w["resources"].get("GPU"))
         assert len(pd.read_parquet(tmp_path / "out")) == 10
 
         # asking for engines of two GPUs where no worker has two is refused before any work
-        bad = dfllm("run", str(path), str(tmp_path / "out2"), "--prompt", "{q}", "--gpu", "--scheduler",
-                    cluster.address, "--tensor-parallel-size", "2")
+        bad = dfllm(
+            "run",
+            str(path),
+            str(tmp_path / "out2"),
+            "--prompt",
+            "{q}",
+            "--gpu",
+            "--scheduler",
+            cluster.address,
+            "--tensor-parallel-size",
+            "2",
+        )
         assert bad.returncode == 1 and "no worker of the cluster declares the resource GPU >= 2" in bad.stderr
         assert not (tmp_path / "out2").exists()
     finally:
@@ -194,14 +291,39 @@ def test_gpu_flag_runs_only_on_workers_declaring_gpus(tiny_llama, questions, tmp
 
 def test_structured_outputs_from_the_command_line(cli_cluster, tiny_llama, questions, tmp_path):
     path, _ = questions
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["answer", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["answer", "n"],
+    }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    common = ["--prompt", "{q}", "--model", str(tiny_llama), "--max-model-len", "128", "--npartitions", "2",
-              "--scheduler", cli_cluster.address]
-    ok(dfllm("run", str(path), str(tmp_path / "json"), "--json-schema", str(tmp_path / "schema.json"),
-             "--max-tokens", "64", *common))
+    common = [
+        "--prompt",
+        "{q}",
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        "128",
+        "--npartitions",
+        "2",
+        "--scheduler",
+        cli_cluster.address,
+    ]
+    ok(
+        dfllm(
+            "run",
+            str(path),
+            str(tmp_path / "json"),
+            "--json-schema",
+            str(tmp_path / "schema.json"),
+            "--max-tokens",
+            "64",
+            *common,
+        )
+    )
     out = pd.read_parquet(tmp_path / "json", dtype_backend="pyarrow")
     assert str(out["generated_text"].dtype).startswith("struct<answer: string, n: int64>")
     done = out[out["llm_error"].isna()]
@@ -226,10 +348,30 @@ def test_gpu_worker_hosts_a_tensor_parallel_engine(tiny_llama, questions, tmp_pa
     path, df = questions
     cluster = CLICluster(workers=1, threads=2, resources=["GPU=2"])
     try:
-        stdout = ok(dfllm("run", str(path), str(tmp_path / "out"), "--prompt", "{q}", "--model", str(tiny_llama),
-                          "--max-tokens", "4", "--max-model-len", "64", "--npartitions", "2", "--gpu",
-                          "--tensor-parallel-size", "2", "--scheduler", cluster.address))
+        stdout = ok(
+            dfllm(
+                "run",
+                str(path),
+                str(tmp_path / "out"),
+                "--prompt",
+                "{q}",
+                "--model",
+                str(tiny_llama),
+                "--max-tokens",
+                "4",
+                "--max-model-len",
+                "64",
+                "--npartitions",
+                "2",
+                "--gpu",
+                "--tensor-parallel-size",
+                "2",
+                "--scheduler",
+                cluster.address,
+            )
+        )
         assert "rows:        10 (1 with llm_error)" in stdout
+
         def engine_ranks() -> list[int]:  # on the worker: how many ranks answer, per engine
             from dfllm.worker import engine_cache
 
@@ -256,14 +398,26 @@ def run_prompts(tmp_path, prompts: list[str], *args: str, out: str = "out") -> s
 
 
 def test_every_row_failing_exits_3_after_writing_the_output(cli_cluster, tiny_llama, tmp_path):
-    common = ("--model", str(tiny_llama), "--max-tokens", "2", "--max-model-len", "64", "--npartitions", "2",
-              "--scheduler", cli_cluster.address, "--no-progress")
+    common = (
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "2",
+        "--max-model-len",
+        "64",
+        "--npartitions",
+        "2",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     result = run_prompts(tmp_path, [""] * 6, *common)
     assert result.returncode == 3, result.stderr[-3000:]
     assert "rows:        6 (6 with llm_error)" in result.stdout  # the summary as usual
     assert result.stderr.strip().splitlines()[-1] == (
         f"dfllm: error: 6 of 6 rows (100.0%) have llm_error, above --max-error-rate 0.5; "
-        f"the output was written to {tmp_path / 'out'}")
+        f"the output was written to {tmp_path / 'out'}"
+    )
     out = pd.read_parquet(tmp_path / "out")
     assert len(out) == 6 and out["llm_error"].notna().all()
 
@@ -275,8 +429,20 @@ def test_every_row_failing_exits_3_after_writing_the_output(cli_cluster, tiny_ll
 
 
 def test_error_rate_at_or_below_the_threshold_exits_0(cli_cluster, tiny_llama, tmp_path):
-    common = ("--model", str(tiny_llama), "--max-tokens", "2", "--max-model-len", "64", "--npartitions", "2",
-              "--scheduler", cli_cluster.address, "--no-progress", "--resume")
+    common = (
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "2",
+        "--max-model-len",
+        "64",
+        "--npartitions",
+        "2",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+        "--resume",
+    )
     prompts = ["Why is the sky blue?", "", "Name a river.", "Say hi."]  # one row of four fails
     assert "rows:        4 (1 with llm_error)" in ok(run_prompts(tmp_path, prompts, *common))  # default 0.5
     at_threshold = ok(run_prompts(tmp_path, prompts, *common, "--max-error-rate", "0.25"))
@@ -288,8 +454,23 @@ def test_error_rate_at_or_below_the_threshold_exits_0(cli_cluster, tiny_llama, t
 
 
 def test_empty_input_is_not_an_error(cli_cluster, tiny_llama, tmp_path):
-    stdout = ok(run_prompts(tmp_path, [], "--model", str(tiny_llama), "--max-tokens", "2", "--max-model-len", "64",
-                            "--max-error-rate", "0", "--scheduler", cli_cluster.address, "--no-progress"))
+    stdout = ok(
+        run_prompts(
+            tmp_path,
+            [],
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "2",
+            "--max-model-len",
+            "64",
+            "--max-error-rate",
+            "0",
+            "--scheduler",
+            cli_cluster.address,
+            "--no-progress",
+        )
+    )
     assert "rows:        0 (0 with llm_error)" in stdout
     assert len(pd.read_parquet(tmp_path / "out")) == 0
 
@@ -312,10 +493,25 @@ def test_summary_counts_rows_answered_from_an_identical_row(cli_cluster, tiny_ll
     """Greedy rows identical to one still in the engine are computed once (one partition, so
     they meet in the same engine at once), and the summary says how many."""
     prompts = ["Why is the sky blue?", "Name a river.", "Why is the sky blue?", "Why is the sky blue?"]
-    stdout = ok(run_prompts(tmp_path, prompts, "--model", str(tiny_llama), "--max-tokens", "4",
-                            "--max-model-len", "64", "--npartitions", "1", "--scheduler", cli_cluster.address,
-                            "--no-progress"))
+    stdout = ok(
+        run_prompts(
+            tmp_path,
+            prompts,
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "4",
+            "--max-model-len",
+            "64",
+            "--npartitions",
+            "1",
+            "--scheduler",
+            cli_cluster.address,
+            "--no-progress",
+        )
+    )
     assert "rows:        4 (0 with llm_error, 2 answered from an identical row)" in stdout
     out = pd.read_parquet(tmp_path / "out").set_index("id")
-    assert out.loc["row-0", "generated_text"] == out.loc["row-2", "generated_text"] == out.loc["row-3",
-                                                                                              "generated_text"]
+    assert (
+        out.loc["row-0", "generated_text"] == out.loc["row-2", "generated_text"] == out.loc["row-3", "generated_text"]
+    )

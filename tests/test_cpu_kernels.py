@@ -35,8 +35,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def attention_batch(seqs, kv_heads, group, head_dim, bs, dtype, seed=0, freed_before: int | None = None,
-                    freed: list[int] | None = None):
+def attention_batch(
+    seqs, kv_heads, group, head_dim, bs, dtype, seed=0, freed_before: int | None = None, freed: list[int] | None = None
+):
     """Random q/k/v and a paged cache full of random values for ``seqs`` = [(q_len, seq_len), ...],
     with the metadata of both paths: decode groups for the reference, the flat batch for the kernel.
     ``freed_before`` marks each decode's table entries wholly before that many last keys as freed
@@ -80,11 +81,16 @@ def attention_batch(seqs, kv_heads, group, head_dim, bs, dtype, seed=0, freed_be
         decodes = DecodeBatch(rows, torch.tensor(padded, dtype=torch.int32), lens.to(torch.int32))
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), prefills=prefills, decode_groups=groups,
+        slot_mapping=torch.tensor(slots),
+        prefills=prefills,
+        decode_groups=groups,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32),
         block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32),
-        block_size=bs, max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs), decodes=decodes,
+        block_size=bs,
+        max_query_len=max(q for q, _ in seqs),
+        max_seq_len=max(n for _, n in seqs),
+        decodes=decodes,
     )
     TORCH_OPS.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k, v, k_cache, v_cache, meta
@@ -94,8 +100,7 @@ MIXED = [(5, 5), (1, 33), (7, 40), (1, 70), (1, 1), (1, 16), (1, 17)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_heads,group,head_dim,bs", [(2, 1, 64, 16), (1, 3, 128, 32), (3, 3, 64, 16),
-                                                        (2, 4, 32, 8)])
+@pytest.mark.parametrize("kv_heads,group,head_dim,bs", [(2, 1, 64, 16), (1, 3, 128, 32), (3, 3, 64, 16), (2, 4, 32, 8)])
 def test_attention_mixed_batch(cpu_ops, dtype, kv_heads, group, head_dim, bs):
     q, k, v, kc, vc, meta = attention_batch(MIXED, kv_heads, group, head_dim, bs, dtype)
     want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
@@ -134,8 +139,9 @@ def test_attention_decodes_only_with_strided_queries(cpu_ops, dtype):
 def test_attention_sliding_window_never_reads_freed_blocks(cpu_ops, window):
     seqs = [(1, 90), (6, 30), (1, 33), (1, 7)]
     freed: list[int] = []
-    q, k, v, kc, vc, meta = attention_batch(seqs, 2, 2, 32, 8, torch.float32, seed=window, freed_before=window,
-                                            freed=freed)
+    q, k, v, kc, vc, meta = attention_batch(
+        seqs, 2, 2, 32, 8, torch.float32, seed=window, freed_before=window, freed=freed
+    )
     assert freed or window == 40
     kc[freed] = float("nan")  # a freed block's keys would now be another sequence's
     vc[freed] = float("nan")
@@ -156,8 +162,9 @@ def prefill_rows(meta: AttentionMetadata) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_heads,group,head_dim,bs", [(3, 3, 64, 16), (2, 1, 128, 16), (1, 8, 32, 32),
-                                                        (2, 16, 64, 8), (1, 5, 64, 16)])
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,bs", [(3, 3, 64, 16), (2, 1, 128, 16), (1, 8, 32, 32), (2, 16, 64, 8), (1, 5, 64, 16)]
+)
 def test_prefill_kernel_spans_tiles_and_cached_prefixes(cpu_ops, dtype, kv_heads, group, head_dim, bs):
     """Prefill spans longer than a tile (64 rows: 64 / group queries), over a cached prefix or
     none, beside decodes: the same attention as the reference's SDPA per span."""
@@ -167,8 +174,9 @@ def test_prefill_kernel_spans_tiles_and_cached_prefixes(cpu_ops, dtype, kv_heads
     assert rel_err(got, want) < TOL[dtype]
     # the prefills went through the kernel (not the reference's path): it writes their rows alone
     direct = torch.full_like(q, float("nan"))
-    _cpu.load().prefill_attention(direct, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                  head_dim**-0.5, 0)
+    _cpu.load().prefill_attention(
+        direct, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, head_dim**-0.5, 0
+    )
     rows = prefill_rows(meta)
     assert torch.equal(got[rows], direct[rows])
     others = torch.ones(q.shape[0], dtype=torch.bool)
@@ -257,8 +265,15 @@ def test_rotary_on_views_of_qkv(cpu_ops, dtype):
     assert rel_err(got_q, want_q) < TOL[dtype] and rel_err(got_k, want_k) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 def test_write_kv_cache_skips_padding_and_takes_views(cpu_ops, dtype, cache_dtype):
     """Keys and values as the layer hands them over (a view of the fused projection), padding
     slots (-1) left alone, a float32 step into a bfloat16 cache rounded as ``.to`` does."""

@@ -61,8 +61,9 @@ def test_bfloat16_packed_at_every_size_where_the_cpu_has_bf16_instructions(rows,
     monkeypatch.setattr(cpu_linear, "_packed_linear", lambda *a: calls.append(1) or real(*a))
     out = layer(x)
     assert calls, "the packed GEMM did not run"
-    torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        out.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()), rtol=2e-2, atol=2e-2
+    )
 
 
 def test_a_model_whose_copies_exceed_the_memory_budget_is_not_packed():
@@ -104,8 +105,14 @@ def test_weights_written_through_data_by_an_rpc_callable_are_served(tmp_path, sm
     after = logprob()
 
     def stale(worker) -> float:  # runs before this callable's own refresh
-        return max((m(torch.ones(2, m.in_features)) - F.linear(torch.ones(2, m.in_features), m.weight, m.bias))
-                   .abs().max().item() for m in worker.model.modules() if isinstance(m, PackableLinear))
+        return max(
+            (m(torch.ones(2, m.in_features)) - F.linear(torch.ones(2, m.in_features), m.weight, m.bias))
+            .abs()
+            .max()
+            .item()
+            for m in worker.model.modules()
+            if isinstance(m, PackableLinear)
+        )
 
     assert after != before
     assert llm.collective_rpc(stale)[0] < 1e-4  # every packed copy matches its updated weight

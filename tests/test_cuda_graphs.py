@@ -49,15 +49,24 @@ def test_capture_sizes_from_compilation_config(tiny):
 
     cfg = EngineConfig.create(EngineArgs(tiny, max_num_seqs=20))
     assert cfg.cudagraph_capture_sizes == (1, 2, 4, 8, 16, 24) and cfg.enforce_eager is False
-    cfg = EngineConfig.create(EngineArgs(tiny, enforce_eager=True,
-                                         compilation_config={"cudagraph_capture_sizes": [4, 1]}))
+    cfg = EngineConfig.create(
+        EngineArgs(tiny, enforce_eager=True, compilation_config={"cudagraph_capture_sizes": [4, 1]})
+    )
     assert cfg.cudagraph_capture_sizes == (1, 4) and cfg.enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
         EngineConfig.create(EngineArgs(tiny, enforce_eager="yes"))
 
 
-@pytest.mark.parametrize("value", ["fast", {"cudagraph_capture_sizes": [0, 2]}, {"cudagraph_capture_sizes": [True]},
-                                   {"cudagraph_capture_sizes": "1,2"}, SimpleNamespace(cudagraph_capture_sizes=2.5)])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "fast",
+        {"cudagraph_capture_sizes": [0, 2]},
+        {"cudagraph_capture_sizes": [True]},
+        {"cudagraph_capture_sizes": "1,2"},
+        SimpleNamespace(cudagraph_capture_sizes=2.5),
+    ],
+)
 def test_bad_compilation_config_is_refused_by_name(value):
     with pytest.raises(ValueError, match="compilation_config") as info:
         check_vllm_args(compilation_config=value)
@@ -80,8 +89,7 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]):
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-                for o in outs]
+    logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])] for o in outs]
     return tokens, logprobs
 
 
@@ -95,9 +103,16 @@ def _assert_same(got, want, tol: float):
 def test_padded_static_buffer_decode_matches_eager_step(tiny, device):
     """The path a graph replays, run eagerly: batches of 3 and 1 padded to buckets of 4 and 2
     (padding rows: no cache write, one harmless key), a batch of 2 filling its bucket."""
-    kwargs = dict(device=device, dtype=torch.float32, attention_backend="triton", max_model_len=64, max_num_seqs=4,
-                  kv_cache_memory_bytes=1 << 20, compilation_config={"cudagraph_capture_sizes": [2, 4]},
-                  enforce_eager=True)  # no graphs: capture=False below runs the padded path eagerly
+    kwargs = dict(
+        device=device,
+        dtype=torch.float32,
+        attention_backend="triton",
+        max_model_len=64,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=1 << 20,
+        compilation_config={"cudagraph_capture_sizes": [2, 4]},
+        enforce_eager=True,
+    )  # no graphs: capture=False below runs the padded path eagerly
     prompts = random_prompts(3, 5, 9, seed=7)
     max_tokens = [3, 6, 12]  # 3 decoding, then 2, then 1; the longest crosses a 16-token block
     padded = LLM(tiny, **kwargs)
@@ -142,8 +157,9 @@ def test_graph_replay_matches_eager_on_cuda(tiny):
 def test_graphs_in_bfloat16_give_eagers_greedy_tokens_on_cuda(tiny):
     """The default dtype on a GPU; graphs split the keys into as many segments as ``max_model_len``
     allows (eager steps: as the batch's longest context), so compare tokens and log-probs loosely."""
-    kwargs = dict(device="cuda", dtype=torch.bfloat16, max_model_len=512, max_num_seqs=16,
-                  kv_cache_memory_bytes=1 << 26)
+    kwargs = dict(
+        device="cuda", dtype=torch.bfloat16, max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=1 << 26
+    )
     prompts = random_prompts(11, 5, 60, seed=5)
     max_tokens = [24] * 11
     got = _generate(LLM(tiny, **kwargs), prompts, max_tokens)

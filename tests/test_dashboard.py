@@ -91,8 +91,9 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
 
 def frame(n: int, bad_every: int) -> pd.DataFrame:
     """``n`` questions; every ``bad_every``-th is null, a bad row that gets an ``llm_error``."""
-    return pd.DataFrame({"id": range(n), "q": [None if i % bad_every == 0 else f"question {i}: why?"
-                                               for i in range(n)]})
+    return pd.DataFrame(
+        {"id": range(n), "q": [None if i % bad_every == 0 else f"question {i}: why?" for i in range(n)]}
+    )
 
 
 def both_generating(data: dict) -> bool:
@@ -104,8 +105,17 @@ def cluster():
     """Two worker processes (two threads each) and a scheduler serving Dask's dashboard."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0",
-                      silence_logs=logging.ERROR, env={"DFLLM_NUM_THREADS": "1"}) as c, Client(c) as client:
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=2,
+            processes=True,
+            dashboard_address="127.0.0.1:0",
+            silence_logs=logging.ERROR,
+            env={"DFLLM_NUM_THREADS": "1"},
+        ) as c,
+        Client(c) as client,
+    ):
         yield client
 
 
@@ -122,8 +132,11 @@ def test_a_plain_dask_job_installs_the_page_and_reports_every_worker(cluster, ti
     future = client.compute(ddf.llm.generate("Q: {q}", model=str(tiny_llama), sampling_params=SAMPLING, **ENGINE))
     page = base_url(client)
     # no client-side call: the first partition on a worker asks the scheduler to load the page
-    live = wait_for(lambda: (d := get_json(page + "/data.json")) and both_generating(d) and d, 120,
-                    "both workers to report generated tokens")
+    live = wait_for(
+        lambda: (d := get_json(page + "/data.json")) and both_generating(d) and d,
+        120,
+        "both workers to report generated tokens",
+    )
     assert {w["worker"] for w in live["workers"]} == set(client.scheduler_info()["workers"])
     for w in live["workers"]:
         assert w["models"] == [tiny_llama.name] and w["devices"] == ["cpu"]
@@ -158,8 +171,16 @@ def fresh_cluster():
     tasks), which the module's shared cluster may, depending on the tests before."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0",
-                      silence_logs=logging.ERROR) as c, Client(c) as client:
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address="127.0.0.1:0",
+            silence_logs=logging.ERROR,
+        ) as c,
+        Client(c) as client,
+    ):
         yield client
 
 
@@ -260,14 +281,17 @@ class DevTools:
 async def watch_page(ws_url: str, workers: set[str], timeout: float, screenshot: str | None) -> dict:
     """The page's state once its table shows every worker and its tokens/s plot has data."""
     async with DevTools(ws_url) as tab:
-        await tab.call("Emulation.setDeviceMetricsOverride", width=1200, height=800, deviceScaleFactor=1,
-                       mobile=False)
+        await tab.call("Emulation.setDeviceMetricsOverride", width=1200, height=800, deviceScaleFactor=1, mobile=False)
         end, state = time.monotonic() + timeout, None
         while time.monotonic() < end:
             raw = await tab.evaluate(PAGE_STATE)
             state = json.loads(raw) if raw else None
-            if (state and workers <= set(state["cells"]) and state["canvases"]
-                    and sum(1 for v in state["generated"] or () if v > 0) >= 3):
+            if (
+                state
+                and workers <= set(state["cells"])
+                and state["canvases"]
+                and sum(1 for v in state["generated"] or () if v > 0) >= 3
+            ):
                 break
             await asyncio.sleep(0.5)
         if screenshot:
@@ -283,23 +307,40 @@ def test_chromium_renders_the_page_during_a_job(cluster, tiny_llama, tmp_path):
     client = cluster
     page = base_url(client)
     ddf = dd.from_pandas(frame(48, bad_every=10), npartitions=12)
-    future = client.compute(ddf.llm.generate("Q: {q}", model=str(tiny_llama),
-                                             sampling_params={**SAMPLING, "max_tokens": 96}, **ENGINE))
+    future = client.compute(
+        ddf.llm.generate("Q: {q}", model=str(tiny_llama), sampling_params={**SAMPLING, "max_tokens": 96}, **ENGINE)
+    )
     wait_for(lambda: both_generating(get_json(page + "/data.json")), 120, "the job to start")
     port = free_port()
     profile = tempfile.mkdtemp(dir=tmp_path)
     log = tmp_path / "chromium.log"
     with open(log, "w") as log_file:
-        browser = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                                    "--hide-scrollbars", f"--remote-debugging-port={port}", "--remote-allow-origins=*",
-                                    f"--user-data-dir={profile}", "--window-size=1200,800", page],
-                                   stdout=log_file, stderr=subprocess.STDOUT)
+        browser = subprocess.Popen(
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--hide-scrollbars",
+                f"--remote-debugging-port={port}",
+                "--remote-allow-origins=*",
+                f"--user-data-dir={profile}",
+                "--window-size=1200,800",
+                page,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
 
     def page_target():
         if browser.poll() is not None:
             raise AssertionError(f"Chromium exited with {browser.returncode}: {log.read_text()[-2000:]}")
-        return [t for t in get_json(f"http://127.0.0.1:{port}/json/list")
-                if t.get("type") == "page" and "/dfllm" in t.get("url", "")]
+        return [
+            t
+            for t in get_json(f"http://127.0.0.1:{port}/json/list")
+            if t.get("type") == "page" and "/dfllm" in t.get("url", "")
+        ]
 
     try:
         try:
@@ -307,8 +348,9 @@ def test_chromium_renders_the_page_during_a_job(cluster, tiny_llama, tmp_path):
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{log.read_text()[-2000:]}") from None
         workers = set(client.scheduler_info()["workers"])
-        state = asyncio.run(watch_page(targets[0]["webSocketDebuggerUrl"], workers, 60,
-                                       os.environ.get("DFLLM_DASHBOARD_SCREENSHOT")))
+        state = asyncio.run(
+            watch_page(targets[0]["webSocketDebuggerUrl"], workers, 60, os.environ.get("DFLLM_DASHBOARD_SCREENSHOT"))
+        )
     finally:
         browser.terminate()
         try:
@@ -332,12 +374,37 @@ def preloaded_cluster():
     address = f"tcp://127.0.0.1:{port}"
     env = {**os.environ, "DFLLM_NUM_THREADS": "1"}
     dask = [sys.executable, "-m", "dask"]
-    procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address",
-                                      f"127.0.0.1:{http}", "--preload", "dfllm.dashboard"],
-                              env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    procs += [subprocess.Popen(dask + ["worker", address, "--nthreads", "2", "--no-dashboard", "--memory-limit", "0",
-                                       "--host", "127.0.0.1"], env=env, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            dask
+            + [
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dashboard-address",
+                f"127.0.0.1:{http}",
+                "--preload",
+                "dfllm.dashboard",
+            ],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    procs += [
+        subprocess.Popen(
+            dask
+            + ["worker", address, "--nthreads", "2", "--no-dashboard", "--memory-limit", "0", "--host", "127.0.0.1"],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
     try:
         with Client(address, timeout=60) as client:
             client.wait_for_workers(2, timeout=120)
@@ -365,13 +432,38 @@ def test_dfllm_run_on_a_command_line_cluster_prints_the_page(preloaded_cluster, 
     src = tmp_path / "in.parquet"
     df = frame(40, bad_every=5)  # 8 bad rows
     df.to_parquet(src)
-    run = subprocess.Popen([sys.executable, "-m", "dfllm.jobs.cli", "run", str(src), str(tmp_path / "out"),
-                            "--prompt", "Q: {q}", "--model", str(tiny_llama), "--max-tokens", "48",
-                            "--max-model-len", "256", "--npartitions", "8", "--scheduler", address, "--no-progress"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dfllm.jobs.cli",
+            "run",
+            str(src),
+            str(tmp_path / "out"),
+            "--prompt",
+            "Q: {q}",
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "48",
+            "--max-model-len",
+            "256",
+            "--npartitions",
+            "8",
+            "--scheduler",
+            address,
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        live = wait_for(lambda: (d := get_json(page + "/data.json")) and both_generating(d) and d, 180,
-                        "both workers to report generated tokens")
+        live = wait_for(
+            lambda: (d := get_json(page + "/data.json")) and both_generating(d) and d,
+            180,
+            "both workers to report generated tokens",
+        )
         assert any(j["job"].startswith("llm-write-generate-") for j in live["jobs"])
         stdout, stderr = run.communicate(timeout=180)
     finally:

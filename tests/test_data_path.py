@@ -42,15 +42,17 @@ TEMPLATE = "Q{id}: {question} (price {price:.2f}, ok={ok}, on {day}, {amount}, {
 
 
 def scalar_frame() -> pd.DataFrame:
-    return pd.DataFrame({
-        "id": [1, 2, 3],
-        "question": ["Why is the sky blue?", "Name a river.", "What is 2+2?"],
-        "price": [3.14159, 2.0, None],  # the None becomes NaN: that row's error names the column
-        "ok": [True, False, True],
-        "day": [datetime.date(2026, 1, 31), datetime.date(2026, 2, 1), datetime.date(2026, 3, 1)],
-        "amount": [decimal.Decimal("1.50"), decimal.Decimal("-2"), decimal.Decimal("0.001")],
-        "when": pd.to_datetime(["2026-01-31 09:05", "2026-02-01 17:30", "2026-03-01 00:00"]),
-    })
+    return pd.DataFrame(
+        {
+            "id": [1, 2, 3],
+            "question": ["Why is the sky blue?", "Name a river.", "What is 2+2?"],
+            "price": [3.14159, 2.0, None],  # the None becomes NaN: that row's error names the column
+            "ok": [True, False, True],
+            "day": [datetime.date(2026, 1, 31), datetime.date(2026, 2, 1), datetime.date(2026, 3, 1)],
+            "amount": [decimal.Decimal("1.50"), decimal.Decimal("-2"), decimal.Decimal("0.001")],
+            "when": pd.to_datetime(["2026-01-31 09:05", "2026-02-01 17:30", "2026-03-01 00:00"]),
+        }
+    )
 
 
 def expected_prompts(df: pd.DataFrame) -> list[str | None]:
@@ -166,8 +168,14 @@ def test_model_only_on_the_workers(mixed_cluster, kw, tmp_path):
     df = pd.DataFrame({"q": ["one question", "another question"]})
     with client.as_current():
         ddf = dd.from_pandas(df, npartitions=2)
-        out = ddf.llm.generate("q", model="models/tiny", max_model_len=64, kv_cache_memory_bytes=2**22,
-                               sampling_params=SP, resources={"GPU": 0.5}).compute()
+        out = ddf.llm.generate(
+            "q",
+            model="models/tiny",
+            max_model_len=64,
+            kv_cache_memory_bytes=2**22,
+            sampling_params=SP,
+            resources={"GPU": 0.5},
+        ).compute()
         assert out["llm_error"].isna().all() and out["num_generated_tokens"].tolist() == [4, 4]
         with pytest.raises(ValueError, match="Unknown model 'models/nowhere'"):
             ddf.llm.generate("q", model="models/nowhere", sampling_params=SP)

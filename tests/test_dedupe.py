@@ -99,8 +99,9 @@ def test_followers_survive_a_step_that_raises(tiny_llama):
     rows = [prompts[0], prompts[0], prompts[1], prompts[0]]
     got = llm.generate(as_prompts(rows), GREEDY, use_tqdm=False)
     assert FailOnce.failed
-    want = LLM(tiny_llama, max_model_len=128, deduplicate_requests=False).generate(as_prompts(rows), GREEDY,
-                                                                                   use_tqdm=False)
+    want = LLM(tiny_llama, max_model_len=128, deduplicate_requests=False).generate(
+        as_prompts(rows), GREEDY, use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert all(o.outputs[0].finish_reason == "length" for o in got)
 

@@ -31,16 +31,20 @@ from helpers import CLICluster, local_client
 MAX_LEN = 64
 SP = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
 TEMPLATE = "Q{n} [{x:.1f}]: {q}"
-SETTINGS = settings(max_examples=8, deadline=None, print_blob=True,
-                    derandomize=not os.environ.get("DFLLM_HYPOTHESIS_RANDOM"),
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=8,
+    deadline=None,
+    print_blob=True,
+    derandomize=not os.environ.get("DFLLM_HYPOTHESIS_RANDOM"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=24).filter(
-    lambda s: any(c.isalnum() for c in s))
+    lambda s: any(c.isalnum() for c in s)
+)
 BAD_TEXTS = [None, "", "  \t", "word " * 80]  # null, empty, blank, past max_model_len
 questions = st.one_of(texts, texts, st.sampled_from(BAD_TEXTS))
-rows = st.tuples(questions, st.integers(-10**12, 10**12), st.one_of(st.floats(-1e6, 1e6), st.just(float("nan"))))
+rows = st.tuples(questions, st.integers(-(10**12), 10**12), st.one_of(st.floats(-1e6, 1e6), st.just(float("nan"))))
 
 
 @st.composite
@@ -50,8 +54,14 @@ def frames(draw, max_rows: int = 10) -> tuple[pd.DataFrame, list[int]]:
     drawn = draw(st.lists(rows, min_size=1, max_size=max_rows))
     if draw(st.booleans()):  # duplicate rows
         drawn += drawn[: draw(st.integers(1, len(drawn)))]
-    df = pd.DataFrame({"id": range(len(drawn)), "q": pd.Series([r[0] for r in drawn], dtype=object),
-                       "n": [r[1] for r in drawn], "x": [r[2] for r in drawn]})
+    df = pd.DataFrame(
+        {
+            "id": range(len(drawn)),
+            "q": pd.Series([r[0] for r in drawn], dtype=object),
+            "n": [r[1] for r in drawn],
+            "x": [r[2] for r in drawn],
+        }
+    )
     cuts = sorted(draw(st.lists(st.integers(0, len(df)), min_size=0, max_size=4)))
     return df, cuts
 
@@ -132,9 +142,14 @@ def test_write_parquet_killed_worker_then_resumed_with_other_partitions(kw, expe
     (Dask reruns its tasks), then written again with ``resume=True`` over a different
     partitioning: each time every row exactly once, with its own result."""
     texts_ = ["Hello there", "¿Qué tal?", "数据框", "x", "", None, "word " * 80, "Hello there"]
-    df = pd.DataFrame({"id": range(24), "q": pd.Series([texts_[i % len(texts_)] for i in range(24)], dtype=object),
-                       "n": [i * 10**9 for i in range(24)],
-                       "x": [float("nan") if i == 5 else i / 3 for i in range(24)]})
+    df = pd.DataFrame(
+        {
+            "id": range(24),
+            "q": pd.Series([texts_[i % len(texts_)] for i in range(24)], dtype=object),
+            "n": [i * 10**9 for i in range(24)],
+            "x": [float("nan") if i == 5 else i / 3 for i in range(24)],
+        }
+    )
     want = expected(df)
     slow = {**SP, "max_tokens": 24}  # slow enough to kill a worker mid-write
     llm = LLM(kw["model"], max_model_len=MAX_LEN, kv_cache_memory_bytes=2**22)
@@ -146,14 +161,16 @@ def test_write_parquet_killed_worker_then_resumed_with_other_partitions(kw, expe
     try:
         client = cluster.client()
         with client.as_current():
+
             def job(npartitions: int):
                 with dask.config.set({"dataframe.convert-string": False}):
                     ddf = dd.from_pandas(df, npartitions=npartitions, sort=False)
                 return ddf.llm.generate(TEMPLATE, sampling_params=slow, **kw)
 
             summaries = []
-            writer = threading.Thread(target=lambda: summaries.append(
-                dfllm.write_parquet(job(8), str(out), progress=False)))
+            writer = threading.Thread(
+                target=lambda: summaries.append(dfllm.write_parquet(job(8), str(out), progress=False))
+            )
             writer.start()
             deadline = time.time() + 240
             while not list(out.glob("part.*.parquet")) and time.time() < deadline and writer.is_alive():

@@ -26,8 +26,7 @@ def test_page_code_runs(page, tmp_path):
     assert blocks, f"{page} has no python block"
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(blocks))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{page}'s code failed:\n{done.stderr[-4000:]}"
 
 

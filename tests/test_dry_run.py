@@ -26,13 +26,13 @@ from dfllm.jobs.dry_run import dry_run, refusal_counts
 pytestmark = pytest.mark.timeout(600)
 
 MAX_MODEL_LEN = 64
-SHARED = ("Read the following note about rivers, lakes and the sea before you answer the question that "
-          "comes after it.")
+SHARED = "Read the following note about rivers, lakes and the sea before you answer the question that comes after it."
 
 
 def dfllm_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def rows() -> pd.DataFrame:
@@ -54,8 +54,9 @@ def the_job(ddf, model):
     return ddf.llm.generate("{q}", model=str(model), sampling_params="sp", max_model_len=MAX_MODEL_LEN)
 
 
-def test_dry_run_counts_what_a_direct_count_gives_and_refuses_what_the_real_run_refuses(cli_cluster, tiny_llama,
-                                                                                          tmp_path):
+def test_dry_run_counts_what_a_direct_count_gives_and_refuses_what_the_real_run_refuses(
+    cli_cluster, tiny_llama, tmp_path
+):
     df = rows()
     client = cli_cluster.client()
     out = tmp_path / "out"
@@ -96,7 +97,7 @@ def test_dry_run_counts_what_a_direct_count_gives_and_refuses_what_the_real_run_
     # prefix sharing: full 16-token blocks (all but a last block leaving no token to compute) of
     # the prompts the engine computes, counted once per distinct prefix
     computed = [i for i in ok["id"] if i != 6]
-    blocks = [tuple(ids[i][:16 * (b + 1)]) for i in computed for b in range((len(ids[i]) - 1) // 16)]
+    blocks = [tuple(ids[i][: 16 * (b + 1)]) for i in computed for b in range((len(ids[i]) - 1) // 16)]
     assert report.prefix_cached_tokens == 16 * (len(blocks) - len(set(blocks))) > 0
     assert report.engine.block_size == 16 and report.engine.max_model_len == MAX_MODEL_LEN
 
@@ -110,9 +111,26 @@ def test_dry_run_counts_what_a_direct_count_gives_and_refuses_what_the_real_run_
 def test_dry_run_on_the_command_line_writes_nothing_and_checks_the_output(cli_cluster, tiny_llama, tmp_path):
     src = tmp_path / "in.parquet"
     rows().drop(columns="sp").to_parquet(src)
-    common = ("--prompt", "{q}", "--model", str(tiny_llama), "--max-model-len", str(MAX_MODEL_LEN), "--max-tokens",
-              "3", "--npartitions", "2", "--scheduler", cli_cluster.address, "--no-progress", "--dry-run",
-              "--calibration-seconds", "10", "--max-prompt-tokens", "100")
+    common = (
+        "--prompt",
+        "{q}",
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-tokens",
+        "3",
+        "--npartitions",
+        "2",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+        "--dry-run",
+        "--calibration-seconds",
+        "10",
+        "--max-prompt-tokens",
+        "100",
+    )
     result = dfllm_cli("run", str(src), str(tmp_path / "out"), *common)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "nothing was written" in result.stdout and "13 would run, 3 refused" in result.stdout
@@ -132,8 +150,21 @@ def test_a_budget_stops_the_job_and_resume_finishes_it(cli_cluster, tiny_llama, 
     n = 24
     pd.DataFrame({"id": range(n), "q": [f"Question {i}: why is the sky blue?" for i in range(n)]}).to_parquet(src)
     out = tmp_path / "out"
-    common = ("--prompt", "{q}", "--model", str(tiny_llama), "--max-model-len", str(MAX_MODEL_LEN), "--max-tokens",
-              "3", "--npartitions", "6", "--scheduler", cli_cluster.address, "--no-progress")
+    common = (
+        "--prompt",
+        "{q}",
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-tokens",
+        "3",
+        "--npartitions",
+        "6",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     first = dfllm_cli("run", str(src), str(out), *common, "--max-prompt-tokens", "1")
     assert first.returncode == 4, first.stderr[-3000:]
     assert "dfllm: stopped: the prompt token budget (1) was reached" in first.stderr
@@ -156,30 +187,42 @@ def test_write_parquet_budget_without_a_distributed_client(tiny_llama, tmp_path)
 
     def job():
         return dd.from_pandas(df, npartitions=4).llm.generate(
-            "{q}", model=str(tiny_llama), max_model_len=MAX_MODEL_LEN,
-            sampling_params={"max_tokens": 2, "temperature": 0.0})
+            "{q}",
+            model=str(tiny_llama),
+            max_model_len=MAX_MODEL_LEN,
+            sampling_params={"max_tokens": 2, "temperature": 0.0},
+        )
 
     seen: list[int] = []
     with pytest.raises(ValueError, match="generated_tokens must be a positive integer"):
         Budget(generated_tokens=0)
     with dask.config.set(num_workers=2):  # two partitions at once: once one is done, no other starts
-        stopped = dfllm.write_parquet(job(), str(tmp_path / "out"), progress=False,
-                                      budget=Budget(generated_tokens=1), on_partition=lambda i, record: seen.append(i))
+        stopped = dfllm.write_parquet(
+            job(),
+            str(tmp_path / "out"),
+            progress=False,
+            budget=Budget(generated_tokens=1),
+            on_partition=lambda i, record: seen.append(i),
+        )
     assert stopped.stopped and "generated token budget (1)" in stopped.stopped
     assert (stopped.written, stopped.missing, len(seen)) == (2, 2, 2)
     assert sorted(seen) == sorted(int(p.name.split(".")[1]) for p in (tmp_path / "out").glob("part.*.parquet"))
-    done = dfllm.write_parquet(job(), str(tmp_path / "out"), progress=False, resume=True,
-                               budget=Budget(prompt_tokens=10**9))
+    done = dfllm.write_parquet(
+        job(), str(tmp_path / "out"), progress=False, resume=True, budget=Budget(prompt_tokens=10**9)
+    )
     assert done.stopped is None and done.missing == 0 and (done.written, done.skipped) == (4 - len(seen), len(seen))
     assert sorted(pd.read_parquet(tmp_path / "out")["id"]) == list(range(8))
 
 
-@pytest.mark.parametrize("argv, message, status", [
-    (["--max-prompt-tokens", "0"], "argument --max-prompt-tokens: must be a positive integer", 2),
-    (["--calibration-seconds", "-1"], "argument --calibration-seconds: must be a positive number", 2),
-    (["--task", "embed", "--max-generated-tokens", "5"], "apply to --task generate or chat", 1),
-    (["--calibration-seconds", "5"], "--calibration-seconds applies to --dry-run", 1),
-])
+@pytest.mark.parametrize(
+    "argv, message, status",
+    [
+        (["--max-prompt-tokens", "0"], "argument --max-prompt-tokens: must be a positive integer", 2),
+        (["--calibration-seconds", "-1"], "argument --calibration-seconds: must be a positive number", 2),
+        (["--task", "embed", "--max-generated-tokens", "5"], "apply to --task generate or chat", 1),
+        (["--calibration-seconds", "5"], "--calibration-seconds applies to --dry-run", 1),
+    ],
+)
 def test_budget_and_dry_run_options_are_checked(tmp_path, capsys, argv, message, status):
     src = tmp_path / "in.parquet"
     pd.DataFrame({"q": ["a"], "text": ["b"]}).to_parquet(src)
@@ -198,8 +241,12 @@ def test_dry_run_counts_response_cache_hits_and_writes_no_entry(tiny_llama, tmp_
 
     def job():
         return dd.from_pandas(df, npartitions=2).llm.generate(
-            "{q}", model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, cache=str(cache),
-            sampling_params={"max_tokens": 2, "temperature": 0.0})
+            "{q}",
+            model=str(tiny_llama),
+            max_model_len=MAX_MODEL_LEN,
+            cache=str(cache),
+            sampling_params={"max_tokens": 2, "temperature": 0.0},
+        )
 
     before = dry_run(job(), sample_rows=0)
     assert (before.accepted, before.refused, before.cache_hits) == (5, 1, 0)

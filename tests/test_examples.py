@@ -10,16 +10,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_quickstart_runs(smollm2_dir):
-    result = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout
     assert result.stdout.count("generated") == 3
 
 
 def run_example(name: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -45,13 +45,33 @@ def build_tiny_llava(root: Path, tokenizer_dir: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_tokens(["<image>"], special_tokens=True)
     config = LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8),
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, initializer_range=0.2),
-        image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
-        vision_feature_select_strategy="default", image_seq_length=16)
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.2,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=16,
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     with torch.no_grad():
@@ -59,10 +79,14 @@ def build_tiny_llava(root: Path, tokenizer_dir: Path) -> Path:
             p.add_(torch.randn_like(p) * 0.05)
     path = root / "llava"
     model.save_pretrained(path)
-    LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32},
-                                                         crop_size={"height": 32, "width": 32}),
-                   tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1, chat_template=tok.chat_template).save_pretrained(path)
+    LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tok.chat_template,
+    ).save_pretrained(path)
     return path
 
 
@@ -78,7 +102,7 @@ def hf_llava_greedy(path: Path, prompt: str, images: list, n: int = 6) -> list[i
     inputs = proc(text=prompt, images=images or None, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 # ---- embed ----------------------------------------------------------------------------------------------
@@ -132,14 +156,17 @@ def test_images_argument_checked_at_call_time(clip_dir):
 def test_generate_and_chat_with_image_columns_equal_transformers(llava_dir):
     a, b = random_image(11, (48, 32)), random_image(12, (20, 60))
     cells = [png_bytes(a), None, png_bytes(b), b"broken", png_bytes(a), [png_bytes(a), png_bytes(b)]]
-    df = pd.DataFrame({"q": ["Describe:", "Hello there", "What is it?", "x", "Again:", "Two:"],
-                       "img": pd.Series(cells, dtype=object)})
+    df = pd.DataFrame(
+        {"q": ["Describe:", "Hello there", "What is it?", "x", "Again:", "Two:"], "img": pd.Series(cells, dtype=object)}
+    )
     kw = dict(model=str(llava_dir), max_model_len=256, limit_mm_per_prompt={"image": 1})
-    out = df.llm.generate("<image>\n{q}", images="img", sampling_params=GREEDY, engine_columns="generated_tokens",
-                          **kw)
+    out = df.llm.generate("<image>\n{q}", images="img", sampling_params=GREEDY, engine_columns="generated_tokens", **kw)
     # a text-only row (null image) has no placeholder to fill: its prompt has none
-    text_row = df.assign(img=None).iloc[[1]].llm.generate("{q}", images="img", sampling_params=GREEDY,
-                                                           engine_columns="generated_tokens", **kw)
+    text_row = (
+        df.assign(img=None)
+        .iloc[[1]]
+        .llm.generate("{q}", images="img", sampling_params=GREEDY, engine_columns="generated_tokens", **kw)
+    )
     assert pd.isna(text_row["llm_error"].iloc[0])
     assert "cannot decode image" in out["llm_error"][3]
     assert "has 2 images" in out["llm_error"][5]
@@ -149,13 +176,28 @@ def test_generate_and_chat_with_image_columns_equal_transformers(llava_dir):
     # the image decides the output: the same prompt with the other image generates other tokens
     assert hf_llava_greedy(llava_dir, "<image>\nDescribe:", [b]) != list(out["generated_tokens"][0])
     # chat: the images go first into the user turn, rendered with the model's placeholders
-    chat = df.iloc[[0, 2, 3]].llm.chat("{q}", images="img", sampling_params=GREEDY, engine_columns="generated_tokens",
-                                       **kw)
+    chat = df.iloc[[0, 2, 3]].llm.chat(
+        "{q}", images="img", sampling_params=GREEDY, engine_columns="generated_tokens", **kw
+    )
     llm = engine_cache.get_engine(str(llava_dir), {"max_model_len": 256, "limit_mm_per_prompt": {"image": 1}})
     for row, im in ((0, a), (1, b)):
-        want = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": im},
-                                                       {"type": "text", "text": df.q.iloc[[0, 2][row]]}]}],
-                        GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        want = (
+            llm.chat(
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_pil", "image_pil": im},
+                            {"type": "text", "text": df.q.iloc[[0, 2][row]]},
+                        ],
+                    }
+                ],
+                GREEDY,
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
         assert list(chat["generated_tokens"].iloc[row]) == list(want)
     assert "cannot decode image" in chat["llm_error"].iloc[2]
 
@@ -173,8 +215,13 @@ def image_parquet(tmp_path, monkeypatch):
     broken one), and a client process where decoding an image fails the test."""
     a, b = random_image(21, (50, 40)), random_image(22, (33, 33))
     cells = [png_bytes(a), png_bytes(b), None, b"garbage", png_bytes(a), png_bytes(b), png_bytes(a), png_bytes(a)]
-    table = pa.table({"id": pa.array(range(len(cells)), pa.int64()), "q": ["Describe:"] * len(cells),
-                      "img": pa.array(cells, pa.large_binary())})
+    table = pa.table(
+        {
+            "id": pa.array(range(len(cells)), pa.int64()),
+            "q": ["Describe:"] * len(cells),
+            "img": pa.array(cells, pa.large_binary()),
+        }
+    )
     pq.write_table(table, tmp_path / "images.parquet", row_group_size=4)
 
     def no_decoding_here(value):
@@ -192,8 +239,9 @@ def test_dask_parquet_image_embeddings_decoded_on_workers(client, clip_dir, imag
     emb = ddf.llm.embed(images="img", model=str(clip_dir))
     assert list(emb._meta.columns) == ["id", "q", "img", "embedding", "llm_error"]  # lazy: nothing ran yet
     e = emb.compute().sort_values("id").reset_index(drop=True)
-    stats = client.run(lambda: [llm.pooling_engine.image_stats for llm in engine_cache.engines()
-                                if llm.pooling_engine is not None])
+    stats = client.run(
+        lambda: [llm.pooling_engine.image_stats for llm in engine_cache.engines() if llm.pooling_engine is not None]
+    )
     monkeypatch.undo()  # the references below decode here
     assert list(e["id"]) == list(range(8))
     assert "is null" in e["llm_error"][2] and "cannot decode image" in e["llm_error"][3]
@@ -211,8 +259,14 @@ def test_dask_parquet_image_embeddings_decoded_on_workers(client, clip_dir, imag
 def test_dask_parquet_image_captions_equal_transformers(client, llava_dir, image_parquet, monkeypatch):
     path, images = image_parquet
     ddf = dd.read_parquet(path).repartition(npartitions=2)
-    gen = ddf.llm.generate("<image>\n{q}", images="img", model=str(llava_dir), max_model_len=256,
-                           sampling_params=GREEDY, engine_columns="generated_tokens")
+    gen = ddf.llm.generate(
+        "<image>\n{q}",
+        images="img",
+        model=str(llava_dir),
+        max_model_len=256,
+        sampling_params=GREEDY,
+        engine_columns="generated_tokens",
+    )
     g = gen.compute().sort_values("id").reset_index(drop=True)
     monkeypatch.undo()
     assert list(g["id"]) == list(range(8))
@@ -235,25 +289,49 @@ def test_ray_processor_messages_with_image_parts(llava_dir):
 
     a, b = random_image(31, (40, 40)), random_image(32, (64, 20))
     url = "data:image/png;base64," + base64.b64encode(png_bytes(b)).decode()
-    frame = pd.DataFrame({"q": ["Describe:", "What is it?", "Broken:"],
-                          "img": pd.Series([png_bytes(a), url, b"not an image"], dtype=object)})
+    frame = pd.DataFrame(
+        {
+            "q": ["Describe:", "What is it?", "Broken:"],
+            "img": pd.Series([png_bytes(a), url, b"not an image"], dtype=object),
+        }
+    )
 
     def preprocess(row: dict) -> dict:
-        part = ({"type": "image_url", "image_url": {"url": row["img"]}} if isinstance(row["img"], str)
-                else {"type": "image", "image": row["img"]})
-        return {"q": row["q"], "messages": [{"role": "user", "content": [part, {"type": "text", "text": row["q"]}]}],
-                "sampling_params": {"max_tokens": 6, "temperature": 0}}
+        part = (
+            {"type": "image_url", "image_url": {"url": row["img"]}}
+            if isinstance(row["img"], str)
+            else {"type": "image", "image": row["img"]}
+        )
+        return {
+            "q": row["q"],
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": row["q"]}]}],
+            "sampling_params": {"max_tokens": 6, "temperature": 0},
+        }
 
-    config = vLLMEngineProcessorConfig(model_source=str(llava_dir), engine_kwargs={"max_model_len": 256},
-                                       has_image=True, prepare_image_stage=True, should_continue_on_error=True)
-    out = build_processor(config, preprocess=preprocess,
-                          postprocess=lambda r: {"q": r["q"], "answer": r["generated_text"],
-                                                 "tokens": r["generated_tokens"]})(frame)
+    config = vLLMEngineProcessorConfig(
+        model_source=str(llava_dir),
+        engine_kwargs={"max_model_len": 256},
+        has_image=True,
+        prepare_image_stage=True,
+        should_continue_on_error=True,
+    )
+    out = build_processor(
+        config,
+        preprocess=preprocess,
+        postprocess=lambda r: {"q": r["q"], "answer": r["generated_text"], "tokens": r["generated_tokens"]},
+    )(frame)
     llm = engine_cache.get_engine(str(llava_dir), {"max_model_len": 256})
     for i, im in ((0, a), (1, b)):
-        want = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": im},
-                                                       {"type": "text", "text": frame.q[i]}]}],
-                        GREEDY, use_tqdm=False)[0].outputs[0]
+        want = llm.chat(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_pil", "image_pil": im}, {"type": "text", "text": frame.q[i]}],
+                }
+            ],
+            GREEDY,
+            use_tqdm=False,
+        )[0].outputs[0]
         assert list(out["tokens"][i]) == list(want.token_ids) and out["answer"][i] == want.text
     assert "cannot decode image" in out["__inference_error__"][2]
 
@@ -263,12 +341,32 @@ def test_dfllm_run_images_column(client, clip_dir, tmp_path):
     import sys
 
     a = random_image(41)
-    pq.write_table(pa.table({"id": [0, 1, 2], "img": pa.array([png_bytes(a), None, png_bytes(a)], pa.binary())}),
-                   tmp_path / "in.parquet")
-    run = subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", "run", str(tmp_path / "in.parquet"),
-                          str(tmp_path / "out"), "--task", "embed", "--images-column", "img", "--model", str(clip_dir),
-                          "--scheduler", client.scheduler.address, "--no-progress"],
-                         capture_output=True, text=True, timeout=300)
+    pq.write_table(
+        pa.table({"id": [0, 1, 2], "img": pa.array([png_bytes(a), None, png_bytes(a)], pa.binary())}),
+        tmp_path / "in.parquet",
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dfllm.jobs.cli",
+            "run",
+            str(tmp_path / "in.parquet"),
+            str(tmp_path / "out"),
+            "--task",
+            "embed",
+            "--images-column",
+            "img",
+            "--model",
+            str(clip_dir),
+            "--scheduler",
+            client.scheduler.address,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = pd.read_parquet(tmp_path / "out").sort_values("id").reset_index(drop=True)
     want = LLM(model=clip_dir, runner="pooling").embed({"multi_modal_data": {"image": a}}, use_tqdm=False)
@@ -281,12 +379,17 @@ def test_response_cache_keys_rows_by_their_images(llava_dir, tmp_path):
     """Two rows with the same prompt and different images never share a response-cache entry
     (their placeholder tokens are the same; the images' content hashes are in the key)."""
     a, b = random_image(51), random_image(52)
-    kw = dict(model=str(llava_dir), max_model_len=256, sampling_params=GREEDY, cache=str(tmp_path / "cache"),
-              engine_columns=["generated_tokens", "from_cache"])
-    first = pd.DataFrame({"q": ["Describe:"], "img": [png_bytes(a)]}).llm.generate("<image>\n{q}", images="img",
-                                                                                   **kw)
+    kw = dict(
+        model=str(llava_dir),
+        max_model_len=256,
+        sampling_params=GREEDY,
+        cache=str(tmp_path / "cache"),
+        engine_columns=["generated_tokens", "from_cache"],
+    )
+    first = pd.DataFrame({"q": ["Describe:"], "img": [png_bytes(a)]}).llm.generate("<image>\n{q}", images="img", **kw)
     again = pd.DataFrame({"q": ["Describe:"] * 2, "img": [png_bytes(a), png_bytes(b)]}).llm.generate(
-        "<image>\n{q}", images="img", **kw)
+        "<image>\n{q}", images="img", **kw
+    )
     assert not first["from_cache"][0] and again["from_cache"].tolist() == [True, False]
     assert list(again["generated_tokens"][0]) == list(first["generated_tokens"][0])
     assert list(again["generated_tokens"][1]) == hf_llava_greedy(llava_dir, "<image>\nDescribe:", [b])

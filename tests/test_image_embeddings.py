@@ -46,14 +46,21 @@ def build_tiny_clip(root: Path, kind: str = "clip", seed: int = 0, image_size: i
     patches of 8) with a CLIP tokenizer and the model's own image processor, saved in ``root``."""
     tok = _tokenizer()
     tower = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    text = dict(tower, vocab_size=len(tok), max_position_embeddings=32, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    text = dict(
+        tower,
+        vocab_size=len(tok),
+        max_position_embeddings=32,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     vision = dict(tower, image_size=image_size, patch_size=8)
     torch.manual_seed(seed)
     if kind == "clip":
         model = HFCLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=48))
-        processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                          crop_size={"height": image_size, "width": image_size})
+        processor = CLIPImageProcessorPil(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
     else:
         model = HFSiglipModel(SiglipConfig(text_config=dict(text, projection_size=64), vision_config=vision))
         processor = SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
@@ -94,16 +101,16 @@ def _hf_features(path: Path, kind: str, texts: list[str], images: list[Image.Ima
     tok = CLIPTokenizer.from_pretrained(path)
     proc = AutoImageProcessor.from_pretrained(path, backend="pil")
     with torch.inference_mode():
-        text = [model.get_text_features(input_ids=torch.tensor([tok(t)["input_ids"]])).pooler_output[0]
-                for t in texts]
+        text = [model.get_text_features(input_ids=torch.tensor([tok(t)["input_ids"]])).pooler_output[0] for t in texts]
         pixels = proc(images=images, return_tensors="pt")["pixel_values"]
         image = model.get_image_features(pixel_values=pixels).pooler_output
     return torch.stack(text), image
 
 
 def _cos(a, b) -> torch.Tensor:
-    return torch.nn.functional.cosine_similarity(torch.as_tensor(a, dtype=torch.float32),
-                                                 torch.as_tensor(b, dtype=torch.float32), dim=-1)
+    return torch.nn.functional.cosine_similarity(
+        torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), dim=-1
+    )
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
@@ -113,9 +120,14 @@ def test_text_and_image_embeddings_equal_transformers(kind, clip_dir, siglip_dir
     hf_text, hf_image = _hf_features(path, kind, TEXTS, images)
     llm = LLM(model=path, runner="pooling", max_num_seqs=2)  # 2: images go through the encoder in 2 batches
     # mixed in one call, in vLLM's prompt forms: text, {"prompt": ...}, image with an empty or no prompt
-    prompts = [TEXTS[0], {"multi_modal_data": {"image": images[0]}}, {"prompt": TEXTS[1]},
-               {"prompt": "", "multi_modal_data": {"image": images[1]}}, TEXTS[2],
-               {"multi_modal_data": {"image": [images[2]]}}]
+    prompts = [
+        TEXTS[0],
+        {"multi_modal_data": {"image": images[0]}},
+        {"prompt": TEXTS[1]},
+        {"prompt": "", "multi_modal_data": {"image": images[1]}},
+        TEXTS[2],
+        {"multi_modal_data": {"image": [images[2]]}},
+    ]
     raw = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
     got = [torch.tensor(o.outputs.embedding) for o in raw]
     want = [hf_text[0], hf_image[0], hf_text[1], hf_image[1], hf_text[2], hf_image[2]]

@@ -24,9 +24,9 @@ from safetensors.torch import load_file, save_file
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
-from dfllm.worker import driver, engine_cache
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.outputs import RequestFailedError
+from dfllm.worker import driver, engine_cache
 
 from helpers import build_tiny_model
 
@@ -75,8 +75,11 @@ def test_nan_logits_fail_only_their_prompt(nan_model, tok):
     good = [prompts[i] for i in (0, 2, 3)]
     want = alone(nan_model, good, SamplingParams(**SP))
     llm = LLM(nan_model, **ENGINE)
-    with pytest.raises(RequestFailedError, match=r"1 of 4 requests failed .*prompt 1: the model produced "
-                                                 r"non-finite logits \(NaN\) at output token 0") as info:
+    with pytest.raises(
+        RequestFailedError,
+        match=r"1 of 4 requests failed .*prompt 1: the model produced "
+        r"non-finite logits \(NaN\) at output token 0",
+    ) as info:
         llm.generate(prompts, SamplingParams(**SP), use_tqdm=False)
     outs = info.value.outputs
     assert info.value.failed == [1] and isinstance(info.value, RuntimeError)
@@ -182,8 +185,11 @@ def test_failed_step_fails_only_the_call_that_causes_it(faulty, tiny_llama, tok)
     bad_queued = faulty.enqueue(f"What is a{MARKER_WORD}?", params[0])
     got = faulty.generate([GOOD[0]], params[1], use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[2]
-    with pytest.raises(RequestFailedError, match=rf"1 of 3 requests failed .*request {bad_queued[0]}: the engine "
-                                                 rf"failed while serving request {bad_queued[0]}: MarkerFault") as info:
+    with pytest.raises(
+        RequestFailedError,
+        match=rf"1 of 3 requests failed .*request {bad_queued[0]}: the engine "
+        rf"failed while serving request {bad_queued[0]}: MarkerFault",
+    ) as info:
         faulty.wait_for_completion(use_tqdm=False)
     outs = info.value.outputs
     assert [o.request_id for o in outs] == good_queued + bad_queued and info.value.failed == [2]
@@ -247,8 +253,11 @@ def test_failed_step_fails_only_its_partition(tiny_llama, tok, dedupe):
     and still get their own outputs when the failed step is re-run group by group."""
     kw = dict(model=str(tiny_llama), seed=11, deduplicate_requests=dedupe, **ENGINE)  # engines of their own
     llm = engine_cache.get_engine(kw["model"], {k: v for k, v in kw.items() if k != "model"})
-    frames = [pd.DataFrame({"q": GOOD}), pd.DataFrame({"q": [GOOD[0], f"What is a{MARKER_WORD}?"]}),
-              pd.DataFrame({"q": GOOD[::-1]})]
+    frames = [
+        pd.DataFrame({"q": GOOD}),
+        pd.DataFrame({"q": [GOOD[0], f"What is a{MARKER_WORD}?"]}),
+        pd.DataFrame({"q": GOOD[::-1]}),
+    ]
     want = alone(tiny_llama, [{"prompt_token_ids": ids(tok, t)} for t in GOOD], SamplingParams(**SP))
     steps = len(driver.partitions_per_step())
     llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
@@ -256,8 +265,11 @@ def test_failed_step_fails_only_its_partition(tiny_llama, tok, dedupe):
         results = _run_frames(frames, kw)
     finally:
         llm.engine.output_processor.detokenizer = Detokenizer(llm.tokenizer)
-    assert isinstance(results[1], RuntimeError) and "the engine failed while generating these rows" in str(
-        results[1]) and "MarkerFault" in str(results[1])
+    assert (
+        isinstance(results[1], RuntimeError)
+        and "the engine failed while generating these rows" in str(results[1])
+        and "MarkerFault" in str(results[1])
+    )
     assert results[0].generated_text.tolist() == [tok.decode(w) for w in want]
     assert results[2].generated_text.tolist() == [tok.decode(w) for w in want[::-1]]
     assert results[0].llm_error.isna().all() and results[2].llm_error.isna().all()
@@ -280,8 +292,10 @@ def test_partitions_share_steps_and_one_model_load_on_a_cluster(tiny_llama):
     kw = dict(model=str(tiny_llama), **ENGINE)
     df = pd.DataFrame({"q": [f"Question {i}: {GOOD[i % 3]}" for i in range(18)]})
     serial = df.llm.generate("q", sampling_params=SP, **kw)
-    with LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=None) as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
         got = dd.from_pandas(df, npartitions=6).llm.generate("q", sampling_params=SP, **kw).compute()
         (shared,) = client.run(driver.partitions_per_step).values()
         (loads,) = client.run(engine_cache.load_count).values()

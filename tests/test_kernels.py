@@ -18,8 +18,14 @@ from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 CUDA = torch.cuda.is_available()
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (["cuda"] if CUDA else [])
-DTYPES = [torch.float32, torch.float16] + ([pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not CUDA, reason="the Triton interpreter does not support bfloat16"))])
+DTYPES = [torch.float32, torch.float16] + (
+    [
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(not CUDA, reason="the Triton interpreter does not support bfloat16"),
+        )
+    ]
+)
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)
@@ -92,11 +98,15 @@ def _metadata(seqs, tables, bs, device) -> AttentionMetadata:
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device), prefills=prefills, decode_groups=groups,
+        slot_mapping=torch.tensor(slots, device=device),
+        prefills=prefills,
+        decode_groups=groups,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32, device=device),
-        block_tables=block_tables, block_size=bs,
-        max_query_len=max(q for q, _ in seqs), max_seq_len=max(n for _, n in seqs),
+        block_tables=block_tables,
+        block_size=bs,
+        max_query_len=max(q for q, _ in seqs),
+        max_seq_len=max(n for _, n in seqs),
     )
 
 
@@ -105,9 +115,14 @@ MIXED = [(5, 5), (7, 40), (1, 33), (1, 70)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [
-    (2, 1, 64, 16), (1, 3, 128, 32), (1, 8, 64, 16),
-])
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,block_size",
+    [
+        (2, 1, 64, 16),
+        (1, 3, 128, 32),
+        (1, 8, 64, 16),
+    ],
+)
 def test_paged_attention_mixed_batch(device, triton_ops, dtype, kv_heads, group, head_dim, block_size):
     _skip_bf16_off_cuda(device, dtype)
     q, k, v, kc, vc, meta = _attention_batch(MIXED, kv_heads, group, head_dim, block_size, dtype, device)

@@ -27,8 +27,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dfllm.multimodal",),
     ("dfllm.distributed",),
     ("dfllm.kernels",),
-    ("dfllm.errors", "dfllm.logger", "dfllm.outputs", "dfllm.sampling_params", "dfllm.pooling_params",
-     "dfllm.inputs", "dfllm.structured_outputs", "dfllm.reasoning"),  # plain types every layer shares
+    (
+        "dfllm.errors",
+        "dfllm.logger",
+        "dfllm.outputs",
+        "dfllm.sampling_params",
+        "dfllm.pooling_params",
+        "dfllm.inputs",
+        "dfllm.structured_outputs",
+        "dfllm.reasoning",
+    ),  # plain types every layer shares
 )
 
 

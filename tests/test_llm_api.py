@@ -46,8 +46,9 @@ def test_outputs_in_input_order_with_fields(llm):
 
 
 def test_text_is_incremental_decode_of_tokens(llm):
-    outs = llm.generate(["The quick brown fox", "Once upon a time"], SamplingParams(max_tokens=30, **GREEDY),
-                        use_tqdm=False)
+    outs = llm.generate(
+        ["The quick brown fox", "Once upon a time"], SamplingParams(max_tokens=30, **GREEDY), use_tqdm=False
+    )
     tok = llm.get_tokenizer()
     for o in outs:
         full = tok.decode(o.prompt_token_ids + o.outputs[0].token_ids, skip_special_tokens=True)
@@ -63,11 +64,13 @@ def test_stop_string_across_token_boundary(llm):
     assert full.startswith(head) and cut >= 2 and len(full) >= cut + 2
     stop = full[cut - 2 : cut + 2]  # spans the end of token 4 and the start of token 5
     expected = full[: full.find(stop)]
-    out = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop, "never-appears"], **GREEDY),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop, "never-appears"], **GREEDY), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (expected, "stop", stop)
-    kept = llm.generate(prompt, SamplingParams(max_tokens=12, stop=stop, include_stop_str_in_output=True, **GREEDY),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        prompt, SamplingParams(max_tokens=12, stop=stop, include_stop_str_in_output=True, **GREEDY), use_tqdm=False
+    )[0].outputs[0]
     assert kept.text == expected + stop
 
 
@@ -75,8 +78,9 @@ def test_stop_token_ids(llm):
     ref = llm.generate("Count", SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     stop_id = ref[4]
     first = ref.index(stop_id)
-    out = llm.generate("Count", SamplingParams(max_tokens=10, stop_token_ids=[stop_id], **GREEDY),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate("Count", SamplingParams(max_tokens=10, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
     # vLLM's text: the stop token's text is left out, unless include_stop_str_in_output
     tok = llm.get_tokenizer()
@@ -107,14 +111,17 @@ def test_prompt_longer_than_max_model_len_raises_before_work(llm):
     assert not llm.engine.has_unfinished_requests() and llm.engine.get_num_unfinished_requests() == 0
 
 
-@pytest.mark.parametrize("prompts,sampling,match", [
-    ([""], None, "prompt 0 is empty"),
-    (["ok", {"prompt_token_ids": [1, 10**7]}], None, "prompt 1: token id 10000000"),
-    ([[1, 2, 3]], None, "prompt_token_ids"),
-    (["ok", 5], None, "prompt 1: expected a str"),
-    ([{"prompt_token_ids": ["a"]}], None, "list of ints"),
-    (["a", "b"], [SamplingParams()], "got 1 sampling_params for 2 prompts"),
-])
+@pytest.mark.parametrize(
+    "prompts,sampling,match",
+    [
+        ([""], None, "prompt 0 is empty"),
+        (["ok", {"prompt_token_ids": [1, 10**7]}], None, "prompt 1: token id 10000000"),
+        ([[1, 2, 3]], None, "prompt_token_ids"),
+        (["ok", 5], None, "prompt 1: expected a str"),
+        ([{"prompt_token_ids": ["a"]}], None, "list of ints"),
+        (["a", "b"], [SamplingParams()], "got 1 sampling_params for 2 prompts"),
+    ],
+)
 def test_bad_prompts_raise(llm, prompts, sampling, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, sampling, use_tqdm=False)
@@ -126,8 +133,9 @@ def test_eos_and_min_tokens(smol):
     eos = smol.get_tokenizer().eos_token_id
     assert out.finish_reason == "stop" and out.stop_reason is None and out.token_ids[-1] == eos
     assert "Paris" in out.text and "<|im_end|>" not in out.text
-    longer = smol.chat(conv, SamplingParams(temperature=0, max_tokens=64, min_tokens=len(out.token_ids) + 5),
-                       use_tqdm=False)[0].outputs[0]
+    longer = smol.chat(
+        conv, SamplingParams(temperature=0, max_tokens=64, min_tokens=len(out.token_ids) + 5), use_tqdm=False
+    )[0].outputs[0]
     assert len(longer.token_ids) >= len(out.token_ids) + 5
     assert eos not in longer.token_ids[: len(out.token_ids) + 4]
 
@@ -145,22 +153,33 @@ def test_chat_renders_the_template(smol):
     assert "You answer briefly." in outs[1].prompt
     one = smol.chat(convs[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    cont = smol.chat([{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello, my"}],
-                     SamplingParams(temperature=0, max_tokens=4), add_generation_prompt=False,
-                     continue_final_message=True, use_tqdm=False)
+    cont = smol.chat(
+        [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello, my"}],
+        SamplingParams(temperature=0, max_tokens=4),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )
     assert cont[0].prompt.endswith("Hello, my")
-    custom = smol.chat(convs[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
-                       chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    custom = smol.chat(
+        convs[0],
+        SamplingParams(temperature=0, max_tokens=2),
+        use_tqdm=False,
+        chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}",
+    )
     assert custom[0].prompt == "[user] Hi\n"
 
 
-@pytest.mark.parametrize("messages,match", [
-    ([{"content": "no role"}], "message 0: role"),
-    ([{"role": "wizard", "content": "hi"}], "role must be one of"),
-    ([{"role": "user", "content": 5}], "content must be a str"),
-    ([[{"role": "user", "content": "ok"}], []], "conversation 1 must be a non-empty list"),
-    ("just a string", "messages must be a conversation"),
-])
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([{"content": "no role"}], "message 0: role"),
+        ([{"role": "wizard", "content": "hi"}], "role must be one of"),
+        ([{"role": "user", "content": 5}], "content must be a str"),
+        ([[{"role": "user", "content": "ok"}], []], "conversation 1 must be a non-empty list"),
+        ("just a string", "messages must be a conversation"),
+    ],
+)
 def test_malformed_conversations_raise(smol, messages, match):
     with pytest.raises(ValueError, match=match):
         smol.chat(messages, use_tqdm=False)
@@ -260,19 +279,22 @@ def test_integer_weights_are_unsupported(tiny_llama, tmp_path):
         LLM(path)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(model="no-such-model"), ValueError, "no-such-model"),
-    (dict(dtype="int8"), ValueError, "unsupported dtype"),
-    (dict(device="tpu"), ValueError, "unsupported device"),
-    (dict(block_size=12), ValueError, "block_size"),
-    (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
-    (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
-    (dict(tensor_parallel_size=3), ValueError, "tensor_parallel_size=3 does not divide"),
-    (dict(pipeline_parallel_size=0), ValueError, "pipeline_parallel_size must be an integer >= 1"),
-    (dict(attention_backend="flash"), ValueError, "attention_backend"),
-    (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings"),
-    (dict(kv_cache_memory_bytes=1024), ValueError, "KV cache holds"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(model="no-such-model"), ValueError, "no-such-model"),
+        (dict(dtype="int8"), ValueError, "unsupported dtype"),
+        (dict(device="tpu"), ValueError, "unsupported device"),
+        (dict(block_size=12), ValueError, "block_size"),
+        (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+        (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
+        (dict(tensor_parallel_size=3), ValueError, "tensor_parallel_size=3 does not divide"),
+        (dict(pipeline_parallel_size=0), ValueError, "pipeline_parallel_size must be an integer >= 1"),
+        (dict(attention_backend="flash"), ValueError, "attention_backend"),
+        (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings"),
+        (dict(kv_cache_memory_bytes=1024), ValueError, "KV cache holds"),
+    ],
+)
 def test_bad_engine_arguments(tiny_llama, kwargs, exc, match):
     kwargs = {"model": tiny_llama, **kwargs}
     with pytest.raises(exc, match=match):
@@ -308,4 +330,3 @@ def test_vllm_call_arguments(llm):
         llm.generate("Count", sp, lora_request=object())
     assert llm.generate("Count", sp, priority=[1], use_tqdm=False)[0].outputs[0].token_ids == want
     assert llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False, lora_request=None)[0].finished
-

@@ -137,8 +137,13 @@ def test_metrics_count_the_tokens_processed(tiny_llama):
     # first come, first served with the watermark only: the six sharers start together
     # (prefix-aware admission would hold five back a step to share the prefix, and the growth
     # reserve would keep room for their decodes) and run out of blocks
-    llm = LLM(tiny_llama, block_size=4, kv_cache_memory_bytes=40 * block_bytes, max_model_len=64,
-              prefix_aware_scheduling=False)
+    llm = LLM(
+        tiny_llama,
+        block_size=4,
+        kv_cache_memory_bytes=40 * block_bytes,
+        max_model_len=64,
+        prefix_aware_scheduling=False,
+    )
     llm.engine.scheduler.reserve_growth = False
     shared = random_prompts(1, 16, 16, seed=3)[0][:16]
     prompts = [{"prompt_token_ids": shared + p} for p in random_prompts(6, 9, 25, seed=2)]
@@ -225,11 +230,13 @@ def test_collective_rpc_and_apply_model(llm, tiny_llama):
     assert llm.collective_rpc(lambda w, x, y=0: x + y, args=(2,), kwargs={"y": 3}) == [5]
     # vLLM's worker attributes, for callables written against vLLM
     assert llm.collective_rpc(lambda w: (w.rank, w.local_rank, str(w.device), w.model_runner.model is w.model)) == [
-        (0, 0, "cpu", True)]
+        (0, 0, "cpu", True)
+    ]
     seen = llm.apply_model(lambda model: model)
     assert seen == [llm.engine.runner.model]
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama)
     assert llm.apply_model(lambda m: sum(p.numel() for p in m.parameters())) == [
-        sum(p.numel() for p in ref.parameters())]
+        sum(p.numel() for p in ref.parameters())
+    ]
     with pytest.raises(TimeoutError):
         llm.collective_rpc(lambda w: time.sleep(1.0), timeout=0.05)

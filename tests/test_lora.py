@@ -32,13 +32,15 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_TOKENS = 6
 
 
-def make_adapter(base: Path, out: Path, seed: int, r: int, targets: list[str], alpha: int = 16,
-                 rslora: bool = False) -> Path:
+def make_adapter(
+    base: Path, out: Path, seed: int, r: int, targets: list[str], alpha: int = 16, rslora: bool = False
+) -> Path:
     """A random (non-zero) PEFT LoRA adapter of ``base``, saved as PEFT saves it."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.1,
-                     init_lora_weights=False)
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.1, init_lora_weights=False
+    )
     peft = get_peft_model(model, cfg)
     with torch.no_grad():  # PEFT's random init leaves B small: make every adapter change the greedy output
         for name, p in peft.named_parameters():
@@ -60,9 +62,15 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], merg
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
-                               do_sample=False, pad_token_id=0, eos_token_id=None)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -93,9 +101,12 @@ def run_mixed(llm: LLM, setup, loras: dict[str, LoRARequest]):
     compared with PEFT's."""
     jobs = [(name, i) for i in range(len(setup["prompts"])) for name in [None, *loras]]
     jobs = jobs[1::2] + jobs[::2]  # adapters interleaved, not grouped
-    outs = llm.generate([{"prompt_token_ids": setup["prompts"][i]} for _, i in jobs],
-                        SamplingParams(max_tokens=MAX_TOKENS, **GREEDY),
-                        lora_request=[None if n is None else loras[n] for n, _ in jobs], use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": setup["prompts"][i]} for _, i in jobs],
+        SamplingParams(max_tokens=MAX_TOKENS, **GREEDY),
+        lora_request=[None if n is None else loras[n] for n, _ in jobs],
+        use_tqdm=False,
+    )
     for (name, i), o in zip(jobs, outs):
         assert o.outputs[0].token_ids == setup["want"][name][i], (name, i)
 
@@ -103,8 +114,9 @@ def run_mixed(llm: LLM, setup, loras: dict[str, LoRARequest]):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_mixed_batch_equals_peft(setups, family):
     setup = setups[family]
-    llm = LLM(str(setup["base"]), enable_lora=True, max_loras=3, max_lora_rank=8, kv_cache_memory_bytes=1 << 22,
-              device="cpu")
+    llm = LLM(
+        str(setup["base"]), enable_lora=True, max_loras=3, max_lora_rank=8, kv_cache_memory_bytes=1 << 22, device="cpu"
+    )
     loras = requests_for(setup)
     run_mixed(llm, setup, loras)
     # the adapters really differ from the base model and from each other on these prompts
@@ -114,16 +126,21 @@ def test_mixed_batch_equals_peft(setups, family):
     engine = llm.llm_engine
     assert engine.list_loras() == {1, 2, 3}
     assert engine.pin_lora(1) and engine.remove_lora(3) and engine.list_loras() == {1, 2}
-    one = llm.generate({"prompt_token_ids": setup["prompts"][0]}, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY),
-                       lora_request=loras["mlp"], use_tqdm=False)  # read again after its removal
+    one = llm.generate(
+        {"prompt_token_ids": setup["prompts"][0]},
+        SamplingParams(max_tokens=MAX_TOKENS, **GREEDY),
+        lora_request=loras["mlp"],
+        use_tqdm=False,
+    )  # read again after its removal
     assert one[0].outputs[0].token_ids == want["mlp"][0]
 
 
 def test_merged_model_equals_adapter(setups, tmp_path):
     """The adapter served on the base equals the merged checkpoint served alone (and PEFT's merge)."""
     setup = setups["llama"]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(setup["base"], dtype=torch.float32),
-                                      setup["adapters"]["all"]).merge_and_unload()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(setup["base"], dtype=torch.float32), setup["adapters"]["all"]
+    ).merge_and_unload()
     merged = tmp_path / "merged"
     model.save_pretrained(merged)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -143,9 +160,18 @@ def test_chunked_prefill_preemption_and_slot_swaps(setups):
     cfg = json.loads((setup["base"] / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     block_bytes = cfg["num_hidden_layers"] * 2 * 4 * cfg["num_key_value_heads"] * head_dim * 4  # block_size 4
-    llm = LLM(str(setup["base"]), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
-              max_num_batched_tokens=16, block_size=4, kv_cache_memory_bytes=20 * block_bytes,
-              max_model_len=64, device="cpu")
+    llm = LLM(
+        str(setup["base"]),
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=2,
+        max_lora_rank=8,
+        max_num_batched_tokens=16,
+        block_size=4,
+        kv_cache_memory_bytes=20 * block_bytes,
+        max_model_len=64,
+        device="cpu",
+    )
     loras = requests_for(setup)
     seen: list[int] = []
     original = llm.llm_engine.scheduler.schedule
@@ -221,8 +247,14 @@ def test_bad_adapters_are_refused_by_name(setups, tmp_path):
 
 def test_tensor_parallel_two_ranks(setups):
     setup = setups["llama"]
-    llm = LLM(str(setup["base"]), enable_lora=True, max_loras=2, tensor_parallel_size=2,
-              kv_cache_memory_bytes=1 << 22, device="cpu")
+    llm = LLM(
+        str(setup["base"]),
+        enable_lora=True,
+        max_loras=2,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=1 << 22,
+        device="cpu",
+    )
     try:
         run_mixed(llm, setup, requests_for(setup))
     finally:
@@ -305,12 +337,22 @@ def frame_case(setups, tmp_path_factory):
     shutil.copytree(setup["adapters"]["qv"], root / "qv-named")
     tok = AutoTokenizer.from_pretrained(setup["base"])
     ids = [tok(t)["input_ids"] for t in TEXTS]
-    adapters = [str(setup["adapters"]["all"]), None, "qv-named", str(setup["adapters"]["mlp"]),
-                str(setup["adapters"]["all"]), "missing-one", None, str(setup["adapters"]["mlp"])]
+    adapters = [
+        str(setup["adapters"]["all"]),
+        None,
+        "qv-named",
+        str(setup["adapters"]["mlp"]),
+        str(setup["adapters"]["all"]),
+        "missing-one",
+        None,
+        str(setup["adapters"]["mlp"]),
+    ]
     a = setup["adapters"]
     sources = [a["all"], None, a["qv"], a["mlp"], a["all"], "bad", None, a["mlp"]]
-    expected = [None if src == "bad" else tok.decode(peft_greedy(setup["base"], src, [ids[i % 4]])[0])
-                for i, src in enumerate(sources)]
+    expected = [
+        None if src == "bad" else tok.decode(peft_greedy(setup["base"], src, [ids[i % 4]])[0])
+        for i, src in enumerate(sources)
+    ]
     df = pd.DataFrame({"q": TEXTS * 2, "adapter": adapters})
     return dict(df=df, root=str(root), expected=expected, base=setup["base"])
 
@@ -324,13 +366,18 @@ def _check_frame(got: pd.DataFrame, case) -> None:
             assert got["generated_text"].iloc[i] == want, i
 
 
-FRAME_KW = dict(sampling_params={"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
-                kv_cache_memory_bytes=1 << 22, device="cpu", max_loras=2)
+FRAME_KW = dict(
+    sampling_params={"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+    kv_cache_memory_bytes=1 << 22,
+    device="cpu",
+    max_loras=2,
+)
 
 
 def test_pandas_per_row_adapters_equal_peft(frame_case):
-    got = frame_case["df"].llm.generate("{q}", model=str(frame_case["base"]), lora="adapter",
-                                        lora_root=frame_case["root"], **FRAME_KW)
+    got = frame_case["df"].llm.generate(
+        "{q}", model=str(frame_case["base"]), lora="adapter", lora_root=frame_case["root"], **FRAME_KW
+    )
     _check_frame(got, frame_case)
 
 
@@ -360,8 +407,9 @@ def test_dask_local_cluster_per_row_adapters(frame_case):
 
     with local_client(workers=1) as client:
         ddf = dd.from_pandas(frame_case["df"], npartitions=2)
-        got = ddf.llm.generate("{q}", model=str(frame_case["base"]), lora="adapter", lora_root=frame_case["root"],
-                               **FRAME_KW).compute(scheduler=client.get)
+        got = ddf.llm.generate(
+            "{q}", model=str(frame_case["base"]), lora="adapter", lora_root=frame_case["root"], **FRAME_KW
+        ).compute(scheduler=client.get)
     _check_frame(got.sort_index(), frame_case)
 
 
@@ -374,14 +422,24 @@ def test_processor_per_row_model_with_dynamic_lora_loading_path(frame_case):
         if not (root / name).exists():
             shutil.copytree(src, root / name)
     config = dfllm.vLLMEngineProcessorConfig(
-        model_source=base, dynamic_lora_loading_path=str(root), should_continue_on_error=True,
-        engine_kwargs=dict(kv_cache_memory_bytes=1 << 22, device="cpu", max_loras=2), apply_chat_template=False,
-        tokenize=False, detokenize=False)
+        model_source=base,
+        dynamic_lora_loading_path=str(root),
+        should_continue_on_error=True,
+        engine_kwargs=dict(kv_cache_memory_bytes=1 << 22, device="cpu", max_loras=2),
+        apply_chat_template=False,
+        tokenize=False,
+        detokenize=False,
+    )
     models = ["all", base, "qv-named", "mlp", "missing-one"]
     df = pd.DataFrame({"q": TEXTS + TEXTS[:1], "model": models})
-    processor = dfllm.build_processor(config, preprocess=lambda row: dict(
-        prompt=row["q"], model=row["model"], sampling_params=dict(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                    ignore_eos=True)))
+    processor = dfllm.build_processor(
+        config,
+        preprocess=lambda row: dict(
+            prompt=row["q"],
+            model=row["model"],
+            sampling_params=dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        ),
+    )
     got = processor(df)
     assert list(got["generated_text"])[:4] == frame_case["expected"][:4]
     assert "missing-one" in got["__inference_error__"].iloc[4]
@@ -393,10 +451,31 @@ def test_cli_lora_column(frame_case, cli_cluster, tmp_path):
     src = tmp_path / "in.parquet"
     frame_case["df"].to_parquet(src)
     out = tmp_path / "out"
-    status = cli_main(["run", str(src), str(out), "--prompt", "{q}", "--model", str(frame_case["base"]),
-                       "--max-tokens", str(MAX_TOKENS), "--lora-column", "adapter", "--lora-root", frame_case["root"],
-                       "--max-loras", "2", "--max-model-len", "64", "--npartitions", "2",
-                       "--scheduler", cli_cluster.address])
+    status = cli_main(
+        [
+            "run",
+            str(src),
+            str(out),
+            "--prompt",
+            "{q}",
+            "--model",
+            str(frame_case["base"]),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--lora-column",
+            "adapter",
+            "--lora-root",
+            frame_case["root"],
+            "--max-loras",
+            "2",
+            "--max-model-len",
+            "64",
+            "--npartitions",
+            "2",
+            "--scheduler",
+            cli_cluster.address,
+        ]
+    )
     assert status == 0
     got = pd.read_parquet(out)
     assert list(got["q"]) == list(frame_case["df"]["q"]) and len(got) == len(frame_case["df"])

@@ -23,8 +23,12 @@ import dfllm
 from dfllm import LLM, InvalidRequestError, LoRARequest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TEXTS = ["short", "a somewhat longer text about dataframes and engines", "mid length text here",
-         "parquet partitions on object storage"]
+TEXTS = [
+    "short",
+    "a somewhat longer text about dataframes and engines",
+    "mid length text here",
+    "parquet partitions on object storage",
+]
 
 
 def make_adapter(base: Path, out: Path, seed: int, r: int, targets: list[str]) -> Path:
@@ -59,8 +63,10 @@ def adapters(tmp_path_factory, tiny_llama):
     root = tmp_path_factory.mktemp("lora-pooling")
     a = make_adapter(tiny_llama, root / "a", 1, 8, ALL)
     b = make_adapter(tiny_llama, root / "b", 2, 4, ["q_proj", "v_proj", "down_proj"])
-    return {"a": (a, merged_model(tiny_llama, a, root / "a-merged")),
-            "b": (b, merged_model(tiny_llama, b, root / "b-merged"))}
+    return {
+        "a": (a, merged_model(tiny_llama, a, root / "a-merged")),
+        "b": (b, merged_model(tiny_llama, b, root / "b-merged")),
+    }
 
 
 def test_mixed_adapters_in_one_embed_call_equal_merged_models(tiny_llama, adapters):
@@ -121,8 +127,13 @@ def test_resume_recomputes_when_the_adapter_is_rewritten(tiny_llama, tmp_path):
 
     def write():
         result = dd.from_pandas(df, npartitions=2).llm.generate(
-            "{q}", model=str(tiny_llama), lora=str(adapter), max_model_len=64, kv_cache_memory_bytes=2**22,
-            sampling_params={"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+            "{q}",
+            model=str(tiny_llama),
+            lora=str(adapter),
+            max_model_len=64,
+            kv_cache_memory_bytes=2**22,
+            sampling_params={"max_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+        )
         return dfllm.write_parquet(result, str(tmp_path / "out"), resume=True, progress=False)
 
     first = write()

@@ -43,16 +43,24 @@ def greedy_params() -> list[SamplingParams]:
 
 
 def seeded_params() -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=n, ignore_eos=True)
-            for i, n in enumerate(MAX_TOKENS)]
+    return [
+        SamplingParams(temperature=0.9, seed=100 + i, max_tokens=n, ignore_eos=True) for i, n in enumerate(MAX_TOKENS)
+    ]
 
 
-@pytest.mark.parametrize("params,prefix_caching", [(greedy_params, True), (greedy_params, False),
-                                                   (seeded_params, True)], ids=["greedy", "greedy-no-prefix-cache",
-                                                                                "seeded"])
+@pytest.mark.parametrize(
+    "params,prefix_caching",
+    [(greedy_params, True), (greedy_params, False), (seeded_params, True)],
+    ids=["greedy", "greedy-no-prefix-cache", "seeded"],
+)
 def test_tiny_kv_cache_completes_every_request_exactly(tiny_llama, roomy, prefix_caching, params):
-    tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=SMALL,
-                enable_prefix_caching=prefix_caching)
+    tight = LLM(
+        tiny_llama,
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        kv_cache_memory_bytes=SMALL,
+        enable_prefix_caching=prefix_caching,
+    )
     # vLLM's admission (a watermark, no reserve for the decodes' growth), so that the tight
     # cache must preempt; the growth reserve's own effect is tested below
     tight.engine.scheduler.reserve_growth = False
@@ -76,8 +84,13 @@ def test_tiny_kv_cache_completes_every_request_exactly(tiny_llama, roomy, prefix
 
 def test_one_sequence_at_a_time_still_serves_a_queue(tiny_llama, roomy):
     """A cache of exactly max_model_len tokens: sequences that grow past half of it evict each other."""
-    tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN,
-                kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES, max_num_seqs=64)
+    tight = LLM(
+        tiny_llama,
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES,
+        max_num_seqs=64,
+    )
     tight.engine.scheduler.reserve_growth = False  # vLLM's admission: sequences are admitted, then evicted
     long = [SamplingParams(temperature=0.0, max_tokens=MAX_LEN - len(p), ignore_eos=True) for p in PROMPTS[:5]]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
@@ -92,8 +105,13 @@ def test_growth_reserve_admits_what_can_finish(tiny_llama, roomy):
     """The same queue with the growth reserve (the default): a sequence is admitted only while
     the running ones keep room for the tokens they are expected to add, so the cache of one
     full-length sequence serves them one after another without preempting any."""
-    tight = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN,
-                kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES, max_num_seqs=64)
+    tight = LLM(
+        tiny_llama,
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        kv_cache_memory_bytes=(MAX_LEN // BLOCK) * BLOCK_BYTES,
+        max_num_seqs=64,
+    )
     long = [SamplingParams(temperature=0.0, max_tokens=MAX_LEN - len(p), ignore_eos=True) for p in PROMPTS[:5]]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
     got = tight.generate(prompts, long, use_tqdm=False)

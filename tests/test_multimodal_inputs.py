@@ -28,10 +28,16 @@ def test_load_image_every_form(tmp_path):
     with fsspec.open("memory://imgs/a.png", "wb") as f:
         f.write(data)
     forms = [
-        data, bytearray(data), memoryview(data),
+        data,
+        bytearray(data),
+        memoryview(data),
         "data:image/png;base64," + base64.b64encode(data).decode(),
-        str(path), path, "file://" + str(path), "memory://imgs/a.png",
-        {"url": str(path)}, {"bytes": data, "path": None},
+        str(path),
+        path,
+        "file://" + str(path),
+        "memory://imgs/a.png",
+        {"url": str(path)},
+        {"bytes": data, "path": None},
     ]
     for form in forms:
         img = load_image(form)
@@ -44,17 +50,20 @@ def test_load_image_every_form(tmp_path):
     assert jpeg.format == "JPEG" and jpeg.size == (7, 5)
 
 
-@pytest.mark.parametrize("value,match", [
-    (b"not an image", "cannot decode"),
-    (b"", "empty"),
-    (12, "type int"),
-    (None, "type NoneType"),
-    ("/no/such/image.png", "not found"),
-    ("memory://no/such.png", "not found"),
-    ("data:image/png;base64,AAAA", "cannot decode"),
-    ("data:image/png;base64", "separating"),
-    ({"foo": 1}, "'url', 'bytes' or 'path'"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (b"not an image", "cannot decode"),
+        (b"", "empty"),
+        (12, "type int"),
+        (None, "type NoneType"),
+        ("/no/such/image.png", "not found"),
+        ("memory://no/such.png", "not found"),
+        ("data:image/png;base64,AAAA", "cannot decode"),
+        ("data:image/png;base64", "separating"),
+        ({"foo": 1}, "'url', 'bytes' or 'path'"),
+    ],
+)
 def test_load_image_errors_name_the_problem(value, match):
     with pytest.raises(ImageLoadError, match=match):
         load_image(value)
@@ -82,10 +91,12 @@ def test_image_hash_is_pixel_based_and_stable_across_processes():
     # image.py alone in a fresh interpreter (importing dfllm would load dask, torch...: seconds)
     import dfllm.multimodal.image as module
 
-    code = ("import base64, importlib.util as u; "
-            f"s = u.spec_from_file_location('image', {module.__file__!r}); m = u.module_from_spec(s); "
-            "s.loader.exec_module(m); "
-            f"print(m.image_hash(m.load_image(base64.b64decode({base64.b64encode(_png()).decode()!r}))))")
+    code = (
+        "import base64, importlib.util as u; "
+        f"s = u.spec_from_file_location('image', {module.__file__!r}); m = u.module_from_spec(s); "
+        "s.loader.exec_module(m); "
+        f"print(m.image_hash(m.load_image(base64.b64decode({base64.b64encode(_png()).decode()!r}))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == image_hash(a)
     with pytest.raises(TypeError):

@@ -11,8 +11,9 @@ import torch
 from dfllm.models.loader import load_weights
 from dfllm.models.vision import CLIPVisionTransformer, SiglipVisionTransformer
 
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=28,
-              patch_size=7)
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=28, patch_size=7
+)
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip", "siglip_head"])
@@ -74,12 +75,29 @@ def build_tiny_llava(root, tokenizer_dir, seed: int = 0):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                       initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     vision = CLIPVisionConfig(**{**VISION, "num_hidden_layers": 2})
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id, image_seq_length=16,
-                      vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False)
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_id,
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # images must move the outputs: larger random vision and projector weights
@@ -88,10 +106,14 @@ def build_tiny_llava(root, tokenizer_dir, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.2)
     path = root / "tiny-llava"
     model.save_pretrained(path)
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
-                                                                  crop_size={"height": 28, "width": 28}),
-                               tokenizer=tok, patch_size=7, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, image_token=IMAGE_TOKEN)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tok,
+        patch_size=7,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token=IMAGE_TOKEN,
+    )
     processor.save_pretrained(path)
     return path
 
@@ -121,7 +143,7 @@ def hf_llava_greedy(path, requests, max_new_tokens: int):
         for text, images in requests:
             inputs = processor(text=text, images=images or None, return_tensors="pt")
             y = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            outs.append(y[0, inputs["input_ids"].shape[1]:].tolist())
+            outs.append(y[0, inputs["input_ids"].shape[1] :].tolist())
     return outs
 
 
@@ -162,8 +184,9 @@ def test_llava_greedy_equals_transformers(tiny_llava):
     # chunked prefill splitting image placeholder runs (12-token chunks, 16 tokens an image), and preemption under a
     # KV cache too small for the batch: the same tokens
     block = 2 * 4 * 2 * 16 * 2 * 4  # layers x block size 4 x kv heads x head size x (k, v) x float32
-    small = _llm(tiny_llava, max_model_len=64, max_num_batched_tokens=12, block_size=4,
-                 kv_cache_memory_bytes=17 * block)
+    small = _llm(
+        tiny_llava, max_model_len=64, max_num_batched_tokens=12, block_size=4, kv_cache_memory_bytes=17 * block
+    )
     small.llm_engine.scheduler.reserve_growth = False  # vLLM's admission: the tight cache must preempt
     got = [o.outputs[0].token_ids for o in small.generate(_prompts(requests), sp, use_tqdm=False)]
     assert got == want
@@ -232,8 +255,10 @@ def test_image_cache_counts_and_reset_mm_cache(tiny_llava):
     engine = llm.llm_engine
     mm, enc = engine.input_processor.mm, engine.runner.encoder_cache
     a, b = _images()[:2]
-    prompts = [{"prompt": f"USER: <image>\nQuestion {i}? ASSISTANT:", "multi_modal_data": {"image": im}}
-               for i, im in enumerate([a, b, a, a.copy()])]
+    prompts = [
+        {"prompt": f"USER: <image>\nQuestion {i}? ASSISTANT:", "multi_modal_data": {"image": im}}
+        for i, im in enumerate([a, b, a, a.copy()])
+    ]
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(4), use_tqdm=False)]
     assert (mm.images_processed, enc.images_encoded) == (2, 2)  # two distinct images, four rows
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(4), use_tqdm=False)]
@@ -270,16 +295,23 @@ def test_vllm_prompt_forms_and_chat_parts(llava_llm, llava_want, tmp_path, smoll
     path.write_bytes(buf.getvalue())
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     question = {"type": "text", "text": "What is this?"}
-    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": str(path)}},
-             {"type": "image_url", "image_url": {"url": "file://" + str(path)}}, {"type": "image_pil", "image_pil": a}]
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image_url", "image_url": {"url": str(path)}},
+        {"type": "image_url", "image_url": {"url": "file://" + str(path)}},
+        {"type": "image_pil", "image_pil": a},
+    ]
     convs = [[{"role": "user", "content": [p, question]}] for p in parts]
     outs = llm.chat(convs, _greedy(), use_tqdm=False)
     tok = llm.get_tokenizer()
-    rendered = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is this?"}], tokenize=False,
-                                       add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "<image>\nWhat is this?"}], tokenize=False, add_generation_prompt=True
+    )
     # a template that renders image parts itself gets Hugging Face's {"type": "image"} parts
-    template = ("{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}{% if p['type'] == 'image' %}"
-                "<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}ASSISTANT:")
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}{% if p['type'] == 'image' %}"
+        "<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}ASSISTANT:"
+    )
     own = llm.chat(convs[0], _greedy(), chat_template=template, use_tqdm=False)[0]
     hf_parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     own_text = tok.apply_chat_template(hf_parts, chat_template=template, tokenize=False)
@@ -289,14 +321,17 @@ def test_vllm_prompt_forms_and_chat_parts(llava_llm, llava_want, tmp_path, smoll
     assert own.outputs[0].token_ids == want_own
 
 
-@pytest.mark.parametrize("prompt,match", [
-    ({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [1, 2, 3]}}, "limit_mm_per_prompt"),
-    ({"prompt": "no placeholder", "multi_modal_data": {"image": "IMG"}}, "0 image placeholder token"),
-    ({"prompt": "<image>", "multi_modal_data": {"image": b"not an image"}}, r"prompt 0: .*cannot decode"),
-    ({"prompt": "<image>", "multi_modal_data": {"image": 42}}, "type int"),
-    ({"prompt": "<image>", "multi_modal_data": {"video": "x"}}, "images only"),
-    ({"prompt": "<image>", "multi_modal_data": "IMG"}, "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [1, 2, 3]}}, "limit_mm_per_prompt"),
+        ({"prompt": "no placeholder", "multi_modal_data": {"image": "IMG"}}, "0 image placeholder token"),
+        ({"prompt": "<image>", "multi_modal_data": {"image": b"not an image"}}, r"prompt 0: .*cannot decode"),
+        ({"prompt": "<image>", "multi_modal_data": {"image": 42}}, "type int"),
+        ({"prompt": "<image>", "multi_modal_data": {"video": "x"}}, "images only"),
+        ({"prompt": "<image>", "multi_modal_data": "IMG"}, "must be a dict"),
+    ],
+)
 def test_bad_image_inputs_are_refused_by_name(llava_llm, prompt, match):
     from dfllm import InvalidRequestError
 
@@ -349,8 +384,18 @@ def test_qwen2_vl_vision_tower_matches_transformers():
     from dfllm.models.vision.qwen2_vl_vision import Qwen2VisionTransformer
 
     torch.manual_seed(0)
-    cfg = Qwen2VLConfig(vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
-                                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2)).vision_config
+    cfg = Qwen2VLConfig(
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+    ).vision_config
     hf = Qwen2VisionTransformerPretrainedModel(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -389,19 +434,57 @@ def build_tiny_qwen2_vl(root, tokenizer_dir, seed: int = 0, v25: bool = False):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
     start, end, pad, video = tok.convert_tokens_to_ids(QWEN_TOKENS)
-    vision = (dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=14,
-                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
-              if v25 else dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
-                               spatial_merge_size=2, temporal_patch_size=2))
-    config_cls, model_cls = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if v25 else
-                             (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    vision = (
+        dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=4,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+        if v25
+        else dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+    )
+    config_cls, model_cls = (
+        (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+        if v25
+        else (Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+    )
     cfg = config_cls(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=vision, image_token_id=pad, video_token_id=video, vision_start_token_id=start,
-        vision_end_token_id=end, tie_word_embeddings=False)
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            initializer_range=0.2,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=vision,
+        image_token_id=pad,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     with torch.no_grad():
@@ -436,9 +519,15 @@ def hf_qwen2_vl_greedy(path, requests, max_new_tokens: int):
                 ids = [x for t in ids for x in ([pad] * next(sizes) if t == pad else [t])]
             x = torch.tensor([ids])
             kw["mm_token_type_ids"] = (x == pad).int()
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                               pad_token_id=0, **kw)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **kw,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -471,18 +560,27 @@ def test_qwen2_vl_greedy_equals_transformers(tiny_qwen2_vl, qwen_want):
     assert got == want
     # chunked prefill (5-token chunks split the images' placeholders) and preemption (a tight cache)
     block = 2 * 4 * 2 * 16 * 2 * 4
-    small = _llm(tiny_qwen2_vl, max_num_batched_tokens=5, max_model_len=48, block_size=4,
-                 kv_cache_memory_bytes=13 * block)
+    small = _llm(
+        tiny_qwen2_vl, max_num_batched_tokens=5, max_model_len=48, block_size=4, kv_cache_memory_bytes=13 * block
+    )
     small.llm_engine.scheduler.reserve_growth = False
     got = [o.outputs[0].token_ids for o in small.generate(_prompts(requests), _greedy(), use_tqdm=False)]
     assert got == want
     assert small.llm_engine.scheduler.stats().num_preemptions > 0
     # chat image parts become <|vision_start|><|image_pad|><|vision_end|> before the text
-    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": a},
-                                                 {"type": "text", "text": "What is this?"}]}], _greedy(),
-                   use_tqdm=False)
+    out = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image_pil", "image_pil": a}, {"type": "text", "text": "What is this?"}],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     rendered = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": f"{QWEN_IMAGE}\nWhat is this?"}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": f"{QWEN_IMAGE}\nWhat is this?"}], tokenize=False, add_generation_prompt=True
+    )
     assert out[0].outputs[0].token_ids == hf_qwen2_vl_greedy(tiny_qwen2_vl, [(rendered, [a])], 8)[0]
 
 
@@ -513,9 +611,13 @@ def test_llava_checkpoint_name_forms(tmp_path, tiny_llava, llava_want):
     tensors = load_file(str(tiny_llava / "model.safetensors"))
     forms = {
         "v4": lambda k: k.replace("vision_tower.", "vision_tower.vision_model.", 1),
-        "v5": lambda k: ("model." + k if k.startswith(("vision_tower.", "multi_modal_projector.")) else
-                         k.replace("language_model.model.", "model.language_model.", 1)
-                         .replace("language_model.lm_head.", "lm_head.", 1)),
+        "v5": lambda k: (
+            "model." + k
+            if k.startswith(("vision_tower.", "multi_modal_projector."))
+            else k.replace("language_model.model.", "model.language_model.", 1).replace(
+                "language_model.lm_head.", "lm_head.", 1
+            )
+        ),
     }
     requests = _mixed_requests()[:1]
     for name, rename in forms.items():
@@ -523,8 +625,9 @@ def test_llava_checkpoint_name_forms(tmp_path, tiny_llava, llava_want):
         shutil.copytree(tiny_llava, path)
         save_file({rename(k): v for k, v in tensors.items()}, str(path / "model.safetensors"))
         llm = _llm(path)
-        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)] == \
-            llava_want[:1], name
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)
+        ] == llava_want[:1], name
 
 
 def test_qwen25_vl_vision_tower_matches_transformers():
@@ -535,10 +638,20 @@ def test_qwen25_vl_vision_tower_matches_transformers():
     from dfllm.models.vision.qwen2_vl_vision import Qwen25VisionTransformer
 
     torch.manual_seed(0)
-    cfg = Qwen2_5_VLConfig(vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4,
-                                              out_hidden_size=64, patch_size=14, spatial_merge_size=2,
-                                              temporal_patch_size=2, window_size=56,
-                                              fullatt_block_indexes=[1])).vision_config
+    cfg = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=4,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+    ).vision_config
     hf = Qwen2_5_VisionTransformerPretrainedModel(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -561,8 +674,11 @@ def test_qwen25_vl_vision_tower_matches_transformers():
 def test_qwen25_vl_greedy_equals_transformers(tmp_path, smollm2_dir):
     path = build_tiny_qwen2_vl(tmp_path, smollm2_dir, v25=True)
     a, b, c, d = _images()
-    requests = [(f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [d]),  # 112x112: four 56px windows
-                (f"USER: {QWEN_IMAGE} and {QWEN_IMAGE}? ASSISTANT:", [b, c]), ("USER: text only. ASSISTANT:", [])]
+    requests = [
+        (f"USER: {QWEN_IMAGE}\nWhat is this? ASSISTANT:", [d]),  # 112x112: four 56px windows
+        (f"USER: {QWEN_IMAGE} and {QWEN_IMAGE}? ASSISTANT:", [b, c]),
+        ("USER: text only. ASSISTANT:", []),
+    ]
     want = hf_qwen2_vl_greedy(path, requests, 8)
     llm = _llm(path, max_num_batched_tokens=7)
     assert [o.outputs[0].token_ids for o in llm.generate(_prompts(requests), _greedy(), use_tqdm=False)] == want

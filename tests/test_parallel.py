@@ -78,8 +78,9 @@ def test_tensor_parallel_matches_one_rank(models, prompts, tp_llm):
     assert type(one.engine.runner) is ModelRunner and psutil.Process().children(recursive=True) == children
     ref = greedy(one, prompts)
     assert greedy(tp_llm, prompts) == ref
-    again = tp_llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(max_tokens=16, **GREEDY),
-                            use_tqdm=False)[0]
+    again = tp_llm.generate(
+        [{"prompt_token_ids": prompts[3]}], SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False
+    )[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == ref[3]
 
 
@@ -90,7 +91,11 @@ def test_tensor_and_pipeline_parallel_together_qwen2(models, prompts):
     llm = LLM(models["qwen2"], tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         assert llm.collective_rpc(lambda w: (w.parallel.pp_rank, w.parallel.tp_rank)) == [
-            (0, 0), (0, 1), (1, 0), (1, 1)]
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+        ]
         assert greedy(llm, prompts) == ref
     finally:
         llm.shutdown()
@@ -100,9 +105,13 @@ def test_each_rank_holds_its_share(tp_llm):
     ranks = tp_llm.collective_rpc(lambda w: (w.rank, os.getpid()))
     assert [r for r, _ in ranks] == [0, 1]
     assert ranks[0][1] == os.getpid() and ranks[1][1] == worker_pids(tp_llm)[0]
-    shapes = tp_llm.apply_model(lambda m: (tuple(m.model.layers[0].self_attn.qkv_proj.weight.shape),
-                                           tuple(m.model.layers[0].mlp.down_proj.weight.shape),
-                                           tuple(m.model.embed_tokens.weight.shape)))
+    shapes = tp_llm.apply_model(
+        lambda m: (
+            tuple(m.model.layers[0].self_attn.qkv_proj.weight.shape),
+            tuple(m.model.layers[0].mlp.down_proj.weight.shape),
+            tuple(m.model.embed_tokens.weight.shape),
+        )
+    )
     # 4 heads and 2 kv heads of 16 -> (2 + 1 + 1) * 16 rows; 128 MLP columns -> 64; 49155 -> 24578 rows
     assert shapes == [((64, 64), (64, 64), (24578, 64))] * 2
     first, second = tp_llm.apply_model(lambda m: m.model.embed_tokens.weight[-3:].clone())
@@ -151,7 +160,10 @@ def test_pipeline_parallel_matches_one_rank(models, prompts, pp_llm):
     ref = greedy(LLM(models["llama"], max_num_batched_tokens=64), prompts)
     assert pp_llm.collective_rpc(lambda w: (w.model.model.start, w.model.model.end)) == [(0, 1), (1, 2), (2, 3)]
     assert pp_llm.apply_model(lambda m: (m.model.embed_tokens is None, m.lm_head is None)) == [
-        (False, True), (True, True), (True, False)]
+        (False, True),
+        (True, True),
+        (True, False),
+    ]
     assert greedy(pp_llm, prompts) == ref
 
 
@@ -162,7 +174,8 @@ def test_prompt_logprobs_on_parallel_ranks_match_one_rank(models, prompts, which
     sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     parallel = request.getfixturevalue(f"{which}_llm")
     ref = LLM(models["llama"], max_model_len=256, max_num_batched_tokens=64).generate(
-        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False
+    )
     got = parallel.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     for a, b in zip(ref, got):
         assert len(b.prompt_logprobs) == len(a.prompt_logprobs) and b.prompt_logprobs[0] is None
@@ -242,7 +255,8 @@ def test_workers_exit_when_the_driver_process_dies(models, tmp_path):
     """)
     (tmp_path / "driver.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py")], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "driver.py")], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert_gone([int(proc.stdout.split()[0])])

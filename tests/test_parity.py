@@ -30,30 +30,52 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 def test_greedy_matches_transformers(tmp_path, smollm2_dir, arch, heads, kv_heads):
-    path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, heads=heads, kv_heads=kv_heads,
-                            hidden=48 if heads == 6 else 64)
+    path = build_tiny_model(
+        tmp_path, smollm2_dir, arch=arch, heads=heads, kv_heads=kv_heads, hidden=48 if heads == 6 else 64
+    )
     prompts = random_prompts(6, 3, 41, seed=heads)
     max_tokens = [7, 12, 1, 20, 9, 15]
     llm = LLM(path, max_num_seqs=8)
-    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens), hf_greedy_logprobs(path, prompts, max_tokens),
-                         "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500000.0)),
-    ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})),
-    ("llama", dict(attention_bias=True, mlp_bias=True)),
-    ("mistral", dict(sliding_window=None, head_dim=24)),
-])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                }
+            ),
+        ),
+        ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500000.0)),
+        ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})),
+        ("llama", dict(attention_bias=True, mlp_bias=True)),
+        ("mistral", dict(sliding_window=None, head_dim=24)),
+    ],
+)
 def test_config_variants_match_transformers(tmp_path, smollm2_dir, arch, extra):
     """Scaled rope types, Llama's attention/MLP biases, and a Mistral config with explicit head_dim."""
     path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, **extra)
     prompts = random_prompts(3, 5, 300, seed=6)
     max_tokens = [8, 5, 11]
-    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
-                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
 def test_unsupported_rope_type_is_named(tmp_path, smollm2_dir):
@@ -78,8 +100,13 @@ def test_preemption_by_recomputation(tiny_llama, prefix_caching):
     prompts = random_prompts(8, 9, 25, seed=2)
     max_tokens = [24] * 8
     block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K+V, 2 layers, block 4, 2 kv heads, head dim 16, fp32
-    llm = LLM(tiny_llama, block_size=4, kv_cache_memory_bytes=40 * block_bytes, max_model_len=64,
-              enable_prefix_caching=prefix_caching)
+    llm = LLM(
+        tiny_llama,
+        block_size=4,
+        kv_cache_memory_bytes=40 * block_bytes,
+        max_model_len=64,
+        enable_prefix_caching=prefix_caching,
+    )
     assert llm.engine.num_blocks == 40
     out = run(llm, prompts, max_tokens)
     assert llm.engine.stats().num_preemptions > 0
@@ -118,11 +145,17 @@ def smol_chat_prompts(smollm2_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    questions = ["What is the capital of France?", "Write a haiku about autumn leaves.",
-                 "Explain in two sentences why the sky is blue.", "List three uses of a paperclip.",
-                 "Translate 'good morning' into Spanish and German."]
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about autumn leaves.",
+        "Explain in two sentences why the sky is blue.",
+        "List three uses of a paperclip.",
+        "Translate 'good morning' into Spanish and German.",
+    ]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
@@ -137,12 +170,17 @@ def test_smollm2_matches_transformers(smollm2_dir, smol_chat_prompts, smol_defau
     """The default engine is log-prob close to transformers; chunked prefill with preemption, and
     no prefix cache, give exactly the default engine's tokens."""
     if variant == "default":
-        check_logprobs_close(smol_default, hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24),
-                             "dfllm", "transformers")
+        check_logprobs_close(
+            smol_default, hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24), "dfllm", "transformers"
+        )
         return
     kwargs = {
-        "chunked+preempt": dict(max_num_batched_tokens=32, block_size=16, max_model_len=128,
-                                kv_cache_memory_bytes=14 * 2 * 30 * 16 * 3 * 64 * 4),
+        "chunked+preempt": dict(
+            max_num_batched_tokens=32,
+            block_size=16,
+            max_model_len=128,
+            kv_cache_memory_bytes=14 * 2 * 30 * 16 * 3 * 64 * 4,
+        ),
         "no-prefix-cache": dict(enable_prefix_caching=False),
     }[variant]
     llm = LLM(smollm2_dir, **kwargs)
@@ -174,12 +212,16 @@ def test_bfloat16_model_is_logprob_close_to_transformers_float32(smollm2_dir, sm
     from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa
 
     llm = LLM(smollm2_dir, dtype="bfloat16")
-    packed = llm.collective_rpc(lambda w: sum(m._packed is not None for m in w.model.modules()
-                                              if isinstance(m, PackableLinear)))
+    packed = llm.collective_rpc(
+        lambda w: sum(m._packed is not None for m in w.model.modules() if isinstance(m, PackableLinear))
+    )
     assert packed[0] > 0 if bf16_gemm_isa() is not None else packed[0] == 0
-    check_logprobs_close(dfllm_greedy_logprobs(llm, smol_chat_prompts, 24),
-                         hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24),
-                         "dfllm bfloat16", "transformers float32")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, smol_chat_prompts, 24),
+        hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24),
+        "dfllm bfloat16",
+        "transformers float32",
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -187,6 +229,9 @@ def test_bfloat16_tiny_models_are_logprob_close_to_transformers_float32(tmp_path
     path = build_tiny_model(tmp_path, smollm2_dir, arch=arch, initializer_range=0.05)
     prompts = random_prompts(4, 5, 60, seed=3)
     max_tokens = [10, 6, 12, 8]
-    check_logprobs_close(dfllm_greedy_logprobs(LLM(path, dtype="bfloat16"), prompts, max_tokens),
-                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm bfloat16", "transformers float32")
-
+    check_logprobs_close(
+        dfllm_greedy_logprobs(LLM(path, dtype="bfloat16"), prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm bfloat16",
+        "transformers float32",
+    )

@@ -14,8 +14,10 @@ from dfllm.models.bundled import resolve_model
 
 from helpers import build_tiny_model
 
-WORDS = ("data engineers run batch jobs over parquet files on object storage while dask schedules "
-         "partitions across workers and the dashboard shows progress").split()
+WORDS = (
+    "data engineers run batch jobs over parquet files on object storage while dask schedules "
+    "partitions across workers and the dashboard shows progress"
+).split()
 
 
 def texts_of_mixed_length(n: int) -> list[str]:
@@ -110,11 +112,18 @@ def test_wrong_runner_errors(minilm, tiny_llama):
 
 # ---- classifiers and cross-encoders on small random BERTs ---------------------------------------
 def tiny_bert(tmp_path, minilm_dir, num_labels: int):
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128, num_labels=num_labels,
-                     id2label={i: f"label_{i}" for i in range(num_labels)},
-                     label2id={f"label_{i}": i for i in range(num_labels)},
-                     architectures=["BertForSequenceClassification"])
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=num_labels,
+        id2label={i: f"label_{i}" for i in range(num_labels)},
+        label2id={f"label_{i}": i for i in range(num_labels)},
+        architectures=["BertForSequenceClassification"],
+    )
     torch.manual_seed(num_labels)
     model = AutoModelForSequenceClassification.from_config(cfg).eval()
     path = tmp_path / f"bert-{num_labels}"
@@ -164,9 +173,14 @@ def test_decoder_pooling_matches_transformers(tmp_path, smollm2_dir, pooling):
     if pooling == "mean":
         (path / "1_Pooling").mkdir()
         (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-        (path / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (path / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                ]
+            )
+        )
     llm = LLM(path, runner="pooling", max_num_batched_tokens=64)
     assert llm.runner_type == "pooling"
     texts = ["short", "a somewhat longer text about dataframes and engines", "mid length text here"]

@@ -17,19 +17,26 @@ def minilm():
     return LLM("all-minilm-l6-v2")
 
 
-@pytest.mark.parametrize("prompts, params, truncate, match", [
-    (["fine", {"prompt_token_ids": [1, 10**9]}], None, None, "Token id 1000000000 is out of vocabulary (prompt 1:"),
-    (["fine", {"prompt_token_ids": []}], None, None, "prompt 1 is empty"),
-    (["fine", 3], None, None, "prompt 1: expected a str or a dict"),
-    (["fine", "bad \ud800"], None, None, "prompt 1 is not valid Unicode"),
-    (["fine", {"prompt_token_ids": "12"}], None, None, "prompt 1: prompt_token_ids must be a list of ints"),
-    ([{"multi_modal_data": {"image": "x.png"}}], None, None, "is a text-only model; image embeddings need"),
-    (["a", "b"], [PoolingParams()], None, "The lengths of prompts (2) and pooling_params (1) must be the same"),
-    (["a"], {"normalize": True}, None, "pooling_params must be a PoolingParams or a list of them"),
-    (["a", "b"], [PoolingParams(), PoolingParams(task="classify")], None,
-     "pooling_params of prompt 1: task='classify' is not this call's 'embed'"),
-    (["a"], None, -5, "truncate_prompt_tokens must be a positive int or -1, got -5"),
-])
+@pytest.mark.parametrize(
+    "prompts, params, truncate, match",
+    [
+        (["fine", {"prompt_token_ids": [1, 10**9]}], None, None, "Token id 1000000000 is out of vocabulary (prompt 1:"),
+        (["fine", {"prompt_token_ids": []}], None, None, "prompt 1 is empty"),
+        (["fine", 3], None, None, "prompt 1: expected a str or a dict"),
+        (["fine", "bad \ud800"], None, None, "prompt 1 is not valid Unicode"),
+        (["fine", {"prompt_token_ids": "12"}], None, None, "prompt 1: prompt_token_ids must be a list of ints"),
+        ([{"multi_modal_data": {"image": "x.png"}}], None, None, "is a text-only model; image embeddings need"),
+        (["a", "b"], [PoolingParams()], None, "The lengths of prompts (2) and pooling_params (1) must be the same"),
+        (["a"], {"normalize": True}, None, "pooling_params must be a PoolingParams or a list of them"),
+        (
+            ["a", "b"],
+            [PoolingParams(), PoolingParams(task="classify")],
+            None,
+            "pooling_params of prompt 1: task='classify' is not this call's 'embed'",
+        ),
+        (["a"], None, -5, "truncate_prompt_tokens must be a positive int or -1, got -5"),
+    ],
+)
 def test_a_bad_prompt_is_refused_by_the_input_processor_as_by_embed(minilm, prompts, params, truncate, match):
     processor = minilm.pooling_engine.input_processor
     assert isinstance(processor, InputProcessor)
@@ -49,8 +56,11 @@ def test_a_bad_prompt_is_refused_by_the_input_processor_as_by_embed(minilm, prom
 
 def test_the_engine_runs_the_requests_the_input_processor_builds(minilm, monkeypatch):
     processor = minilm.pooling_engine.input_processor
-    texts = ["A cat sleeps.", "Data engineers run batch jobs over parquet files.",
-             {"prompt_token_ids": [101, 7592, 102]}]
+    texts = [
+        "A cat sleeps.",
+        "Data engineers run batch jobs over parquet files.",
+        {"prompt_token_ids": [101, 7592, 102]},
+    ]
     requests = processor.process_pooling(texts, None)
     assert all(isinstance(r, PoolingRequest) for r in requests)
     want = minilm.embed(texts, use_tqdm=False)
@@ -61,5 +71,7 @@ def test_the_engine_runs_the_requests_the_input_processor_builds(minilm, monkeyp
     # LLM.embed truncates with this processor's limit: it tokenizes through it, not on its own
     monkeypatch.setattr(processor, "max_model_len", 4)
     assert [len(o.prompt_token_ids) for o in minilm.embed(texts, use_tqdm=False)] == [4, 4, 3]
-    assert torch.equal(minilm.encode(texts[1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data,
-                       minilm.pooling_engine.encode(processor.process_pooling(texts[1], None), "token_embed")[0])
+    assert torch.equal(
+        minilm.encode(texts[1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data,
+        minilm.pooling_engine.encode(processor.process_pooling(texts[1], None), "token_embed")[0],
+    )

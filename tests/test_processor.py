@@ -124,6 +124,7 @@ def test_a_failed_rows_input_values_take_the_output_types_by_arrows_safe_casts(c
     parquet, so it can be found and retried; an input value no safe cast converts (the text
     "haiku #7" in the integer column postprocess makes of ``item``) is null, and the row's
     error names the column and shows the value."""
+
     def pre(row):
         if row["id"] == 7:
             raise KeyError("no topic")
@@ -168,26 +169,40 @@ def test_explicit_meta_runs_nothing_and_flags_what_does_not_fit(client, config, 
     """With meta= nothing runs at call time (the first rows fail postprocess, which would
     stop the sampling); values that do not fit, and columns meta lacks, are row errors
     naming the column."""
+
     def post(row):
         if row["id"] < 3:
             raise ValueError("early rows fail")
-        out = dict(id=row["id"], n=2.5 if row["id"] == 4 else row["id"], text=row["generated_text"],
-                   d={"a": 1, "b": 2} if row["id"] == 5 else {"a": 1})
+        out = dict(
+            id=row["id"],
+            n=2.5 if row["id"] == 4 else row["id"],
+            text=row["generated_text"],
+            d={"a": 1, "b": 2} if row["id"] == 5 else {"a": 1},
+        )
         if row["id"] == 6:
             out["surprise"] = 1
         return out
 
-    metas = [{"id": "int64", "n": pa.int64(), "text": pd.ArrowDtype(pa.string()), "d": pa.struct([("a", pa.int64())])},
-             pa.schema([("id", pa.int64()), ("n", pa.int64()), ("text", pa.string()),
-                        ("d", pa.struct([("a", pa.int64())]))])]
+    metas = [
+        {"id": "int64", "n": pa.int64(), "text": pd.ArrowDtype(pa.string()), "d": pa.struct([("a", pa.int64())])},
+        pa.schema(
+            [("id", pa.int64()), ("n", pa.int64()), ("text", pa.string()), ("d", pa.struct([("a", pa.int64())]))]
+        ),
+    ]
     ddf = dd.from_pandas(haikus, npartitions=2)
     with pytest.raises(ValueError, match="none of the 3 sampled rows.*row 0.*early rows fail.*meta="):
         dfllm.build_processor(config, preprocess=prompt, postprocess=post, sample_rows=3)(ddf)
     for meta in metas:
         processor = dfllm.build_processor(config, preprocess=prompt, postprocess=post, meta=meta)
         lazy = processor(ddf)
-        expected_types = {"id": pa.int64(), "n": pa.int64(), "text": pa.string(), "d": pa.struct([("a", pa.int64())]),
-                          "item": pa.string(), "llm_error": pa.string()}
+        expected_types = {
+            "id": pa.int64(),
+            "n": pa.int64(),
+            "text": pa.string(),
+            "d": pa.struct([("a", pa.int64())]),
+            "item": pa.string(),
+            "llm_error": pa.string(),
+        }
         assert {c: t.pyarrow_dtype for c, t in lazy._meta.dtypes.items()} == expected_types
         for out in (in_order(lazy.compute()), processor(haikus)):
             assert {c: t.pyarrow_dtype for c, t in out.dtypes.items()} == expected_types
@@ -233,8 +248,12 @@ def test_written_with_dask_to_parquet(client, config, haikus, tmp_path):
     items = haikus.assign(item=[("x " * 200) if i == 1 else t for i, t in enumerate(haikus["item"])])
 
     def post(row):
-        return dict(id=row["id"], text=row["generated_text"], tokens=row["num_generated_tokens"],
-                    meta={"n": row["num_input_tokens"], "tags": ["a", "b"]})
+        return dict(
+            id=row["id"],
+            text=row["generated_text"],
+            tokens=row["num_generated_tokens"],
+            meta={"n": row["num_input_tokens"], "tags": ["a", "b"]},
+        )
 
     processor = dfllm.build_processor(config, preprocess=prompt, postprocess=post)
     lazy = processor(dd.from_pandas(items, npartitions=3))
@@ -243,7 +262,8 @@ def test_written_with_dask_to_parquet(client, config, haikus, tmp_path):
     expected = in_order(processor(items))
     pd.testing.assert_frame_equal(back, expected, check_dtype=False)  # Dask reads strings as its own
     assert {c: str(t) for c, t in back.dtypes.items() if t != "string"} == {
-        c: str(t) for c, t in expected.dtypes.items() if t != pd.ArrowDtype(pa.string())}
+        c: str(t) for c, t in expected.dtypes.items() if t != pd.ArrowDtype(pa.string())
+    }
     assert "max_model_len" in back.loc[1, "llm_error"] and back.loc[1, "item"] == items.loc[1, "item"]
     assert back.loc[0, "meta"]["tags"] == ["a", "b"] and back["tokens"].iloc[2:].eq(3).all()
 
@@ -254,17 +274,21 @@ def test_chat_messages_with_per_row_sampling_params(config):
     df = pd.DataFrame({"id": range(5), "q": [f"Say {w}." for w in ("hi", "bye", "yes", "no", "ok")]})
 
     def pre(row):
-        return dict(messages=[{"role": "user", "content": row["q"]}],
-                    sampling_params=dict(temperature=0.0, max_tokens=1 + row["id"], ignore_eos=True))
+        return dict(
+            messages=[{"role": "user", "content": row["q"]}],
+            sampling_params=dict(temperature=0.0, max_tokens=1 + row["id"], ignore_eos=True),
+        )
 
     out = dfllm.build_processor(config, preprocess=pre)(df)
     assert out["num_generated_tokens"].tolist() == [1, 2, 3, 4, 5] and out["llm_error"].isna().all()
     assert list(out.columns[:4]) == ["id", "q", "messages", "sampling_params"]
     assert out.loc[0, "messages"][0]["content"] == "Say hi."
     llm = dfllm.LLM(config.model_source, **ENGINE)
-    ref = llm.chat([[{"role": "user", "content": "Say yes."}]], dfllm.SamplingParams(temperature=0.0, max_tokens=3,
-                                                                                     ignore_eos=True),
-                   use_tqdm=False)
+    ref = llm.chat(
+        [[{"role": "user", "content": "Say yes."}]],
+        dfllm.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.loc[2, "generated_text"] == ref[0].outputs[0].text
 
 
@@ -273,20 +297,25 @@ def test_pooling_task_types_on_pandas(tmp_path):
     from tests.test_pooling import tiny_bert
 
     docs = pd.DataFrame({"id": [1, 2], "doc": ["Paris is in France.", "Trains run on rails."]})
-    embed = dfllm.build_processor(dfllm.ProcessorConfig(model_source="all-minilm-l6-v2", task_type="embed"),
-                                  preprocess=lambda row: dict(prompt=row["doc"]),
-                                  postprocess=lambda row: dict(id=row["id"], vec=row["embedding"]))
+    embed = dfllm.build_processor(
+        dfllm.ProcessorConfig(model_source="all-minilm-l6-v2", task_type="embed"),
+        preprocess=lambda row: dict(prompt=row["doc"]),
+        postprocess=lambda row: dict(id=row["id"], vec=row["embedding"]),
+    )
     out = embed(docs)
     assert out.dtypes["vec"] == pd.ArrowDtype(pa.list_(pa.float32())) and len(out.loc[0, "vec"]) == 384
-    score = dfllm.build_processor(dfllm.ProcessorConfig(model_source="all-minilm-l6-v2", task_type="score"),
-                                  preprocess=lambda row: dict(text_1="Where is Paris?", text_2=row["doc"]))
+    score = dfllm.build_processor(
+        dfllm.ProcessorConfig(model_source="all-minilm-l6-v2", task_type="score"),
+        preprocess=lambda row: dict(text_1="Where is Paris?", text_2=row["doc"]),
+    )
     scores = score(docs)["score"].tolist()
     assert scores[0] > scores[1]
     path, _ = tiny_bert(tmp_path, resolve_model("all-minilm-l6-v2"), 3)
-    classify = dfllm.build_processor(dfllm.ProcessorConfig(model_source=str(path), task_type="classify"),
-                                     preprocess=lambda row: dict(prompt=row["doc"]),
-                                     postprocess=lambda row: dict(id=row["id"], label=row["label"],
-                                                                  p=max(row["probs"])))
+    classify = dfllm.build_processor(
+        dfllm.ProcessorConfig(model_source=str(path), task_type="classify"),
+        preprocess=lambda row: dict(prompt=row["doc"]),
+        postprocess=lambda row: dict(id=row["id"], label=row["label"], p=max(row["probs"])),
+    )
     out = classify(docs)
     assert out["label"].str.startswith("label_").all() and out.dtypes["p"] == pd.ArrowDtype(pa.float32())
 
@@ -314,8 +343,7 @@ def test_mixed_rows_with_logprobs_on_the_cluster_every_row_once(client, config, 
     lazy = processor(dd.from_pandas(haikus, npartitions=2))
     got = lazy.compute()
     assert got["id"].tolist() == list(range(8))  # every row once, in order
-    pd.testing.assert_frame_equal(got.drop(columns="time_taken_llm"),
-                                  processor(haikus).drop(columns="time_taken_llm"))
+    pd.testing.assert_frame_equal(got.drop(columns="time_taken_llm"), processor(haikus).drop(columns="time_taken_llm"))
     assert lazy.dtypes.to_dict() == got.dtypes.to_dict()
     kind = got["id"].to_numpy(dtype="int64") % 4
     assert got.loc[kind == 3, "llm_error"].str.contains("token").all()

@@ -46,8 +46,9 @@ def check_against_reference(prompt: list[int], got: list, ref: torch.Tensor, k: 
 def test_prompt_logprobs_match_transformers(tiny_llama, reference):
     prompts = random_prompts(3, 9, 40, seed=21)
     llm = LLM(tiny_llama, max_model_len=128)
-    outs = llm.generate(as_prompts(prompts), SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4),
-                        use_tqdm=False)
+    outs = llm.generate(
+        as_prompts(prompts), SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4), use_tqdm=False
+    )
     for prompt, out in zip(prompts, outs):
         check_against_reference(prompt, out.prompt_logprobs, reference(prompt), 4)
     plain = llm.generate(as_prompts(prompts[:1]), SamplingParams(max_tokens=2), use_tqdm=False)[0]
@@ -63,8 +64,13 @@ def test_chunked_prefill_prefix_cache_and_preemption_give_the_same_prompt_logpro
     whole = one_pass.generate(as_prompts(prompts), sp, use_tqdm=False)
     # chunks of 16 tokens, a prefix cache warmed with the same prompts, and a KV cache of
     # 12 blocks of 16 tokens for 6 prompts of ~80 tokens: prefills are split and sequences preempted
-    llm = LLM(tiny_llama, max_model_len=128, max_num_batched_tokens=16, block_size=16,
-              kv_cache_memory_bytes=12 * one_pass.llm_engine.runner.block_bytes)
+    llm = LLM(
+        tiny_llama,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        block_size=16,
+        kv_cache_memory_bytes=12 * one_pass.llm_engine.runner.block_bytes,
+    )
     llm.generate(as_prompts(prompts), SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     before = llm.llm_engine.stats()
     outs = llm.generate(as_prompts(prompts), sp, use_tqdm=False)
@@ -85,24 +91,30 @@ def test_chunked_prefill_prefix_cache_and_preemption_give_the_same_prompt_logpro
 def test_zero_means_the_prompt_token_only_and_n_samples_share_them(tiny_llama, reference):
     prompt = random_prompts(1, 17, 17, seed=23)[0]
     llm = LLM(tiny_llama, max_model_len=128)
-    out = llm.generate(as_prompts([prompt]), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4,
-                                                            prompt_logprobs=0), use_tqdm=False)[0]
+    out = llm.generate(
+        as_prompts([prompt]),
+        SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs) == 3
     assert [list(d) for d in out.prompt_logprobs[1:]] == [[t] for t in prompt[1:]]
     ref = reference(prompt)
     for pos in range(1, len(prompt)):
-        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]),
-                                                                               abs=1e-4)
-    undecoded = llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False),
-                             use_tqdm=False)[0]
+        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(
+            float(ref[pos - 1, prompt[pos]]), abs=1e-4
+        )
+    undecoded = llm.generate(
+        as_prompts([prompt]), SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False), use_tqdm=False
+    )[0]
     assert all(v.decoded_token is None for d in undecoded.prompt_logprobs[1:] for v in d.values())
 
 
 def test_whole_vocabulary_and_a_one_token_prompt(tiny_llama):
     llm = LLM(tiny_llama, max_model_len=128, max_logprobs=-1)
     prompt = random_prompts(1, 5, 5, seed=24)[0]
-    out = llm.generate(as_prompts([prompt, prompt[:1]]), SamplingParams(max_tokens=1, prompt_logprobs=-1),
-                       use_tqdm=False)
+    out = llm.generate(
+        as_prompts([prompt, prompt[:1]]), SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False
+    )
     vocab = llm.llm_engine.cfg.model.vocab_size
     assert all(len(d) == vocab for d in out[0].prompt_logprobs[1:])
     assert out[1].prompt_logprobs == [None]

@@ -33,10 +33,13 @@ _engines: dict[str, LLM] = {}
 
 # CI draws the same examples every run (a failure there must be reproducible, not luck);
 # DFLLM_HYPOTHESIS_RANDOM=1 explores fresh ones locally.
-SETTINGS = settings(max_examples=10, deadline=None, print_blob=True,
-                    derandomize=not os.environ.get("DFLLM_HYPOTHESIS_RANDOM"),
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=10,
+    deadline=None,
+    print_blob=True,
+    derandomize=not os.environ.get("DFLLM_HYPOTHESIS_RANDOM"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,8 @@ token_prompts = st.lists(st.integers(3, 999), min_size=1, max_size=32)
 # at least one letter or digit: text of control characters alone tokenizes to nothing, which
 # LLM.generate refuses as an empty prompt (tests/test_bad_input.py covers that)
 text_prompts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=60).filter(
-    lambda s: any(c.isalnum() for c in s))
+    lambda s: any(c.isalnum() for c in s)
+)
 
 
 @st.composite
@@ -68,9 +72,13 @@ def sampling(draw, greedy: bool | None = None) -> SamplingParams:
         kwargs["repetition_penalty"] = draw(st.floats(0.5, 2.0))
     if greedy:
         return SamplingParams(temperature=0.0, **kwargs)
-    kwargs.update(temperature=draw(st.floats(0.1, 1.5)), top_p=draw(st.floats(0.05, 1.0)),
-                  top_k=draw(st.sampled_from([0, -1, 1, 5, 50])), min_p=draw(st.sampled_from([0.0, 0.05, 0.2])),
-                  seed=draw(st.none() | st.integers(0, 2**32)))
+    kwargs.update(
+        temperature=draw(st.floats(0.1, 1.5)),
+        top_p=draw(st.floats(0.05, 1.0)),
+        top_k=draw(st.sampled_from([0, -1, 1, 5, 50])),
+        min_p=draw(st.sampled_from([0.0, 0.05, 0.2])),
+        seed=draw(st.none() | st.integers(0, 2**32)),
+    )
     return SamplingParams(**kwargs)
 
 
@@ -116,8 +124,12 @@ def alone(engine, p, sp: SamplingParams) -> list[int]:
 
 
 @SETTINGS
-@given(target=st.tuples(token_prompts, sampling(greedy=True)), others=requests, position=st.integers(0, 8),
-       config=st.sampled_from(sorted(CONFIGS)))
+@given(
+    target=st.tuples(token_prompts, sampling(greedy=True)),
+    others=requests,
+    position=st.integers(0, 8),
+    config=st.sampled_from(sorted(CONFIGS)),
+)
 def test_greedy_does_not_depend_on_batch_or_config(engine, target, others, position, config):
     batch = list(others)
     position = min(position, len(batch))
@@ -127,9 +139,13 @@ def test_greedy_does_not_depend_on_batch_or_config(engine, target, others, posit
 
 
 @SETTINGS
-@given(prompt=token_prompts | text_prompts, sp=sampling(greedy=False), seed=st.integers(0, 2**32),
-       others=st.lists(st.tuples(token_prompts, sampling()), max_size=3),
-       config=st.sampled_from(sorted(CONFIGS)))
+@given(
+    prompt=token_prompts | text_prompts,
+    sp=sampling(greedy=False),
+    seed=st.integers(0, 2**32),
+    others=st.lists(st.tuples(token_prompts, sampling()), max_size=3),
+    config=st.sampled_from(sorted(CONFIGS)),
+)
 def test_seeded_sampling_is_reproducible(engine, prompt, sp, seed, others, config):
     import dataclasses
 
@@ -148,10 +164,17 @@ DF_SP = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
 
 
 @SETTINGS
-@given(cells=st.lists(st.one_of(st.sampled_from(GOOD_TEXTS).map(lambda t: ("good", t)),
-                                st.sampled_from(range(len(BAD_VALUES))).map(lambda i: ("bad", i))),
-                      min_size=1, max_size=12),
-       index=st.lists(st.integers(0, 3), min_size=12, max_size=12))
+@given(
+    cells=st.lists(
+        st.one_of(
+            st.sampled_from(GOOD_TEXTS).map(lambda t: ("good", t)),
+            st.sampled_from(range(len(BAD_VALUES))).map(lambda i: ("bad", i)),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    index=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+)
 def test_bad_rows_never_cost_good_rows(engine, cells, index):
     import pandas as pd
 
@@ -161,8 +184,9 @@ def test_bad_rows_never_cost_good_rows(engine, cells, index):
     values = [t if kind == "good" else BAD_VALUES[t] for kind, t in cells]
     df = pd.DataFrame({"q": pd.Series(values, dtype=object)})
     df.index = index[: len(values)]  # duplicate index values, any order
-    out = df.llm.generate("q", model=str(llm.config.model_path), sampling_params=DF_SP, max_model_len=MAX_LEN,
-                          kv_cache_memory_bytes=2**22)
+    out = df.llm.generate(
+        "q", model=str(llm.config.model_path), sampling_params=DF_SP, max_model_len=MAX_LEN, kv_cache_memory_bytes=2**22
+    )
     assert len(out) == len(df) and list(out.index) == list(df.index)
     for (kind, _), v, text, err in zip(cells, values, out.generated_text, out.llm_error):
         if kind == "good":

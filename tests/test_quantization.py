@@ -88,8 +88,7 @@ def test_int8_prompt_logprobs_within_bound_of_fp32(pair):
     for llm in pair:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         assert out.prompt_logprobs is not None
-        lps.append(torch.tensor([e[t].logprob for t, e in zip(prompt[1:], out.prompt_logprobs[1:])
-                                 if e is not None]))
+        lps.append(torch.tensor([e[t].logprob for t, e in zip(prompt[1:], out.prompt_logprobs[1:]) if e is not None]))
     delta = (lps[0] - lps[1]).abs()
     assert delta.max() > 0  # quantization did something
     assert delta.mean() < 0.2 and delta.max() < 1.0, (delta.mean(), delta.max())
@@ -101,12 +100,15 @@ def test_other_quantization_values_are_refused(value):
         LLM(None, quantization=value)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(dtype="bfloat16"), "needs dtype float32"),
-    (dict(runner="pooling"), "serves generating decoders and pooling encoders"),
-    (dict(tensor_parallel_size=2), "runs on one rank"),
-    (dict(pipeline_parallel_size=2), "runs on one rank"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(dtype="bfloat16"), "needs dtype float32"),
+        (dict(runner="pooling"), "serves generating decoders and pooling encoders"),
+        (dict(tensor_parallel_size=2), "runs on one rank"),
+        (dict(pipeline_parallel_size=2), "runs on one rank"),
+    ],
+)
 def test_unsupported_combinations_are_refused(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=rf"quantization='int8' {match}"):
         LLM(tiny_llama, quantization="int8", **kwargs)
@@ -139,9 +141,15 @@ def test_each_token_gets_its_own_activation_scale():
 
 
 # ---- encoders (runner="pooling") ------------------------------------------------------------
-ENCODER_TEXTS = ["hi", "yes", "hello world", "Paris is the capital of France.", "Trains run on rails.",
-                 "data engineers run batch jobs over parquet files on object storage " * 6,
-                 "dask schedules partitions across workers while the dashboard shows progress " * 20]
+ENCODER_TEXTS = [
+    "hi",
+    "yes",
+    "hello world",
+    "Paris is the capital of France.",
+    "Trains run on rails.",
+    "data engineers run batch jobs over parquet files on object storage " * 6,
+    "dask schedules partitions across workers while the dashboard shows progress " * 20,
+]
 
 
 def _tiny_bert_embedder(root, seed: int = 0):
@@ -152,15 +160,28 @@ def _tiny_bert_embedder(root, seed: int = 0):
     from dfllm.models.bundled import resolve_model
 
     minilm = resolve_model("all-minilm-l6-v2")
-    cfg = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=512, initializer_range=0.2,
-                     architectures=["BertModel"])
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        architectures=["BertModel"],
+    )
     torch.manual_seed(seed)
     model = AutoModel.from_config(cfg).eval()
     path = root / f"bert-embedder-s{seed}"
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "modules.json",
-                 "sentence_bert_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+        "special_tokens_map.json",
+        "modules.json",
+        "sentence_bert_config.json",
+    ):
         shutil.copy(minilm / name, path / name)
     shutil.copytree(minilm / "1_Pooling", path / "1_Pooling")
     return path, model
@@ -184,8 +205,9 @@ def tiny_bert_pair(tmp_path_factory):
 def test_int8_encoder_quantizes_the_layer_linears_and_keeps_the_rest_float(tiny_bert_pair):
     _, hf, fp32, int8 = tiny_bert_pair
     model = _pooling_model(int8)
-    kinds = {name.split("layer.", 1)[1].split(".", 1)[1] for name, m in model.named_modules()
-             if isinstance(m, Int8Linear)}
+    kinds = {
+        name.split("layer.", 1)[1].split(".", 1)[1] for name, m in model.named_modules() if isinstance(m, Int8Linear)
+    }
     assert kinds == {"attention.self.qkv_proj", "attention.output.dense", "intermediate.dense"}
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 3 * 2  # 2 layers
     for i, layer in enumerate(model.encoder.layer):
@@ -247,8 +269,10 @@ def test_int8_minilm_embeddings_and_scores_close_to_fp32(minilm_pair):
     cos = torch.nn.functional.cosine_similarity(_embed(fp32, ENCODER_TEXTS), _embed(int8, ENCODER_TEXTS))
     assert cos.min() > 0.99 and cos.mean() > 0.997, cos
     assert cos.min() < 0.99999  # quantization changed the numbers
-    query, docs = "Which city is the capital of France?", ["Paris is the capital of France.", "Trains run on rails.",
-                                                          "Berlin is in Germany."]
+    query, docs = (
+        "Which city is the capital of France?",
+        ["Paris is the capital of France.", "Trains run on rails.", "Berlin is in Germany."],
+    )
     scores = [[o.outputs.score for o in llm.score(query, docs, use_tqdm=False)] for llm in minilm_pair]
     assert scores[1] == pytest.approx(scores[0], abs=0.01)  # measured: within 0.0021
     assert max(range(3), key=lambda i: scores[1][i]) == 0
@@ -260,9 +284,16 @@ def test_int8_classifier_and_cross_encoder_run_close_to_fp32(tmp_path, num_label
 
     from dfllm.models.bundled import resolve_model
 
-    cfg = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=128, num_labels=num_labels,
-                     architectures=["BertForSequenceClassification"])
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        num_labels=num_labels,
+        architectures=["BertForSequenceClassification"],
+    )
     torch.manual_seed(num_labels)
     path = tmp_path / "classifier"
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
@@ -275,8 +306,9 @@ def test_int8_classifier_and_cross_encoder_run_close_to_fp32(tmp_path, num_label
         query, docs = "capital of France", ["Paris is the capital of France.", "Trains run on rails."]
         a, b = ([o.outputs.score for o in llm.score(query, docs, use_tqdm=False)] for llm in (fp32, int8))
     else:
-        a, b = ([p for o in llm.classify(ENCODER_TEXTS, use_tqdm=False) for p in o.outputs.probs]
-                for llm in (fp32, int8))
+        a, b = (
+            [p for o in llm.classify(ENCODER_TEXTS, use_tqdm=False) for p in o.outputs.probs] for llm in (fp32, int8)
+        )
     assert b == pytest.approx(a, abs=0.01) and a != b
 
 
@@ -292,8 +324,11 @@ def test_int8_encoder_without_bert_layers_is_refused():
 
 # ---- weight updates ------------------------------------------------------------------------
 def _int8_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    return {name: (m.int8_weight().int_repr(), m.int8_weight().q_per_channel_scales(), m.bias)
-            for name, m in model.named_modules() if isinstance(m, Int8Linear)}
+    return {
+        name: (m.int8_weight().int_repr(), m.int8_weight().q_per_channel_scales(), m.bias)
+        for name, m in model.named_modules()
+        if isinstance(m, Int8Linear)
+    }
 
 
 def test_update_weights_requantizes_an_int8_decoder(tmp_path, smollm2_dir, tiny_llama):
@@ -332,8 +367,9 @@ def test_update_weights_requantizes_an_int8_decoder(tmp_path, smollm2_dir, tiny_
         torch.testing.assert_close(got[name][2], want[name][2], rtol=0, atol=0)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 5, 20, seed=2)]
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-            == [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy, use_tqdm=False)])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in fresh.generate(prompts, greedy, use_tqdm=False)
+    ]
 
 
 def test_update_weights_requantizes_a_smoothed_encoder_layer(tiny_bert_pair):
@@ -353,8 +389,7 @@ def test_update_weights_requantizes_a_smoothed_encoder_layer(tiny_bert_pair):
     update_weights(model, [("encoder.layer.0.attention.self.value.bias", bias)])
     with torch.inference_mode():
         y1 = qkv(x)
-    torch.testing.assert_close(y1 - y0, torch.cat([torch.zeros(128), bias - old_bias]).expand(5, -1),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(y1 - y0, torch.cat([torch.zeros(128), bias - old_bias]).expand(5, -1), atol=1e-5, rtol=0)
     update_weights(model, [("encoder.layer.0.attention.self.query.weight", weight)])
     got = qkv.int8_weight()
     want = quant._quantize_rows(weight * qkv.smooth)

@@ -42,7 +42,8 @@ TEMPLATE = (
     "{{ '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}"
     "{%- else -%}{{ '<think>\\n' }}{%- endif -%}"
-    "{%- endif -%}")
+    "{%- endif -%}"
+)
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 REASONING, ANSWER = " wait so", " Paris"
 CONV = [{"role": "user", "content": "Capital of France?"}]
@@ -60,12 +61,30 @@ def thinker(tmp_path_factory, smollm2_dir) -> Path:
     (wait,), (so,), (paris,), (colon,) = ids(" wait"), ids(" so"), ids(" Paris"), ids(":")
     think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
     newline = ids("\n") + ids("\n\n")
-    chain = {**dict.fromkeys(newline, wait), think: wait, colon: think, wait: so, so: end, end: paris,
-             paris: tok.eos_token_id}
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=tok.eos_token_id,
-                      pad_token_id=0)
+    chain = {
+        **dict.fromkeys(newline, wait),
+        think: wait,
+        colon: think,
+        wait: so,
+        so: end,
+        end: paris,
+        paris: tok.eos_token_id,
+    }
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -280,8 +299,13 @@ def test_structured_output_constrains_the_answer_only(qwen3, tok):
     assert c.token_ids[:3] == ids_of(tok, REASONING) + [end] and c.token_ids.count(end) == 1
     assert c.structured_output_complete and c.finish_reason == "stop"
     # the reasoning cut short: the answer never started, so the constraint is not met
-    c = one(qwen3.chat([CONV], SamplingParams(temperature=0.0, max_tokens=2, structured_outputs={"choice": ["yes"]}),
-                       use_tqdm=False))
+    c = one(
+        qwen3.chat(
+            [CONV],
+            SamplingParams(temperature=0.0, max_tokens=2, structured_outputs={"choice": ["yes"]}),
+            use_tqdm=False,
+        )
+    )
     assert (c.reasoning_content, c.text, c.structured_output_complete) == (REASONING, "", False)
 
 
@@ -311,19 +335,35 @@ def test_enable_in_reasoning_constrains_the_reasoning_too(thinker):
 # ---- dataframes, the processor and the command line ---------------------------------------------------
 def test_dataframe_chat_adds_a_reasoning_column(thinker):
     df = pd.DataFrame({"q": ["Capital of France?", "Capital of Spain?"]})
-    out = df.llm.chat("{q}", model=str(thinker), sampling_params=GREEDY, reasoning_parser="qwen3",
-                      engine_columns=["num_cached_tokens"], **SMALL)
-    assert list(out.columns) == ["q", "generated_text", "num_input_tokens", "num_generated_tokens", "finish_reason",
-                                 "num_cached_tokens", "reasoning_content", "llm_error"]
+    out = df.llm.chat(
+        "{q}",
+        model=str(thinker),
+        sampling_params=GREEDY,
+        reasoning_parser="qwen3",
+        engine_columns=["num_cached_tokens"],
+        **SMALL,
+    )
+    assert list(out.columns) == [
+        "q",
+        "generated_text",
+        "num_input_tokens",
+        "num_generated_tokens",
+        "finish_reason",
+        "num_cached_tokens",
+        "reasoning_content",
+        "llm_error",
+    ]
     assert out["reasoning_content"].dtype == out["llm_error"].dtype == pd.ArrowDtype(pa.string())
     assert out["reasoning_content"].tolist() == [REASONING] * 2 and out["generated_text"].tolist() == [ANSWER] * 2
-    typed = df.llm.chat("{q}", model=str(thinker), sampling_params=GREEDY, reasoning_parser="qwen3",
-                        choice=["yes", "no"], **SMALL)
+    typed = df.llm.chat(
+        "{q}", model=str(thinker), sampling_params=GREEDY, reasoning_parser="qwen3", choice=["yes", "no"], **SMALL
+    )
     assert typed["reasoning_content"].tolist() == [REASONING] * 2
     assert typed["generated_text"].isin(["yes", "no"]).all() and typed["llm_error"].isna().all()
     # no parser, no column; a Dask frame's meta has it, typed, without running a model
-    assert "reasoning_content" not in df.llm.generate("{q}:", model=str(thinker), sampling_params=GREEDY,
-                                                      **SMALL).columns
+    assert (
+        "reasoning_content" not in df.llm.generate("{q}:", model=str(thinker), sampling_params=GREEDY, **SMALL).columns
+    )
     lazy = dd.from_pandas(df, npartitions=1).llm.generate("{q}:", model=str(thinker), reasoning_parser="deepseek_r1")
     assert lazy._meta.dtypes["reasoning_content"] == out["reasoning_content"].dtype
     with pytest.raises(ValueError, match=r"generate: reasoning_parser='qwen35' is not a known"):
@@ -339,8 +379,12 @@ def test_processor_rows_carry_reasoning_content(thinker):
     on = dfllm.build_processor(dfllm.ProcessorConfig(model_source=str(thinker), engine_kwargs=engine), preprocess=pre)
     got = on(rows)
     assert got["reasoning_content"].tolist() == [REASONING] * 2 and got["generated_text"].tolist() == [""] * 2
-    off = dfllm.build_processor(dfllm.ProcessorConfig(model_source=str(thinker), engine_kwargs=engine,
-                                                      chat_template_kwargs={"enable_thinking": False}), preprocess=pre)
+    off = dfllm.build_processor(
+        dfllm.ProcessorConfig(
+            model_source=str(thinker), engine_kwargs=engine, chat_template_kwargs={"enable_thinking": False}
+        ),
+        preprocess=pre,
+    )
     got = off(rows)
     assert got["reasoning_content"].isna().all() and got["generated_text"].tolist() == [REASONING] * 2
 
@@ -350,13 +394,27 @@ def test_command_line_reasoning_parser(thinker, tmp_path):
 
     src = tmp_path / "in.parquet"
     pd.DataFrame({"q": ["Capital of France"]}).to_parquet(src)
-    args = build_parser().parse_args(["run", str(src), str(tmp_path / "out"), "--prompt", "{q}:", "--model",
-                                      str(thinker), "--max-model-len", "128", "--reasoning-parser", "deepseek_r1"])
+    args = build_parser().parse_args(
+        [
+            "run",
+            str(src),
+            str(tmp_path / "out"),
+            "--prompt",
+            "{q}:",
+            "--model",
+            str(thinker),
+            "--max-model-len",
+            "128",
+            "--reasoning-parser",
+            "deepseek_r1",
+        ]
+    )
     got = build_job(args).compute()
     assert got["reasoning_content"].tolist() == [REASONING] and got["generated_text"].tolist() == [ANSWER]
     with pytest.raises(SystemExit):  # argparse: exit status 2, naming the choices
         build_parser().parse_args(["run", "a", "b", "--reasoning-parser", "nope"])
-    args = build_parser().parse_args(["run", str(src), "o", "--task", "embed", "--prompt", "q", "--reasoning-parser",
-                                      "qwen3"])
+    args = build_parser().parse_args(
+        ["run", str(src), "o", "--task", "embed", "--prompt", "q", "--reasoning-parser", "qwen3"]
+    )
     with pytest.raises(ValueError, match="--reasoning-parser applies to --task generate or chat"):
         build_job(args)

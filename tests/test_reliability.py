@@ -70,13 +70,21 @@ def s3():
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
-                                                                      "region_name": "us-east-1"}}
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+    }
     import boto3
     import s3fs
 
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="dfllm-test")
+    boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="dfllm-test")
     fs = s3fs.S3FileSystem(**opts)
     yield opts, fs
     server.stop()
@@ -86,9 +94,26 @@ def test_cli_reads_and_writes_s3(s3, cli_cluster, tiny_llama, tmp_path):
     opts, fs = s3
     write_rows(tmp_path / "in.parquet", 6)
     fs.put(str(tmp_path / "in.parquet"), "dfllm-test/cli/in.parquet")
-    cmd = dfllm_cmd("run", "s3://dfllm-test/cli/in.parquet", "s3://dfllm-test/cli/out/", "--prompt", "{q}",
-                    "--model", str(tiny_llama), "--max-tokens", "4", "--max-model-len", "64", "--npartitions", "3",
-                    "--storage-options", json.dumps(opts), "--scheduler", cli_cluster.address, "--no-progress")
+    cmd = dfllm_cmd(
+        "run",
+        "s3://dfllm-test/cli/in.parquet",
+        "s3://dfllm-test/cli/out/",
+        "--prompt",
+        "{q}",
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "4",
+        "--max-model-len",
+        "64",
+        "--npartitions",
+        "3",
+        "--storage-options",
+        json.dumps(opts),
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     fs.invalidate_cache()
@@ -104,20 +129,22 @@ def test_accessors_resume_against_the_bucket(s3, cli_cluster, tiny_llama, tmp_pa
 
     opts, fs = s3
     dd.from_pandas(write_rows(tmp_path / "in.parquet", 8), npartitions=4).to_parquet(
-        "s3://dfllm-test/acc/in/", storage_options=opts)
+        "s3://dfllm-test/acc/in/", storage_options=opts
+    )
     client = cli_cluster.client()
     with client.as_current():
+
         def job():
             ddf = dd.read_parquet("s3://dfllm-test/acc/in/", storage_options=opts)
-            return ddf.llm.generate("{q}", model=str(tiny_llama), max_model_len=64,
-                                    sampling_params={"max_tokens": 4, "temperature": 0.0})
+            return ddf.llm.generate(
+                "{q}", model=str(tiny_llama), max_model_len=64, sampling_params={"max_tokens": 4, "temperature": 0.0}
+            )
 
         first = dfllm.write_parquet(job(), "s3://dfllm-test/acc/out", storage_options=opts, progress=False)
         assert (first.written, first.skipped, first.rows) == (4, 0, 8)
         fs.rm("dfllm-test/acc/out/part.00002.parquet")  # as if the job had died before this partition
         fs.invalidate_cache()
-        again = dfllm.write_parquet(job(), "s3://dfllm-test/acc/out", storage_options=opts, resume=True,
-                                    progress=False)
+        again = dfllm.write_parquet(job(), "s3://dfllm-test/acc/out", storage_options=opts, resume=True, progress=False)
     assert (again.written, again.skipped, again.rows) == (1, 3, 8)
     out = pd.read_parquet("s3://dfllm-test/acc/out", storage_options=opts)
     assert sorted(out["row_id"]) == list(range(8))
@@ -131,10 +158,26 @@ def test_job_survives_killed_workers(tiny_llama, tmp_path):
     out = tmp_path / "out"
     cluster = CLICluster(workers=2, threads=1)
     try:
-        job = subprocess.Popen(dfllm_cmd("run", str(tmp_path / "in.parquet"), str(out), "--prompt", "{q}",
-                                         "--model", str(tiny_llama), *LONG, "--npartitions", "8",
-                                         "--scheduler", cluster.address, "--no-progress"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        job = subprocess.Popen(
+            dfllm_cmd(
+                "run",
+                str(tmp_path / "in.parquet"),
+                str(out),
+                "--prompt",
+                "{q}",
+                "--model",
+                str(tiny_llama),
+                *LONG,
+                "--npartitions",
+                "8",
+                "--scheduler",
+                cluster.address,
+                "--no-progress",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         killed: list[int] = []
         for k in range(kills):
             wait_for(lambda k=k: len(parts(out)) >= k + 1, 240, f"part {k + 1}", job)
@@ -159,8 +202,22 @@ def test_killed_client_resumes_without_recomputing(cli_cluster, tiny_llama, tmp_
     n = 16
     write_rows(tmp_path / "in.parquet", n)
     out = tmp_path / "out"
-    args = ("run", str(tmp_path / "in.parquet"), str(out), "--prompt", "{q}", "--model", str(tiny_llama), *LONG,
-            "--npartitions", "8", "--resume", "--scheduler", cli_cluster.address, "--no-progress")
+    args = (
+        "run",
+        str(tmp_path / "in.parquet"),
+        str(out),
+        "--prompt",
+        "{q}",
+        "--model",
+        str(tiny_llama),
+        *LONG,
+        "--npartitions",
+        "8",
+        "--resume",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     job = subprocess.Popen(dfllm_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(parts(out)) >= 2, 240, "two parts", job)
     job.kill()  # SIGKILL: no cleanup of any kind

@@ -22,11 +22,11 @@ import prometheus_client
 import pytest
 
 import dfllm
-from dfllm.tasks import response_cache as rc
 from dfllm.accessors.partitions import PartitionFunction
-from dfllm.tasks.task import make_task
 from dfllm.engine.input_processor import EngineRequest
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
+from dfllm.tasks import response_cache as rc
+from dfllm.tasks.task import make_task
 
 from helpers import free_port, local_client
 
@@ -50,8 +50,13 @@ def engine_requests() -> int:
     """Requests this process's engines finished (each engine's finished-request histogram)."""
     from dfllm.worker.engine_cache import engines_now
 
-    return sum(m.count for llm in engines_now() if llm.engine is not None for m in llm.get_metrics()
-               if m.name == "dfllm_request_generation_tokens")
+    return sum(
+        m.count
+        for llm in engines_now()
+        if llm.engine is not None
+        for m in llm.get_metrics()
+        if m.name == "dfllm_request_generation_tokens"
+    )
 
 
 def frame(ids) -> pd.DataFrame:
@@ -59,8 +64,9 @@ def frame(ids) -> pd.DataFrame:
 
 
 def generate(df, model, cache, sp=SP, **kwargs):
-    return df.llm.generate("{q}", model=str(model), sampling_params=sp, cache=cache, engine_columns=COLUMNS,
-                           **ENGINE, **kwargs)
+    return df.llm.generate(
+        "{q}", model=str(model), sampling_params=sp, cache=cache, engine_columns=COLUMNS, **ENGINE, **kwargs
+    )
 
 
 def entries(root: Path) -> list[Path]:
@@ -81,14 +87,17 @@ def test_rerun_answers_the_overlapping_rows_without_the_engine(tiny_llama, tmp_p
     second = generate(frame(range(4, 12)), tiny_llama, cache)
     assert engine_requests() - before == 4  # only the new rows reached the engine
     assert rc.counts()["hits"] - counts["hits"] == 4 and rc.counts()["misses"] - counts["misses"] == 4
-    assert prometheus_client.REGISTRY.get_sample_value("dfllm_response_cache_lookups_total",
-                                                       {"result": "hit"}) == rc.counts()["hits"]
+    assert (
+        prometheus_client.REGISTRY.get_sample_value("dfllm_response_cache_lookups_total", {"result": "hit"})
+        == rc.counts()["hits"]
+    )
     assert second["from_cache"].tolist() == [True] * 4 + [False] * 4
     hits = second[second["from_cache"]]
     assert (hits["time_taken_llm"] == 0).all() and (hits["num_cached_tokens"] == hits["num_input_tokens"]).all()
     plain = frame(range(12)).llm.generate("{q}", model=str(tiny_llama), sampling_params=SP, **ENGINE)
-    pd.testing.assert_frame_equal(second[OUTPUTS].reset_index(drop=True),
-                                  plain[OUTPUTS].iloc[4:].reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        second[OUTPUTS].reset_index(drop=True), plain[OUTPUTS].iloc[4:].reset_index(drop=True)
+    )
     assert len(entries(tmp_path / "cache")) == 12
 
 
@@ -97,15 +106,27 @@ def test_logprobs_and_structured_outputs_come_back_as_computed(tiny_llama, tmp_p
     structured output's completeness (a choice column)."""
     sp = {**SP, "logprobs": 2, "prompt_logprobs": 1}
     cols = ["logprobs", "prompt_logprobs", "generated_tokens", "from_cache"]
-    run = lambda: frame(range(3)).llm.generate("{q}", model=str(tiny_llama), sampling_params=sp,  # noqa: E731
-                                               cache=tmp_path / "c", engine_columns=cols, **ENGINE)
+    run = lambda: frame(range(3)).llm.generate(  # noqa: E731
+        "{q}",
+        model=str(tiny_llama),
+        sampling_params=sp,
+        cache=tmp_path / "c",
+        engine_columns=cols,
+        **ENGINE,
+    )
     a, b = run(), run()
     assert not a["from_cache"].any() and b["from_cache"].all()
     for c in ("logprobs", "prompt_logprobs", "generated_tokens", *OUTPUTS):
         assert a[c].tolist() == b[c].tolist(), c
-    choose = lambda: frame(range(3)).llm.generate("{q}", model=str(tiny_llama), choice=["yes", "no"],  # noqa: E731
-                                                  sampling_params={"temperature": 0.0, "max_tokens": 4},
-                                                  cache=tmp_path / "c", engine_columns="from_cache", **ENGINE)
+    choose = lambda: frame(range(3)).llm.generate(  # noqa: E731
+        "{q}",
+        model=str(tiny_llama),
+        choice=["yes", "no"],
+        sampling_params={"temperature": 0.0, "max_tokens": 4},
+        cache=tmp_path / "c",
+        engine_columns="from_cache",
+        **ENGINE,
+    )
     x, y = choose(), choose()
     assert y["from_cache"].all() and x["generated_text"].tolist() == y["generated_text"].tolist()
     assert set(y["generated_text"]) <= {"yes", "no"} and y["llm_error"].isna().all()
@@ -144,8 +165,13 @@ def test_changed_params_or_model_files_miss(tiny_llama, tmp_path):
     assert generate(frame(range(2)), model, cache)["from_cache"].all()
     for sp in ({**SP, "max_tokens": 2}, {**SP, "stop": ["zzz"]}, {**SP, "repetition_penalty": 1.2}):
         assert not generate(frame(range(2)), model, cache, sp)["from_cache"].any(), sp
-    assert not frame(range(2)).llm.generate("{q}", model=str(model), sampling_params=SP, cache=cache,
-                                            engine_columns="from_cache", max_model_len=48)["from_cache"].any()
+    assert (
+        not frame(range(2))
+        .llm.generate(
+            "{q}", model=str(model), sampling_params=SP, cache=cache, engine_columns="from_cache", max_model_len=48
+        )["from_cache"]
+        .any()
+    )
     weights = next(model.glob("*.safetensors"))
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # "new" weights
     assert not generate(frame(range(2)), model, cache)["from_cache"].any()
@@ -179,14 +205,17 @@ def test_polars_frames_and_expressions_share_the_cache(tiny_llama, tmp_path):
     import polars as pl
 
     df = pl.from_pandas(frame(range(3)))
-    a = df.llm.generate("{q}", model=str(tiny_llama), sampling_params=SP, cache=tmp_path / "c",
-                        engine_columns="from_cache", **ENGINE)
-    b = df.llm.generate("{q}", model=str(tiny_llama), sampling_params=SP, cache=tmp_path / "c",
-                        engine_columns="from_cache", **ENGINE)
+    a = df.llm.generate(
+        "{q}", model=str(tiny_llama), sampling_params=SP, cache=tmp_path / "c", engine_columns="from_cache", **ENGINE
+    )
+    b = df.llm.generate(
+        "{q}", model=str(tiny_llama), sampling_params=SP, cache=tmp_path / "c", engine_columns="from_cache", **ENGINE
+    )
     assert a["from_cache"].to_list() == [False] * 3 and b["from_cache"].to_list() == [True] * 3
     before = engine_requests()
-    texts = df.select(pl.col("q").llm.generate(model=str(tiny_llama), sampling_params=SP, cache=tmp_path / "c",
-                                                **ENGINE))
+    texts = df.select(
+        pl.col("q").llm.generate(model=str(tiny_llama), sampling_params=SP, cache=tmp_path / "c", **ENGINE)
+    )
     assert engine_requests() == before and texts["q"].to_list() == a["generated_text"].to_list()
 
 
@@ -263,8 +292,9 @@ def test_concurrent_writers_leave_only_whole_entries(tmp_path):
         results = pool.map(_writer, [(root, w) for w in range(4)])
     assert all(r["wrong"] == 0 and r["corrupt"] == 0 for r in results)
     cache = rc.ResponseCache(root)
-    keys = [f"shared-{i}" for i in range(30)] + [f"own-{w}-{r}-{i}" for w in range(4) for r in range(3)
-                                                 for i in range(10)]
+    keys = [f"shared-{i}" for i in range(30)] + [
+        f"own-{w}-{r}-{i}" for w in range(4) for r in range(3) for i in range(10)
+    ]
     assert all(p is not None for p in cache.lookup(keys))
     assert len(entries(Path(root))) == 30 + 120
     assert not [p for p in Path(root).rglob(".tmp-*")]
@@ -280,10 +310,18 @@ def s3():
     server.start()
     import boto3
 
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="cache")
-    yield {"key": "testing", "secret": "testing",
-           "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
+    boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="cache")
+    yield {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+    }
     server.stop()
 
 
@@ -320,12 +358,19 @@ def test_dask_workers_share_a_cache_on_disk(tiny_llama, tmp_path):
 
 def test_processor_uses_the_cache(tiny_llama, tmp_path):
     config = dfllm.ProcessorConfig(model_source=str(tiny_llama), engine_kwargs=ENGINE, cache=str(tmp_path / "c"))
-    proc = dfllm.build_processor(config, lambda row: {"prompt": row["q"], "sampling_params": SP},
-                                 lambda row: {"id": row["id"], "text": row["generated_text"]})
+    proc = dfllm.build_processor(
+        config,
+        lambda row: {"prompt": row["q"], "sampling_params": SP},
+        lambda row: {"id": row["id"], "text": row["generated_text"]},
+    )
     a = proc(frame(range(4)))
     before = engine_requests()
-    b = dfllm.build_processor(dfllm.ProcessorConfig(model_source=str(tiny_llama), engine_kwargs=ENGINE),
-                              proc.preprocess, proc.postprocess, cache=str(tmp_path / "c"))(frame(range(4)))
+    b = dfllm.build_processor(
+        dfllm.ProcessorConfig(model_source=str(tiny_llama), engine_kwargs=ENGINE),
+        proc.preprocess,
+        proc.postprocess,
+        cache=str(tmp_path / "c"),
+    )(frame(range(4)))
     assert engine_requests() == before
     pd.testing.assert_frame_equal(a, b)
     with pytest.raises(ValueError, match="cache: the response cache is for task_type='generate'"):
@@ -337,11 +382,36 @@ def test_cli_cache_answers_a_rerun_and_says_so(cli_cluster, tiny_llama, tmp_path
     frame(range(3, 9)).to_parquet(tmp_path / "b.parquet")
 
     def run(src: str, out: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", "run", str(tmp_path / src),
-                                 str(tmp_path / out), "--prompt", "{q}", "--model", str(tiny_llama), "--max-tokens",
-                                 "3", "--max-model-len", "64", "--npartitions", "2", "--cache",
-                                 str(tmp_path / "cache"), "--cache-max-bytes", "10M", "--scheduler",
-                                 cli_cluster.address, "--no-progress"], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dfllm.jobs.cli",
+                "run",
+                str(tmp_path / src),
+                str(tmp_path / out),
+                "--prompt",
+                "{q}",
+                "--model",
+                str(tiny_llama),
+                "--max-tokens",
+                "3",
+                "--max-model-len",
+                "64",
+                "--npartitions",
+                "2",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--cache-max-bytes",
+                "10M",
+                "--scheduler",
+                cli_cluster.address,
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
 
@@ -352,12 +422,15 @@ def test_cli_cache_answers_a_rerun_and_says_so(cli_cluster, tiny_llama, tmp_path
 
 
 # ---- call-time checks and the resume key ---------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    ({"cache": {"url": "x", "max_bytes": 0}}, "cache: max_bytes must be a positive integer, got 0"),
-    ({"cache": {"path": "x"}}, "cache: a dict takes 'url'"),
-    ({"cache": 3}, "cache must be a path or URL"),
-    ({"cache": "nosuchprotocol://bucket/x"}, "cache: cannot open 'nosuchprotocol://bucket/x'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cache": {"url": "x", "max_bytes": 0}}, "cache: max_bytes must be a positive integer, got 0"),
+        ({"cache": {"path": "x"}}, "cache: a dict takes 'url'"),
+        ({"cache": 3}, "cache must be a path or URL"),
+        ({"cache": "nosuchprotocol://bucket/x"}, "cache: cannot open 'nosuchprotocol://bucket/x'"),
+    ],
+)
 def test_bad_cache_arguments_raise_at_call_time(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         frame(range(1)).llm.generate("{q}", model=str(tiny_llama), **kwargs)
@@ -370,7 +443,13 @@ def test_pooling_tasks_take_no_cache(tmp_path):
 
 def test_the_cache_is_not_part_of_a_resumed_writes_key(tmp_path):
     """The cache decides no output: a resumed write may add, move or drop it."""
-    task = lambda cache: make_task("generate", ("q",), ["q"], output_column="g", cache=cache,  # noqa: E731
-                                   model_check=lambda t: None)
+    task = lambda cache: make_task(  # noqa: E731
+        "generate",
+        ("q",),
+        ["q"],
+        output_column="g",
+        cache=cache,
+        model_check=lambda t: None,
+    )
     keys = {PartitionFunction(task(c)).write_key for c in (None, str(tmp_path / "a"), str(tmp_path / "b"))}
     assert len(keys) == 1

@@ -39,12 +39,18 @@ def rows() -> pd.DataFrame:
 def write(client, tiny_llama):
     """``write(df, out, npartitions, resume=..., max_tokens=..., sort=...)``: one write_parquet."""
 
-    def run(df: pd.DataFrame, out: Path, npartitions: int, *, resume: bool = True, max_tokens: int = 2,
-            sort: bool = True) -> dfllm.WriteSummary:
+    def run(
+        df: pd.DataFrame, out: Path, npartitions: int, *, resume: bool = True, max_tokens: int = 2, sort: bool = True
+    ) -> dfllm.WriteSummary:
         ddf = dd.from_pandas(df, npartitions=npartitions, sort=sort)
         assert ddf.npartitions == npartitions
-        result = ddf.llm.generate("{q}", model=str(tiny_llama), max_model_len=64, kv_cache_memory_bytes=2**22,
-                                  sampling_params={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+        result = ddf.llm.generate(
+            "{q}",
+            model=str(tiny_llama),
+            max_model_len=64,
+            kv_cache_memory_bytes=2**22,
+            sampling_params={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        )
         return dfllm.write_parquet(result, str(out), resume=resume, progress=False)
 
     return run
@@ -56,8 +62,9 @@ def exact(out: Path, summary: dfllm.WriteSummary, ids: range = range(N)) -> pd.D
     assert summary.rows == len(back) == len(ids)
     assert sorted(back["id"]) == list(ids)
     assert sorted(p.name for p in out.glob("part.*")) == [f"part.{i:05d}.parquet" for i in range(summary.partitions)]
-    assert sorted(p.name for p in (out / "_dfllm_keys").iterdir()) == \
-        [f"part.{i:05d}.key" for i in range(summary.partitions)]
+    assert sorted(p.name for p in (out / "_dfllm_keys").iterdir()) == [
+        f"part.{i:05d}.key" for i in range(summary.partitions)
+    ]
     assert not list(out.rglob(".tmp-*"))
     assert summary.written + summary.skipped == summary.partitions
     return back

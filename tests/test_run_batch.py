@@ -92,13 +92,29 @@ def check_line(out: dict) -> None:
 
 MIXED = [
     chat("greedy", "What is the capital of France?"),
-    line("completion", "/v1/completions", model="x", prompt=["Once upon", [1, 2, 3]], max_tokens=2, temperature=0,
-         echo=True),
+    line(
+        "completion",
+        "/v1/completions",
+        model="x",
+        prompt=["Once upon", [1, 2, 3]],
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+    ),
     chat("logprobs", "Say hi.", logprobs=True, top_logprobs=2),
     chat("sampled", "Tell a story.", temperature=0.8, seed=7, n=2, stop=["\n"]),
-    chat("schema", "Give me a name.", max_completion_tokens=6,
-         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
-             "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}),
+    chat(
+        "schema",
+        "Give me a name.",
+        max_completion_tokens=6,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "n",
+                "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+            },
+        },
+    ),
     "",  # a blank line: skipped, as vLLM does
     chat("streamed", "Hi", stream=True),
     "{not json",
@@ -110,14 +126,16 @@ MIXED = [
     {"custom_id": "get", "method": "GET", "url": "/v1/chat/completions", "body": {}},
     chat("last", "The end."),
 ]
-ERRORS = {"streamed": (400, "body.stream", "Request must not be sent in stream mode"),
-          None: (400, None, "not valid JSON"),
-          "unknown-url": (404, "url", "URL /v1/responses was used. Supported endpoints"),
-          "typo": (400, "body.max_token", "body.max_token is not a field"),
-          "bad-role": (400, "body.messages[0].role", "role must be one of"),
-          "too-long": (400, "body.messages", "is longer than the maximum model length of 128"),
-          "bad-temperature": (400, "body.temperature", "temperature must be non-negative"),
-          "get": (405, "method", 'method must be "POST"')}
+ERRORS = {
+    "streamed": (400, "body.stream", "Request must not be sent in stream mode"),
+    None: (400, None, "not valid JSON"),
+    "unknown-url": (404, "url", "URL /v1/responses was used. Supported endpoints"),
+    "typo": (400, "body.max_token", "body.max_token is not a field"),
+    "bad-role": (400, "body.messages[0].role", "role must be one of"),
+    "too-long": (400, "body.messages", "is longer than the maximum model length of 128"),
+    "bad-temperature": (400, "body.temperature", "temperature must be non-negative"),
+    "get": (405, "method", 'method must be "POST"'),
+}
 
 
 def test_lines_parse_as_openai_types_and_match_llm_chat(tiny_llama, tmp_path):
@@ -147,15 +165,20 @@ def test_lines_parse_as_openai_types_and_match_llm_chat(tiny_llama, tmp_path):
     for cid in ("greedy", "logprobs", "sampled", "schema", "last"):
         request = parse_line(json.dumps(next(r for r in MIXED if isinstance(r, dict) and r["custom_id"] == cid)))
         assert isinstance(request.request, ChatCompletionRequest)
-        ref = llm.chat([request.request.messages], request.request.sampling_params(), use_tqdm=False,
-                       **request.request.chat_kwargs())[0]
+        ref = llm.chat(
+            [request.request.messages],
+            request.request.sampling_params(),
+            use_tqdm=False,
+            **request.request.chat_kwargs(),
+        )[0]
         body = by_id[cid]["response"]["body"]
         assert [c["message"]["content"] for c in body["choices"]] == [c.text for c in ref.outputs]
         assert [c["finish_reason"] for c in body["choices"]] == [c.finish_reason for c in ref.outputs]
-        assert body["usage"] == {"prompt_tokens": len(ref.prompt_token_ids),
-                                 "completion_tokens": sum(len(c.token_ids) for c in ref.outputs),
-                                 "total_tokens": len(ref.prompt_token_ids) + sum(len(c.token_ids)
-                                                                                 for c in ref.outputs)}
+        assert body["usage"] == {
+            "prompt_tokens": len(ref.prompt_token_ids),
+            "completion_tokens": sum(len(c.token_ids) for c in ref.outputs),
+            "total_tokens": len(ref.prompt_token_ids) + sum(len(c.token_ids) for c in ref.outputs),
+        }
         assert body["model"] == str(tiny_llama) and body["choices"][0]["message"]["role"] == "assistant"
     assert len(by_id["sampled"]["response"]["body"]["choices"]) == 2
     top = by_id["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
@@ -163,10 +186,13 @@ def test_lines_parse_as_openai_types_and_match_llm_chat(tiny_llama, tmp_path):
     assert all(t["top_logprobs"][0]["logprob"] >= t["logprob"] for t in top)
 
     completion = by_id["completion"]["response"]["body"]
-    ref = llm.generate(["Once upon", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0),
-                       use_tqdm=False)
+    ref = llm.generate(
+        ["Once upon", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False
+    )
     assert [c["text"] for c in completion["choices"]] == [
-        "Once upon" + ref[0].outputs[0].text, llm.tokenizer.decode([1, 2, 3]) + ref[1].outputs[0].text]
+        "Once upon" + ref[0].outputs[0].text,
+        llm.tokenizer.decode([1, 2, 3]) + ref[1].outputs[0].text,
+    ]
     assert [c["index"] for c in completion["choices"]] == [0, 1]
 
     again = tmp_path / "again.jsonl"
@@ -179,17 +205,23 @@ def test_embeddings_score_and_rerank_on_the_default_model(tmp_path):
     """Without a model, embeddings, score and rerank lines run on the bundled MiniLM: the
     bodies carry what ``LLM.embed``/``score`` give (base64 as OpenAI encodes it), rerank best
     first; a chat line on an embedding model is refused as vLLM refuses it."""
-    rows = [line("emb", "/v1/embeddings", model="text-embedding-3-small", input=["a cat", "stock markets"]),
-            line("b64", "/v1/embeddings", input="a cat", encoding_format="base64"),
-            line("dims", "/v1/embeddings", input="a cat", dimensions=8),
-            line("score", "/v1/score", text_1="a cat", text_2=["a kitten", "tax law"]),
-            line("rerank", "/rerank", query="a cat", documents=["tax law", {"text": "a kitten"}, "dogs"], top_n=2),
-            line("empty", "/v1/embeddings", input=[""])]
+    rows = [
+        line("emb", "/v1/embeddings", model="text-embedding-3-small", input=["a cat", "stock markets"]),
+        line("b64", "/v1/embeddings", input="a cat", encoding_format="base64"),
+        line("dims", "/v1/embeddings", input="a cat", dimensions=8),
+        line("score", "/v1/score", text_1="a cat", text_2=["a kitten", "tax law"]),
+        line("rerank", "/rerank", query="a cat", documents=["tax law", {"text": "a kitten"}, "dogs"], top_n=2),
+        line("empty", "/v1/embeddings", input=[""]),
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     run_batch(str(src), str(out), progress=False)
-    run_batch(str(write_jsonl(tmp_path / "chat.jsonl", [chat("chat", "Hi")])), str(tmp_path / "chat-out.jsonl"),
-              model="all-minilm-l6-v2", progress=False)
+    run_batch(
+        str(write_jsonl(tmp_path / "chat.jsonl", [chat("chat", "Hi")])),
+        str(tmp_path / "chat-out.jsonl"),
+        model="all-minilm-l6-v2",
+        progress=False,
+    )
     got = {g["custom_id"]: g for g in read_jsonl(out) + read_jsonl(tmp_path / "chat-out.jsonl")}
     for g in got.values():
         check_line(g)
@@ -235,8 +267,10 @@ def test_engine_failures_stay_with_their_lines(tiny_llama, nan_model):
     """A line whose prompt makes non-finite logits, and one on which an engine step raises,
     get status 500 with the reason; the other lines of the same call are answered with what
     they get alone."""
-    good = [chat(f"good-{i}", t, max_completion_tokens=4, ignore_eos=True)
-            for i, t in enumerate(["What is 2+2?", "Name a colour.", "Tell me about parquet."])]
+    good = [
+        chat(f"good-{i}", t, max_completion_tokens=4, ignore_eos=True)
+        for i, t in enumerate(["What is 2+2?", "Name a colour.", "Tell me about parquet."])
+    ]
     lines = [parse_line(json.dumps(r), f"k{i}") for i, r in enumerate(good)]
 
     def texts(results):
@@ -248,8 +282,9 @@ def test_engine_failures_stay_with_their_lines(tiny_llama, nan_model):
         llm = engine_cache.get_engine(str(tiny_llama), kwargs)
         llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
         try:
-            bad = parse_line(json.dumps(chat("bad", f"What is a{MARKER_WORD}?", max_completion_tokens=4,
-                                             ignore_eos=True)), "kb")
+            bad = parse_line(
+                json.dumps(chat("bad", f"What is a{MARKER_WORD}?", max_completion_tokens=4, ignore_eos=True)), "kb"
+            )
             results = answer([lines[0], bad, lines[1], lines[2]], engines)
         finally:
             llm.engine.output_processor.detokenizer = Detokenizer(llm.tokenizer)
@@ -276,8 +311,9 @@ def test_options_and_paths_are_refused_before_any_work(tiny_llama, tmp_path, cap
 
     status, err = cli("-o", str(tmp_path / "o.jsonl"))
     assert status == 2 and "--input-file" in err
-    status, err = cli("-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--model",
-                      str(tiny_llama))
+    status, err = cli(
+        "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--model", str(tiny_llama)
+    )
     assert status == 1 and "does not exist" in err
     status, err = cli("-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--trust-remote-code")
     assert status == 1 and "trust_remote_code=True is not supported" in err
@@ -292,8 +328,9 @@ def test_options_and_paths_are_refused_before_any_work(tiny_llama, tmp_path, cap
 
 # ---- on a cluster ------------------------------------------------------------------------------------------
 def dfllm(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_on_a_cluster_unordered_with_an_error_file(cli_cluster, tiny_llama, tmp_path):
@@ -304,10 +341,32 @@ def test_cli_on_a_cluster_unordered_with_an_error_file(cli_cluster, tiny_llama, 
     rows = [r for r in MIXED if r != ""]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     good, errors = tmp_path / "good.jsonl", tmp_path / "errors.jsonl"
-    result = dfllm("run-batch", "-i", str(src), "-o", str(good), "--error-file", str(errors), "--unordered",
-                   "--model", str(tiny_llama), "--max-model-len", "128", "--kv-cache-memory-bytes", str(2**22),
-                   "--partition-bytes", "300", "--max-error-rate", "0.2", "--port", "8000", "--disable-log-requests",
-                   "--scheduler", cli_cluster.address, "--no-progress")
+    result = dfllm(
+        "run-batch",
+        "-i",
+        str(src),
+        "-o",
+        str(good),
+        "--error-file",
+        str(errors),
+        "--unordered",
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory-bytes",
+        str(2**22),
+        "--partition-bytes",
+        "300",
+        "--max-error-rate",
+        "0.2",
+        "--port",
+        "8000",
+        "--disable-log-requests",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     assert result.returncode == 3 and "failed, above --max-error-rate 0.2" in result.stderr, result.stderr[-3000:]
     assert f"lines:       {len(rows)} ({len(ERRORS)} failed)" in result.stdout
     split = read_jsonl(good) + read_jsonl(errors)
@@ -350,8 +409,9 @@ def test_job_survives_a_killed_worker(tiny_llama, tmp_path):
 
         def job() -> None:
             try:
-                result["summary"] = run_batch(str(src), str(out), model=str(tiny_llama), progress=False,
-                                              partition_bytes=size, max_model_len=400)
+                result["summary"] = run_batch(
+                    str(src), str(out), model=str(tiny_llama), progress=False, partition_bytes=size, max_model_len=400
+                )
             except BaseException as exc:  # reported below
                 result["error"] = exc
 
@@ -380,9 +440,27 @@ def test_killed_client_resumes_answering_each_line_once(cli_cluster, tiny_llama,
     src, size = slow_file(tmp_path / "in.jsonl", n)
     out = tmp_path / "out.jsonl"
     staged = tmp_path / "out.jsonl.parts"
-    args = [sys.executable, "-m", "dfllm.jobs.cli", "run-batch", "-i", str(src), "-o", str(out), "--model",
-            str(tiny_llama), "--max-model-len", "400", "--partition-bytes", str(size), "--resume", "--keep-parts",
-            "--scheduler", cli_cluster.address, "--no-progress"]
+    args = [
+        sys.executable,
+        "-m",
+        "dfllm.jobs.cli",
+        "run-batch",
+        "-i",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        "400",
+        "--partition-bytes",
+        str(size),
+        "--resume",
+        "--keep-parts",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    ]
     job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     end = time.time() + 240
     while len(list(staged.glob("part.*.parquet"))) < 2 and time.time() < end:
@@ -413,13 +491,21 @@ def s3():
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
-                                                                      "region_name": "us-east-1"}}
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+    }
     import boto3
     import s3fs
 
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="batch")
+    boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="batch")
     yield opts, s3fs.S3FileSystem(**opts)
     server.stop()
 
@@ -428,8 +514,16 @@ def test_s3_in_and_out(s3, tiny_llama, tmp_path):
     opts, fs = s3
     rows = [chat(f"r{i}", f"Question {i}?") for i in range(5)] + ["{broken"]
     fs.put(str(write_jsonl(tmp_path / "in.jsonl", rows)), "batch/in.jsonl")
-    summary = run_batch("s3://batch/in.jsonl", "s3://batch/out/results.jsonl", error_file="s3://batch/out/errors.jsonl",
-                        model=str(tiny_llama), storage_options=opts, progress=False, partition_bytes=200, **ENGINE)
+    summary = run_batch(
+        "s3://batch/in.jsonl",
+        "s3://batch/out/results.jsonl",
+        error_file="s3://batch/out/errors.jsonl",
+        model=str(tiny_llama),
+        storage_options=opts,
+        progress=False,
+        partition_bytes=200,
+        **ENGINE,
+    )
     assert (summary.lines, summary.failed) == (6, 1)
     fs.invalidate_cache()
     good = [json.loads(t) for t in fs.cat_file("batch/out/results.jsonl").decode().splitlines()]

@@ -23,11 +23,11 @@ from test_run_batch import ENGINE, chat, check_line, line, read_jsonl, write_jso
 from transformers import AutoTokenizer
 
 from dfllm import SamplingParams
-from dfllm.worker import engine_cache
 from dfllm.jobs.batch import BatchOptions
 from dfllm.jobs.batch_job import BatchRequests, dry_run_batch, dry_run_rows, run_batch
 from dfllm.jobs.cli import main as cli_main
 from dfllm.jobs.dry_run import refusal_counts
+from dfllm.worker import engine_cache
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,6 +49,7 @@ def finished_requests(model, engine_kwargs: dict) -> int:
     histogram's count, as :mod:`test_response_cache` reads it), in this process and, when a
     Dask client is current (a job then runs on its cluster), on every worker; 0 where it is
     not loaded."""
+
     def count(model: str = str(model), kwargs: dict = engine_kwargs) -> int:
         from dfllm.worker import engine_cache
 
@@ -71,26 +72,57 @@ def run_cli(*argv: str, capsys) -> tuple[int, str, str]:
 
 
 # ---- reasoning ---------------------------------------------------------------------------------------------
-def test_reasoning_parser_splits_chat_answers_and_a_cached_rerun_gives_the_same(cli_cluster, thinker,  # noqa: F811
-                                                                              tmp_path, capsys):
+def test_reasoning_parser_splits_chat_answers_and_a_cached_rerun_gives_the_same(
+    cli_cluster,
+    thinker,  # noqa: F811
+    tmp_path,
+    capsys,
+):
     tok = AutoTokenizer.from_pretrained(thinker)
     rendered = tok.apply_chat_template(CONV, add_generation_prompt=True, tokenize=False)
     greedy = {"temperature": 0}
-    rows = [line("think", messages=CONV, max_completion_tokens=12, **greedy),
-            line("cut-short", messages=CONV, max_completion_tokens=2, **greedy),
-            line("no-thinking", messages=CONV, max_completion_tokens=2, chat_template_kwargs={"enable_thinking": False},
-                 **greedy),
-            # the chat's own prompt as a completion: vLLM's completions text is not split
-            line("completion", "/v1/completions", prompt=rendered, max_tokens=12, **greedy),
-            line("think-tag", "/v1/completions", prompt="Capital of France:", max_tokens=12, **greedy),
-            line("choice", "/v1/completions", prompt="Capital of France:", max_tokens=12,
-                 structured_outputs={"choice": ["yes", "no"]}, **greedy)]
+    rows = [
+        line("think", messages=CONV, max_completion_tokens=12, **greedy),
+        line("cut-short", messages=CONV, max_completion_tokens=2, **greedy),
+        line(
+            "no-thinking",
+            messages=CONV,
+            max_completion_tokens=2,
+            chat_template_kwargs={"enable_thinking": False},
+            **greedy,
+        ),
+        # the chat's own prompt as a completion: vLLM's completions text is not split
+        line("completion", "/v1/completions", prompt=rendered, max_tokens=12, **greedy),
+        line("think-tag", "/v1/completions", prompt="Capital of France:", max_tokens=12, **greedy),
+        line(
+            "choice",
+            "/v1/completions",
+            prompt="Capital of France:",
+            max_tokens=12,
+            structured_outputs={"choice": ["yes", "no"]},
+            **greedy,
+        ),
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out, cache = tmp_path / "out.jsonl", tmp_path / "cache"
     engine = ["--max-model-len", "128", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(2**22)]
-    status, stdout, err = run_cli("-i", str(src), "-o", str(out), "--model", str(thinker), "--reasoning-parser",
-                                  "qwen3", "--cache", str(cache), *engine, "--scheduler", cli_cluster.address,
-                                  "--no-progress", capsys=capsys)
+    status, stdout, err = run_cli(
+        "-i",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        str(thinker),
+        "--reasoning-parser",
+        "qwen3",
+        "--cache",
+        str(cache),
+        *engine,
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+        capsys=capsys,
+    )
     assert status == 0, err[-3000:]
     assert "lines:       6 (0 failed)" in stdout and "cache:       0 requests answered" in stdout
     got = {g["custom_id"]: g for g in read_jsonl(out)}
@@ -105,10 +137,15 @@ def test_reasoning_parser_splits_chat_answers_and_a_cached_rerun_gives_the_same(
     assert body("think")["usage"]["completion_tokens"] == generated
     short = body("cut-short")["choices"][0]
     assert (short["message"]["reasoning_content"], short["message"]["content"], short["finish_reason"]) == (
-        REASONING, None, "length")  # the reasoning never ended: no answer, content null as in vLLM
+        REASONING,
+        None,
+        "length",
+    )  # the reasoning never ended: no answer, content null as in vLLM
     off = body("no-thinking")
     assert (off["choices"][0]["message"]["reasoning_content"], off["choices"][0]["message"]["content"]) == (
-        None, REASONING)  # enable_thinking=False reached the template and the parser: all answer
+        None,
+        REASONING,
+    )  # enable_thinking=False reached the template and the parser: all answer
     assert off["usage"]["prompt_tokens"] > body("think")["usage"]["prompt_tokens"]  # the template closed </think>
 
     assert body("completion")["choices"][0]["text"] == REASONING + "</think>" + ANSWER
@@ -121,8 +158,9 @@ def test_reasoning_parser_splits_chat_answers_and_a_cached_rerun_gives_the_same(
     kwargs = {**SMALL, "reasoning_parser": "qwen3"}
     before = finished_requests(thinker, kwargs)
     again = tmp_path / "again.jsonl"
-    summary = run_batch(str(src), str(again), model=str(thinker), reasoning_parser="qwen3", cache=str(cache),
-                        progress=False, **SMALL)
+    summary = run_batch(
+        str(src), str(again), model=str(thinker), reasoning_parser="qwen3", cache=str(cache), progress=False, **SMALL
+    )
     assert finished_requests(thinker, kwargs) == before  # every line answered without the engine
     assert summary.cache["hits"] == 6 and summary.failed == 0
     assert bodies(read_jsonl(again)) == bodies(read_jsonl(out))
@@ -130,17 +168,24 @@ def test_reasoning_parser_splits_chat_answers_and_a_cached_rerun_gives_the_same(
 
 # ---- the response cache --------------------------------------------------------------------------------------
 def test_a_rerun_answers_deterministic_lines_from_the_cache(tiny_llama, tmp_path):
-    rows = [chat("greedy", "What is the capital of France?"),
-            chat("seeded", "Tell a story.", temperature=0.8, seed=7),
-            line("completion", "/v1/completions", prompt=["Once upon", [1, 2, 3]], max_tokens=3, temperature=0,
-                 logprobs=2),
-            chat("best-of", "Tell a story.", temperature=0.8, seed=7, n=2),  # n > 1: not cached
-            chat("sampled", "Tell a story.", temperature=0.8),  # sampled without a seed: not cached
-            "{not json"]
+    rows = [
+        chat("greedy", "What is the capital of France?"),
+        chat("seeded", "Tell a story.", temperature=0.8, seed=7),
+        line("completion", "/v1/completions", prompt=["Once upon", [1, 2, 3]], max_tokens=3, temperature=0, logprobs=2),
+        chat("best-of", "Tell a story.", temperature=0.8, seed=7, n=2),  # n > 1: not cached
+        chat("sampled", "Tell a story.", temperature=0.8),  # sampled without a seed: not cached
+        "{not json",
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     cache = tmp_path / "cache"
-    run = lambda out: run_batch(str(src), str(tmp_path / out), model=str(tiny_llama), cache=cache,  # noqa: E731
-                                progress=False, **ENGINE)
+    run = lambda out: run_batch(  # noqa: E731
+        str(src),
+        str(tmp_path / out),
+        model=str(tiny_llama),
+        cache=cache,
+        progress=False,
+        **ENGINE,
+    )
     before = finished_requests(tiny_llama, ENGINE)
     first = run("first.jsonl")
     assert finished_requests(tiny_llama, ENGINE) - before == 6  # one request per chat line, one per completion prompt
@@ -161,13 +206,15 @@ def test_a_rerun_answers_deterministic_lines_from_the_cache(tiny_llama, tmp_path
 
 
 # ---- the dry run -------------------------------------------------------------------------------------------
-DRY = [chat("a", "What is the capital of France?"),
-       "",  # blank: skipped, as the job skips it
-       "{not json",
-       chat("too-long", "word " * 300),
-       line("two-prompts", "/v1/completions", prompt=["Once upon", "A time"], max_tokens=4, temperature=0),
-       line("emb", "/v1/embeddings", input="a cat"),
-       chat("bad-temperature", "Hi", temperature=-1)]
+DRY = [
+    chat("a", "What is the capital of France?"),
+    "",  # blank: skipped, as the job skips it
+    "{not json",
+    chat("too-long", "word " * 300),
+    line("two-prompts", "/v1/completions", prompt=["Once upon", "A time"], max_tokens=4, temperature=0),
+    line("emb", "/v1/embeddings", input="a cat"),
+    chat("bad-temperature", "Hi", temperature=-1),
+]
 
 
 def test_dry_run_counts_lines_refusals_and_tokens_and_writes_nothing(cli_cluster, tiny_llama, tmp_path, capsys):
@@ -187,15 +234,36 @@ def test_dry_run_counts_lines_refusals_and_tokens_and_writes_nothing(cli_cluster
     assert messages["emb"].startswith("Model does not support endpoint /v1/embeddings")
     llm = engine_cache.get_engine(str(tiny_llama), ENGINE)  # the engine the job runs on, for its token counts
     one = SamplingParams(max_tokens=1)
-    want = [len(llm.chat([[{"role": "user", "content": "What is the capital of France?"}]], one,
-                         use_tqdm=False)[0].prompt_token_ids)]
+    want = [
+        len(
+            llm.chat([[{"role": "user", "content": "What is the capital of France?"}]], one, use_tqdm=False)[
+                0
+            ].prompt_token_ids
+        )
+    ]
     want += [len(o.prompt_token_ids) for o in llm.generate(["Once upon", "A time"], one, use_tqdm=False)]
     assert report.prompt_tokens == sum(want) and report.max_generated_tokens == 3 + 4 + 4
     assert "nothing was written" in report.format() and "does not exist yet" in report.format()
 
-    status, stdout, err = run_cli("-i", str(src), "-o", str(out), "--model", str(tiny_llama), "--max-model-len",
-                                  "128", "--kv-cache-memory-bytes", str(2**22), "--dry-run", "--calibration-seconds",
-                                  "5", "--scheduler", cli_cluster.address, "--no-progress", capsys=capsys)
+    status, stdout, err = run_cli(
+        "-i",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_llama),
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory-bytes",
+        str(2**22),
+        "--dry-run",
+        "--calibration-seconds",
+        "5",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+        capsys=capsys,
+    )
     assert status == 0, err[-3000:]
     assert "rows:             6 in 1 partition(s); 3 would run, 4 refused" in stdout, stdout
     assert "1 x prompt longer than max_model_len (e.g. row 'too-long': " in stdout
@@ -206,8 +274,14 @@ def test_dry_run_counts_lines_refusals_and_tokens_and_writes_nothing(cli_cluster
 def test_dry_run_without_a_model_leaves_pooling_lines_not_estimated(tiny_llama):
     """Without --model, embeddings, score and rerank lines run on MiniLM, not on the chat
     engine the dry run checks: counted apart, neither run nor refused."""
-    rows = pd.DataFrame({"block": [0] * len(DRY), "line": range(len(DRY)),
-                         "text": [r if isinstance(r, str) else json.dumps(r) for r in DRY], "utf8": [True] * len(DRY)})
+    rows = pd.DataFrame(
+        {
+            "block": [0] * len(DRY),
+            "line": range(len(DRY)),
+            "text": [r if isinstance(r, str) else json.dumps(r) for r in DRY],
+            "utf8": [True] * len(DRY),
+        }
+    )
     rows = dry_run_rows(rows)
     assert list(rows.index) == ["a", "line 3", "too-long", "two-prompts", "emb", "bad-temperature"]
     llm = engine_cache.get_engine(str(tiny_llama), ENGINE)

@@ -19,8 +19,14 @@ VOCAB = 300
 EOS = {2}
 
 
-def seq(params: SamplingParams, prompt: list[int], output: list[int] = (), seed: int | None = None,
-        bad_words: tuple[tuple[int, ...], ...] = (), device: str = "cpu") -> Sequence:
+def seq(
+    params: SamplingParams,
+    prompt: list[int],
+    output: list[int] = (),
+    seed: int | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
+    device: str = "cpu",
+) -> Sequence:
     req = Request("r", None, list(prompt), params, RequestMetrics(0.0), bad_words_ids=bad_words)
     gen = None if seed is None else torch.Generator(device).manual_seed(seed)
     return Sequence(req, 0, list(prompt) + list(output), len(prompt), gen)
@@ -38,8 +44,9 @@ def reference_penalties(logits: torch.Tensor, seqs: list[Sequence], eos: set[int
             logits[i] = float("-inf")
             logits[i, p.allowed_token_ids] = allowed
         for word in s.request.bad_words_ids:
-            if len(word) == 1 or (s.num_output_tokens >= len(word) - 1
-                                  and tuple(s.output_token_ids[-(len(word) - 1):]) == word[:-1]):
+            if len(word) == 1 or (
+                s.num_output_tokens >= len(word) - 1 and tuple(s.output_token_ids[-(len(word) - 1) :]) == word[:-1]
+            ):
                 logits[i, word[-1]] = float("-inf")
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long)
@@ -113,11 +120,13 @@ def every_mode(device: str = "cpu") -> list[Sequence]:
         seq(P(temperature=1.2, top_k=20), [3]),
         seq(P(temperature=0.7, top_p=0.6, logprobs=0), [3, 4], [8]),
         seq(P(temperature=1.0, min_p=0.2, seed=9, logprobs=-1), [7], seed=9, device=device),
-        seq(P(temperature=0.0, logit_bias={17: 40.0, 3: -2.5}, presence_penalty=0.5, frequency_penalty=0.3),
-            [17, 3], [17, 17, 40]),
+        seq(
+            P(temperature=0.0, logit_bias={17: 40.0, 3: -2.5}, presence_penalty=0.5, frequency_penalty=0.3),
+            [17, 3],
+            [17, 17, 40],
+        ),
         seq(P(temperature=0.0, allowed_token_ids=[10, 11, 12, 250], logprobs=2), [1]),
-        seq(P(temperature=0.9, min_tokens=4, stop_token_ids=[99]), [1, 2], [21, 22],
-            bad_words=((21, 22, 23), (44,))),
+        seq(P(temperature=0.9, min_tokens=4, stop_token_ids=[99]), [1, 2], [21, 22], bad_words=((21, 22, 23), (44,))),
         seq(P(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=0.8), [6, 7, 8], [6]),
     ]
 
@@ -275,5 +284,6 @@ def test_engine_on_cuda_matches_cpu(tiny_llama):
         n = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
         assert n == len(x.token_ids) or (x.token_ids[n] in y.logprobs[n] and y.token_ids[n] in x.logprobs[n])
         for i in range(n):
-            assert y.logprobs[i][y.token_ids[i]].logprob == pytest.approx(x.logprobs[i][x.token_ids[i]].logprob,
-                                                                          abs=1e-3)
+            assert y.logprobs[i][y.token_ids[i]].logprob == pytest.approx(
+                x.logprobs[i][x.token_ids[i]].logprob, abs=1e-3
+            )

@@ -78,19 +78,24 @@ def test_seeded_request_is_independent_of_the_batch(llm):
     others = [SamplingParams(temperature=0.9, max_tokens=n, ignore_eos=True) for n in (5, 9, 3, 12, 7)]
     batched = llm.generate(as_prompts(prompts), [seeded] + others, use_tqdm=False)
     assert tokens(alone)[0] == tokens(batched)[0]
-    other_seed = llm.generate(as_prompts(prompts[:1]), SamplingParams(temperature=1.0, seed=99, max_tokens=16,
-                                                                      ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        as_prompts(prompts[:1]),
+        SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert tokens(other_seed)[0] != tokens(alone)[0]
 
 
 def test_top_k_one_is_greedy_and_n_gives_distinct_samples(llm):
     prompt = as_prompts(random_prompts(1, 11, 11, seed=8))
     greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    top1 = llm.generate(prompt, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)
+    top1 = llm.generate(
+        prompt, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     assert tokens(greedy) == tokens(top1)
-    many = llm.generate(prompt, SamplingParams(n=4, temperature=1.5, seed=3, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0]
+    many = llm.generate(
+        prompt, SamplingParams(n=4, temperature=1.5, seed=3, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in many.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in many.outputs}) > 1
 
@@ -104,9 +109,13 @@ def test_top_p_and_min_p_restrict_to_likely_tokens(llm, tiny_llama):
     nucleus = set(top[: int((probs[top].cumsum(0) < 0.5).sum()) + 1].tolist())
     allowed_min_p = set(torch.nonzero(probs >= 0.3 * probs.max()).flatten().tolist())
     for seed in range(12):
+
         def first(seed=seed, **kw):
-            return llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=1, seed=seed, **kw),
-                                use_tqdm=False)[0].outputs[0].token_ids[0]
+            return (
+                llm.generate(as_prompts([prompt]), SamplingParams(max_tokens=1, seed=seed, **kw), use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids[0]
+            )
 
         assert first(top_p=0.5) in nucleus
         assert first(min_p=0.3) in allowed_min_p
@@ -114,14 +123,23 @@ def test_top_p_and_min_p_restrict_to_likely_tokens(llm, tiny_llama):
 
 def test_repetition_penalty_matches_transformers(llm, tiny_llama):
     prompts = random_prompts(3, 7, 19, seed=10)
-    outs = llm.generate(as_prompts(prompts), SamplingParams(temperature=0, repetition_penalty=1.4, max_tokens=15,
-                                                            ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        as_prompts(prompts),
+        SamplingParams(temperature=0, repetition_penalty=1.4, max_tokens=15, ignore_eos=True),
+        use_tqdm=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     for p, o in zip(prompts, outs):
         x = torch.tensor([p])
-        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=15, do_sample=False,
-                             repetition_penalty=1.4, pad_token_id=0)[0, len(p):].tolist()
+        ref = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=15,
+            do_sample=False,
+            repetition_penalty=1.4,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
         assert o.outputs[0].token_ids == ref
 
 
@@ -134,9 +152,17 @@ def test_frequency_and_presence_penalties_match_reference(tmp_path, smollm2_dir)
     llm = LLM(path, max_num_seqs=4, kv_cache_memory_bytes=2**22)
     prompt = random_prompts(1, 5, 5, seed=11)[0]
     freq, pres = 1.5, 0.7
-    out = llm.generate(as_prompts([prompt]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                            frequency_penalty=freq, presence_penalty=pres),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    out = (
+        llm.generate(
+            as_prompts([prompt]),
+            SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=freq, presence_penalty=pres
+            ),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     generated: list[int] = []
     with torch.inference_mode():
@@ -145,15 +171,21 @@ def test_frequency_and_presence_penalties_match_reference(tmp_path, smollm2_dir)
             counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.numel()).float()
             generated.append(int((logits - freq * counts - pres * (counts > 0).float()).argmax()))
     assert out == generated
-    plain = llm.generate(as_prompts([prompt]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids
+    plain = (
+        llm.generate(
+            as_prompts([prompt]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert plain != out  # the penalties changed the outcome on this prompt
 
 
 def test_logprobs_are_raw_model_logprobs(llm, tiny_llama):
     prompt = random_prompts(1, 13, 13, seed=12)[0]
-    out = llm.generate(as_prompts([prompt]), SamplingParams(temperature=0, max_tokens=4, logprobs=3,
-                                                            ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        as_prompts([prompt]), SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     with torch.inference_mode():
         ref = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0], dim=-1)
@@ -172,8 +204,9 @@ def test_logprobs_are_raw_model_logprobs(llm, tiny_llama):
 
 def test_sampled_token_always_in_logprobs(llm):
     prompt = as_prompts(random_prompts(1, 13, 13, seed=13))
-    out = llm.generate(prompt, SamplingParams(temperature=2.0, seed=5, max_tokens=6, logprobs=0, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=2.0, seed=5, max_tokens=6, logprobs=0, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     for tok, entries in zip(out.token_ids, out.logprobs):
         assert list(entries) == [tok] and entries[tok].rank >= 1 and not math.isnan(entries[tok].logprob)
 
@@ -185,22 +218,34 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     prompt = as_prompts(random_prompts(1, 9, 9, seed=21))
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     allowed = [101, 202, 303]
-    out = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True,
-                                              allowed_token_ids=allowed), use_tqdm=False)
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+        use_tqdm=False,
+    )
     assert set(tokens(out)[0]) <= set(allowed)
-    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
-                                                 logit_bias={"777": 1e4}), use_tqdm=False)
+    forced = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={"777": 1e4}), use_tqdm=False
+    )
     assert tokens(forced)[0] == [777] * 4
     first = tokens(free)[0][0]
-    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                 bad_words=[llm.get_tokenizer().decode([first])]), use_tqdm=False)
+    banned = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[llm.get_tokenizer().decode([first])]),
+        use_tqdm=False,
+    )
     assert first not in tokens(banned)[0] and tokens(banned)[0] != tokens(free)[0]
     tok = llm.get_tokenizer()
     two = tuple(tokens(free)[0][2:4])  # two generated tokens, a word after a space: " lower Sham"
     word = tok.decode(two)
     assert tuple(tok.encode(word, add_special_tokens=False)) == two
-    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    text = (
+        llm.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert text[:3] == tokens(free)[0][:3] and text[3] != two[1]  # the first token may come, not the second
     with pytest.raises(ValueError, match="prompt 0: token id.*out of vocabulary"):
         llm.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
@@ -217,4 +262,3 @@ def test_truncate_prompt_tokens_and_detokenize(llm):
     raw = llm.generate(as_prompts([prompt]), SamplingParams(detokenize=False, **sp), use_tqdm=False)[0].outputs[0]
     full = llm.generate(as_prompts([prompt]), SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
     assert raw.token_ids == full.token_ids and raw.text == "" and full.text
-

@@ -47,8 +47,9 @@ def test_max_num_seqs_caps_running():
 
 
 def test_preempts_newest_and_requeues_it_first():
-    s = Scheduler(4, 4, enable_prefix_caching=False, max_num_seqs=4,
-                  max_num_batched_tokens=100, watermark=0, reserve_growth=False)
+    s = Scheduler(
+        4, 4, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=100, watermark=0, reserve_growth=False
+    )
     a, b = make_seq(list(range(8))), make_seq(list(range(10, 18)))
     s.add(a)
     s.add(b)
@@ -72,8 +73,12 @@ def test_priority_policy_admits_by_priority_then_arrival():
     ignores priorities."""
     for policy, expected in (("priority", ["c", "a", "d", "b"]), ("fcfs", ["a", "b", "c", "d"])):
         s = Scheduler(64, 4, max_num_seqs=1, max_num_batched_tokens=100, policy=policy)
-        seqs = dict(a=prioritized([1, 2], 1, 0.0), b=prioritized([3, 4], 2, 1.0), c=prioritized([5, 6], 0, 2.0),
-                    d=prioritized([7, 8], 1, 3.0))
+        seqs = dict(
+            a=prioritized([1, 2], 1, 0.0),
+            b=prioritized([3, 4], 2, 1.0),
+            c=prioritized([5, 6], 0, 2.0),
+            d=prioritized([7, 8], 1, 3.0),
+        )
         for seq in seqs.values():
             s.add(seq)
         order = []
@@ -87,8 +92,16 @@ def test_priority_policy_admits_by_priority_then_arrival():
 
 
 def test_priority_policy_preempts_the_least_urgent_and_requeues_it_by_priority():
-    s = Scheduler(4, 4, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=100, watermark=0,
-                  policy="priority", reserve_growth=False)
+    s = Scheduler(
+        4,
+        4,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=100,
+        watermark=0,
+        policy="priority",
+        reserve_growth=False,
+    )
     urgent_late, lax_early = prioritized(list(range(8)), 0, 1.0), prioritized(list(range(10, 18)), 5, 0.0)
     s.add(lax_early)
     s.add(urgent_late)

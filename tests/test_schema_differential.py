@@ -30,8 +30,7 @@ from hypothesis import strategies as st
 import dfllm
 from dfllm.jobs.sources import read_input
 
-pytestmark = [pytest.mark.timeout(900),
-              pytest.mark.usefixtures("object_columns")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("object_columns")]
 
 
 @pytest.fixture
@@ -41,15 +40,25 @@ def object_columns():
     with dask.config.set({"dataframe.convert-string": False}):
         yield
 
+
 KEYS = ("a", "b", "c")
-ints = st.one_of(st.none(), st.integers(-2**40, 2**40))
+ints = st.one_of(st.none(), st.integers(-(2**40), 2**40))
 structs = st.one_of(st.none(), st.dictionaries(st.sampled_from(KEYS), ints, max_size=3))
 lists = st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3))
-nested = st.one_of(st.none(), st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
-                                                               "content": st.text(max_size=5)}), max_size=2))
+nested = st.one_of(
+    st.none(),
+    st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": st.text(max_size=5)}),
+        max_size=2,
+    ),
+)
 #: mostly lists, sometimes text: the text rows are the misfits
-mixed = st.one_of(st.lists(st.integers(0, 9), max_size=2), st.lists(st.integers(0, 9), max_size=2),
-                  st.lists(st.integers(0, 9), max_size=2), st.just("text"))
+mixed = st.one_of(
+    st.lists(st.integers(0, 9), max_size=2),
+    st.lists(st.integers(0, 9), max_size=2),
+    st.lists(st.integers(0, 9), max_size=2),
+    st.just("text"),
+)
 row = st.fixed_dictionaries({"s": structs, "l": lists, "n": nested, "x": mixed})
 
 
@@ -72,8 +81,11 @@ def same_struct(got, want) -> bool:
         return got is None
     if isinstance(got, list):  # only empty dicts were seen: a map column
         got = dict(got)
-    return got is not None and all(got.get(k) == v for k, v in want.items()) and \
-        all(v is None for k, v in got.items() if k not in want)
+    return (
+        got is not None
+        and all(got.get(k) == v for k, v in want.items())
+        and all(v is None for k, v in got.items() if k not in want)
+    )
 
 
 def check(out: Path, rows: list[dict]) -> None:
@@ -100,8 +112,13 @@ def check(out: Path, rows: list[dict]) -> None:
 
 
 def generate(ddf, model: Path):
-    return ddf.llm.generate("row {id}", model=str(model), max_model_len=32, kv_cache_memory_bytes=2**21,
-                            sampling_params={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+    return ddf.llm.generate(
+        "row {id}",
+        model=str(model),
+        max_model_len=32,
+        kv_cache_memory_bytes=2**21,
+        sampling_params={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+    )
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
@@ -123,16 +140,19 @@ def test_random_nested_frames_read_back_whole(tiny_llama, tmp_path_factory, rows
     frame = pd.DataFrame(rows)
     out = tmp / "frame"
     n = min(split, len(rows))
-    first = dfllm.write_parquet(generate(dd.from_pandas(frame, npartitions=n, sort=False), tiny_llama), str(out),
-                                progress=False)
+    first = dfllm.write_parquet(
+        generate(dd.from_pandas(frame, npartitions=n, sort=False), tiny_llama), str(out), progress=False
+    )
     check(out, rows)
-    again = dfllm.write_parquet(generate(dd.from_pandas(frame, npartitions=n, sort=False), tiny_llama), str(out),
-                                progress=False, resume=True)
+    again = dfllm.write_parquet(
+        generate(dd.from_pandas(frame, npartitions=n, sort=False), tiny_llama), str(out), progress=False, resume=True
+    )
     assert (again.written, again.skipped) == (0, first.partitions)
     check(out, rows)
     m = min(other, len(rows))
-    dfllm.write_parquet(generate(dd.from_pandas(frame, npartitions=m, sort=False), tiny_llama), str(out),
-                        progress=False, resume=True)
+    dfllm.write_parquet(
+        generate(dd.from_pandas(frame, npartitions=m, sort=False), tiny_llama), str(out), progress=False, resume=True
+    )
     check(out, rows)
     shutil.rmtree(tmp)
 
@@ -140,15 +160,19 @@ def test_random_nested_frames_read_back_whole(tiny_llama, tmp_path_factory, rows
 def test_typed_columns_keep_their_types_through_a_write(tiny_llama, tmp_path):
     """Timestamps with zones, decimals, large strings, dictionaries and maps keep their
     Arrow types; Dask's own to_parquet of the same input is the reference of the values."""
-    table = pa.table({
-        "id": pa.array([0, 1, 2], pa.int64()),
-        "ts": pa.array([datetime.datetime(2024, 1, 1, 12), None, datetime.datetime(2025, 6, 1)],
-                       pa.timestamp("us", tz="Europe/Paris")),
-        "dec": pa.array([decimal.Decimal("1.25"), None, decimal.Decimal("-3.50")], pa.decimal128(10, 2)),
-        "big": pa.array(["x", "y", None], pa.large_string()),
-        "cat": pa.array(["u", "v", "u"]).dictionary_encode(),
-        "m": pa.array([[("k", 1)], None, []], pa.map_(pa.string(), pa.int64())),
-    })
+    table = pa.table(
+        {
+            "id": pa.array([0, 1, 2], pa.int64()),
+            "ts": pa.array(
+                [datetime.datetime(2024, 1, 1, 12), None, datetime.datetime(2025, 6, 1)],
+                pa.timestamp("us", tz="Europe/Paris"),
+            ),
+            "dec": pa.array([decimal.Decimal("1.25"), None, decimal.Decimal("-3.50")], pa.decimal128(10, 2)),
+            "big": pa.array(["x", "y", None], pa.large_string()),
+            "cat": pa.array(["u", "v", "u"]).dictionary_encode(),
+            "m": pa.array([[("k", 1)], None, []], pa.map_(pa.string(), pa.int64())),
+        }
+    )
     src = tmp_path / "in"
     src.mkdir()
     pq.write_table(table.slice(0, 2), src / "0.parquet")

@@ -31,8 +31,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def dfllm_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def part_schemas(out: Path) -> list[pa.Schema]:
@@ -53,29 +52,56 @@ def read_back(out: Path) -> pd.DataFrame:
 
 
 def gen(ddf, model: Path, **kw):
-    return ddf.llm.generate("prompt", model=str(model), max_model_len=64, kv_cache_memory_bytes=2**22,
-                            sampling_params={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}, **kw)
+    return ddf.llm.generate(
+        "prompt",
+        model=str(model),
+        max_model_len=64,
+        kv_cache_memory_bytes=2**22,
+        sampling_params={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+        **kw,
+    )
 
 
 # ---- 1 and 5: JSON Lines whose fields vary between files, and rows whose values do not fit --------------
 def test_run_over_json_lines_with_varying_fields_keeps_every_field(cli_cluster, tiny_llama, tmp_path):
     src = tmp_path / "in"
     src.mkdir()
-    first = [{"id": 1, "meta": {"a": 1}, "tags": None, "messages": [{"role": "user", "content": "Say hi."}]},
-             {"id": 2, "meta": {"a": 2}, "tags": None, "messages": "not a conversation"}]
-    second = [{"id": 3, "meta": {"a": 3, "b": 4}, "tags": ["x", "y"],
-               "messages": [{"role": "user", "content": "Say yes."}]},
-              {"id": 4, "meta": {"a": 5, "b": 6}, "tags": ["z"], "messages": [{"role": "user", "content": "No."}]}]
+    first = [
+        {"id": 1, "meta": {"a": 1}, "tags": None, "messages": [{"role": "user", "content": "Say hi."}]},
+        {"id": 2, "meta": {"a": 2}, "tags": None, "messages": "not a conversation"},
+    ]
+    second = [
+        {"id": 3, "meta": {"a": 3, "b": 4}, "tags": ["x", "y"], "messages": [{"role": "user", "content": "Say yes."}]},
+        {"id": 4, "meta": {"a": 5, "b": 6}, "tags": ["z"], "messages": [{"role": "user", "content": "No."}]},
+    ]
     for name, rows in (("a.jsonl", first), ("b.jsonl", second)):
         (src / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    result = dfllm_cli("run", str(src), str(out), "--task", "chat", "--model", str(tiny_llama), "--max-tokens", "2",
-                       "--max-model-len", "128", "--scheduler", cli_cluster.address, "--no-progress")
+    result = dfllm_cli(
+        "run",
+        str(src),
+        str(out),
+        "--task",
+        "chat",
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "2",
+        "--max-model-len",
+        "128",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     back = read_back(out).sort_values("id").reset_index(drop=True)
     assert back["id"].tolist() == [1, 2, 3, 4]
-    assert [dict(m) for m in back["meta"]] == [{"a": 1, "b": None}, {"a": 2, "b": None}, {"a": 3, "b": 4},
-                                               {"a": 5, "b": 6}]
+    assert [dict(m) for m in back["meta"]] == [
+        {"a": 1, "b": None},
+        {"a": 2, "b": None},
+        {"a": 3, "b": 4},
+        {"a": 5, "b": 6},
+    ]
     assert [None if t is None else list(t) for t in back["tags"]] == [None, None, ["x", "y"], ["z"]]
     errors = back["llm_error"].tolist()
     assert pd.isna(errors[0]) and pd.isna(errors[2]) and pd.isna(errors[3])
@@ -89,8 +115,20 @@ def test_run_row_with_a_number_for_its_prompt_fails_alone(cli_cluster, tiny_llam
     rows = [{"prompt": "Tell me a story."}, {"prompt": 5}, {"prompt": "Another one."}]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    result = dfllm_cli("run", str(src), str(out), "--model", str(tiny_llama), "--max-tokens", "2",
-                       "--max-model-len", "64", "--scheduler", cli_cluster.address, "--no-progress")
+    result = dfllm_cli(
+        "run",
+        str(src),
+        str(out),
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "2",
+        "--max-model-len",
+        "64",
+        "--scheduler",
+        cli_cluster.address,
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     back = read_back(out)
     assert back["generated_text"].notna().tolist() == [True, False, True]
@@ -104,11 +142,28 @@ def test_parquet_files_with_other_struct_fields_and_a_null_list_column(tiny_llam
 
     src = tmp_path / "in"
     src.mkdir()
-    pq.write_table(pa.table({"prompt": ["a b", "c d"], "s": pa.array([{"a": 1}, {"a": 2}]),
-                             "t": pa.array([None, None], pa.list_(pa.string())),
-                             "m": pa.array([[("k", 1)], []], pa.map_(pa.string(), pa.int64()))}), src / "1.parquet")
-    pq.write_table(pa.table({"prompt": ["e f"], "s": pa.array([{"a": 3, "b": 4}]), "t": pa.array([["x"]]),
-                             "m": pa.array([[("z", 3)]], pa.map_(pa.string(), pa.int64()))}), src / "2.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["a b", "c d"],
+                "s": pa.array([{"a": 1}, {"a": 2}]),
+                "t": pa.array([None, None], pa.list_(pa.string())),
+                "m": pa.array([[("k", 1)], []], pa.map_(pa.string(), pa.int64())),
+            }
+        ),
+        src / "1.parquet",
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["e f"],
+                "s": pa.array([{"a": 3, "b": 4}]),
+                "t": pa.array([["x"]]),
+                "m": pa.array([[("z", 3)]], pa.map_(pa.string(), pa.int64())),
+            }
+        ),
+        src / "2.parquet",
+    )
     out = tmp_path / "out"
     summary = dfllm.write_parquet(gen(read_input(str(src)), tiny_llama), str(out), progress=False)
     assert (summary.rows, summary.errors) == (3, 0)
@@ -147,8 +202,9 @@ def test_run_refuses_an_output_overlapping_its_input(tmp_path, where):
     data = tmp_path / "data"
     data.mkdir()
     pd.DataFrame({"prompt": ["a b"]}).to_parquet(data / "part.0.parquet")  # Dask's naming, as a user has it
-    src, out = {"same": (data, data), "inside": (data, data / "out"), "holding": (data / "part.0.parquet",
-                                                                                   tmp_path)}[where]
+    src, out = {"same": (data, data), "inside": (data, data / "out"), "holding": (data / "part.0.parquet", tmp_path)}[
+        where
+    ]
     result = dfllm_cli("run", str(src), str(out), "--no-progress")
     assert result.returncode == 1
     assert "overlaps the input" in result.stderr
@@ -189,8 +245,15 @@ def test_output_path_with_glob_characters_is_literal(tiny_llama, tmp_path):
 
 
 # ---- 4: output names against everything the task writes --------------------------------------------------
-@pytest.mark.parametrize("name, extra", [("llm_error", {}), ("finish_reason", {}), ("num_input_tokens", {}),
-                                         ("num_cached_tokens", {"engine_columns": ["num_cached_tokens"]})])
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("llm_error", {}),
+        ("finish_reason", {}),
+        ("num_input_tokens", {}),
+        ("num_cached_tokens", {"engine_columns": ["num_cached_tokens"]}),
+    ],
+)
 def test_output_column_may_not_be_one_the_task_writes(tiny_llama, name, extra):
     ddf = dd.from_pandas(pd.DataFrame({"prompt": ["a b"]}), npartitions=1)
     with pytest.raises(ValueError, match=rf"output_column '{name}' is one of the columns generate itself writes"):
@@ -204,11 +267,17 @@ def test_nested_arrow_columns_and_pyarrow_conversations(tiny_llama, tmp_path):
     convs = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Say bye."}]]
     df = pd.DataFrame({"messages": convs, "counts": [{"a": 1}, {"b": 2}]})
     table = pa.Table.from_pandas(df, preserve_index=False).set_column(
-        1, "counts", pa.array([[("a", 1)], [("b", 2)]], pa.map_(pa.string(), pa.int64())))
+        1, "counts", pa.array([[("a", 1)], [("b", 2)]], pa.map_(pa.string(), pa.int64()))
+    )
     arrow_df = table.to_pandas(types_mapper=pd.ArrowDtype)
     ddf = dd.from_pandas(arrow_df, npartitions=2)
-    result = ddf.llm.chat("messages", model=str(tiny_llama), max_model_len=128, kv_cache_memory_bytes=2**22,
-                          sampling_params={"max_tokens": 2, "temperature": 0.0})
+    result = ddf.llm.chat(
+        "messages",
+        model=str(tiny_llama),
+        max_model_len=128,
+        kv_cache_memory_bytes=2**22,
+        sampling_params={"max_tokens": 2, "temperature": 0.0},
+    )
     out = tmp_path / "out"
     summary = dfllm.write_parquet(result, str(out), progress=False)
     assert (summary.rows, summary.errors) == (2, 0)
@@ -252,21 +321,49 @@ def test_resume_recomputes_after_new_weights_in_the_same_folder(tiny_llama, smol
 
 def test_every_sampling_field_enters_the_write_key():
     """The one serialisation of a task: changing any field of SamplingParams changes it."""
-    from dfllm.tasks.write_key import canonical
     from dfllm.sampling_params import SamplingParams
     from dfllm.structured_outputs import StructuredOutputsParams
+    from dfllm.tasks.write_key import canonical
 
     base = SamplingParams()
-    changed = {"n": 2, "temperature": 0.5, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 3, "max_tokens": 7,
-               "min_tokens": 1, "stop": ["x"], "stop_token_ids": [5], "ignore_eos": True, "logprobs": 2,
-               "prompt_logprobs": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
-               "skip_special_tokens": False, "include_stop_str_in_output": True,
-               "spaces_between_special_tokens": False}
+    changed = {
+        "n": 2,
+        "temperature": 0.5,
+        "top_p": 0.5,
+        "top_k": 5,
+        "min_p": 0.1,
+        "seed": 3,
+        "max_tokens": 7,
+        "min_tokens": 1,
+        "stop": ["x"],
+        "stop_token_ids": [5],
+        "ignore_eos": True,
+        "logprobs": 2,
+        "prompt_logprobs": 1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "spaces_between_special_tokens": False,
+    }
     keys = {canonical(base)}
     for name, value in changed.items():
         if name in vars(base):
-            keys.add(canonical(SamplingParams(**{**{k: v for k, v in vars(base).items() if not k.startswith("_")
-                                                    and k in SamplingParams.__dataclass_fields__}, name: value})))
+            keys.add(
+                canonical(
+                    SamplingParams(
+                        **{
+                            **{
+                                k: v
+                                for k, v in vars(base).items()
+                                if not k.startswith("_") and k in SamplingParams.__dataclass_fields__
+                            },
+                            name: value,
+                        }
+                    )
+                )
+            )
     assert len(keys) == 1 + sum(name in vars(base) for name in changed)
     a = StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
     b = StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=False)

@@ -36,20 +36,28 @@ def achieved(y: np.ndarray, scores: np.ndarray, cascade: Cascade):
     return tp / y.sum(), tp / max(int(pred.sum()), 1), stats
 
 
-@pytest.mark.parametrize("recall, precision, delta, most_share", [(0.9, 0.9, 0.2, 0.3), (0.95, 0.8, 0.1, 0.4),
-                                                                   (0.8, 0.95, 0.2, 0.3)])
+@pytest.mark.parametrize(
+    "recall, precision, delta, most_share", [(0.9, 0.9, 0.2, 0.3), (0.95, 0.8, 0.1, 0.4), (0.8, 0.95, 0.2, 0.3)]
+)
 def test_targets_hold_at_the_stated_rate(recall, precision, delta, most_share):
     runs, met, shares = 100, 0, []
     for k in range(runs):
         y, s = synthetic(k)
-        cascade = Cascade(proxy="embedding", recall_target=recall, precision_target=precision,
-                          failure_probability=delta, seed=10_000 + k)
+        cascade = Cascade(
+            proxy="embedding",
+            recall_target=recall,
+            precision_target=precision,
+            failure_probability=delta,
+            seed=10_000 + k,
+        )
         r, p, stats = achieved(y, s, cascade)
         met += r >= recall and p >= precision
         shares.append(stats.large_model_share)
         assert stats.large_model_rows == stats.sampled_rows + stats.band_rows
-    print(f"targets {recall}/{precision} at 1-{delta}: met in {met}/{runs} runs, mean share to the large model "
-          f"{np.mean(shares):.3f}")
+    print(
+        f"targets {recall}/{precision} at 1-{delta}: met in {met}/{runs} runs, mean share to the large model "
+        f"{np.mean(shares):.3f}"
+    )
     assert met / runs >= 1 - delta
     assert np.mean(shares) <= most_share  # the proxy decides most rows: the cascade saves work
 
@@ -69,8 +77,15 @@ def test_a_perfect_proxy_sends_little_and_a_useless_one_almost_everything():
 
 def test_real_models(tiny_judge):
     df = reviews(48, null_at=7)
-    cascade = Cascade(proxy="embedding", recall_target=0.6, precision_target=0.6, failure_probability=0.3,
-                      min_sample=12, sample_fraction=0.25, seed=3)
+    cascade = Cascade(
+        proxy="embedding",
+        recall_target=0.6,
+        precision_target=0.6,
+        failure_probability=0.3,
+        min_sample=12,
+        sample_fraction=0.25,
+        seed=3,
+    )
     got, stats = df.llm.judge(INSTRUCTION, model=str(tiny_judge), cascade=cascade, return_stats=True, **ENGINE)
     plain = df.llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)
     assert list(got.columns) == ["id", "review", "label", "verdict", "verdict_probability", "decided_by", "llm_error"]
@@ -85,8 +100,10 @@ def test_real_models(tiny_judge):
     assert (1 - proxy["verdict_probability"][~true] <= stats.tau_neg).all()
     truth, pred = plain["verdict"].fillna(False).astype(bool), got["verdict"].fillna(False).astype(bool)
     tp = int((truth & pred).sum())
-    print(f"real models: {stats.large_model_rows}/{stats.rows} rows to the large model; against judging every "
-          f"row, recall {tp / max(int(truth.sum()), 1):.2f}, precision {tp / max(int(pred.sum()), 1):.2f}")
+    print(
+        f"real models: {stats.large_model_rows}/{stats.rows} rows to the large model; against judging every "
+        f"row, recall {tp / max(int(truth.sum()), 1):.2f}, precision {tp / max(int(pred.sum()), 1):.2f}"
+    )
 
     kept = df.llm.filter(INSTRUCTION, model=str(tiny_judge), cascade=cascade, **ENGINE)
     true_or_failed = got["verdict"].fillna(False).astype(bool) | got["llm_error"].notna()
@@ -115,9 +132,11 @@ def test_bad_cascades_fail_before_any_work(tiny_judge):
     with pytest.raises(ValueError, match="dfllm.Cascade"):
         reviews(2).llm.filter(INSTRUCTION, model=str(tiny_judge), cascade={"proxy": "embedding"})
     with pytest.raises(ValueError, match="decided_by"):
-        reviews(2).assign(decided_by=1).llm.judge(INSTRUCTION, model=str(tiny_judge),
-                                                  cascade=Cascade(proxy="embedding"))
+        reviews(2).assign(decided_by=1).llm.judge(
+            INSTRUCTION, model=str(tiny_judge), cascade=Cascade(proxy="embedding")
+        )
     assert dfllm.Cascade is Cascade
-    empty, stats = reviews(0).llm.judge(INSTRUCTION, model=str(tiny_judge), cascade=Cascade(proxy="embedding"),
-                                        return_stats=True, **ENGINE)
+    empty, stats = reviews(0).llm.judge(
+        INSTRUCTION, model=str(tiny_judge), cascade=Cascade(proxy="embedding"), return_stats=True, **ENGINE
+    )
     assert len(empty) == 0 and "decided_by" in empty.columns and stats.rows == stats.large_model_rows == 0

@@ -18,10 +18,16 @@ from dfllm.accessors.semantic.dedup import DEDUP_PREAMBLE, DEFAULT_CONFIRM
 from dfllm.accessors.semantic.prompts import semantic_prompt
 
 ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 2**24}
-TEXTS = ["My parcel arrived two weeks late.", "The headphones have great sound and deep bass.",
-         "My parcel arrived two weeks late!", "Way too expensive for what you get.",
-         "My package arrived two weeks late.", "Great sound and deep bass on these headphones.",
-         "The battery died after a week.", "Far too expensive for what you get."]
+TEXTS = [
+    "My parcel arrived two weeks late.",
+    "The headphones have great sound and deep bass.",
+    "My parcel arrived two weeks late!",
+    "Way too expensive for what you get.",
+    "My package arrived two weeks late.",
+    "Great sound and deep bass on these headphones.",
+    "The battery died after a week.",
+    "Far too expensive for what you get.",
+]
 THRESHOLD = 0.8
 
 
@@ -61,8 +67,10 @@ def test_dedup_equals_similarity_components(similar_pairs):
     assert out.cluster_id.tolist() == expected
     assert out.is_representative.tolist() == [c == i for i, c in enumerate(expected)]
     assert out.llm_error.isna().all() and cost.counts["candidate_pairs"] == len(similar_pairs)
-    print(f"dedup: {len(TEXTS)} rows, {len(similar_pairs)} pairs above {THRESHOLD}, {len(set(expected))} clusters; "
-          f"{cost.engine_calls} engine call, {cost.requests} texts embedded")
+    print(
+        f"dedup: {len(TEXTS)} rows, {len(similar_pairs)} pairs above {THRESHOLD}, {len(set(expected))} clusters; "
+        f"{cost.engine_calls} engine call, {cost.requests} texts embedded"
+    )
 
     lazy = dd.from_pandas(df, npartitions=3).llm.dedup("text", threshold=THRESHOLD)
     assert list(lazy.columns) == ["text", "n", "cluster_id", "is_representative", "llm_error"]
@@ -78,16 +86,27 @@ def test_dedup_equals_similarity_components(similar_pairs):
 
 def test_dedup_confirmed_by_the_model(tiny_llama, similar_pairs):
     llm = LLM(str(tiny_llama), **ENGINE)
-    prompt = semantic_prompt(DEDUP_PREAMBLE, DEFAULT_CONFIRM, {"A": "a", "B": "b"},
-                             answer="Does the statement hold for A and B? Answer True or False.")
-    sp = SamplingParams(temperature=0.0, max_tokens=8,
-                        structured_outputs=StructuredOutputsParams(choice=["True", "False"]))
-    convs = [[{"role": "system", "content": prompt.system},
-              {"role": "user", "content": prompt.template.format(a=TEXTS[i], b=TEXTS[j])}] for i, j in similar_pairs]
+    prompt = semantic_prompt(
+        DEDUP_PREAMBLE,
+        DEFAULT_CONFIRM,
+        {"A": "a", "B": "b"},
+        answer="Does the statement hold for A and B? Answer True or False.",
+    )
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["True", "False"])
+    )
+    convs = [
+        [
+            {"role": "system", "content": prompt.system},
+            {"role": "user", "content": prompt.template.format(a=TEXTS[i], b=TEXTS[j])},
+        ]
+        for i, j in similar_pairs
+    ]
     confirmed = [p for p, o in zip(similar_pairs, llm.chat(convs, sp, use_tqdm=False)) if o.outputs[0].text == "True"]
     df = pd.DataFrame({"text": TEXTS})
-    out, cost = df.llm.dedup("text", threshold=THRESHOLD, confirm=True, model=str(tiny_llama), return_stats=True,
-                             **ENGINE)
+    out, cost = df.llm.dedup(
+        "text", threshold=THRESHOLD, confirm=True, model=str(tiny_llama), return_stats=True, **ENGINE
+    )
     assert out.cluster_id.tolist() == components(len(TEXTS), confirmed)
     assert cost.counts["pairs_judged"] == len(similar_pairs)
     print(f"dedup confirmed: {len(confirmed)} of {len(similar_pairs)} candidate pairs confirmed by the model")
@@ -95,8 +114,10 @@ def test_dedup_confirmed_by_the_model(tiny_llama, similar_pairs):
 
 def direct_summary(llm: LLM, preamble: str, label: str, instruction: str, texts: list[str], max_tokens: int) -> str:
     prompt = semantic_prompt(preamble, instruction, {label: "body"})
-    msgs = [{"role": "system", "content": prompt.system},
-            {"role": "user", "content": prompt.template.format(body="\n\n".join(texts))}]
+    msgs = [
+        {"role": "system", "content": prompt.system},
+        {"role": "user", "content": prompt.template.format(body="\n\n".join(texts))},
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text.strip()
 
@@ -108,8 +129,9 @@ def test_agg_dask_tree_equals_direct_fold(tiny_llama):
     df = reviews()
     llm = LLM(str(tiny_llama), **ENGINE)
     parts = [df.iloc[0:3], df.iloc[3:6], df.iloc[6:8]]
-    partials = [direct_summary(llm, AGG_PREAMBLE, "records", AGG, [f"[review]: {r}" for r in p.review], 8)
-                for p in parts]
+    partials = [
+        direct_summary(llm, AGG_PREAMBLE, "records", AGG, [f"[review]: {r}" for r in p.review], 8) for p in parts
+    ]
     expected = direct_summary(llm, FOLD_PREAMBLE, "partial summaries", AGG, partials, 8)
     ddf = dd.from_pandas(df, npartitions=3)
     assert [len(p) for p in ddf.partitions] == [3, 3, 2]
@@ -127,14 +149,17 @@ def test_agg_dask_tree_equals_direct_fold(tiny_llama):
 
 def test_agg_folds_within_max_model_len(tiny_llama):
     df = reviews(24, null_at=5)
-    out, cost = df.llm.agg(AGG, model=str(tiny_llama), max_tokens=8, return_stats=True, max_model_len=192,
-                           kv_cache_memory_bytes=2**24)
+    out, cost = df.llm.agg(
+        AGG, model=str(tiny_llama), max_tokens=8, return_stats=True, max_model_len=192, kv_cache_memory_bytes=2**24
+    )
     assert cost.counts["summaries"] > 3 and cost.engine_calls >= 2  # several chunks, then at least one fold
     assert isinstance(out.summary.iloc[0], str) and out.summary.iloc[0]
     assert out.llm_error.iloc[0] == "the row of index 5 was left out: its field 'review' is null"
     assert cost.input_tokens / cost.requests <= 192 - 8
-    print(f"agg: 23 rows in {cost.counts['summaries']} summaries over {cost.engine_calls} engine calls "
-          f"(max_model_len=192), {cost.input_tokens} prompt tokens")
+    print(
+        f"agg: 23 rows in {cost.counts['summaries']} summaries over {cost.engine_calls} engine calls "
+        f"(max_model_len=192), {cost.input_tokens} prompt tokens"
+    )
     with pytest.raises(ValueError, match="raise max_model_len"):
         df.llm.agg(AGG, model=str(tiny_llama), max_tokens=8, max_model_len=64)
 

@@ -30,9 +30,12 @@ class Review(pydantic.BaseModel):
     negative: bool
 
 
-JSON_SCHEMA = {"type": "object", "properties": {"topic": {"enum": ["shipping", "quality", "price"]},
-                                                "negative": {"type": "boolean"}},
-               "required": ["topic", "negative"], "additionalProperties": False}
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"enum": ["shipping", "quality", "price"]}, "negative": {"type": "boolean"}},
+    "required": ["topic", "negative"],
+    "additionalProperties": False,
+}
 
 
 def test_extract_equals_the_per_row_structured_generation(tiny_judge):
@@ -54,12 +57,15 @@ def test_every_schema_form_gives_the_same_columns(tiny_judge):
     assert as_json_schema(SCHEMA)["properties"] == JSON_SCHEMA["properties"]
     assert as_json_schema({"tags": list[str], "stars": int | None, "note": "str"})["properties"] == {
         "tags": {"type": "array", "items": {"type": "string"}},
-        "stars": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "note": {"type": "string"}}
+        "stars": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "note": {"type": "string"},
+    }
     df = reviews(4)
     by_dict = df.llm.extract("{review}", SCHEMA, model=str(tiny_judge), **ENGINE)
     by_model = pl.from_pandas(df).llm.extract("{review}", Review, model=str(tiny_judge), **ENGINE)
-    by_json = df.llm.extract("{review}", JSON_SCHEMA, model=str(tiny_judge), expand=False,
-                             output_column="fields", **ENGINE)
+    by_json = df.llm.extract(
+        "{review}", JSON_SCHEMA, model=str(tiny_judge), expand=False, output_column="fields", **ENGINE
+    )
     assert by_model["topic"].to_list() == by_dict["topic"].tolist()
     assert by_model.schema["negative"] == pl.Boolean
     assert str(by_json["fields"].dtype) == "struct<topic: string, negative: bool>[pyarrow]"
@@ -68,10 +74,12 @@ def test_every_schema_form_gives_the_same_columns(tiny_judge):
 
 def test_dask_is_lazy_with_exact_meta(tiny_judge):
     df = reviews(6)
-    ddf = dd.from_pandas(df, npartitions=3, sort=False).llm.extract("{review}", SCHEMA, model=str(tiny_judge),
-                                                                     **ENGINE)
-    assert [str(t) for t in ddf._meta.dtypes[["topic", "negative", "llm_error"]]] == \
-        ["string[pyarrow]", "bool[pyarrow]", "string[pyarrow]"]
+    ddf = dd.from_pandas(df, npartitions=3, sort=False).llm.extract("{review}", SCHEMA, model=str(tiny_judge), **ENGINE)
+    assert [str(t) for t in ddf._meta.dtypes[["topic", "negative", "llm_error"]]] == [
+        "string[pyarrow]",
+        "bool[pyarrow]",
+        "string[pyarrow]",
+    ]
     with dask.config.set(scheduler="sync"):
         got = ddf.compute()
     want = df.llm.extract("{review}", SCHEMA, model=str(tiny_judge), **ENGINE)

@@ -59,8 +59,9 @@ def test_verdict_probability_from_the_listed_tokens():
         return {i: {"logprob": lp, "decoded_token": t, "rank": i} for i, (t, lp) in enumerate(pairs)}
 
     # both answers listed ("T" and "True" begin True): exact over the two answers
-    p = verdict_probability(tokens(("True", math.log(0.3)), ("T", math.log(0.1)), ("False", math.log(0.2)),
-                                   ("x", math.log(0.4))), True)
+    p = verdict_probability(
+        tokens(("True", math.log(0.3)), ("T", math.log(0.1)), ("False", math.log(0.2)), ("x", math.log(0.4))), True
+    )
     assert p == pytest.approx(0.4 / 0.6)
     assert verdict_probability(tokens(("False", math.log(0.2)), ("True", math.log(0.3))), False) == pytest.approx(0.4)
     # the other answer unlisted: counted at the least likely listed token, a lower bound
@@ -114,8 +115,13 @@ def test_the_prefix_cache_serves_the_instruction_once(tiny_judge):
     from dfllm.worker.engine_cache import engines
 
     def hits() -> float:
-        return sum(m.value for llm in engines() if llm.engine is not None for m in llm.get_metrics()
-                   if m.name == "dfllm_prefix_cache_hits" and m.labels["model_name"] == tiny_judge.name)
+        return sum(
+            m.value
+            for llm in engines()
+            if llm.engine is not None
+            for m in llm.get_metrics()
+            if m.name == "dfllm_prefix_cache_hits" and m.labels["model_name"] == tiny_judge.name
+        )
 
     df = reviews(8)
     df.llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)  # the engine exists, its counters count from here
@@ -128,8 +134,15 @@ def test_chained_operators_keep_earlier_errors_and_columns(tiny_judge):
     df = reviews(4).assign(llm_error=["earlier failure", None, None, None], num_input_tokens=[1, 2, 3, 4])
     df.loc[1, "review"] = None
     got = df.llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)
-    assert list(got.columns) == ["id", "review", "label", "num_input_tokens", "verdict", "verdict_probability",
-                                 "llm_error"]
+    assert list(got.columns) == [
+        "id",
+        "review",
+        "label",
+        "num_input_tokens",
+        "verdict",
+        "verdict_probability",
+        "llm_error",
+    ]
     assert got["num_input_tokens"].tolist() == [1, 2, 3, 4]
     assert got["llm_error"].tolist()[:2] == ["earlier failure", "column 'review' is null"]
     assert got["llm_error"].isna().tolist()[2:] == [True, True]
@@ -160,11 +173,13 @@ def client():
 
 def test_dask_with_a_killed_worker_every_row_once(client, tiny_judge):
     df = reviews(12, null_at=5)
-    want = df.llm.judge(INSTRUCTION, model=str(tiny_judge), return_explanations=True, max_explanation_tokens=16,
-                        **ENGINE)
+    want = df.llm.judge(
+        INSTRUCTION, model=str(tiny_judge), return_explanations=True, max_explanation_tokens=16, **ENGINE
+    )
     ddf = dd.from_pandas(df, npartitions=6, sort=False)
-    lazy = ddf.llm.judge(INSTRUCTION, model=str(tiny_judge), return_explanations=True, max_explanation_tokens=16,
-                         **ENGINE)
+    lazy = ddf.llm.judge(
+        INSTRUCTION, model=str(tiny_judge), return_explanations=True, max_explanation_tokens=16, **ENGINE
+    )
     assert list(lazy._meta.columns) == list(want.columns)
     new = ["verdict", "verdict_probability", "explanation", "llm_error"]  # Dask makes the input's str columns string
     assert lazy._meta.dtypes[new].astype(str).tolist() == want.dtypes[new].astype(str).tolist()
@@ -172,8 +187,11 @@ def test_dask_with_a_killed_worker_every_row_once(client, tiny_judge):
     pids = client.run(os.getpid)
 
     def done() -> int:
-        return client.run_on_scheduler(lambda dask_scheduler: sum(
-            ts.state == "memory" and "llm-sem-judge" in str(ts.key) for ts in dask_scheduler.tasks.values()))
+        return client.run_on_scheduler(
+            lambda dask_scheduler: sum(
+                ts.state == "memory" and "llm-sem-judge" in str(ts.key) for ts in dask_scheduler.tasks.values()
+            )
+        )
 
     deadline = time.time() + 120
     while done() < 1 and time.time() < deadline and not future.done():
@@ -191,18 +209,22 @@ def test_dask_with_a_killed_worker_every_row_once(client, tiny_judge):
 def test_dask_filter_then_extract_and_resumed_writes(client, tiny_judge, tmp_path):
     df = reviews(12, null_at=2)
     schema = {"negative": bool}
-    want = df.llm.filter(INSTRUCTION, model=str(tiny_judge), **ENGINE).llm.extract("{review}", schema,
-                                                                                 model=str(tiny_judge), **ENGINE)
+    want = df.llm.filter(INSTRUCTION, model=str(tiny_judge), **ENGINE).llm.extract(
+        "{review}", schema, model=str(tiny_judge), **ENGINE
+    )
     ddf = dd.from_pandas(df, npartitions=4, sort=False)
-    chained = ddf.llm.filter(INSTRUCTION, model=str(tiny_judge), **ENGINE).llm.extract("{review}", schema,
-                                                                                     model=str(tiny_judge), **ENGINE)
+    chained = ddf.llm.filter(INSTRUCTION, model=str(tiny_judge), **ENGINE).llm.extract(
+        "{review}", schema, model=str(tiny_judge), **ENGINE
+    )
     got = chained.compute().sort_values("id")
     assert got["id"].tolist() == want["id"].tolist()
     assert got["negative"].tolist() == want["negative"].tolist()
     assert got["llm_error"].tolist() == want["llm_error"].tolist()
-    for name, result in [("judge", ddf.llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)),
-                         ("filter", ddf.llm.filter(INSTRUCTION, model=str(tiny_judge), **ENGINE)),
-                         ("extract", ddf.llm.extract("{review}", schema, model=str(tiny_judge), **ENGINE))]:
+    for name, result in [
+        ("judge", ddf.llm.judge(INSTRUCTION, model=str(tiny_judge), **ENGINE)),
+        ("filter", ddf.llm.filter(INSTRUCTION, model=str(tiny_judge), **ENGINE)),
+        ("extract", ddf.llm.extract("{review}", schema, model=str(tiny_judge), **ENGINE)),
+    ]:
         out = tmp_path / name
         first = dfllm.write_parquet(result, str(out), progress=False)
         again = dfllm.write_parquet(result, str(out), resume=True, progress=False)
@@ -217,14 +239,21 @@ def test_dask_filter_then_extract_and_resumed_writes(client, tiny_judge, tmp_pat
 
 def test_dask_cascade_on_the_cluster_equals_pandas(client, tiny_judge):
     df = reviews(48, null_at=7)
-    cascade = dfllm.Cascade(proxy="embedding", recall_target=0.6, precision_target=0.6, failure_probability=0.3,
-                            min_sample=12, sample_fraction=0.25, seed=3)
+    cascade = dfllm.Cascade(
+        proxy="embedding",
+        recall_target=0.6,
+        precision_target=0.6,
+        failure_probability=0.3,
+        min_sample=12,
+        sample_fraction=0.25,
+        seed=3,
+    )
     want = df.llm.filter(INSTRUCTION, model=str(tiny_judge), cascade=cascade, **ENGINE)
-    lazy = dd.from_pandas(df, npartitions=3, sort=False).llm.filter(INSTRUCTION, model=str(tiny_judge),
-                                                                   cascade=cascade, **ENGINE)
+    lazy = dd.from_pandas(df, npartitions=3, sort=False).llm.filter(
+        INSTRUCTION, model=str(tiny_judge), cascade=cascade, **ENGINE
+    )
     assert list(lazy._meta.columns) == list(want.columns) == ["id", "review", "label", "decided_by", "llm_error"]
     got = lazy.compute().sort_values("id")
     assert got["id"].tolist() == want["id"].tolist()
     assert got["decided_by"].tolist() == want["decided_by"].tolist()
     assert (want["decided_by"] == "proxy").any()
-

@@ -97,8 +97,9 @@ def test_sim_join_text_to_image_and_image_to_image(clip_dir, reference, tmp_path
     image_vecs = unit_vectors(reference, [cells[i] for i in ok])
 
     # text -> image: each query's 3 nearest photos, as numpy finds them over LLM.embed's vectors
-    out, cost = queries.llm.sim_join(photos, "query", "photo", k=3, right_images=True, embed_model=str(clip_dir),
-                                     return_stats=True)
+    out, cost = queries.llm.sim_join(
+        photos, "query", "photo", k=3, right_images=True, embed_model=str(clip_dir), return_stats=True
+    )
     want = knn(unit_vectors(reference, QUERIES, images=False), image_vecs, list(range(len(QUERIES))), ok, 3)
     assert_same_pairs(matches(out, "qid", "pid"), want)
     # the unreadable photo comes once, alone, with its error; every other row is answered
@@ -111,8 +112,9 @@ def test_sim_join_text_to_image_and_image_to_image(clip_dir, reference, tmp_path
     # image -> image: PIL images and an unreadable cell on the left, both sides embedded as images
     left_cells = [two_tone(4), two_tone(9), BROKEN, png_bytes(two_tone(0))]
     left = pd.DataFrame({"pid": [10, 11, 12, 13], "photo": pd.Series(left_cells, dtype=object)})
-    pairs = left.llm.sim_join(photos, "photo", "photo", k=2, left_images=True, right_images=True,
-                              embed_model=str(clip_dir))
+    pairs = left.llm.sim_join(
+        photos, "photo", "photo", k=2, left_images=True, right_images=True, embed_model=str(clip_dir)
+    )
     assert {"photo", "photo_right", "pid_right", "similarity", "llm_error"} <= set(pairs.columns)
     want = knn(unit_vectors(reference, [left_cells[i] for i in (0, 1, 3)]), image_vecs, [10, 11, 13], ok, 2)
     assert_same_pairs(matches(pairs, "pid", "pid_right"), want)
@@ -122,10 +124,20 @@ def test_sim_join_text_to_image_and_image_to_image(clip_dir, reference, tmp_path
 
     # Polars (a Binary column), as pandas
     pout = pl.from_pandas(queries).llm.sim_join(
-        pl.DataFrame({"pid": list(range(len(cells))), "photo": pl.Series([c if isinstance(c, bytes) else
-                                                                          Path(c).read_bytes() for c in cells],
-                                                                         dtype=pl.Binary)}),
-        "query", "photo", k=3, right_images=True, embed_model=str(clip_dir))
+        pl.DataFrame(
+            {
+                "pid": list(range(len(cells))),
+                "photo": pl.Series(
+                    [c if isinstance(c, bytes) else Path(c).read_bytes() for c in cells], dtype=pl.Binary
+                ),
+            }
+        ),
+        "query",
+        "photo",
+        k=3,
+        right_images=True,
+        embed_model=str(clip_dir),
+    )
     assert isinstance(pout, pl.DataFrame)
     assert_same_pairs(matches(pout.to_pandas(), "qid", "pid"), matches(out, "qid", "pid"))
 
@@ -133,8 +145,11 @@ def test_sim_join_text_to_image_and_image_to_image(clip_dir, reference, tmp_path
 def test_text_only_model_refused_for_images(clip_dir):
     queries = pd.DataFrame({"query": QUERIES})
     photos = pd.DataFrame({"photo": [png_bytes(two_tone(0))]})
-    with pytest.raises(ValueError, match=r"sim_join: right_images=True embeds images: 'all-minilm-l6-v2' is a "
-                                         r"text-only model; .*image-text embed_model \(CLIP, SigLIP\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sim_join: right_images=True embeds images: 'all-minilm-l6-v2' is a "
+        r"text-only model; .*image-text embed_model \(CLIP, SigLIP\)",
+    ):
         queries.llm.sim_join(photos, "query", "photo", k=1, right_images=True)  # the default: MiniLM
     with pytest.raises(ValueError, match="left_images=True embeds images: .* text-only"):
         photos.llm.sim_join(queries, "photo", "query", k=1, left_images=True)
@@ -145,8 +160,15 @@ def test_text_only_model_refused_for_images(clip_dir):
     with pytest.raises(ValueError, match="confirm"):
         photos.llm.dedup("photo", images=True, confirm=True, embed_model=str(clip_dir))
     # a model only the workers have is checked there: every row gets the same refusal as its error
-    task = make_task("embed", (), ["photo"], images="photo", output_column="v", model="all-minilm-l6-v2",
-                     model_check=lambda task: None)
+    task = make_task(
+        "embed",
+        (),
+        ["photo"],
+        images="photo",
+        output_column="v",
+        model="all-minilm-l6-v2",
+        model_check=lambda task: None,
+    )
     vecs, errors = Embedder(task)(pd.DataFrame({"photo": [png_bytes(two_tone(0)), BROKEN]}))
     assert vecs.shape[0] == 2 and len(errors) == 2
     assert all("'all-minilm-l6-v2' is a text-only model" in e for e in errors)
@@ -189,8 +211,9 @@ def test_dedup_images_equals_brute_force_components(clip_dir, reference):
     strict = (1 + sims[~same].max()) / 2  # only exact repeats link
     loose = float(np.quantile(sims[~same], 0.6))  # distinct images chain into larger clusters too
     for threshold in (strict, loose):
-        out, cost = df.llm.dedup("photo", images=True, threshold=threshold, embed_model=str(clip_dir),
-                                 return_stats=True)
+        out, cost = df.llm.dedup(
+            "photo", images=True, threshold=threshold, embed_model=str(clip_dir), return_stats=True
+        )
         want = components(vecs, rows, threshold, len(cells))
         got = [None if pd.isna(c) else int(c) for c in out["cluster_id"]]
         assert got == want
@@ -213,20 +236,25 @@ def client():
 
 def rows_of(df: pd.DataFrame, columns: list[str]) -> list[tuple]:
     """A frame's rows as sortable tuples (nulls as -1 / "", floats rounded)."""
+
     def cell(v):
         if v is None or (np.ndim(v) == 0 and pd.isna(v)):
             return -1
         if isinstance(v, str):
             return re.sub(r" at 0x[0-9a-f]+", "", v)  # the message names a buffer's address
         return round(float(v), 5) if isinstance(v, float) else v
+
     return sorted(tuple(cell(v) for v in row) for row in df[columns].astype(object).itertuples(index=False))
 
 
 def test_dask_image_sim_join_and_dedup_equal_pandas(client, clip_dir, tmp_path, monkeypatch):
     cells = dedup_cells()
     path = tmp_path / "photos.parquet"
-    pq.write_table(pa.table({"pid": pa.array(range(len(cells)), pa.int64()),
-                             "photo": pa.array(cells, pa.large_binary())}), path, row_group_size=5)
+    pq.write_table(
+        pa.table({"pid": pa.array(range(len(cells)), pa.int64()), "photo": pa.array(cells, pa.large_binary())}),
+        path,
+        row_group_size=5,
+    )
     queries = pd.DataFrame({"qid": range(4), "query": [*QUERIES, "a blue square"]})
 
     import dfllm.multimodal
@@ -237,7 +265,8 @@ def test_dask_image_sim_join_and_dedup_equal_pandas(client, clip_dir, tmp_path, 
     monkeypatch.setattr(dfllm.multimodal, "load_image", no_decoding_here)  # this process only, not the workers
     photos = dd.read_parquet(path).repartition(npartitions=2)
     lazy_join = dd.from_pandas(queries, npartitions=2).llm.sim_join(
-        photos, "query", "photo", k=2, right_images=True, embed_model=str(clip_dir))
+        photos, "query", "photo", k=2, right_images=True, embed_model=str(clip_dir)
+    )
     lazy_dedup = photos.llm.dedup("photo", images=True, threshold=0.95, embed_model=str(clip_dir))
     assert list(lazy_dedup._meta.columns) == ["pid", "photo", "cluster_id", "is_representative", "llm_error"]
     joined, clusters = dask.compute(lazy_join, lazy_dedup)  # both graphs at once, on the workers

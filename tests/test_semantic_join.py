@@ -22,22 +22,32 @@ from dfllm.accessors.semantic.prompts import semantic_prompt
 
 ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 2**24}
 INSTRUCTION = "{review} is about {topic}"
-TOPICS = pd.DataFrame({"topic_id": [10, 11, 12, 13],
-                       "topic": ["shipping or delivery", "sound quality", "the price", "durability"]})
+TOPICS = pd.DataFrame(
+    {"topic_id": [10, 11, 12, 13], "topic": ["shipping or delivery", "sound quality", "the price", "durability"]}
+)
 ANSWER = "Does the statement hold for these two records? Answer True or False."
 
 
 def brute_force(model, left: pd.DataFrame, right: pd.DataFrame) -> set[tuple[int, int]]:
     """``(id, topic_id)`` of every pair of the cross product the model judges True, pair by pair."""
     llm = LLM(str(model), **ENGINE)
-    prompt = semantic_prompt(JOIN_PREAMBLE, "{__l_review} is about {__r_topic}", answer=ANSWER,
-                             names={"__l_review": "review", "__r_topic": "topic"})
-    sp = SamplingParams(temperature=0.0, max_tokens=8,
-                        structured_outputs=StructuredOutputsParams(choice=["True", "False"]))
+    prompt = semantic_prompt(
+        JOIN_PREAMBLE,
+        "{__l_review} is about {__r_topic}",
+        answer=ANSWER,
+        names={"__l_review": "review", "__r_topic": "topic"},
+    )
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["True", "False"])
+    )
     pairs = [(lrow, rrow) for lrow in left.to_dict("records") for rrow in right.to_dict("records")]
-    convs = [[{"role": "system", "content": prompt.system},
-              {"role": "user", "content": prompt.template.format(__l_review=lrow["review"], __r_topic=rrow["topic"])}]
-             for lrow, rrow in pairs]  # one request per pair
+    convs = [
+        [
+            {"role": "system", "content": prompt.system},
+            {"role": "user", "content": prompt.template.format(__l_review=lrow["review"], __r_topic=rrow["topic"])},
+        ]
+        for lrow, rrow in pairs
+    ]  # one request per pair
     outs = llm.chat(convs, sp, use_tqdm=False)
     return {(lrow["id"], rrow["topic_id"]) for (lrow, rrow), o in zip(pairs, outs) if o.outputs[0].text == "True"}
 
@@ -73,10 +83,12 @@ def test_blocked_join_recall(tiny_llama, expected):
     out, cost = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), block_k=3, return_stats=True, **ENGINE)
     # the pairs blocking keeps: each review's 3 nearest topics by the records' MiniLM embeddings
     embedder = LLM("all-minilm-l6-v2")
-    lv = np.array([o.outputs.embedding for o in embedder.embed([f"[review]: {r}" for r in left.review],
-                                                               use_tqdm=False)])
-    rv = np.array([o.outputs.embedding for o in embedder.embed([f"[topic]: {t}" for t in TOPICS.topic],
-                                                               use_tqdm=False)])
+    lv = np.array(
+        [o.outputs.embedding for o in embedder.embed([f"[review]: {r}" for r in left.review], use_tqdm=False)]
+    )
+    rv = np.array(
+        [o.outputs.embedding for o in embedder.embed([f"[topic]: {t}" for t in TOPICS.topic], use_tqdm=False)]
+    )
     sims = (lv / np.linalg.norm(lv, axis=1, keepdims=True)) @ (rv / np.linalg.norm(rv, axis=1, keepdims=True)).T
     kept = {(int(left.id[i]), int(TOPICS.topic_id[j])) for i in range(len(left)) for j in np.argsort(-sims[i])[:3]}
     assert pairs_of(out) == expected & kept  # blocking drops pairs, never changes a judgment
@@ -86,8 +98,10 @@ def test_blocked_join_recall(tiny_llama, expected):
         i, j = int(np.flatnonzero(left.id == a)[0]), int(np.flatnonzero(TOPICS.topic_id == b)[0])
         assert s == pytest.approx(sims[i, j], abs=1e-4)
     recall = len(pairs_of(out) & expected) / len(expected) if expected else 1.0
-    print(f"blocked join (block_k=3 of 4): 24 of 32 pairs judged, recall {recall:.2f} against the cross product "
-          f"({len(pairs_of(out) & expected)} of {len(expected)} matches)")
+    print(
+        f"blocked join (block_k=3 of 4): 24 of 32 pairs judged, recall {recall:.2f} against the cross product "
+        f"({len(pairs_of(out) & expected)} of {len(expected)} matches)"
+    )
     assert recall >= 0.5
 
 
@@ -116,8 +130,11 @@ def test_sim_join_equals_knn():
     expected = [(int(left.id[i]), int(right.topic_id[j])) for i in range(len(left)) for j in np.argsort(-sims[i])[:2]]
     out, cost = left.llm.sim_join(right, "review", "topic", 2, return_stats=True)
     assert list(zip(out["id"], out["topic_id"])) == expected
-    assert np.allclose(out.similarity.astype(float), [sims[i // 2, np.argsort(-sims[i // 2])[i % 2]]
-                                                      for i in range(len(out))], atol=1e-4)
+    assert np.allclose(
+        out.similarity.astype(float),
+        [sims[i // 2, np.argsort(-sims[i // 2])[i % 2]] for i in range(len(out))],
+        atol=1e-4,
+    )
     assert cost.engine_calls == 2 and cost.requests == len(left) + len(right)
     lazy = dd.from_pandas(left, npartitions=3).llm.sim_join(dd.from_pandas(right, npartitions=2), "review", "topic", 2)
     assert sorted(zip(lazy.compute()["id"], lazy.compute()["topic_id"])) == sorted(expected)
@@ -133,14 +150,18 @@ def test_dask_join_with_a_killed_worker_every_pair_once(tiny_llama):
     left = reviews(16, null_at=5)
     want = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), **ENGINE)
     with local_client(workers=2, threads=1) as client:
-        lazy = dd.from_pandas(left, npartitions=8, sort=False).llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama),
-                                                                         **ENGINE)
+        lazy = dd.from_pandas(left, npartitions=8, sort=False).llm.join(
+            TOPICS, INSTRUCTION, model=str(tiny_llama), **ENGINE
+        )
         future = client.compute(lazy)
         pids = client.run(os.getpid)
 
         def done() -> int:
-            return client.run_on_scheduler(lambda dask_scheduler: sum(
-                ts.state == "memory" and "llm-sem-join" in str(ts.key) for ts in dask_scheduler.tasks.values()))
+            return client.run_on_scheduler(
+                lambda dask_scheduler: sum(
+                    ts.state == "memory" and "llm-sem-join" in str(ts.key) for ts in dask_scheduler.tasks.values()
+                )
+            )
 
         deadline = time.time() + 120
         while done() < 1 and time.time() < deadline and not future.done():
@@ -172,10 +193,17 @@ def test_join_with_a_cascade(true_false_model):
     pairs = left.merge(TOPICS, how="cross")
     full = pairs.llm.judge("{review} is about {topic}", model=str(tiny_llama), **ENGINE)
     truth = {(int(a), int(b)) for a, b, v in zip(full["id"], full["topic_id"], full["verdict"]) if v}
-    cascade = dfllm.Cascade(proxy="model", proxy_model=str(tiny_llama), recall_target=0.6, precision_target=0.6,
-                            failure_probability=0.5, min_sample=48, sample_fraction=0.5, proxy_kwargs=ENGINE)
-    out, cost = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), cascade=cascade, return_stats=True,
-                              **ENGINE)
+    cascade = dfllm.Cascade(
+        proxy="model",
+        proxy_model=str(tiny_llama),
+        recall_target=0.6,
+        precision_target=0.6,
+        failure_probability=0.5,
+        min_sample=48,
+        sample_fraction=0.5,
+        proxy_kwargs=ENGINE,
+    )
+    out, cost = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), cascade=cascade, return_stats=True, **ENGINE)
     assert list(out.columns) == ["id", "review", "label", "topic_id", "topic", "decided_by", "llm_error"]
     stats = cost.cascade
     assert stats.rows == 96 and cost.counts["large_model_pairs"] == stats.large_model_rows < 96
@@ -184,9 +212,11 @@ def test_join_with_a_cascade(true_false_model):
     got = pairs_of(out)
     recall = len(got & truth) / max(len(truth), 1)
     precision = len(got & truth) / max(len(got), 1)
-    print(f"join cascade: {stats.large_model_rows} of 96 pairs reached the large model; recall {recall:.2f}, "
-          f"precision {precision:.2f} against judging every pair (estimated {stats.estimated_recall:.2f}, "
-          f"{stats.estimated_precision:.2f})")
+    print(
+        f"join cascade: {stats.large_model_rows} of 96 pairs reached the large model; recall {recall:.2f}, "
+        f"precision {precision:.2f} against judging every pair (estimated {stats.estimated_recall:.2f}, "
+        f"{stats.estimated_precision:.2f})"
+    )
     assert recall >= 0.6 and precision >= 0.6
     with pytest.raises(ValueError, match="runs on pandas and Polars"):
         dd.from_pandas(left, npartitions=2).llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), cascade=cascade)

@@ -29,8 +29,26 @@ from dfllm.accessors.semantic.topk import AB, TOPK_ANSWER, TOPK_PREAMBLE
 from helpers import build_tiny_model
 
 INSTRUCTION = "{fruit} is the sweetest fruit"
-POOL = ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum", "kiwi", "melon", "fig", "lime",
-        "pear", "date", "guava", "papaya", "apricot", "orange"]
+POOL = [
+    "apple",
+    "banana",
+    "cherry",
+    "grape",
+    "lemon",
+    "mango",
+    "peach",
+    "plum",
+    "kiwi",
+    "melon",
+    "fig",
+    "lime",
+    "pear",
+    "date",
+    "guava",
+    "papaya",
+    "apricot",
+    "orange",
+]
 K = 3
 
 
@@ -45,8 +63,13 @@ def direct_judgments(model: str, texts: list[str]) -> dict[tuple[int, int], bool
     prompt = semantic_prompt(TOPK_PREAMBLE, INSTRUCTION, record, answer=TOPK_ANSWER)
     pairs = list(itertools.combinations(range(len(texts)), 2))
     frame = pd.DataFrame({"a": [texts[i] for i, _ in pairs], "b": [texts[j] for _, j in pairs]})
-    out = frame.llm.chat(prompt.template, system=prompt.system, model=model, choice=list(AB),
-                         sampling_params={"temperature": 0.0, "max_tokens": 8})
+    out = frame.llm.chat(
+        prompt.template,
+        system=prompt.system,
+        model=model,
+        choice=list(AB),
+        sampling_params={"temperature": 0.0, "max_tokens": 8},
+    )
     assert out.llm_error.isna().all()
     return {p: a == "A" for p, a in zip(pairs, out.generated_text)}
 
@@ -55,6 +78,7 @@ def pick_table(wins: dict[tuple[int, int], bool], pool: list[str], size: int = 8
     """A table of ``size`` rows of ``pool`` (in pool order) on which the comparator ``wins``
     (pair i < j -> whether i beats j) is a total order that is not the rows' order, and the
     first K of that order."""
+
     def better(x: int, y: int) -> bool:
         return wins[(x, y)] if x < y else not wins[(y, x)]
 
@@ -88,8 +112,10 @@ def test_topk_equals_full_sort(judge_model, table):
     assert out["rank"].tolist() == [1, 2, 3] and out.llm_error.isna().all()
     assert list(out.index) == [df.index[df.fruit == f][0] for f in expected]  # the rows keep their index
     n = cost.counts["comparisons"]
-    print(f"topk quick: {n} comparisons in {cost.engine_calls} engine calls, {cost.input_tokens} prompt tokens "
-          f"(a full sort's tournament: 28)")
+    print(
+        f"topk quick: {n} comparisons in {cost.engine_calls} engine calls, {cost.input_tokens} prompt tokens "
+        f"(a full sort's tournament: 28)"
+    )
     assert n < 28 and cost.engine_calls < n and cost.requests == n
 
     heap, hcost = df.llm.topk(INSTRUCTION, K, model=judge_model, method="heap", return_stats=True)
@@ -142,21 +168,38 @@ def test_topk_both_orders_equals_full_sort(ab_model):
     judge_model = ab_model
     llm = LLM(judge_model, max_model_len=512, kv_cache_memory_bytes=2**24)
     prompt = semantic_prompt(TOPK_PREAMBLE, INSTRUCTION, {"A.fruit": "a", "B.fruit": "b"}, answer=TOPK_ANSWER)
-    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=20,
-                        structured_outputs=StructuredOutputsParams(choice=list(AB)))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=8, logprobs=20, structured_outputs=StructuredOutputsParams(choice=list(AB))
+    )
     ordered = list(itertools.permutations(range(len(pool)), 2))
-    convs = [[{"role": "system", "content": prompt.system},
-              {"role": "user", "content": prompt.template.format(a=pool[i], b=pool[j])}] for i, j in ordered]
+    convs = [
+        [
+            {"role": "system", "content": prompt.system},
+            {"role": "user", "content": prompt.template.format(a=pool[i], b=pool[j])},
+        ]
+        for i, j in ordered
+    ]
     p_a = {}
     for (i, j), out in zip(ordered, llm.chat(convs, sp, use_tqdm=False)):
-        first = {t: {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
-                 for t, lp in out.outputs[0].logprobs[0].items()}
+        first = {
+            t: {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
+            for t, lp in out.outputs[0].logprobs[0].items()
+        }
         p_a[(i, j)] = first_choice_probability(first, *AB)
     wins = {(i, j): p_a[(i, j)] >= p_a[(j, i)] for i, j in itertools.combinations(range(len(pool)), 2)}
     df, expected = pick_table(wins, pool, size=7)
-    out, cost = df.llm.topk(INSTRUCTION, K, model=judge_model, both_orders=True, return_stats=True,
-                            max_model_len=512, kv_cache_memory_bytes=2**24)
+    out, cost = df.llm.topk(
+        INSTRUCTION,
+        K,
+        model=judge_model,
+        both_orders=True,
+        return_stats=True,
+        max_model_len=512,
+        kv_cache_memory_bytes=2**24,
+    )
     assert out.fruit.tolist() == expected
     assert cost.requests == 2 * cost.counts["comparisons"] and cost.counts["comparisons"] < 21
-    print(f"topk both_orders: {cost.counts['comparisons']} comparisons ({cost.requests} decodes) in "
-          f"{cost.engine_calls} engine calls")
+    print(
+        f"topk both_orders: {cost.counts['comparisons']} comparisons ({cost.requests} decodes) in "
+        f"{cost.engine_calls} engine calls"
+    )

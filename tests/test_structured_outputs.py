@@ -28,8 +28,11 @@ SCHEMA = {
         "tag": {"enum": ["red", "green", "blue"]},
         "digits": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
         "word": {"type": "string", "maxLength": 6},
-        "inner": {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
-                  "required": ["x"]},
+        "inner": {
+            "type": "object",
+            "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+            "required": ["x"],
+        },
     },
     "required": ["ok", "n", "tag", "digits", "word", "inner"],
     "additionalProperties": False,
@@ -52,8 +55,12 @@ def check(kind: str, text: str) -> None:
         assert re.fullmatch(GRAMMAR_RE, text), text
 
 
-CONSTRAINTS = {"json": StructuredOutputsParams(json=SCHEMA), "regex": StructuredOutputsParams(regex=REGEX),
-               "choice": StructuredOutputsParams(choice=CHOICE), "grammar": StructuredOutputsParams(grammar=GRAMMAR)}
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICE),
+    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+}
 
 
 # ---- parameters ------------------------------------------------------------------------------------------
@@ -68,10 +75,18 @@ def test_params_take_exactly_one_valid_constraint():
     sp = SamplingParams.from_dict({"structured_outputs": {"choice": ["a", "b"]}})
     assert sp.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
     assert hash(sp.structured_outputs) == hash(StructuredOutputsParams(choice=["a", "b"]))
-    bad = [({}, "exactly one"), (dict(regex="a", choice=["a"]), "exactly one"), (dict(regex="(a"), "regex"),
-           (dict(choice=[]), "non-empty"), (dict(choice="ab"), "list of strings"), (dict(choice=["a", "a"]), "dup"),
-           (dict(json={"type": "nonsense"}), "json"), (dict(json=int), "pydantic"), (dict(json="{nope"), "JSON"),
-           (dict(grammar=" "), "grammar")]
+    bad = [
+        ({}, "exactly one"),
+        (dict(regex="a", choice=["a"]), "exactly one"),
+        (dict(regex="(a"), "regex"),
+        (dict(choice=[]), "non-empty"),
+        (dict(choice="ab"), "list of strings"),
+        (dict(choice=["a", "a"]), "dup"),
+        (dict(json={"type": "nonsense"}), "json"),
+        (dict(json=int), "pydantic"),
+        (dict(json="{nope"), "JSON"),
+        (dict(grammar=" "), "grammar"),
+    ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
             StructuredOutputsParams(**kwargs)
@@ -95,14 +110,20 @@ PROMPTS = [[20 + (7 * i + 3 * j) % 900 for j in range(5 + 3 * i)] for i in range
 
 # ---- vLLM's other constraints and options ---------------------------------------------------------------
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
-LEGACY_TAG = json.dumps({"type": "structural_tag", "triggers": ["<f="],
-                         "structures": [{"begin": "<f=weather>", "schema": WEATHER, "end": "</f>"}]})
+LEGACY_TAG = json.dumps(
+    {
+        "type": "structural_tag",
+        "triggers": ["<f="],
+        "structures": [{"begin": "<f=weather>", "schema": WEATHER, "end": "</f>"}],
+    }
+)
 
 
 def test_json_object_structural_tag_and_options(llm):
     """vLLM's json_object (any JSON object), structural_tag (free text until a trigger, then
     the tagged JSON), disable_additional_properties and disable_any_whitespace, each held
     by the random model's output; whitespace_pattern and a bad tag are refused."""
+
     def run(so, max_tokens=48, seed=0):
         sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=so)
         return llm.generate([{"prompt_token_ids": PROMPTS[1]}], sp, use_tqdm=False)[0].outputs[0]
@@ -112,8 +133,9 @@ def test_json_object_structural_tag_and_options(llm):
         assert isinstance(json.loads(obj.text), dict)
     else:  # a random model may not close the object in time: what it wrote is still a valid prefix
         assert obj.text.startswith("{") and obj.finish_reason == "length"
-    closed = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "boolean"}}},
-                                     disable_additional_properties=True)
+    closed = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "boolean"}}}, disable_additional_properties=True
+    )
     assert closed.json["additionalProperties"] is False
     out = run(closed, max_tokens=24)
     assert out.structured_output_complete and set(json.loads(out.text)) <= {"a"}
@@ -145,10 +167,14 @@ def test_json_object_structural_tag_and_options(llm):
 
 def test_every_constraint_holds_in_a_mixed_batch(llm):
     """Greedy, seeded and unseeded sampled rows of every kind, next to unconstrained rows, in one batch."""
-    free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)]
-    alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], free,
-                                                           use_tqdm=False)]
+    free = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),
+    ]
+    alone = [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], free, use_tqdm=False)
+    ]
     rows, params = [], []
     for k, (kind, so) in enumerate(CONSTRAINTS.items()):
         for j, sampling in enumerate([dict(temperature=0.0), dict(temperature=1.0, seed=k), dict(temperature=1.0)]):
@@ -164,8 +190,9 @@ def test_every_constraint_holds_in_a_mixed_batch(llm):
         assert c.token_ids[-1] in llm.engine.eos_token_ids  # the grammar ended it with end-of-sequence
         check(kind, c.text)
     # A random model left alone would not have written these: the mask did.
-    plain = llm.generate([{"prompt_token_ids": p} for _, p in rows], SamplingParams(temperature=0.0, max_tokens=20),
-                         use_tqdm=False)
+    plain = llm.generate(
+        [{"prompt_token_ids": p} for _, p in rows], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False
+    )
     assert sum(o.outputs[0].text.startswith("{") for o in plain) < 3
 
 
@@ -173,8 +200,9 @@ def test_seeded_constrained_sample_is_reproducible_and_n_samples_differ(llm):
     so = CONSTRAINTS["json"]
     sp = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=80, structured_outputs=so, logprobs=2)
     first = llm.generate([{"prompt_token_ids": PROMPTS[3]}], sp, use_tqdm=False)[0]
-    again = llm.generate([{"prompt_token_ids": PROMPTS[3]}, {"prompt_token_ids": PROMPTS[4]}], [sp, sp],
-                         use_tqdm=False)[0]
+    again = llm.generate(
+        [{"prompt_token_ids": PROMPTS[3]}, {"prompt_token_ids": PROMPTS[4]}], [sp, sp], use_tqdm=False
+    )[0]
     assert [c.text for c in first.outputs] == [c.text for c in again.outputs]
     assert len({c.text for c in first.outputs}) > 1
     for c in first.outputs:
@@ -183,10 +211,14 @@ def test_seeded_constrained_sample_is_reproducible_and_n_samples_differ(llm):
 
 
 def test_max_tokens_before_completion_is_marked_incomplete(llm):
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2,
-                        [SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=CONSTRAINTS["json"]),
-                         SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=CONSTRAINTS["grammar"])],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}] * 2,
+        [
+            SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=CONSTRAINTS["json"]),
+            SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=CONSTRAINTS["grammar"]),
+        ],
+        use_tqdm=False,
+    )
     for out in outs:
         c = out.outputs[0]
         assert c.finish_reason == "length" and c.structured_output_complete is False
@@ -202,8 +234,13 @@ def test_preemption_and_chunked_prefill_keep_the_grammar_state(tiny_llama, llm):
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so) for so in CONSTRAINTS.values()]
     params = (params * 2)[: len(prompts)]
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    small = LLM(tiny_llama, max_model_len=256, max_num_batched_tokens=32, block_size=16,
-                kv_cache_memory_bytes=20 * llm.engine.runner.block_bytes)
+    small = LLM(
+        tiny_llama,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        block_size=16,
+        kv_cache_memory_bytes=20 * llm.engine.runner.block_bytes,
+    )
     small.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the small cache preempts
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.stats().num_preemptions > 0
@@ -236,17 +273,21 @@ def smol():
 
 def test_smollm2_json_choice_regex_with_free_chat(smol):
     q = lambda text: [{"role": "user", "content": text}]  # noqa: E731
-    convs = [q("Describe Paris as JSON with name, country and population."),
-             q("Is the sky blue? Answer yes or no."),
-             q("Write a time of day like 09:30."),
-             q("What is the capital of France?"),
-             q("Describe Tokyo as JSON.")]
+    convs = [
+        q("Describe Paris as JSON with name, country and population."),
+        q("Is the sky blue? Answer yes or no."),
+        q("Write a time of day like 09:30."),
+        q("What is the capital of France?"),
+        q("Describe Tokyo as JSON."),
+    ]
     free = SamplingParams(temperature=0.0, max_tokens=12)
-    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=City)),
-              SamplingParams(temperature=0.0, max_tokens=5, structured_outputs={"choice": ["yes", "no"]}),
-              SamplingParams(temperature=0.7, seed=0, max_tokens=10, structured_outputs={"regex": r"[0-2]\d:[0-5]\d"}),
-              free,
-              SamplingParams(temperature=0.7, seed=1, max_tokens=60, structured_outputs={"json": City})]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=City)),
+        SamplingParams(temperature=0.0, max_tokens=5, structured_outputs={"choice": ["yes", "no"]}),
+        SamplingParams(temperature=0.7, seed=0, max_tokens=10, structured_outputs={"regex": r"[0-2]\d:[0-5]\d"}),
+        free,
+        SamplingParams(temperature=0.7, seed=1, max_tokens=60, structured_outputs={"json": City}),
+    ]
     outs = smol.chat(convs, params, use_tqdm=False)
     assert outs[3].outputs[0].text == smol.chat(convs[3], free, use_tqdm=False)[0].outputs[0].text
     for i in (0, 4):
@@ -268,9 +309,12 @@ def kw(tiny_llama):
 
 @pytest.fixture(scope="module")
 def frame():
-    return pd.DataFrame({"q": ["Tell me a colour.", "How many?", None, "Why?"],
-                         "sp": [SP, {"temperature": 1.0, "seed": 5, "max_tokens": 80}, None,
-                                {"temperature": 0.0, "max_tokens": 3}]})
+    return pd.DataFrame(
+        {
+            "q": ["Tell me a colour.", "How many?", None, "Why?"],
+            "sp": [SP, {"temperature": 1.0, "seed": 5, "max_tokens": 80}, None, {"temperature": 0.0, "max_tokens": 3}],
+        }
+    )
 
 
 class Item(BaseModel):
@@ -282,18 +326,36 @@ class Item(BaseModel):
     maybe: float | None = Field(ge=0, le=1)
 
 
-ITEM_TYPE = pa.struct([("ok", pa.bool_()), ("n", pa.int64()), ("tag", pa.string()), ("digits", pa.list_(pa.int64())),
-                       ("word", pa.string()), ("maybe", pa.float64())])
+ITEM_TYPE = pa.struct(
+    [
+        ("ok", pa.bool_()),
+        ("n", pa.int64()),
+        ("tag", pa.string()),
+        ("digits", pa.list_(pa.int64())),
+        ("word", pa.string()),
+        ("maybe", pa.float64()),
+    ]
+)
 
 
 def test_arrow_type_from_json_schema():
     assert arrow_type(Item.model_json_schema()) == ITEM_TYPE
-    assert arrow_type(SCHEMA) == pa.struct([("ok", pa.bool_()), ("n", pa.int64()), ("tag", pa.string()),
-                                            ("digits", pa.list_(pa.int64())), ("word", pa.string()),
-                                            ("inner", pa.struct([("x", pa.float64())]))])
-    tree = {"$defs": {"Node": {"type": "object", "properties": {"kids": {"type": "array",
-                                                                         "items": {"$ref": "#/$defs/Node"}}}}},
-            "$ref": "#/$defs/Node"}
+    assert arrow_type(SCHEMA) == pa.struct(
+        [
+            ("ok", pa.bool_()),
+            ("n", pa.int64()),
+            ("tag", pa.string()),
+            ("digits", pa.list_(pa.int64())),
+            ("word", pa.string()),
+            ("inner", pa.struct([("x", pa.float64())])),
+        ]
+    )
+    tree = {
+        "$defs": {
+            "Node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}
+        },
+        "$ref": "#/$defs/Node",
+    }
     assert arrow_type(tree) == pa.struct([("kids", pa.list_(pa.string()))])  # recursion stops at a JSON string
     assert arrow_type({"anyOf": [{"type": "integer"}, {"type": "string"}]}) == pa.string()
 
@@ -337,9 +399,16 @@ def test_dask_meta_is_exact_and_polars_types(frame, kw):
         assert result._meta.dtypes.to_dict() == computed.dtypes.to_dict()
     pdf = pl.DataFrame({"q": ["Hi", None, "More"]})
     out = pdf.llm.generate("q", json_schema=Item, sampling_params=SP, **kw)
-    assert out.schema["generated_text"] == pl.Struct({"ok": pl.Boolean, "n": pl.Int64, "tag": pl.String,
-                                                      "digits": pl.List(pl.Int64), "word": pl.String,
-                                                      "maybe": pl.Float64})
+    assert out.schema["generated_text"] == pl.Struct(
+        {
+            "ok": pl.Boolean,
+            "n": pl.Int64,
+            "tag": pl.String,
+            "digits": pl.List(pl.Int64),
+            "word": pl.String,
+            "maybe": pl.Float64,
+        }
+    )
     assert out.unnest("generated_text")["tag"].drop_nulls().is_in(["red", "green", "blue"]).all()
     lazy = pdf.lazy().llm.generate("q", choice=["yes", "no"], sampling_params=SP, **kw)
     assert lazy.collect_schema()["generated_text"] == pl.Enum(["yes", "no"])
@@ -352,16 +421,17 @@ def test_dask_meta_is_exact_and_polars_types(frame, kw):
 def test_a_value_the_column_type_cannot_hold_is_that_rows_error():
     """JSON integers are unbounded; a completed output whose integer is past int64 gets an
     llm_error naming the column type instead of failing the partition."""
+    from dfllm.outputs import CompletionOutput
     from dfllm.tasks.schema import structured_value
     from dfllm.tasks.task import make_task
-    from dfllm.outputs import CompletionOutput
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     task = make_task("generate", ("q",), ["q"], output_column="out", json_schema=schema)
     dtype = task.output_dtypes()["out"]
     fits = CompletionOutput(0, '{"n": 42}', [1], None, None, "stop", structured_output_complete=True)
     assert structured_value(task.structured, fits, dtype) == {"n": 42}
-    huge = CompletionOutput(0, '{"n": 123456789012345678901234567890}', [1], None, None, "stop",
-                            structured_output_complete=True)
+    huge = CompletionOutput(
+        0, '{"n": 123456789012345678901234567890}', [1], None, None, "stop", structured_output_complete=True
+    )
     with pytest.raises(ValueError, match=r"does not fit the column type struct<n: int64>"):
         structured_value(task.structured, huge, dtype)

@@ -30,8 +30,9 @@ def _session(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_triton_backend_matches_torch_backend(tmp_path, smollm2_dir, device):
     path = build_tiny_model(tmp_path, smollm2_dir, heads=6, kv_heads=2, hidden=48)
     prompts = random_prompts(3, 9, 45, seed=3)
-    kwargs = dict(device=device, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=16,
-                  kv_cache_memory_bytes=1 << 22)
+    kwargs = dict(
+        device=device, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 22
+    )
     triton_llm = LLM(path, attention_backend="triton", **kwargs)
     assert triton_llm.engine.runner.ops.name == "triton"
     got = _session(triton_llm, prompts)

@@ -68,10 +68,12 @@ def test_unsafe_attribute_alone_renders_nothing(llm):
     """A lone unsafe attribute renders as an empty undefined value (Jinja's sandbox), never the
     object; a template that renders nothing at all is an empty prompt, refused before work."""
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        llm.chat([{"role": "user", "content": "hi"}], SP, chat_template="{{ raise_exception.__globals__ }}",
-                 use_tqdm=False)
-    out = llm.chat([{"role": "user", "content": "hi"}], SP, chat_template="x{{ raise_exception.__globals__ }}y",
-                   use_tqdm=False)
+        llm.chat(
+            [{"role": "user", "content": "hi"}], SP, chat_template="{{ raise_exception.__globals__ }}", use_tqdm=False
+        )
+    out = llm.chat(
+        [{"role": "user", "content": "hi"}], SP, chat_template="x{{ raise_exception.__globals__ }}y", use_tqdm=False
+    )
     assert out[0].prompt == "xy"
     assert not llm.engine.has_unfinished_requests()
 
@@ -99,8 +101,13 @@ def test_chat_template_argument_is_sandboxed_in_dataframes(tiny_llama, tmp_path,
     with dask.config.set({"dataframe.convert-string": False}):  # keep the lists of messages as they are
         ddf = dd.from_pandas(df, npartitions=2)
     for frame in (df, ddf):
-        out = frame.llm.chat("c", chat_template=evil_templates(marker)[i], model=str(tiny_llama),
-                             sampling_params={"max_tokens": 2}, **ENGINE)
+        out = frame.llm.chat(
+            "c",
+            chat_template=evil_templates(marker)[i],
+            model=str(tiny_llama),
+            sampling_params={"max_tokens": 2},
+            **ENGINE,
+        )
         out = out.compute(scheduler="synchronous") if hasattr(out, "compute") else out
         assert out.generated_text.isna().all() and all("unsafe" in e for e in out.llm_error)
     assert not marker.exists()
@@ -146,8 +153,10 @@ def test_auto_map_of_a_known_model_type_is_ignored(tiny_llama, llm, tmp_path):
     evil = LLM(path, **ENGINE)
     assert type(evil.config.hf_config).__module__.startswith("transformers.")
     assert not type(evil.get_tokenizer()).__module__.startswith("evil_code")
-    assert (evil.generate("hello", SP, use_tqdm=False)[0].outputs[0].token_ids
-            == llm.generate("hello", SP, use_tqdm=False)[0].outputs[0].token_ids)
+    assert (
+        evil.generate("hello", SP, use_tqdm=False)[0].outputs[0].token_ids
+        == llm.generate("hello", SP, use_tqdm=False)[0].outputs[0].token_ids
+    )
     assert not marker.exists() and "evil_code" not in sys.modules
 
 
@@ -167,8 +176,15 @@ def test_remote_code_is_refused_even_with_yes_on_stdin(tiny_llama, tmp_path):
     marker = tmp_path / "MARKER"
     path = remote_code_model(tiny_llama, tmp_path / "prompted", marker, model_type="evil_model")
     code = f"from dfllm import LLM\nLLM({str(path)!r}, max_model_len=64, kv_cache_memory_bytes=2**22)\n"
-    proc = subprocess.run([sys.executable, "-c", code], input="y\ny\n", capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input="y\ny\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode != 0 and "never runs code from a model directory" in proc.stderr
     assert not marker.exists()
 
@@ -203,8 +219,9 @@ def test_prompt_that_names_a_file_is_literal_text(llm, tiny_llama, secret_and_fi
     chat = pd.DataFrame({"c": pd.Series([[{"role": "user", "content": str(fifo)}]], dtype=object)})
     replied = chat.llm.chat("c", sampling_params=SP, model=str(tiny_llama), **ENGINE)
     assert replied.llm_error.isna().all()
-    assert replied.num_input_tokens[0] == len(llm.chat([{"role": "user", "content": str(fifo)}], SP,
-                                                       use_tqdm=False)[0].prompt_token_ids)
+    assert replied.num_input_tokens[0] == len(
+        llm.chat([{"role": "user", "content": str(fifo)}], SP, use_tqdm=False)[0].prompt_token_ids
+    )
 
 
 @pytest.mark.timeout(120)

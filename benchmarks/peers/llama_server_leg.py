@@ -57,8 +57,16 @@ class LlamaServerLeg:
     reply and each row's generated token ids (with the EOS a row stopped at); ``close()``
     stops the server (also done at interpreter exit)."""
 
-    def __init__(self, server: str | Path, gguf: str | Path, threads: int, ctx_per_slot: int,
-                 eos_ids: set[int], slots: int = 32, startup_timeout: float = 600.0):
+    def __init__(
+        self,
+        server: str | Path,
+        gguf: str | Path,
+        threads: int,
+        ctx_per_slot: int,
+        eos_ids: set[int],
+        slots: int = 32,
+        startup_timeout: float = 600.0,
+    ):
         self.server, self.gguf, self.slots = Path(server), Path(gguf), slots
         self.eos_ids, self.eos = set(eos_ids), min(eos_ids)
         if not self.server.is_file():
@@ -68,13 +76,31 @@ class LlamaServerLeg:
         self.ctx_per_slot = ctx_per_slot
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [str(self.server), "-m", str(self.gguf), "-np", str(slots), "-cb",
-                    "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--cache-ram", "0", "--no-webui"]
+        self.cmd = [
+            str(self.server),
+            "-m",
+            str(self.gguf),
+            "-np",
+            str(slots),
+            "-cb",
+            "-c",
+            str(slots * ctx_per_slot),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--cache-ram",
+            "0",
+            "--no-webui",
+        ]
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL,
-                                                              stdout=self.log, stderr=subprocess.STDOUT,
-                                                              preexec_fn=_die_with_parent)
+        self.proc: subprocess.Popen | None = subprocess.Popen(
+            self.cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         atexit.register(self.close)
         try:
             self._wait_ready(startup_timeout)
@@ -91,8 +117,9 @@ class LlamaServerLeg:
             return json.loads(r.read())
 
     def _post(self, path: str, body: dict, timeout: float = 3600.0) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
@@ -111,8 +138,10 @@ class LlamaServerLeg:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}) before it was ready: "
-                                   f"{' '.join(self.cmd)}\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"llama-server exited ({self.proc.returncode}) before it was ready: "
+                    f"{' '.join(self.cmd)}\n{self.log_tail()}"
+                )
             try:
                 if self._get("/health", timeout=2.0).get("status") == "ok":
                     return
@@ -123,18 +152,30 @@ class LlamaServerLeg:
 
     # ---- one timed run ----
     def _complete(self, ids: list[int], n: int, forced: bool) -> dict:
-        return self._post("/completion", {
-            "prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-            "ignore_eos": forced, "return_tokens": True, "stream": False,
-            "response_fields": ["tokens", "stop_type", "tokens_predicted", "tokens_evaluated", "truncated"]})
+        return self._post(
+            "/completion",
+            {
+                "prompt": ids,
+                "n_predict": n,
+                "temperature": 0.0,
+                "top_k": 1,
+                "cache_prompt": False,
+                "ignore_eos": forced,
+                "return_tokens": True,
+                "stream": False,
+                "response_fields": ["tokens", "stop_type", "tokens_predicted", "tokens_evaluated", "truncated"],
+            },
+        )
 
     def __call__(self, prompts: list[list[int]], max_tokens: list[int], mode: str) -> tuple[float, list[list[int]]]:
         """Seconds from the first post to the last reply, and each row's generated ids."""
         forced = mode == "forced"
         for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
             if len(ids) + n + 1 > self.ctx_per_slot:
-                raise ValueError(f"row {i}: {len(ids)} prompt tokens + max_tokens {n} do not fit a slot's "
-                                 f"context of {self.ctx_per_slot} tokens")
+                raise ValueError(
+                    f"row {i}: {len(ids)} prompt tokens + max_tokens {n} do not fit a slot's "
+                    f"context of {self.ctx_per_slot} tokens"
+                )
         with ThreadPoolExecutor(self.slots) as pool:
             start = time.perf_counter()
             replies = list(pool.map(self._complete, prompts, max_tokens, [forced] * len(prompts)))
@@ -147,8 +188,10 @@ class LlamaServerLeg:
             if reply.get("truncated"):
                 raise RuntimeError(f"llama-server truncated row {i} (context {self.n_ctx_slot} a slot)")
             if forced and len(tokens) != n:
-                raise RuntimeError(f"llama-server generated {len(tokens)} tokens for row {i}, not its max_tokens {n} "
-                                   f"(stop_type {reply.get('stop_type')})")
+                raise RuntimeError(
+                    f"llama-server generated {len(tokens)} tokens for row {i}, not its max_tokens {n} "
+                    f"(stop_type {reply.get('stop_type')})"
+                )
             rows.append(tokens)
         return seconds, rows
 
@@ -173,18 +216,29 @@ def context_per_slot(prompts: list[list[int]], max_tokens: list[int], margin: in
     return -(-longest // multiple) * multiple
 
 
-def start_legs(server: str | None, ggufs: list[str], weights, threads: int, prompts: list[list[int]],
-               max_tokens: list[int], eos_ids: set[int],
-               slots: int = 32) -> tuple[list[tuple[str, LlamaServerLeg]], str]:
+def start_legs(
+    server: str | None,
+    ggufs: list[str],
+    weights,
+    threads: int,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    eos_ids: set[int],
+    slots: int = 32,
+) -> tuple[list[tuple[str, LlamaServerLeg]], str]:
     """One started server per GGUF as ``(name, leg)`` pairs (``llama-server (F16)``; numbered,
     ``llama-server (Q4_1 #2)``, where files give the same weight format), or none, and a note to print.
     ``weights(path)`` names a file's weight format; ``prompts``/``max_tokens`` size the slots."""
     if not server or not ggufs:
-        return [], (f"llama-server legs skipped: pass --llama-server PATH and --llama-server-gguf PATH... "
-                    f"(build llama-server and make the GGUFs: {README})")
+        return [], (
+            f"llama-server legs skipped: pass --llama-server PATH and --llama-server-gguf PATH... "
+            f"(build llama-server and make the GGUFs: {README})"
+        )
     formats = [weights(g) for g in ggufs]
-    names = [f"llama-server ({f})" if formats.count(f) == 1 else f"llama-server ({f} #{formats[:i + 1].count(f)})"
-             for i, f in enumerate(formats)]
+    names = [
+        f"llama-server ({f})" if formats.count(f) == 1 else f"llama-server ({f} #{formats[: i + 1].count(f)})"
+        for i, f in enumerate(formats)
+    ]
     ctx = context_per_slot(prompts, max_tokens)
     legs: list[tuple[str, LlamaServerLeg]] = []
     try:
@@ -195,6 +249,7 @@ def start_legs(server: str | None, ggufs: list[str], weights, threads: int, prom
             leg.close()
         raise
     build = legs[0][1].build_info
-    files = ", ".join(f"{name[len('llama-server '):]} {g}" for name, g in zip(names, ggufs))
-    return legs, (f"llama-server {build}, -np {slots} -cb, {ctx} tokens a slot, {threads} threads, one server "
-                  f"per GGUF: {files}")
+    files = ", ".join(f"{name[len('llama-server ') :]} {g}" for name, g in zip(names, ggufs))
+    return legs, (
+        f"llama-server {build}, -np {slots} -cb, {ctx} tokens a slot, {threads} threads, one server per GGUF: {files}"
+    )

@@ -33,10 +33,10 @@ def parse_arrow_type(text: str) -> pa.DataType:
 def _type(s: str) -> tuple[pa.DataType, str]:
     for prefix, make in _LISTS:
         if s.startswith(prefix):
-            item, rest = _field(s[len(prefix):])
+            item, rest = _field(s[len(prefix) :])
             return make(item), _expect(rest, ">")
     if s.startswith("struct<"):
-        rest, fields = s[len("struct<"):], []
+        rest, fields = s[len("struct<") :], []
         while not rest.startswith(">"):
             field, rest = _field(rest)
             fields.append(field)
@@ -46,7 +46,7 @@ def _type(s: str) -> tuple[pa.DataType, str]:
     match = _PRIMITIVE.match(s)
     if not match:
         raise ValueError(f"not an Arrow type: {s!r}")
-    return pa.type_for_alias(match.group()), s[match.end():]
+    return pa.type_for_alias(match.group()), s[match.end() :]
 
 
 def _field(s: str) -> tuple[pa.Field, str]:
@@ -55,13 +55,13 @@ def _field(s: str) -> tuple[pa.Field, str]:
         raise ValueError(f"not an Arrow field: {s!r}")
     typ, rest = _type(rest)
     nullable = not rest.startswith(" not null")
-    return pa.field(name, typ, nullable=nullable), rest if nullable else rest[len(" not null"):]
+    return pa.field(name, typ, nullable=nullable), rest if nullable else rest[len(" not null") :]
 
 
 def _expect(s: str, token: str) -> str:
     if not s.startswith(token):
         raise ValueError(f"expected {token!r} at {s!r}")
-    return s[len(token):]
+    return s[len(token) :]
 
 
 @register_extension_dtype

@@ -104,8 +104,11 @@ def unify_counts(counts: Mapping[pa.DataType, int]) -> pa.DataType | None:
             out = t
             continue
         try:
-            out = pa.unify_schemas([pa.schema([("x", out)]), pa.schema([("x", t)])],
-                                   promote_options="permissive").field("x").type
+            out = (
+                pa.unify_schemas([pa.schema([("x", out)]), pa.schema([("x", t)])], promote_options="permissive")
+                .field("x")
+                .type
+            )
         except (pa.ArrowException, TypeError, ValueError):
             continue  # e.g. text among lists: those values will not fit
     return out
@@ -121,8 +124,11 @@ def _kind(t: pa.DataType) -> str:
         return "number"
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "string"
-    return str(t.id) if not (pa.types.is_struct(t) or pa.types.is_map(t)) else ("struct" if pa.types.is_struct(t)
-                                                                               else "map")
+    return (
+        str(t.id)
+        if not (pa.types.is_struct(t) or pa.types.is_map(t))
+        else ("struct" if pa.types.is_struct(t) else "map")
+    )
 
 
 def dtype_type(dtype) -> pa.DataType | None:
@@ -220,8 +226,9 @@ def _array(series: pd.Series, type_: pa.DataType, what: str, problems: dict[int,
         try:
             cells.append(_one(value, type_))
         except Exception as exc:  # noqa: BLE001
-            problems.setdefault(i, []).append(f"{what}: the value {_show(value)} does not fit {type_} "
-                                              f"({type(exc).__name__}: {exc})")
+            problems.setdefault(i, []).append(
+                f"{what}: the value {_show(value)} does not fit {type_} ({type(exc).__name__}: {exc})"
+            )
             cells.append(pa.nulls(1, type_))
     return pa.concat_arrays(cells) if cells else pa.array([], type=type_)
 
@@ -292,8 +299,10 @@ def meta_dtypes(meta: Meta) -> dict:
     elif isinstance(meta, (list, tuple)) and all(isinstance(p, tuple) and len(p) == 2 for p in meta):
         pairs = list(meta)
     else:
-        raise TypeError("meta= must be a pandas DataFrame, a dict or list of (column, dtype) pairs, or a "
-                        f"pyarrow schema, got {type(meta).__name__}")
+        raise TypeError(
+            "meta= must be a pandas DataFrame, a dict or list of (column, dtype) pairs, or a "
+            f"pyarrow schema, got {type(meta).__name__}"
+        )
     out = {}
     for name, dtype in pairs:
         try:
@@ -355,9 +364,11 @@ def infer_dtype(values: list, column, fallback) -> pd.api.extensions.ExtensionDt
             try:
                 t = _infer_type([v])
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-                raise ValueError(f"build_processor: postprocess's column {column!r} has a value of type "
-                                 f"{type(v).__name__} with no Arrow type ({exc}); return plain values "
-                                 "(str, int, float, bool, list, dict...), or pass meta=") from None
+                raise ValueError(
+                    f"build_processor: postprocess's column {column!r} has a value of type "
+                    f"{type(v).__name__} with no Arrow type ({exc}); return plain values "
+                    "(str, int, float, bool, list, dict...), or pass meta="
+                ) from None
             if not pa.types.is_null(t):
                 break
     if t is None or pa.types.is_null(t):
@@ -372,8 +383,11 @@ def _infer_type(values: list) -> pa.DataType:
         return pa.array(values, from_pandas=True).type
     except (pa.ArrowException, TypeError) as exc:
         present = [v for v in values if not is_null(v)]
-        if present and all(isinstance(v, Mapping) for v in present) and any(
-                not isinstance(k, str) for v in present for k in v):
+        if (
+            present
+            and all(isinstance(v, Mapping) for v in present)
+            and any(not isinstance(k, str) for v in present for k in v)
+        ):
             keys = _infer_type([k for v in present for k in v])
             items = _infer_type([x for v in present for x in v.values()])
             return pa.map_(keys, items)
@@ -393,13 +407,21 @@ def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
         return True
     t = pa.types
     numeric = lambda x: t.is_integer(x) or t.is_floating(x) or t.is_decimal(x)  # noqa: E731
-    for kind in (numeric, lambda x: t.is_string(x) or t.is_large_string(x) or t.is_string_view(x),
-                 lambda x: t.is_binary(x) or t.is_large_binary(x) or t.is_fixed_size_binary(x),
-                 t.is_timestamp, t.is_date, t.is_time, t.is_duration, t.is_boolean):
+    for kind in (
+        numeric,
+        lambda x: t.is_string(x) or t.is_large_string(x) or t.is_string_view(x),
+        lambda x: t.is_binary(x) or t.is_large_binary(x) or t.is_fixed_size_binary(x),
+        t.is_timestamp,
+        t.is_date,
+        t.is_time,
+        t.is_duration,
+        t.is_boolean,
+    ):
         if kind(src) and kind(dst):
             return True
     if (t.is_list(src) or t.is_large_list(src) or t.is_fixed_size_list(src)) and (
-            t.is_list(dst) or t.is_large_list(dst) or t.is_fixed_size_list(dst)):
+        t.is_list(dst) or t.is_large_list(dst) or t.is_fixed_size_list(dst)
+    ):
         return _compatible(src.value_type, dst.value_type)
     if t.is_struct(src) and t.is_struct(dst):
         fields = {f.name: f.type for f in dst}
@@ -429,8 +451,9 @@ def _to_arrow(values: list, dtype, cast: bool = False) -> pa.Array:
         raise ValueError(f"does not fit {target} ({type(exc).__name__}: {exc})") from None
 
 
-def typed_column(values: list, dtype, index: pd.Index, column, errors: list,
-                 inputs: set | frozenset = frozenset()) -> pd.Series:
+def typed_column(
+    values: list, dtype, index: pd.Index, column, errors: list, inputs: set | frozenset = frozenset()
+) -> pd.Series:
     """A typed column; values that do not fit are null, with a message in ``errors``. The
     values of the rows in ``inputs`` are an error row's input values: they go in through
     Arrow's safe casts (see :func:`_to_arrow`), so that the row still says which input row it
@@ -441,8 +464,11 @@ def typed_column(values: list, dtype, index: pd.Index, column, errors: list,
                 v = values[i] = _category(v, dtype)
             if not is_null(v) and v not in dtype.categories:
                 what = "the input value" if i in inputs else ""
-                errors[i] = join_errors(errors[i], f"column {column!r}: {what}{' ' if what else ''}{_show(v)} is "
-                                                   f"not one of the categories {list(dtype.categories)}")
+                errors[i] = join_errors(
+                    errors[i],
+                    f"column {column!r}: {what}{' ' if what else ''}{_show(v)} is "
+                    f"not one of the categories {list(dtype.categories)}",
+                )
                 values[i] = None
         return pd.Series(values, index=index, dtype=dtype)
     try:

@@ -43,11 +43,15 @@ class Budget:
     def reached(self, prompt_tokens: int, generated_tokens: int) -> str | None:
         """Why the budget is spent at these totals (a sentence naming the bound), or None."""
         if self.prompt_tokens is not None and prompt_tokens >= self.prompt_tokens:
-            return (f"the prompt token budget ({self.prompt_tokens}) was reached: {prompt_tokens} prompt tokens "
-                    "in the partitions computed")
+            return (
+                f"the prompt token budget ({self.prompt_tokens}) was reached: {prompt_tokens} prompt tokens "
+                "in the partitions computed"
+            )
         if self.generated_tokens is not None and generated_tokens >= self.generated_tokens:
-            return (f"the generated token budget ({self.generated_tokens}) was reached: {generated_tokens} tokens "
-                    "generated in the partitions computed")
+            return (
+                f"the generated token budget ({self.generated_tokens}) was reached: {generated_tokens} tokens "
+                "generated in the partitions computed"
+            )
         return None
 
 

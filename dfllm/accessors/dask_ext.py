@@ -4,7 +4,7 @@
 Partitions run wherever Dask schedules them; on a distributed cluster each worker process
 keeps one engine per model configuration (see :mod:`dfllm.worker.engine_cache`). Tasks
 are named ``llm-<task>`` in the dashboard's task stream. ``resources=`` keeps the engine
-work on workers declaring those resources (see :mod:`dfllm.accessors.placement`). """
+work on workers declaring those resources (see :mod:`dfllm.accessors.placement`)."""
 
 from __future__ import annotations
 

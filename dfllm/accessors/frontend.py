@@ -31,8 +31,10 @@ class LLMFrameMethods:
         """How the call checks its model (None: here, now). Dask overrides it: a model
         directory that only the workers have is checked on a worker."""
         if resources is not None:
-            raise ValueError(f"resources= places Dask tasks on workers that declare them; a "
-                             f"{type(self._obj).__module__.split('.')[0]} frame runs in this process")
+            raise ValueError(
+                f"resources= places Dask tasks on workers that declare them; a "
+                f"{type(self._obj).__module__.split('.')[0]} frame runs in this process"
+            )
         return None
 
     def _call(self, kind: str, inputs: tuple, resources: dict | None, *, model=None, **kwargs):
@@ -42,13 +44,29 @@ class LLMFrameMethods:
         if not model and spec.default_model:
             model = spec.default_model
         check = self._model_check(resources)
-        return self._apply(make_task(kind, inputs, self._columns(), model=model, model_check=check, **kwargs),
-                           resources)
+        return self._apply(
+            make_task(kind, inputs, self._columns(), model=model, model_check=check, **kwargs), resources
+        )
 
-    def generate(self, prompt: str, *, model=None, sampling_params=None, output_column: str = _COLUMN["generate"],
-                 on_error: str = "null", json_schema=None, choice=None, engine_columns=(), sort_by=None,
-                 resources: dict | None = None, cache=None, images: str | None = None, lora: str | None = None,
-                 lora_root: str | None = None, **engine_kwargs):
+    def generate(
+        self,
+        prompt: str,
+        *,
+        model=None,
+        sampling_params=None,
+        output_column: str = _COLUMN["generate"],
+        on_error: str = "null",
+        json_schema=None,
+        choice=None,
+        engine_columns=(),
+        sort_by=None,
+        resources: dict | None = None,
+        cache=None,
+        images: str | None = None,
+        lora: str | None = None,
+        lora_root: str | None = None,
+        **engine_kwargs,
+    ):
         """Complete ``prompt`` (a column, or a template such as ``"Q: {question}"``) for every row.
 
         Adds ``generated_text``, ``num_input_tokens``, ``num_generated_tokens``,
@@ -98,47 +116,140 @@ class LLMFrameMethods:
         the model gets its ``llm_error``. It turns on ``enable_lora`` (with ``max_loras=4``
         unless given).
         """
-        return self._call("generate", (prompt,), resources, output_column=output_column, model=model,
-                          sampling_params=sampling_params, on_error=on_error, engine_kwargs=engine_kwargs,
-                          json_schema=json_schema, choice=choice, engine_columns=engine_columns, sort_by=sort_by,
-                          cache=cache, images=images, lora=lora, lora_root=lora_root)
+        return self._call(
+            "generate",
+            (prompt,),
+            resources,
+            output_column=output_column,
+            model=model,
+            sampling_params=sampling_params,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+            json_schema=json_schema,
+            choice=choice,
+            engine_columns=engine_columns,
+            sort_by=sort_by,
+            cache=cache,
+            images=images,
+            lora=lora,
+            lora_root=lora_root,
+        )
 
-    def chat(self, messages: str, *, system: str | None = None, model=None, sampling_params=None,
-             output_column: str = _COLUMN["chat"], on_error: str = "null", json_schema=None, choice=None,
-             chat_template: str | None = None, engine_columns=(), sort_by=None, resources: dict | None = None,
-             cache=None, images: str | None = None, lora: str | None = None, lora_root: str | None = None,
-             **engine_kwargs):
+    def chat(
+        self,
+        messages: str,
+        *,
+        system: str | None = None,
+        model=None,
+        sampling_params=None,
+        output_column: str = _COLUMN["chat"],
+        on_error: str = "null",
+        json_schema=None,
+        choice=None,
+        chat_template: str | None = None,
+        engine_columns=(),
+        sort_by=None,
+        resources: dict | None = None,
+        cache=None,
+        images: str | None = None,
+        lora: str | None = None,
+        lora_root: str | None = None,
+        **engine_kwargs,
+    ):
         """Reply to ``messages`` (a column of conversations, or a template for one user turn);
         ``json_schema``, ``choice``, ``engine_columns``, ``sort_by``, ``resources`` and ``cache`` as in
         ``generate`` (``sort_by="prompt"`` sorts by the conversation as the chat template
         renders it); ``chat_template`` (Jinja text) replaces the tokenizer's template; ``images``
         as in ``generate``, each row's images going first into its last user turn; ``lora`` and
         ``lora_root`` as in ``generate``."""
-        return self._call("chat", (messages,), resources, output_column=output_column, model=model,
-                          sampling_params=sampling_params, system=system, on_error=on_error,
-                          engine_kwargs=engine_kwargs, json_schema=json_schema, choice=choice,
-                          chat_template=chat_template, engine_columns=engine_columns, sort_by=sort_by,
-                          cache=cache, images=images, lora=lora, lora_root=lora_root)
+        return self._call(
+            "chat",
+            (messages,),
+            resources,
+            output_column=output_column,
+            model=model,
+            sampling_params=sampling_params,
+            system=system,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+            json_schema=json_schema,
+            choice=choice,
+            chat_template=chat_template,
+            engine_columns=engine_columns,
+            sort_by=sort_by,
+            cache=cache,
+            images=images,
+            lora=lora,
+            lora_root=lora_root,
+        )
 
-    def embed(self, text: str | None = None, *, model=None, output_column: str = _COLUMN["embed"],
-              on_error: str = "null", resources: dict | None = None, images: str | None = None, **engine_kwargs):
+    def embed(
+        self,
+        text: str | None = None,
+        *,
+        model=None,
+        output_column: str = _COLUMN["embed"],
+        on_error: str = "null",
+        resources: dict | None = None,
+        images: str | None = None,
+        **engine_kwargs,
+    ):
         """Embed ``text`` (a column or template), or with ``images`` (instead of text) each row's
         image (a column as in ``generate``; an image-text model such as CLIP or SigLIP):
         a ``list<float32>`` column."""
-        return self._call("embed", () if text is None else (text,), resources, output_column=output_column,
-                          model=model, on_error=on_error, engine_kwargs=engine_kwargs, images=images)
+        return self._call(
+            "embed",
+            () if text is None else (text,),
+            resources,
+            output_column=output_column,
+            model=model,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+            images=images,
+        )
 
-    def score(self, left: str, right: str, *, model=None, output_column: str = _COLUMN["score"], on_error: str = "null",
-              resources: dict | None = None, **engine_kwargs):
+    def score(
+        self,
+        left: str,
+        right: str,
+        *,
+        model=None,
+        output_column: str = _COLUMN["score"],
+        on_error: str = "null",
+        resources: dict | None = None,
+        **engine_kwargs,
+    ):
         """Score each row's ``left`` text against its ``right`` text: one float per row."""
-        return self._call("score", (left, right), resources, output_column=output_column, model=model,
-                          on_error=on_error, engine_kwargs=engine_kwargs)
+        return self._call(
+            "score",
+            (left, right),
+            resources,
+            output_column=output_column,
+            model=model,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+        )
 
-    def classify(self, text: str, *, model=None, output_column: str = _COLUMN["classify"], on_error: str = "null",
-                 resources: dict | None = None, **engine_kwargs):
+    def classify(
+        self,
+        text: str,
+        *,
+        model=None,
+        output_column: str = _COLUMN["classify"],
+        on_error: str = "null",
+        resources: dict | None = None,
+        **engine_kwargs,
+    ):
         """Classify ``text``: the top label's name and a ``probs`` column."""
-        return self._call("classify", (text,), resources, output_column=output_column, model=model,
-                          on_error=on_error, engine_kwargs=engine_kwargs)
+        return self._call(
+            "classify",
+            (text,),
+            resources,
+            output_column=output_column,
+            model=model,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+        )
 
 
 SERIES_INPUT = "__dfllm_input__"
@@ -160,9 +271,8 @@ class LLMSeriesMethods:
 
     def _run(self, kind: str, kwargs: dict, other=None):
         frame = self.frame_methods(self._frame(other))
-        inputs = (SERIES_INPUT, SERIES_INPUT + "2")[:KINDS[kind].inputs]
-        return self._main(getattr(frame, kind)(*inputs, **kwargs),
-                          kwargs.get("output_column", _COLUMN[kind]))
+        inputs = (SERIES_INPUT, SERIES_INPUT + "2")[: KINDS[kind].inputs]
+        return self._main(getattr(frame, kind)(*inputs, **kwargs), kwargs.get("output_column", _COLUMN[kind]))
 
     def generate(self, **kwargs):
         """Completions of the series' prompts (a series of text)."""

@@ -35,8 +35,12 @@ def check_resources(resources) -> dict | None:
     if not isinstance(resources, dict) or not resources:
         raise ValueError(f"resources must be a non-empty dict like {{'GPU': 0.25}}, got {resources!r}")
     for name, amount in resources.items():
-        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
-                or not amount > 0:
+        if (
+            not isinstance(name, str)
+            or isinstance(amount, bool)
+            or not isinstance(amount, (int, float))
+            or not amount > 0
+        ):
             raise ValueError(f"resources: {name!r} must map to a positive number, got {amount!r}")
     return dict(resources)
 
@@ -70,8 +74,9 @@ def run_placed(df: pd.DataFrame, task: LLMTask, resources: dict | None) -> pd.Da
     from distributed import worker_client
 
     with worker_client() as client:
-        future = client.submit(run_task, df, task, resources=resources, pure=False,
-                               key=f"llm-{task.kind}-placed-{uuid.uuid4().hex[:12]}")
+        future = client.submit(
+            run_task, df, task, resources=resources, pure=False, key=f"llm-{task.kind}-placed-{uuid.uuid4().hex[:12]}"
+        )
         return future.result()
 
 
@@ -95,19 +100,23 @@ def _here(model: str | None) -> bool:
 def model_check(resources: dict | None) -> Callable[[LLMTask], None]:
     """The model check of a Dask call: here when the files are here, else (with a
     distributed client) on a worker that would run the task, else the local check's error."""
+
     def check(task: LLMTask) -> None:
         client = _default_client()
         if _here(task.model) or client is None:
             check_model(task)
             return
-        future = client.submit(check_model, task, resources=resources, pure=False,
-                               key=f"llm-check-model-{uuid.uuid4().hex[:12]}")
+        future = client.submit(
+            check_model, task, resources=resources, pure=False, key=f"llm-check-model-{uuid.uuid4().hex[:12]}"
+        )
         try:
             future.result(timeout=MODEL_CHECK_TIMEOUT_S)
         except TimeoutError:
             future.cancel()
-            raise ValueError(f"model {task.model!r} is not a directory here, and no worker"
-                             f"{' declaring ' + repr(resources) if resources else ''} checked it within "
-                             f"{MODEL_CHECK_TIMEOUT_S:.0f} s") from None
+            raise ValueError(
+                f"model {task.model!r} is not a directory here, and no worker"
+                f"{' declaring ' + repr(resources) if resources else ''} checked it within "
+                f"{MODEL_CHECK_TIMEOUT_S:.0f} s"
+            ) from None
 
     return check

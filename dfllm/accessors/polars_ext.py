@@ -22,12 +22,18 @@ from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.task import LLMTask, make_task
 
-POLARS_TYPES: dict[str, Any] = {"string": pl.String, "int64": pl.Int64, "double": pl.Float64,
-                                "list<item: float>": pl.List(pl.Float32)}
+POLARS_TYPES: dict[str, Any] = {
+    "string": pl.String,
+    "int64": pl.Int64,
+    "double": pl.Float64,
+    "list<item: float>": pl.List(pl.Float32),
+}
 #: The Arrow types of the engine columns that pandas holds as Python objects (per token a dict
 #: token id -> its Logprob's fields): a Polars list of maps.
-OBJECT_COLUMNS = {"logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP)),
-                  "prompt_logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP))}
+OBJECT_COLUMNS = {
+    "logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP)),
+    "prompt_logprobs": pd.ArrowDtype(pa.list_(LOGPROB_MAP)),
+}
 
 
 def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
@@ -98,8 +104,7 @@ class PolarsExprLLMNamespace:
     def classify(self, *, output_column: str = KINDS["classify"].output_column, **kwargs) -> pl.Expr:
         return self._map("classify", output_column, **kwargs)
 
-    def score(self, other: pl.Expr | str, *, output_column: str = KINDS["score"].output_column,
-              **kwargs) -> pl.Expr:
+    def score(self, other: pl.Expr | str, *, output_column: str = KINDS["score"].output_column, **kwargs) -> pl.Expr:
         """Scores of this expression's texts against ``other``'s, row by row: an expression (or a
         column name) of the same length, or of length 1 (``pl.lit("query")``: one text against
         every row). A Float64 expression named after this one; a null input gives a null score.
@@ -122,6 +127,10 @@ class PolarsExprLLMNamespace:
 
 
 def _probe_task(kind: str, output_column: str, json_schema=None, choice=None) -> LLMTask:
-    return make_task(kind, (SERIES_INPUT,), [SERIES_INPUT], output_column=output_column,
-                     json_schema=json_schema, choice=choice) if json_schema is not None or choice is not None \
+    return (
+        make_task(
+            kind, (SERIES_INPUT,), [SERIES_INPUT], output_column=output_column, json_schema=json_schema, choice=choice
+        )
+        if json_schema is not None or choice is not None
         else LLMTask(kind, (SERIES_INPUT,), output_column)
+    )

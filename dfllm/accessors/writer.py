@@ -132,10 +132,17 @@ class WriteSummary:
     missing: int = 0
 
 
-def write_parquet(result, path: str, *, resume: bool = False, storage_options: dict | None = None,
-                  progress: bool = True, resources: dict | None = None,
-                  on_partition: Callable[[int, dict], None] | None = None,
-                  budget: Budget | None = None) -> WriteSummary:
+def write_parquet(
+    result,
+    path: str,
+    *,
+    resume: bool = False,
+    storage_options: dict | None = None,
+    progress: bool = True,
+    resources: dict | None = None,
+    on_partition: Callable[[int, dict], None] | None = None,
+    budget: Budget | None = None,
+) -> WriteSummary:
     """Write the lazy result of a Dask ``.llm`` call or of a processor
     (:func:`dfllm.build_processor`) to a parquet dataset at ``path``.
 
@@ -160,8 +167,10 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     start = time.perf_counter()
     origin = llm_origin(result)
     if origin is None:
-        raise ValueError("write_parquet takes the direct result of a Dask .llm call (ddf.llm.generate(...) etc.) "
-                         "or of a processor (build_processor(...)(ddf)); for other frames use their own to_parquet")
+        raise ValueError(
+            "write_parquet takes the direct result of a Dask .llm call (ddf.llm.generate(...) etc.) "
+            "or of a processor (build_processor(...)(ddf)); for other frames use their own to_parquet"
+        )
     source, func = origin
     write_key = func.write_key  # before any work: a processor whose functions have no stable key raises
     resources = resources or func.resources  # the call's resources unless overridden here
@@ -172,15 +181,33 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
     fs.makedirs(root, exist_ok=True)
     fs.makedirs(f"{root}/{KEYS}", exist_ok=True)
     if not resume:
-        _remove(fs, ours + _listing(fs, f"{root}/{KEYS}", KEY_FILE) + _listing(fs, root, TEMPORARY)
-                + _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE))
+        _remove(
+            fs,
+            ours
+            + _listing(fs, f"{root}/{KEYS}", KEY_FILE)
+            + _listing(fs, root, TEMPORARY)
+            + _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE),
+        )
     earlier = dask.delayed(_earlier_parts(fs, root) if resume else {}, traverse=False)  # one graph key
     parts = source.to_delayed()
     run = uuid.uuid4().hex[:8]
     gate = Gate(budget, _client() is not None) if budget else None
-    jobs = [dask.delayed(_write_partition, pure=False)(p, func, write_key, path, i, storage_options, resume, earlier,
-                                                       schema, gate, dask_key_name=f"llm-write-{func.kind}-{i}-{run}")
-            for i, p in enumerate(parts)]
+    jobs = [
+        dask.delayed(_write_partition, pure=False)(
+            p,
+            func,
+            write_key,
+            path,
+            i,
+            storage_options,
+            resume,
+            earlier,
+            schema,
+            gate,
+            dask_key_name=f"llm-write-{func.kind}-{i}-{run}",
+        )
+        for i, p in enumerate(parts)
+    ]
     if budget and gate is not None:
         try:
             found, stopped = _compute_budgeted(jobs, progress, resources, gate, on_partition)
@@ -196,14 +223,28 @@ def write_parquet(result, path: str, *, resume: bool = False, storage_options: d
         _remove_leftovers(fs, root, len(parts))
     _write_common_metadata(fs, root, schema)
     _check_written(fs, root, path, [r if r is not None and not r.get("stopped") else None for r in found])
-    return WriteSummary(path, len(parts), sum(r["written"] for r in results), sum(not r["written"] for r in results),
-                        sum(r["rows"] for r in results), sum(r["errors"] for r in results),
-                        sum(r.get("input_tokens", 0) for r in results), sum(r.get("output_tokens", 0) for r in results),
-                        time.perf_counter() - start, stopped, missing)
+    return WriteSummary(
+        path,
+        len(parts),
+        sum(r["written"] for r in results),
+        sum(not r["written"] for r in results),
+        sum(r["rows"] for r in results),
+        sum(r["errors"] for r in results),
+        sum(r.get("input_tokens", 0) for r in results),
+        sum(r.get("output_tokens", 0) for r in results),
+        time.perf_counter() - start,
+        stopped,
+        missing,
+    )
 
 
-def _compute(jobs, progress: bool, resources: dict | None = None, desc: str = "llm partitions",
-             on_result: Callable[[int, dict], None] | None = None) -> list:
+def _compute(
+    jobs,
+    progress: bool,
+    resources: dict | None = None,
+    desc: str = "llm partitions",
+    on_result: Callable[[int, dict], None] | None = None,
+) -> list:
     """The jobs' results in order; ``on_result(i, result)`` as each finishes."""
     try:
         from distributed import as_completed, default_client
@@ -239,8 +280,9 @@ def _client():
         return None
 
 
-def _compute_budgeted(jobs, progress: bool, resources: dict | None, gate: Gate,
-                      on_result: Callable[[int, dict], None] | None = None) -> tuple[list, str | None]:
+def _compute_budgeted(
+    jobs, progress: bool, resources: dict | None, gate: Gate, on_result: Callable[[int, dict], None] | None = None
+) -> tuple[list, str | None]:
     """The write jobs' results in order (None for a job cancelled, ``{"stopped": True}`` for
     one that started after the budget was reached) and why the budget stopped the write
     (None: it was not reached). The jobs keep ``gate``'s totals themselves; once it closes,
@@ -272,8 +314,9 @@ def _compute_budgeted(jobs, progress: bool, resources: dict | None, gate: Gate,
                     on_result(i, out[i])
                 if not cancelled and gate.closed():
                     cancelled = True
-                    unstarted = set(client.run_on_scheduler(_not_started,
-                                                            keys=[f.key for f in futures if not f.done()]))
+                    unstarted = set(
+                        client.run_on_scheduler(_not_started, keys=[f.key for f in futures if not f.done()])
+                    )
                     client.cancel([f for f in futures if f.key in unstarted])
     return out, gate.budget.reached(*gate.spent())
 
@@ -345,8 +388,9 @@ def partition_key(df: pd.DataFrame, write_key: str) -> str:
 
 
 def _column_hash(series: pd.Series) -> bytes:
-    flat = series.dtype != object and not (isinstance(series.dtype, pd.ArrowDtype) and
-                                           pa.types.is_nested(series.dtype.pyarrow_dtype))
+    flat = series.dtype != object and not (
+        isinstance(series.dtype, pd.ArrowDtype) and pa.types.is_nested(series.dtype.pyarrow_dtype)
+    )
     if flat:
         try:
             return pd.util.hash_pandas_object(series, index=False).values.tobytes()
@@ -381,8 +425,18 @@ def _set_aside(root: str, key: str) -> str:
 
 
 # ---- one partition ----------------------------------------------------------------------------------------
-def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, path: str, i: int, storage_options,
-                     resume: bool, earlier: dict[str, list[str]], schema: pa.Schema, gate: Gate | None = None) -> dict:
+def _write_partition(
+    df: pd.DataFrame,
+    func: WritableFunction,
+    write_key: str,
+    path: str,
+    i: int,
+    storage_options,
+    resume: bool,
+    earlier: dict[str, list[str]],
+    schema: pa.Schema,
+    gate: Gate | None = None,
+) -> dict:
     """Write, keep, or copy from an earlier part, partition ``i``'s part; returns its record
     (key, row, error and token counts) and ``written`` (False if it was not recomputed).
     Once the write's budget ``gate`` is closed a partition does nothing (not even keep or
@@ -409,8 +463,13 @@ def _write_partition(df: pd.DataFrame, func: WritableFunction, write_key: str, p
     errors = _error_count(table, func.error_column, problems)
     if problems:
         table = _with_errors(table, func.error_column, problems)
-    record = {"key": key, "rows": table.num_rows, "errors": errors,
-              "input_tokens": _total(out, NUM_INPUT_TOKENS), "output_tokens": _total(out, NUM_GENERATED_TOKENS)}
+    record = {
+        "key": key,
+        "rows": table.num_rows,
+        "errors": errors,
+        "input_tokens": _total(out, NUM_INPUT_TOKENS),
+        "output_tokens": _total(out, NUM_GENERATED_TOKENS),
+    }
     _replace_part(fs, root, i, _parquet_bytes(table, record), record, resume)
     if gate is not None:  # before returning: a partition starting next on this thread sees the budget
         gate.spend(record["input_tokens"], record["output_tokens"])
@@ -425,8 +484,10 @@ def _with_errors(table: pa.Table, column: str | None, problems: dict[int, str]) 
         raise ValueError(f"row {row} of the partition: {message} (the output has no error column to record it in)")
     at = table.column_names.index(column)
     old = table.column(at).to_pylist()
-    new = [problems[i] if i in problems and old[i] is None else
-           f"{old[i]}; {problems[i]}" if i in problems else old[i] for i in range(len(old))]
+    new = [
+        problems[i] if i in problems and old[i] is None else f"{old[i]}; {problems[i]}" if i in problems else old[i]
+        for i in range(len(old))
+    ]
     return table.set_column(at, table.schema.field(at), pa.array(new, type=table.schema.field(at).type))
 
 
@@ -536,7 +597,7 @@ def _earlier_parts(fs, root: str) -> dict[str, list[str]]:
     names (unless replaced meanwhile), then the set-aside folder. Read once, on the client."""
     found: dict[str, list[str]] = {}
     for stashed in _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE):
-        found[stashed.rsplit("/", 1)[1][:-len(".parquet")]] = [stashed]
+        found[stashed.rsplit("/", 1)[1][: -len(".parquet")]] = [stashed]
     files = _listing(fs, f"{root}/{KEYS}", KEY_FILE)
 
     def read(file: str) -> bytes | None:
@@ -578,8 +639,11 @@ def _listing(fs, folder: str, name: re.Pattern) -> list[str]:
         entries = fs.ls(folder, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(e["name"].rstrip("/") for e in entries
-                  if e.get("type") != "directory" and name.fullmatch(e["name"].rstrip("/").rsplit("/", 1)[-1]))
+    return sorted(
+        e["name"].rstrip("/")
+        for e in entries
+        if e.get("type") != "directory" and name.fullmatch(e["name"].rstrip("/").rsplit("/", 1)[-1])
+    )
 
 
 def _visible(name: str) -> bool:
@@ -605,17 +669,24 @@ def _survey(fs, root: str, path: str) -> list[str]:
         return []
     if not fs.isdir(root):
         raise ValueError(f"{path} is a file; write_parquet writes a folder of parquet parts")
-    inside = [f[len(root) + 1:] for f in fs.find(root) if f.startswith(root + "/")]
+    inside = [f[len(root) + 1 :] for f in fs.find(root) if f.startswith(root + "/")]
     parts = [f for f in inside if PART.fullmatch(f)]
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(parts)))) as pool:
         ours = [f for f, mine in zip(parts, pool.map(lambda f: _is_ours(fs, f"{root}/{f}"), parts)) if mine]
-    foreign = [f for f in inside if f.strip("/") and f not in ours and
-               (_visible(f) or f in ("_metadata", COMMON_METADATA) and not _is_ours(fs, f"{root}/{f}"))]
+    foreign = [
+        f
+        for f in inside
+        if f.strip("/")
+        and f not in ours
+        and (_visible(f) or f in ("_metadata", COMMON_METADATA) and not _is_ours(fs, f"{root}/{f}"))
+    ]
     if foreign:
         names = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
-        raise ValueError(f"{path} holds {len(foreign)} file(s) that dfllm did not write ({names}); a reader would "
-                         "read them with the results, and dfllm deletes only its own files: write to an empty or "
-                         "dfllm-only folder")
+        raise ValueError(
+            f"{path} holds {len(foreign)} file(s) that dfllm did not write ({names}); a reader would "
+            "read them with the results, and dfllm deletes only its own files: write to an empty or "
+            "dfllm-only folder"
+        )
     return [f"{root}/{f}" for f in ours]
 
 
@@ -672,12 +743,16 @@ def _check_written(fs, root: str, path: str, results: list[dict | None]) -> None
     expected = [_part(root, i) for i, _ in done]
     present = set(_listing(fs, root, PART))
     if not complete and not set(expected) <= present:
-        raise RuntimeError(f"{path} changed while it was written (missing {sorted(set(expected) - present)[:3]}); "
-                           "is another job writing to the same folder?")
+        raise RuntimeError(
+            f"{path} changed while it was written (missing {sorted(set(expected) - present)[:3]}); "
+            "is another job writing to the same folder?"
+        )
     if complete and present != set(expected):
         extra, missing = sorted(present - set(expected)), sorted(set(expected) - present)
-        raise RuntimeError(f"{path} changed while it was written (missing {missing[:3]}, extra {extra[:3]}); "
-                           "is another job writing to the same folder?")
+        raise RuntimeError(
+            f"{path} changed while it was written (missing {missing[:3]}, extra {extra[:3]}); "
+            "is another job writing to the same folder?"
+        )
 
     def read(file: str) -> tuple[int, dict, pa.Schema]:
         with fs.open(file, "rb") as f:
@@ -687,9 +762,11 @@ def _check_written(fs, root: str, path: str, results: list[dict | None]) -> None
         footers = list(pool.map(read, expected))
     for file, (rows, record, _), (_, result) in zip(expected, footers, done):
         if record.get("key") != result["key"] or rows != result["rows"]:
-            raise RuntimeError(f"{file} holds {rows} rows of key {str(record.get('key'))[:12]}, not the "
-                               f"{result['rows']} rows of key {result['key'][:12]} this write made; "
-                               f"is another job writing to {path}?")
+            raise RuntimeError(
+                f"{file} holds {rows} rows of key {str(record.get('key'))[:12]}, not the "
+                f"{result['rows']} rows of key {result['key'][:12]} this write made; "
+                f"is another job writing to {path}?"
+            )
 
 
 def _atomic_write(fs, target: str, data: bytes) -> None:
@@ -736,8 +813,10 @@ def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None 
         where = _normal(ifs, _static_prefix(ifs, where))
         inside = out == where or out.startswith(where + "/") and not ifs.isfile(where)
         if inside or where.startswith(out + "/"):
-            raise ValueError(f"the output folder {output} overlaps the input {given}: write to a folder that is "
-                             "not the input's folder, not inside it and not holding it")
+            raise ValueError(
+                f"the output folder {output} overlaps the input {given}: write to a folder that is "
+                "not the input's folder, not inside it and not holding it"
+            )
 
 
 def _normal(fs, path: str) -> str:

@@ -60,8 +60,11 @@ def page_url(dashboard_link: str | None) -> str | None:
     """The dfllm page's URL from a client's ``dashboard_link`` (``.../status``), or None."""
     if not dashboard_link:
         return None
-    base = dashboard_link.rsplit("/", 1)[0] if dashboard_link.rstrip("/").endswith("status") else \
-        dashboard_link.rstrip("/")
+    base = (
+        dashboard_link.rsplit("/", 1)[0]
+        if dashboard_link.rstrip("/").endswith("status")
+        else dashboard_link.rstrip("/")
+    )
     return f"{base}/{PAGE}"
 
 
@@ -98,8 +101,9 @@ async def register(worker: Any) -> None:
     from dfllm.dashboard.reporting import PLUGIN_NAME, WorkerReporter
 
     try:
-        await worker.scheduler.register_scheduler_plugin(plugin=dumps(DashboardPlugin()), name=SCHEDULER_PLUGIN,
-                                                         idempotent=True)
+        await worker.scheduler.register_scheduler_plugin(
+            plugin=dumps(DashboardPlugin()), name=SCHEDULER_PLUGIN, idempotent=True
+        )
     except Exception as exc:  # the job goes on without the page
         logging.getLogger("dfllm").warning("dfllm: the scheduler could not load the dashboard plugin: %s", exc)
         if PLUGIN_NAME not in worker.plugins:  # this worker still reports, for a scheduler-side preload

@@ -126,8 +126,7 @@ class DashboardPlugin(SchedulerPlugin):
             from distributed.protocol.pickle import dumps
 
             plugin = dumps(WorkerReporter())
-            scheduler.loop.add_callback(scheduler.register_worker_plugin, None, plugin, WORKER_PLUGIN,
-                                        idempotent=True)
+            scheduler.loop.add_callback(scheduler.register_worker_plugin, None, plugin, WORKER_PLUGIN, idempotent=True)
 
     def _add_page(self, scheduler: Any, app: Any) -> None:
         """Serve the Bokeh page beside the dashboard's own: a second Bokeh server application
@@ -140,8 +139,12 @@ class DashboardPlugin(SchedulerPlugin):
         from dfllm.dashboard.page import dfllm_doc
 
         variables = template_variables(scheduler)  # memoized: the dict the built-in pages render
-        bokeh = BokehApplication({f"/{PAGE}": functools.partial(dfllm_doc, self)}, scheduler,
-                                 prefix=self.prefix, template_variables=variables)
+        bokeh = BokehApplication(
+            {f"/{PAGE}": functools.partial(dfllm_doc, self)},
+            scheduler,
+            prefix=self.prefix,
+            template_variables=variables,
+        )
         app.add_application(bokeh)
         bokeh.initialize(IOLoop.current())
         bokeh.start()
@@ -163,10 +166,12 @@ class DashboardPlugin(SchedulerPlugin):
             if isinstance(report, dict):
                 self.views.setdefault(addr, WorkerView()).update(report)
         unique = _one_per_process(self.views.values())
-        point = {"time": now,
-                 "prompt_tps": sum(v.prompt_tps for v in unique),
-                 "generation_tps": sum(v.generation_tps for v in unique),
-                 "workers": {a: [v.prompt_tps, v.generation_tps] for a, v in self.views.items()}}
+        point = {
+            "time": now,
+            "prompt_tps": sum(v.prompt_tps for v in unique),
+            "generation_tps": sum(v.generation_tps for v in unique),
+            "workers": {a: [v.prompt_tps, v.generation_tps] for a, v in self.views.items()},
+        }
         self.series.append(point)
 
     def data(self) -> dict:
@@ -179,19 +184,33 @@ class DashboardPlugin(SchedulerPlugin):
             row["shares_process"] = process is not None and process in seen  # counted once in the cluster row
             seen.add(process)
             workers.append(row)
-        return {"time": time.time(), "page": f"{self.prefix}/{PAGE}" if self.page else None,
-                "workers": workers, "cluster": _cluster_row([w for w in workers if not w["shares_process"]],
-                                                            len(workers)), "jobs": self.jobs(),
-                "series": self.time_series()}
+        return {
+            "time": time.time(),
+            "page": f"{self.prefix}/{PAGE}" if self.page else None,
+            "workers": workers,
+            "cluster": _cluster_row([w for w in workers if not w["shares_process"]], len(workers)),
+            "jobs": self.jobs(),
+            "series": self.time_series(),
+        }
 
     def jobs(self) -> list[dict]:
         """Each job's rows, rows with ``llm_error`` and partitions, summed over the workers."""
         totals: dict[str, dict] = {}
         for view in _one_per_process(self.views.values()):
             for name, job in view.report.get("jobs", {}).items():
-                t = totals.setdefault(name, {"job": name, "rows": 0, "errors": 0, "partitions_done": 0,
-                                             "partitions_running": 0, "partitions_failed": 0, "workers": 0,
-                                             "updated": 0.0})
+                t = totals.setdefault(
+                    name,
+                    {
+                        "job": name,
+                        "rows": 0,
+                        "errors": 0,
+                        "partitions_done": 0,
+                        "partitions_running": 0,
+                        "partitions_failed": 0,
+                        "workers": 0,
+                        "updated": 0.0,
+                    },
+                )
                 t["rows"] += job.get("rows", 0)
                 t["errors"] += job.get("errors", 0)
                 t["partitions_done"] += job.get("done", 0)
@@ -206,11 +225,20 @@ class DashboardPlugin(SchedulerPlugin):
         points = list(self.series)
         now = time.time()
         addrs = sorted({a for p in points for a in p["workers"]})
-        per_worker = {a: {"prompt_tps": [p["workers"].get(a, [0.0, 0.0])[0] for p in points],
-                          "generation_tps": [p["workers"].get(a, [0.0, 0.0])[1] for p in points]} for a in addrs}
-        return {"time": [p["time"] for p in points], "seconds_ago": [p["time"] - now for p in points],
-                "prompt_tps": [p["prompt_tps"] for p in points],
-                "generation_tps": [p["generation_tps"] for p in points], "workers": per_worker}
+        per_worker = {
+            a: {
+                "prompt_tps": [p["workers"].get(a, [0.0, 0.0])[0] for p in points],
+                "generation_tps": [p["workers"].get(a, [0.0, 0.0])[1] for p in points],
+            }
+            for a in addrs
+        }
+        return {
+            "time": [p["time"] for p in points],
+            "seconds_ago": [p["time"] - now for p in points],
+            "prompt_tps": [p["prompt_tps"] for p in points],
+            "generation_tps": [p["generation_tps"] for p in points],
+            "workers": per_worker,
+        }
 
 
 def page_served(dask_scheduler: Any) -> bool:
@@ -235,18 +263,25 @@ def _worker_row(addr: str, ws: Any, view: WorkerView | None) -> dict:
     queries = sum(e.get("prefix_cache_queries", 0) for e in gen)
     hits = sum(e.get("prefix_cache_hits", 0) for e in gen)
     return {
-        "worker": addr, "name": str(ws.name), "reporting": view is not None,
-        "models": [e["model"] for e in engines], "devices": sorted({e["device"] for e in engines}),
+        "worker": addr,
+        "name": str(ws.name),
+        "reporting": view is not None,
+        "models": [e["model"] for e in engines],
+        "devices": sorted({e["device"] for e in engines}),
         "tensor_parallel_size": max((e["tensor_parallel_size"] for e in engines), default=0),
         "pipeline_parallel_size": max((e["pipeline_parallel_size"] for e in engines), default=0),
         "engines": engines,
-        "running": sum(e.get("running", 0) for e in gen), "waiting": sum(e.get("waiting", 0) for e in gen),
-        "batch_last": report.get("batch_last", 0), "batch_mean": report.get("batch_mean", 0.0),
+        "running": sum(e.get("running", 0) for e in gen),
+        "waiting": sum(e.get("waiting", 0) for e in gen),
+        "batch_last": report.get("batch_last", 0),
+        "batch_mean": report.get("batch_mean", 0.0),
         "prompt_tokens": sum(e.get("prompt_tokens", 0) for e in gen),
         "generation_tokens": sum(e.get("generation_tokens", 0) for e in gen),
-        "prompt_tps": view.prompt_tps if view else 0.0, "generation_tps": view.generation_tps if view else 0.0,
+        "prompt_tps": view.prompt_tps if view else 0.0,
+        "generation_tps": view.generation_tps if view else 0.0,
         "kv_cache_usage": max((e.get("kv_cache_usage", 0.0) for e in gen), default=0.0),
-        "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "preemptions": sum(e.get("preemptions", 0) for e in gen),
     }
@@ -270,14 +305,26 @@ def _cluster_row(workers: list[dict], total: int) -> dict:
     hits = sum(w["prefix_cache_hits"] for w in workers)
     busy = [w for w in workers if w["engines"]]
     return {
-        "workers": total, "workers_with_engines": len(busy),
+        "workers": total,
+        "workers_with_engines": len(busy),
         "models": sorted({m for w in workers for m in w["models"]}),
         "devices": sorted({d for w in workers for d in w["devices"]}),
-        **{k: sum(w[k] for w in workers) for k in ("running", "waiting", "batch_last", "prompt_tokens",
-                                                    "generation_tokens", "prompt_tps", "generation_tps",
-                                                    "preemptions")},
+        **{
+            k: sum(w[k] for w in workers)
+            for k in (
+                "running",
+                "waiting",
+                "batch_last",
+                "prompt_tokens",
+                "generation_tokens",
+                "prompt_tps",
+                "generation_tps",
+                "preemptions",
+            )
+        },
         "kv_cache_usage": sum(w["kv_cache_usage"] for w in busy) / len(busy) if busy else 0.0,
-        "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
 

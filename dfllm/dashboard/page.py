@@ -21,8 +21,22 @@ from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
 REFRESH_MS = 1000
 PLOT_HEIGHT = 240
-WORKER_COLUMNS = ("worker", "models", "device", "tp", "pp", "running", "waiting", "batch", "prompt_tps",
-                  "generation_tps", "generation_tokens", "kv_pct", "prefix_hit_pct", "preemptions")
+WORKER_COLUMNS = (
+    "worker",
+    "models",
+    "device",
+    "tp",
+    "pp",
+    "running",
+    "waiting",
+    "batch",
+    "prompt_tps",
+    "generation_tps",
+    "generation_tokens",
+    "kv_pct",
+    "prefix_hit_pct",
+    "preemptions",
+)
 JOB_COLUMNS = ("job", "rows", "errors", "partitions_done", "partitions_running", "partitions_failed", "workers")
 
 
@@ -56,24 +70,32 @@ def _series_data(data: dict) -> tuple[dict, dict]:
     cluster = {"t": s["seconds_ago"], "prompt_tps": s["prompt_tps"], "generation_tps": s["generation_tps"]}
     palette = Category10[10]
     addrs = sorted(s["workers"])
-    per_worker = {"xs": [s["seconds_ago"]] * len(addrs), "ys": [s["workers"][a]["generation_tps"] for a in addrs],
-                  "worker": addrs, "color": [palette[i % 10] for i in range(len(addrs))]}
+    per_worker = {
+        "xs": [s["seconds_ago"]] * len(addrs),
+        "ys": [s["workers"][a]["generation_tps"] for a in addrs],
+        "worker": addrs,
+        "color": [palette[i % 10] for i in range(len(addrs))],
+    }
     return cluster, per_worker
 
 
 def _kv_data(data: dict) -> dict[str, list]:
     workers = data["workers"]
-    return {"worker": [w["worker"].split("://")[-1] for w in workers],
-            "kv_pct": [100 * w["kv_cache_usage"] for w in workers]}
+    return {
+        "worker": [w["worker"].split("://")[-1] for w in workers],
+        "kv_pct": [100 * w["kv_cache_usage"] for w in workers],
+    }
 
 
 def _summary(data: dict) -> str:
     c = data["cluster"]
     running = sum(j["partitions_running"] for j in data["jobs"])
-    return (f"<b>dfllm</b> &mdash; {c['workers']} worker(s), {c['workers_with_engines']} with an engine; "
-            f"models: {', '.join(c['models']) or 'none loaded yet'}; "
-            f"{c['generation_tps']:.1f} generated tokens/s, {c['prompt_tps']:.1f} prompt tokens/s; "
-            f"{c['running']} running, {c['waiting']} waiting; {running} partition(s) in flight")
+    return (
+        f"<b>dfllm</b> &mdash; {c['workers']} worker(s), {c['workers_with_engines']} with an engine; "
+        f"models: {', '.join(c['models']) or 'none loaded yet'}; "
+        f"{c['generation_tps']:.1f} generated tokens/s, {c['prompt_tps']:.1f} prompt tokens/s; "
+        f"{c['running']} running, {c['waiting']} waiting; {running} partition(s) in flight"
+    )
 
 
 class PageData(Protocol):
@@ -86,35 +108,76 @@ def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
     """Build one browser session's document (called by Bokeh's server as Dask's pages are)."""
     data = plugin.data()
     int_fmt, rate_fmt = NumberFormatter(format="0,0"), NumberFormatter(format="0,0.0")
-    summary = Div(text=_summary(data), sizing_mode="stretch_width", name="dfllm-summary",
-                  styles={"font-size": "14px", "margin": "6px 0"})
+    summary = Div(
+        text=_summary(data),
+        sizing_mode="stretch_width",
+        name="dfllm-summary",
+        styles={"font-size": "14px", "margin": "6px 0"},
+    )
 
     workers_source = ColumnDataSource(_worker_table_data(data), name="dfllm-workers")
-    titles = {"worker": "worker", "models": "model(s)", "device": "device", "tp": "TP", "pp": "PP",
-              "running": "running", "waiting": "waiting", "batch": "batch", "prompt_tps": "prompt tok/s",
-              "generation_tps": "gen tok/s", "generation_tokens": "gen tokens", "kv_pct": "KV cache %",
-              "prefix_hit_pct": "prefix hit %", "preemptions": "preemptions"}
-    formats = {"prompt_tps": rate_fmt, "generation_tps": rate_fmt, "kv_pct": rate_fmt, "prefix_hit_pct": rate_fmt,
-               "generation_tokens": int_fmt}
+    titles = {
+        "worker": "worker",
+        "models": "model(s)",
+        "device": "device",
+        "tp": "TP",
+        "pp": "PP",
+        "running": "running",
+        "waiting": "waiting",
+        "batch": "batch",
+        "prompt_tps": "prompt tok/s",
+        "generation_tps": "gen tok/s",
+        "generation_tokens": "gen tokens",
+        "kv_pct": "KV cache %",
+        "prefix_hit_pct": "prefix hit %",
+        "preemptions": "preemptions",
+    }
+    formats = {
+        "prompt_tps": rate_fmt,
+        "generation_tps": rate_fmt,
+        "kv_pct": rate_fmt,
+        "prefix_hit_pct": rate_fmt,
+        "generation_tokens": int_fmt,
+    }
     widths = {"worker": 200, "models": 200, "device": 70, "tp": 35, "pp": 35}
     workers_table = DataTable(
-        source=workers_source, index_position=None, height=30 + 26 * max(3, len(data["workers"]) + 1),
-        sizing_mode="stretch_width", name="dfllm-workers-table",
-        columns=[TableColumn(field=c, title=titles[c], width=widths.get(c, 80), **_formatter(formats, c))
-                 for c in WORKER_COLUMNS])
+        source=workers_source,
+        index_position=None,
+        height=30 + 26 * max(3, len(data["workers"]) + 1),
+        sizing_mode="stretch_width",
+        name="dfllm-workers-table",
+        columns=[
+            TableColumn(field=c, title=titles[c], width=widths.get(c, 80), **_formatter(formats, c))
+            for c in WORKER_COLUMNS
+        ],
+    )
 
     cluster, per_worker = _series_data(data)
     cluster_source = ColumnDataSource(cluster, name="dfllm-tokens")
     worker_lines = ColumnDataSource(per_worker, name="dfllm-worker-tokens")
-    tokens = figure(title="Tokens per second (cluster)", height=PLOT_HEIGHT, sizing_mode="stretch_width",
-                    x_axis_label="seconds ago", tools="", toolbar_location=None, name="dfllm-tokens-plot")
+    tokens = figure(
+        title="Tokens per second (cluster)",
+        height=PLOT_HEIGHT,
+        sizing_mode="stretch_width",
+        x_axis_label="seconds ago",
+        tools="",
+        toolbar_location=None,
+        name="dfllm-tokens-plot",
+    )
     tokens.line("t", "generation_tps", source=cluster_source, color="#1f77b4", line_width=2, legend_label="generated")
     tokens.line("t", "prompt_tps", source=cluster_source, color="#ff7f0e", line_width=2, legend_label="prompt")
     tokens.legend.location = "top_left"
     cast(DataRange1d, tokens.y_range).start = 0
-    per = figure(title="Generated tokens per second, per worker", height=PLOT_HEIGHT, sizing_mode="stretch_width",
-                 x_range=tokens.x_range, x_axis_label="seconds ago", tools="", toolbar_location=None,
-                 name="dfllm-worker-tokens-plot")
+    per = figure(
+        title="Generated tokens per second, per worker",
+        height=PLOT_HEIGHT,
+        sizing_mode="stretch_width",
+        x_range=tokens.x_range,
+        x_axis_label="seconds ago",
+        tools="",
+        toolbar_location=None,
+        name="dfllm-worker-tokens-plot",
+    )
     per.multi_line("xs", "ys", source=worker_lines, color="color", line_width=2, legend_field="worker")
     per.legend.location = "top_left"
     per.add_tools(HoverTool(tooltips=[("worker", "@worker")]))
@@ -123,19 +186,37 @@ def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
     kv_data = _kv_data(data)
     kv_source = ColumnDataSource(kv_data, name="dfllm-kv")
     kv_workers = FactorRange(factors=kv_data["worker"])
-    kv = figure(title="KV cache use (% of blocks)", height=PLOT_HEIGHT, width=340, x_range=Range1d(start=0, end=100),
-                y_range=kv_workers, tools="", toolbar_location=None, name="dfllm-kv-plot")
+    kv = figure(
+        title="KV cache use (% of blocks)",
+        height=PLOT_HEIGHT,
+        width=340,
+        x_range=Range1d(start=0, end=100),
+        y_range=kv_workers,
+        tools="",
+        toolbar_location=None,
+        name="dfllm-kv-plot",
+    )
     kv.hbar(y="worker", right="kv_pct", height=0.6, source=kv_source, color="#2ca02c")
     kv.add_tools(HoverTool(tooltips=[("worker", "@worker"), ("KV cache", "@kv_pct{0.0} %")]))
 
     jobs_source = ColumnDataSource(_jobs_data(data), name="dfllm-jobs")
-    job_titles = {"job": "job", "rows": "rows done", "errors": "rows with llm_error",
-                  "partitions_done": "partitions done", "partitions_running": "in flight",
-                  "partitions_failed": "failed", "workers": "workers"}
-    jobs_table = DataTable(source=jobs_source, index_position=None, height=150, sizing_mode="stretch_width",
-                           name="dfllm-jobs-table",
-                           columns=[TableColumn(field=c, title=job_titles[c], width=300 if c == "job" else 90)
-                                    for c in JOB_COLUMNS])
+    job_titles = {
+        "job": "job",
+        "rows": "rows done",
+        "errors": "rows with llm_error",
+        "partitions_done": "partitions done",
+        "partitions_running": "in flight",
+        "partitions_failed": "failed",
+        "workers": "workers",
+    }
+    jobs_table = DataTable(
+        source=jobs_source,
+        index_position=None,
+        height=150,
+        sizing_mode="stretch_width",
+        name="dfllm-jobs-table",
+        columns=[TableColumn(field=c, title=job_titles[c], width=300 if c == "job" else 90) for c in JOB_COLUMNS],
+    )
 
     def update() -> None:
         new = plugin.data()
@@ -152,8 +233,15 @@ def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
 
     doc.add_periodic_callback(update, REFRESH_MS)
     doc.title = "Dask: dfllm"
-    doc.add_root(column(summary, workers_table, row(tokens, per, kv, sizing_mode="stretch_width"), jobs_table,
-                        sizing_mode="stretch_width"))
+    doc.add_root(
+        column(
+            summary,
+            workers_table,
+            row(tokens, per, kv, sizing_mode="stretch_width"),
+            jobs_table,
+            sizing_mode="stretch_width",
+        )
+    )
     doc.template = env.get_template("simple.html")
     doc.template_variables.update(extra)
     doc.theme = BOKEH_THEME

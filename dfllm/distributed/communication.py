@@ -46,8 +46,9 @@ class GroupComm:
         (and ``t`` kept alive) before the step ends."""
         return self.pg.send([t.contiguous()], dst, tag)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int,
-             tag: int) -> torch.Tensor:
+    def recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, tag: int
+    ) -> torch.Tensor:
         """Receive a tensor of known ``shape`` and ``dtype`` from group rank ``src``."""
         t = torch.empty(shape, dtype=dtype, device=device)
         self.pg.recv([t], src, tag).wait()

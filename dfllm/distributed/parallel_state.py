@@ -86,8 +86,9 @@ def layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]
 
 def create_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
     """The driver's rendezvous store on a free local port (``store.port``)."""
-    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def connect_store(port: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
@@ -95,8 +96,9 @@ def connect_store(port: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT
     return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_parallel(config: ParallelConfig, rank: int, store: dist.Store, device: torch.device,
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+def init_parallel(
+    config: ParallelConfig, rank: int, store: dist.Store, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelContext:
     """Build this rank's tensor-parallel and pipeline groups (every rank calls this)."""
     stage, tp_rank = config.coords(rank)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -105,8 +107,7 @@ def init_parallel(config: ParallelConfig, rank: int, store: dist.Store, device: 
     return ParallelContext(rank, config, tp_comm, pp_comm)
 
 
-def _group(store: dist.Store, name: str, rank: int, size: int, device: torch.device,
-           timeout_s: float) -> GroupComm:
+def _group(store: dist.Store, name: str, rank: int, size: int, device: torch.device, timeout_s: float) -> GroupComm:
     prefixed = dist.PrefixStore(name, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo

@@ -67,8 +67,14 @@ def chain_root(seq: Sequence) -> Hashable:
 class BlockManager:
     """Allocates KV blocks to sequences and keeps the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 reuse_first: bool = False, sliding_window: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        reuse_first: bool = False,
+        sliding_window: int | None = None,
+    ):
         self.block_size = block_size
         # set only when every layer of the model attends within this window
         self.sliding_window = sliding_window
@@ -114,8 +120,9 @@ class BlockManager:
         hits: list[int] = []
         for i, h in enumerate(self.prompt_block_hashes(seq)):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != block_tokens(seq.token_ids,
-                                                                                   seq.request.mm_inputs, i, bs):
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens(
+                seq.token_ids, seq.request.mm_inputs, i, bs
+            ):
                 break
             hits.append(block_id)
         return hits

@@ -48,14 +48,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dfllm")
 
+
 def bucket_for(batch: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest of the (sorted) ``sizes`` holding ``batch`` rows; None when none does."""
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if i < len(sizes) else None
 
 
-def unsupported_reason(model: LlamaForCausalLM, *, device: torch.device | None = None, ops_name: str = "triton",
-                       parallel: object = None, quantization: str | None = None) -> str | None:
+def unsupported_reason(
+    model: LlamaForCausalLM,
+    *,
+    device: torch.device | None = None,
+    ops_name: str = "triton",
+    parallel: object = None,
+    quantization: str | None = None,
+) -> str | None:
     """Why the decode forward of ``model`` cannot be captured (None when it can): graphs need
     CUDA (when ``device`` is given), the Triton kernels, one rank, float weights, a model class
     declaring ``supports_cuda_graphs`` and no sliding window."""
@@ -79,8 +86,15 @@ class CudaGraphRunner:
     model's forward over each (see the module docstring). Build it once the KV cache is attached;
     :meth:`forward` runs a step that :meth:`fits`."""
 
-    def __init__(self, model: LlamaForCausalLM, sizes: tuple[int, ...], block_size: int, max_model_len: int,
-                 device: torch.device, capture: bool = True):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        sizes: tuple[int, ...],
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        capture: bool = True,
+    ):
         if not sizes:
             raise ValueError(f"{CAPTURE_SIZES_FIELD} is empty: no bucket to capture")
         self.model = model
@@ -109,9 +123,14 @@ class CudaGraphRunner:
         """Attention metadata over the first ``bucket`` rows of the buffers, with the host-side
         maxima fixed (one query per sequence, at most ``max_model_len`` keys)."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], prefills=[], decode_groups=[],
-            query_start_loc=self.query_start_loc[: bucket + 1], seq_lens=self.seq_lens[:bucket],
-            block_tables=self.block_tables[:bucket], block_size=self.block_size, max_query_len=1,
+            slot_mapping=self.slot_mapping[:bucket],
+            prefills=[],
+            decode_groups=[],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            block_size=self.block_size,
+            max_query_len=1,
             max_seq_len=self.max_model_len,
         )
 
@@ -146,8 +165,11 @@ class CudaGraphRunner:
             self.release()
             raise
         self.captured = True
-        logger.info("CUDA graphs: captured the decode forward for batch sizes %s in %.1f s", list(self.sizes),
-                    time.perf_counter() - start)
+        logger.info(
+            "CUDA graphs: captured the decode forward for batch sizes %s in %.1f s",
+            list(self.sizes),
+            time.perf_counter() - start,
+        )
 
     def release(self) -> None:
         """Drop the graphs and their memory pool (the caller empties the CUDA cache)."""
@@ -162,8 +184,11 @@ class CudaGraphRunner:
         """A pure decode step (one new token for every sequence, no prompt log-probabilities)
         of at most the largest bucket's sequences, whose block tables fit the buffers."""
         seqs = sched.seqs
-        return (0 < len(seqs) <= self.sizes[-1] and all(n == 1 for n in sched.num_new_tokens)
-                and not any(s.needs_prompt_logprobs or len(s.block_table) > self.table_width for s in seqs))
+        return (
+            0 < len(seqs) <= self.sizes[-1]
+            and all(n == 1 for n in sched.num_new_tokens)
+            and not any(s.needs_prompt_logprobs or len(s.block_table) > self.table_width for s in seqs)
+        )
 
     def load(self, seqs: list[Sequence]) -> int:
         """Copy a decode batch into the buffers (rows ``0..len(seqs)``), pad the rest of the
@@ -179,8 +204,9 @@ class CudaGraphRunner:
             rows.append((s.token_ids[p], p, table[p // bs] * bs + p % bs, p + 1))
             width = max(width, len(table))
         host = torch.tensor(rows, dtype=torch.long).T.contiguous().to(self.device)  # one copy to the device
-        tables = torch.tensor([s.block_table + s.block_table[-1:] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32)
+        tables = torch.tensor(
+            [s.block_table + s.block_table[-1:] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32
+        )
         self.input_ids[:n].copy_(host[0])
         self.positions[:n].copy_(host[1])
         self.slot_mapping[:n].copy_(host[2])

@@ -78,8 +78,12 @@ class ParallelExecutor:
         except BaseException as exc:
             self._fail(exc, "starting the engine")
         self._store = store  # kept alive: the workers' groups were set up through it
-        logger.info("parallel engine: tensor_parallel_size=%d pipeline_parallel_size=%d, worker pids %s",
-                    cfg.tensor_parallel_size, cfg.pipeline_parallel_size, [w.process.pid for w in self.workers])
+        logger.info(
+            "parallel engine: tensor_parallel_size=%d pipeline_parallel_size=%d, worker pids %s",
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            [w.process.pid for w in self.workers],
+        )
 
     # ---- what the engine calls on its runner (dfllm.engine.runner.Runner) -------------
     @property
@@ -133,8 +137,10 @@ class ParallelExecutor:
         micro = [prepare_inputs(part, self.cfg.block_size, torch.device("cpu")) for part in parts]
         if self.cfg.model.multimodal is not None:  # images: encoded on rank 0 only, their embeddings shipped
             for part, mb in zip(parts, micro):
-                mb.mm = move_mm(step_mm_kwargs(self.driver.model, part, self.driver.encoder_cache,
-                                               self.driver.device), torch.device("cpu"))
+                mb.mm = move_mm(
+                    step_mm_kwargs(self.driver.model, part, self.driver.encoder_cache, self.driver.device),
+                    torch.device("cpu"),
+                )
         shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, [], [], mb.mm) for mb in micro]
         zero, self._zero = self._zero, []
         try:
@@ -147,8 +153,9 @@ class ParallelExecutor:
         return StepOutput.split(logits, micro)
 
     # ---- RPC -------------------------------------------------------------------------------
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         """``method`` (a ``ModelRunner`` method name, or a callable taking the runner first) on
         every rank at once; one result per rank, rank 0 first."""
         self._check_alive()
@@ -213,7 +220,7 @@ class ParallelExecutor:
             try:
                 status, value = _receive(w, timeout)
             except TimeoutError:
-                for late in self.workers[self.workers.index(w):]:
+                for late in self.workers[self.workers.index(w) :]:
                     late.stale += 1
                 raise
             if status == "error":
@@ -259,8 +266,12 @@ def _spawn(cfg: EngineConfig, port: int, threads: int | None, world_size: int) -
     workers = []
     for rank in range(1, world_size):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker_main, args=(child, cfg, rank, port, os.getpid(), threads or 1),
-                           name=f"dfllm-rank{rank}", daemon=True)
+        proc = ctx.Process(
+            target=worker_main,
+            args=(child, cfg, rank, port, os.getpid(), threads or 1),
+            name=f"dfllm-rank{rank}",
+            daemon=True,
+        )
         with _children_allowed():
             proc.start()
         child.close()
@@ -312,8 +323,10 @@ def _check_devices(device: torch.device, world_size: int) -> None:
         return
     available = torch.cuda.device_count() - (device.index or 0)
     if world_size > available:
-        raise ValueError(f"tensor_parallel_size * pipeline_parallel_size = {world_size} ranks need {world_size} "
-                         f"GPUs from {device} on; {available} are visible")
+        raise ValueError(
+            f"tensor_parallel_size * pipeline_parallel_size = {world_size} ranks need {world_size} "
+            f"GPUs from {device} on; {available} are visible"
+        )
 
 
 def _threads_per_rank(device: torch.device, world_size: int) -> int | None:

@@ -87,10 +87,19 @@ NO_TOKENIZER = "Unable to get tokenizer because skip_tokenizer_init is True"
 class InputProcessor:
     """Tokenizes, renders chat templates and checks prompts for one engine's model."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
-                 eos_token_ids: set[int], *, max_logprobs: int = -1,
-                 reasoning_parser: str | ReasoningParser | None = None, mm: ImageInputProcessor | None = None,
-                 embeds_images: bool = False, model_name: str = "this model"):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        *,
+        max_logprobs: int = -1,
+        reasoning_parser: str | ReasoningParser | None = None,
+        mm: ImageInputProcessor | None = None,
+        embeds_images: bool = False,
+        model_name: str = "this model",
+    ):
         """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
         engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary.
         A pooling model's (``model_name``'s) ``max_model_len`` is its input limit; ``embeds_images``: CLIP, SigLIP.
@@ -104,8 +113,11 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_logprobs = max_logprobs
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        self.reasoning = (make_reasoning_parser(reasoning_parser, tokenizer) if isinstance(reasoning_parser, str)
-                          else reasoning_parser)
+        self.reasoning = (
+            make_reasoning_parser(reasoning_parser, tokenizer)
+            if isinstance(reasoning_parser, str)
+            else reasoning_parser
+        )
         self.mm = mm  # a vision-language model's images (None: text only)
         self.embeds_images, self.model_name = embeds_images, model_name
 
@@ -114,17 +126,29 @@ class InputProcessor:
         """Token ids of ``texts`` (with the tokenizer's special tokens, as ``generate`` does)."""
         if not texts:
             return []
-        tokenizer = self._tokenizer("You cannot pass text prompts when `skip_tokenizer_init` is True (this engine "
-                                    "has no tokenizer; give token ids)", "prompt")
+        tokenizer = self._tokenizer(
+            "You cannot pass text prompts when `skip_tokenizer_init` is True (this engine "
+            "has no tokenizer; give token ids)",
+            "prompt",
+        )
         return tokenizer(list(texts))["input_ids"]
 
-    def render_chat(self, conversation: list[dict], chat_template: str | None = None, *,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> TokenizedPrompt:
+    def render_chat(
+        self,
+        conversation: list[dict],
+        chat_template: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> TokenizedPrompt:
         """One conversation rendered with the tokenizer's chat template (or ``chat_template``)
         in transformers' sandboxed Jinja environment, and tokenized."""
-        tokenizer = self._tokenizer(f"{NO_TOKENIZER} (chat renders conversations with the tokenizer's chat "
-                                    "template; without one, give token ids to generate)", "messages")
+        tokenizer = self._tokenizer(
+            f"{NO_TOKENIZER} (chat renders conversations with the tokenizer's chat "
+            "template; without one, give token ids to generate)",
+            "messages",
+        )
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("the tokenizer has no chat template; pass chat_template=...")
         # tokenize=False: the rendered text (transformers annotates every return type at once)
@@ -132,16 +156,29 @@ class InputProcessor:
             template = chat_template or getattr(tokenizer, "chat_template", None)
             messages = [self.mm.flatten_content(m, template) for m in conversation]
         elif has_image_parts(conversation):
-            raise InvalidRequestError("image parts: this model takes no images (it is a text-only model: content "
-                                      "must be a str or a list of text parts)", parameter="messages")
+            raise InvalidRequestError(
+                "image parts: this model takes no images (it is a text-only model: content "
+                "must be a str or a list of text parts)",
+                parameter="messages",
+            )
         else:
             messages = [_flatten_content(m) for m in conversation]
-        text = cast(str, tokenizer.apply_chat_template(
-            messages, chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {})))
-        return TokenizedPrompt(text, tokenizer.encode(text, add_special_tokens=False),
-                               dict(chat_template_kwargs) if chat_template_kwargs else None)
+        text = cast(
+            str,
+            tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            ),
+        )
+        return TokenizedPrompt(
+            text,
+            tokenizer.encode(text, add_special_tokens=False),
+            dict(chat_template_kwargs) if chat_template_kwargs else None,
+        )
 
     def _tokenizer(self, message: str, parameter: str) -> PreTrainedTokenizerBase:
         """The tokenizer; :class:`~dfllm.errors.InvalidRequestError` with ``message`` without one."""
@@ -150,15 +187,22 @@ class InputProcessor:
         return self.tokenizer
 
     # ---- checked requests ------------------------------------------------------------
-    def process(self, prompt: TokenizedPrompt | dict | str, params: SamplingParams,
-                what: str = "prompt", images: list | None = None) -> EngineRequest:
+    def process(
+        self,
+        prompt: TokenizedPrompt | dict | str,
+        params: SamplingParams,
+        what: str = "prompt",
+        images: list | None = None,
+    ) -> EngineRequest:
         """``prompt`` with ``params`` as a checked request; :class:`~dfllm.errors.InvalidRequestError`
         (a ``ValueError``) naming ``what`` if either is refused. A vision-language model's images
         come from the prompt's ``multi_modal_data`` or, for a chat, ``images`` (its image parts)."""
         with invalid_request():
             if not isinstance(params, SamplingParams):
-                raise InvalidRequestError(f"{what}: sampling params must be a SamplingParams, got "
-                                          f"{type(params).__name__}", parameter="sampling_params")
+                raise InvalidRequestError(
+                    f"{what}: sampling params must be a SamplingParams, got {type(params).__name__}",
+                    parameter="sampling_params",
+                )
             tokenized = self._tokenized(prompt, what)
             tokenized, mm_inputs = self._with_images(prompt, tokenized, images, params, what)
             keep = params.truncate_prompt_tokens
@@ -171,24 +215,37 @@ class InputProcessor:
             if self.tokenizer is None:
                 params = self._without_tokenizer(params, what)
             grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
-            return EngineRequest(tokenized.prompt, tokenized.token_ids, params, grammar, self._bad_words_ids(params),
-                                 self._reasoning(prompt), mm_inputs=mm_inputs)
+            return EngineRequest(
+                tokenized.prompt,
+                tokenized.token_ids,
+                params,
+                grammar,
+                self._bad_words_ids(params),
+                self._reasoning(prompt),
+                mm_inputs=mm_inputs,
+            )
 
-    def _with_images(self, prompt, tokenized: TokenizedPrompt, images: list | None, params: SamplingParams,
-                     what: str) -> tuple[TokenizedPrompt, MultiModalInputs | None]:
+    def _with_images(
+        self, prompt, tokenized: TokenizedPrompt, images: list | None, params: SamplingParams, what: str
+    ) -> tuple[TokenizedPrompt, MultiModalInputs | None]:
         """The prompt with its images' placeholder tokens expanded, and its images (see
         :class:`~dfllm.multimodal.processor.ImageInputProcessor`); a text-only model refuses images."""
         has_data = isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
         if self.mm is None:
             if has_data or images:
-                raise InvalidRequestError(f"{what}: multi_modal_data: this model takes no images (it is a text-only "
-                                          "model)", parameter="multi_modal_data")
+                raise InvalidRequestError(
+                    f"{what}: multi_modal_data: this model takes no images (it is a text-only model)",
+                    parameter="multi_modal_data",
+                )
             return tokenized, None
         found, kwargs = self.mm.images_of_prompt(prompt, what)
         images = list(images or []) + found
         if images and params.truncate_prompt_tokens is not None:
-            raise InvalidRequestError(f"{what}: truncate_prompt_tokens cannot be used with images (it could cut an "
-                                      "image's placeholder tokens)", parameter="truncate_prompt_tokens")
+            raise InvalidRequestError(
+                f"{what}: truncate_prompt_tokens cannot be used with images (it could cut an "
+                "image's placeholder tokens)",
+                parameter="truncate_prompt_tokens",
+            )
         ids, mm_inputs = self.mm.process(tokenized.token_ids, images, what, kwargs)
         return TokenizedPrompt(tokenized.prompt, ids, tokenized.chat_template_kwargs), mm_inputs
 
@@ -206,14 +263,20 @@ class InputProcessor:
         one is refused, naming ``what``; the rest runs with ``detokenize=False`` (token ids,
         empty text), as vLLM does."""
         if params.structured_outputs is not None:
-            raise InvalidRequestError("Structured outputs requires a tokenizer so it can't be used with "
-                                      f"'skip_tokenizer_init' ({what}: structured_outputs needs the tokenizer)",
-                                      parameter="structured_outputs")
+            raise InvalidRequestError(
+                "Structured outputs requires a tokenizer so it can't be used with "
+                f"'skip_tokenizer_init' ({what}: structured_outputs needs the tokenizer)",
+                parameter="structured_outputs",
+            )
         for field, value in (("stop", params.stop_strings), ("bad_words", params.bad_words)):
             if value:
-                raise InvalidRequestError(f"{field} cannot be used with 'skip_tokenizer_init': there is no tokenizer "
-                                          f"to read the text ({what}: {field}={value!r}; stop_token_ids and "
-                                          "allowed_token_ids work on token ids)", parameter=field, value=value)
+                raise InvalidRequestError(
+                    f"{field} cannot be used with 'skip_tokenizer_init': there is no tokenizer "
+                    f"to read the text ({what}: {field}={value!r}; stop_token_ids and "
+                    "allowed_token_ids work on token ids)",
+                    parameter=field,
+                    value=value,
+                )
         return replace(params, detokenize=False) if params.detokenize else params
 
     def process_prompts(self, prompts, sampling_params) -> list[EngineRequest]:
@@ -224,9 +287,15 @@ class InputProcessor:
             params = _per_prompt(sampling_params, len(items))
             return [self.process(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(items, params))]
 
-    def process_chats(self, messages, sampling_params, chat_template: str | None = None,
-                      add_generation_prompt: bool = True, continue_final_message: bool = False,
-                      chat_template_kwargs: dict | None = None) -> list[EngineRequest]:
+    def process_chats(
+        self,
+        messages,
+        sampling_params,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[EngineRequest]:
         """``LLM.chat``'s conversations (one or a list) rendered and checked; errors name the
         conversation by index."""
         with invalid_request():
@@ -235,25 +304,36 @@ class InputProcessor:
             convs = as_conversation_list(messages)
             params = _per_prompt(sampling_params, len(convs))
             images = [self._chat_images(c, f"conversation {i}") for i, c in enumerate(convs)]
-            rendered = [self.render_chat(c, chat_template, add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message,
-                                         chat_template_kwargs=chat_template_kwargs) for c in convs]
-            return [self.process(p, sp, f"prompt {i}", ims)
-                    for i, (p, sp, ims) in enumerate(zip(rendered, params, images))]
+            rendered = [
+                self.render_chat(
+                    c,
+                    chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+                for c in convs
+            ]
+            return [
+                self.process(p, sp, f"prompt {i}", ims) for i, (p, sp, ims) in enumerate(zip(rendered, params, images))
+            ]
 
     def _chat_images(self, conversation: list[dict], what: str) -> list:
         """The images of a conversation's image parts; refused by a text-only model."""
         if self.mm is None:
             if has_image_parts(conversation):
-                raise InvalidRequestError(f"{what}: image parts: this model takes no images (it is a text-only "
-                                          "model: content must be a str or a list of text parts)",
-                                          parameter="messages")
+                raise InvalidRequestError(
+                    f"{what}: image parts: this model takes no images (it is a text-only "
+                    "model: content must be a str or a list of text parts)",
+                    parameter="messages",
+                )
             return []
         return self.mm.images_of_conversation(conversation, what)
 
     # ---- pooling requests ------------------------------------------------------------
-    def process_pooling(self, prompts, pooling_params, truncate_prompt_tokens: int | None = None,
-                        task: str | None = None) -> list[PoolingRequest]:
+    def process_pooling(
+        self, prompts, pooling_params, truncate_prompt_tokens: int | None = None, task: str | None = None
+    ) -> list[PoolingRequest]:
         """A pooling call's prompts (one or a list) with their params, each checked, tokenized
         and truncated (to ``max_model_len`` and ``truncate_prompt_tokens``) before any is
         returned; an error names the prompt by index. ``task``: the call's, which params
@@ -272,17 +352,25 @@ class InputProcessor:
                 else:
                     text = item.get("prompt") if isinstance(item, dict) else item
                     if not isinstance(text, str):
-                        raise InvalidRequestError(f"prompt {i}: expected a str or a dict with 'prompt' or "
-                                                  f"'prompt_token_ids', got {type(item).__name__}")
+                        raise InvalidRequestError(
+                            f"prompt {i}: expected a str or a dict with 'prompt' or "
+                            f"'prompt_token_ids', got {type(item).__name__}"
+                        )
                     check_unicode(text, f"prompt {i}")
                     texts.setdefault(limit, []).append(i)
             if texts:
-                tokenizer = self._tokenizer("You cannot pass text prompts when `skip_tokenizer_init` is True (prompt "
-                                            f"{min(min(idx) for idx in texts.values())}: this LLM has no tokenizer; "
-                                            "give {\"prompt_token_ids\": [...]})", "prompt")
+                tokenizer = self._tokenizer(
+                    "You cannot pass text prompts when `skip_tokenizer_init` is True (prompt "
+                    f"{min(min(idx) for idx in texts.values())}: this LLM has no tokenizer; "
+                    'give {"prompt_token_ids": [...]})',
+                    "prompt",
+                )
                 for limit, idx in texts.items():
-                    enc = tokenizer([items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
-                                    truncation=True, max_length=limit)["input_ids"]
+                    enc = tokenizer(
+                        [items[i]["prompt"] if isinstance(items[i], dict) else items[i] for i in idx],
+                        truncation=True,
+                        max_length=limit,
+                    )["input_ids"]
                     for i, e in zip(idx, enc):
                         ids[i] = e
             for i, e in enumerate(ids):
@@ -290,21 +378,31 @@ class InputProcessor:
                     check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
             for i, p in enumerate(params):
                 if task is not None and p.task is not None and p.task != task:
-                    raise InvalidRequestError(f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
-                                              f"{task!r}. You cannot overwrite self.task={p.task!r} with "
-                                              f"task={task!r}!", parameter="task", value=p.task)
-            return [PoolingRequest([], p, image=e) if isinstance(e, ImagePrompt) else PoolingRequest(e or [], p)
-                    for e, p in zip(ids, params)]
+                    raise InvalidRequestError(
+                        f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
+                        f"{task!r}. You cannot overwrite self.task={p.task!r} with "
+                        f"task={task!r}!",
+                        parameter="task",
+                        value=p.task,
+                    )
+            return [
+                PoolingRequest([], p, image=e) if isinstance(e, ImagePrompt) else PoolingRequest(e or [], p)
+                for e, p in zip(ids, params)
+            ]
 
-    def process_pairs(self, left: list[str], right: list[str], params: PoolingParams,
-                      truncate_prompt_tokens: int | None, joined: bool) -> list[PoolingRequest]:
+    def process_pairs(
+        self, left: list[str], right: list[str], params: PoolingParams, truncate_prompt_tokens: int | None, joined: bool
+    ) -> list[PoolingRequest]:
         """A cross-encoder's text pairs (checked by :func:`score_pairs`) tokenized together and
         truncated as :meth:`process_pooling` truncates; ``joined`` (an LLM as reranker): the two
         texts concatenated with no separator, as vLLM tokenizes them."""
         limit = self._pooling_limit(params, truncate_prompt_tokens)
         tokenizer = self._tokenizer(f"{NO_TOKENIZER} (score reads texts)", "prompt")
-        enc = (tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit) if joined
-               else tokenizer(list(left), list(right), truncation=True, max_length=limit))
+        enc = (
+            tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit)
+            if joined
+            else tokenizer(list(left), list(right), truncation=True, max_length=limit)
+        )
         types = enc.get("token_type_ids") or [None] * len(left)
         return [PoolingRequest(ids, params, t) for ids, t in zip(enc["input_ids"], types)]
 
@@ -324,22 +422,29 @@ class InputProcessor:
         from dfllm.multimodal import image_hash, load_image
 
         if not self.embeds_images:
-            raise InvalidRequestError(f"prompt {i}: multi_modal_data: {self.model_name} is a text-only "
-                                      "model; image embeddings need an image-text model (CLIP, SigLIP)",
-                                      parameter="multi_modal_data")
+            raise InvalidRequestError(
+                f"prompt {i}: multi_modal_data: {self.model_name} is a text-only "
+                "model; image embeddings need an image-text model (CLIP, SigLIP)",
+                parameter="multi_modal_data",
+            )
         mm = item["multi_modal_data"]
         if not isinstance(mm, dict) or set(mm) != {"image"}:
-            raise ValueError(f"prompt {i}: multi_modal_data must be {{'image': image}}, got "
-                             f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}")
+            raise ValueError(
+                f"prompt {i}: multi_modal_data must be {{'image': image}}, got "
+                f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}"
+            )
         image = mm["image"]
         if isinstance(image, (list, tuple)):
             if len(image) != 1:
-                raise ValueError(f"prompt {i}: an embedding prompt takes one image, got {len(image)} "
-                                 "(at most 1 image per prompt)")
+                raise ValueError(
+                    f"prompt {i}: an embedding prompt takes one image, got {len(image)} (at most 1 image per prompt)"
+                )
             image = image[0]
         if item.get("prompt") or item.get("prompt_token_ids"):
-            raise ValueError(f"prompt {i}: embed text or an image, not both (give the image with an empty or "
-                             "absent prompt, and the text as a prompt of its own)")
+            raise ValueError(
+                f"prompt {i}: embed text or an image, not both (give the image with an empty or "
+                "absent prompt, and the text as a prompt of its own)"
+            )
         try:
             img = load_image(image)
         except ValueError as exc:  # ImageLoadError: what could not be read, and why
@@ -370,17 +475,21 @@ class InputProcessor:
         if isinstance(prompt, TokenizedPrompt):
             return TokenizedPrompt(prompt.prompt, check_token_ids(prompt.token_ids, what, self.vocab_size))
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return TokenizedPrompt(prompt.get("prompt"),
-                                   check_token_ids(prompt["prompt_token_ids"], what, self.vocab_size))
+            return TokenizedPrompt(
+                prompt.get("prompt"), check_token_ids(prompt["prompt_token_ids"], what, self.vocab_size)
+            )
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt" in prompt else prompt
         if isinstance(prompt, dict) and not isinstance(text, str) and "prompt" in prompt:
             raise InvalidRequestError(f"{what}: 'prompt' must be a str, got {type(text).__name__}")
         if not isinstance(text, str):
-            raise InvalidRequestError(f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', "
-                                      f"got {type(prompt).__name__}")
-        tokenizer = self._tokenizer("You cannot pass text prompts when `skip_tokenizer_init` is True "
-                                    f"({what}: this engine has no tokenizer; give {{\"prompt_token_ids\": [...]}})",
-                                    "prompt")
+            raise InvalidRequestError(
+                f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+            )
+        tokenizer = self._tokenizer(
+            "You cannot pass text prompts when `skip_tokenizer_init` is True "
+            f'({what}: this engine has no tokenizer; give {{"prompt_token_ids": [...]}})',
+            "prompt",
+        )
         ids = tokenizer.encode(check_unicode(text, what))
         return TokenizedPrompt(text, check_token_ids(ids, what, self.vocab_size))
 
@@ -389,27 +498,38 @@ class InputProcessor:
 def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
     """The token ids of a prompt as a list; :class:`~dfllm.errors.InvalidRequestError` naming
     it (``what``, e.g. "prompt 3") if they are not ints or one is outside the vocabulary."""
-    if not isinstance(ids, Seq) or isinstance(ids, str) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if (
+        not isinstance(ids, Seq)
+        or isinstance(ids, str)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
         raise InvalidRequestError(f"{what}: prompt_token_ids must be a list of ints", parameter="prompt_token_ids")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary ({what}: token id {bad[0]} is outside the "
-                                  f"model's vocabulary [0, {vocab_size}))", parameter="prompt_token_ids",
-                                  value=bad[0])
+        raise InvalidRequestError(
+            f"Token id {bad[0]} is out of vocabulary ({what}: token id {bad[0]} is outside the "
+            f"model's vocabulary [0, {vocab_size}))",
+            parameter="prompt_token_ids",
+            value=bad[0],
+        )
     return list(ids)
 
 
 def check_prompt_length(n: int, what: str, max_model_len: int | None) -> None:
     """Refuse an empty prompt, and one longer than ``max_model_len`` (unless None), naming ``what``."""
     if n == 0:  # e.g. an empty string without special tokens, or a chat template that rendered nothing
-        raise InvalidRequestError(f"Prompt cannot be empty. The decoder prompt cannot be empty ({what} is empty: "
-                                  "no tokens)", parameter="prompt")
+        raise InvalidRequestError(
+            f"Prompt cannot be empty. The decoder prompt cannot be empty ({what} is empty: no tokens)",
+            parameter="prompt",
+        )
     if max_model_len is not None and n > max_model_len:
         raise InvalidRequestError(
             f"The decoder prompt (length {n}) is longer than the maximum model length of {max_model_len}. "
             f"Make sure that `max_model_len` is no smaller than the number of text tokens. ({what} has {n} tokens, "
-            f"longer than max_model_len={max_model_len})", parameter="prompt", value=n)
+            f"longer than max_model_len={max_model_len})",
+            parameter="prompt",
+            value=n,
+        )
 
 
 def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, max_logprobs: int = -1) -> None:
@@ -422,7 +542,9 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
         raise InvalidRequestError(
             f"allowed_token_ids contains out-of-vocab token id! ({what}: token id(s) {allowed[:5]} in "
             f"allowed_token_ids are outside the model's vocabulary [0, {vocab_size}): out of vocabulary)",
-            parameter="allowed_token_ids", value=allowed)
+            parameter="allowed_token_ids",
+            value=allowed,
+        )
     for field in ("logit_bias", "stop_token_ids"):
         ids: set[int] = params.all_stop_token_ids if field == "stop_token_ids" else set(params.logit_bias or ())
         bad = sorted({t for t in ids if not 0 <= t < vocab_size})
@@ -430,7 +552,9 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
             raise InvalidRequestError(
                 f"token_id(s) {bad} in {field} contain out-of-vocab token ids. Vocabulary size: {vocab_size} "
                 f"({what}: token id(s) {bad[:5]} in {field} are outside the model's vocabulary [0, {vocab_size}))",
-                parameter=field, value=bad)
+                parameter=field,
+                value=bad,
+            )
     limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
     for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         asked = getattr(params, field, None)
@@ -439,12 +563,17 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
         k = vocab_size if asked == -1 else asked
         if k <= limit:
             continue
-        why = (f"{field}={asked} exceeds the model's vocabulary of {vocab_size} tokens (use -1 for all of them)"
-               if k > vocab_size else
-               f"{field}={asked} exceeds max_logprobs={max_logprobs} (raise it with LLM(max_logprobs=...); -1 "
-               "allows the whole vocabulary)")
-        raise InvalidRequestError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {limit} "
-                                  f"({what}: {why})", parameter=field, value=k)
+        why = (
+            f"{field}={asked} exceeds the model's vocabulary of {vocab_size} tokens (use -1 for all of them)"
+            if k > vocab_size
+            else f"{field}={asked} exceeds max_logprobs={max_logprobs} (raise it with LLM(max_logprobs=...); -1 "
+            "allows the whole vocabulary)"
+        )
+        raise InvalidRequestError(
+            f"Requested {kind} logprobs of {k}, which is greater than max allowed: {limit} ({what}: {why})",
+            parameter=field,
+            value=k,
+        )
 
 
 def score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
@@ -462,8 +591,7 @@ def score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
         if len(left) == 1 and len(right) > 1:
             left = left * len(right)
         if len(left) != len(right):
-            raise InvalidRequestError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and "
-                                      f"{len(right)}")
+            raise InvalidRequestError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and {len(right)}")
         return left, right
 
 
@@ -471,8 +599,10 @@ def _per_prompt(params, n: int, cls: type = SamplingParams, name: str = "samplin
     """One ``cls`` per prompt (see ``dfllm.inputs.per_prompt_params``); anything else (a
     PoolingParams for a SamplingParams, a dict) is refused by ``name``."""
     if params is not None and not isinstance(params, cls | list | tuple):
-        raise InvalidRequestError(f"{name} must be a {cls.__name__} or a list of them (one per prompt), "
-                                  f"got {type(params).__name__}", parameter=name)
+        raise InvalidRequestError(
+            f"{name} must be a {cls.__name__} or a list of them (one per prompt), got {type(params).__name__}",
+            parameter=name,
+        )
     return per_prompt_params(params, n, cls, name)
 
 

@@ -9,8 +9,9 @@ CPU_MEMORY_FRACTION = 0.25
 CPU_MAX_BYTES = 4 * 2**30
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    num_tensors: int = 2) -> int:
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_tensors: int = 2
+) -> int:
     """Bytes that one block holds across all layers: keys plus values (``num_tensors=2``), or
     keys only (1)."""
     return num_tensors * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
@@ -31,8 +32,16 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - (peak - current))
 
 
-def allocate(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype, device: torch.device, num_tensors: int = 2) -> torch.Tensor:
+def allocate(
+    num_blocks: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_tensors: int = 2,
+) -> torch.Tensor:
     """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` for all keys and values
     (``[1, ...]``, keys only, for ``num_tensors=1``).
 
@@ -41,8 +50,9 @@ def allocate(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: in
     are still multiplied by a zero attention weight and garbage there (uninitialised memory,
     or what a sequence whose output went NaN left behind) could be NaN.
     """
-    return torch.empty(num_tensors, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                       device=device)
+    return torch.empty(
+        num_tensors, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )
 
 
 def zero_blocks(kv: torch.Tensor, block_ids: list[int]) -> None:

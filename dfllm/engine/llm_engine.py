@@ -63,9 +63,17 @@ class LLMEngine:
     input and output processors. Its public methods are what ``LLM`` and the dataframe
     accessors use; nothing outside the engine touches its parts."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int], *,
-                 reasoning_parser: str | ReasoningParser | None = None, enable_in_reasoning: bool = False,
-                 limit_mm_per_prompt: dict | None = None, mm_processor_kwargs: dict | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: set[int],
+        *,
+        reasoning_parser: str | ReasoningParser | None = None,
+        enable_in_reasoning: bool = False,
+        limit_mm_per_prompt: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+    ):
         """``tokenizer`` is None under vLLM's ``skip_tokenizer_init=True``: prompts are token
         ids, outputs have empty text (see :class:`~dfllm.engine.input_processor.InputProcessor`).
         ``reasoning_parser`` (a :mod:`dfllm.reasoning` parser or its name) splits every output's text into
@@ -85,29 +93,56 @@ class LLMEngine:
         except BaseException:
             self.shutdown()  # a parallel engine's worker processes go with it
             raise
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s", num_blocks,
-                    cfg.block_size, num_blocks * cfg.block_size, num_blocks * self.runner.block_bytes / 2**20,
-                    str(cfg.kv_dtype).removeprefix("torch."), cfg.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s",
+            num_blocks,
+            cfg.block_size,
+            num_blocks * cfg.block_size,
+            num_blocks * self.runner.block_bytes / 2**20,
+            str(cfg.kv_dtype).removeprefix("torch."),
+            cfg.device,
+        )
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   enable_prefix_caching=cfg.enable_prefix_caching,
-                                   # on CPU, untouched cache memory costs nothing: reuse freed blocks first
-                                   reuse_first=cfg.device.type == "cpu", policy=cfg.scheduling_policy,
-                                   prefix_aware=cfg.prefix_aware_scheduling,
-                                   # blocks out of every layer's window are freed (the config refuses a
-                                   # window shorter than max_model_len for a model that does not honour it)
-                                   sliding_window=uniform_window(cfg.model),
-                                   max_loras=cfg.max_loras if cfg.enable_lora else None)
+        self.scheduler = Scheduler(
+            num_blocks,
+            cfg.block_size,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            # on CPU, untouched cache memory costs nothing: reuse freed blocks first
+            reuse_first=cfg.device.type == "cpu",
+            policy=cfg.scheduling_policy,
+            prefix_aware=cfg.prefix_aware_scheduling,
+            # blocks out of every layer's window are freed (the config refuses a
+            # window shorter than max_model_len for a model that does not honour it)
+            sliding_window=uniform_window(cfg.model),
+            max_loras=cfg.max_loras if cfg.enable_lora else None,
+        )
         # LoRA adapters (dfllm.lora): the CPU cache and the model's slots
-        self.lora: LoRAManager | None = LoRAManager(
-            cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, self.runner.set_lora_slot,
-            self.runner.lora_modules()) if cfg.enable_lora else None
+        self.lora: LoRAManager | None = (
+            LoRAManager(
+                cfg.model,
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                cfg.max_cpu_loras,
+                self.runner.set_lora_slot,
+                self.runner.lora_modules(),
+            )
+            if cfg.enable_lora
+            else None
+        )
         images = model_class(cfg.model).image_tokens(cfg.model, tokenizer)  # None: a text-only model
-        self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, cfg.max_model_len, eos_token_ids,
-                                              max_logprobs=cfg.max_logprobs, reasoning_parser=reasoning_parser,
-                                              mm=image_input_processor(cfg.model_path, images,
-                                                                       limit_per_prompt=limit_mm_per_prompt,
-                                                                       processor_kwargs=mm_processor_kwargs))
+        self.input_processor = InputProcessor(
+            tokenizer,
+            cfg.model.vocab_size,
+            cfg.max_model_len,
+            eos_token_ids,
+            max_logprobs=cfg.max_logprobs,
+            reasoning_parser=reasoning_parser,
+            mm=image_input_processor(
+                cfg.model_path, images, limit_per_prompt=limit_mm_per_prompt, processor_kwargs=mm_processor_kwargs
+            ),
+        )
         self.enable_in_reasoning = enable_in_reasoning
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
@@ -123,8 +158,15 @@ class LLMEngine:
         self.asleep: set[str] = set()  # which of "weights", "kv_cache" are released
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, request: EngineRequest, *, group: Hashable = None,
-                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        request: EngineRequest,
+        *,
+        group: Hashable = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Queue a checked request under ``request_id`` (unique among unfinished requests);
         its ``params.n`` sequences are scheduled independently. Under the ``"priority"``
         scheduling policy a lower ``priority`` runs earlier (vLLM's convention); under
@@ -136,9 +178,19 @@ class LLMEngine:
             lora_request = request.lora_request
         if lora_request is not None:
             self.check_lora(lora_request)
-        req = Request(request_id, request.prompt, list(request.prompt_token_ids), request.params,
-                      RequestMetrics(time.time()), group, request.grammar, request.bad_words_ids, priority,
-                      reasoning=request.reasoning, lora_request=lora_request)
+        req = Request(
+            request_id,
+            request.prompt,
+            list(request.prompt_token_ids),
+            request.params,
+            RequestMetrics(time.time()),
+            group,
+            request.grammar,
+            request.bad_words_ids,
+            priority,
+            reasoning=request.reasoning,
+            lora_request=lora_request,
+        )
         req.mm_inputs = request.mm_inputs
         key = _dedupe_key(req) if self.deduplicate else None
         leader = self.leaders.get(key) if key is not None else None
@@ -179,8 +231,11 @@ class LLMEngine:
         """Raise :class:`~dfllm.errors.InvalidRequestError` unless ``lora_request`` can run: LoRA
         is enabled and its adapter reads and fits the model (read into the CPU cache now)."""
         if self.lora is None:
-            raise InvalidRequestError(f"Got lora_request {lora_request!r} but LoRA is not enabled! (lora_request: "
-                                      "start the engine with enable_lora=True)", parameter="lora_request")
+            raise InvalidRequestError(
+                f"Got lora_request {lora_request!r} but LoRA is not enabled! (lora_request: "
+                "start the engine with enable_lora=True)",
+                parameter="lora_request",
+            )
         try:
             self.lora.check(lora_request)
         except LoRAAdapterError as exc:
@@ -213,8 +268,11 @@ class LLMEngine:
     def _activate_loras(self, seqs: list[Sequence]) -> None:
         """Put the adapters of a step's sequences into slots; each request learns its slot."""
         assert self.lora is not None
-        wanted = {s.request.lora_request.lora_int_id: s.request.lora_request
-                  for s in seqs if s.request.lora_request is not None}
+        wanted = {
+            s.request.lora_request.lora_int_id: s.request.lora_request
+            for s in seqs
+            if s.request.lora_request is not None
+        }
         slots = self.lora.activate(wanted)
         for s in seqs:
             lora = s.request.lora_request
@@ -262,12 +320,22 @@ class LLMEngine:
             for f in self.followers.pop(req.request_id, []):
                 del self.following[f.request_id]
                 f.metrics.first_token_time, f.metrics.finished_time = req.metrics.first_token_time, time.time()
-                outputs.append(replace(
-                    out, request_id=f.request_id, prompt=f.prompt, prompt_token_ids=f.prompt_token_ids,
-                    num_cached_tokens=len(f.prompt_token_ids) - 1, metrics=f.metrics,
-                    outputs=[replace(c, token_ids=list(c.token_ids)) for c in out.outputs]))
-                self.metrics.observe_finish(f.metrics.finished_time - f.metrics.arrival_time,
-                                            len(f.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                outputs.append(
+                    replace(
+                        out,
+                        request_id=f.request_id,
+                        prompt=f.prompt,
+                        prompt_token_ids=f.prompt_token_ids,
+                        num_cached_tokens=len(f.prompt_token_ids) - 1,
+                        metrics=f.metrics,
+                        outputs=[replace(c, token_ids=list(c.token_ids)) for c in out.outputs],
+                    )
+                )
+                self.metrics.observe_finish(
+                    f.metrics.finished_time - f.metrics.arrival_time,
+                    len(f.prompt_token_ids),
+                    sum(len(c.token_ids) for c in out.outputs),
+                )
         return outputs
 
     def _step(self) -> list[Request]:
@@ -314,22 +382,31 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self._forget_leader(req)
                 req.metrics.finished_time = now
-                self.metrics.observe_finish(now - req.metrics.arrival_time, len(req.prompt_token_ids),
-                                            sum(s.num_output_tokens for s in req.seqs))
+                self.metrics.observe_finish(
+                    now - req.metrics.arrival_time,
+                    len(req.prompt_token_ids),
+                    sum(s.num_output_tokens for s in req.seqs),
+                )
                 finished.append(req)
         return finished
 
     def _observe(self, sched: SchedulerOutput, before: SchedulerStats) -> None:
         now = self.scheduler.stats()
-        self.metrics.observe_step(now.num_running, now.num_waiting, now.kv_cache_usage, sched.num_preempted,
-                                  now.prefix_cache_queries - before.prefix_cache_queries,
-                                  now.prefix_cache_hits - before.prefix_cache_hits)
+        self.metrics.observe_step(
+            now.num_running,
+            now.num_waiting,
+            now.kv_cache_usage,
+            sched.num_preempted,
+            now.prefix_cache_queries - before.prefix_cache_queries,
+            now.prefix_cache_hits - before.prefix_cache_hits,
+        )
 
     # ---- recovery after a step that raised -------------------------------------------------
     def _recover(self, exc: Exception, rerun: Collection[Hashable] | None) -> list[RequestOutput]:
         dropped = self._drop_all()
-        logger.warning("an engine step failed (%r): re-running %d unfinished requests, one group at a time",
-                       exc, len(dropped))
+        logger.warning(
+            "an engine step failed (%r): re-running %d unfinished requests, one group at a time", exc, len(dropped)
+        )
         groups: dict[Hashable, list[Request]] = {}
         later: list[Request] = []
         for req in dropped:
@@ -345,8 +422,12 @@ class LLMEngine:
                 failed = self._drop_all()
                 if requests[0].group is not None:
                     self.failures[group] = failure
-                outputs += [self.output_processor.error_output(
-                    req, f"the engine failed while serving request {req.request_id}: {failure!r}") for req in failed]
+                outputs += [
+                    self.output_processor.error_output(
+                        req, f"the engine failed while serving request {req.request_id}: {failure!r}"
+                    )
+                    for req in failed
+                ]
         for req in later:
             self._requeue(req)
         return outputs
@@ -379,10 +460,22 @@ class LLMEngine:
     def _requeue(self, req: Request) -> None:
         """``req`` queued again from scratch, with fresh sequences (and fresh seeded generators,
         so a greedy or seeded request gives the output it would have had)."""
-        self._queue(Request(req.request_id, req.prompt, req.prompt_token_ids, req.params,
-                            RequestMetrics(req.metrics.arrival_time), req.group, req.grammar, req.bad_words_ids,
-                            req.priority, reasoning=req.reasoning, lora_request=req.lora_request,
-                            mm_inputs=req.mm_inputs))
+        self._queue(
+            Request(
+                req.request_id,
+                req.prompt,
+                req.prompt_token_ids,
+                req.params,
+                RequestMetrics(req.metrics.arrival_time),
+                req.group,
+                req.grammar,
+                req.bad_words_ids,
+                req.priority,
+                reasoning=req.reasoning,
+                lora_request=req.lora_request,
+                mm_inputs=req.mm_inputs,
+            )
+        )
 
     def _queue(self, req: Request) -> None:
         params = req.params
@@ -394,8 +487,9 @@ class LLMEngine:
             if params.prompt_logprobs is not None and i == 0:
                 seq.prompt_logprobs = [None]
             if req.grammar is not None:  # engaged after the reasoning, unless it is constrained too
-                seq.grammar = req.grammar.matcher(None if self.enable_in_reasoning else req.reasoning,
-                                                  req.prompt_token_ids)
+                seq.grammar = req.grammar.matcher(
+                    None if self.enable_in_reasoning else req.reasoning, req.prompt_token_ids
+                )
             self.output_processor.start(seq)
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -404,8 +498,10 @@ class LLMEngine:
     # ---- sleep mode and caches -------------------------------------------------------
     def check_awake(self) -> None:
         if self.asleep:
-            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}, released: "
-                               f"{', '.join(sorted(self.asleep))}); call wake_up() first")
+            raise RuntimeError(
+                f"the engine is asleep (level {self.sleep_level}, released: "
+                f"{', '.join(sorted(self.asleep))}); call wake_up() first"
+            )
 
     def sleep(self, level: int) -> None:
         """Release the KV cache, and the weights (to host memory at level 1, entirely at 2)."""
@@ -429,8 +525,9 @@ class LLMEngine:
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
         unknown = set(tags) - {"weights", "kv_cache", "scheduling"}
         if unknown:
-            raise ValueError(f"wake_up tags must be among 'weights', 'kv_cache' and 'scheduling', got "
-                             f"{sorted(unknown)}")
+            raise ValueError(
+                f"wake_up tags must be among 'weights', 'kv_cache' and 'scheduling', got {sorted(unknown)}"
+            )
         if "weights" in tags and "weights" in self.asleep:
             if self.sleep_level == 1:
                 self.runner.onload_weights()
@@ -467,6 +564,7 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         return True
 
+
 def _dedupe_key(req: Request) -> Hashable | None:
     """What identical deterministic requests share (prompt tokens, every sampling parameter,
     banned words, how their text is split into reasoning and answer, their images); None for a request
@@ -474,10 +572,14 @@ def _dedupe_key(req: Request) -> Hashable | None:
     params = req.params
     if not (params.is_greedy or params.seed is not None):
         return None
-    return (tuple(req.prompt_token_ids), repr(params), req.bad_words_ids,
-            None if req.reasoning is None else req.reasoning.key,
-            None if req.mm_inputs is None else req.mm_inputs.keys,
-            None if req.lora_request is None else ("lora", req.lora_request.lora_int_id))
+    return (
+        tuple(req.prompt_token_ids),
+        repr(params),
+        req.bad_words_ids,
+        None if req.reasoning is None else req.reasoning.key,
+        None if req.mm_inputs is None else req.mm_inputs.keys,
+        None if req.lora_request is None else ("lora", req.lora_request.lora_int_id),
+    )
 
 
 def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
@@ -487,5 +589,7 @@ def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
     bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
     if not bad:
         return {}
-    return {i: "NaN" if bool(logits[i].isnan().any()) else "+inf" if bool(logits[i].isposinf().any())
-            else "no finite value" for i in bad}
+    return {
+        i: "NaN" if bool(logits[i].isnan().any()) else "+inf" if bool(logits[i].isposinf().any()) else "no finite value"
+        for i in bad
+    }

@@ -65,8 +65,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: s
             pack.add_ints("allowed_ids", p.allowed_token_ids)
             allowed_rows.append(i)
         for word in seq.request.bad_words_ids:  # its last token, once the others were just generated
-            if len(word) == 1 or (seq.num_output_tokens >= len(word) - 1
-                                  and tuple(seq.output_token_ids[-(len(word) - 1):]) == word[:-1]):
+            if len(word) == 1 or (
+                seq.num_output_tokens >= len(word) - 1 and tuple(seq.output_token_ids[-(len(word) - 1) :]) == word[:-1]
+            ):
                 pack.add_ints("bad_rows", [i])
                 pack.add_ints("bad_ids", [word[-1]])
         if p.repetition_penalty != 1.0:
@@ -107,8 +108,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: s
     if "counted_rows" in t:
         rows = t["counted_rows"]
         counts = torch.zeros(len(counted_rows), vocab, dtype=logits.dtype, device=logits.device)
-        counts.index_put_((t["count_at"], t["count_ids"]), torch.ones_like(t["count_ids"], dtype=logits.dtype),
-                          accumulate=True)
+        counts.index_put_(
+            (t["count_at"], t["count_ids"]), torch.ones_like(t["count_ids"], dtype=logits.dtype), accumulate=True
+        )
         present = (counts > 0).to(logits.dtype)
         logits[rows] -= t["frequency"].unsqueeze(1) * counts + t["presence"].unsqueeze(1) * present
     if "min_rows" in t:

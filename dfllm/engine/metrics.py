@@ -57,18 +57,22 @@ class EngineMetrics:
         self.preemptions = counter("dfllm_num_preemptions", "Sequences preempted for lack of KV blocks")
         self.prefix_queries = counter("dfllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("dfllm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.deduplicated = counter("dfllm_deduplicated_requests",
-                                    "Requests answered with the output of an identical deterministic request")
+        self.deduplicated = counter(
+            "dfllm_deduplicated_requests", "Requests answered with the output of an identical deterministic request"
+        )
         self.ttft = histogram("dfllm_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.tpot = histogram("dfllm_time_per_output_token_seconds", "Time between output tokens", TOKEN_BUCKETS)
         self.e2e = histogram("dfllm_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
-        self.request_prompt = histogram("dfllm_request_prompt_tokens", "Prompt tokens per finished request",
-                                        LENGTH_BUCKETS)
-        self.request_generation = histogram("dfllm_request_generation_tokens",
-                                            "Generated tokens per finished request", LENGTH_BUCKETS)
+        self.request_prompt = histogram(
+            "dfllm_request_prompt_tokens", "Prompt tokens per finished request", LENGTH_BUCKETS
+        )
+        self.request_generation = histogram(
+            "dfllm_request_generation_tokens", "Generated tokens per finished request", LENGTH_BUCKETS
+        )
 
-    def observe_step(self, num_running: int, num_waiting: int, kv_usage: float, preempted: int,
-                     prefix_queries: int, prefix_hits: int) -> None:
+    def observe_step(
+        self, num_running: int, num_waiting: int, kv_usage: float, preempted: int, prefix_queries: int, prefix_hits: int
+    ) -> None:
         """Gauges after a step, and the counters it advanced."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)

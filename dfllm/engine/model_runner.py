@@ -38,8 +38,9 @@ class ModelRunner:
     them, and the KV cache of those (``dfllm.engine.executor`` drives such runners).
     """
 
-    def __init__(self, cfg: EngineConfig, *, device: torch.device | None = None,
-                 parallel: ParallelContext | None = None):
+    def __init__(
+        self, cfg: EngineConfig, *, device: torch.device | None = None, parallel: ParallelContext | None = None
+    ):
         self.cfg, self.spec = cfg, cfg.model
         self.dtype = cfg.dtype
         self.device = cfg.device if device is None else device
@@ -92,9 +93,13 @@ class ModelRunner:
         if self.cfg.enable_lora:  # empty adapter slots beside the adapted projections
             from dfllm.lora.layers import attach_lora
 
-            self.lora_slots = attach_lora(model, self.cfg.max_loras, self.cfg.max_lora_rank,
-                                          None if self.parallel is None else self.parallel.tp,
-                                          triton=self.ops.name == "triton")
+            self.lora_slots = attach_lora(
+                model,
+                self.cfg.max_loras,
+                self.cfg.max_lora_rank,
+                None if self.parallel is None else self.parallel.tp,
+                triton=self.ops.name == "triton",
+            )
         return model.eval()
 
     # ---- LoRA adapters (dfllm.lora) ----------------------------------------------------
@@ -103,8 +108,11 @@ class ModelRunner:
         ``slot`` of this rank's layers, each sharded as its base layer."""
         for layer, projections in self.lora_slots.items():
             for slots in projections.values():
-                weights = {} if adapter is None else {
-                    p: adapter.weights[(layer, p)] for p in slots.parts if (layer, p) in adapter.weights}
+                weights = (
+                    {}
+                    if adapter is None
+                    else {p: adapter.weights[(layer, p)] for p in slots.parts if (layer, p) in adapter.weights}
+                )
                 slots.set_slot(slot, weights)
 
     def lora_modules(self) -> set[str]:
@@ -141,9 +149,14 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return kv_memory.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                         self.cfg.kv_dtype,
-                                         self.kv_layout.num_tensors)
+        return kv_memory.bytes_per_block(
+            self.num_layers,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.cfg.kv_dtype,
+            self.kv_layout.num_tensors,
+        )
 
     def plan_num_blocks(self) -> int:
         """How many KV blocks to allocate: ``kv_cache_memory_bytes`` of them when configured,
@@ -162,8 +175,16 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._drop_graphs()
-        self.kv = kv_memory.allocate(num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
-                                    self.head_dim, self.cfg.kv_dtype, self.device, self.kv_layout.num_tensors)
+        self.kv = kv_memory.allocate(
+            num_blocks,
+            self.num_layers,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.cfg.kv_dtype,
+            self.device,
+            self.kv_layout.num_tensors,
+        )
         self._attach(self.kv)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
@@ -193,9 +214,16 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        meta = attention_metadata(torch.arange(num_tokens), [PrefillSpan(0, num_tokens, num_tokens, None)], [],
-                                  [0, num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size,
-                                  self.device)
+        meta = attention_metadata(
+            torch.arange(num_tokens),
+            [PrefillSpan(0, num_tokens, num_tokens, None)],
+            [],
+            [0, num_tokens],
+            [num_tokens],
+            [list(range(num_blocks))],
+            self.block_size,
+            self.device,
+        )
         if self.parallel is not None:
             execute_step(self, [StepInputs(ids, pos, meta, torch.tensor([num_tokens - 1], device=self.device), [])])
         else:
@@ -257,16 +285,22 @@ class ModelRunner:
         sizes = self.cfg.cudagraph_capture_sizes
         if capture and (self.cfg.enforce_eager or not sizes or self.cfg.enable_lora):  # LoRA steps run eagerly
             return None
-        reason = unsupported_reason(model, device=self.device if capture else None, ops_name=self.ops.name,
-                                    parallel=self.parallel, quantization=self.cfg.quantization)
+        reason = unsupported_reason(
+            model,
+            device=self.device if capture else None,
+            ops_name=self.ops.name,
+            parallel=self.parallel,
+            quantization=self.cfg.quantization,
+        )
         sizes = sizes or (1,)
         if reason is not None:
             if self.device.type == "cuda" and capture:
                 logger.info("CUDA graphs off: %s; decode steps run eagerly", reason)
             return None
         try:
-            self.decode_graphs = CudaGraphRunner(model, sizes, self.block_size, self.max_model_len, self.device,
-                                                 capture=capture)
+            self.decode_graphs = CudaGraphRunner(
+                model, sizes, self.block_size, self.max_model_len, self.device, capture=capture
+            )
         except Exception as exc:  # noqa: BLE001  (a failed capture costs speed, not results)
             logger.warning("CUDA graph capture failed, decode steps run eagerly: %s: %s", type(exc).__name__, exc)
             _release_device_memory(self.device)
@@ -281,8 +315,9 @@ class ModelRunner:
         self._graphs_set_up = False
 
     # ---- RPC and lifecycle ------------------------------------------------------------
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         """``method`` (a method name, or a callable taking the runner first) on this runner;
         its one result in a list. ``TimeoutError`` if it has not returned after ``timeout`` s."""
         return [call_with_timeout(rpc_target(self, method), timeout, args, kwargs or {})]

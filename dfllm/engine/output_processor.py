@@ -30,8 +30,13 @@ logger = logging.getLogger("dfllm")
 class OutputProcessor:
     """Appends sampled tokens, detokenizes, and makes every stop and finish decision."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int], max_model_len: int,
-                 metrics: EngineMetrics):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        metrics: EngineMetrics,
+    ):
         """``tokenizer`` is None without one (``skip_tokenizer_init``): the input processor then
         gives every request ``detokenize=False``, so nothing here decodes."""
         self.tokenizer = tokenizer
@@ -50,8 +55,9 @@ class OutputProcessor:
         ended = []
         for seq, tok in zip(seqs, sampled):
             if isinstance(tok, str):
-                seq.error = (f"the model produced non-finite logits ({tok}) "
-                             f"at output token {seq.num_output_tokens} (0-based)")
+                seq.error = (
+                    f"the model produced non-finite logits ({tok}) at output token {seq.num_output_tokens} (0-based)"
+                )
                 logger.warning("request %s: %s", seq.request.request_id, seq.error)
                 seq.finish_reason = "error"
             else:
@@ -82,8 +88,9 @@ class OutputProcessor:
         p = seq.params
         if seq.grammar is not None:
             if not seq.grammar.accept(token, seq.token_ids):  # the mask allows only accepted tokens: a bug if reached
-                logger.error("structured outputs: the grammar rejected token %d of request %s", token,
-                             seq.request.request_id)
+                logger.error(
+                    "structured outputs: the grammar rejected token %d of request %s", token, seq.request.request_id
+                )
                 return "stop", None
             if seq.grammar.terminated:  # complete, and a stop token accepted: done whatever ignore_eos says
                 return "stop", None
@@ -138,8 +145,11 @@ class OutputProcessor:
                 continue
             target = target_ids[i]
             top = [(target, row[0], int(row[1]))]  # the prompt token first, as in vLLM
-            top += [(int(t), v, r + 1) for r, (v, t) in enumerate(zip(row[2 : 2 + width], row[2 + width :]))
-                    if int(t) != target]
+            top += [
+                (int(t), v, r + 1)
+                for r, (v, t) in enumerate(zip(row[2 : 2 + width], row[2 + width :]))
+                if int(t) != target
+            ]
             seq.prompt_logprobs.append(self._logprobs(top, seq.params.detokenize))
 
     def _logprob_dict(self, tok: SampledToken, detokenize: bool) -> dict[int, Logprob]:
@@ -147,8 +157,11 @@ class OutputProcessor:
         return self._logprobs(tok.top, detokenize)
 
     def _logprobs(self, top: list[tuple[int, float, int]], detokenize: bool) -> dict[int, Logprob]:
-        texts = (self.tokenizer.batch_decode([[t] for t, _, _ in top]) if detokenize and self.tokenizer is not None
-                 else [None] * len(top))
+        texts = (
+            self.tokenizer.batch_decode([[t] for t, _, _ in top])
+            if detokenize and self.tokenizer is not None
+            else [None] * len(top)
+        )
         return {t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(top, texts)}
 
     # ---- outputs ---------------------------------------------------------------------
@@ -159,30 +172,54 @@ class OutputProcessor:
         outs = []
         for s in req.seqs:
             reasoning, text = _split(req, s.text)
-            outs.append(CompletionOutput(
-                index=s.index,
-                text=text,
-                token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                structured_output_complete=None if s.grammar is None else (
-                    s.grammar.rejected is None and s.grammar.completed and not isinstance(s.stop_reason, str)
-                    and s.finish_reason != "error"),
-                error=s.error,
-                reasoning_content=reasoning,
-            ))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             req.num_cached_tokens, req.metrics,
-                             prompt_logprobs=req.seqs[0].prompt_logprobs if req.seqs else None)
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=text,
+                    token_ids=s.output_token_ids,
+                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                    logprobs=s.logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    structured_output_complete=None
+                    if s.grammar is None
+                    else (
+                        s.grammar.rejected is None
+                        and s.grammar.completed
+                        and not isinstance(s.stop_reason, str)
+                        and s.finish_reason != "error"
+                    ),
+                    error=s.error,
+                    reasoning_content=reasoning,
+                )
+            )
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            req.is_finished,
+            req.num_cached_tokens,
+            req.metrics,
+            prompt_logprobs=req.seqs[0].prompt_logprobs if req.seqs else None,
+        )
 
     @staticmethod
     def error_output(req: Request, message: str) -> RequestOutput:
         """The ``RequestOutput`` of a request that failed as a whole: each of its ``n``
         completions empty, with ``finish_reason="error"`` and ``message``."""
-        outs = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
-                                 finish_reason="error", error=message) for i in range(req.params.n)]
+        outs = [
+            CompletionOutput(
+                index=i,
+                text="",
+                token_ids=[],
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason="error",
+                error=message,
+            )
+            for i in range(req.params.n)
+        ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, 0, req.metrics)
 
 
@@ -199,7 +236,7 @@ def _ended_group(seq: Sequence) -> tuple[int, ...] | None:
     """The first ``stop_token_ids`` group that the output tokens now end with, if any."""
     out = seq.output_token_ids
     for group in seq.params.stop_token_groups:
-        if len(out) >= len(group) and tuple(out[-len(group):]) == group:
+        if len(out) >= len(group) and tuple(out[-len(group) :]) == group:
             return group
     return None
 

@@ -76,8 +76,10 @@ def _receive_hidden(runner: Stage, mb: StepInputs, i: int) -> tuple[torch.Tensor
         return None
     shape = (mb.input_ids.numel(), runner.spec.hidden_size)
     pp, src = _pipeline(ctx), ctx.pp_rank - 1
-    return (pp.recv(shape, runner.dtype, runner.device, src, 2 * i),
-            pp.recv(shape, runner.dtype, runner.device, src, 2 * i + 1))
+    return (
+        pp.recv(shape, runner.dtype, runner.device, src, 2 * i),
+        pp.recv(shape, runner.dtype, runner.device, src, 2 * i + 1),
+    )
 
 
 def _logits(runner: Stage, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

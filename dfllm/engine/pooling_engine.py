@@ -92,27 +92,43 @@ class PoolingEngine:
         # RoBERTa reads fewer tokens than max_position_embeddings (its positions start after the pad id)
         self.max_input_tokens: int | None = getattr(self.model, "max_input_tokens", None)
         # LoRA adapters (decoders with enable_lora): the CPU cache and the model's slots, as LLMEngine's
-        self.lora: LoRAManager | None = LoRAManager(
-            cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, self.runner.set_lora_slot,
-            self.runner.lora_modules()) if self.is_decoder and cfg.enable_lora else None
+        self.lora: LoRAManager | None = (
+            LoRAManager(
+                cfg.model,
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                cfg.max_cpu_loras,
+                self.runner.set_lora_slot,
+                self.runner.lora_modules(),
+            )
+            if self.is_decoder and cfg.enable_lora
+            else None
+        )
         limit = min(n for n in (cfg.max_model_len, pooler.max_length, self.max_input_tokens) if n)
-        self.input_processor = InputProcessor(tokenizer, cfg.model.vocab_size, limit, set(),
-                                              embeds_images=self.image_text, model_name=cfg.model_path.name)
+        self.input_processor = InputProcessor(
+            tokenizer, cfg.model.vocab_size, limit, set(), embeds_images=self.image_text, model_name=cfg.model_path.name
+        )
 
     def check_lora(self, lora_request: LoRARequest, where: str = "lora_request") -> None:
         """Raise :class:`~dfllm.errors.InvalidRequestError` naming ``lora_request`` unless it can
         run: a decoder started with ``enable_lora=True``, and an adapter that reads and fits."""
         if not self.is_decoder:
-            raise InvalidRequestError(f"{where}: {lora_request!r}: this is an encoder pooling model "
-                                      f"({', '.join(self.cfg.model.architectures)}), which takes no LoRA adapters; "
-                                      "adapters are served for decoders run with runner='pooling'",
-                                      parameter="lora_request")
+            raise InvalidRequestError(
+                f"{where}: {lora_request!r}: this is an encoder pooling model "
+                f"({', '.join(self.cfg.model.architectures)}), which takes no LoRA adapters; "
+                "adapters are served for decoders run with runner='pooling'",
+                parameter="lora_request",
+            )
         if self.lora is None:
-            raise InvalidRequestError(f"Got lora_request {lora_request!r} but LoRA is not enabled! ({where}: "
-                                      "start the engine with enable_lora=True)", parameter="lora_request")
+            raise InvalidRequestError(
+                f"Got lora_request {lora_request!r} but LoRA is not enabled! ({where}: "
+                "start the engine with enable_lora=True)",
+                parameter="lora_request",
+            )
         if not isinstance(lora_request, LoRARequest):
-            raise InvalidRequestError(f"{where}: expected a LoRARequest or None, got {type(lora_request).__name__}",
-                                      parameter="lora_request")
+            raise InvalidRequestError(
+                f"{where}: expected a LoRARequest or None, got {type(lora_request).__name__}", parameter="lora_request"
+            )
         try:
             self.lora.check(lora_request)
         except LoRAAdapterError as exc:
@@ -132,8 +148,9 @@ class PoolingEngine:
         return -(-max(cfg.max_num_batched_tokens, cfg.max_model_len) // bs) + cfg.max_num_seqs
 
     # ---- batching ---------------------------------------------------------------------
-    def encode(self, requests: list[PoolingRequest], task: str, on_batch=None,
-               loras: list[LoRARequest | None] | None = None) -> list[torch.Tensor]:
+    def encode(
+        self, requests: list[PoolingRequest], task: str, on_batch=None, loras: list[LoRARequest | None] | None = None
+    ) -> list[torch.Tensor]:
         """Run ``task`` over checked requests (token ids, and images of an image-text model);
         one CPU tensor per request, in input order. ``loras``: each text prompt's LoRA adapter
         (None: the base model), checked already (:meth:`check_lora`)."""
@@ -143,8 +160,9 @@ class PoolingEngine:
         results: list[torch.Tensor | None] = [None] * len(prompts)
         images = [i for i, r in enumerate(requests) if r.image is not None]
         if images:
-            embedded = self.encode_images([cast(ImagePrompt, requests[i].image) for i in images],
-                                          [params[i] for i in images], task)
+            embedded = self.encode_images(
+                [cast(ImagePrompt, requests[i].image) for i in images], [params[i] for i in images], task
+            )
             for i, out in zip(images, embedded):
                 results[i] = out
             if on_batch is not None:
@@ -154,8 +172,9 @@ class PoolingEngine:
         for batch in self._batches(order, prompts, loras):
             types = [requests[i].token_type_ids for i in batch]
             batch_loras = [loras[i] for i in batch] if loras is not None else None
-            for i, out in zip(batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch],
-                                               batch_loras)):
+            for i, out in zip(
+                batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch], batch_loras)
+            ):
                 results[i] = out
             if on_batch is not None:
                 on_batch(len(batch))
@@ -166,15 +185,18 @@ class PoolingEngine:
         """Embeddings of ``images`` (``task`` "embed"): each distinct image encoded once, and
         not at all when its features are cached from an earlier call."""
         if not self.image_text or task != "embed":
-            raise ValueError(f"{task} takes no images" if self.image_text else
-                             "this model takes no images (multi_modal_data): it embeds text only")
+            raise ValueError(
+                f"{task} takes no images"
+                if self.image_text
+                else "this model takes no images (multi_modal_data): it embeds text only"
+            )
         cache, first = self._image_cache, {im.hash: im.image for im in images}
         missing = [h for h in first if h not in cache]
         self.image_stats["reused"] += len(images) - len(missing)
         self.image_stats["encoded"] += len(missing)
         embed = cast(Any, self.model).image_features
         for start in range(0, len(missing), self.cfg.max_num_seqs):
-            chunk = missing[start: start + self.cfg.max_num_seqs]
+            chunk = missing[start : start + self.cfg.max_num_seqs]
             pixels = self.image_processor(images=[_rgb(first[h]) for h in chunk], return_tensors="pt")["pixel_values"]
             feats = embed(pixels.to(self.cfg.device, self.cfg.dtype)).float().cpu()
             for h, f in zip(chunk, feats):
@@ -201,9 +223,11 @@ class PoolingEngine:
             longest = len(prompts[batch[0]]) if batch else len(prompts[i])
             lora = loras[i] if loras is not None else None
             new_adapter = lora is not None and lora.lora_int_id not in adapters
-            if batch and ((len(batch) + 1) * longest > self.cfg.max_num_batched_tokens
-                          or len(batch) >= self.cfg.max_num_seqs
-                          or (new_adapter and len(adapters) >= self.cfg.max_loras)):
+            if batch and (
+                (len(batch) + 1) * longest > self.cfg.max_num_batched_tokens
+                or len(batch) >= self.cfg.max_num_seqs
+                or (new_adapter and len(adapters) >= self.cfg.max_loras)
+            ):
                 yield batch
                 batch, adapters = [], set()
             batch.append(i)
@@ -214,8 +238,9 @@ class PoolingEngine:
 
     # ---- one batch --------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, prompts, types, task: str, params: list[PoolingParams],
-             loras: list[LoRARequest | None] | None = None) -> list[torch.Tensor]:
+    def _run(
+        self, prompts, types, task: str, params: list[PoolingParams], loras: list[LoRARequest | None] | None = None
+    ) -> list[torch.Tensor]:
         hidden, valid = self._hidden(prompts, types, loras)
         if task == "token_embed":
             return self._token_embed(hidden, prompts, params)
@@ -226,13 +251,15 @@ class PoolingEngine:
             logits = (classify(hidden, valid) if self.is_decoder else classify(hidden)).float()  # type: ignore[call-arg]
             return [_activate(row, p.use_activation) for row, p in zip(logits.cpu(), params)]
         pool_text = getattr(self.model, "pool_text", None)  # CLIP/SigLIP: their own token, then a projection
-        pooled = (pool(hidden, valid, self.pooler.pooling_type) if pool_text is None
-                  else pool_text(hidden, prompts)).float()
+        pooled = (
+            pool(hidden, valid, self.pooler.pooling_type) if pool_text is None else pool_text(hidden, prompts)
+        ).float()
         normed = normalize(pooled)
         return [(normed[i] if _wants_norm(p, self.pooler) else pooled[i]).cpu() for i, p in enumerate(params)]
 
-    def _token_embed(self, hidden: torch.Tensor, prompts: list[list[int]],
-                     params: list[PoolingParams]) -> list[torch.Tensor]:
+    def _token_embed(
+        self, hidden: torch.Tensor, prompts: list[list[int]], params: list[PoolingParams]
+    ) -> list[torch.Tensor]:
         """One vector per token: the hidden states, or a ColBERT head's projections of them
         (less the first ``token_skip`` tokens), normalised by default when there is a head."""
         head = getattr(self.model, "token_head", None)
@@ -240,13 +267,14 @@ class PoolingEngine:
         vectors = (head(hidden) if head is not None else hidden).float()
         out = []
         for i, (p, param) in enumerate(zip(prompts, params)):
-            v = vectors[i, skip: len(p)]
+            v = vectors[i, skip : len(p)]
             wanted = param.normalize if param.normalize is not None else head is not None
             out.append((normalize(v) if wanted else v).cpu())
         return out
 
-    def _hidden(self, prompts: list[list[int]], types,
-                loras: list[LoRARequest | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(
+        self, prompts: list[list[int]], types, loras: list[LoRARequest | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token hidden states ``[batch, longest, h]`` (right-padded) and the valid mask."""
         dev = self.cfg.device
         longest = len(prompts[0])
@@ -272,8 +300,9 @@ class PoolingEngine:
             by_id[lid] = replace(_POOL_REQUEST, seqs=[], lora_request=lora, lora_slot=slots[lid])
         return [by_id[None if lora is None else lora.lora_int_id] for lora in loras]
 
-    def _decoder_hidden(self, prompts: list[list[int]], longest: int,
-                        loras: list[LoRARequest | None] | None = None) -> torch.Tensor:
+    def _decoder_hidden(
+        self, prompts: list[list[int]], longest: int, loras: list[LoRARequest | None] | None = None
+    ) -> torch.Tensor:
         requests = self._lora_requests(loras) if loras is not None else [_POOL_REQUEST] * len(prompts)
         # prepare_inputs puts each adapter's rows together (by slot): give them in that order
         order = sorted(range(len(prompts)), key=lambda i: requests[i].lora_slot)

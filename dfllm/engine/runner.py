@@ -62,8 +62,9 @@ class Runner(Protocol):
         """Compute one step: the logits (float32, on the model's device) of the rows that sample, their
         sequences, and the logits of the prompt positions whose log-probabilities were asked for."""
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         """``method`` (a ``ModelRunner`` method name, or a callable taking the runner first) on
         every rank; one result per rank, rank 0 first."""
 

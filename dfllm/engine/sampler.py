@@ -119,8 +119,12 @@ class Sampler:
         if not rows:
             return argmax_rows_cpu(logits)
         probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
-        noise = race_noise(probs, [seqs[i].generator for i in rows], self.generator(logits.device),
-                           one_launch=logits.device.type != "cpu")
+        noise = race_noise(
+            probs,
+            [seqs[i].generator for i in rows],
+            self.generator(logits.device),
+            one_launch=logits.device.type != "cpu",
+        )
         drawn = argmax_rows_cpu(probs / noise)
         if len(rows) == len(seqs):
             return drawn
@@ -129,8 +133,9 @@ class Sampler:
         return chosen
 
 
-def race_noise(probs: torch.Tensor, generators: list[torch.Generator | None], engine: torch.Generator,
-               one_launch: bool) -> torch.Tensor:
+def race_noise(
+    probs: torch.Tensor, generators: list[torch.Generator | None], engine: torch.Generator, one_launch: bool
+) -> torch.Tensor:
     """The ``q ~ Exp(1)`` of the exponential race, one row per row of ``probs``: a row with a
     generator of its own (a seeded request) draws from it, a whole row at a time, so its
     draws do not depend on the batch; the others draw from ``engine``. On the host each
@@ -186,8 +191,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _logprob_payload(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int],
-                     seqs: list[Sequence]) -> LogprobPayload:
+def _logprob_payload(
+    raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int], seqs: list[Sequence]
+) -> LogprobPayload:
     """The chosen tokens' raw log-probabilities and ranks, and each row's top-k (``raw``: the
     raw log-probabilities of ``rows``), all on the device."""
     chosen = raw.gather(1, _rows(token_ids.unsqueeze(1), rows))

@@ -81,10 +81,22 @@ class Scheduler:
     """Decides, step by step, which sequences run and how many tokens each computes; owns the
     block manager that maps their tokens to KV-cache blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 enable_prefix_caching: bool = True, reuse_first: bool = False, watermark: float = 0.01,
-                 policy: str = "fcfs", prefix_aware: bool = True, reserve_growth: bool = True,
-                 sliding_window: int | None = None, max_loras: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        enable_prefix_caching: bool = True,
+        reuse_first: bool = False,
+        watermark: float = 0.01,
+        policy: str = "fcfs",
+        prefix_aware: bool = True,
+        reserve_growth: bool = True,
+        sliding_window: int | None = None,
+        max_loras: int | None = None,
+    ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         self.policy = policy
@@ -154,8 +166,16 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         bm = self.bm
-        return SchedulerStats(bm.num_blocks, bm.num_free_blocks, len(self.waiting), len(self.running),
-                              self.num_preemptions, bm.prefix_queries, bm.prefix_hits, bm.usage)
+        return SchedulerStats(
+            bm.num_blocks,
+            bm.num_free_blocks,
+            len(self.waiting),
+            len(self.running),
+            self.num_preemptions,
+            bm.prefix_queries,
+            bm.prefix_hits,
+            bm.usage,
+        )
 
     def _schedule_once(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -228,7 +248,7 @@ class Scheduler:
         computing: set[int] = set()
         for seq in self.running:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                computing.update(self.bm.prompt_block_hashes(seq)[seq.num_hashed_blocks:])
+                computing.update(self.bm.prompt_block_hashes(seq)[seq.num_hashed_blocks :])
         return due + rest, computing
 
     def _growth(self, seq: Sequence) -> int:
@@ -270,7 +290,7 @@ class Scheduler:
                 continue  # its adapter would be one more than max_loras in the step: later
             wants_cache = not seq.block_table and not seq.needs_prompt_logprobs
             hits = self.bm.match_prefix(seq) if wants_cache else []
-            own = self.bm.prompt_block_hashes(seq)[len(hits):] if wants_cache and self.prefix_aware else []
+            own = self.bm.prompt_block_hashes(seq)[len(hits) :] if wants_cache and self.prefix_aware else []
             if own and own[0] in computing and not self._due(seq):
                 continue  # its next block is being computed for another sequence: hit it next step
             num_computed = len(hits) * self.bm.block_size

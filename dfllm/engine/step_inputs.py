@@ -115,9 +115,14 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     meta.decodes = _decode_batch(dec_rows, dec_seqs, device)
     if lora:  # each token row's adapter slot
         meta.lora = lora_metadata([s.request.lora_slot for s, n in scheduled for _ in range(n)], device)
-    return StepInputs(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
-                      torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device), sample_seqs,
-                      prompt_spans)
+    return StepInputs(
+        torch.tensor(ids, device=device),
+        torch.tensor(positions, device=device),
+        meta,
+        torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device),
+        sample_seqs,
+        prompt_spans,
+    )
 
 
 def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
@@ -131,13 +136,31 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
     m: AttentionMetadata = inputs.meta
     prefills = [replace(p, kv_slots=to(p.kv_slots)) for p in m.prefills]
     groups = [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in m.decode_groups]
-    decodes = None if m.decodes is None else DecodeBatch(*(to(x) for x in (m.decodes.rows, m.decodes.block_tables,
-                                                                           m.decodes.seq_lens)))
-    meta = replace(m, slot_mapping=to(m.slot_mapping), prefills=prefills, decode_groups=groups,
-                   query_start_loc=to(m.query_start_loc), seq_lens=to(m.seq_lens), block_tables=to(m.block_tables),
-                   decodes=decodes, lora=None if m.lora is None else m.lora.to(device))
-    return StepInputs(to(inputs.input_ids), to(inputs.positions), meta, to(inputs.logit_rows), inputs.sample_seqs,
-                      inputs.prompt_spans, move_mm(inputs.mm, device))
+    decodes = (
+        None
+        if m.decodes is None
+        else DecodeBatch(*(to(x) for x in (m.decodes.rows, m.decodes.block_tables, m.decodes.seq_lens)))
+    )
+    meta = replace(
+        m,
+        slot_mapping=to(m.slot_mapping),
+        prefills=prefills,
+        decode_groups=groups,
+        query_start_loc=to(m.query_start_loc),
+        seq_lens=to(m.seq_lens),
+        block_tables=to(m.block_tables),
+        decodes=decodes,
+        lora=None if m.lora is None else m.lora.to(device),
+    )
+    return StepInputs(
+        to(inputs.input_ids),
+        to(inputs.positions),
+        meta,
+        to(inputs.logit_rows),
+        inputs.sample_seqs,
+        inputs.prompt_spans,
+        move_mm(inputs.mm, device),
+    )
 
 
 def _slots(table: list[int], length: int, bs: int) -> torch.Tensor:
@@ -164,8 +187,10 @@ def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[Decod
         members = order[start : start + size]
         width = len(seqs[members[-1]].block_table)
         # padded as lists, then one tensor (a tensor per row cost 1.6 ms a step at 64 decodes)
-        tables = torch.tensor([seqs[m].block_table + [seqs[m].block_table[-1]] * (width - len(seqs[m].block_table))
-                               for m in members], dtype=torch.long)
+        tables = torch.tensor(
+            [seqs[m].block_table + [seqs[m].block_table[-1]] * (width - len(seqs[m].block_table)) for m in members],
+            dtype=torch.long,
+        )
         lens = torch.tensor([seqs[m].num_computed_tokens + 1 for m in members])
         mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
         groups.append(DecodeGroup(torch.tensor([rows[m] for m in members]), tables, mask))
@@ -178,14 +203,23 @@ def _decode_batch(rows: list[int], seqs: list[Sequence], device: torch.device) -
         return None
     width = max(len(s.block_table) for s in seqs)
     tables = [s.block_table + [s.block_table[-1]] * (width - len(s.block_table)) for s in seqs]
-    return DecodeBatch(torch.tensor(rows, dtype=torch.long, device=device),
-                       torch.tensor(tables, dtype=torch.int32, device=device),
-                       torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.int32, device=device))
+    return DecodeBatch(
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(tables, dtype=torch.int32, device=device),
+        torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.int32, device=device),
+    )
 
 
-def attention_metadata(slot_mapping: torch.Tensor, prefills: list[PrefillSpan], groups: list[DecodeGroup],
-                       qsl: list[int], seq_lens: list[int], tables: list[list[int]], bs: int,
-                       device: torch.device) -> AttentionMetadata:
+def attention_metadata(
+    slot_mapping: torch.Tensor,
+    prefills: list[PrefillSpan],
+    groups: list[DecodeGroup],
+    qsl: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    bs: int,
+    device: torch.device,
+) -> AttentionMetadata:
     """The metadata of a step, its tensors moved to ``device``."""
     width = max(len(t) for t in tables)
     block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
@@ -200,8 +234,13 @@ def attention_metadata(slot_mapping: torch.Tensor, prefills: list[PrefillSpan], 
     for g in groups:
         g.rows, g.block_tables, g.mask = to(g.rows), to(g.block_tables), to(g.mask)
     return AttentionMetadata(
-        slot_mapping=to(slot_mapping), prefills=prefills, decode_groups=groups,
+        slot_mapping=to(slot_mapping),
+        prefills=prefills,
+        decode_groups=groups,
         query_start_loc=to(torch.tensor(qsl, dtype=torch.int32)),
-        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), block_tables=to(block_tables), block_size=bs,
-        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])), max_seq_len=max(seq_lens),
+        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
+        block_tables=to(block_tables),
+        block_size=bs,
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+        max_seq_len=max(seq_lens),
     )

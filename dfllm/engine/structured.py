@@ -47,8 +47,9 @@ class GrammarCompiler:
         self._xgr = xgr
         self.stop_token_ids = sorted(stop_token_ids)
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=self.stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.cache: OrderedDict[tuple[str, str, bool], object] = OrderedDict()
         self.lock = threading.Lock()
@@ -96,12 +97,17 @@ class Grammar:
         self._xgr, self.compiled = xgr, compiled
         self.stop_token_ids, self.vocab_size = stop_token_ids, vocab_size
 
-    def matcher(self, reasoning: ReasoningParser | None = None, prompt_token_ids: list[int] | None = None
-                ) -> SequenceGrammar:
+    def matcher(
+        self, reasoning: ReasoningParser | None = None, prompt_token_ids: list[int] | None = None
+    ) -> SequenceGrammar:
         """A new sequence's matcher; with ``reasoning``, engaged once the reasoning ends (at
         once if ``prompt_token_ids`` end it)."""
-        return SequenceGrammar(self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids),
-                               self.vocab_size, reasoning, prompt_token_ids)
+        return SequenceGrammar(
+            self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids),
+            self.vocab_size,
+            reasoning,
+            prompt_token_ids,
+        )
 
 
 class SequenceGrammar:
@@ -114,8 +120,13 @@ class SequenceGrammar:
     with one, once the reasoning has ended: see the module docstring).
     """
 
-    def __init__(self, matcher, vocab_size: int, reasoning: ReasoningParser | None = None,
-                 prompt_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        matcher,
+        vocab_size: int,
+        reasoning: ReasoningParser | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ):
         self.matcher = matcher
         self.vocab_size = vocab_size  # logits past it (a padded head) are never allowed
         self.rejected: int | None = None
@@ -129,7 +140,8 @@ class SequenceGrammar:
         if not self.engaged:
             assert self.reasoning is not None  # engaged from the start without a parser
             self.engaged = self.reasoning.is_reasoning_end_streaming(
-                token_ids if token_ids is not None else [token_id], [token_id])
+                token_ids if token_ids is not None else [token_id], [token_id]
+            )
             return True
         ok = self.matcher.accept_token(token_id)
         if not ok:

@@ -64,8 +64,13 @@ GENERATIVE = ("chat", "completions")
 POOLING = ("embeddings", "score", "rerank")
 DEFAULT_POOLING_MODEL = "all-minilm-l6-v2"  # embeddings, score and rerank without --model
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"  # chat and completions without --model
-URLS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
-        "score": "/v1/score", "rerank": "/v1/rerank"}
+URLS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "score": "/v1/score",
+    "rerank": "/v1/rerank",
+}
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,19 @@ def unsupported_endpoint(endpoint: str, options: BatchOptions) -> UnsupportedEnd
     endpoint on a pooling model, or a pooling endpoint on a generative one)."""
     model = options.model_name(endpoint)
     if endpoint in GENERATIVE:
-        return UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: {model} is a pooling model "
-                                   "(embeddings, score, rerank); chat and completions need a generative model",
-                                   code="model_not_supported", param="body.model")
-    return UnsupportedEndpoint(f"Model does not support endpoint {URLS[endpoint]}: {model} is a generative model; "
-                               "embeddings, score and rerank need an embedding model or a cross-encoder (run them "
-                               "in a job of their own, with such a --model or none)", code="model_not_supported",
-                               param="body.model")
+        return UnsupportedEndpoint(
+            f"Model does not support endpoint {URLS[endpoint]}: {model} is a pooling model "
+            "(embeddings, score, rerank); chat and completions need a generative model",
+            code="model_not_supported",
+            param="body.model",
+        )
+    return UnsupportedEndpoint(
+        f"Model does not support endpoint {URLS[endpoint]}: {model} is a generative model; "
+        "embeddings, score and rerank need an embedding model or a cross-encoder (run them "
+        "in a job of their own, with such a --model or none)",
+        code="model_not_supported",
+        param="body.model",
+    )
 
 
 @dataclass
@@ -227,8 +238,10 @@ def answer(lines: Sequence[BatchRequestInput], engines: Engines) -> list[LineRes
         run = _generative if endpoint in GENERATIVE else _pooling
         for i, r in zip(idx, run(endpoint, [lines[i] for i in idx], engines)):
             results[i] = r
-    return [r if r is not None else LineResult.failed(LineError("not answered", status=500, code="engine_error"))
-            for r in results]
+    return [
+        r if r is not None else LineResult.failed(LineError("not answered", status=500, code="engine_error"))
+        for r in results
+    ]
 
 
 def answer_one(line: BatchRequestInput, engines: Engines) -> LineResult:
@@ -259,8 +272,7 @@ def as_line_error(exc: BaseException, pooling: bool = False) -> LineError:
     if isinstance(exc, InvalidRequestError) or (pooling and isinstance(exc, ValueError)):
         parameter = getattr(exc, "parameter", None)
         return LineError(str(exc), param=f"body.{parameter}" if parameter else None)
-    return LineError(f"the engine failed on this request: {type(exc).__name__}: {exc}", status=500,
-                     code="engine_error")
+    return LineError(f"the engine failed on this request: {type(exc).__name__}: {exc}", status=500, code="engine_error")
 
 
 # ---- chat and completions ---------------------------------------------------------------------------------
@@ -281,7 +293,7 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
         outputs = gen.generate([r for _, reqs in groups for r in reqs])
         split, at = [], 0
         for _, reqs in groups:
-            split.append(outputs[at:at + len(reqs)])
+            split.append(outputs[at : at + len(reqs)])
             at += len(reqs)
         return split
 
@@ -300,15 +312,25 @@ def engine_requests(request, gen: Generation) -> list:
     if isinstance(request, ChatCompletionRequest):
         with gen.lock:
             rendered = gen.processor.render_chat(
-                request.messages, request.chat_template, add_generation_prompt=request.add_generation_prompt,
+                request.messages,
+                request.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
             return [_process(gen, rendered, request.params, "body.messages", "the conversation")]
     assert isinstance(request, CompletionRequest)
     with gen.lock:
-        checked = [_process(gen, p, request.params, "body.prompt" + (f"[{k}]" if len(request.prompts) > 1 else ""),
-                            "the prompt" + (f" {k}" if len(request.prompts) > 1 else ""))
-                   for k, p in enumerate(request.prompts)]
+        checked = [
+            _process(
+                gen,
+                p,
+                request.params,
+                "body.prompt" + (f"[{k}]" if len(request.prompts) > 1 else ""),
+                "the prompt" + (f" {k}" if len(request.prompts) > 1 else ""),
+            )
+            for k, p in enumerate(request.prompts)
+        ]
     return [r if r.reasoning is None else dataclasses.replace(r, reasoning=WholeText(r.reasoning)) for r in checked]
 
 
@@ -357,25 +379,34 @@ def _process(gen: Generation, prompt, params, field_name: str, what: str):
         raise LineError(f"{where}: {exc}", param=where) from None
 
 
-def _generative_result(endpoint: str, line: BatchRequestInput, outputs: list, options: BatchOptions,
-                       gen: Generation) -> LineResult:
+def _generative_result(
+    endpoint: str, line: BatchRequestInput, outputs: list, options: BatchOptions, gen: Generation
+) -> LineResult:
     failed = [c for o in outputs for c in o.outputs if c.finish_reason == "error"]
     if failed:
-        return LineResult.failed(LineError(f"generation failed: {failed[0].error or 'unknown error'}", status=500,
-                                           code="engine_error"))
+        return LineResult.failed(
+            LineError(f"generation failed: {failed[0].error or 'unknown error'}", status=500, code="engine_error")
+        )
     request = line.request
     model = options.model_name(endpoint)
     if isinstance(request, ChatCompletionRequest):
-        body = chat_completion(outputs[0], model=model, id=f"chatcmpl-{line.key}", role=options.response_role,
-                               logprobs=request.logprobs, top_logprobs=request.top_logprobs,
-                               reasoning=gen.reasoning).to_dict()
+        body = chat_completion(
+            outputs[0],
+            model=model,
+            id=f"chatcmpl-{line.key}",
+            role=options.response_role,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            reasoning=gen.reasoning,
+        ).to_dict()
     else:
         if request.echo:
             for o in outputs:
                 if o.prompt is None:  # given as token ids: their text
                     o.prompt = gen.decode(o.prompt_token_ids)
-        body = completion(outputs, model=model, id=f"cmpl-{line.key}", echo=request.echo,
-                          logprobs=request.logprobs).to_dict()
+        body = completion(
+            outputs, model=model, id=f"cmpl-{line.key}", echo=request.echo, logprobs=request.logprobs
+        ).to_dict()
     usage = body["usage"]
     return LineResult(200, body, None, usage["prompt_tokens"], usage["completion_tokens"])
 
@@ -391,21 +422,29 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
     groups = list(range(len(lines)))
 
     if endpoint == "embeddings":
+
         def run(group: list[int]) -> list:
             inputs = [p for i in group for p in lines[i].request.inputs]
-            params = [PoolingParams(truncate_prompt_tokens=lines[i].request.truncate_prompt_tokens)
-                      for i in group for _ in lines[i].request.inputs]
+            params = [
+                PoolingParams(truncate_prompt_tokens=lines[i].request.truncate_prompt_tokens)
+                for i in group
+                for _ in lines[i].request.inputs
+            ]
             outs = model.call(lambda llm: llm.embed(inputs, params, use_tqdm=False))
             return _split(outs, [len(lines[i].request.inputs) for i in group])
     else:
+
         def run(group: list[int]) -> list:
             pairs = [p for i in group for p in _pairs(lines[i].request)]
             truncate = {lines[i].request.truncate_prompt_tokens for i in group}
             if len(truncate) > 1 and len(group) > 1:  # lines with different truncation: one call each
                 raise ValueError("mixed truncation")
             params = PoolingParams(truncate_prompt_tokens=truncate.pop())
-            outs = model.call(lambda llm: llm.score([a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False,
-                                                    pooling_params=params))
+            outs = model.call(
+                lambda llm: llm.score(
+                    [a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False, pooling_params=params
+                )
+            )
             return _split(outs, [len(_pairs(lines[i].request)) for i in group])
 
     results = []
@@ -432,7 +471,7 @@ def _pairs(request: ScoreRequest | RerankRequest) -> list[tuple[str, str]]:
 def _split(outs: list, sizes: list[int]) -> list[list]:
     out, at = [], 0
     for n in sizes:
-        out.append(outs[at:at + n])
+        out.append(outs[at : at + n])
         at += n
     return out
 
@@ -442,10 +481,19 @@ def _pooling_body(endpoint: str, line: BatchRequestInput, outs: list, model: str
     if isinstance(request, EmbeddingRequest):
         size = len(outs[0].outputs.embedding) if outs else 0
         if request.dimensions is not None and request.dimensions != size:
-            raise LineError(f"body.dimensions={request.dimensions}: {model} gives {size}-dimensional embeddings and "
-                            "cannot give others", param="body.dimensions")
+            raise LineError(
+                f"body.dimensions={request.dimensions}: {model} gives {size}-dimensional embeddings and "
+                "cannot give others",
+                param="body.dimensions",
+            )
         return embeddings(outs, model=model, encoding_format=request.encoding_format).to_dict()
     if isinstance(request, RerankRequest):
-        return rerank(outs, request.documents, model=model, id=f"rerank-{line.key}", top_n=request.top_n,
-                      return_documents=request.return_documents).to_dict()
+        return rerank(
+            outs,
+            request.documents,
+            model=model,
+            id=f"rerank-{line.key}",
+            top_n=request.top_n,
+            return_documents=request.return_documents,
+        ).to_dict()
     return scores(outs, model=model, id=f"score-{line.key}").to_dict()

@@ -41,36 +41,75 @@ from dfllm.jobs.cli_options import (
 
 ENGINE = "engine_"  # where the engine flags are stored: args.engine_max_model_len...
 #: vLLM's run-batch and server flags that mean nothing for a file here: accepted, no effect.
-VLLM_NO_OPS = {"--output-tmp-dir": str, "--enable-metrics": None, "--host": str, "--port": int, "--url": str,
-               "--max-log-len": int, "--disable-log-requests": None, "--enable-prompt-tokens-details": None,
-               "--enable-force-include-usage": None, "--disable-frontend-multiprocessing": None}
+VLLM_NO_OPS = {
+    "--output-tmp-dir": str,
+    "--enable-metrics": None,
+    "--host": str,
+    "--port": int,
+    "--url": str,
+    "--max-log-len": int,
+    "--disable-log-requests": None,
+    "--enable-prompt-tokens-details": None,
+    "--enable-force-include-usage": None,
+    "--disable-frontend-multiprocessing": None,
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
     from dfllm.reasoning import reasoning_parser_names
 
-    p = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, "
-                                         "as vllm run-batch does")
+    p = sub.add_parser(
+        "run-batch",
+        help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, as vllm run-batch does",
+    )
     p.add_argument("-i", "--input-file", required=True, help="the batch input file (JSON Lines; any fsspec URL)")
-    p.add_argument("-o", "--output-file", required=True, help="where to write the answers (JSON Lines; any fsspec "
-                   "URL); one line per non-blank input line")
-    p.add_argument("--error-file", help="write failed lines here instead of to the output (OpenAI's output and error "
-                   "files); default: every line to the output, as vLLM does")
-    p.add_argument("--model", help="model directory or bundled alias for every line (default: the bundled chat model "
-                   "for chat and completions, MiniLM for embeddings, score and rerank); body.model is not read")
+    p.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="where to write the answers (JSON Lines; any fsspec URL); one line per non-blank input line",
+    )
+    p.add_argument(
+        "--error-file",
+        help="write failed lines here instead of to the output (OpenAI's output and error "
+        "files); default: every line to the output, as vLLM does",
+    )
+    p.add_argument(
+        "--model",
+        help="model directory or bundled alias for every line (default: the bundled chat model "
+        "for chat and completions, MiniLM for embeddings, score and rerank); body.model is not read",
+    )
     p.add_argument("--served-model-name", help="the model name the responses give (default: --model as given)")
-    p.add_argument("--response-role", default="assistant", help="the role of generated chat messages (default "
-                   "assistant)")
-    p.add_argument("--unordered", action="store_true", help="write answers as partitions finish instead of in "
-                   "input order (join on custom_id)")
-    p.add_argument("--resume", action="store_true", help="keep the partitions an earlier, killed run of this job "
-                   "finished (in <output>.parts/); every line is still answered exactly once")
-    p.add_argument("--max-error-rate", type=unit_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
-                   help="exit with status 3 (after writing the output) if more than this share of the lines failed "
-                   f"(0 to 1; default {DEFAULT_MAX_ERROR_RATE})")
-    p.add_argument("--partition-bytes", type=byte_size, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
-                   help="input bytes per partition: the unit of work and of resume (default 1MiB; e.g. 4MiB)")
+    p.add_argument(
+        "--response-role", default="assistant", help="the role of generated chat messages (default assistant)"
+    )
+    p.add_argument(
+        "--unordered",
+        action="store_true",
+        help="write answers as partitions finish instead of in input order (join on custom_id)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the partitions an earlier, killed run of this job "
+        "finished (in <output>.parts/); every line is still answered exactly once",
+    )
+    p.add_argument(
+        "--max-error-rate",
+        type=unit_rate,
+        default=DEFAULT_MAX_ERROR_RATE,
+        metavar="RATE",
+        help="exit with status 3 (after writing the output) if more than this share of the lines failed "
+        f"(0 to 1; default {DEFAULT_MAX_ERROR_RATE})",
+    )
+    p.add_argument(
+        "--partition-bytes",
+        type=byte_size,
+        default=DEFAULT_PARTITION_BYTES,
+        metavar="SIZE",
+        help="input bytes per partition: the unit of work and of resume (default 1MiB; e.g. 4MiB)",
+    )
     p.add_argument("--keep-parts", action="store_true", help="keep <output>.parts/ after the output is written")
     p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options as JSON")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
@@ -78,19 +117,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
     p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_cache_options(p, "a response cache (local folder or fsspec URL) shared across jobs: deterministic chat "
-                      "and completions lines (greedy, or seeded) asked before with the same model, engine "
-                      "arguments, prompt and sampling params are answered from it without the engine (docs/cache.md)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="read and check every line, tokenize the chat and completions lines on the cluster and "
-                   "print what the job would do (lines refused and why, prompt tokens, an estimate of its time "
-                   "from a short calibration run); nothing is written (docs/dry_run.md)")
-    p.add_argument("--calibration-seconds", type=float, default=None, metavar="S",
-                   help="--dry-run: the most the calibration run may take (default 30)")
+    add_cache_options(
+        p,
+        "a response cache (local folder or fsspec URL) shared across jobs: deterministic chat "
+        "and completions lines (greedy, or seeded) asked before with the same model, engine "
+        "arguments, prompt and sampling params are answered from it without the engine (docs/cache.md)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="read and check every line, tokenize the chat and completions lines on the cluster and "
+        "print what the job would do (lines refused and why, prompt tokens, an estimate of its time "
+        "from a short calibration run); nothing is written (docs/dry_run.md)",
+    )
+    p.add_argument(
+        "--calibration-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--dry-run: the most the calibration run may take (default 30)",
+    )
     engine = p.add_argument_group("engine arguments (dfllm.LLM's, vLLM's spelling)")
-    add_cli_args(engine, prefix=ENGINE, reasoning_parser="a thinking model's parser: chat answers carry the "
-                 "reasoning in message.reasoning_content and the answer alone in message.content; completions text "
-                 f"stays whole, as in vLLM ({', '.join(reasoning_parser_names())})")
+    add_cli_args(
+        engine,
+        prefix=ENGINE,
+        reasoning_parser="a thinking model's parser: chat answers carry the "
+        "reasoning in message.reasoning_content and the answer alone in message.content; completions text "
+        f"stays whole, as in vLLM ({', '.join(reasoning_parser_names())})",
+    )
     vllm = p.add_argument_group("vLLM server flags (accepted; no effect on a batch file)")
     for flag, kind in VLLM_NO_OPS.items():
         if kind is None:
@@ -112,31 +166,58 @@ def run_batch_command(args: argparse.Namespace) -> int:
     check_options(args.model, engine_kwargs, args.response_role, args.served_model_name)  # before a cluster starts
     check_paths(args.input_file, args.output_file, args.error_file, args.storage_options)
     gpus = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
-    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
-                 gpus_per_engine=gpus) as (client, resources):
-        say(f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {describe_client(client)}; dashboard "
-             f"{getattr(client, 'dashboard_link', None)}")
+    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu, gpus_per_engine=gpus) as (
+        client,
+        resources,
+    ):
+        say(
+            f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {describe_client(client)}; dashboard "
+            f"{getattr(client, 'dashboard_link', None)}"
+        )
         if args.dry_run:
             from dfllm.jobs.batch_job import dry_run_batch
 
-            report = dry_run_batch(args.input_file, model=args.model, output_file=args.output_file,
-                                   error_file=args.error_file, response_role=args.response_role,
-                                   served_model_name=args.served_model_name, partition_bytes=args.partition_bytes,
-                                   storage_options=args.storage_options, resources=resources,
-                                   progress=not args.no_progress, cache=cache,
-                                   calibration_seconds=args.calibration_seconds, **engine_kwargs)
+            report = dry_run_batch(
+                args.input_file,
+                model=args.model,
+                output_file=args.output_file,
+                error_file=args.error_file,
+                response_role=args.response_role,
+                served_model_name=args.served_model_name,
+                partition_bytes=args.partition_bytes,
+                storage_options=args.storage_options,
+                resources=resources,
+                progress=not args.no_progress,
+                cache=cache,
+                calibration_seconds=args.calibration_seconds,
+                **engine_kwargs,
+            )
             print(report.format(), flush=True)
             return 0
-        summary = run_batch(args.input_file, args.output_file, model=args.model, error_file=args.error_file,
-                            response_role=args.response_role, served_model_name=args.served_model_name,
-                            resume=args.resume, unordered=args.unordered, partition_bytes=args.partition_bytes,
-                            storage_options=args.storage_options, resources=resources,
-                            progress=not args.no_progress, keep_parts=args.keep_parts, cache=cache, **engine_kwargs)
+        summary = run_batch(
+            args.input_file,
+            args.output_file,
+            model=args.model,
+            error_file=args.error_file,
+            response_role=args.response_role,
+            served_model_name=args.served_model_name,
+            resume=args.resume,
+            unordered=args.unordered,
+            partition_bytes=args.partition_bytes,
+            storage_options=args.storage_options,
+            resources=resources,
+            progress=not args.no_progress,
+            keep_parts=args.keep_parts,
+            cache=cache,
+            **engine_kwargs,
+        )
     print(format_batch_summary(summary), flush=True)
     if summary.lines and summary.failed / summary.lines > args.max_error_rate:
-        say(f"dfllm: error: {summary.failed} of {summary.lines} lines ({100 * summary.failed / summary.lines:.1f}%) "
-             f"failed, above --max-error-rate {args.max_error_rate:g}; the answers were written to "
-             f"{summary.output_file}" + (f" and {summary.error_file}" if summary.error_file else ""))
+        say(
+            f"dfllm: error: {summary.failed} of {summary.lines} lines ({100 * summary.failed / summary.lines:.1f}%) "
+            f"failed, above --max-error-rate {args.max_error_rate:g}; the answers were written to "
+            f"{summary.output_file}" + (f" and {summary.error_file}" if summary.error_file else "")
+        )
         return EXIT_TOO_MANY_ERRORS
     return 0
 
@@ -144,17 +225,23 @@ def run_batch_command(args: argparse.Namespace) -> int:
 def format_batch_summary(s) -> str:
     """The end-of-job summary: lines answered and failed, partitions, response cache counts,
     tokens, time, files."""
-    lines = [f"lines:       {s.lines} ({s.failed} failed)",
-             f"partitions:  {s.partitions} ({s.written} computed, {s.skipped} already complete)"]
+    lines = [
+        f"lines:       {s.lines} ({s.failed} failed)",
+        f"partitions:  {s.partitions} ({s.written} computed, {s.skipped} already complete)",
+    ]
     cache = getattr(s, "cache", None)
     if cache is not None:
-        lines.append(f"cache:       {cache.get('hits', 0)} requests answered from the response cache, "
-                     f"{cache.get('misses', 0)} missed ({cache.get('stored', 0)} stored), "
-                     f"{cache.get('bypassed', 0)} not cacheable (sampled without a seed)")
+        lines.append(
+            f"cache:       {cache.get('hits', 0)} requests answered from the response cache, "
+            f"{cache.get('misses', 0)} missed ({cache.get('stored', 0)} stored), "
+            f"{cache.get('bypassed', 0)} not cacheable (sampled without a seed)"
+        )
     if s.input_tokens + s.output_tokens:
-        lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
-                  f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
-                  f"{s.lines / max(s.seconds, 1e-9):.2f} lines/s"]
+        lines += [
+            f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
+            f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
+            f"{s.lines / max(s.seconds, 1e-9):.2f} lines/s",
+        ]
     lines += [f"wall time:   {s.seconds:.1f} s", f"output:      {s.output_file}"]
     if s.error_file:
         lines.append(f"errors:      {s.error_file}")

@@ -62,10 +62,26 @@ DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of 
 STAGING_SUFFIX = ".parts"
 _STR, _INT = pd.ArrowDtype(pa.string()), pd.ArrowDtype(pa.int64())
 #: The columns of a staged part, one row per input line (blank lines included, with no status).
-PART_COLUMNS = {"line": _INT, "key": _STR, "custom_id": _STR, "status_code": _INT, "body": _STR, "error_code": _STR,
-                "error_message": _STR, "error_param": _STR, NUM_INPUT_TOKENS: _INT, NUM_GENERATED_TOKENS: _INT}
-_INPUT_META = pd.DataFrame({"block": pd.Series([], dtype="int64"), "line": pd.Series([], dtype="int64"),
-                            "text": pd.Series([], dtype=_STR), "utf8": pd.Series([], dtype="bool")})
+PART_COLUMNS = {
+    "line": _INT,
+    "key": _STR,
+    "custom_id": _STR,
+    "status_code": _INT,
+    "body": _STR,
+    "error_code": _STR,
+    "error_message": _STR,
+    "error_param": _STR,
+    NUM_INPUT_TOKENS: _INT,
+    NUM_GENERATED_TOKENS: _INT,
+}
+_INPUT_META = pd.DataFrame(
+    {
+        "block": pd.Series([], dtype="int64"),
+        "line": pd.Series([], dtype="int64"),
+        "text": pd.Series([], dtype=_STR),
+        "utf8": pd.Series([], dtype="bool"),
+    }
+)
 
 
 @dataclass
@@ -113,8 +129,12 @@ class BatchFunction(WritableFunction):
         return answer_partition(df, self.options, self.cache)
 
     def __dask_tokenize__(self):
-        return (type(self).__name__, canonical(self.options), sorted((self.resources or {}).items()),
-                None if self.cache is None else (self.cache.url, self.cache.max_bytes))
+        return (
+            type(self).__name__,
+            canonical(self.options),
+            sorted((self.resources or {}).items()),
+            None if self.cache is None else (self.cache.url, self.cache.max_bytes),
+        )
 
 
 def line_key(base: bytes, block: int, line: int, text: str) -> str:
@@ -139,8 +159,9 @@ def answer_partition(df: pd.DataFrame, options: BatchOptions, cache: ResponseCac
     cols: dict[str, list] = {c: [None] * n for c in PART_COLUMNS}
     cols["line"] = df["line"].tolist()
     parsed, where = [], []
-    for pos, (block, line, text, ok) in enumerate(zip(df["block"].tolist(), cols["line"], df["text"].tolist(),
-                                                      df["utf8"].tolist())):
+    for pos, (block, line, text, ok) in enumerate(
+        zip(df["block"].tolist(), cols["line"], df["text"].tolist(), df["utf8"].tolist())
+    ):
         key = line_key(base, block, line, text)
         cols["key"][pos] = key
         if not text.strip():
@@ -188,9 +209,14 @@ def _block_lines(data: bytes, block: int) -> pd.DataFrame:
         except UnicodeDecodeError:
             texts.append(line.decode("utf-8", "replace"))
             ok.append(False)
-    return pd.DataFrame({"block": pd.Series([block] * len(texts), dtype="int64"),
-                         "line": pd.Series(range(len(texts)), dtype="int64"),
-                         "text": pd.Series(texts, dtype=_STR), "utf8": pd.Series(ok, dtype="bool")})
+    return pd.DataFrame(
+        {
+            "block": pd.Series([block] * len(texts), dtype="int64"),
+            "line": pd.Series(range(len(texts)), dtype="int64"),
+            "text": pd.Series(texts, dtype=_STR),
+            "utf8": pd.Series(ok, dtype="bool"),
+        }
+    )
 
 
 def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storage_options: dict | None = None):
@@ -202,8 +228,14 @@ def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storag
     from fsspec.utils import infer_compression
 
     compression = infer_compression(path)
-    _, files = read_bytes(path, delimiter=b"\n", blocksize=None if compression else partition_bytes, sample=False,
-                          compression=compression, **(storage_options or {}))
+    _, files = read_bytes(
+        path,
+        delimiter=b"\n",
+        blocksize=None if compression else partition_bytes,
+        sample=False,
+        compression=compression,
+        **(storage_options or {}),
+    )
     blocks = [b for f in files for b in f]
     if not blocks:
         return None
@@ -268,8 +300,7 @@ class _Assembler:
 
     COLUMNS = ["line", "key", "custom_id", "status_code", "body", "error_code", "error_message", "error_param"]
 
-    def __init__(self, staging: str, storage_options: dict | None, output: _Sink, errors: _Sink | None,
-                 ordered: bool):
+    def __init__(self, staging: str, storage_options: dict | None, output: _Sink, errors: _Sink | None, ordered: bool):
         from dfllm.accessors.writer import _filesystem
 
         self.fs, self.root = _filesystem(staging, storage_options)
@@ -297,8 +328,7 @@ class _Assembler:
             part = pq.ParquetFile(f)
             record = json.loads((part.metadata.metadata or {}).get(FOOTER_KEY, b"{}"))
             if record.get("key") != self.records[i]["key"]:
-                raise RuntimeError(f"staged part {i} changed while the job ran; is another job writing to "
-                                   f"{self.root}?")
+                raise RuntimeError(f"staged part {i} changed while the job ran; is another job writing to {self.root}?")
             for batch in part.iter_batches(batch_size=4096, columns=self.COLUMNS):
                 self._write(batch.to_pydict(), successes, failures, offset)
 
@@ -325,8 +355,9 @@ class _Assembler:
 
 
 # ---- the job ---------------------------------------------------------------------------------------------------
-def _job_options(model, engine_kwargs: dict, response_role: str, served_model_name, partition_bytes,
-                 reasoning_parser, cache):
+def _job_options(
+    model, engine_kwargs: dict, response_role: str, served_model_name, partition_bytes, reasoning_parser, cache
+):
     """A batch job's response cache and checked options (``ValueError`` naming a bad one);
     ``engine_kwargs`` gain the reasoning parser."""
     cache = as_cache(cache)
@@ -338,12 +369,25 @@ def _job_options(model, engine_kwargs: dict, response_role: str, served_model_na
     return cache, options
 
 
-def run_batch(input_file: str, output_file: str, *, model: str | None = None, error_file: str | None = None,
-              response_role: str = "assistant", served_model_name: str | None = None, resume: bool = False,
-              unordered: bool = False, partition_bytes: int = DEFAULT_PARTITION_BYTES,
-              storage_options: dict | None = None, resources: dict | None = None, progress: bool = True,
-              keep_parts: bool = False, reasoning_parser: str | None = None, cache=None,
-              **engine_kwargs) -> BatchSummary:
+def run_batch(
+    input_file: str,
+    output_file: str,
+    *,
+    model: str | None = None,
+    error_file: str | None = None,
+    response_role: str = "assistant",
+    served_model_name: str | None = None,
+    resume: bool = False,
+    unordered: bool = False,
+    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    storage_options: dict | None = None,
+    resources: dict | None = None,
+    progress: bool = True,
+    keep_parts: bool = False,
+    reasoning_parser: str | None = None,
+    cache=None,
+    **engine_kwargs,
+) -> BatchSummary:
     """Answer an OpenAI batch file (JSON Lines of ``{"custom_id", "method", "url", "body"}``)
     into an output file of OpenAI's ``BatchRequestOutput`` lines; see the module docstring
     and ``docs/batch.md``.
@@ -364,8 +408,9 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
     new ones stored.
     """
     start = time.perf_counter()
-    cache, options = _job_options(model, engine_kwargs, response_role, served_model_name, partition_bytes,
-                                  reasoning_parser, cache)
+    cache, options = _job_options(
+        model, engine_kwargs, response_role, served_model_name, partition_bytes, reasoning_parser, cache
+    )
     staging = output_file.rstrip("/") + STAGING_SUFFIX
     check_paths(input_file, output_file, error_file, storage_options)
     lines = read_lines(input_file, partition_bytes, storage_options)
@@ -379,11 +424,19 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
         else:
             from dfllm.accessors.writer import write_parquet
 
-            job = lines.map_partitions(BatchFunction(options, resources, cache),
-                                       meta=pd.DataFrame({c: pd.Series([], dtype=d) for c, d in PART_COLUMNS.items()}))
+            job = lines.map_partitions(
+                BatchFunction(options, resources, cache),
+                meta=pd.DataFrame({c: pd.Series([], dtype=d) for c, d in PART_COLUMNS.items()}),
+            )
             assembler = _Assembler(staging, storage_options, output, errors, ordered=not unordered)
-            s = write_parquet(job, staging, resume=resume, storage_options=storage_options, progress=progress,
-                              on_partition=assembler.part_done)
+            s = write_parquet(
+                job,
+                staging,
+                resume=resume,
+                storage_options=storage_options,
+                progress=progress,
+                on_partition=assembler.part_done,
+            )
             assert assembler.prefix == s.partitions, "every part was streamed"
             written, skipped, partitions = s.written, s.skipped, s.partitions
             tokens_in, tokens_out = s.input_tokens, s.output_tokens
@@ -400,9 +453,19 @@ def run_batch(input_file: str, output_file: str, *, model: str | None = None, er
     cache_delta = None
     if cache_before is not None:
         cache_delta = {k: v - cache_before.get(k, 0) for k, v in cache_counts().items()}
-    return BatchSummary(output_file, error_file, assembler.lines if assembler else 0,
-                        assembler.failed if assembler else 0, partitions, written, skipped, tokens_in, tokens_out,
-                        time.perf_counter() - start, cache_delta)
+    return BatchSummary(
+        output_file,
+        error_file,
+        assembler.lines if assembler else 0,
+        assembler.failed if assembler else 0,
+        partitions,
+        written,
+        skipped,
+        tokens_in,
+        tokens_out,
+        time.perf_counter() - start,
+        cache_delta,
+    )
 
 
 def cache_counts() -> dict[str, int]:
@@ -466,8 +529,10 @@ class BatchRequests:
                 line = parse_row(text, ok)
                 if line.endpoint not in GENERATIVE:
                     if self.options.model is None:
-                        skipped[pos] = f"{line.endpoint} lines (run on {DEFAULT_POOLING_MODEL}; a dry run checks " \
-                                       "chat and completions lines)"
+                        skipped[pos] = (
+                            f"{line.endpoint} lines (run on {DEFAULT_POOLING_MODEL}; a dry run checks "
+                            "chat and completions lines)"
+                        )
                         continue
                     raise unsupported_endpoint(line.endpoint, self.options)
                 requests += engine_requests(line.request, gen)
@@ -493,19 +558,32 @@ def dry_run_rows(df: pd.DataFrame) -> pd.DataFrame:
     file, or of a later partition)."""
     keep = df[[bool(t.strip()) for t in df["text"].tolist()]]
     labels = []
-    for block, line, text, ok in zip(keep["block"].tolist(), keep["line"].tolist(), keep["text"].tolist(),
-                                     keep["utf8"].tolist()):
+    for block, line, text, ok in zip(
+        keep["block"].tolist(), keep["line"].tolist(), keep["text"].tolist(), keep["utf8"].tolist()
+    ):
         cid = custom_id_of(text) if ok else None
         labels.append(cid if cid else f"line {line + 1}" + (f" of partition {block}" if block else ""))
     return keep.set_axis(pd.Index(labels, dtype=object), axis=0)
 
 
-def dry_run_batch(input_file: str, *, model: str | None = None, output_file: str | None = None,
-                  error_file: str | None = None, response_role: str = "assistant",
-                  served_model_name: str | None = None, partition_bytes: int = DEFAULT_PARTITION_BYTES,
-                  storage_options: dict | None = None, resources: dict | None = None, progress: bool = False,
-                  reasoning_parser: str | None = None, cache=None, sample_rows: int | None = None,
-                  calibration_seconds: float | None = None, **engine_kwargs) -> DryRunReport:
+def dry_run_batch(
+    input_file: str,
+    *,
+    model: str | None = None,
+    output_file: str | None = None,
+    error_file: str | None = None,
+    response_role: str = "assistant",
+    served_model_name: str | None = None,
+    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    storage_options: dict | None = None,
+    resources: dict | None = None,
+    progress: bool = False,
+    reasoning_parser: str | None = None,
+    cache=None,
+    sample_rows: int | None = None,
+    calibration_seconds: float | None = None,
+    **engine_kwargs,
+) -> DryRunReport:
     """A dry run of :func:`run_batch` with the same arguments (``dfllm run-batch --dry-run``):
     every line read and checked, and every chat and completions line rendered and tokenized
     by the job's engine on the cluster (the current Dask client's, else this process), then a
@@ -525,8 +603,9 @@ def dry_run_batch(input_file: str, *, model: str | None = None, output_file: str
     )
 
     start = time.perf_counter()
-    cache, options = _job_options(model, engine_kwargs, response_role, served_model_name, partition_bytes,
-                                  reasoning_parser, cache)
+    cache, options = _job_options(
+        model, engine_kwargs, response_role, served_model_name, partition_bytes, reasoning_parser, cache
+    )
     if output_file is not None:
         check_paths(input_file, output_file, error_file, storage_options)
     else:
@@ -537,26 +616,33 @@ def dry_run_batch(input_file: str, *, model: str | None = None, output_file: str
     else:
         meta = _INPUT_META.set_axis(pd.Index([], dtype=object), axis=0)
         rows = lines.map_partitions(dry_run_rows, meta=meta)
-        report = dry_run_source(rows, BatchRequests(options, cache), resources=resources, progress=progress,
-                                sample_rows=DEFAULT_SAMPLE_ROWS if sample_rows is None else sample_rows,
-                                calibration_seconds=calibration_seconds or DEFAULT_CALIBRATION_SECONDS,
-                                what=f"run-batch of {input_file} ({lines.npartitions:,} partition(s))")
+        report = dry_run_source(
+            rows,
+            BatchRequests(options, cache),
+            resources=resources,
+            progress=progress,
+            sample_rows=DEFAULT_SAMPLE_ROWS if sample_rows is None else sample_rows,
+            calibration_seconds=calibration_seconds or DEFAULT_CALIBRATION_SECONDS,
+            what=f"run-batch of {input_file} ({lines.npartitions:,} partition(s))",
+        )
     if output_file is not None:
         import fsspec
 
         fs, where = fsspec.core.url_to_fs(output_file, **(storage_options or {}))
         staging = output_file.rstrip("/") + STAGING_SUFFIX
         sfs, swhere = fsspec.core.url_to_fs(staging, **(storage_options or {}))
-        report.output = output_file + (" (exists: the run replaces it)" if fs.exists(where) else
-                                       " (does not exist yet)")
+        report.output = output_file + (
+            " (exists: the run replaces it)" if fs.exists(where) else " (does not exist yet)"
+        )
         if sfs.exists(swhere):
             report.output += f"; {staging} holds an earlier run's parts (--resume keeps those still complete)"
     report.seconds = time.perf_counter() - start
     return report
 
 
-def check_options(model: str | None, engine_kwargs: dict, response_role: str = "assistant",
-                  served_model_name: str | None = None) -> BatchOptions:
+def check_options(
+    model: str | None, engine_kwargs: dict, response_role: str = "assistant", served_model_name: str | None = None
+) -> BatchOptions:
     """The job's :class:`~dfllm.jobs.batch.BatchOptions`, checked before any work: engine
     argument names and vLLM values, a model that can be checked here, the role."""
     from dfllm.engine_args import BY_NAME, ENGINE_ARG_NAMES, check_vllm_args
@@ -579,8 +665,9 @@ def check_options(model: str | None, engine_kwargs: dict, response_role: str = "
     return BatchOptions(model, tuple(sorted(engine_kwargs.items())), response_role, served_model_name)
 
 
-def check_paths(input_file: str, output_file: str, error_file: str | None = None,
-                storage_options: dict | None = None) -> None:
+def check_paths(
+    input_file: str, output_file: str, error_file: str | None = None, storage_options: dict | None = None
+) -> None:
     """``ValueError`` unless the input is a file and the output, the error file and the
     staging folder (``<output>.parts``) are paths of their own."""
     import fsspec

@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("input", help="parquet, CSV or JSON Lines: a file, folder or glob (any fsspec URL)")
     run.add_argument("output", help="output folder for the parquet dataset (any fsspec URL)")
     _add_job_options(run)
-    sub.add_parser("models", help="list the bundled models, where they are cached, and the supported "
-                                  "architectures with their tasks")
+    sub.add_parser(
+        "models",
+        help="list the bundled models, where they are cached, and the supported architectures with their tasks",
+    )
     demo = sub.add_parser("demo", help="run the main job on a small built-in data set")
     demo.add_argument("--output", help="where to write the results (default: a temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -83,64 +85,112 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=TASKS, default="generate")
-    p.add_argument("--prompt", help="input column, or a template with {column} placeholders "
-                   "(default: prompt; chat: messages; embed/classify: text; score: text_1)")
+    p.add_argument(
+        "--prompt",
+        help="input column, or a template with {column} placeholders "
+        "(default: prompt; chat: messages; embed/classify: text; score: text_1)",
+    )
     p.add_argument("--right", help="score: the second text's column or template (default: text_2)")
     p.add_argument("--system", help="chat: a system message before each conversation")
-    p.add_argument("--images-column", metavar="COLUMN",
-                   help="generate/chat/embed: a column of each row's image or list of images (bytes, paths or URLs) "
-                   "for a vision-language or image-text model (embed: instead of --prompt); see docs/images.md")
-    p.add_argument("--lora-column", metavar="COLUMN",
-                   help="generate/chat: a column of each row's LoRA adapter (a PEFT folder, an fsspec URL, or a "
-                   "name under --lora-root; empty: the base model); see docs/lora.md")
-    p.add_argument("--lora-root", metavar="PATH", help="generate/chat: the folder (or URL) of the adapters "
-                   "--lora-column names")
-    add_cli_args(p, ("max_loras", "max_lora_rank"), max_loras="LoRA: the most distinct adapters in one step "
-                 "(default 4)", max_lora_rank="LoRA: the largest adapter rank accepted (default 16)")
+    p.add_argument(
+        "--images-column",
+        metavar="COLUMN",
+        help="generate/chat/embed: a column of each row's image or list of images (bytes, paths or URLs) "
+        "for a vision-language or image-text model (embed: instead of --prompt); see docs/images.md",
+    )
+    p.add_argument(
+        "--lora-column",
+        metavar="COLUMN",
+        help="generate/chat: a column of each row's LoRA adapter (a PEFT folder, an fsspec URL, or a "
+        "name under --lora-root; empty: the base model); see docs/lora.md",
+    )
+    p.add_argument(
+        "--lora-root", metavar="PATH", help="generate/chat: the folder (or URL) of the adapters --lora-column names"
+    )
+    add_cli_args(
+        p,
+        ("max_loras", "max_lora_rank"),
+        max_loras="LoRA: the most distinct adapters in one step (default 4)",
+        max_lora_rank="LoRA: the largest adapter rank accepted (default 16)",
+    )
     p.add_argument("--model", help="model directory or bundled alias (default per task; see `dfllm models`)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="per-row sampling seed (reproducible sampled text)")
-    p.add_argument("--json-schema", help="generate/chat: constrain output to a JSON schema (JSON text or a "
-                   ".json file); the output column is a struct of its fields")
-    p.add_argument("--choice", help="generate/chat: constrain output to one of these comma-separated values "
-                   "(a categorical column)")
-    add_cli_args(p, ("max_model_len", "reasoning_parser"), reasoning_parser="generate/chat with a thinking "
-                 "model: put the reasoning (<think>...</think>) in a reasoning_content column and only the answer "
-                 f"in the output column ({', '.join(reasoning_parser_names())})")
+    p.add_argument(
+        "--json-schema",
+        help="generate/chat: constrain output to a JSON schema (JSON text or a "
+        ".json file); the output column is a struct of its fields",
+    )
+    p.add_argument(
+        "--choice", help="generate/chat: constrain output to one of these comma-separated values (a categorical column)"
+    )
+    add_cli_args(
+        p,
+        ("max_model_len", "reasoning_parser"),
+        reasoning_parser="generate/chat with a thinking "
+        "model: put the reasoning (<think>...</think>) in a reasoning_content column and only the answer "
+        f"in the output column ({', '.join(reasoning_parser_names())})",
+    )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
     size.add_argument("--npartitions", type=int, help="number of partitions")
     p.add_argument("--format", choices=("parquet", "csv", "json"), help="input format (default: from extensions)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep what an earlier run wrote for the same rows and task; the output stays exact")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep what an earlier run wrote for the same rows and task; the output stays exact",
+    )
     p.add_argument("--on-error", choices=("null", "raise"), default="null")
-    p.add_argument("--max-error-rate", type=unit_rate, default=DEFAULT_MAX_ERROR_RATE, metavar="RATE",
-                   help="exit with status 3 (after writing the output) if more than this share of the rows "
-                   f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)")
+    p.add_argument(
+        "--max-error-rate",
+        type=unit_rate,
+        default=DEFAULT_MAX_ERROR_RATE,
+        metavar="RATE",
+        help="exit with status 3 (after writing the output) if more than this share of the rows "
+        f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)",
+    )
     p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options as JSON")
-    add_cache_options(p, "generate/chat: a response cache (local folder or fsspec URL) shared across jobs: "
-                      "deterministic rows (greedy, or --seed) asked before with the same model, prompt and "
-                      "sampling params are answered from it without the engine (docs/cache.md)")
+    add_cache_options(
+        p,
+        "generate/chat: a response cache (local folder or fsspec URL) shared across jobs: "
+        "deterministic rows (greedy, or --seed) asked before with the same model, prompt and "
+        "sampling params are answered from it without the engine (docs/cache.md)",
+    )
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
     p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
     p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
     p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
     add_cli_args(p, ("tensor_parallel_size", "pipeline_parallel_size"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--dry-run", action="store_true",
-                   help="read and check the input and options, tokenize every row on the cluster and print what "
-                   "the job would do (rows refused, prompt tokens, prefix sharing, an estimate of its time from a "
-                   "short calibration run); nothing is written (docs/dry_run.md)")
-    p.add_argument("--calibration-seconds", type=positive_float, default=None, metavar="S",
-                   help="--dry-run: the most the calibration run may take (default 30)")
-    p.add_argument("--max-prompt-tokens", type=positive_int, metavar="N",
-                   help="generate/chat: a budget; once the partitions computed hold N prompt tokens no new "
-                   f"partition starts (those running finish), exit status {EXIT_BUDGET}; --resume finishes the job")
-    p.add_argument("--max-generated-tokens", type=positive_int, metavar="N",
-                   help="generate/chat: a budget of generated tokens, as --max-prompt-tokens")
-
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="read and check the input and options, tokenize every row on the cluster and print what "
+        "the job would do (rows refused, prompt tokens, prefix sharing, an estimate of its time from a "
+        "short calibration run); nothing is written (docs/dry_run.md)",
+    )
+    p.add_argument(
+        "--calibration-seconds",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="--dry-run: the most the calibration run may take (default 30)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        metavar="N",
+        help="generate/chat: a budget; once the partitions computed hold N prompt tokens no new "
+        f"partition starts (those running finish), exit status {EXIT_BUDGET}; --resume finishes the job",
+    )
+    p.add_argument(
+        "--max-generated-tokens",
+        type=positive_int,
+        metavar="N",
+        help="generate/chat: a budget of generated tokens, as --max-prompt-tokens",
+    )
 
 
 # ---- dfllm run --------------------------------------------------------------------------------------
@@ -159,8 +209,11 @@ def sampling_from(args) -> dict | None:
 
 def engine_kwargs_from(args) -> dict:
     """The engine flags given, but LoRA's (:func:`lora_from`), as the task's keyword arguments."""
-    kwargs = {k: v for k in ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size")
-              if (v := getattr(args, k)) not in (None, DEFAULTS[k])}
+    kwargs = {
+        k: v
+        for k in ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size")
+        if (v := getattr(args, k)) not in (None, DEFAULTS[k])
+    }
     if getattr(args, "reasoning_parser", None):
         if not KINDS[args.task].generative:
             raise ValueError("--reasoning-parser applies to --task generate or chat")
@@ -174,15 +227,21 @@ def lora_from(args) -> dict:
     column = getattr(args, "lora_column", None)
     extra = {k: getattr(args, k, None) for k in ("max_loras", "max_lora_rank")}
     if column is None:
-        given = [f"--{k.replace('_', '-')}" for k, v in {**extra, "lora_root": getattr(args, "lora_root", None)}.items()
-                 if v is not None]
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k, v in {**extra, "lora_root": getattr(args, "lora_root", None)}.items()
+            if v is not None
+        ]
         if given:
             raise ValueError(f"{', '.join(given)} apply with --lora-column")
         return {}
     if not KINDS[args.task].generative:
         raise ValueError("--lora-column applies to --task generate or chat")
-    return {"lora": column, "lora_root": getattr(args, "lora_root", None),
-            **{k: v for k, v in extra.items() if v is not None}}
+    return {
+        "lora": column,
+        "lora_root": getattr(args, "lora_root", None),
+        **{k: v for k, v in extra.items() if v is not None},
+    }
 
 
 def build_job(args, resources: dict | None = None):
@@ -266,25 +325,37 @@ def run(args) -> int:
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
         build_job(args)
     gpus = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
-    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu,
-                 gpus_per_engine=gpus) as (client, resources):
+    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu, gpus_per_engine=gpus) as (
+        client,
+        resources,
+    ):
         # built with the client current, so that a model directory only the workers have is
         # checked on a worker, and with --gpu's resources on the llm tasks themselves
         job = build_job(args, resources)
         page = page_link(client)
-        say(f"dfllm: {args.task} on {describe_client(client)}; dashboard {client.dashboard_link}"
-             + (f"; dfllm page {page}" if page else ""))
+        say(
+            f"dfllm: {args.task} on {describe_client(client)}; dashboard {client.dashboard_link}"
+            + (f"; dfllm page {page}" if page else "")
+        )
         if args.dry_run:
             return print_dry_run(args, job, budget)
         before, cache_before = deduplicated_requests(client), cache_counts(client)
-        summary = write_parquet(job, args.output, resume=args.resume, storage_options=args.storage_options,
-                                progress=not args.no_progress, budget=budget)
+        summary = write_parquet(
+            job,
+            args.output,
+            resume=args.resume,
+            storage_options=args.storage_options,
+            progress=not args.no_progress,
+            budget=budget,
+        )
         deduplicated = deduplicated_requests(client) - before
         cache = {k: v - cache_before.get(k, 0) for k, v in cache_counts(client).items()} if args.cache else None
     print(format_summary(summary, deduplicated, cache), flush=True)
     if summary.stopped:
-        say(f"dfllm: stopped: {summary.stopped}; {summary.missing} of {summary.partitions} partition(s) not "
-             f"written; run again with --resume to finish the job in {summary.path}")
+        say(
+            f"dfllm: stopped: {summary.stopped}; {summary.missing} of {summary.partitions} partition(s) not "
+            f"written; run again with --resume to finish the job in {summary.path}"
+        )
         return EXIT_BUDGET
     failed = too_many_errors(summary, args.max_error_rate)
     if failed:
@@ -309,9 +380,14 @@ def print_dry_run(args, job, budget=None) -> int:
     """``dfllm run --dry-run``: the report of :func:`dfllm.jobs.dry_run.dry_run` on stdout."""
     from dfllm.jobs.dry_run import DEFAULT_CALIBRATION_SECONDS, dry_run
 
-    report = dry_run(job, output=args.output, storage_options=args.storage_options, budget=budget,
-                     calibration_seconds=args.calibration_seconds or DEFAULT_CALIBRATION_SECONDS,
-                     progress=not args.no_progress)
+    report = dry_run(
+        job,
+        output=args.output,
+        storage_options=args.storage_options,
+        budget=budget,
+        calibration_seconds=args.calibration_seconds or DEFAULT_CALIBRATION_SECONDS,
+        progress=not args.no_progress,
+    )
     print(report.format(), flush=True)
     return 0
 
@@ -321,8 +397,10 @@ def too_many_errors(summary: WriteSummary, max_error_rate: float) -> str | None:
     ``llm_error``; resumed partitions included), or None. No rows is no failure."""
     if summary.rows == 0 or summary.errors / summary.rows <= max_error_rate:
         return None
-    return (f"{summary.errors} of {summary.rows} rows ({100 * summary.errors / summary.rows:.1f}%) have llm_error, "
-            f"above --max-error-rate {max_error_rate:g}; the output was written to {summary.path}")
+    return (
+        f"{summary.errors} of {summary.rows} rows ({100 * summary.errors / summary.rows:.1f}%) have llm_error, "
+        f"above --max-error-rate {max_error_rate:g}; the output was written to {summary.path}"
+    )
 
 
 def deduplicated_requests(client) -> int:
@@ -346,8 +424,13 @@ def cache_counts(client) -> dict[str, int]:
 def _engine_deduplicated() -> int:
     from dfllm.worker.engine_cache import engines_now
 
-    return sum(int(m.value) for llm in engines_now() if llm.engine is not None
-               for m in llm.get_metrics() if m.name == "dfllm_deduplicated_requests")
+    return sum(
+        int(m.value)
+        for llm in engines_now()
+        if llm.engine is not None
+        for m in llm.get_metrics()
+        if m.name == "dfllm_deduplicated_requests"
+    )
 
 
 def format_summary(s, deduplicated: int = 0, cache: dict[str, int] | None = None) -> str:
@@ -355,20 +438,28 @@ def format_summary(s, deduplicated: int = 0, cache: dict[str, int] | None = None
     answered from the response cache (``cache``: the job's cache counts, with ``--cache``),
     tokens, throughput, time and where the output is."""
     tokens = s.input_tokens + s.output_tokens
-    lines = [f"rows:        {s.rows} ({s.errors} with llm_error"
-             + (f", {deduplicated} answered from an identical row" if deduplicated else "") + ")",
-             f"partitions:  {s.partitions} ({s.written} written, {s.skipped} already complete"
-             + (f", {s.missing} not written" if getattr(s, "missing", 0) else "") + ")"]
+    lines = [
+        f"rows:        {s.rows} ({s.errors} with llm_error"
+        + (f", {deduplicated} answered from an identical row" if deduplicated else "")
+        + ")",
+        f"partitions:  {s.partitions} ({s.written} written, {s.skipped} already complete"
+        + (f", {s.missing} not written" if getattr(s, "missing", 0) else "")
+        + ")",
+    ]
     if getattr(s, "stopped", None):
         lines.append(f"stopped:     {s.stopped}; --resume finishes the job")
     if cache is not None:
-        lines.append(f"cache:       {cache.get('hits', 0)} rows answered from the response cache, "
-                     f"{cache.get('misses', 0)} missed ({cache.get('stored', 0)} stored), "
-                     f"{cache.get('bypassed', 0)} not cacheable (sampled without a seed)")
+        lines.append(
+            f"cache:       {cache.get('hits', 0)} rows answered from the response cache, "
+            f"{cache.get('misses', 0)} missed ({cache.get('stored', 0)} stored), "
+            f"{cache.get('bypassed', 0)} not cacheable (sampled without a seed)"
+        )
     if tokens:
-        lines += [f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
-                  f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
-                  f"{s.rows / max(s.seconds, 1e-9):.2f} rows/s"]
+        lines += [
+            f"tokens:      {s.input_tokens} in, {s.output_tokens} out",
+            f"throughput:  {s.output_tokens / max(s.seconds, 1e-9):.1f} generated tokens/s, "
+            f"{s.rows / max(s.seconds, 1e-9):.2f} rows/s",
+        ]
     else:
         lines.append(f"throughput:  {s.rows / max(s.seconds, 1e-9):.2f} rows/s")
     lines += [f"wall time:   {s.seconds:.1f} s", f"output:      {s.path}"]
@@ -389,8 +480,10 @@ def models(args) -> int:
             status = "not converted"
         else:
             status = "ready"
-        default = {DEFAULT_CHAT_MODEL: " (default: generate, chat)",
-                   "all-minilm-l6-v2": " (default: embed, score)"}.get(alias, "")
+        default = {
+            DEFAULT_CHAT_MODEL: " (default: generate, chat)",
+            "all-minilm-l6-v2": " (default: embed, score)",
+        }.get(alias, "")
         print(f"{alias:24} {m.package:22} {status:14} {where}")
         print(f"    {m.description}{default}")
     print_architectures()
@@ -428,10 +521,23 @@ def demo(args) -> int:
         pd.DataFrame({"id": range(len(DEMO_HAIKUS)), "haiku": DEMO_HAIKUS}).to_parquet(source)
         output = args.output or str(Path(tmp) / "out")
         run_args = build_parser().parse_args(
-            ["run", str(source), output, "--task", "chat", "--prompt", "Complete this haiku: {haiku}",
-             "--system", "You are a poet who completes unfinished haikus. Reply with the full haiku only.",
-             "--max-tokens", str(args.max_tokens), "--npartitions", "2"]
-            + (["--scheduler", args.scheduler] if args.scheduler else []))
+            [
+                "run",
+                str(source),
+                output,
+                "--task",
+                "chat",
+                "--prompt",
+                "Complete this haiku: {haiku}",
+                "--system",
+                "You are a poet who completes unfinished haikus. Reply with the full haiku only.",
+                "--max-tokens",
+                str(args.max_tokens),
+                "--npartitions",
+                "2",
+            ]
+            + (["--scheduler", args.scheduler] if args.scheduler else [])
+        )
         status = run(run_args)
         results = pd.read_parquet(output).sort_values("id")
         for row in results.head(4).itertuples():

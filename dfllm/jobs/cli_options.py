@@ -15,10 +15,19 @@ def add_cache_options(p: argparse.ArgumentParser, what: str) -> None:
     """``--cache`` (helped as ``what``), ``--cache-max-bytes`` and ``--cache-storage-options``
     (read back by :func:`cache_of`), for ``dfllm run`` and ``dfllm run-batch``."""
     p.add_argument("--cache", metavar="URL", help=what)
-    p.add_argument("--cache-max-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go")
-    p.add_argument("--cache-storage-options", type=json_object, default=None,
-                   help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)")
+    p.add_argument(
+        "--cache-max-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="bound on the cache's size, e.g. 500MB or 2GiB (default 1GiB); least recently used entries go",
+    )
+    p.add_argument(
+        "--cache-storage-options",
+        type=json_object,
+        default=None,
+        help="fsspec options of the cache as JSON (default: --storage-options for a URL with a protocol)",
+    )
 
 
 def _checked(text: str, convert, ok, what: str):

@@ -35,15 +35,27 @@ def gpu_worker_specs(num_gpus: int, gpus_per_engine: int, threads: int) -> dict:
     specs = {}
     for w in range(num_gpus // gpus_per_engine):
         devices = ",".join(str(d) for d in range(w * gpus_per_engine, (w + 1) * gpus_per_engine))
-        specs[f"gpu-{w}"] = {"cls": Nanny, "options": {
-            "nthreads": threads, "resources": {"GPU": gpus_per_engine}, "env": {"CUDA_VISIBLE_DEVICES": devices}}}
+        specs[f"gpu-{w}"] = {
+            "cls": Nanny,
+            "options": {
+                "nthreads": threads,
+                "resources": {"GPU": gpus_per_engine},
+                "env": {"CUDA_VISIBLE_DEVICES": devices},
+            },
+        }
     return specs
 
 
 @contextlib.contextmanager
-def connect(scheduler: str | None = None, *, workers: int | None = None, threads: int | None = None,
-            gpu: bool = False, gpus_per_engine: int = 1,
-            dashboard: str = ":8787") -> Iterator[tuple[Client, dict | None]]:
+def connect(
+    scheduler: str | None = None,
+    *,
+    workers: int | None = None,
+    threads: int | None = None,
+    gpu: bool = False,
+    gpus_per_engine: int = 1,
+    dashboard: str = ":8787",
+) -> Iterator[tuple[Client, dict | None]]:
     """A distributed ``Client`` for the job and the resources its tasks should ask for.
 
     ``scheduler``: the address of a running cluster (``tcp://host:8786``). Otherwise a
@@ -71,17 +83,25 @@ def connect(scheduler: str | None = None, *, workers: int | None = None, threads
         found = torch.cuda.device_count()
         if found < gpus_per_engine:
             raise ValueError(f"--gpu: {found} CUDA GPU(s) visible, need {gpus_per_engine} per engine")
-        cluster = SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": dashboard}},
-                              workers=gpu_worker_specs(found, gpus_per_engine, threads), silence_logs=logging.ERROR)
+        cluster = SpecCluster(
+            scheduler={"cls": Scheduler, "options": {"dashboard_address": dashboard}},
+            workers=gpu_worker_specs(found, gpus_per_engine, threads),
+            silence_logs=logging.ERROR,
+        )
         task_res = task_resources(gpus_per_engine, threads)
     else:
         from dfllm.kernels import _cpu
 
         _cpu.load()  # compiled here, once, saying so, rather than silently on the workers (they load the build)
         n = workers or 1  # engines on one machine split its cores instead of each taking them all
-        cluster = LocalCluster(n_workers=n, threads_per_worker=threads, processes=True,
-                               dashboard_address=dashboard, silence_logs=logging.ERROR,
-                               env={"DFLLM_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))})
+        cluster = LocalCluster(
+            n_workers=n,
+            threads_per_worker=threads,
+            processes=True,
+            dashboard_address=dashboard,
+            silence_logs=logging.ERROR,
+            env={"DFLLM_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))},
+        )
         task_res = None
     with cluster, Client(cluster) as client:
         install_dashboard(client)
@@ -112,6 +132,8 @@ def _remote_resources(client, gpu: bool, gpus_per_engine: int) -> dict | None:
     workers = client.scheduler_info(n_workers=-1)["workers"].values()
     gpu_workers = [w for w in workers if w.get("resources", {}).get("GPU", 0) >= gpus_per_engine]
     if not gpu_workers:
-        raise ValueError(f"--gpu: no worker of the cluster declares the resource GPU >= {gpus_per_engine} "
-                         "(start workers with --resources GPU=N)")
+        raise ValueError(
+            f"--gpu: no worker of the cluster declares the resource GPU >= {gpus_per_engine} "
+            "(start workers with --resources GPU=N)"
+        )
     return task_resources(gpus_per_engine, min(w["nthreads"] for w in gpu_workers))

@@ -82,9 +82,9 @@ class RequestSource(Protocol):
         """``LLM(...)``'s keyword arguments as sorted ``(name, value)`` pairs."""
         ...
 
-    def requests(self, df: pd.DataFrame, processor: InputProcessor,
-                 lock: threading.Lock) -> tuple[list[EngineRequest], dict[int, str]] | tuple[
-                     list[EngineRequest], dict[int, str], dict[int, str]]:
+    def requests(
+        self, df: pd.DataFrame, processor: InputProcessor, lock: threading.Lock
+    ) -> tuple[list[EngineRequest], dict[int, str]] | tuple[list[EngineRequest], dict[int, str], dict[int, str]]:
         """The requests the real run would hand to the engine for ``df``'s rows, one per row
         not refused, in row order; and the refused rows: row position -> the message its
         ``llm_error`` would hold. Call ``processor`` holding ``lock``. A source whose rows do
@@ -119,8 +119,10 @@ class TaskRequests:
 
     def __post_init__(self) -> None:
         if not self.task.spec.generative:
-            raise ValueError(f"dry run: the task is {self.task.kind}; a dry run checks generate and chat jobs "
-                             "(their prompts, tokens and time)")
+            raise ValueError(
+                f"dry run: the task is {self.task.kind}; a dry run checks generate and chat jobs "
+                "(their prompts, tokens and time)"
+            )
 
     @property
     def model(self) -> str | None:
@@ -130,8 +132,9 @@ class TaskRequests:
     def engine_kwargs(self) -> tuple:
         return self.task.engine_kwargs
 
-    def requests(self, df: pd.DataFrame, processor: InputProcessor,
-                 lock: threading.Lock) -> tuple[list[EngineRequest], dict[int, str]]:
+    def requests(
+        self, df: pd.DataFrame, processor: InputProcessor, lock: threading.Lock
+    ) -> tuple[list[EngineRequest], dict[int, str]]:
         from dfllm.tasks.runners import RUNNERS, Generation
 
         fields: dict[str, Any] = {"on_error": "null", "sort_by": ()}
@@ -231,29 +234,45 @@ def survey_partition(df: pd.DataFrame, source: RequestSource, partition: int) ->
         skipped: dict[int, str] = got[2] if len(got) > 2 else {}
         hits = source.cache_hits(requests, entry.llm.config) if requests else None
         facts = engine_facts(entry.llm)
-    survey = _summarize(partition, df, requests, refused, hits, facts, load, time.perf_counter() - start,
-                        skipped)
+    survey = _summarize(partition, df, requests, refused, hits, facts, load, time.perf_counter() - start, skipped)
     survey.not_estimated = dict(Counter(skipped.values()))
     return survey
 
 
 def _generative(llm) -> LLMEngine:
     if llm.engine is None:
-        raise ValueError(f"dry run: {llm.config.model_path.name} is loaded as a pooling model; a dry run checks "
-                         "generate and chat jobs")
+        raise ValueError(
+            f"dry run: {llm.config.model_path.name} is loaded as a pooling model; a dry run checks "
+            "generate and chat jobs"
+        )
     return llm.engine
 
 
 def engine_facts(llm) -> EngineFacts:
     """The settings of ``llm``'s engine that a dry run's figures depend on."""
     cfg = llm.config
-    return EngineFacts(cfg.model_path.name, cfg.max_model_len, cfg.block_size, cfg.max_num_seqs,
-                       cfg.max_num_batched_tokens, bool(cfg.enable_prefix_caching), bool(cfg.deduplicate_requests))
+    return EngineFacts(
+        cfg.model_path.name,
+        cfg.max_model_len,
+        cfg.block_size,
+        cfg.max_num_seqs,
+        cfg.max_num_batched_tokens,
+        bool(cfg.enable_prefix_caching),
+        bool(cfg.deduplicate_requests),
+    )
 
 
-def _summarize(partition: int, df: pd.DataFrame, requests: list[EngineRequest], refused: dict[int, str],
-               hits: list[bool] | None, facts: EngineFacts, load: float, seconds: float,
-               skipped: dict[int, str] | None = None) -> PartitionSurvey:
+def _summarize(
+    partition: int,
+    df: pd.DataFrame,
+    requests: list[EngineRequest],
+    refused: dict[int, str],
+    hits: list[bool] | None,
+    facts: EngineFacts,
+    load: float,
+    seconds: float,
+    skipped: dict[int, str] | None = None,
+) -> PartitionSurvey:
     lengths = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
     limits = np.array([generation_limit(r, facts.max_model_len) for r in requests], dtype=np.int64)
     reasons: dict[str, list] = {}
@@ -290,10 +309,25 @@ def _summarize(partition: int, df: pd.DataFrame, requests: list[EngineRequest], 
         k = int(lengths.argmax())
         positions = sorted(set(range(len(df))) - set(refused) - set(skipped or {}))  # the accepted rows, in order
         longest = (int(lengths[k]), _label(df.index[positions[k]]) if len(positions) == len(requests) else None)
-    return PartitionSurvey(partition, len(df), lengths, limits, runs, len(refused), reasons, longest, duplicates,
-                           duplicate_tokens, np.array(digests, dtype=np.uint64), np.array(sorted(blocks),
-                                                                                          dtype=np.uint64),
-                           looked_up, None if hits is None else int(sum(hits)), facts, load, seconds)
+    return PartitionSurvey(
+        partition,
+        len(df),
+        lengths,
+        limits,
+        runs,
+        len(refused),
+        reasons,
+        longest,
+        duplicates,
+        duplicate_tokens,
+        np.array(digests, dtype=np.uint64),
+        np.array(sorted(blocks), dtype=np.uint64),
+        looked_up,
+        None if hits is None else int(sum(hits)),
+        facts,
+        load,
+        seconds,
+    )
 
 
 def _label(value) -> Any:
@@ -339,7 +373,7 @@ def block_digests(token_ids: Sequence[int], block_size: int) -> list[int]:
     ids = np.asarray(token_ids, dtype=np.int64)
     chain, parent = [], b""
     for i in range((len(ids) - 1) // block_size):
-        h = hashlib.blake2b(parent + ids[i * block_size:(i + 1) * block_size].tobytes(), digest_size=8).digest()
+        h = hashlib.blake2b(parent + ids[i * block_size : (i + 1) * block_size].tobytes(), digest_size=8).digest()
         chain.append(int.from_bytes(h, "little"))
         parent = h
     return chain
@@ -387,8 +421,9 @@ def calibrate(frames: list[pd.DataFrame], source: RequestSource, sample_rows: in
             requests += source.requests(df, engine.input_processor, entry.lock)[0] if len(df) else []
         sample = _spread(_distinct(requests), sample_rows)
         cfg = entry.llm.config
-        cal = driver().call(lambda: measure(engine, entry.lock, sample, seconds, cfg.max_model_len,
-                                            cfg.max_num_batched_tokens))
+        cal = driver().call(
+            lambda: measure(engine, entry.lock, sample, seconds, cfg.max_model_len, cfg.max_num_batched_tokens)
+        )
     cal.worker = _worker_address()
     return cal
 
@@ -420,8 +455,13 @@ def _spread(items: list, n: int) -> list:
     return [items[int(k * len(items) / n)] for k in range(n)]
 
 
-def _run(engine: LLMEngine, lock: threading.Lock, requests: list[EngineRequest], deadline: float | None,
-         steps: list[tuple[float, int]] | None = None) -> tuple[dict[int, int], list[int]]:
+def _run(
+    engine: LLMEngine,
+    lock: threading.Lock,
+    requests: list[EngineRequest],
+    deadline: float | None,
+    steps: list[tuple[float, int]] | None = None,
+) -> tuple[dict[int, int], list[int]]:
     """Add ``requests`` and step the engine until they finish (or ``deadline``, then abort
     the rest). Returns each finished request's generated token count by its position in
     ``requests``, and the positions of those aborted; ``steps`` gets ``(seconds, batch)`` of
@@ -452,8 +492,14 @@ def _run(engine: LLMEngine, lock: threading.Lock, requests: list[EngineRequest],
     return done, [k for k in range(len(requests)) if k not in done]
 
 
-def measure(engine: LLMEngine, lock: threading.Lock, sample: list[EngineRequest], seconds: float,
-            max_model_len: int, max_num_batched_tokens: int) -> Calibration:
+def measure(
+    engine: LLMEngine,
+    lock: threading.Lock,
+    sample: list[EngineRequest],
+    seconds: float,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+) -> Calibration:
     """Time ``sample`` on ``engine`` (on the thread that steps it): its prompts alone, then
     the rows as the job would run them, then one row alone if the batch sizes seen do not
     tell a decode step's fixed cost from its cost per row; all in about ``seconds`` (rows
@@ -477,11 +523,13 @@ def measure(engine: LLMEngine, lock: threading.Lock, sample: list[EngineRequest]
     batches = {b for _, b in steps}
     if len(batches) < 2 or max(batches) < 2 * min(batches):  # one row alone: the fixed cost of a step
         short = min(sample, key=lambda r: len(r.prompt_token_ids))
-        alone = dataclasses.replace(short, params=dataclasses.replace(short.params, max_tokens=6, min_tokens=6,
-                                                                      ignore_eos=True))
+        alone = dataclasses.replace(
+            short, params=dataclasses.replace(short.params, max_tokens=6, min_tokens=6, ignore_eos=True)
+        )
         typical = float(np.median([t for t, _ in steps])) if steps else 0.0
-        _run(engine, lock, [alone], time.perf_counter() + max(start + seconds - time.perf_counter(), 3 * typical),
-             steps)
+        _run(
+            engine, lock, [alone], time.perf_counter() + max(start + seconds - time.perf_counter(), 3 * typical), steps
+        )
     fixed, per_row = fit_steps(steps)
     prefill_steps = max(1, math.ceil(computed / max(1, max_num_batched_tokens)))
     per_token = max(0.0, prefill - prefill_steps * (fixed + per_row * len(sample))) / computed
@@ -491,8 +539,21 @@ def measure(engine: LLMEngine, lock: threading.Lock, sample: list[EngineRequest]
     share = min(1.0, expected / sum(limits)) if sum(limits) else 1.0
     by_row = [n / limits[k] for k, n in done.items() if limits[k]]
     longest = 1.0 if aborted or not by_row else min(1.0, max(by_row))
-    return Calibration(len(sample), prompt_tokens, computed, sum(done.values()), sum(limits),
-                       time.perf_counter() - start, prefill, fixed, per_row, per_token, share, longest, len(aborted))
+    return Calibration(
+        len(sample),
+        prompt_tokens,
+        computed,
+        sum(done.values()),
+        sum(limits),
+        time.perf_counter() - start,
+        prefill,
+        fixed,
+        per_row,
+        per_token,
+        share,
+        longest,
+        len(aborted),
+    )
 
 
 def fit_steps(steps: list[tuple[float, int]]) -> tuple[float, float]:
@@ -578,8 +639,10 @@ class DryRunReport:
     def format(self) -> str:
         """The report as ``dfllm run --dry-run`` prints it."""
         lines = [f"dry run:          {self.what}; nothing was written"]
-        lines.append(f"rows:             {self.rows:,} in {self.partitions:,} partition(s); {self.accepted:,} would "
-                     f"run, {self.refused:,} refused" + (f", {self.skipped:,} not estimated" if self.skipped else ""))
+        lines.append(
+            f"rows:             {self.rows:,} in {self.partitions:,} partition(s); {self.accepted:,} would "
+            f"run, {self.refused:,} refused" + (f", {self.skipped:,} not estimated" if self.skipped else "")
+        )
         for why, n in sorted(self.not_estimated.items(), key=lambda kv: -kv[1]):
             lines.append(f"  not estimated:  {n:,} x {why}")
         for r in self.refusals:
@@ -589,37 +652,50 @@ class DryRunReport:
         if self.refused and self.on_error_raise:
             lines.append("  (with --on-error raise the job would fail at the first of them)")
         if self.accepted:
-            lines.append(f"prompt tokens:    {self.prompt_tokens:,} (p50 {self.prompt_p50:,}, p99 {self.prompt_p99:,}, "
-                         f"longest {self.prompt_longest:,}" + (f", row {self.longest_row!r}" if self.longest_row
-                                                               is not None else "") + ")")
-            lines.append(f"max tokens:       {self.max_generated_tokens:,} generated at most (max_tokens, within "
-                         "the context)")
+            lines.append(
+                f"prompt tokens:    {self.prompt_tokens:,} (p50 {self.prompt_p50:,}, p99 {self.prompt_p99:,}, "
+                f"longest {self.prompt_longest:,}"
+                + (f", row {self.longest_row!r}" if self.longest_row is not None else "")
+                + ")"
+            )
+            lines.append(
+                f"max tokens:       {self.max_generated_tokens:,} generated at most (max_tokens, within the context)"
+            )
             share = 100 * self.prefix_cached_tokens / max(1, self.prompt_tokens)
             bs = self.engine.block_size if self.engine else 0
-            lines.append(f"prefix sharing:   {self.prefix_cached_tokens:,} prompt tokens ({share:.0f}%) in full "
-                         f"{bs}-token blocks shared with an earlier prompt: the prefix cache computes them once "
-                         "(at most: one cache for the job)")
-            lines.append(f"identical rows:   {self.duplicates:,} identical to an earlier row of their partition "
-                         f"(computed once: {self.duplicate_prompt_tokens:,} prompt tokens and their generation); "
-                         f"{self.job_duplicates:,} in the whole job")
+            lines.append(
+                f"prefix sharing:   {self.prefix_cached_tokens:,} prompt tokens ({share:.0f}%) in full "
+                f"{bs}-token blocks shared with an earlier prompt: the prefix cache computes them once "
+                "(at most: one cache for the job)"
+            )
+            lines.append(
+                f"identical rows:   {self.duplicates:,} identical to an earlier row of their partition "
+                f"(computed once: {self.duplicate_prompt_tokens:,} prompt tokens and their generation); "
+                f"{self.job_duplicates:,} in the whole job"
+            )
         if self.cache_hits is not None:
-            lines.append(f"response cache:   {self.cache_hits:,} of {self.accepted:,} rows found (answered without "
-                         "the engine)")
+            lines.append(
+                f"response cache:   {self.cache_hits:,} of {self.accepted:,} rows found (answered without the engine)"
+            )
         if self.output:
             lines.append(f"output:           {self.output}")
         c = self.calibration
         if c is not None and c.rows:
-            lines.append(f"calibration:      {c.rows} rows on {c.worker or 'one worker'} in {c.seconds:.1f} s: "
-                         f"prefill {c.computed_prompt_tokens / max(c.prefill_seconds, 1e-9):,.0f} tokens/s; a decode "
-                         f"step {1000 * c.step_seconds:.1f} ms + {1000 * c.row_step_seconds:.2f} ms per row; rows "
-                         f"generated {100 * c.generated_share:.0f}% of max_tokens"
-                         + (f" ({c.censored} still running at the time limit)" if c.censored else ""))
+            lines.append(
+                f"calibration:      {c.rows} rows on {c.worker or 'one worker'} in {c.seconds:.1f} s: "
+                f"prefill {c.computed_prompt_tokens / max(c.prefill_seconds, 1e-9):,.0f} tokens/s; a decode "
+                f"step {1000 * c.step_seconds:.1f} ms + {1000 * c.row_step_seconds:.2f} ms per row; rows "
+                f"generated {100 * c.generated_share:.0f}% of max_tokens"
+                + (f" ({c.censored} still running at the time limit)" if c.censored else "")
+            )
         e = self.estimate
         if e is not None:
-            lines.append(f"estimate:         {_duration(e.seconds)} (engine load {_duration(e.load_seconds)}, "
-                         f"read and tokenize {_duration(e.read_seconds)}, generation "
-                         f"{_duration(e.generation_seconds)}: ~{e.generated_tokens:,} tokens generated in "
-                         f"~{e.decode_steps:,.0f} steps on {e.engines} engine(s) x {e.slots} partitions at once)")
+            lines.append(
+                f"estimate:         {_duration(e.seconds)} (engine load {_duration(e.load_seconds)}, "
+                f"read and tokenize {_duration(e.read_seconds)}, generation "
+                f"{_duration(e.generation_seconds)}: ~{e.generated_tokens:,} tokens generated in "
+                f"~{e.decode_steps:,.0f} steps on {e.engines} engine(s) x {e.slots} partitions at once)"
+            )
             lines += [f"  assumes:        {a}" for a in e.assumptions]
         if self.budget:
             lines.append(f"budget:           {self.budget}")
@@ -629,7 +705,7 @@ class DryRunReport:
 
 def _short(text: str, n: int = 110) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= n else text[:n - 3] + "..."
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _duration(seconds: float) -> str:
@@ -648,9 +724,16 @@ def nearest_rank(values: np.ndarray, q: float) -> int:
 
 
 # ---- the dry run ----------------------------------------------------------------------------------------------
-def dry_run(job, *, output: str | None = None, storage_options: dict | None = None,
-            sample_rows: int = DEFAULT_SAMPLE_ROWS, calibration_seconds: float = DEFAULT_CALIBRATION_SECONDS,
-            budget=None, progress: bool = False) -> DryRunReport:
+def dry_run(
+    job,
+    *,
+    output: str | None = None,
+    storage_options: dict | None = None,
+    sample_rows: int = DEFAULT_SAMPLE_ROWS,
+    calibration_seconds: float = DEFAULT_CALIBRATION_SECONDS,
+    budget=None,
+    progress: bool = False,
+) -> DryRunReport:
     """A dry run of ``job``, the lazy result of a Dask ``.llm.generate``/``.llm.chat`` call:
     every row tokenized and checked on the cluster (the default distributed client, else
     this process), a calibration run and an estimate of the job's wall time (see the module
@@ -662,19 +745,39 @@ def dry_run(job, *, output: str | None = None, storage_options: dict | None = No
 
     origin = llm_origin(job)
     if origin is None or not isinstance(origin[1], PartitionFunction):
-        raise ValueError("dry_run takes the direct result of a Dask .llm.generate or .llm.chat call; for other "
-                         "sources use dry_run_source(frame, requests)")
+        raise ValueError(
+            "dry_run takes the direct result of a Dask .llm.generate or .llm.chat call; for other "
+            "sources use dry_run_source(frame, requests)"
+        )
     source, func = origin
-    return dry_run_source(source, TaskRequests(func.task), resources=func.resources, output=output,
-                          storage_options=storage_options, sample_rows=sample_rows,
-                          calibration_seconds=calibration_seconds, budget=budget, progress=progress,
-                          on_error_raise=func.task.on_error == "raise")
+    return dry_run_source(
+        source,
+        TaskRequests(func.task),
+        resources=func.resources,
+        output=output,
+        storage_options=storage_options,
+        sample_rows=sample_rows,
+        calibration_seconds=calibration_seconds,
+        budget=budget,
+        progress=progress,
+        on_error_raise=func.task.on_error == "raise",
+    )
 
 
-def dry_run_source(source, requests: RequestSource, *, resources: dict | None = None, output: str | None = None,
-                   storage_options: dict | None = None, sample_rows: int = DEFAULT_SAMPLE_ROWS,
-                   calibration_seconds: float = DEFAULT_CALIBRATION_SECONDS, budget=None, progress: bool = False,
-                   on_error_raise: bool = False, what: str | None = None) -> DryRunReport:
+def dry_run_source(
+    source,
+    requests: RequestSource,
+    *,
+    resources: dict | None = None,
+    output: str | None = None,
+    storage_options: dict | None = None,
+    sample_rows: int = DEFAULT_SAMPLE_ROWS,
+    calibration_seconds: float = DEFAULT_CALIBRATION_SECONDS,
+    budget=None,
+    progress: bool = False,
+    on_error_raise: bool = False,
+    what: str | None = None,
+) -> DryRunReport:
     """A dry run of the rows of ``source`` (a Dask DataFrame) as ``requests`` turns them into
     engine requests (see :func:`dry_run`); the tasks ask for ``resources``."""
     from dfllm.accessors.writer import _compute
@@ -687,19 +790,27 @@ def dry_run_source(source, requests: RequestSource, *, resources: dict | None = 
     found = check_output(source, output, storage_options) if output is not None else None
     run = uuid.uuid4().hex[:8]
     parts = source.to_delayed()
-    jobs = [dask.delayed(survey_partition, pure=False)(p, requests, i, dask_key_name=f"llm-dry-run-{i}-{run}")
-            for i, p in enumerate(parts)]
+    jobs = [
+        dask.delayed(survey_partition, pure=False)(p, requests, i, dask_key_name=f"llm-dry-run-{i}-{run}")
+        for i, p in enumerate(parts)
+    ]
     surveys: list[PartitionSurvey] = _compute(jobs, progress, resources, desc="dry run partitions")
     read_seconds = time.perf_counter() - start
     calibration = None
     accepted = [s for s in surveys if len(s.prompt_tokens)]
     if sample_rows and accepted:
         picks = _spread([s.partition for s in accepted], 4)
-        job = dask.delayed(calibrate, pure=False)([parts[i] for i in picks], requests, sample_rows,
-                                                  calibration_seconds, dask_key_name=f"llm-dry-run-calibrate-{run}")
+        job = dask.delayed(calibrate, pure=False)(
+            [parts[i] for i in picks],
+            requests,
+            sample_rows,
+            calibration_seconds,
+            dask_key_name=f"llm-dry-run-calibrate-{run}",
+        )
         calibration = _compute([job], False, resources, desc="dry run calibration")[0]
-    report = build_report(surveys, calibration, cluster_shape(resources), read_seconds,
-                          what or _describe(requests, len(parts)), budget)
+    report = build_report(
+        surveys, calibration, cluster_shape(resources), read_seconds, what or _describe(requests, len(parts)), budget
+    )
     report.output, report.on_error_raise = found, on_error_raise
     report.seconds = time.perf_counter() - start
     return report
@@ -721,8 +832,11 @@ def check_output(source, output: str, storage_options: dict | None) -> str:
     ours = _survey(fs, root, output)
     if not fs.exists(root):
         return f"{output} (does not exist yet)"
-    return f"{output} ({len(ours)} part(s) of an earlier dfllm write: --resume keeps those still complete)" \
-        if ours else f"{output} (no parts yet)"
+    return (
+        f"{output} ({len(ours)} part(s) of an earlier dfllm write: --resume keeps those still complete)"
+        if ours
+        else f"{output} (no parts yet)"
+    )
 
 
 def cluster_shape(resources: dict | None) -> tuple[int, int]:
@@ -750,8 +864,14 @@ def cluster_shape(resources: dict | None) -> tuple[int, int]:
     return len(slots), max(1, round(sum(slots) / len(slots)))
 
 
-def build_report(surveys: list[PartitionSurvey], calibration: Calibration | None, shape: tuple[int, int],
-                 read_seconds: float, what: str, budget=None) -> DryRunReport:
+def build_report(
+    surveys: list[PartitionSurvey],
+    calibration: Calibration | None,
+    shape: tuple[int, int],
+    read_seconds: float,
+    what: str,
+    budget=None,
+) -> DryRunReport:
     """The report from the partitions' surveys and the calibration (see :class:`DryRunReport`)."""
     lengths = np.concatenate([s.prompt_tokens for s in surveys]) if surveys else np.zeros(0, dtype=np.int64)
     limits = np.concatenate([s.max_tokens for s in surveys]) if surveys else np.zeros(0, dtype=np.int64)
@@ -760,7 +880,7 @@ def build_report(surveys: list[PartitionSurvey], calibration: Calibration | None
         for reason, (n, examples) in s.reasons.items():
             r = reasons.setdefault(reason, Refusal(reason, 0, []))
             r.rows += n
-            r.examples += examples[:max(0, EXAMPLES - len(r.examples))]
+            r.examples += examples[: max(0, EXAMPLES - len(r.examples))]
     facts = next((s.engine for s in surveys), None)
     longest = max((s.longest for s in surveys if s.longest[0]), default=(0, None), key=lambda x: x[0])
     digests = [s.request_digests for s in surveys if len(s.request_digests)]
@@ -772,14 +892,28 @@ def build_report(surveys: list[PartitionSurvey], calibration: Calibration | None
     bs = facts.block_size if facts else 0
     hits = [s.cache_hits for s in surveys if s.cache_hits is not None]
     report = DryRunReport(
-        what=what, rows=sum(s.rows for s in surveys), partitions=len(surveys), accepted=len(lengths),
-        refused=sum(s.refused for s in surveys), refusals=sorted(reasons.values(), key=lambda r: -r.rows),
-        prompt_tokens=int(lengths.sum()), prompt_p50=nearest_rank(lengths, 50), prompt_p99=nearest_rank(lengths, 99),
-        prompt_longest=longest[0], longest_row=longest[1], max_generated_tokens=int(limits.sum()),
-        duplicates=sum(s.duplicates for s in surveys), duplicate_prompt_tokens=sum(s.duplicate_tokens for s in surveys),
-        job_duplicates=job_duplicates, prefix_cached_tokens=(looked_up - distinct_blocks) * bs,
-        looked_up_tokens=looked_up * bs, cache_hits=sum(hits) if hits else None, engine=facts,
-        calibration=calibration, estimate=None)
+        what=what,
+        rows=sum(s.rows for s in surveys),
+        partitions=len(surveys),
+        accepted=len(lengths),
+        refused=sum(s.refused for s in surveys),
+        refusals=sorted(reasons.values(), key=lambda r: -r.rows),
+        prompt_tokens=int(lengths.sum()),
+        prompt_p50=nearest_rank(lengths, 50),
+        prompt_p99=nearest_rank(lengths, 99),
+        prompt_longest=longest[0],
+        longest_row=longest[1],
+        max_generated_tokens=int(limits.sum()),
+        duplicates=sum(s.duplicates for s in surveys),
+        duplicate_prompt_tokens=sum(s.duplicate_tokens for s in surveys),
+        job_duplicates=job_duplicates,
+        prefix_cached_tokens=(looked_up - distinct_blocks) * bs,
+        looked_up_tokens=looked_up * bs,
+        cache_hits=sum(hits) if hits else None,
+        engine=facts,
+        calibration=calibration,
+        estimate=None,
+    )
     for s in surveys:
         for why, n in s.not_estimated.items():
             report.not_estimated[why] = report.not_estimated.get(why, 0) + n
@@ -790,8 +924,14 @@ def build_report(surveys: list[PartitionSurvey], calibration: Calibration | None
     return report
 
 
-def estimate(surveys: list[PartitionSurvey], cal: Calibration, shape: tuple[int, int], read_seconds: float,
-             prefix_cached: int, facts: EngineFacts) -> Estimate:
+def estimate(
+    surveys: list[PartitionSurvey],
+    cal: Calibration,
+    shape: tuple[int, int],
+    read_seconds: float,
+    prefix_cached: int,
+    facts: EngineFacts,
+) -> Estimate:
     """The job's wall time: engine load, reading and tokenizing (as measured by the dry run),
     and generation, from the partitions' rows and the calibration (see the module docstring)."""
     engines, slots = shape
@@ -810,22 +950,38 @@ def estimate(surveys: list[PartitionSurvey], cal: Calibration, shape: tuple[int,
         heapq.heappush(lanes, heapq.heappop(lanes) + d)
     steps = max(max(lanes), generated / (engines * facts.max_num_seqs))
     computed = max(0, prompt - prefix_cached)
-    gen_seconds = steps * cal.step_seconds + (cal.row_step_seconds * generated
-                                              + cal.prefill_token_seconds * computed) / engines
+    gen_seconds = (
+        steps * cal.step_seconds + (cal.row_step_seconds * generated + cal.prefill_token_seconds * computed) / engines
+    )
     load = max((s.load_seconds for s in surveys), default=0.0)
     read = max(0.0, read_seconds - load)
     assumptions = [
         f"each row generates {100 * cal.generated_share:.0f}% of its max_tokens, as the {cal.rows} calibration "
-        "rows did" + (f" ({cal.censored} stopped by the time limit counted halfway to their max_tokens; a longer "
-                      "calibration is more exact)" if cal.censored else ""),
+        "rows did"
+        + (
+            f" ({cal.censored} stopped by the time limit counted halfway to their max_tokens; a longer "
+            "calibration is more exact)"
+            if cal.censored
+            else ""
+        ),
         f"{engines} engine(s) as fast as the calibration's, each running {slots} partition(s) at once; a partition "
         "takes as many decode steps as its longest row",
         "prompt blocks shared with an earlier prompt are computed once (one prefix cache for the job); identical "
         "rows of a partition once",
         "engine load, reading and tokenizing take what they took in this dry run; writing the parts, nothing",
     ]
-    return Estimate(load + read + gen_seconds, load, read, gen_seconds, engines, slots, steps, round(generated),
-                    computed, assumptions)
+    return Estimate(
+        load + read + gen_seconds,
+        load,
+        read,
+        gen_seconds,
+        engines,
+        slots,
+        steps,
+        round(generated),
+        computed,
+        assumptions,
+    )
 
 
 def _budget_note(surveys: list[PartitionSurvey], budget, cal: Calibration | None) -> str:
@@ -837,10 +993,12 @@ def _budget_note(surveys: list[PartitionSurvey], budget, cal: Calibration | None
         prompt += float(s.prompt_tokens[runs].sum())
         generated += share * float(s.max_tokens[runs].sum())
         if budget.reached(int(prompt), int(generated)):
-            return (f"would stop the job after about {k:,} of {len(surveys):,} partitions "
-                    f"(~{int(prompt):,} prompt and ~{int(generated):,} generated tokens by then; partitions "
-                    "running at that moment finish too)")
-    return (f"the job fits (~{int(prompt):,} prompt and ~{int(generated):,} generated tokens in all)")
+            return (
+                f"would stop the job after about {k:,} of {len(surveys):,} partitions "
+                f"(~{int(prompt):,} prompt and ~{int(generated):,} generated tokens by then; partitions "
+                "running at that moment finish too)"
+            )
+    return f"the job fits (~{int(prompt):,} prompt and ~{int(generated):,} generated tokens in all)"
 
 
 def refusal_counts(report: DryRunReport) -> Counter:

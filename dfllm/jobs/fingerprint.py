@@ -39,8 +39,9 @@ def fingerprint(fn: Callable | None) -> str:
     """A hex digest of what ``fn`` does (see the module docstring); ``"none"`` for None."""
     if fn is None:
         return "none"
-    return hashlib.sha256(repr(_callable(fn, set(), getattr(fn, "__qualname__", type(fn).__name__))).encode()
-                          ).hexdigest()
+    return hashlib.sha256(
+        repr(_callable(fn, set(), getattr(fn, "__qualname__", type(fn).__name__))).encode()
+    ).hexdigest()
 
 
 def _callable(fn, seen: set, where: str):
@@ -49,8 +50,12 @@ def _callable(fn, seen: set, where: str):
     if isinstance(fn, types.MethodType):
         return ("method", _callable(fn.__func__, seen, where), _value(fn.__self__, seen, f"{where}.__self__"))
     if isinstance(fn, functools.partial):
-        return ("partial", _callable(fn.func, seen, where), _value(fn.args, seen, f"{where} (partial's arguments)"),
-                _value(fn.keywords, seen, f"{where} (partial's keywords)"))
+        return (
+            "partial",
+            _callable(fn.func, seen, where),
+            _value(fn.args, seen, f"{where} (partial's arguments)"),
+            _value(fn.keywords, seen, f"{where} (partial's keywords)"),
+        )
     if isinstance(fn, (types.BuiltinFunctionType, types.MethodWrapperType, type)):
         return ("named", _name(fn))
     call = next((k.__dict__["__call__"] for k in type(fn).__mro__ if "__call__" in k.__dict__), None)
@@ -65,8 +70,10 @@ def _function(fn: types.FunctionType, seen: set, where: str):
         return ("seen", _name(fn))
     seen.add(id(fn))
     code = fn.__code__
-    cells = tuple(_value(c.cell_contents if _filled(c) else None, seen, f"{where}: closure value {name!r}")
-                  for name, c in zip(code.co_freevars, fn.__closure__ or ()))
+    cells = tuple(
+        _value(c.cell_contents if _filled(c) else None, seen, f"{where}: closure value {name!r}")
+        for name, c in zip(code.co_freevars, fn.__closure__ or ())
+    )
     reads: list[tuple] = []
     for name in _names(code):
         if name in fn.__globals__:
@@ -75,13 +82,25 @@ def _function(fn: types.FunctionType, seen: set, where: str):
                 reads.append((name, "named", _name(value)))  # a library's function: by name
             else:
                 reads.append((name, _value(value, seen, f"{where}: global {name!r}")))
-    return ("function", _code(code), _value(fn.__defaults__, seen, f"{where}: defaults"),
-            _value(fn.__kwdefaults__, seen, f"{where}: defaults"), cells, tuple(reads))
+    return (
+        "function",
+        _code(code),
+        _value(fn.__defaults__, seen, f"{where}: defaults"),
+        _value(fn.__kwdefaults__, seen, f"{where}: defaults"),
+        cells,
+        tuple(reads),
+    )
 
 
 def _code(code: types.CodeType) -> tuple:
-    return (code.co_name, code.co_code, tuple(map(_const, code.co_consts)), code.co_names, code.co_varnames,
-            code.co_freevars)
+    return (
+        code.co_name,
+        code.co_code,
+        tuple(map(_const, code.co_consts)),
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+    )
 
 
 def _const(const):

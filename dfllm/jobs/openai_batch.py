@@ -83,27 +83,35 @@ def parse_line(text: str, key: str = "") -> BatchRequestInput:
     except (json.JSONDecodeError, RecursionError) as exc:
         raise LineError(f"the line is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(line, dict):
-        raise LineError(f"the line must be a JSON object with custom_id, method, url and body, got "
-                        f"{type(line).__name__}", code="invalid_json")
+        raise LineError(
+            f"the line must be a JSON object with custom_id, method, url and body, got {type(line).__name__}",
+            code="invalid_json",
+        )
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError(f"custom_id must be a non-empty string, got {custom_id!r}", param="custom_id")
     method = line.get("method", "POST")
     if method != "POST":
-        raise LineError(f"method must be \"POST\", got {method!r}", status=405, code="method_not_allowed",
-                        param="method")
+        raise LineError(f'method must be "POST", got {method!r}', status=405, code="method_not_allowed", param="method")
     url = line.get("url")
     if not isinstance(url, str):
-        raise LineError(f"url must be one of {', '.join(SUPPORTED_URLS)}, got {url!r}", status=404,
-                        code="unknown_url", param="url")
+        raise LineError(
+            f"url must be one of {', '.join(SUPPORTED_URLS)}, got {url!r}", status=404, code="unknown_url", param="url"
+        )
     endpoint = ENDPOINTS.get(url.rstrip("/"))
     if endpoint is None:
-        raise LineError(f"URL {url} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}", status=404,
-                        code="unknown_url", param="url")
+        raise LineError(
+            f"URL {url} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}",
+            status=404,
+            code="unknown_url",
+            param="url",
+        )
     body = line.get("body")
     if not isinstance(body, dict):
-        raise LineError(f"body must be a JSON object (the {url} request), got "
-                        f"{'nothing' if body is None else type(body).__name__}", param="body")
+        raise LineError(
+            f"body must be a JSON object (the {url} request), got {'nothing' if body is None else type(body).__name__}",
+            param="body",
+        )
     return BatchRequestInput(custom_id, method, url, body, endpoint, parse_body(endpoint, body, url), key)
 
 
@@ -154,11 +162,25 @@ class BatchRequestOutput:
     error: BatchError | None = None
 
     def to_dict(self) -> dict:
-        response = None if self.response is None else {
-            "status_code": self.response.status_code, "request_id": self.response.request_id,
-            "body": self.response.body}
-        error = None if self.error is None else {
-            "code": self.error.code, "message": self.error.message, "param": self.error.param, "line": self.error.line}
+        response = (
+            None
+            if self.response is None
+            else {
+                "status_code": self.response.status_code,
+                "request_id": self.response.request_id,
+                "body": self.response.body,
+            }
+        )
+        error = (
+            None
+            if self.error is None
+            else {
+                "code": self.error.code,
+                "message": self.error.message,
+                "param": self.error.param,
+                "line": self.error.line,
+            }
+        )
         return {"id": self.id, "custom_id": self.custom_id, "response": response, "error": error}
 
     def to_json(self) -> str:
@@ -180,16 +202,20 @@ class BatchRequestOutput:
         return self.error is None and self.response is not None and self.response.status_code == 200
 
 
-def answer_line(key: str, custom_id: str | None, status: int, body_json: str | None,
-                error: BatchError | None = None) -> str:
+def answer_line(
+    key: str, custom_id: str | None, status: int, body_json: str | None, error: BatchError | None = None
+) -> str:
     """An answer line as JSON text, its body given as JSON text already (answers are
     streamed from the job's parts without parsing their bodies again)."""
     if error is not None:
         body_json = json.dumps(error.body(status), ensure_ascii=False)
-        err = json.dumps({"code": error.code, "message": error.message, "param": error.param, "line": error.line},
-                         ensure_ascii=False)
+        err = json.dumps(
+            {"code": error.code, "message": error.message, "param": error.param, "line": error.line}, ensure_ascii=False
+        )
     else:
         err = "null"
-    return (f'{{"id": "batch_req_{key}", "custom_id": {json.dumps(custom_id, ensure_ascii=False)}, '
-            f'"response": {{"status_code": {int(status)}, "request_id": "req_{key}", '
-            f'"body": {body_json if body_json is not None else "null"}}}, "error": {err}}}')
+    return (
+        f'{{"id": "batch_req_{key}", "custom_id": {json.dumps(custom_id, ensure_ascii=False)}, '
+        f'"response": {{"status_code": {int(status)}, "request_id": "req_{key}", '
+        f'"body": {body_json if body_json is not None else "null"}}}, "error": {err}}}'
+    )

@@ -42,21 +42,68 @@ from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 
 #: OpenAI fields accepted everywhere that change nothing in a batch run here.
-IGNORED = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                     "prompt_cache_retention", "stream_options", "request_id", "priority", "add_special_tokens",
-                     "spaces_between_special_tokens", "guided_decoding_backend", "parallel_tool_calls",
-                     "reasoning_effort", "verbosity", "model"})
+IGNORED = frozenset(
+    {
+        "user",
+        "store",
+        "metadata",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "stream_options",
+        "request_id",
+        "priority",
+        "add_special_tokens",
+        "spaces_between_special_tokens",
+        "guided_decoding_backend",
+        "parallel_tool_calls",
+        "reasoning_effort",
+        "verbosity",
+        "model",
+    }
+)
 #: vLLM's sampling fields, passed to :class:`~dfllm.SamplingParams` as they are.
-VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                 "skip_special_tokens", "include_stop_str_in_output", "bad_words", "allowed_token_ids",
-                 "truncate_prompt_tokens")
-SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-            "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-            "guided_grammar", "stream") + VLLM_SAMPLING
+VLLM_SAMPLING = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
+)
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "stream",
+) + VLLM_SAMPLING
 #: OpenAI fields for what dfllm does not run: refused unless empty, null or false.
-UNSUPPORTED = {"tools": "tool calling", "functions": "function calling", "audio": "audio output",
-               "prediction": "predicted outputs", "web_search_options": "web search", "suffix": "suffix (insertion)",
-               "use_beam_search": "beam search"}
+UNSUPPORTED = {
+    "tools": "tool calling",
+    "functions": "function calling",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "suffix": "suffix (insertion)",
+    "use_beam_search": "beam search",
+}
 STREAM_REFUSED = "Request must not be sent in stream mode"
 
 
@@ -91,8 +138,10 @@ def _check_fields(body: dict, known: tuple[str, ...], url: str) -> None:
                 continue
             raise LineError(f"body.{name}: {UNSUPPORTED[name]} is not supported by dfllm", param=f"body.{name}")
         if name not in known and name not in IGNORED:
-            raise LineError(f"body.{name} is not a field of {url} requests (see docs/batch.md for the fields dfllm "
-                            "reads)", param=f"body.{name}")
+            raise LineError(
+                f"body.{name} is not a field of {url} requests (see docs/batch.md for the fields dfllm reads)",
+                param=f"body.{name}",
+            )
 
 
 def _is_int(v: Any) -> bool:
@@ -124,8 +173,9 @@ def _str(body: dict, name: str, required: bool = False) -> str | None:
     if v is None and not required:
         return None
     if not isinstance(v, str):
-        raise LineError(f"body.{name} must be a string, got {'nothing' if v is None else json.dumps(v)}",
-                        param=f"body.{name}")
+        raise LineError(
+            f"body.{name} must be a string, got {'nothing' if v is None else json.dumps(v)}", param=f"body.{name}"
+        )
     return v
 
 
@@ -154,25 +204,34 @@ def _texts_or_ids(value: Any, name: str) -> list:
             elif isinstance(item, list) and item and all(_is_int(t) for t in item):
                 out.append({"prompt_token_ids": list(item)})
             else:
-                raise LineError(f"{where}[{i}] must be a string or a non-empty list of token ids, got "
-                                f"{json.dumps(item)[:80]}", param=f"{where}[{i}]")
+                raise LineError(
+                    f"{where}[{i}] must be a string or a non-empty list of token ids, got {json.dumps(item)[:80]}",
+                    param=f"{where}[{i}]",
+                )
         return out
-    raise LineError(f"{where} must be a string, a list of token ids, or a non-empty list of either, got "
-                    f"{'nothing' if value is None else json.dumps(value)[:80]}", param=where)
+    raise LineError(
+        f"{where} must be a string, a list of token ids, or a non-empty list of either, got "
+        f"{'nothing' if value is None else json.dumps(value)[:80]}",
+        param=where,
+    )
 
 
 def _check_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise LineError(f"body.messages must be a non-empty list of messages, got "
-                        f"{'nothing' if value is None else json.dumps(value)[:80]}", param="body.messages")
+        raise LineError(
+            f"body.messages must be a non-empty list of messages, got "
+            f"{'nothing' if value is None else json.dumps(value)[:80]}",
+            param="body.messages",
+        )
     messages = []
     for i, msg in enumerate(value):
         where = f"body.messages[{i}]"
         if not isinstance(msg, dict):
             raise LineError(f"{where} must be a JSON object with role and content", param=where)
         if msg.get("role") not in VALID_ROLES:
-            raise LineError(f"{where}.role must be one of {', '.join(VALID_ROLES)}, got {msg.get('role')!r}",
-                            param=f"{where}.role")
+            raise LineError(
+                f"{where}.role must be one of {', '.join(VALID_ROLES)}, got {msg.get('role')!r}", param=f"{where}.role"
+            )
         if msg.get("tool_calls") or msg.get("function_call"):
             raise LineError(f"{where}: tool calls are not supported by dfllm", param=f"{where}.tool_calls")
         content = msg.get("content")
@@ -180,12 +239,16 @@ def _check_messages(value: Any) -> list[dict]:
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise LineError(f"{where}.content[{j}]: only text parts are supported, got "
-                                    f"{kind or json.dumps(part)[:60]!r}", param=f"{where}.content[{j}]")
+                    raise LineError(
+                        f"{where}.content[{j}]: only text parts are supported, got {kind or json.dumps(part)[:60]!r}",
+                        param=f"{where}.content[{j}]",
+                    )
         elif not isinstance(content, str):
-            raise LineError(f"{where}.content must be a string or a list of text parts, got "
-                            f"{'nothing' if content is None else json.dumps(content)[:60]}",
-                            param=f"{where}.content")
+            raise LineError(
+                f"{where}.content must be a string or a list of text parts, got "
+                f"{'nothing' if content is None else json.dumps(content)[:60]}",
+                param=f"{where}.content",
+            )
         messages.append({k: v for k, v in msg.items() if k in ("role", "content", "name")})
     return messages
 
@@ -193,14 +256,25 @@ def _check_messages(value: Any) -> list[dict]:
 def _structured(body: dict) -> StructuredOutputsParams | None:
     """The output constraint of ``response_format``, ``structured_outputs`` or vLLM's
     ``guided_*`` fields (at most one of them)."""
-    given = [k for k in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                         "guided_grammar") if body.get(k) is not None]
+    given = [
+        k
+        for k in (
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        )
+        if body.get(k) is not None
+    ]
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "text":
         given.remove("response_format")
     if len(given) > 1:
-        raise LineError(f"give one output constraint, not {' and '.join('body.' + g for g in given)}",
-                        param=f"body.{given[1]}")
+        raise LineError(
+            f"give one output constraint, not {' and '.join('body.' + g for g in given)}", param=f"body.{given[1]}"
+        )
     if not given:
         return None
     name = given[0]
@@ -219,8 +293,10 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
 
 def _response_format(fmt: Any) -> StructuredOutputsParams | None:
     if not isinstance(fmt, dict):
-        raise LineError(f"body.response_format must be a JSON object with a type, got {json.dumps(fmt)}",
-                        param="body.response_format")
+        raise LineError(
+            f"body.response_format must be a JSON object with a type, got {json.dumps(fmt)}",
+            param="body.response_format",
+        )
     kind = fmt.get("type")
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
@@ -228,31 +304,49 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise LineError("body.response_format.json_schema.schema must be a JSON schema object, got "
-                            f"{json.dumps(schema)[:80]}", param="body.response_format.json_schema.schema")
+            raise LineError(
+                f"body.response_format.json_schema.schema must be a JSON schema object, got {json.dumps(schema)[:80]}",
+                param="body.response_format.json_schema.schema",
+            )
         return StructuredOutputsParams(json=schema)
-    raise LineError(f"body.response_format.type must be text, json_object or json_schema, got {kind!r}",
-                    param="body.response_format.type")
+    raise LineError(
+        f"body.response_format.type must be text, json_object or json_schema, got {kind!r}",
+        param="body.response_format.type",
+    )
 
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, aliases: dict[str, str]) -> SamplingParams:
     """The body's :class:`~dfllm.SamplingParams` (OpenAI's defaults: temperature 1, top_p 1);
     a refused value names the body field (``aliases``: SamplingParams field -> body field)."""
     if body.get("stream"):
-        raise LineError(STREAM_REFUSED + " (body.stream: a batch line gets one answer; set it to false)",
-                        param="body.stream")
-    values: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": _int(body, "n", 1),
-                              "structured_outputs": _structured(body)}
-    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
-                 *VLLM_SAMPLING):
+        raise LineError(
+            STREAM_REFUSED + " (body.stream: a batch line gets one answer; set it to false)", param="body.stream"
+        )
+    values: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "n": _int(body, "n", 1),
+        "structured_outputs": _structured(body),
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "stop",
+        *VLLM_SAMPLING,
+    ):
         if body.get(name) is not None:
             values[name] = body[name]
     try:
         return SamplingParams(**values)
     except InvalidRequestError as exc:
         field_name = aliases.get(exc.parameter or "", exc.parameter)
-        raise LineError(f"body.{field_name}: {exc}" if field_name else str(exc),
-                        param=f"body.{field_name}" if field_name else None) from None
+        raise LineError(
+            f"body.{field_name}: {exc}" if field_name else str(exc), param=f"body.{field_name}" if field_name else None
+        ) from None
     except (ValueError, TypeError) as exc:
         raise LineError(str(exc)) from None
 
@@ -275,9 +369,21 @@ class ChatCompletionRequest:
     model: str | None = None
     body: dict = field(default_factory=dict, repr=False)
 
-    FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template",
-              "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tool_choice", "modalities",
-              "function_call", "echo") + SAMPLING
+    FIELDS = (
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tool_choice",
+        "modalities",
+        "function_call",
+        "echo",
+    ) + SAMPLING
 
     @classmethod
     def from_body(cls, body: dict, url: str = "/v1/chat/completions") -> ChatCompletionRequest:
@@ -286,12 +392,14 @@ class ChatCompletionRequest:
         if body.get("tool_choice") not in (None, "none", "auto"):
             raise LineError("body.tool_choice: tool calling is not supported by dfllm", param="body.tool_choice")
         if body.get("function_call") not in (None, "none", "auto"):
-            raise LineError("body.function_call: function calling is not supported by dfllm",
-                            param="body.function_call")
+            raise LineError(
+                "body.function_call: function calling is not supported by dfllm", param="body.function_call"
+            )
         modalities = body.get("modalities")
         if modalities not in (None, ["text"]):
-            raise LineError(f"body.modalities: only [\"text\"] is supported, got {json.dumps(modalities)}",
-                            param="body.modalities")
+            raise LineError(
+                f'body.modalities: only ["text"] is supported, got {json.dumps(modalities)}', param="body.modalities"
+            )
         if body.get("echo"):
             raise LineError("body.echo: echoing the prompt is not supported for chat", param="body.echo")
         limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -299,17 +407,33 @@ class ChatCompletionRequest:
         top = _int(body, "top_logprobs", None, low=0)
         if top is not None and not logprobs:
             raise LineError("body.top_logprobs needs body.logprobs set to true", param="body.top_logprobs")
-        params = _sampling(body, _int(body, limit_name), (top or 0) if logprobs else None,
-                           {"max_tokens": limit_name, "logprobs": "top_logprobs"})
+        params = _sampling(
+            body,
+            _int(body, limit_name),
+            (top or 0) if logprobs else None,
+            {"max_tokens": limit_name, "logprobs": "top_logprobs"},
+        )
         add = _bool(body, "add_generation_prompt", True)
         cont = _bool(body, "continue_final_message", False)
         if add and cont:  # vLLM's rule: continuing the last message means no generation prompt
             if body.get("add_generation_prompt") is True:
-                raise LineError("body.continue_final_message and body.add_generation_prompt cannot both be true",
-                                param="body.continue_final_message")
+                raise LineError(
+                    "body.continue_final_message and body.add_generation_prompt cannot both be true",
+                    param="body.continue_final_message",
+                )
             add = False
-        return cls(messages, params, logprobs, top or 0, _str(body, "chat_template"),
-                   _dict(body, "chat_template_kwargs"), add, cont, body.get("model"), body)
+        return cls(
+            messages,
+            params,
+            logprobs,
+            top or 0,
+            _str(body, "chat_template"),
+            _dict(body, "chat_template_kwargs"),
+            add,
+            cont,
+            body.get("model"),
+            body,
+        )
 
     def sampling_params(self) -> SamplingParams:
         """The request's sampling params, for :meth:`dfllm.LLM.chat`."""
@@ -317,9 +441,12 @@ class ChatCompletionRequest:
 
     def chat_kwargs(self) -> dict:
         """The keyword arguments of :meth:`dfllm.LLM.chat` this request sets."""
-        return {"chat_template": self.chat_template, "chat_template_kwargs": self.chat_template_kwargs,
-                "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        return {
+            "chat_template": self.chat_template,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
 
 @dataclass
@@ -344,12 +471,16 @@ class CompletionRequest:
         logprobs = _int(body, "logprobs", None, low=0)
         best_of = _int(body, "best_of", None, low=1)
         if best_of is not None and best_of != _int(body, "n", 1):
-            raise LineError(f"body.best_of={best_of}: dfllm returns the n completions it samples, with no best-of "
-                            "selection; leave best_of out or equal to n", param="body.best_of")
+            raise LineError(
+                f"body.best_of={best_of}: dfllm returns the n completions it samples, with no best-of "
+                "selection; leave best_of out or equal to n",
+                param="body.best_of",
+            )
         echo = _bool(body, "echo", False)
         if echo and logprobs is not None:
-            raise LineError("body.echo with body.logprobs is not supported (prompt log-probabilities)",
-                            param="body.echo")
+            raise LineError(
+                "body.echo with body.logprobs is not supported (prompt log-probabilities)", param="body.echo"
+            )
         params = _sampling(body, _int(body, "max_tokens", 16), logprobs, {})
         return cls(prompts, params, echo, logprobs, body.get("model"), body)
 
@@ -380,8 +511,7 @@ class EmbeddingRequest:
                 raise LineError(f"{where} is empty; an input must be a non-empty string or token ids", param=where)
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
-            raise LineError(f"body.encoding_format must be float or base64, got {fmt!r}",
-                            param="body.encoding_format")
+            raise LineError(f"body.encoding_format must be float or base64, got {fmt!r}", param="body.encoding_format")
         truncate = _int(body, "truncate_prompt_tokens")
         try:
             PoolingParams(truncate_prompt_tokens=truncate)
@@ -394,8 +524,11 @@ def _text_list(body: dict, name: str) -> list[str]:
     value = body.get(name)
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise LineError(f"body.{name} must be a string or a non-empty list of strings, got "
-                        f"{'nothing' if value is None else json.dumps(value)[:80]}", param=f"body.{name}")
+        raise LineError(
+            f"body.{name} must be a string or a non-empty list of strings, got "
+            f"{'nothing' if value is None else json.dumps(value)[:80]}",
+            param=f"body.{name}",
+        )
     return texts
 
 
@@ -416,8 +549,11 @@ class ScoreRequest:
         _check_fields(body, cls.FIELDS, url)
         left, right = _text_list(body, "text_1"), _text_list(body, "text_2")
         if len(left) > 1 and len(left) != len(right):
-            raise LineError(f"body.text_1 has {len(left)} texts and body.text_2 {len(right)}: give one text_1, or "
-                            "as many as text_2", param="body.text_2")
+            raise LineError(
+                f"body.text_1 has {len(left)} texts and body.text_2 {len(right)}: give one text_1, or "
+                "as many as text_2",
+                param="body.text_2",
+            )
         return cls(left, right, _int(body, "truncate_prompt_tokens"), body.get("model"))
 
     def pairs(self) -> list[tuple[str, str]]:
@@ -450,16 +586,29 @@ class RerankRequest:
         for i, d in enumerate(docs):
             text = d.get("text") if isinstance(d, dict) else d
             if not isinstance(text, str):
-                raise LineError(f"body.documents[{i}] must be a string or {{\"text\": ...}}, got "
-                                f"{json.dumps(d)[:60]}", param=f"body.documents[{i}]")
+                raise LineError(
+                    f'body.documents[{i}] must be a string or {{"text": ...}}, got {json.dumps(d)[:60]}',
+                    param=f"body.documents[{i}]",
+                )
             texts.append(text)
         assert query is not None
-        return cls(query, texts, _int(body, "top_n", 0, low=0) or 0, _bool(body, "return_documents", True),
-                   _int(body, "truncate_prompt_tokens"), body.get("model"))
+        return cls(
+            query,
+            texts,
+            _int(body, "top_n", 0, low=0) or 0,
+            _bool(body, "return_documents", True),
+            _int(body, "truncate_prompt_tokens"),
+            body.get("model"),
+        )
 
 
-REQUESTS: dict[str, Any] = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
-                            "embeddings": EmbeddingRequest, "score": ScoreRequest, "rerank": RerankRequest}
+REQUESTS: dict[str, Any] = {
+    "chat": ChatCompletionRequest,
+    "completions": CompletionRequest,
+    "embeddings": EmbeddingRequest,
+    "score": ScoreRequest,
+    "rerank": RerankRequest,
+}
 
 
 def parse_body(endpoint: str, body: dict, url: str):

@@ -169,8 +169,17 @@ def _now() -> int:
     return int(time.time())
 
 
-def chat_completion(output: RequestOutput, *, model: str, id: str, role: str = "assistant", logprobs: bool = False,
-                    top_logprobs: int = 0, created: int | None = None, reasoning: bool = False) -> ChatCompletion:
+def chat_completion(
+    output: RequestOutput,
+    *,
+    model: str,
+    id: str,
+    role: str = "assistant",
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    created: int | None = None,
+    reasoning: bool = False,
+) -> ChatCompletion:
     """The ``chat.completion`` body of one conversation's output (``LLM.chat(...)[i]``).
 
     ``reasoning``: the engine has a reasoning parser (``LLM(reasoning_parser=...)``), so each
@@ -179,30 +188,57 @@ def chat_completion(output: RequestOutput, *, model: str, id: str, role: str = "
     vLLM's newer name for it, with the same value; null when the parser found none) and
     ``content`` is the answer alone, null when there is none (the reasoning never ended).
     The usage counts every generated token, the reasoning's included."""
-    choices = [ChatChoice(c.index, ChatMessage(role, (c.text or None) if reasoning else c.text,
-                                               reasoning=c.reasoning_content),
-                          {"content": _chat_logprobs(c, top_logprobs), "refusal": None} if logprobs else None,
-                          c.finish_reason, c.stop_reason)
-               for c in output.outputs]
-    return ChatCompletion(id, created if created is not None else _now(), model, choices,
-                          Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
-                          split_reasoning=reasoning)
+    choices = [
+        ChatChoice(
+            c.index,
+            ChatMessage(role, (c.text or None) if reasoning else c.text, reasoning=c.reasoning_content),
+            {"content": _chat_logprobs(c, top_logprobs), "refusal": None} if logprobs else None,
+            c.finish_reason,
+            c.stop_reason,
+        )
+        for c in output.outputs
+    ]
+    return ChatCompletion(
+        id,
+        created if created is not None else _now(),
+        model,
+        choices,
+        Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
+        split_reasoning=reasoning,
+    )
 
 
-def completion(outputs: list[RequestOutput], *, model: str, id: str, echo: bool = False,
-               logprobs: int | None = None, created: int | None = None) -> Completion:
+def completion(
+    outputs: list[RequestOutput],
+    *,
+    model: str,
+    id: str,
+    echo: bool = False,
+    logprobs: int | None = None,
+    created: int | None = None,
+) -> Completion:
     """The ``text_completion`` body of one request's prompts (``LLM.generate(...)``, one
     output per prompt): choice ``i * n + j`` is completion ``j`` of prompt ``i``."""
     choices: list[CompletionChoice] = []
     for out in outputs:
         for c in out.outputs:
             prefix = (out.prompt or "") if echo else ""
-            choices.append(CompletionChoice(len(choices), prefix + c.text,
-                                            _completion_logprobs(c, logprobs) if logprobs is not None else None,
-                                            c.finish_reason, c.stop_reason))
-    return Completion(id, created if created is not None else _now(), model, choices,
-                      Usage(sum(len(o.prompt_token_ids) for o in outputs),
-                            sum(len(c.token_ids) for o in outputs for c in o.outputs)))
+            choices.append(
+                CompletionChoice(
+                    len(choices),
+                    prefix + c.text,
+                    _completion_logprobs(c, logprobs) if logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+            )
+    return Completion(
+        id,
+        created if created is not None else _now(),
+        model,
+        choices,
+        Usage(sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)),
+    )
 
 
 def embeddings(outputs: list[EmbeddingRequestOutput], *, model: str, encoding_format: str = "float") -> EmbeddingList:
@@ -214,19 +250,33 @@ def embeddings(outputs: list[EmbeddingRequestOutput], *, model: str, encoding_fo
 def scores(outputs: list[ScoringRequestOutput], *, model: str, id: str, created: int | None = None) -> ScoreList:
     """vLLM's score body of one request's pairs (``LLM.score(...)``)."""
     data = [ScoreData(i, float(o.outputs.score)) for i, o in enumerate(outputs)]
-    return ScoreList(id, created if created is not None else _now(), model, data,
-                     Usage(sum(len(o.prompt_token_ids) for o in outputs)))
+    return ScoreList(
+        id,
+        created if created is not None else _now(),
+        model,
+        data,
+        Usage(sum(len(o.prompt_token_ids) for o in outputs)),
+    )
 
 
-def rerank(outputs: list[ScoringRequestOutput], documents: list[str], *, model: str, id: str, top_n: int = 0,
-           return_documents: bool = True) -> RerankList:
+def rerank(
+    outputs: list[ScoringRequestOutput],
+    documents: list[str],
+    *,
+    model: str,
+    id: str,
+    top_n: int = 0,
+    return_documents: bool = True,
+) -> RerankList:
     """vLLM's rerank body: ``LLM.score(query, documents)`` sorted best first, the first
     ``top_n`` (0: all)."""
     ranked = sorted(range(len(outputs)), key=lambda i: -float(outputs[i].outputs.score))
     if top_n:
         ranked = ranked[:top_n]
-    results = [RerankResult(i, float(outputs[i].outputs.score), {"text": documents[i]} if return_documents else None)
-               for i in ranked]
+    results = [
+        RerankResult(i, float(outputs[i].outputs.score), {"text": documents[i]} if return_documents else None)
+        for i in ranked
+    ]
     return RerankList(id, model, results, Usage(sum(len(o.prompt_token_ids) for o in outputs)))
 
 
@@ -254,10 +304,17 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> list[dict[str, Any]]:
     for tid, step in zip(c.token_ids, c.logprobs or []):
         lp = step.get(tid)
         text = _token(lp)
-        out.append({"token": text, "logprob": lp.logprob if lp is not None else None,
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [{"token": _token(a), "logprob": a.logprob, "bytes": list(_token(a).encode())}
-                                     for _, a in _top(step, k)]})
+        out.append(
+            {
+                "token": text,
+                "logprob": lp.logprob if lp is not None else None,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": _token(a), "logprob": a.logprob, "bytes": list(_token(a).encode())}
+                    for _, a in _top(step, k)
+                ],
+            }
+        )
     return out
 
 

@@ -65,9 +65,14 @@ class RowResult(NamedTuple):
 #: The engine columns (``dfllm.tasks.kinds.ENGINE_COLUMNS``) a processor's tasks ask for,
 #: by task kind, and Ray's name of each (its ``prompt`` is the engine's ``rendered_prompt``).
 RAY_COLUMNS: dict[str, dict[str, str]] = {
-    "generate": {"rendered_prompt": "prompt", "prompt_token_ids": "prompt_token_ids",
-                 "generated_tokens": "generated_tokens", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs",
-                 "time_taken_llm": "time_taken_llm"},
+    "generate": {
+        "rendered_prompt": "prompt",
+        "prompt_token_ids": "prompt_token_ids",
+        "generated_tokens": "generated_tokens",
+        "logprobs": "logprobs",
+        "prompt_logprobs": "prompt_logprobs",
+        "time_taken_llm": "time_taken_llm",
+    },
     "embed": {"embeddings": "embeddings", "time_taken_llm": "time_taken_llm"},
 }
 RAY_COLUMNS.update(chat=RAY_COLUMNS["generate"], classify=RAY_COLUMNS["embed"], score=RAY_COLUMNS["embed"])
@@ -120,13 +125,15 @@ class ProcessorFunction(WritableFunction):
                 raise ValueError(
                     f"write_parquet: {exc}, so a resumed write could not tell whether earlier parts came from "
                     "the same preprocess and postprocess; pass key= (a name for what they do, changed whenever "
-                    "they change) to build_processor or to the processor call") from None
+                    "they change) to build_processor or to the processor call"
+                ) from None
         try:
-            return canonical({"processor": 2, "config": p.config.output_settings(), "schema": self.schema,
-                              **functions})
+            return canonical({"processor": 2, "config": p.config.output_settings(), "schema": self.schema, **functions})
         except TypeError as exc:  # e.g. a callable in engine_kwargs
-            raise ValueError(f"write_parquet: the processor's config has a value with no stable key ({exc}); "
-                             "a resumed write could not tell whether earlier parts came from the same config") from None
+            raise ValueError(
+                f"write_parquet: the processor's config has a value with no stable key ({exc}); "
+                "a resumed write could not tell whether earlier parts came from the same config"
+            ) from None
 
 
 def _check_key(key) -> str | None:
@@ -142,9 +149,16 @@ class Processor:
     result resumably.
     """
 
-    def __init__(self, config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None,
-                 postprocess: Callable[[dict], dict] | None, *, meta: Meta | None = None,
-                 sample_rows: int = SAMPLE_ROWS, key: str | None = None):
+    def __init__(
+        self,
+        config: vLLMEngineProcessorConfig,
+        preprocess: Callable[[dict], dict] | None,
+        postprocess: Callable[[dict], dict] | None,
+        *,
+        meta: Meta | None = None,
+        sample_rows: int = SAMPLE_ROWS,
+        key: str | None = None,
+    ):
         if sample_rows < 1:
             raise ValueError(f"sample_rows must be >= 1, got {sample_rows}")
         self.key = _check_key(key)
@@ -192,8 +206,12 @@ class Processor:
 
     def _row_failed(self, label, error: str) -> RowFailedError:
         label = label.item() if isinstance(label, np.generic) else label
-        return RowFailedError(f"build_processor: row {label!r} failed: {error} (should_continue_on_error=False; "
-                              f"set it to True to keep failed rows, with the error in {RAY_ERROR!r})", label, error)
+        return RowFailedError(
+            f"build_processor: row {label!r} failed: {error} (should_continue_on_error=False; "
+            f"set it to True to keep failed rows, with the error in {RAY_ERROR!r})",
+            label,
+            error,
+        )
 
     def run_rows(self, df: pd.DataFrame) -> list[RowResult]:
         """Each row of ``df`` through preprocess, the engine (``batch_size`` rows per call)
@@ -249,8 +267,11 @@ class Processor:
                 return "chat", ("messages",), None
             if "prompt" in row:
                 return "generate", ("prompt",), None
-            wanted = "'messages', 'prompt' or 'tokenized_prompt'" if chat else \
-                "'prompt' or 'tokenized_prompt' (the chat template stage is off: 'messages' is not read)"
+            wanted = (
+                "'messages', 'prompt' or 'tokenized_prompt'"
+                if chat
+                else "'prompt' or 'tokenized_prompt' (the chat template stage is off: 'messages' is not read)"
+            )
             return t, (), f"no {wanted} for the generate task (preprocess must return one)"
         if "prompt" not in row:
             return t, (), f"no 'prompt' for the {t} task (preprocess must return it)"
@@ -263,28 +284,40 @@ class Processor:
         optional = [k for k in _OPTIONAL_KEYS if any(k in r for r in rows)]
         frame = pd.DataFrame({c: [r.get(c) for r in rows] for c in (*inputs, *optional)})
         if "sampling_params" in frame:
-            frame["sampling_params"] = [self._sampling_params(v, errors, j)
-                                        for j, v in enumerate(frame["sampling_params"])]
+            frame["sampling_params"] = [
+                self._sampling_params(v, errors, j) for j, v in enumerate(frame["sampling_params"])
+            ]
         generative = KINDS[kind].generative
         model = self.config.model_source or KINDS[kind].default_model  # None: the task's default model
         ctk = self.config.chat_template_kwargs or None
         lora = self._lora(frame, rows, generative, model)  # a column of each row's adapter (Ray's multi-LoRA)
         task = make_task(
-            kind, inputs, frame.columns, output_column=KINDS[kind].output_column, model=model,
+            kind,
+            inputs,
+            frame.columns,
+            output_column=KINDS[kind].output_column,
+            model=model,
             sampling_params="sampling_params" if generative and "sampling_params" in frame else None,
-            engine_kwargs=self.config.engine_kwargs, engine_columns=tuple(RAY_COLUMNS[kind]),
+            engine_kwargs=self.config.engine_kwargs,
+            engine_columns=tuple(RAY_COLUMNS[kind]),
             chat_template=self.config.chat_template if kind == "chat" else None,
             pooling_params="pooling_params" if not generative and "pooling_params" in frame else None,
             chat_template_kwargs=(ctk if "chat_template_kwargs" not in frame else "chat_template_kwargs")
-            if kind == "chat" else None,
+            if kind == "chat"
+            else None,
             continue_final_message=kind == "chat",
             prompt_token_ids="tokenized_prompt" if generative and "tokenized_prompt" in frame else None,
-            cache=self.config.cache if generative else None, **lora)
+            cache=self.config.cache if generative else None,
+            **lora,
+        )
         if kind == "chat" and ctk and "chat_template_kwargs" in frame:  # the config's, a row's own over them
-            frame["chat_template_kwargs"] = [{**ctk, **v} if isinstance(v, Mapping) else ctk if is_null(v) else v
-                                             for v in frame["chat_template_kwargs"]]
-        result = run_placed(frame.iloc[[j for j, e in enumerate(errors) if e is None]], task,
-                            self.config.task_resources())
+            frame["chat_template_kwargs"] = [
+                {**ctk, **v} if isinstance(v, Mapping) else ctk if is_null(v) else v
+                for v in frame["chat_template_kwargs"]
+            ]
+        result = run_placed(
+            frame.iloc[[j for j, e in enumerate(errors) if e is None]], task, self.config.task_resources()
+        )
         cols = list(task.output_dtypes())
         outputs = iter(result[cols].astype(object).where(result[cols].notna(), None).to_dict("records"))
         names = {ERROR: self._err, **RAY_COLUMNS[kind]}
@@ -304,8 +337,9 @@ class Processor:
         root = self.config.dynamic_lora_loading_path
         if root is None or not generative:
             return {}
-        frame[_LORA_COLUMN] = [None if is_null(r.get("model")) or str(r.get("model")) == str(model)
-                               else str(r.get("model")) for r in rows]
+        frame[_LORA_COLUMN] = [
+            None if is_null(r.get("model")) or str(r.get("model")) == str(model) else str(r.get("model")) for r in rows
+        ]
         return {"lora": _LORA_COLUMN, "lora_root": root}
 
     def _sampling_params(self, value, errors: list, j: int):
@@ -385,7 +419,8 @@ class Processor:
                 warnings.filterwarnings("ignore", message="Insufficient elements")
                 head = ddf.partitions[start:stop].head(n, npartitions=stop - start, compute=False)
                 sample = dask.delayed(self._sample_rows, pure=False)(
-                    head, dask_key_name=f"llm-processor-sample-{uuid.uuid4().hex}")
+                    head, dask_key_name=f"llm-processor-sample-{uuid.uuid4().hex}"
+                )
                 schema, count, first = sample.compute()
             if first is not None and self.config.error_column is None:  # the job would fail: now
                 raise self._row_failed(*first)
@@ -397,11 +432,14 @@ class Processor:
                         f"through preprocess, the engine and postprocess, so the output columns cannot be "
                         f"taken from them; the first error, in row {label!r}: {error}. Fix the functions or "
                         "the config, or pass meta= (the output columns and their types) to build_processor "
-                        "or to the processor call")
+                        "or to the processor call"
+                    )
                 return schema
             start, step = stop, step * 2
-        raise ValueError("build_processor: the input has no rows to take the output columns from; pass meta= "
-                         "(the output columns and their types) to build_processor or to the processor call")
+        raise ValueError(
+            "build_processor: the input has no rows to take the output columns from; pass meta= "
+            "(the output columns and their types) to build_processor or to the processor call"
+        )
 
     def _with_inputs(self, given: dict, input_meta: pd.DataFrame) -> dict:
         """``meta=``'s columns, then the input's other columns (typed from the input), then
@@ -413,8 +451,9 @@ class Processor:
         return schema
 
 
-def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list,
-           error: str = ERROR) -> pd.DataFrame:
+def _frame(
+    rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list, error: str = ERROR
+) -> pd.DataFrame:
     """The rows as a frame of exactly ``schema``'s columns (see docs/from_ray.md)."""
     n = len(rows)
     values = {c: [None] * n for c in schema if c != error}
@@ -430,8 +469,11 @@ def _frame(rows: list[RowResult], schema: dict, index: pd.Index, input_columns: 
             continue
         extra = [k for k in r.output if k != error and k not in values]
         if extra:
-            errors[i] = join_errors(errors[i], f"postprocess returned column(s) {extra} that the output does not have "
-                                         f"(its columns: {list(schema)}); pass meta= to set them")
+            errors[i] = join_errors(
+                errors[i],
+                f"postprocess returned column(s) {extra} that the output does not have "
+                f"(its columns: {list(schema)}); pass meta= to set them",
+            )
         for k, v in r.output.items():
             if k in values:
                 values[k][i] = v
@@ -461,11 +503,19 @@ def _plain(value):
     return value
 
 
-def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
-                    postprocess: Callable[[dict], dict] | None = None,
-                    preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
-                    builder_kwargs: dict | None = None, *, meta: Meta | None = None,
-                    sample_rows: int = SAMPLE_ROWS, key: str | None = None, cache=None) -> Processor:
+def build_processor(
+    config: vLLMEngineProcessorConfig,
+    preprocess: Callable[[dict], dict] | None = None,
+    postprocess: Callable[[dict], dict] | None = None,
+    preprocess_map_kwargs: dict | None = None,
+    postprocess_map_kwargs: dict | None = None,
+    builder_kwargs: dict | None = None,
+    *,
+    meta: Meta | None = None,
+    sample_rows: int = SAMPLE_ROWS,
+    key: str | None = None,
+    cache=None,
+) -> Processor:
     """A processor mapping a Dask (or pandas) DataFrame through ``preprocess``, the engine
     and ``postprocess``.
 
@@ -482,8 +532,11 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
     ``postprocess_map_kwargs`` (Ray's ``map`` options: Ray-cluster-only, no effect on Dask;
     dicts or None) and ``builder_kwargs`` (only ``chat_template_kwargs``, as the config's).
     """
-    for name, value in (("preprocess_map_kwargs", preprocess_map_kwargs),
-                        ("postprocess_map_kwargs", postprocess_map_kwargs), ("builder_kwargs", builder_kwargs)):
+    for name, value in (
+        ("preprocess_map_kwargs", preprocess_map_kwargs),
+        ("postprocess_map_kwargs", postprocess_map_kwargs),
+        ("builder_kwargs", builder_kwargs),
+    ):
         check_dict(name, value)
     if builder_kwargs:
         unknown = sorted(set(builder_kwargs) - {"chat_template_kwargs"})
@@ -495,14 +548,31 @@ def build_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dic
     return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows, key=key)
 
 
-def build_llm_processor(config: vLLMEngineProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
-                        postprocess: Callable[[dict], dict] | None = None,
-                        preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None,
-                        builder_kwargs: dict | None = None, *, meta: Meta | None = None,
-                        sample_rows: int = SAMPLE_ROWS, key: str | None = None) -> Processor:
+def build_llm_processor(
+    config: vLLMEngineProcessorConfig,
+    preprocess: Callable[[dict], dict] | None = None,
+    postprocess: Callable[[dict], dict] | None = None,
+    preprocess_map_kwargs: dict | None = None,
+    postprocess_map_kwargs: dict | None = None,
+    builder_kwargs: dict | None = None,
+    *,
+    meta: Meta | None = None,
+    sample_rows: int = SAMPLE_ROWS,
+    key: str | None = None,
+) -> Processor:
     """Ray Data LLM's older name of :func:`build_processor` (deprecated there, and here:
     a ``DeprecationWarning``, then the same processor)."""
-    warnings.warn("build_llm_processor is deprecated (as in Ray Data LLM); use build_processor",
-                  DeprecationWarning, stacklevel=2)
-    return build_processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs,
-                           builder_kwargs, meta=meta, sample_rows=sample_rows, key=key)
+    warnings.warn(
+        "build_llm_processor is deprecated (as in Ray Data LLM); use build_processor", DeprecationWarning, stacklevel=2
+    )
+    return build_processor(
+        config,
+        preprocess,
+        postprocess,
+        preprocess_map_kwargs,
+        postprocess_map_kwargs,
+        builder_kwargs,
+        meta=meta,
+        sample_rows=sample_rows,
+        key=key,
+    )

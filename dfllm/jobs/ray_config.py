@@ -21,11 +21,28 @@ RAY_ERROR = "__inference_error__"
 
 #: Config fields left out of a write's key: they place or pace the work (or, for stages, are
 #: read through the fields they set) and do not change a row's output.
-_NOT_OUTPUT_FIELDS = {"concurrency", "accelerator_type", "resources", "runtime_env", "placement_group_config",
-                      "resources_per_bundle", "max_concurrent_batches", "max_tasks_in_flight_per_actor",
-                      "max_pending_requests", "log_engine_metrics", "experimental", "chat_template_stage",
-                      "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage", "prepare_image_stage",
-                      "tokenize", "detokenize", "has_image", "cache"}
+_NOT_OUTPUT_FIELDS = {
+    "concurrency",
+    "accelerator_type",
+    "resources",
+    "runtime_env",
+    "placement_group_config",
+    "resources_per_bundle",
+    "max_concurrent_batches",
+    "max_tasks_in_flight_per_actor",
+    "max_pending_requests",
+    "log_engine_metrics",
+    "experimental",
+    "chat_template_stage",
+    "tokenize_stage",
+    "detokenize_stage",
+    "prepare_multimodal_stage",
+    "prepare_image_stage",
+    "tokenize",
+    "detokenize",
+    "has_image",
+    "cache",
+}
 _STAGE_KEYS = {"enabled", "batch_size", "concurrency", "num_cpus", "num_gpus", "memory", "runtime_env", "model_source"}
 _CHAT_STAGE_KEYS = _STAGE_KEYS | {"chat_template", "chat_template_kwargs"}
 
@@ -207,8 +224,10 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         _positive("batch_size", self.batch_size)
         required = KINDS[self.task_type].model_required
         if self.model_source is None and required:
-            raise ValueError(f"task_type={self.task_type!r} needs {required}: set model_source (None is the "
-                             "default model only of generate, embed and score)")
+            raise ValueError(
+                f"task_type={self.task_type!r} needs {required}: set model_source (None is the "
+                "default model only of generate, embed and score)"
+            )
         c = self.concurrency
         if isinstance(c, (tuple, list)):
             if len(c) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in c) or not 1 <= c[0] <= c[1]:
@@ -220,10 +239,17 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.should_continue_on_error is not None and not isinstance(self.should_continue_on_error, bool):
-            raise ValueError(f"should_continue_on_error must be a bool (or None: dfllm's llm_error column), "
-                             f"got {self.should_continue_on_error!r}")
-        for name in ("runtime_env", "placement_group_config", "resources_per_bundle", "chat_template_kwargs",
-                     "experimental"):
+            raise ValueError(
+                f"should_continue_on_error must be a bool (or None: dfllm's llm_error column), "
+                f"got {self.should_continue_on_error!r}"
+            )
+        for name in (
+            "runtime_env",
+            "placement_group_config",
+            "resources_per_bundle",
+            "chat_template_kwargs",
+            "experimental",
+        ):
             check_dict(name, getattr(self, name))
         unknown = sorted(set(self.experimental or {}) - {"max_tasks_in_flight_per_actor"})
         if unknown:
@@ -246,18 +272,24 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError("chat_template must be a Jinja template string")
         if self.chat_template_kwargs and not all(isinstance(k, str) for k in self.chat_template_kwargs):
-            raise ValueError(f"chat_template_kwargs must map template variable names (strings) to values, "
-                             f"got {self.chat_template_kwargs!r}")
+            raise ValueError(
+                f"chat_template_kwargs must map template variable names (strings) to values, "
+                f"got {self.chat_template_kwargs!r}"
+            )
         _stage("tokenize_stage", self.tokenize_stage, _STAGE_KEYS)
         _stage("detokenize_stage", self.detokenize_stage, _STAGE_KEYS)
         for name in ("prepare_multimodal_stage", "prepare_image_stage"):  # images: read from messages either way
             _stage(name, getattr(self, name), _STAGE_KEYS)
-        if self.dynamic_lora_loading_path is not None and (not isinstance(self.dynamic_lora_loading_path, str)
-                                                           or not self.dynamic_lora_loading_path):
-            raise ValueError("dynamic_lora_loading_path must be a folder path or URL (of LoRA adapter folders), "
-                             f"got {self.dynamic_lora_loading_path!r}")
-        if self.accelerator_type is not None and (not isinstance(self.accelerator_type, str)
-                                                  or not self.accelerator_type):
+        if self.dynamic_lora_loading_path is not None and (
+            not isinstance(self.dynamic_lora_loading_path, str) or not self.dynamic_lora_loading_path
+        ):
+            raise ValueError(
+                "dynamic_lora_loading_path must be a folder path or URL (of LoRA adapter folders), "
+                f"got {self.dynamic_lora_loading_path!r}"
+            )
+        if self.accelerator_type is not None and (
+            not isinstance(self.accelerator_type, str) or not self.accelerator_type
+        ):
             raise ValueError(f"accelerator_type must be a non-empty string like 'H100', got {self.accelerator_type!r}")
         self.resources = check_resources(self.resources)
         self.cache = as_cache(self.cache, "cache")

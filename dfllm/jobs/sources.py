@@ -35,8 +35,15 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".parq": "parquet", ".csv": "csv", ".jsonl": "json",
-           ".ndjson": "json", ".json": "json"}
+FORMATS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".parq": "parquet",
+    ".csv": "csv",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".json": "json",
+}
 
 
 class InputError(ValueError):
@@ -64,7 +71,7 @@ def input_files(path: str, storage_options: dict | None = None) -> tuple[fsspec.
 
 
 def _hidden(file: str, root: str) -> bool:
-    rel = file[len(root.rstrip("/")) + 1:]
+    rel = file[len(root.rstrip("/")) + 1 :]
     return any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
@@ -146,12 +153,13 @@ def unified(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
             for f in schema:
                 if f.name in out.names and out.field(f.name).type != f.type:
                     try:
-                        pa.unify_schemas([pa.schema([out.field(f.name)]), pa.schema([f])],
-                                         promote_options="permissive")
+                        pa.unify_schemas([pa.schema([out.field(f.name)]), pa.schema([f])], promote_options="permissive")
                     except (pa.ArrowException, TypeError):
-                        raise InputError(f"column {f.name!r} is {out.field(f.name).type} in "
-                                         f"{first.get(f.name, files[0])} but {f.type} in {file}; the input's files "
-                                         "must agree on each column's type") from None
+                        raise InputError(
+                            f"column {f.name!r} is {out.field(f.name).type} in "
+                            f"{first.get(f.name, files[0])} but {f.type} in {file}; the input's files "
+                            "must agree on each column's type"
+                        ) from None
             raise InputError(f"the input's files have schemas that cannot be unified: {exc}") from None
         for f in schema:
             first.setdefault(f.name, file)
@@ -191,8 +199,10 @@ def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFram
 
     from dfllm.accessors.arrow_schema import unify_counts
 
-    stamp = tuple((f, info.get("size"), str(info.get("mtime", info.get("LastModified", info.get("ETag")))))
-                  for f, info in ((f, fs.info(f)) for f in files))
+    stamp = tuple(
+        (f, info.get("size"), str(info.get("mtime", info.get("LastModified", info.get("ETag")))))
+        for f, info in ((f, fs.info(f)) for f in files)
+    )
     surveys = _SURVEYS.get(stamp)
     if surveys is None:  # the command line builds its job twice (checked before its cluster starts, then on it)
         surveys = dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
@@ -248,8 +258,12 @@ def _rows(fs, file: str) -> list[dict]:
 
 def _merges(t: pa.DataType, other: pa.DataType) -> bool:
     try:
-        return pa.unify_schemas([pa.schema([("x", t)]), pa.schema([("x", other)])],
-                                promote_options="permissive").field("x").type == t
+        return (
+            pa.unify_schemas([pa.schema([("x", t)]), pa.schema([("x", other)])], promote_options="permissive")
+            .field("x")
+            .type
+            == t
+        )
     except (pa.ArrowException, TypeError):
         return False
 
@@ -271,17 +285,22 @@ class JsonLines:
         data = {}
         for name, t in self.types.items():
             values = [r.get(name) for r in rows]
-            data[name] = (pd.Series(values, dtype=object) if t is None else
-                          pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values, type=t)), dtype=pd.ArrowDtype(t)))
+            data[name] = (
+                pd.Series(values, dtype=object)
+                if t is None
+                else pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values, type=t)), dtype=pd.ArrowDtype(t))
+            )
         return pd.DataFrame(data, index=pd.RangeIndex(len(rows)))
 
     def empty(self) -> pd.DataFrame:
-        return pd.DataFrame({name: pd.Series([], dtype=object if t is None else pd.ArrowDtype(t))
-                             for name, t in self.types.items()})
+        return pd.DataFrame(
+            {name: pd.Series([], dtype=object if t is None else pd.ArrowDtype(t)) for name, t in self.types.items()}
+        )
 
 
-def repartition(ddf: dd.DataFrame, *, partition_size: int | None = None,
-                npartitions: int | None = None) -> dd.DataFrame:
+def repartition(
+    ddf: dd.DataFrame, *, partition_size: int | None = None, npartitions: int | None = None
+) -> dd.DataFrame:
     """Split ``ddf`` into ``npartitions``, or into partitions of about ``partition_size`` rows
     (this counts the rows once). Each partition is one task, one resumable output file."""
     if npartitions is not None:

@@ -93,13 +93,18 @@ def load() -> ModuleType | None:
             # rebuild it for another virtual environment, whose include paths differ)
             return cpp_extension._import_module_from_library(name, str(build_dir), True)
         source = _build_source(build_dir)
-        logger.warning("compiling dfllm's CPU kernels once for this machine (about a minute on 2 cores); "
-                       "cached in %s", build_dir)
-        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*CFLAGS, *arch],
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+        logger.warning(
+            "compiling dfllm's CPU kernels once for this machine (about a minute on 2 cores); cached in %s", build_dir
+        )
+        module = cpp_extension.load(
+            name=name, sources=[str(source)], extra_cflags=[*CFLAGS, *arch], extra_ldflags=["-fopenmp"], verbose=False
+        )
     except Exception as exc:  # no compiler, no ninja, a build error: keep the references
-        logger.warning("dfllm's CPU kernels could not be built (%s: %s); using the PyTorch references",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")
+        logger.warning(
+            "dfllm's CPU kernels could not be built (%s: %s); using the PyTorch references",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1:] or "",
+        )
         return None
     took = time.perf_counter() - start
     if took > 2:
@@ -172,14 +177,37 @@ def paged_attention_cpu(
     q = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if decodes is not None:
-        ext.decode_attention(out, q, k_cache, v_cache, decodes.rows, decodes.block_tables, decodes.seq_lens,
-                             float(scale), int(window or 0), float(softcap or 0.0))
+        ext.decode_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            decodes.rows,
+            decodes.block_tables,
+            decodes.seq_lens,
+            float(scale),
+            int(window or 0),
+            float(softcap or 0.0),
+        )
     if not meta.prefills:
         return out
-    if softcap is None and q.shape[2] in PREFILL_HEAD_DIMS and q.shape[1] // k_cache.shape[2] <= 64 and hasattr(
-            ext, "prefill_attention"):
-        ext.prefill_attention(out, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                              float(scale), int(window or 0))
+    if (
+        softcap is None
+        and q.shape[2] in PREFILL_HEAD_DIMS
+        and q.shape[1] // k_cache.shape[2] <= 64
+        and hasattr(ext, "prefill_attention")
+    ):
+        ext.prefill_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            float(scale),
+            int(window or 0),
+        )
     else:
         attend_prefills(out, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     return out
@@ -189,8 +217,12 @@ def rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`~dfllm.kernels.rms_norm.rms_norm_torch` in one pass (the residual add fused)."""
-    if x.dtype not in DTYPES or weight.dtype != x.dtype or x.stride(-1) != 1 or (
-            residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1)):
+    if (
+        x.dtype not in DTYPES
+        or weight.dtype != x.dtype
+        or x.stride(-1) != 1
+        or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1))
+    ):
         return rms_norm_torch(x, weight, eps, residual)
     ext = load()
     assert ext is not None
@@ -198,8 +230,9 @@ def rms_norm_cpu(
         outs = ext.rms_norm(x, weight, float(eps), residual)
         return outs[0] if residual is None else (outs[0], outs[1])
     shape = x.shape
-    outs = ext.rms_norm(x.reshape(-1, shape[-1]), weight, float(eps),
-                        None if residual is None else residual.reshape(-1, shape[-1]))
+    outs = ext.rms_norm(
+        x.reshape(-1, shape[-1]), weight, float(eps), None if residual is None else residual.reshape(-1, shape[-1])
+    )
     if residual is None:
         return outs[0].view(shape)
     return outs[0].view(shape), outs[1].view(shape)
@@ -229,13 +262,19 @@ def rotary_cpu(
     return q, k
 
 
-def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_cpu(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """:func:`~dfllm.kernels.kv_cache.write_kv_cache_torch` in one pass, slots of -1 skipped
     without a check on the host first."""
-    if (not _cache_types_ok(key, k_cache) or slot_mapping.dtype != torch.int64
-            or key.stride(-1) != 1 or value.stride(-1) != 1 or not k_cache.is_contiguous()
-            or not v_cache.is_contiguous()):
+    if (
+        not _cache_types_ok(key, k_cache)
+        or slot_mapping.dtype != torch.int64
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+    ):
         write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)
         return
     ext = load()
@@ -246,8 +285,14 @@ def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D ``x``, through the vectorised kernel where it applies
     (float32 on the CPU, contiguous rows, the kernels already loaded in this process)."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0
-            or x.stride(1) != 1 or not loaded()):
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.dim() != 2
+        or x.shape[1] == 0
+        or x.stride(1) != 1
+        or not loaded()
+    ):
         return x.argmax(dim=-1)
     ext = load()
     assert ext is not None

@@ -23,10 +23,27 @@ from dfllm.kernels._triton_activation import silu_and_mul_triton
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_pairs, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weight_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    ROW_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``c[p] = a[p // ROW_DIV] @ b[expert(p)].T`` (times ``weight[p]`` when ``MUL_WEIGHT``)
     for the pairs ``p`` of one block of sorted rows and one block of output columns."""
@@ -45,8 +62,11 @@ def _moe_gemm_kernel(
     b_base = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + offs_k)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + offs_k)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         b = tl.load(b_base + (k0 + offs_k)[:, None] * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -59,8 +79,9 @@ def _moe_gemm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_ids, block_expert, num_padded)``: the flat pair ids ``t * top_k + k`` sorted
     by expert, each expert's run padded with ``T * top_k`` to a multiple of ``block_m``; the
     expert of every block of ``block_m`` rows; and (a one-element tensor) how many rows are
@@ -84,9 +105,17 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, block_expert, padded_end[-1:].to(torch.int32)
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out_rows: int, weights: torch.Tensor | None, row_div: int,
-                  sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor,
-                  block_m: int) -> torch.Tensor:
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_rows: int,
+    weights: torch.Tensor | None,
+    row_div: int,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    block_m: int,
+) -> torch.Tensor:
     """One launch: row ``p`` of the result is ``a[p // row_div] @ b[expert(p)].T`` (scaled)."""
     n, k = b.shape[1], b.shape[2]
     c = torch.empty(out_rows, n, dtype=a.dtype, device=a.device)
@@ -94,16 +123,34 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out_rows: int, weights: torc
     block_k = max(16, min(64, triton.next_power_of_2(k)))
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_ids, block_expert, num_padded,
-        n, k, out_rows, a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
-        ROW_DIV=row_div, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a,
+        b,
+        c,
+        weights if weights is not None else c,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        n,
+        k,
+        out_rows,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        ROW_DIV=row_div,
+        MUL_WEIGHT=weights is not None,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return c
 
 
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """Triton :func:`~dfllm.kernels.fused_moe.fused_moe_torch`: two grouped-GEMM launches."""
     tokens, top_k = topk_ids.shape
     if tokens == 0:

@@ -18,9 +18,25 @@ from dfllm.kernels.metadata import LoRAMetadata
 
 
 @triton.jit
-def _sgmv_kernel(x_ptr, w_ptr, y_ptr, rows_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                 K, N, stride_xt, stride_ws, stride_wn, stride_yt,
-                 ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sgmv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rows_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_slot_ptr,
+    K,
+    N,
+    stride_xt,
+    stride_ws,
+    stride_wn,
+    stride_yt,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     seg = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -38,10 +54,14 @@ def _sgmv_kernel(x_ptr, w_ptr, y_ptr, rows_ptr, seg_start_ptr, seg_len_ptr, seg_
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        xs = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                     other=0.0)
-        ws = tl.load(w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None],
-                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        xs = tl.load(
+            x_ptr + rows[:, None] * stride_xt + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        ws = tl.load(
+            w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
         acc += tl.dot(xs.to(tl.float32), ws.to(tl.float32))
     out = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -58,9 +78,25 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, meta: LoRAMetadat
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     block_k = max(16, min(64, triton.next_power_of_2(k)))
     grid = (len(meta.seg_slots), triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(n, block_n))
-    _sgmv_kernel[grid](x, w, y, meta.sorted_rows, meta.seg_start, meta.seg_len, meta.seg_slot, k, n,
-                       x.stride(0), w.stride(0), w.stride(1), y.stride(0), ACCUMULATE=accumulate,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _sgmv_kernel[grid](
+        x,
+        w,
+        y,
+        meta.sorted_rows,
+        meta.seg_start,
+        meta.seg_len,
+        meta.seg_slot,
+        k,
+        n,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        y.stride(0),
+        ACCUMULATE=accumulate,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
 
 
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMetadata) -> torch.Tensor:

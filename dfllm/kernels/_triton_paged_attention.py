@@ -65,14 +65,45 @@ def _tanh(x):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, scale, softcap, window, num_seqs, num_heads, head_dim, block_size, table_width,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP32_DOT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    out_ptr,
+    seg_out_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    scale,
+    softcap,
+    window,
+    num_seqs,
+    num_heads,
+    head_dim,
+    block_size,
+    table_width,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,8 +124,11 @@ def _paged_attention_kernel(
     row_ok = (offs_m < BLOCK_Q * GROUP) & (q_pos < q_len)
     d_ok = offs_d < head_dim
     token = (q_start + q_pos).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
 
@@ -153,8 +187,11 @@ def _paged_attention_kernel(
     if NUM_SEGMENTS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         stat = (token * num_heads + head) * NUM_SEGMENTS + segment
         tl.store(seg_max_ptr + stat, m_i, mask=row_ok)
@@ -164,8 +201,16 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_segments_kernel(
-    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, num_heads, head_dim, stride_ot, stride_oh,
-    HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    out_ptr,
+    seg_out_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    num_heads,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -179,8 +224,11 @@ def _merge_segments_kernel(
     total = tl.sum(seg_sum * weight, axis=0)
     parts = tl.load(seg_out_ptr + stat[:, None] * HEAD_PAD + offs_d[None, :])
     out = tl.sum(parts * weight[:, None], axis=0) / total
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < head_dim)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
+    )
 
 
 def paged_attention_triton(
@@ -239,27 +287,67 @@ def paged_attention_launch(
         seg_out = seg_max = seg_sum = out
     tables = meta.block_tables
     _paged_attention_kernel[(q_blocks, kv_heads, num_segments)](
-        out, seg_out, seg_max, seg_sum,
-        q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc,
-        scale * LOG2E, scale, softcap or 1.0, window or 0,
-        num_seqs, num_heads, head_dim, k_cache.shape[1], tables.shape[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
-        GROUP=num_heads // kv_heads, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_PAD=head_pad, TILE_N=tile_n,
-        NUM_SEGMENTS=num_segments, FP32_DOT=fp32_dot, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        num_warps=8 if block_m >= 64 and head_pad >= 128 else 4, num_stages=2,
+        out,
+        seg_out,
+        seg_max,
+        seg_sum,
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale * LOG2E,
+        scale,
+        softcap or 1.0,
+        window or 0,
+        num_seqs,
+        num_heads,
+        head_dim,
+        k_cache.shape[1],
+        tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        tables.stride(0),
+        GROUP=num_heads // kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        HEAD_PAD=head_pad,
+        TILE_N=tile_n,
+        NUM_SEGMENTS=num_segments,
+        FP32_DOT=fp32_dot,
+        USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
+        num_warps=8 if block_m >= 64 and head_pad >= 128 else 4,
+        num_stages=2,
     )
     if num_segments > 1:
         _merge_segments_kernel[(tokens, num_heads)](
-            out, seg_out, seg_max, seg_sum, num_heads, head_dim, out.stride(0), out.stride(1),
-            HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments,
+            out,
+            seg_out,
+            seg_max,
+            seg_sum,
+            num_heads,
+            head_dim,
+            out.stride(0),
+            out.stride(1),
+            HEAD_PAD=head_pad,
+            NUM_SEGMENTS=num_segments,
         )
     return out
 
 
-def launch_plan(q: torch.Tensor, kv_heads: int, meta: AttentionMetadata,
-                window: int | None = None) -> tuple[int, int, int, int]:
+def launch_plan(
+    q: torch.Tensor, kv_heads: int, meta: AttentionMetadata, window: int | None = None
+) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_Q, query blocks, KV segments)`` for a batch of queries ``q`` (a sliding
     ``window`` bounds the keys a query block visits, hence how far they are worth splitting)."""
     tokens, num_heads = q.shape[0], q.shape[1]

@@ -9,9 +9,21 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    num_rows, hidden, stride_x, stride_res, stride_out, stride_res_out, eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    num_rows,
+    hidden,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -43,9 +55,21 @@ def rms_norm_triton(
     rows_per_program = max(1, min(16, 2048 // block))
     grid = (triton.cdiv(x2.shape[0], rows_per_program),)
     _rms_norm_kernel[grid](
-        x2, res2, weight, out, res_out, x2.shape[0], hidden,
-        x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK=block,
+        x2,
+        res2,
+        weight,
+        out,
+        res_out,
+        x2.shape[0],
+        hidden,
+        x2.stride(0),
+        res2.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        ROWS=rows_per_program,
+        BLOCK=block,
     )
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))

@@ -23,10 +23,22 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, heads, c, s, half, BLOCK_H: 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
-    q_heads, k_heads, half,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    q_heads,
+    k_heads,
+    half,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -46,9 +58,21 @@ def rotary_triton(
     cos, sin = _last_contiguous(cos), _last_contiguous(sin)
     if tokens:
         _rotary_kernel[(tokens,)](
-            q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            q.shape[1], k.shape[1], half,
-            BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+            q,
+            k,
+            cos,
+            sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            q.shape[1],
+            k.shape[1],
+            half,
+            BLOCK_QH=triton.next_power_of_2(q.shape[1]),
+            BLOCK_KH=triton.next_power_of_2(k.shape[1]),
             BLOCK_D=triton.next_power_of_2(half),
         )
     return q, k

@@ -60,8 +60,10 @@ def select_ops(attention_backend: str, device: torch.device) -> KernelOps:
         if ops is not None:
             return ops
         if attention_backend == "cpu":
-            raise RuntimeError("attention_backend='cpu': dfllm's CPU kernels could not be built (a C++ compiler "
-                               "and ninja are needed; see the warning above), use 'torch' or 'auto'")
+            raise RuntimeError(
+                "attention_backend='cpu': dfllm's CPU kernels could not be built (a C++ compiler "
+                "and ninja are needed; see the warning above), use 'torch' or 'auto'"
+            )
         return TORCH_OPS
     if attention_backend == "cpu":
         raise ValueError(f"attention_backend='cpu' runs on a CPU device, not {device.type!r}")

@@ -29,8 +29,9 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return weights, ids
 
 
-def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_torch(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token row ``t``.
 
     ``x`` is ``(T, H)``; ``w13`` ``(E, 2 * I, H)`` holds each expert's gate then up

@@ -56,14 +56,23 @@ def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata 
         lens.append(len(r))
         flat.extend(r)
     meta = LoRAMetadata(
-        torch.tensor(token_slots, dtype=torch.long, device=device), seg_slots, bounds, rows,
-        torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(token_slots, dtype=torch.long, device=device),
+        seg_slots,
+        bounds,
+        rows,
+        torch.tensor(flat, dtype=torch.long, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device),
         torch.tensor(lens, dtype=torch.int32, device=device),
-        torch.tensor(seg_slots, dtype=torch.int32, device=device), max(lens))
+        torch.tensor(seg_slots, dtype=torch.int32, device=device),
+        max(lens),
+    )
     span, width = seg_slots[-1] + 1, max(lens)
     # many segments of few rows: two batched matmuls beat two per segment when padding wastes little
-    if (len(seg_slots) >= BATCHED_MIN_SEGMENTS and width <= BATCHED_MAX_ROWS
-            and span * width <= BATCHED_MAX_PADDING * len(flat)):
+    if (
+        len(seg_slots) >= BATCHED_MIN_SEGMENTS
+        and width <= BATCHED_MAX_ROWS
+        and span * width <= BATCHED_MAX_PADDING * len(flat)
+    ):
         pad = torch.zeros(span, width, dtype=torch.long)
         valid = torch.zeros(span, width, 1, dtype=torch.bool)
         for slot, r in by_slot.items():
@@ -72,8 +81,10 @@ def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata 
         meta.pad_rows, meta.pad_valid, meta.batched = pad.flatten().to(device), valid.to(device), True
         if flat == list(range(flat[0], flat[0] + len(flat))):  # sorted by slot and consecutive
             unpad = [slot * width + k for slot in seg_slots for k in range(len(by_slot[slot]))]
-            meta.unpad, meta.adapted = torch.tensor(unpad, dtype=torch.long, device=device), (flat[0],
-                                                                                               flat[0] + len(flat))
+            meta.unpad, meta.adapted = (
+                torch.tensor(unpad, dtype=torch.long, device=device),
+                (flat[0], flat[0] + len(flat)),
+            )
     return meta
 
 
@@ -94,9 +105,16 @@ def lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slot
     return out.to(x.dtype)
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata,
-               ranks: list[int], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               triton: bool = False) -> torch.Tensor:
+def lora_apply(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    meta: LoRAMetadata,
+    ranks: list[int],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    triton: bool = False,
+) -> torch.Tensor:
     """``y`` plus each adapted row's delta (in place when possible; returned). ``reduce``
     sums the shrink over the tensor-parallel ranks of a row-parallel projection; ``triton``
     runs the Triton kernels."""
@@ -143,8 +161,15 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     return y
 
 
-def _apply_batched(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: LoRAMetadata,
-                   ranks: list[int], reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+def _apply_batched(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    meta: LoRAMetadata,
+    ranks: list[int],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
     """The batched path: the adapted rows laid out ``[span, max_seg_len]`` by slot, one ``bmm``
     for every shrink and one for every expand (padding masked out), one ``index_add_``."""
     assert meta.pad_rows is not None and meta.pad_valid is not None

@@ -45,13 +45,22 @@ class LoRAMetadata:
         """This metadata with its tensors on ``device``."""
         if self.token_slots.device == device:
             return self
-        return LoRAMetadata(self.token_slots.to(device), self.seg_slots, self.seg_bounds,
-                            [None if r is None else r.to(device) for r in self.seg_rows],
-                            self.sorted_rows.to(device), self.seg_start.to(device), self.seg_len.to(device),
-                            self.seg_slot.to(device), self.max_seg_len,
-                            None if self.pad_rows is None else self.pad_rows.to(device),
-                            None if self.pad_valid is None else self.pad_valid.to(device), self.batched,
-                            None if self.unpad is None else self.unpad.to(device), self.adapted)
+        return LoRAMetadata(
+            self.token_slots.to(device),
+            self.seg_slots,
+            self.seg_bounds,
+            [None if r is None else r.to(device) for r in self.seg_rows],
+            self.sorted_rows.to(device),
+            self.seg_start.to(device),
+            self.seg_len.to(device),
+            self.seg_slot.to(device),
+            self.max_seg_len,
+            None if self.pad_rows is None else self.pad_rows.to(device),
+            None if self.pad_valid is None else self.pad_valid.to(device),
+            self.batched,
+            None if self.unpad is None else self.unpad.to(device),
+            self.adapted,
+        )
 
 
 @dataclass

@@ -50,18 +50,29 @@ def paged_attention_torch(
     return out
 
 
-def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                    softcap: float | None) -> None:
+def attend_prefills(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> None:
     """Write the attention of each prefill span of ``meta`` into its rows of ``out``."""
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.ctx_len, span.kv_slots, scale,
-                             window, softcap)
+        out[rows] = _prefill(
+            q[rows], k[rows], v[rows], k_cache, v_cache, span.ctx_len, span.kv_slots, scale, window, softcap
+        )
 
 
-def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float, window: int | None,
-            softcap: float | None) -> torch.Tensor:
+def _decode(
+    q, k_cache, v_cache, group: DecodeGroup, scale: float, window: int | None, softcap: float | None
+) -> torch.Tensor:
     batch, heads, dim = q.shape
     kv_heads, bs = k_cache.shape[2], k_cache.shape[1]
     tables, mask = group.block_tables, group.mask
@@ -76,8 +87,7 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float, window: int |
     return o.reshape(batch, heads, dim)
 
 
-def _window_blocks(tables: torch.Tensor, mask: torch.Tensor, bs: int,
-                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_blocks(tables: torch.Tensor, mask: torch.Tensor, bs: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the blocks holding each decode's window (the query sits at position ``len - 1`` and
     sees ``len - window <= j < len``), and the mask of the keys seen there: the gather reads
     no block before the window (such blocks may have been freed)."""
@@ -90,8 +100,9 @@ def _window_blocks(tables: torch.Tensor, mask: torch.Tensor, bs: int,
     return tables.gather(1, cols.clamp_max(width - 1)), seen
 
 
-def _prefill(q, k, v, k_cache, v_cache, ctx_len: int, kv_slots, scale: float, window: int | None,
-             softcap: float | None) -> torch.Tensor:
+def _prefill(
+    q, k, v, k_cache, v_cache, ctx_len: int, kv_slots, scale: float, window: int | None, softcap: float | None
+) -> torch.Tensor:
     q_len = q.shape[0]
     if k_cache.dtype != k.dtype:  # kv_cache_dtype: the new keys as the cache holds them, as a cached prefix is
         k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
@@ -118,13 +129,13 @@ def _prefill(q, k, v, k_cache, v_cache, ctx_len: int, kv_slots, scale: float, wi
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         o = _attend(qh, kh, vh, mask, scale, softcap)
     else:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
     """``softmax(cap(q k^T * scale) masked) v`` (``mask`` True where a key is seen); without a
     cap it is SDPA's, with one it is computed in fp32 (as transformers' eager attention)."""
     if softcap is None:

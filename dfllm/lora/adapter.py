@@ -33,8 +33,13 @@ from dfllm.models.spec import ModelSpec
 
 # a checkpoint module -> (the model's fused projection it belongs to, its part index)
 MODULES: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
 }
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -46,10 +51,21 @@ class LoRAAdapterError(ValueError):
 
 def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """``(in_features, out_features)`` of each projection LoRA can target, on the full model."""
-    h, q, kv, inter = (spec.hidden_size, spec.num_attention_heads * spec.head_dim,
-                       spec.num_key_value_heads * spec.head_dim, spec.intermediate_size)
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    h, q, kv, inter = (
+        spec.hidden_size,
+        spec.num_attention_heads * spec.head_dim,
+        spec.num_key_value_heads * spec.head_dim,
+        spec.intermediate_size,
+    )
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
 
 
 @dataclass
@@ -77,16 +93,20 @@ class LoRAAdapter:
 
 
 def _fail(request: LoRARequest, why: str) -> LoRAAdapterError:
-    return LoRAAdapterError(f"LoRA adapter {request.lora_name!r} (lora_int_id={request.lora_int_id}, "
-                            f"path {request.lora_path!r}): {why}")
+    return LoRAAdapterError(
+        f"LoRA adapter {request.lora_name!r} (lora_int_id={request.lora_int_id}, path {request.lora_path!r}): {why}"
+    )
 
 
 def read_adapter_config(request: LoRARequest) -> dict:
     """The adapter's ``adapter_config.json``, checked for what dfllm cannot serve."""
     path = Path(request.lora_path)
     if not request.lora_path or not path.is_dir():
-        raise _fail(request, "lora_path is not a directory (a PEFT adapter folder with adapter_config.json "
-                             "and adapter_model.safetensors)")
+        raise _fail(
+            request,
+            "lora_path is not a directory (a PEFT adapter folder with adapter_config.json "
+            "and adapter_model.safetensors)",
+        )
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file():
         raise _fail(request, "adapter_config.json is missing")
@@ -103,16 +123,22 @@ def read_adapter_config(request: LoRARequest) -> dict:
     if cfg.get("bias", "none") != "none":
         raise _fail(request, f"bias={cfg['bias']!r} is not supported (adapters without bias terms only)")
     if cfg.get("modules_to_save"):
-        raise _fail(request, f"modules_to_save {cfg['modules_to_save']} is not supported: it replaces whole "
-                             "modules of the base model, which adapters sharing one batch cannot do")
+        raise _fail(
+            request,
+            f"modules_to_save {cfg['modules_to_save']} is not supported: it replaces whole "
+            "modules of the base model, which adapters sharing one batch cannot do",
+        )
     if cfg.get("alpha_pattern"):
         raise _fail(request, "alpha_pattern is not supported (one lora_alpha for every module)")
     targets = cfg.get("target_modules")
     if isinstance(targets, list | tuple):
         unknown = sorted(set(targets) - set(MODULES) - set(FUSED_PARTS))
         if unknown:
-            raise _fail(request, f"target_modules {unknown} are modules the base model does not have as LoRA "
-                                 f"targets (supported: {sorted(MODULES) + sorted(FUSED_PARTS)})")
+            raise _fail(
+                request,
+                f"target_modules {unknown} are modules the base model does not have as LoRA "
+                f"targets (supported: {sorted(MODULES) + sorted(FUSED_PARTS)})",
+            )
     for key in ("r", "lora_alpha"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -127,8 +153,11 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> L
     path = Path(request.lora_path)
     file = path / "adapter_model.safetensors"
     if not file.is_file():
-        pickle = " (only adapter_model.bin, a pickle, which dfllm never loads)" if (
-            path / "adapter_model.bin").is_file() else ""
+        pickle = (
+            " (only adapter_model.bin, a pickle, which dfllm never loads)"
+            if (path / "adapter_model.bin").is_file()
+            else ""
+        )
         raise _fail(request, f"adapter_model.safetensors is missing{pickle}")
     alpha, rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -140,16 +169,24 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> L
         for key in handle.keys():
             m = _KEY.search(key)
             if m is None:
-                raise _fail(request, f"tensor {key!r} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
-                                     "projection of a decoder layer (embeddings, the LM head and other modules "
-                                     "are not supported)")
+                raise _fail(
+                    request,
+                    f"tensor {key!r} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
+                    "projection of a decoder layer (embeddings, the LM head and other modules "
+                    "are not supported)",
+                )
             layer, part, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
             if module not in MODULES and module not in FUSED_PARTS:
-                raise _fail(request, f"tensor {key!r} targets {part}.{module}, a module the base model does not "
-                                     f"have (LoRA targets: {sorted(MODULES)})")
+                raise _fail(
+                    request,
+                    f"tensor {key!r} targets {part}.{module}, a module the base model does not "
+                    f"have (LoRA targets: {sorted(MODULES)})",
+                )
             if layer >= spec.num_hidden_layers:
-                raise _fail(request, f"tensor {key!r} is for layer {layer}, but the base model has "
-                                     f"{spec.num_hidden_layers} layers")
+                raise _fail(
+                    request,
+                    f"tensor {key!r} is for layer {layer}, but the base model has {spec.num_hidden_layers} layers",
+                )
             pairs.setdefault((layer, module), {})[ab] = handle.get_tensor(key).float()
     if not pairs:
         raise _fail(request, "adapter_model.safetensors holds no LoRA weights")
@@ -162,21 +199,28 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> L
             raise _fail(request, f"{where} has lora_{''.join(ab)} but not lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise _fail(request, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
-                                 "each other ([r, in] and [out, r])")
+            raise _fail(
+                request,
+                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                "each other ([r, in] and [out, r])",
+            )
         r = a.shape[0]
         if r > max_lora_rank:
-            raise _fail(request, f"{where} has rank {r}, above max_lora_rank={max_lora_rank} (raise "
-                                 "LLM(max_lora_rank=...))")
+            raise _fail(
+                request, f"{where} has rank {r}, above max_lora_rank={max_lora_rank} (raise LLM(max_lora_rank=...))"
+            )
         rank = max(rank, r)
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
         parts = FUSED_PARTS.get(module, (module,))
         sizes = [shapes[p][1] for p in parts]
         want_in, want_out = shapes[parts[0]][0], sum(sizes)
         if a.shape[1] != want_in or b.shape[0] != want_out:
-            raise _fail(request, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
-                                 f"base model's {module} ({want_in} -> {want_out} features): an adapter for "
-                                 "another model or size")
+            raise _fail(
+                request,
+                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                f"base model's {module} ({want_in} -> {want_out} features): an adapter for "
+                "another model or size",
+            )
         for p, b_part in zip(parts, b.split(sizes)):
             if (layer, p) in weights:
                 raise _fail(request, f"layer {layer} {p} is given twice (fused and on its own)")

@@ -22,8 +22,10 @@ from dfllm.kernels.metadata import LoRAMetadata
 
 # the model's projection -> the checkpoint modules it fuses, and whether it is row-parallel
 PROJECTIONS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "qkv_proj": (("q_proj", "k_proj", "v_proj"), False), "o_proj": (("o_proj",), True),
-    "gate_up_proj": (("gate_proj", "up_proj"), False), "down_proj": (("down_proj",), True),
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"), False),
+    "o_proj": (("o_proj",), True),
+    "gate_up_proj": (("gate_proj", "up_proj"), False),
+    "down_proj": (("down_proj",), True),
 }
 
 
@@ -38,16 +40,28 @@ class LoRASlots(nn.Module):
     a: torch.Tensor
     b: torch.Tensor
 
-    def __init__(self, parts: tuple[str, ...], in_features: int, out_sizes: list[int], max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device, tp: GroupComm | None = None,
-                 row_parallel: bool = False, triton: bool = False):
+    def __init__(
+        self,
+        parts: tuple[str, ...],
+        in_features: int,
+        out_sizes: list[int],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: GroupComm | None = None,
+        row_parallel: bool = False,
+        triton: bool = False,
+    ):
         super().__init__()
         self.parts, self.out_sizes, self.max_rank = parts, out_sizes, max_rank
         width = len(parts) * max_rank
-        self.register_buffer("a", torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("b", torch.zeros(max_loras, sum(out_sizes), width, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "a", torch.zeros(max_loras, width, in_features, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "b", torch.zeros(max_loras, sum(out_sizes), width, dtype=dtype, device=device), persistent=False
+        )
         self.ranks = [0] * max_loras
         self.tp, self.row_parallel, self.triton = tp, row_parallel, triton
 
@@ -81,8 +95,9 @@ class LoRASlots(nn.Module):
         return lora_apply(x, y, self.a, self.b, lora, self.ranks, reduce=reduce, triton=self.triton)
 
 
-def attach_lora(model: nn.Module, max_loras: int, max_rank: int, tp: GroupComm | None = None,
-                triton: bool = False) -> dict[int, dict[str, LoRASlots]]:
+def attach_lora(
+    model: nn.Module, max_loras: int, max_rank: int, tp: GroupComm | None = None, triton: bool = False
+) -> dict[int, dict[str, LoRASlots]]:
     """Give each decoder layer of ``model`` (a Llama-family model, one rank's share) its adapter
     slots; ``{layer index: {projection: slots}}``."""
     from dfllm.models.layers import GatedMLP, PagedAttention
@@ -93,19 +108,23 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, tp: GroupComm |
     for offset, layer in enumerate(dec.stage_layers):
         index = dec.start + offset
         if not isinstance(layer.self_attn, PagedAttention):
-            raise ValueError(f"enable_lora: layer {index}'s attention ({type(layer.self_attn).__name__}) "
-                             "takes no LoRA adapters")
+            raise ValueError(
+                f"enable_lora: layer {index}'s attention ({type(layer.self_attn).__name__}) takes no LoRA adapters"
+            )
         attn: Any = layer.self_attn  # Any: its sub-layers' shapes are read through nn.Module attributes
         mlp: Any = layer.mlp
 
         def slots(name: str, in_features: int, out_sizes: list[int]) -> LoRASlots:
             parts, row = PROJECTIONS[name]
-            return LoRASlots(parts, in_features, out_sizes, max_loras, max_rank, param.dtype, param.device, tp,
-                             row, triton)
+            return LoRASlots(
+                parts, in_features, out_sizes, max_loras, max_rank, param.dtype, param.device, tp, row, triton
+            )
 
         h = attn.qkv_proj.weight.shape[1]
-        here = {"qkv_proj": slots("qkv_proj", h, [attn.q_size, attn.kv_size, attn.kv_size]),
-                "o_proj": slots("o_proj", attn.q_size, [attn.o_proj.weight.shape[0]])}
+        here = {
+            "qkv_proj": slots("qkv_proj", h, [attn.q_size, attn.kv_size, attn.kv_size]),
+            "o_proj": slots("o_proj", attn.q_size, [attn.o_proj.weight.shape[0]]),
+        }
         attn.qkv_lora, attn.o_lora = here["qkv_proj"], here["o_proj"]
         if isinstance(layer.mlp, GatedMLP):
             inter = mlp.gate_up_proj.weight.shape[0] // 2

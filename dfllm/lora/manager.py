@@ -24,8 +24,15 @@ SlotLoader = Callable[[int, LoRAAdapter | None], None]  # (slot, adapter or None
 class LoRAManager:
     """The adapters of one engine: registered, cached on the CPU, and in the model's slots."""
 
-    def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 load_slot: SlotLoader, supported_modules: set[str]):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        load_slot: SlotLoader,
+        supported_modules: set[str],
+    ):
         self.spec, self.max_loras, self.max_lora_rank = spec, max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.load_slot = load_slot
@@ -64,8 +71,10 @@ class LoRAManager:
         if lora_id not in self.cpu:
             raise ValueError(f"pin_lora: no adapter with lora_int_id={lora_id} is loaded (add_lora it first)")
         if lora_id not in self.pinned and len(self.pinned) >= self.max_cpu_loras:
-            raise ValueError(f"pin_lora: {len(self.pinned)} adapters are pinned already, as many as "
-                             f"max_cpu_loras={self.max_cpu_loras}")
+            raise ValueError(
+                f"pin_lora: {len(self.pinned)} adapters are pinned already, as many as "
+                f"max_cpu_loras={self.max_cpu_loras}"
+            )
         self.pinned.add(lora_id)
         return True
 
@@ -78,14 +87,17 @@ class LoRAManager:
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The checked adapter of ``request``, from the CPU cache or read now."""
         if not isinstance(request, LoRARequest):
-            raise LoRAAdapterError(f"lora_request must be a LoRARequest (lora_name, lora_int_id, lora_path), "
-                                   f"got {type(request).__name__}")
+            raise LoRAAdapterError(
+                f"lora_request must be a LoRARequest (lora_name, lora_int_id, lora_path), got {type(request).__name__}"
+            )
         lid = request.lora_int_id
         known = self.known.get(lid)
         if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
-            raise LoRAAdapterError(f"lora_int_id={lid} is already used by adapter {known.lora_name!r} at "
-                                   f"{known.lora_path!r}; adapter {request.lora_name!r} at {request.lora_path!r} "
-                                   "needs another id")
+            raise LoRAAdapterError(
+                f"lora_int_id={lid} is already used by adapter {known.lora_name!r} at "
+                f"{known.lora_path!r}; adapter {request.lora_name!r} at {request.lora_path!r} "
+                "needs another id"
+            )
         cached = self.cpu.get(lid)
         if cached is not None:
             self.cpu.move_to_end(lid)
@@ -93,14 +105,18 @@ class LoRAManager:
         adapter = load_adapter(request, self.spec, self.max_lora_rank)
         missing = sorted(adapter.modules - self.supported_modules)
         if missing:
-            raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} (path {request.lora_path!r}) targets "
-                                   f"{missing}, modules this model's layers do not have as LoRA targets "
-                                   f"(supported: {sorted(self.supported_modules)})")
+            raise LoRAAdapterError(
+                f"LoRA adapter {request.lora_name!r} (path {request.lora_path!r}) targets "
+                f"{missing}, modules this model's layers do not have as LoRA targets "
+                f"(supported: {sorted(self.supported_modules)})"
+            )
         while len(self.cpu) >= self.max_cpu_loras:
             victim = next((i for i in self.cpu if i not in self.pinned), None)
             if victim is None:
-                raise LoRAAdapterError(f"cannot load LoRA adapter {request.lora_name!r}: the CPU cache holds "
-                                       f"max_cpu_loras={self.max_cpu_loras} pinned adapters")
+                raise LoRAAdapterError(
+                    f"cannot load LoRA adapter {request.lora_name!r}: the CPU cache holds "
+                    f"max_cpu_loras={self.max_cpu_loras} pinned adapters"
+                )
             del self.cpu[victim]
         self.known[lid] = request
         self.cpu[lid] = adapter

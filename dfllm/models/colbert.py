@@ -28,11 +28,14 @@ class ColBERTModel(BertModel):
 
     def __init__(self, spec: ModelSpec):
         if spec.model_type not in (None, "bert"):
-            raise ValueError(f"HF_ColBERT on a {spec.model_type!r} base is not supported (config.json's "
-                             "model_type must be 'bert')")
+            raise ValueError(
+                f"HF_ColBERT on a {spec.model_type!r} base is not supported (config.json's model_type must be 'bert')"
+            )
         if not spec.colbert_dim:
-            raise ValueError("ColBERT config names no projection size: set one of 'colbert_dim', 'dim' or "
-                             "'projection_dim' in config.json (colbert-ir checkpoints use 128)")
+            raise ValueError(
+                "ColBERT config names no projection size: set one of 'colbert_dim', 'dim' or "
+                "'projection_dim' in config.json (colbert-ir checkpoints use 128)"
+            )
         super().__init__(spec)
         self.token_head = nn.Linear(spec.hidden_size, spec.colbert_dim, bias=False)
 

@@ -73,8 +73,9 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                   gelu: bool = False) -> torch.Tensor:
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False
+) -> torch.Tensor:
     if gelu:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "none")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -133,8 +134,10 @@ def pack_linears(model: nn.Module, budget_bytes: int | None = None) -> int:
     if any(m.weight.dtype == torch.bfloat16 for m in linears):
         isa = bf16_gemm_isa()
         if isa is None:
-            logger.warning("this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX): bfloat16 GEMMs run "
-                           "emulated, slower than float32 (dtype='auto' or 'float32' is faster here)")
+            logger.warning(
+                "this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX): bfloat16 GEMMs run "
+                "emulated, slower than float32 (dtype='auto' or 'float32' is faster here)"
+            )
         else:
             logger.info("bfloat16 linear layers: oneDNN GEMMs on %s", isa)
     layers = [m for m in linears if packing_available(m.weight.device, m.weight.dtype)]
@@ -143,9 +146,13 @@ def pack_linears(model: nn.Module, budget_bytes: int | None = None) -> int:
         budget_bytes = int(psutil.virtual_memory().available * PACK_MEMORY_FRACTION)
     if not layers or size > budget_bytes:
         if layers:
-            logger.info("linear layers not packed for oneDNN: their copies (%.0f MiB) would exceed %.0f MiB "
-                        "(%.1f%% of the available memory)", size / 2**20, budget_bytes / 2**20,
-                        100 * PACK_MEMORY_FRACTION)
+            logger.info(
+                "linear layers not packed for oneDNN: their copies (%.0f MiB) would exceed %.0f MiB "
+                "(%.1f%% of the available memory)",
+                size / 2**20,
+                budget_bytes / 2**20,
+                100 * PACK_MEMORY_FRACTION,
+            )
         return 0
     return sum(m.pack() for m in layers)
 

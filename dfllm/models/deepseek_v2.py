@@ -62,11 +62,14 @@ class DeepseekRouter(nn.Module):
         self.n_group, self.topk_group = spec.n_group or 1, spec.topk_group or 1
         self.renormalize, self.scale = spec.norm_topk_prob, spec.routed_scaling_factor
         if self.method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-            raise NotImplementedError(f"topk_method {spec.topk_method!r} is not supported "
-                                      "(DeepSeek-V2: 'greedy' or 'group_limited_greedy')")
+            raise NotImplementedError(
+                f"topk_method {spec.topk_method!r} is not supported (DeepSeek-V2: 'greedy' or 'group_limited_greedy')"
+            )
         if not 0 < self.top_k <= e or e % self.n_group or not 0 < self.topk_group <= self.n_group:
-            raise ValueError(f"bad DeepSeek routing: num_experts_per_tok={self.top_k}, n_routed_experts={e}, "
-                             f"n_group={spec.n_group}, topk_group={spec.topk_group}")
+            raise ValueError(
+                f"bad DeepSeek routing: num_experts_per_tok={self.top_k}, n_routed_experts={e}, "
+                f"n_group={spec.n_group}, topk_group={spec.topk_group}"
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
@@ -196,14 +199,20 @@ def check_supported(spec: ModelSpec, parallel: ParallelContext | None) -> None:
     """Raise ``NotImplementedError`` for what this implementation does not cover (parallel
     ranks, activations other than SiLU) and ``ValueError`` for an inconsistent config."""
     if parallel is not None and (parallel.tp_size, parallel.pp_size) != (1, 1):
-        raise NotImplementedError("multi-head latent attention (DeepSeek-V2/V3) runs on one rank: "
-                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
+        raise NotImplementedError(
+            "multi-head latent attention (DeepSeek-V2/V3) runs on one rank: "
+            "tensor_parallel_size and pipeline_parallel_size must be 1"
+        )
     if spec.first_k_dense_replace < spec.num_hidden_layers and not (spec.num_experts and spec.moe_intermediate_size):
-        raise ValueError(f"DeepSeek MoE layers (from first_k_dense_replace={spec.first_k_dense_replace}) need "
-                         f"n_routed_experts ({spec.num_experts}) and moe_intermediate_size "
-                         f"({spec.moe_intermediate_size})")
+        raise ValueError(
+            f"DeepSeek MoE layers (from first_k_dense_replace={spec.first_k_dense_replace}) need "
+            f"n_routed_experts ({spec.num_experts}) and moe_intermediate_size "
+            f"({spec.moe_intermediate_size})"
+        )
     if spec.hidden_act != "silu":
         raise NotImplementedError(f"hidden_act {spec.hidden_act!r} is not supported (DeepSeek MLPs use 'silu')")
     if spec.kv_lora_rank <= 0 or spec.qk_rope_head_dim <= 0 or spec.qk_rope_head_dim % 2:
-        raise ValueError(f"kv_lora_rank ({spec.kv_lora_rank}) must be positive and qk_rope_head_dim "
-                         f"({spec.qk_rope_head_dim}) positive and even")
+        raise ValueError(
+            f"kv_lora_rank ({spec.kv_lora_rank}) must be positive and qk_rope_head_dim "
+            f"({spec.qk_rope_head_dim}) positive and even"
+        )

@@ -8,8 +8,16 @@ import difflib
 import re
 
 GENERATE_TASKS = ("generate", "chat", "embed", "token_embed", "score")  # decoders also pool (runner="pooling")
-SUFFIXES = ("ForConditionalGeneration", "ForSequenceClassification", "ForTokenClassification", "ForCausalLM",
-            "ForMaskedLM", "LMHeadModel", "ChatModel", "Model")
+SUFFIXES = (
+    "ForConditionalGeneration",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForCausalLM",
+    "ForMaskedLM",
+    "LMHeadModel",
+    "ChatModel",
+    "Model",
+)
 
 
 def supported_architectures() -> dict[str, tuple[str, ...]]:
@@ -62,10 +70,14 @@ def unsupported_architecture_message(architectures: list[str] | tuple[str, ...])
     """The error for a config whose architectures dfllm runs none of."""
     archs = list(architectures)
     if not archs:
-        return ("unsupported architecture (none in config.json); dfllm runs: "
-                f"{', '.join(supported_architectures())} (see `dfllm models`)")
+        return (
+            "unsupported architecture (none in config.json); dfllm runs: "
+            f"{', '.join(supported_architectures())} (see `dfllm models`)"
+        )
     near = [c for a in archs for c in closest_supported(a)]
     near = list(dict.fromkeys(near))[:3]
     hint = f"; the closest supported: {', '.join(near)}" if near else ""
-    return (f"unsupported architecture {archs}{hint}. dfllm runs: {', '.join(supported_architectures())} "
-            "(see `dfllm models`)")
+    return (
+        f"unsupported architecture {archs}{hint}. dfllm runs: {', '.join(supported_architectures())} "
+        "(see `dfllm models`)"
+    )

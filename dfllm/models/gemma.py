@@ -69,8 +69,9 @@ class GemmaMLP(nn.Module):
         super().__init__()
         act = spec.hidden_activation or spec.hidden_act or "gelu_pytorch_tanh"
         if act not in ACTIVATIONS:
-            raise NotImplementedError(f"Gemma hidden_activation {act!r} is not supported "
-                                      f"(supported: {', '.join(ACTIVATIONS)})")
+            raise NotImplementedError(
+                f"Gemma hidden_activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
         self.approximate = ACTIVATIONS[act]
         self.gate_up_proj = column_linear(spec.hidden_size, [spec.intermediate_size] * 2, False, tp)
         self.down_proj = row_linear(spec.intermediate_size, spec.hidden_size, False, tp)
@@ -85,11 +86,18 @@ class GemmaAttention(PagedAttention):
     this layer's sliding window (None on global layers), score soft-capping and, for Gemma 3,
     per-head q/k norms (Gemma's ``1 + w`` RMSNorm)."""
 
-    def __init__(self, spec: ModelSpec, window: int | None, qk_norm: bool, ops: KernelOps,
-                 tp: GroupComm | None = None):
+    def __init__(self, spec: ModelSpec, window: int | None, qk_norm: bool, ops: KernelOps, tp: GroupComm | None = None):
         head_dim = spec.head_dim
-        super().__init__(spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, head_dim,
-                         spec.attention_bias, spec.attention_bias, ops, tp)
+        super().__init__(
+            spec.hidden_size,
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            head_dim,
+            spec.attention_bias,
+            spec.attention_bias,
+            ops,
+            tp,
+        )
         self.scale = float(spec.query_pre_attn_scalar or head_dim) ** -0.5
         self.sliding_window = window
         self.softcap = spec.attn_logit_softcapping
@@ -140,8 +148,14 @@ def rope_tables(spec: ModelSpec, max_positions: int) -> dict[str, RotaryEmbeddin
 class GemmaModel(nn.Module):
     """The Gemma decoder stack, or one pipeline stage of it (``stage_layers``)."""
 
-    def __init__(self, spec: ModelSpec, qk_norm: bool, ops: KernelOps, max_positions: int,
-                 parallel: ParallelContext | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        qk_norm: bool,
+        ops: KernelOps,
+        max_positions: int,
+        parallel: ParallelContext | None = None,
+    ):
         super().__init__()
         tp = parallel.tp if parallel is not None else None
         n = spec.num_hidden_layers

@@ -42,9 +42,16 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
 
 # Generic PretrainedConfig keys that the original SmolLM2 config.json lacks.
 _CONFIG_NOISE = (
-    "_name_or_path", "_model_name_or_path", "id2label", "label2id", "problem_type",
-    "output_attentions", "output_hidden_states", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder",
+    "_name_or_path",
+    "_model_name_or_path",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
 )
 
 

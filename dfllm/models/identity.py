@@ -29,8 +29,13 @@ def model_identity(model: str | os.PathLike[str] | None) -> str:
 
     try:
         root = resolve_model(model)
-        stats = tuple(sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                             for p in root.rglob("*") if p.is_file() and not _hidden(p, root)))
+        stats = tuple(
+            sorted(
+                (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                for p in root.rglob("*")
+                if p.is_file() and not _hidden(p, root)
+            )
+        )
     except (ValueError, OSError) as exc:
         return f"unresolved:{model!r}:{type(exc).__name__}"
     cached = _cache.get((str(root), stats))

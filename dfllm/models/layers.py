@@ -138,8 +138,17 @@ class PagedAttention(nn.Module):
         else:
             q, k = self.ops.rotary(q, k, *cos_sin)
         self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                     sliding_window=self.sliding_window, softcap=self.softcap)
+        o = self.ops.paged_attention(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        )
         o = o.reshape(t, self.q_size)
         if meta.lora is not None and self.o_lora is not None:
             return self.o_lora(o, self.o_proj(o), meta.lora)

@@ -45,15 +45,37 @@ class DecoderLayer(nn.Module):
     :class:`GatedMLP`; a family passes its own ``attn`` (DeepSeek's latent attention) or ``mlp``
     (a mixture of experts) instead."""
 
-    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, tp=None,
-                 qk_norm: bool = False, *, attn: nn.Module | None = None, mlp: nn.Module | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        qkv_bias: bool,
+        o_bias: bool,
+        ops: KernelOps,
+        tp=None,
+        qk_norm: bool = False,
+        *,
+        attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ):
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, ops)
         # another attention (MLAttention) has PagedAttention's call and cache attributes
-        self.self_attn = cast(PagedAttention, attn) if attn is not None else PagedAttention(
-            h, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, qkv_bias, o_bias, ops, tp,
-            qk_norm_eps=eps if qk_norm else None)
+        self.self_attn = (
+            cast(PagedAttention, attn)
+            if attn is not None
+            else PagedAttention(
+                h,
+                spec.num_attention_heads,
+                spec.num_key_value_heads,
+                spec.head_dim,
+                qkv_bias,
+                o_bias,
+                ops,
+                tp,
+                qk_norm_eps=eps if qk_norm else None,
+            )
+        )
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
         self.mlp = mlp if mlp is not None else GatedMLP(h, spec.intermediate_size, spec.mlp_bias, ops, tp)
 
@@ -79,8 +101,16 @@ class DecoderModel(nn.Module):
     each layer of the stage (a family whose layers differ from :class:`DecoderLayer`).
     """
 
-    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, ops: KernelOps, max_positions: int,
-                 parallel: ParallelContext | None = None, make_layer: LayerFactory | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        qkv_bias: bool,
+        o_bias: bool,
+        ops: KernelOps,
+        max_positions: int,
+        parallel: ParallelContext | None = None,
+        make_layer: LayerFactory | None = None,
+    ):
         super().__init__()
         tp = parallel.tp if parallel is not None else None
         n = spec.num_hidden_layers
@@ -90,7 +120,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size, tp) if first else None
         self.layers = nn.ModuleList(
             (make_layer(i, tp) if make_layer is not None else DecoderLayer(spec, qkv_bias, o_bias, ops, tp))
-            if self.start <= i < self.end else nn.Identity()
+            if self.start <= i < self.end
+            else nn.Identity()
             for i in range(n)
         )
         # this stage's DecoderLayers (nn.ModuleList's stubs know its items only as Modules)
@@ -120,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
         qkv_bias, o_bias = self.biases(spec)
-        self.model = DecoderModel(spec, qkv_bias, o_bias, ops, max_positions, parallel,
-                                  lambda i, tp: self.make_layer(spec, i, ops, tp))
+        self.model = DecoderModel(
+            spec, qkv_bias, o_bias, ops, max_positions, parallel, lambda i, tp: self.make_layer(spec, i, ops, tp)
+        )
         tp = parallel.tp if parallel is not None else None
         last = self.model.norm is not None
         self.lm_head = lm_head(spec.vocab_size, spec.hidden_size, tp) if last else None

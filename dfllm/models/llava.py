@@ -57,11 +57,15 @@ def llava_info(config) -> LlavaInfo:
     vision, text = cfg.get("vision_config") or {}, cfg.get("text_config") or {}
     vtype, ttype = vision.get("model_type"), text.get("model_type", "llama")
     if vtype not in VISION_MODEL_TYPES:
-        raise ValueError(f"LlavaForConditionalGeneration with a {vtype!r} vision tower is not supported; dfllm "
-                         f"runs LLaVA with {sorted(VISION_MODEL_TYPES)} towers")
+        raise ValueError(
+            f"LlavaForConditionalGeneration with a {vtype!r} vision tower is not supported; dfllm "
+            f"runs LLaVA with {sorted(VISION_MODEL_TYPES)} towers"
+        )
     if ttype not in TEXT_MODEL_TYPES:
-        raise ValueError(f"LlavaForConditionalGeneration with a {ttype!r} text model is not supported; dfllm "
-                         f"runs LLaVA with {sorted(TEXT_MODEL_TYPES)} text models")
+        raise ValueError(
+            f"LlavaForConditionalGeneration with a {ttype!r} text model is not supported; dfllm "
+            f"runs LLaVA with {sorted(TEXT_MODEL_TYPES)} text models"
+        )
     layer = cfg.get("vision_feature_layer", -2)
     layers = (layer,) if isinstance(layer, int) else tuple(layer)
     strategy = cfg.get("vision_feature_select_strategy", "default")
@@ -72,9 +76,17 @@ def llava_info(config) -> LlavaInfo:
     token = cfg.get("image_token_index", cfg.get("image_token_id"))
     if token is None:
         raise ValueError("LLaVA config.json names no image_token_index")
-    return LlavaInfo(int(token), positions - (1 if strategy == "default" else 0), vtype, ttype, layers, strategy,
-                     cfg.get("projector_hidden_act", "gelu"), bool(cfg.get("multimodal_projector_bias", True)),
-                     vision)
+    return LlavaInfo(
+        int(token),
+        positions - (1 if strategy == "default" else 0),
+        vtype,
+        ttype,
+        layers,
+        strategy,
+        cfg.get("projector_hidden_act", "gelu"),
+        bool(cfg.get("multimodal_projector_bias", True)),
+        vision,
+    )
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -120,9 +132,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             self.vision_tower = SiglipVisionTransformer(vspec, num_layers=needed, use_head=False)
         else:
             self.vision_tower = CLIPVisionTransformer(vspec, num_layers=needed)
-        self.multi_modal_projector = LlavaMultiModalProjector(vspec.hidden_size * len(self.feature_layers),
-                                                              spec.hidden_size, info.projector_act,
-                                                              info.projector_bias)
+        self.multi_modal_projector = LlavaMultiModalProjector(
+            vspec.hidden_size * len(self.feature_layers), spec.hidden_size, info.projector_act, info.projector_bias
+        )
         self._text_checkpoint_name = self.checkpoint_name  # the decoder's (a pipeline stage's) naming
         self.checkpoint_name = self._llava_checkpoint_name
 
@@ -136,14 +148,18 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """Parameter key of a checkpoint tensor, from transformers 4's names
         (``language_model.model.*``, ``vision_tower.vision_model.*``) or 5's
         (``model.language_model.*``, ``model.vision_tower.*``, ``lm_head.*``)."""
-        for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                         ("model.language_model.", "model."), ("model.vision_tower.", "vision_tower."),
-                         ("model.multi_modal_projector.", "multi_modal_projector.")):
+        for old, new in (
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("model.language_model.", "model."),
+            ("model.vision_tower.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."),
+        ):
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         if name.startswith("vision_tower."):
-            inner = self.vision_tower.checkpoint_name(name[len("vision_tower."):])
+            inner = self.vision_tower.checkpoint_name(name[len("vision_tower.") :])
             return None if inner is None else "vision_tower." + inner
         if name.startswith("multi_modal_projector."):
             return name
@@ -164,6 +180,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None, mm_embeds=None):
         if mm_embeds is not None and intermediate is None:
             assert self.model.embed_tokens is not None
-            intermediate = (embed_with_images(self.model.embed_tokens, input_ids, self.info.image_token_id,
-                                              mm_embeds), None)
+            intermediate = (
+                embed_with_images(self.model.embed_tokens, input_ids, self.info.image_token_id, mm_embeds),
+                None,
+            )
         return super().forward(input_ids, positions, meta, intermediate)

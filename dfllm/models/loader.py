@@ -52,9 +52,11 @@ def load_config(path: Path) -> PretrainedConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
     if raw.get("auto_map") and raw.get("model_type") not in CONFIG_MAPPING:
-        raise ValueError(f"model directory {path}: config.json's auto_map names custom code "
-                         f"({sorted(raw['auto_map'].values())}) for model_type {raw.get('model_type')!r}; dfllm never "
-                         "runs code from a model directory (no trust_remote_code)")
+        raise ValueError(
+            f"model directory {path}: config.json's auto_map names custom code "
+            f"({sorted(raw['auto_map'].values())}) for model_type {raw.get('model_type')!r}; dfllm never "
+            "runs code from a model directory (no trust_remote_code)"
+        )
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
@@ -122,8 +124,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:4])
 
 
-def destination(model: nn.Module, params: dict[str, nn.Parameter], packed: dict,
-                name: str) -> tuple[str, torch.Tensor] | None:
+def destination(
+    model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str
+) -> tuple[str, torch.Tensor] | None:
     """The parameter key and the (possibly sliced) parameter tensor a checkpoint tensor fills."""
     target, shard = name, None
     for part, (fused, index) in packed.items():
@@ -149,8 +152,9 @@ def check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor, where: str
         raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
 
 
-def _load_tensor(model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, read,
-                 file: Path) -> str | None:
+def _load_tensor(
+    model: nn.Module, params: dict[str, nn.Parameter], packed: dict, name: str, read, file: Path
+) -> str | None:
     """Copy one checkpoint tensor into its (possibly fused) parameter; return its key."""
     own = _own_destination(model, name, read)
     if own is not None:  # a tensor the model places itself (e.g. one expert of a fused expert weight)

@@ -110,8 +110,17 @@ def mla_attention_torch(
             ctx = latent[rows]
         else:
             ctx = cache.view(-1, cache.shape[-1])[span.kv_slots].to(q.dtype)
-        out[rows] = _prefill_decompressed(q[rows], ctx, kv_b_weight, rank, qk_nope_head_dim, v_head_dim,
-                                          span.ctx_len, span.kv_slots is not None, scale)
+        out[rows] = _prefill_decompressed(
+            q[rows],
+            ctx,
+            kv_b_weight,
+            rank,
+            qk_nope_head_dim,
+            v_head_dim,
+            span.ctx_len,
+            span.kv_slots is not None,
+            scale,
+        )
     return out
 
 
@@ -129,8 +138,9 @@ def _decode_absorbed(q, cache, w_uk, w_uv, group: DecodeGroup, scale: float) -> 
     return torch.einsum("bhl,hvl->bhv", o.squeeze(1), w_uv.to(q.dtype))
 
 
-def _prefill_decompressed(q, ctx, kv_b_weight, rank: int, nope: int, v_dim: int, ctx_len: int, cached: bool,
-                          scale: float) -> torch.Tensor:
+def _prefill_decompressed(
+    q, ctx, kv_b_weight, rank: int, nope: int, v_dim: int, ctx_len: int, cached: bool, scale: float
+) -> torch.Tensor:
     q_len, heads, _ = q.shape
     kv = F.linear(ctx[:, :rank], kv_b_weight.to(q.dtype)).view(ctx.shape[0], heads, nope + v_dim)
     k_pe = ctx[:, None, rank:].expand(-1, heads, -1)
@@ -142,8 +152,12 @@ def _prefill_decompressed(q, ctx, kv_b_weight, rank: int, nope: int, v_dim: int,
     else:
         mask, causal = None, True
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=causal, scale=scale,
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
     )
     return o.squeeze(0).transpose(0, 1)
 
@@ -204,6 +218,5 @@ class MLAttention(nn.Module):
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
         assert self.k_cache is not None, "the KV cache is not attached"
         write_latent_cache(latent, self.k_cache, meta.slot_mapping)
-        o = mla_attention_torch(q, latent, self.k_cache, self.kv_b_proj.weight, meta, self.scale, self.nope,
-                                self.v_dim)
+        o = mla_attention_torch(q, latent, self.k_cache, self.kv_b_proj.weight, meta, self.scale, self.nope, self.v_dim)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

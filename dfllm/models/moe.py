@@ -53,8 +53,17 @@ class SparseMoeBlock(nn.Module):
     """Router, experts and (Qwen2-MoE) a gated shared expert; ``renormalize`` rescales each
     token's ``top_k`` routing weights to sum to one (Mixtral always, Qwen ``norm_topk_prob``)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, renormalize: bool,
-                 ops: KernelOps, tp: GroupComm | None = None, shared_intermediate: int = 0):
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        renormalize: bool,
+        ops: KernelOps,
+        tp: GroupComm | None = None,
+        shared_intermediate: int = 0,
+    ):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
@@ -76,16 +85,17 @@ class SparseMoeBlock(nn.Module):
 
 # model.layers.N.<block>.experts.E.<projection>.weight (one expert) and
 # model.layers.N.<block>.experts.<gate_up_proj|down_proj> (transformers v5's fused layout)
-_PER_EXPERT = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
-                         r"\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+    r"\.weight$"
+)
 _FUSED = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 _GATE_SIDE = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 Read = Callable[..., torch.Tensor]
 
 
-def expert_weight_destination(model: nn.Module, name: str,
-                              read: Read) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+def expert_weight_destination(model: nn.Module, name: str, read: Read) -> tuple[str, torch.Tensor, torch.Tensor] | None:
     """``(parameter key, destination view, tensor)`` for a checkpoint tensor of a sparse
     block (an expert's projection, fused experts, or Mixtral's ``block_sparse_moe.gate``),
     reading only this rank's slice of the intermediate features; None for any other tensor.

@@ -49,8 +49,9 @@ class MixtralForCausalLM(MoECausalLM):
 
     @classmethod
     def make_mlp(cls, spec: ModelSpec, index: int, ops: KernelOps, tp: GroupComm | None) -> nn.Module:
-        return SparseMoeBlock(spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.intermediate_size,
-                              True, ops, tp)
+        return SparseMoeBlock(
+            spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.intermediate_size, True, ops, tp
+        )
 
 
 def qwen_moe_mlp(spec: ModelSpec, index: int, ops: KernelOps, tp: GroupComm | None) -> nn.Module:
@@ -59,8 +60,16 @@ def qwen_moe_mlp(spec: ModelSpec, index: int, ops: KernelOps, tp: GroupComm | No
     sparse = index not in spec.mlp_only_layers and (index + 1) % spec.decoder_sparse_step == 0
     if not sparse:
         return GatedMLP(spec.hidden_size, spec.intermediate_size, False, ops, tp)
-    return SparseMoeBlock(spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size,
-                          spec.norm_topk_prob, ops, tp, shared_intermediate=spec.shared_expert_intermediate_size)
+    return SparseMoeBlock(
+        spec.hidden_size,
+        spec.num_experts,
+        spec.num_experts_per_tok,
+        spec.moe_intermediate_size,
+        spec.norm_topk_prob,
+        ops,
+        tp,
+        shared_intermediate=spec.shared_expert_intermediate_size,
+    )
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):

@@ -86,7 +86,8 @@ def quantized_engine() -> str:
             return engine
     raise RuntimeError(
         f"quantization='int8' needs PyTorch's x86/fbgemm quantized engine, which this platform lacks "
-        f"(supported engines: {supported}); use quantization=None")
+        f"(supported engines: {supported}); use quantization=None"
+    )
 
 
 class Int8Linear(nn.Module):
@@ -111,8 +112,14 @@ class Int8Linear(nn.Module):
     smooth: torch.Tensor | None  # buffers
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, engine: str, tied_to: str | None = None,
-                 smooth: torch.Tensor | None = None, per_token: bool = True):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        engine: str,
+        tied_to: str | None = None,
+        smooth: torch.Tensor | None = None,
+        per_token: bool = True,
+    ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.engine, self.tied_to, self.per_token = engine, tied_to, per_token
@@ -135,8 +142,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scaled = x / self.smooth if self.smooth is not None else None
         if not self.per_token:
-            return torch.ops.quantized.linear_dynamic(x if scaled is None else scaled, self._packed,
-                                                      self.reduce_range)
+            return torch.ops.quantized.linear_dynamic(x if scaled is None else scaled, self._packed, self.reduce_range)
         # aminmax is the fastest per-row peak; the output is scaled back and biased in one addcmul
         source = x if scaled is None else scaled
         low, high = torch.aminmax(source, dim=-1, keepdim=True)
@@ -157,12 +163,14 @@ class Int8Linear(nn.Module):
         and repack; the other rows keep their int8 values and scales (each row has its own)."""
         rows = weight.shape[0]
         if weight.dim() != 2 or weight.shape[1] != self.in_features or not 0 <= start <= self.out_features - rows:
-            raise ValueError(f"Int8Linear.update_weight: weight of shape {tuple(weight.shape)} at row {start} "
-                             f"does not fit [{self.out_features}, {self.in_features}]")
+            raise ValueError(
+                f"Int8Linear.update_weight: weight of shape {tuple(weight.shape)} at row {start} "
+                f"does not fit [{self.out_features}, {self.in_features}]"
+            )
         current, new = self.int8_weight(), _quantize_rows(self._smoothed(weight))
         values, scales = current.int_repr().clone(), current.q_per_channel_scales().clone()
-        values[start: start + rows] = new.int_repr()
-        scales[start: start + rows] = new.q_per_channel_scales()
+        values[start : start + rows] = new.int_repr()
+        scales[start : start + rows] = new.q_per_channel_scales()
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self._pack(torch._make_per_channel_quantized_tensor(values, scales, zero_points, 0))
 
@@ -171,15 +179,17 @@ class Int8Linear(nn.Module):
         """Copy ``bias`` into entries ``start ..`` of the float bias (repacking when fbgemm adds it)."""
         if self.bias is None:
             raise ValueError("Int8Linear.update_bias: this layer has no bias")
-        self.bias[start: start + bias.shape[0]].copy_(bias)
+        self.bias[start : start + bias.shape[0]].copy_(bias)
         if not self.per_token:
             self._pack(self.int8_weight())
 
     def extra_repr(self) -> str:
         scales = "per-token" if self.per_token else "per-call"
         smoothed = ", smoothed" if self.smooth is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 dynamic "
-                f"({scales} activation scales{smoothed})")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 dynamic "
+            f"({scales} activation scales{smoothed})"
+        )
 
 
 def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -205,8 +215,13 @@ def needs_reduce_range(engine: str) -> bool:
     activations times all-127 weights overflow int16 pair sums (CPUs without VNNI); with VNNI
     the product is exact and the activations keep their 8th bit."""
     k = 64
-    weight = torch.quantize_per_channel(torch.ones(8, k), torch.full((8,), 1 / 127, dtype=torch.double),
-                                        torch.zeros(8, dtype=torch.long), 0, torch.qint8)
+    weight = torch.quantize_per_channel(
+        torch.ones(8, k),
+        torch.full((8,), 1 / 127, dtype=torch.double),
+        torch.zeros(8, dtype=torch.long),
+        0,
+        torch.qint8,
+    )
     x = torch.ones(4, k)
     x[:, 0] = 0.0  # range [0, 1]: zero point 0, 1.0 -> 255
     y = torch.ops.quantized.linear_dynamic(x, _prepack(weight, engine), False)
@@ -272,8 +287,9 @@ def _smoothing_factors(model: nn.Module, tokens: int) -> dict[int, torch.Tensor]
         length = min(64, getattr(model, "max_input_tokens", None) or embeddings.position_embeddings.num_embeddings)
         rows = max(1, tokens // length)
         device = embeddings.word_embeddings.weight.device
-        ids = torch.randint(0, embeddings.word_embeddings.num_embeddings, (rows, length),
-                            generator=torch.Generator().manual_seed(0)).to(device)
+        ids = torch.randint(
+            0, embeddings.word_embeddings.num_embeddings, (rows, length), generator=torch.Generator().manual_seed(0)
+        ).to(device)
         model(ids, torch.zeros_like(ids), torch.ones_like(ids, dtype=torch.bool))
     finally:
         for hook in hooks:
@@ -303,8 +319,10 @@ def _replace(module: nn.Module, engine: str, prefix: str, names: dict[int, str])
             if name in KEEP_FLOAT:
                 continue
             if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
-                raise ValueError(f"quantization='int8' runs float32 CPU models; layer {name} is "
-                                 f"{child.weight.dtype} on {child.weight.device}")
+                raise ValueError(
+                    f"quantization='int8' runs float32 CPU models; layer {name} is "
+                    f"{child.weight.dtype} on {child.weight.device}"
+                )
             owner = names.get(id(child.weight))
             tied_to = owner if owner is not None and owner != f"{prefix}{name}.weight" else None
             setattr(module, name, Int8Linear(child, engine, tied_to))

@@ -90,8 +90,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     def image_tokens(cls, spec: ModelSpec, tokenizer=None) -> ImageTokens:
         """``<|image_pad|>``, expanded to each image's merged patch grid, with 3-D positions."""
         info = qwen2_vl_info(spec.multimodal)
-        return ImageTokens(info.image_token_id, "<|image_pad|>", 0, merge=info.merge, mrope=True,
-                           placeholder="<|vision_start|><|image_pad|><|vision_end|>")
+        return ImageTokens(
+            info.image_token_id,
+            "<|image_pad|>",
+            0,
+            merge=info.merge,
+            mrope=True,
+            placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+        )
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)
@@ -107,7 +113,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         or transformers 5's (``model.language_model.*``, ``model.visual.*``)."""
         for old, new in (("model.language_model.", "model."), ("model.visual.", "visual.")):
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         return name if name.startswith("visual.") else self._text_checkpoint_name(name)
 
@@ -117,14 +123,16 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         out = self.visual(pixels.to(self.visual.patch_embed.proj.weight.dtype), [it.grid for it in items])
         return list(out.split([it.length for it in items]))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None, mm_embeds=None,
-                mrope_positions=None):
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, intermediate=None, mm_embeds=None, mrope_positions=None
+    ):
         if mm_embeds is not None and intermediate is None:
             assert self.model.embed_tokens is not None
-            intermediate = (embed_with_images(self.model.embed_tokens, input_ids, self.info.image_token_id,
-                                              mm_embeds), None)
-        return super().forward(input_ids, positions if mrope_positions is None else mrope_positions, meta,
-                               intermediate)
+            intermediate = (
+                embed_with_images(self.model.embed_tokens, input_ids, self.info.image_token_id, mm_embeds),
+                None,
+            )
+        return super().forward(input_ids, positions if mrope_positions is None else mrope_positions, meta, intermediate)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (transformers' name)

@@ -42,7 +42,12 @@ def _init_config(spec: ModelSpec) -> SimpleNamespace:
     parameters under their v5 and v4 names; the dict is already standardised)."""
     params = spec.rope_parameters
     return SimpleNamespace(
-        rope_parameters=dict(params), rope_scaling=dict(params), rope_theta=params["rope_theta"],
-        hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, standardize_rope_params=lambda: None,
+        rope_parameters=dict(params),
+        rope_scaling=dict(params),
+        rope_theta=params["rope_theta"],
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        standardize_rope_params=lambda: None,
     )

@@ -40,8 +40,10 @@ def adapt_seq_cls_config(hf_config: PretrainedConfig, path: Path) -> PretrainedC
     tokens = getattr(hf_config, "classifier_from_token", None)
     if getattr(hf_config, "is_original_qwen3_reranker", False):
         if not isinstance(tokens, list | tuple) or len(tokens) != 2:
-            raise ValueError("is_original_qwen3_reranker needs hf_overrides classifier_from_token with two tokens "
-                             f"(e.g. ['no', 'yes']), got {tokens!r}")
+            raise ValueError(
+                "is_original_qwen3_reranker needs hf_overrides classifier_from_token with two tokens "
+                f"(e.g. ['no', 'yes']), got {tokens!r}"
+            )
         hf_config.method = "from_2_way_softmax"
     method = getattr(hf_config, "method", None)
     if method is None:
@@ -49,8 +51,10 @@ def adapt_seq_cls_config(hf_config: PretrainedConfig, path: Path) -> PretrainedC
     if method not in METHODS:
         raise ValueError(f"hf_overrides method {method!r} is not supported (supported: {', '.join(METHODS)})")
     if not isinstance(tokens, list | tuple) or not tokens or (method == METHODS[0] and len(tokens) != 2):
-        raise ValueError(f"method {method!r} needs classifier_from_token "
-                         f"({'two tokens' if method == METHODS[0] else 'a list of tokens'}), got {tokens!r}")
+        raise ValueError(
+            f"method {method!r} needs classifier_from_token "
+            f"({'two tokens' if method == METHODS[0] else 'a list of tokens'}), got {tokens!r}"
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -69,8 +73,9 @@ class DecoderClassifierMixin:
     lm_head: nn.Module | None
     score: nn.Module | None
 
-    def _init_classifier(self, hidden: int, num_labels: int, token_ids: tuple[int, ...], method: str | None,
-                         tied: bool) -> None:
+    def _init_classifier(
+        self, hidden: int, num_labels: int, token_ids: tuple[int, ...], method: str | None, tied: bool
+    ) -> None:
         self.token_ids, self.method = token_ids, method
         if token_ids and tied:
             self.score = None  # the head's rows are read from the (tied) embedding when classifying
@@ -105,8 +110,13 @@ class Qwen3ForSequenceClassification(DecoderClassifierMixin, Qwen3ForCausalLM):
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)
-        self._init_classifier(spec.hidden_size, spec.num_labels, spec.classifier_token_ids, spec.classifier_method,
-                              spec.tie_word_embeddings)
+        self._init_classifier(
+            spec.hidden_size,
+            spec.num_labels,
+            spec.classifier_token_ids,
+            spec.classifier_method,
+            spec.tie_word_embeddings,
+        )
 
 
 class Qwen2ForSequenceClassification(DecoderClassifierMixin, Qwen2ForCausalLM):
@@ -114,8 +124,13 @@ class Qwen2ForSequenceClassification(DecoderClassifierMixin, Qwen2ForCausalLM):
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)
-        self._init_classifier(spec.hidden_size, spec.num_labels, spec.classifier_token_ids, spec.classifier_method,
-                              spec.tie_word_embeddings)
+        self._init_classifier(
+            spec.hidden_size,
+            spec.num_labels,
+            spec.classifier_token_ids,
+            spec.classifier_method,
+            spec.tie_word_embeddings,
+        )
 
 
 class LlamaForSequenceClassification(DecoderClassifierMixin, LlamaForCausalLM):
@@ -123,5 +138,10 @@ class LlamaForSequenceClassification(DecoderClassifierMixin, LlamaForCausalLM):
 
     def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__(spec, ops, max_positions, parallel)
-        self._init_classifier(spec.hidden_size, spec.num_labels, spec.classifier_token_ids, spec.classifier_method,
-                              spec.tie_word_embeddings)
+        self._init_classifier(
+            spec.hidden_size,
+            spec.num_labels,
+            spec.classifier_token_ids,
+            spec.classifier_method,
+            spec.tie_word_embeddings,
+        )

@@ -37,8 +37,10 @@ class SiglipModel(nn.Module):
 
         vision = config.vision_config
         if not getattr(vision, "vision_use_head", True):
-            raise ValueError("SigLIP vision_config.vision_use_head=False: a vision tower without its pooling head "
-                             "gives no image embedding; dfllm embeds with SiglipModel checkpoints that have one")
+            raise ValueError(
+                "SigLIP vision_config.vision_use_head=False: a vision tower without its pooling head "
+                "gives no image embedding; dfllm embeds with SiglipModel checkpoints that have one"
+            )
         self.text_model = SiglipTextTransformer(config.text_config)
         self.vision_model = SiglipVisionTransformer(vision)
 

@@ -117,8 +117,9 @@ class ModelSpec:
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or (hidden // heads if heads else 0),
             intermediate_size=getattr(config, "intermediate_size", 0),
-            max_position_embeddings=(getattr(config, "max_position_embeddings", None)
-                                     or getattr(text, "max_position_embeddings", None)),
+            max_position_embeddings=(
+                getattr(config, "max_position_embeddings", None) or getattr(text, "max_position_embeddings", None)
+            ),
             hidden_act=getattr(config, "hidden_act", None),
             rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
             attention_bias=bool(getattr(config, "attention_bias", False)),
@@ -134,8 +135,11 @@ class ModelSpec:
             num_labels=getattr(config, "num_labels", 0),
             id2label=dict(getattr(config, "id2label", None) or {}),
             pad_token_id=getattr(config, "pad_token_id", None),
-            colbert_dim=(getattr(config, "colbert_dim", None) or getattr(config, "dim", None)
-                         or getattr(config, "projection_dim", None)),
+            colbert_dim=(
+                getattr(config, "colbert_dim", None)
+                or getattr(config, "dim", None)
+                or getattr(config, "projection_dim", None)
+            ),
             model_type=getattr(config, "model_type", None),
             q_lora_rank=getattr(config, "q_lora_rank", None),
             kv_lora_rank=getattr(config, "kv_lora_rank", None) or 0,
@@ -163,8 +167,9 @@ class ModelSpec:
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
             hidden_activation=getattr(config, "hidden_activation", None),
             classifier_token_ids=tuple(getattr(config, "classifier_token_ids", None) or ()),
-            classifier_method=(getattr(config, "method", None)
-                               if getattr(config, "classifier_token_ids", None) else None),
+            classifier_method=(
+                getattr(config, "method", None) if getattr(config, "classifier_token_ids", None) else None
+            ),
         )
 
 
@@ -175,8 +180,11 @@ def check_parallel_config(spec: ModelSpec, tp: int, pp: int) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if tp == 1 and pp == 1:
         return
-    for what, n in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_key_value_heads),
-                    ("MLP intermediate size", spec.intermediate_size)):
+    for what, n in (
+        ("attention heads", spec.num_attention_heads),
+        ("key/value heads", spec.num_key_value_heads),
+        ("MLP intermediate size", spec.intermediate_size),
+    ):
         if n % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {n} {what}")
     if pp > spec.num_hidden_layers:
@@ -184,8 +192,11 @@ def check_parallel_config(spec: ModelSpec, tp: int, pp: int) -> None:
 
 
 # image-text generators: the spec is their text model's, plus the whole config (dfllm.models.llava)
-VISION_LANGUAGE_ARCHITECTURES = {"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                                 "Qwen2_5_VLForConditionalGeneration"}
+VISION_LANGUAGE_ARCHITECTURES = {
+    "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+}
 
 
 def _vision_language_spec(cls: type[ModelSpec], config: PretrainedConfig) -> ModelSpec:
@@ -195,7 +206,11 @@ def _vision_language_spec(cls: type[ModelSpec], config: PretrainedConfig) -> Mod
 
     text = cls.from_hf(config.text_config)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or text.dtype
-    return replace(text, architectures=tuple(config.architectures or ()), model_type=config.model_type,
-                   dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings)),
-                   multimodal=config.to_dict())
+    return replace(
+        text,
+        architectures=tuple(config.architectures or ()),
+        model_type=config.model_type,
+        dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings)),
+        multimodal=config.to_dict(),
+    )

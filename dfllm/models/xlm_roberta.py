@@ -87,15 +87,21 @@ class XLMRobertaModel(BertModel):
         file = path / COLBERT_FILE
         if not file.is_file():
             if (path / "colbert_linear.pt").is_file():
-                logger.info("%s: colbert_linear.pt is a pickle, which dfllm never loads; convert it to %s "
-                            "for bge-m3's multi-vector (token_embed) output", path, COLBERT_FILE)
+                logger.info(
+                    "%s: colbert_linear.pt is a pickle, which dfllm never loads; convert it to %s "
+                    "for bge-m3's multi-vector (token_embed) output",
+                    path,
+                    COLBERT_FILE,
+                )
             return False
         with safe_open(str(file), framework="pt") as f:
             tensors = {k.removeprefix("colbert_linear."): f.get_tensor(k) for k in f.keys()}
         weight = tensors.get("weight")
         if weight is None or weight.dim() != 2 or weight.shape[1] != self.embeddings.word_embeddings.embedding_dim:
-            raise ValueError(f"{file}: expected a 'weight' tensor of shape [dim, hidden_size], found "
-                             f"{ {k: tuple(v.shape) for k, v in tensors.items()} }")
+            raise ValueError(
+                f"{file}: expected a 'weight' tensor of shape [dim, hidden_size], found "
+                f"{ {k: tuple(v.shape) for k, v in tensors.items()} }"
+            )
         bias = tensors.get("bias")
         dev, dtype = weight.device, self.embeddings.word_embeddings.weight.dtype
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=dev, dtype=dtype)

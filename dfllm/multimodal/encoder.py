@@ -65,8 +65,9 @@ class EncoderCache:
         self.bytes = 0
 
 
-def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def step_image_embeds(
+    model, sched, cache: EncoderCache, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(rows, embeddings)`` of the step's image placeholder tokens (rows of the flattened
     batch, as ``prepare_inputs`` lays it out); None when the step has none."""
     wanted: list[tuple[int, ImageItem, int, int, int]] = []  # (batch row, image, first, end placeholder, seq)
@@ -96,8 +97,10 @@ def step_image_embeds(model, sched, cache: EncoderCache, device: torch.device
         cache.images_encoded += len(items)
         for it, value in zip(items, out):
             if value.shape[0] != it.length:
-                raise ValueError(f"image {it.key[:12]}: the model gives {value.shape[0]} embeddings, the prompt has "
-                                 f"{it.length} placeholder tokens for it")
+                raise ValueError(
+                    f"image {it.key[:12]}: the model gives {value.shape[0]} embeddings, the prompt has "
+                    f"{it.length} placeholder tokens for it"
+                )
             feats[it.key] = value
             cache.put(it.key, value)
     for _, item, _, hi, seq_id in wanted:
@@ -127,8 +130,7 @@ def step_mrope_positions(sched, device: torch.device) -> torch.Tensor | None:
     """The step's 3-D rotary positions ``(3, tokens)`` (Qwen2-VL), laid out as ``prepare_inputs``
     lays out the tokens; None when no sequence of the step has images (1-D positions are then
     the same on all three axes)."""
-    if not any(s.request.mm_inputs is not None and s.request.mm_inputs.mrope_positions is not None
-               for s in sched.seqs):
+    if not any(s.request.mm_inputs is not None and s.request.mm_inputs.mrope_positions is not None for s in sched.seqs):
         return None
     parts = []
     for seq, n in zip(sched.seqs, sched.num_new_tokens):
@@ -167,8 +169,9 @@ def move_mm(mm: dict, device: torch.device) -> dict:
     return out
 
 
-def embed_with_images(embed, input_ids: torch.Tensor, image_token_id: int,
-                      mm_embeds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def embed_with_images(
+    embed, input_ids: torch.Tensor, image_token_id: int, mm_embeds: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """Token embeddings with the image placeholder rows replaced by the images' embeddings."""
     x = embed(torch.where(input_ids == image_token_id, 0, input_ids))  # those rows are overwritten
     rows, values = mm_embeds

@@ -65,8 +65,15 @@ class ImageInputProcessor:
     (``{"image": n}``; None: no limit) and ``processor_kwargs`` its ``mm_processor_kwargs``
     (passed to the image processor; a prompt's own override them)."""
 
-    def __init__(self, path: Path, tokens: ImageTokens, *, limit_per_prompt: dict[str, int] | None = None,
-                 processor_kwargs: dict[str, Any] | None = None, max_cached: int = DEFAULT_PROCESSED_CACHE_ITEMS):
+    def __init__(
+        self,
+        path: Path,
+        tokens: ImageTokens,
+        *,
+        limit_per_prompt: dict[str, int] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        max_cached: int = DEFAULT_PROCESSED_CACHE_ITEMS,
+    ):
         self.path = path
         self.image_token_id, self.image_token = tokens.image_token_id, tokens.image_token
         self.tokens_per_image, self.merge, self.mrope = tokens.tokens_per_image, tokens.merge, tokens.mrope
@@ -98,12 +105,16 @@ class ImageInputProcessor:
         if data is None:
             return [], kwargs
         if not isinstance(data, dict):
-            raise InvalidRequestError(f"{what}: multi_modal_data must be a dict such as {{'image': image}}, got "
-                                      f"{type(data).__name__}", parameter="multi_modal_data")
+            raise InvalidRequestError(
+                f"{what}: multi_modal_data must be a dict such as {{'image': image}}, got {type(data).__name__}",
+                parameter="multi_modal_data",
+            )
         unknown = sorted(set(data) - {"image"})
         if unknown:
-            raise InvalidRequestError(f"{what}: multi_modal_data: this model takes images only ('image'), got "
-                                      f"{unknown}", parameter="multi_modal_data")
+            raise InvalidRequestError(
+                f"{what}: multi_modal_data: this model takes images only ('image'), got {unknown}",
+                parameter="multi_modal_data",
+            )
         value = data.get("image")
         values = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
         return [self._load(v, f"{what}: multi_modal_data['image'][{i}]") for i, v in enumerate(values)], kwargs
@@ -128,20 +139,26 @@ class ImageInputProcessor:
             raise InvalidRequestError(f"{what}: {exc}", parameter="multi_modal_data") from None
 
     # ---- processing ----------------------------------------------------------------------
-    def process(self, token_ids: list[int], images: list[Image.Image], what: str,
-                kwargs: dict | None = None) -> tuple[list[int], MultiModalInputs | None]:
+    def process(
+        self, token_ids: list[int], images: list[Image.Image], what: str, kwargs: dict | None = None
+    ) -> tuple[list[int], MultiModalInputs | None]:
         """``token_ids`` with each image token expanded, and the images as :class:`MultiModalInputs`
         (None without images). The prompt must hold one image token per image."""
         found = sum(1 for t in token_ids if t == self.image_token_id)
         limit = self.limit.get("image")
         if limit is not None and len(images) > limit:
-            raise InvalidRequestError(f"{what}: {len(images)} images, more than limit_mm_per_prompt allows "
-                                      f"({{'image': {limit}}})", parameter="multi_modal_data", value=len(images))
+            raise InvalidRequestError(
+                f"{what}: {len(images)} images, more than limit_mm_per_prompt allows ({{'image': {limit}}})",
+                parameter="multi_modal_data",
+                value=len(images),
+            )
         if found != len(images):
             raise InvalidRequestError(
                 f"{what}: the prompt has {found} image placeholder token(s) ({self.image_token!r}, id "
                 f"{self.image_token_id}) for {len(images)} image(s): put one {self.image_token!r} where each image "
-                "goes (chat messages with image parts get them from the chat template)", parameter="prompt")
+                "goes (chat messages with image parts get them from the chat template)",
+                parameter="prompt",
+            )
         if not images:
             return token_ids, None
         settings = {**self.processor_kwargs, **(kwargs or {})}
@@ -154,14 +171,15 @@ class ImageInputProcessor:
                 out.append(t)
                 continue
             key, px, grid = next(it)
-            n = self.tokens_per_image if grid is None else grid[0] * grid[1] * grid[2] // self.merge ** 2
+            n = self.tokens_per_image if grid is None else grid[0] * grid[1] * grid[2] // self.merge**2
             items.append(ImageItem(key, px, len(out), n, grid))
             out.extend([self.image_token_id] * n)
         mrope = mrope_positions(len(out), items, self.merge) if self.mrope else None
         return out, MultiModalInputs(tuple(items), *(mrope or (None, 0)))
 
-    def _pixels(self, images: list[Image.Image], settings: dict, what: str
-                ) -> list[tuple[str, torch.Tensor, tuple[int, int, int] | None]]:
+    def _pixels(
+        self, images: list[Image.Image], settings: dict, what: str
+    ) -> list[tuple[str, torch.Tensor, tuple[int, int, int] | None]]:
         """``(key, pixel values, grid)`` of each image (the grid ``(t, h, w)`` in patches for
         processors that give one, Qwen2-VL's), processed once per image and settings."""
         skey = _settings_key(settings)
@@ -172,8 +190,9 @@ class ImageInputProcessor:
             try:
                 batch = self.image_processor(images=list(todo.values()), return_tensors="pt", **settings)
             except Exception as exc:  # a bad kwarg, an image the processor cannot take
-                raise InvalidRequestError(f"{what}: the image processor failed: {type(exc).__name__}: {exc}",
-                                          parameter="mm_processor_kwargs") from None
+                raise InvalidRequestError(
+                    f"{what}: the image processor failed: {type(exc).__name__}: {exc}", parameter="mm_processor_kwargs"
+                ) from None
             values, grids = batch["pixel_values"], batch.get("image_grid_thw")
             if values.dtype == torch.float64:
                 values = values.float()
@@ -204,8 +223,10 @@ class ImageInputProcessor:
         if not isinstance(content, list):
             return msg
         if template is not None and "image" in template:
-            parts = [{"type": "image"} if p.get("type") in IMAGE_PART_TYPES else {"type": "text", "text": p["text"]}
-                     for p in content]
+            parts = [
+                {"type": "image"} if p.get("type") in IMAGE_PART_TYPES else {"type": "text", "text": p["text"]}
+                for p in content
+            ]
             return {**msg, "content": parts}
         placeholders = [self.placeholder for p in content if p.get("type") in IMAGE_PART_TYPES]
         texts = [p["text"] for p in content if p.get("type") == "text"]
@@ -223,8 +244,12 @@ def image_part_value(part: dict) -> Any:
 
 def has_image_parts(conversation: list[dict]) -> bool:
     """Whether any message of a conversation has an image part."""
-    return any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
-               for m in conversation if isinstance(m.get("content"), list) for p in m["content"])
+    return any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+        for m in conversation
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+    )
 
 
 def check_limit_mm_per_prompt(value: Any) -> dict[str, int]:
@@ -246,13 +271,20 @@ def check_mm_processor_kwargs(value: Any, name: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"{name} must be a dict of image processor arguments, got {type(value).__name__}",
-                                  parameter="mm_processor_kwargs")
+        raise InvalidRequestError(
+            f"{name} must be a dict of image processor arguments, got {type(value).__name__}",
+            parameter="mm_processor_kwargs",
+        )
     return dict(value)
 
 
-def image_input_processor(path: Path, tokens: ImageTokens | None, *, limit_per_prompt: dict | None = None,
-                          processor_kwargs: dict | None = None) -> ImageInputProcessor | None:
+def image_input_processor(
+    path: Path,
+    tokens: ImageTokens | None,
+    *,
+    limit_per_prompt: dict | None = None,
+    processor_kwargs: dict | None = None,
+) -> ImageInputProcessor | None:
     """The image input processor of a model whose prompts hold images as ``tokens`` says (its
     class's ``image_tokens``); None for a text-only model (``tokens`` None)."""
     if tokens is None:

@@ -84,8 +84,10 @@ def row_images(df: pd.DataFrame, task: LLMTask, out: dict, rows) -> dict[int, li
             if task.kind == "embed" and not cell:
                 raise ValueError("is null (embed needs one image per row)")
             if limit is not None and len(cell) > limit:
-                raise ValueError(f"has {len(cell)} images, more than this engine takes per prompt "
-                                 f"(limit_mm_per_prompt={{'image': {limit}}})")
+                raise ValueError(
+                    f"has {len(cell)} images, more than this engine takes per prompt "
+                    f"(limit_mm_per_prompt={{'image': {limit}}})"
+                )
             decoded = []
             for k, value in enumerate(cell):
                 if is_null(value):

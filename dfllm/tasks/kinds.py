@@ -53,8 +53,9 @@ class TaskKind:
     model_required: str | None = None  # what to pass as model= when the kind has no default
     engine_columns: tuple[str, ...] = ()  # the ENGINE_COLUMNS a task of this kind may ask for
 
-    def output_dtypes(self, output_column: str, structured: tuple = (), engine_columns: tuple[str, ...] = (),
-                      reasoning: bool = False) -> dict[str, pd.api.extensions.ExtensionDtype | str]:
+    def output_dtypes(
+        self, output_column: str, structured: tuple = (), engine_columns: tuple[str, ...] = (), reasoning: bool = False
+    ) -> dict[str, pd.api.extensions.ExtensionDtype | str]:
         """Columns the task adds, in order, with their dtypes (``llm_error`` always last).
 
         ``structured`` is ``("json", schema_text)`` or ``("choice", (values...))`` for a
@@ -72,8 +73,9 @@ class TaskKind:
 _GENERATION_COLUMNS = ((NUM_INPUT_TOKENS, INT), (NUM_GENERATED_TOKENS, INT), (FINISH_REASON, STRING))
 
 #: The type of one token's logprobs as Ray Data LLM gives them: token id -> its Logprob's fields.
-LOGPROB_MAP = pa.map_(pa.int64(), pa.struct([("logprob", pa.float64()), ("rank", pa.int64()),
-                                            ("decoded_token", pa.string())]))
+LOGPROB_MAP = pa.map_(
+    pa.int64(), pa.struct([("logprob", pa.float64()), ("rank", pa.int64()), ("decoded_token", pa.string())])
+)
 _INTS = pd.ArrowDtype(pa.list_(pa.int64()))
 #: Columns a task adds when it asks for them (``LLMTask.engine_columns``), with the names and
 #: values of Ray Data LLM's vLLM engine stage, and their dtypes:
@@ -96,15 +98,29 @@ _INTS = pd.ArrowDtype(pa.list_(pa.int64()))
 #:   cache (``cache=``, see :mod:`dfllm.tasks.response_cache`) without the engine; its
 #:   ``time_taken_llm`` is then 0.
 ENGINE_COLUMNS: dict[str, pd.api.extensions.ExtensionDtype | str] = {
-    "rendered_prompt": STRING, "prompt_token_ids": _INTS, "generated_tokens": _INTS, "logprobs": "object",
-    "prompt_logprobs": "object", "time_taken_llm": FLOAT, "embeddings": VECTOR, "num_cached_tokens": INT,
+    "rendered_prompt": STRING,
+    "prompt_token_ids": _INTS,
+    "generated_tokens": _INTS,
+    "logprobs": "object",
+    "prompt_logprobs": "object",
+    "time_taken_llm": FLOAT,
+    "embeddings": VECTOR,
+    "num_cached_tokens": INT,
     "from_cache": pd.ArrowDtype(pa.bool_()),
 }
 #: Arrow types of the engine columns that pandas holds as Python objects (one entry per
 #: token; the first prompt token's is null), for the parquet writer's schema.
 ENGINE_ARROW_TYPES = {"logprobs": pa.list_(LOGPROB_MAP), "prompt_logprobs": pa.list_(LOGPROB_MAP)}
-_GENERATION_ENGINE = ("rendered_prompt", "prompt_token_ids", "generated_tokens", "logprobs", "prompt_logprobs",
-                      "time_taken_llm", "num_cached_tokens", "from_cache")
+_GENERATION_ENGINE = (
+    "rendered_prompt",
+    "prompt_token_ids",
+    "generated_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "time_taken_llm",
+    "num_cached_tokens",
+    "from_cache",
+)
 _POOLING_ENGINE = ("embeddings", "time_taken_llm")
 
 
@@ -115,16 +131,39 @@ def engine_dtype(kind: str, name: str) -> pd.api.extensions.ExtensionDtype | str
     return ENGINE_COLUMNS[name]
 
 
-KINDS: dict[str, TaskKind] = {k.name: k for k in (
-    TaskKind("generate", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, "generate",
-             engine_columns=_GENERATION_ENGINE),
-    TaskKind("chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, "chat", engine_columns=_GENERATION_ENGINE),
-    TaskKind("embed", 1, "embedding", VECTOR, (), False, "embed", DEFAULT_EMBED_MODEL,
-             engine_columns=_POOLING_ENGINE),
-    TaskKind("score", 2, "score", FLOAT, (), False, "score", DEFAULT_EMBED_MODEL, engine_columns=_POOLING_ENGINE),
-    TaskKind("classify", 1, "label", STRING, ((PROBS, VECTOR),), False, "classify",
-             model_required="a classifier model", engine_columns=_POOLING_ENGINE),
-)}
+KINDS: dict[str, TaskKind] = {
+    k.name: k
+    for k in (
+        TaskKind(
+            "generate",
+            1,
+            GENERATED_TEXT,
+            STRING,
+            _GENERATION_COLUMNS,
+            True,
+            "generate",
+            engine_columns=_GENERATION_ENGINE,
+        ),
+        TaskKind(
+            "chat", 1, GENERATED_TEXT, STRING, _GENERATION_COLUMNS, True, "chat", engine_columns=_GENERATION_ENGINE
+        ),
+        TaskKind(
+            "embed", 1, "embedding", VECTOR, (), False, "embed", DEFAULT_EMBED_MODEL, engine_columns=_POOLING_ENGINE
+        ),
+        TaskKind("score", 2, "score", FLOAT, (), False, "score", DEFAULT_EMBED_MODEL, engine_columns=_POOLING_ENGINE),
+        TaskKind(
+            "classify",
+            1,
+            "label",
+            STRING,
+            ((PROBS, VECTOR),),
+            False,
+            "classify",
+            model_required="a classifier model",
+            engine_columns=_POOLING_ENGINE,
+        ),
+    )
+}
 
 
 def task_kind(name: str) -> TaskKind:

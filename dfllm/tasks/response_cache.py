@@ -135,12 +135,14 @@ def as_cache(value, what: str = "cache") -> ResponseCache | None:
         fields = {f.name for f in dataclasses.fields(ResponseCache)}
         unknown = sorted(set(value) - fields)
         if unknown or "url" not in value:
-            raise ValueError(f"{what}: a dict takes 'url' and optionally 'storage_options' and 'max_bytes', "
-                             f"got keys {sorted(value)}")
+            raise ValueError(
+                f"{what}: a dict takes 'url' and optionally 'storage_options' and 'max_bytes', got keys {sorted(value)}"
+            )
         value = ResponseCache(**value)
     if not isinstance(value, ResponseCache):
-        raise ValueError(f"{what} must be a path or URL, a dfllm.ResponseCache or a dict of its fields, "
-                         f"got {type(value).__name__}")
+        raise ValueError(
+            f"{what} must be a path or URL, a dfllm.ResponseCache or a dict of its fields, got {type(value).__name__}"
+        )
     if isinstance(value.url, os.PathLike):
         value = dataclasses.replace(value, url=os.fspath(value.url))
     if not isinstance(value.url, str) or not value.url.strip():
@@ -168,10 +170,17 @@ def engine_identity(config: EngineConfig, engine_kwargs: tuple) -> str | None:
     from dfllm.models.identity import model_identity
 
     try:
-        text = canonical({"model": model_identity(config.model_path), "engine_kwargs": list(engine_kwargs),
-                          "dtype": str(config.dtype), "kv_cache_dtype": str(config.kv_dtype),
-                          "quantization": config.quantization, "device": config.device.type,
-                          "dfllm": version("dfllm")})
+        text = canonical(
+            {
+                "model": model_identity(config.model_path),
+                "engine_kwargs": list(engine_kwargs),
+                "dtype": str(config.dtype),
+                "kv_cache_dtype": str(config.kv_dtype),
+                "quantization": config.quantization,
+                "device": config.device.type,
+                "dfllm": version("dfllm"),
+            }
+        )
     except TypeError:
         return None
     return hashlib.sha256(text.encode()).hexdigest()
@@ -184,8 +193,7 @@ def request_key(engine: str, request: EngineRequest) -> str | None:
     params = request.params
     if not (params.is_greedy or params.seed is not None) or params.n != 1:  # an entry holds one completion
         return None
-    fields = {"format": FORMAT, "engine": engine, "prompt_token_ids": list(request.prompt_token_ids),
-              "params": params}
+    fields = {"format": FORMAT, "engine": engine, "prompt_token_ids": list(request.prompt_token_ids), "params": params}
     if request.reasoning is not None:  # how its text is split into reasoning and answer
         fields["reasoning"] = list(request.reasoning.key)
     mm = getattr(request, "mm_inputs", None)
@@ -211,10 +219,14 @@ def entry_name(key: str) -> str:
 #: error (failed outputs are not stored), the logprobs (kept as JSON lists, below).
 _NOT_STORED = ("index", "error", "logprobs")
 #: The types of the CompletionOutput fields an entry must have right (others: JSON values).
-_TYPES: dict[str, tuple[type, ...]] = {"text": (str,), "finish_reason": (str,), "token_ids": (list,),
-                                       "cumulative_logprob": (int, float, type(None)),
-                                       "stop_reason": (int, str, type(None)),
-                                       "structured_output_complete": (bool, type(None))}
+_TYPES: dict[str, tuple[type, ...]] = {
+    "text": (str,),
+    "finish_reason": (str,),
+    "token_ids": (list,),
+    "cumulative_logprob": (int, float, type(None)),
+    "stop_reason": (int, str, type(None)),
+    "structured_output_complete": (bool, type(None)),
+}
 
 
 def payload_of(output: RequestOutput) -> dict:
@@ -240,19 +252,28 @@ def output_of(payload: dict, request: EngineRequest, request_id: str) -> Request
             raise ValueError(f"{name}: {fields.get(name)!r} is not a {' or '.join(t.__name__ for t in types)}")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in fields["token_ids"]):
         raise ValueError("token_ids must be a list of ints")
-    completion = CompletionOutput(index=0, logprobs=_unsteps(payload.get("logprobs")),
-                                  **{k: v for k, v in fields.items() if k in known})
-    return RequestOutput(request_id, request.prompt, list(request.prompt_token_ids), [completion], True,
-                         num_cached_tokens=len(request.prompt_token_ids),
-                         prompt_logprobs=_unsteps(payload.get("prompt_logprobs")))
+    completion = CompletionOutput(
+        index=0, logprobs=_unsteps(payload.get("logprobs")), **{k: v for k, v in fields.items() if k in known}
+    )
+    return RequestOutput(
+        request_id,
+        request.prompt,
+        list(request.prompt_token_ids),
+        [completion],
+        True,
+        num_cached_tokens=len(request.prompt_token_ids),
+        prompt_logprobs=_unsteps(payload.get("prompt_logprobs")),
+    )
 
 
 def _steps(logprobs) -> list | None:
     """Per-token logprob dicts as JSON: per step null or ``[[token id, logprob, rank, text], ...]``."""
     if logprobs is None:
         return None
-    return [None if step is None else [[int(t), float(lp.logprob), lp.rank, lp.decoded_token]
-                                       for t, lp in step.items()] for step in logprobs]
+    return [
+        None if step is None else [[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in step.items()]
+        for step in logprobs
+    ]
 
 
 def _unsteps(steps) -> list | None:
@@ -277,8 +298,10 @@ def _unsteps(steps) -> list | None:
 def encode_entry(key: str, payload: dict) -> bytes:
     """An entry's file contents: its format, full key text, payload text and the payload's SHA-256."""
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"format": FORMAT, "key": key, "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                       "payload": text}, separators=(",", ":")).encode()
+    return json.dumps(
+        {"format": FORMAT, "key": key, "sha256": hashlib.sha256(text.encode()).hexdigest(), "payload": text},
+        separators=(",", ":"),
+    ).encode()
 
 
 def decode_entry(raw: bytes, key: str) -> dict:
@@ -302,10 +325,13 @@ def decode_entry(raw: bytes, key: str) -> dict:
 
 
 # ---- generating through the cache ---------------------------------------------------------------------------
-def generate_cached(cache: ResponseCache | None, config: EngineConfig | None, engine_kwargs: tuple,
-                    requests: list[EngineRequest],
-                    generate: Callable[[list[EngineRequest]], list[RequestOutput]]
-                    ) -> tuple[list[RequestOutput], list[bool]]:
+def generate_cached(
+    cache: ResponseCache | None,
+    config: EngineConfig | None,
+    engine_kwargs: tuple,
+    requests: list[EngineRequest],
+    generate: Callable[[list[EngineRequest]], list[RequestOutput]],
+) -> tuple[list[RequestOutput], list[bool]]:
     """The outputs of ``requests`` in order, and for each whether it came from ``cache``:
     deterministic requests found in the cache are answered from it, the rest go to
     ``generate`` (one call), and their deterministic outputs are stored. Without a cache (or
@@ -367,8 +393,13 @@ class _Store:
     def _warn(self, what: str, exc: BaseException) -> None:
         if what not in self.warned:  # once per kind of failure per process
             self.warned.add(what)
-            logger.warning("response cache %s: %s failed (%s: %s); the job goes on without it", self.cache.url,
-                           what, type(exc).__name__, exc)
+            logger.warning(
+                "response cache %s: %s failed (%s: %s); the job goes on without it",
+                self.cache.url,
+                what,
+                type(exc).__name__,
+                exc,
+            )
 
     def lookup(self, keys: Sequence[str]) -> list[dict | None]:
         paths = [self.path_of(entry_name(k)) for k in keys]
@@ -405,8 +436,9 @@ class _Store:
     def discard(self, key: str, why: BaseException) -> None:
         """Delete the entry of ``key``, found corrupt (best effort)."""
         path = self.path_of(entry_name(key))
-        logger.warning("response cache %s: entry %s is unusable (%s); treated as a miss and deleted",
-                       self.cache.url, path, why)
+        logger.warning(
+            "response cache %s: entry %s is unusable (%s); treated as a miss and deleted", self.cache.url, path, why
+        )
         try:
             self.fs.rm_file(path)
         except Exception:  # noqa: BLE001 (already gone, or read-only: a miss all the same)
@@ -545,7 +577,7 @@ def _is_entry(path: str, root: str, depth: int) -> bool:
     prefix = root.rstrip("/") + "/"
     if not path.startswith(prefix):
         return False
-    parts = path[len(prefix):].split("/")
+    parts = path[len(prefix) :].split("/")
     if depth == 1:  # root is <cache>/<k[:2]>
         parts = [os.path.basename(root.rstrip("/")), *parts]
     if len(parts) != 3 or not _ENTRY.fullmatch(parts[2]):
@@ -557,9 +589,10 @@ def _is_tmp(path: str, root: str) -> bool:
     prefix = root.rstrip("/") + "/"
     if not path.startswith(prefix):
         return False
-    parts = path[len(prefix):].split("/")
-    return len(parts) == 3 and parts[2].startswith(_TMP_PREFIX) and all(re.fullmatch(r"[0-9a-f]{2}", p)
-                                                                        for p in parts[:2])
+    parts = path[len(prefix) :].split("/")
+    return (
+        len(parts) == 3 and parts[2].startswith(_TMP_PREFIX) and all(re.fullmatch(r"[0-9a-f]{2}", p) for p in parts[:2])
+    )
 
 
 def _mtime(info: dict) -> float:
@@ -636,13 +669,22 @@ def _prometheus() -> dict[str, Any]:
         except ValueError:  # already registered (this module imported twice): reuse it
             return prometheus_client.REGISTRY._names_to_collectors[name]
 
-    lookups = counter("dfllm_response_cache_lookups", "Deterministic requests looked up in the response cache, "
-                      "and requests that bypassed it", ("result",))
-    _metrics.update(hits=lookups.labels(result="hit"), misses=lookups.labels(result="miss"),
-                    bypassed=lookups.labels(result="bypass"),
-                    stored=counter("dfllm_response_cache_stored_entries", "Entries written to the response cache"),
-                    corrupt=counter("dfllm_response_cache_corrupt_entries",
-                                    "Response cache entries found corrupt or mismatched (each a miss, deleted)"),
-                    evicted=counter("dfllm_response_cache_evicted_entries",
-                                    "Response cache entries deleted to keep the cache within max_bytes"))
+    lookups = counter(
+        "dfllm_response_cache_lookups",
+        "Deterministic requests looked up in the response cache, and requests that bypassed it",
+        ("result",),
+    )
+    _metrics.update(
+        hits=lookups.labels(result="hit"),
+        misses=lookups.labels(result="miss"),
+        bypassed=lookups.labels(result="bypass"),
+        stored=counter("dfllm_response_cache_stored_entries", "Entries written to the response cache"),
+        corrupt=counter(
+            "dfllm_response_cache_corrupt_entries",
+            "Response cache entries found corrupt or mismatched (each a miss, deleted)",
+        ),
+        evicted=counter(
+            "dfllm_response_cache_evicted_entries", "Response cache entries deleted to keep the cache within max_bytes"
+        ),
+    )
     return _metrics

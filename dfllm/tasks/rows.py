@@ -65,8 +65,9 @@ def conversations(df: pd.DataFrame, task: LLMTask, out: dict, skip=()) -> dict[i
     spec = task.inputs[0]
     system = [{"role": "system", "content": task.system}] if task.system else []
     if is_template(spec):
-        return {i: system + [{"role": "user", "content": text}]
-                for i, text in cell_texts(df, spec, task, out, skip).items()}
+        return {
+            i: system + [{"role": "user", "content": text}] for i, text in cell_texts(df, spec, task, out, skip).items()
+        }
     convs: dict[int, list] = {}
     for i, conv in enumerate(df[spec].tolist()):
         if i in skip:
@@ -104,8 +105,9 @@ def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, Sa
                 raise ValueError(f"must be a dict of SamplingParams fields, got {type(value).__name__}")
             else:
                 # null fields are unset (a parquet struct column has every field in every row)
-                row = SamplingParams.from_dict({k: v for k, v in dict(value).items()
-                                                if v is not None and v is not pd.NA})
+                row = SamplingParams.from_dict(
+                    {k: v for k, v in dict(value).items() if v is not None and v is not pd.NA}
+                )
                 if row.n != 1:
                     raise ValueError("n must be 1 in a dataframe (one output per row)")
                 params[i] = row
@@ -202,8 +204,10 @@ def literal_text(text: str, kind: type, what: str):
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
-            raise ValueError(f"a string that is neither JSON nor {what} (on Dask, 'dataframe.convert-string' "
-                             "turns an object column of lists or dicts into strings)") from None
+            raise ValueError(
+                f"a string that is neither JSON nor {what} (on Dask, 'dataframe.convert-string' "
+                "turns an object column of lists or dicts into strings)"
+            ) from None
     if not isinstance(value, kind):
         raise ValueError(f"a string holding {type(value).__name__}, not {what}")
     return value

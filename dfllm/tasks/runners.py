@@ -120,11 +120,19 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
             else:
                 engine = entry.llm.engine
                 if engine is None:
-                    raise ValueError(f"{task.kind}: {entry.llm.config.model_path.name} is loaded as a pooling "
-                                     "model; use embed, classify, score or encode")
+                    raise ValueError(
+                        f"{task.kind}: {entry.llm.config.model_path.name} is loaded as a pooling "
+                        "model; use embed, classify, score or encode"
+                    )
                 generate = lambda requests: driver().generate(engine, entry.lock, requests, progress)  # noqa: E731
-                RUNNERS[spec.runner](df, task, out, Generation(engine.input_processor, entry.lock, generate,
-                                                      entry.llm.config, check_lora=engine.check_lora))
+                RUNNERS[spec.runner](
+                    df,
+                    task,
+                    out,
+                    Generation(
+                        engine.input_processor, entry.lock, generate, entry.llm.config, check_lora=engine.check_lora
+                    ),
+                )
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
 
@@ -147,7 +155,7 @@ def run_generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) ->
         for i, images in row_images(df, task, out, sorted(prompts)).items():
             if images:
                 p = prompts[i]
-                prompts[i] = ({"prompt": p["prompt"]} if "prompt" in p else {"prompt_token_ids": p["prompt_token_ids"]})
+                prompts[i] = {"prompt": p["prompt"]} if "prompt" in p else {"prompt_token_ids": p["prompt_token_ids"]}
                 prompts[i]["multi_modal_data"] = {"image": images}
         prompts = {i: p for i, p in prompts.items() if out[LLM_ERROR][i] is None}
     _generate(df, task, out, gen, prompts)
@@ -181,9 +189,13 @@ def run_chat(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation) -> Non
             continue
         try:
             with gen.lock:
-                prompts[i] = gen.processor.render_chat(conv, task.chat_template, add_generation_prompt=not cont,
-                                                       continue_final_message=cont,
-                                                       chat_template_kwargs=kwargs[i] or None)
+                prompts[i] = gen.processor.render_chat(
+                    conv,
+                    task.chat_template,
+                    add_generation_prompt=not cont,
+                    continue_final_message=cont,
+                    chat_template_kwargs=kwargs[i] or None,
+                )
         except Exception as exc:  # a template that cannot render this conversation
             row_error(task, out, i, f"chat template: {exc}")
     _generate(df, task, out, gen, prompts, images)
@@ -208,8 +220,9 @@ def _taken(prompts: dict, out: dict) -> set[int]:
     return set(prompts) | {i for i, e in enumerate(out[LLM_ERROR]) if e is not None}
 
 
-def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, prompts: dict,
-              images: dict[int, list] | None = None) -> None:
+def _generate(
+    df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, prompts: dict, images: dict[int, list] | None = None
+) -> None:
     """Generate ``prompts`` (row position -> prompt; ``images``: a rendered chat's images by
     row) with each row's sampling params, and fill the generation columns (and the engine
     columns the task asks for); rows the input processor refuses get its message."""
@@ -258,8 +271,9 @@ def _generate(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, promp
             row_error(task, out, i, str(exc))
 
 
-def _with_loras(df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, rows: list[int],
-                requests: list[EngineRequest]) -> tuple[list[int], list[EngineRequest]]:
+def _with_loras(
+    df: pd.DataFrame, task: LLMTask, out: dict, gen: Generation, rows: list[int], requests: list[EngineRequest]
+) -> tuple[list[int], list[EngineRequest]]:
     """The rows and requests with each row's LoRA adapter (the task's, or its column's; null:
     the base model), resolved on this worker (:func:`dfllm.lora.resolve.resolve`) and checked
     by the engine once per adapter; a row whose adapter fails gets its error instead."""
@@ -321,18 +335,31 @@ def _sort_codes(values: pd.Series) -> list:
         return codes.tolist()
 
 
-def _engine_columns(task: LLMTask, out: dict, i: int, gen: Generation, req: EngineRequest, r: RequestOutput,
-                    took: float, from_cache: bool = False) -> None:
+def _engine_columns(
+    task: LLMTask,
+    out: dict,
+    i: int,
+    gen: Generation,
+    req: EngineRequest,
+    r: RequestOutput,
+    took: float,
+    from_cache: bool = False,
+) -> None:
     """Row ``i``'s engine columns that the task asks for (see ``kinds.ENGINE_COLUMNS``);
     ``from_cache``: the row was answered from the response cache."""
     want = task.engine_columns
     if not want:
         return
     c = r.outputs[0]
-    values = {"prompt_token_ids": list(r.prompt_token_ids), "generated_tokens": list(c.token_ids),
-              "time_taken_llm": took, "logprobs": logprob_dicts(c.logprobs),
-              "prompt_logprobs": logprob_dicts(r.prompt_logprobs), "num_cached_tokens": r.num_cached_tokens,
-              "from_cache": from_cache}
+    values = {
+        "prompt_token_ids": list(r.prompt_token_ids),
+        "generated_tokens": list(c.token_ids),
+        "time_taken_llm": took,
+        "logprobs": logprob_dicts(c.logprobs),
+        "prompt_logprobs": logprob_dicts(r.prompt_logprobs),
+        "num_cached_tokens": r.num_cached_tokens,
+        "from_cache": from_cache,
+    }
     if "rendered_prompt" in want:
         prompt = r.prompt if r.prompt is not None else req.prompt
         if prompt is None:  # a row given as token ids: their text
@@ -350,8 +377,7 @@ def logprob_dicts(logprobs) -> list | None:
     gives them: per token a dict token id -> ``{"logprob", "rank", "decoded_token"}``."""
     if logprobs is None:
         return None
-    return [None if step is None else {int(t): dataclasses.asdict(lp) for t, lp in step.items()}
-            for step in logprobs]
+    return [None if step is None else {int(t): dataclasses.asdict(lp) for t, lp in step.items()} for step in logprobs]
 
 
 # ---- pooling ----------------------------------------------------------------------------------------------
@@ -359,8 +385,10 @@ def run_embed(df: pd.DataFrame, task: LLMTask, out: dict, model: Pooling) -> Non
     """Embed each row's text, or its image (``task.images``), with its pooling params."""
     if task.images:
         if not model.takes_images:
-            raise ValueError(f"embed images=: {model.llm.config.model_path.name} is a text-only model; image "
-                             "embeddings need an image-text model (CLIP, SigLIP)")
+            raise ValueError(
+                f"embed images=: {model.llm.config.model_path.name} is a text-only model; image "
+                "embeddings need an image-text model (CLIP, SigLIP)"
+            )
         images = row_images(df, task, out, range(len(df)))
         params = row_pooling_params(df, task, list(images), out)
         rows = [i for i in images if i in params]
@@ -423,5 +451,10 @@ def _pooling_columns(task: LLMTask, out: dict, i: int, embeddings, took: float) 
 
 
 #: The function that runs each task kind on one partition, by the kind's ``runner`` key.
-RUNNERS: dict[str, Callable[..., None]] = {"generate": run_generate, "chat": run_chat, "embed": run_embed,
-                                           "score": run_score, "classify": run_classify}
+RUNNERS: dict[str, Callable[..., None]] = {
+    "generate": run_generate,
+    "chat": run_chat,
+    "embed": run_embed,
+    "score": run_score,
+    "classify": run_classify,
+}

@@ -125,9 +125,11 @@ def structured_value(structured: tuple, completion, dtype):
     kind = structured[0]
     what = "JSON" if kind == "json" else "choice"
     if not completion.structured_output_complete:
-        raise ValueError(f"structured output incomplete: generation stopped (finish_reason="
-                         f"{completion.finish_reason!r}, {len(completion.token_ids)} tokens) before the {what} "
-                         f"was complete; raise max_tokens (partial output: {completion.text[:200]!r})")
+        raise ValueError(
+            f"structured output incomplete: generation stopped (finish_reason="
+            f"{completion.finish_reason!r}, {len(completion.token_ids)} tokens) before the {what} "
+            f"was complete; raise max_tokens (partial output: {completion.text[:200]!r})"
+        )
     if kind == "choice":
         if completion.text not in structured[1]:
             raise ValueError(f"structured output {completion.text!r} is not one of the choices")
@@ -140,6 +142,8 @@ def structured_value(structured: tuple, completion, dtype):
     try:  # e.g. an integer past int64: this row's error, not the partition's
         pa.array([typed], type=dtype.pyarrow_dtype)
     except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
-        raise ValueError(f"structured output does not fit the column type {dtype.pyarrow_dtype} "
-                         f"({type(exc).__name__}: {exc}): {completion.text[:200]!r}") from None
+        raise ValueError(
+            f"structured output does not fit the column type {dtype.pyarrow_dtype} "
+            f"({type(exc).__name__}: {exc}): {completion.text[:200]!r}"
+        ) from None
     return typed

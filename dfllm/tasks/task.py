@@ -74,8 +74,14 @@ class LLMTask:
 
     def columns_needed(self) -> set[str]:
         cols = {c for i in self.inputs for c in (template_fields(i) if is_template(i) else [i])}
-        extra = (self.sampling_column, self.pooling_column, self.chat_template_kwargs_column,
-                 self.prompt_token_ids_column, self.images, self.lora_column)
+        extra = (
+            self.sampling_column,
+            self.pooling_column,
+            self.chat_template_kwargs_column,
+            self.prompt_token_ids_column,
+            self.images,
+            self.lora_column,
+        )
         return cols | {c for c in extra if c} | {c for c in self.sort_by if c != SORT_BY_PROMPT}
 
     @property
@@ -99,14 +105,32 @@ class LLMTask:
         return StructuredOutputsParams(json=value) if kind == "json" else StructuredOutputsParams(choice=list(value))
 
 
-def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str, model=None,
-              sampling_params=None, system: str | None = None, on_error: str = "null",
-              engine_kwargs: dict | None = None, json_schema=None, choice=None,
-              chat_template: str | None = None, model_check: Callable[[LLMTask], None] | None = None,
-              engine_columns: tuple[str, ...] = (), pooling_params=None, chat_template_kwargs=None,
-              continue_final_message: bool = False, prompt_token_ids: str | None = None,
-              sort_by: str | list[str] | tuple[str, ...] | None = None, cache=None,
-              images: str | None = None, lora: str | None = None, lora_root: str | None = None) -> LLMTask:
+def make_task(
+    kind: str,
+    inputs: tuple[str, ...],
+    columns,
+    *,
+    output_column: str,
+    model=None,
+    sampling_params=None,
+    system: str | None = None,
+    on_error: str = "null",
+    engine_kwargs: dict | None = None,
+    json_schema=None,
+    choice=None,
+    chat_template: str | None = None,
+    model_check: Callable[[LLMTask], None] | None = None,
+    engine_columns: tuple[str, ...] = (),
+    pooling_params=None,
+    chat_template_kwargs=None,
+    continue_final_message: bool = False,
+    prompt_token_ids: str | None = None,
+    sort_by: str | list[str] | tuple[str, ...] | None = None,
+    cache=None,
+    images: str | None = None,
+    lora: str | None = None,
+    lora_root: str | None = None,
+) -> LLMTask:
     """Check an accessor call against the frame's columns and build its task (raises ``ValueError``).
 
     ``model_check`` checks the task's model (default: :func:`check_model`, here and now).
@@ -150,14 +174,32 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
     if response_cache is not None and not spec.generative:
         raise ValueError(f"{kind} takes no cache (the response cache is for generate and chat)")
     lora_one, lora_column, engine_kwargs = _lora(lora, lora_root, columns, kind, engine_kwargs)
-    task = LLMTask(kind, tuple(inputs), output_column, None if model is None else str(model), sampling,
-                   sampling_column, system, on_error, tuple(sorted((engine_kwargs or {}).items())),
-                   structured=structured, chat_template=chat_template,
-                   engine_columns=tuple(dict.fromkeys(engine_columns)), pooling=pooling, pooling_column=pooling_column,
-                   chat_template_kwargs=ctk, chat_template_kwargs_column=ctk_column,
-                   continue_final_message=bool(continue_final_message), prompt_token_ids_column=prompt_token_ids,
-                   sort_by=sort_keys, cache=response_cache, images=images, lora=lora_one, lora_column=lora_column,
-                   lora_root=lora_root)
+    task = LLMTask(
+        kind,
+        tuple(inputs),
+        output_column,
+        None if model is None else str(model),
+        sampling,
+        sampling_column,
+        system,
+        on_error,
+        tuple(sorted((engine_kwargs or {}).items())),
+        structured=structured,
+        chat_template=chat_template,
+        engine_columns=tuple(dict.fromkeys(engine_columns)),
+        pooling=pooling,
+        pooling_column=pooling_column,
+        chat_template_kwargs=ctk,
+        chat_template_kwargs_column=ctk_column,
+        continue_final_message=bool(continue_final_message),
+        prompt_token_ids_column=prompt_token_ids,
+        sort_by=sort_keys,
+        cache=response_cache,
+        images=images,
+        lora=lora_one,
+        lora_column=lora_column,
+        lora_root=lora_root,
+    )
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
     missing = sorted(task.columns_needed() - set(map(str, columns)))
@@ -169,8 +211,10 @@ def make_task(kind: str, inputs: tuple[str, ...], columns, *, output_column: str
         raise ValueError(f"{kind}: {exc}") from None
     own = [output_column, *(name for name, _ in spec.other_columns), *task.engine_columns, *reasoning, LLM_ERROR]
     if own.count(output_column) > 1:
-        raise ValueError(f"{kind}: output_column {output_column!r} is one of the columns {kind} itself writes "
-                         f"({list(dict.fromkeys(own))}); choose another output_column")
+        raise ValueError(
+            f"{kind}: output_column {output_column!r} is one of the columns {kind} itself writes "
+            f"({list(dict.fromkeys(own))}); choose another output_column"
+        )
     clash = sorted(set(task.output_dtypes()) & set(map(str, columns)))
     if clash:
         raise ValueError(f"{kind}: output column(s) {clash} already exist; choose another output_column")
@@ -213,11 +257,15 @@ def _check_images(kind: str, images, inputs: tuple, columns) -> None:
     if kind not in ("generate", "chat", "embed"):
         raise ValueError(f"{kind} takes no images (images= is for generate, chat and embed)")
     if not isinstance(images, str) or images not in list(map(str, columns)):
-        raise ValueError(f"{kind}: images must name a column of the dataframe (of image bytes, paths or URLs, or "
-                         f"PIL images), got {images!r}; columns: {list(columns)}")
+        raise ValueError(
+            f"{kind}: images must name a column of the dataframe (of image bytes, paths or URLs, or "
+            f"PIL images), got {images!r}; columns: {list(columns)}"
+        )
     if kind == "embed" and inputs:
-        raise ValueError("embed takes text or images=, not both: an embedding is of a text or of an image "
-                         "(embed the two columns in two calls; they share one space)")
+        raise ValueError(
+            "embed takes text or images=, not both: an embedding is of a text or of an image "
+            "(embed the two columns in two calls; they share one space)"
+        )
 
 
 def _names(value, what: str, kind: str) -> tuple[str, ...]:
@@ -244,8 +292,10 @@ def check_sort_by(sort_by, columns, kind: str) -> tuple[str, ...]:
     names = list(map(str, columns))
     for key in keys:
         if key != SORT_BY_PROMPT and key not in names:
-            raise ValueError(f"{kind}: sort_by column {key!r} not in the dataframe (columns: {names}); sort_by "
-                             f"takes column names, or {SORT_BY_PROMPT!r} for the rendered prompt")
+            raise ValueError(
+                f"{kind}: sort_by column {key!r} not in the dataframe (columns: {names}); sort_by "
+                f"takes column names, or {SORT_BY_PROMPT!r} for the rendered prompt"
+            )
     return keys
 
 
@@ -254,8 +304,10 @@ def _check_engine_kwargs(kind: str, engine_kwargs: dict) -> None:
     known = set(ENGINE_ARG_NAMES)
     unknown = sorted(set(engine_kwargs) - known)
     if unknown:
-        raise ValueError(f"{kind}: unknown argument(s) {unknown}: extra keyword arguments go to dfllm.LLM, "
-                         f"which takes {sorted(known)}")
+        raise ValueError(
+            f"{kind}: unknown argument(s) {unknown}: extra keyword arguments go to dfllm.LLM, "
+            f"which takes {sorted(known)}"
+        )
 
 
 def _sampling(sampling_params, columns, kind: str) -> tuple[tuple, str | None]:

@@ -45,8 +45,10 @@ def template_fields(template: str) -> list[str]:
         raise ValueError(f"template {template!r}: placeholders must name columns, like {{question}}")
     for n in names:
         if "." in n or "[" in n:
-            raise ValueError(f"template {template!r}: {{{n}}} is not a plain column name (attribute and index "
-                             "access are not allowed; pass a column whose name has '.' or '[' directly)")
+            raise ValueError(
+                f"template {template!r}: {{{n}}} is not a plain column name (attribute and index "
+                "access are not allowed; pass a column whose name has '.' or '[' directly)"
+            )
     return list(dict.fromkeys(names))
 
 
@@ -85,6 +87,8 @@ def template_value(value, what: str):
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy scalar
         value = value.item()
     if not isinstance(value, TEMPLATE_SCALARS):
-        raise ValueError(f"{what} holds a {type(value).__name__}; templates format text, numbers, booleans, "
-                         "dates and decimals (pass a column of text for anything else)")
+        raise ValueError(
+            f"{what} holds a {type(value).__name__}; templates format text, numbers, booleans, "
+            "dates and decimals (pass a column of text for anything else)"
+        )
     return value

@@ -99,8 +99,9 @@ class Driver:
             self.cv.notify_all()
         return future.result()
 
-    def generate(self, engine: LLMEngine, lock: threading.Lock, requests: list[EngineRequest],
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, engine: LLMEngine, lock: threading.Lock, requests: list[EngineRequest], progress: bool = False
+    ) -> list[RequestOutput]:
         """The outputs of ``requests`` (checked by ``engine``'s input processor), in order,
         generated in the batches of every task using ``engine``; ``progress`` shows a bar."""
         sub = Submission(requests)
@@ -187,8 +188,9 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
                 sub.error = RuntimeError(f"the engine failed while generating these rows: {failure!r}")
             sub.done = sub.error is None and len(sub.outputs) == len(sub.ids)
             if not sub.done and sub.error is None and idle:  # a bug, not a hang
-                sub.error = RuntimeError(f"requests {sorted(set(sub.ids) - sub.outputs.keys())[:5]} were lost "
-                                         "by the engine")
+                sub.error = RuntimeError(
+                    f"requests {sorted(set(sub.ids) - sub.outputs.keys())[:5]} were lost by the engine"
+                )
             if sub.error is not None:
                 engine.abort_request([rid for rid in sub.ids if rid not in sub.outputs])
                 sub.outputs.clear()

@@ -143,8 +143,11 @@ def _make_room() -> None:
         return
     _drop([key for key, entry in _engines.items() if entry.users == 0][:excess])
     if len(_engines) + 1 > limit:
-        logger.warning("loading engine %d of this process although DFLLM_MAX_ENGINES=%d: the others are in use",
-                       len(_engines) + 1, limit)
+        logger.warning(
+            "loading engine %d of this process although DFLLM_MAX_ENGINES=%d: the others are in use",
+            len(_engines) + 1,
+            limit,
+        )
 
 
 def _drop(keys: list[tuple]) -> None:
@@ -197,19 +200,25 @@ def engine_reports() -> list[dict]:
     out = []
     for llm in engines_now():
         cfg = llm.config
-        info: dict[str, Any] = {"model": cfg.model_path.name, "device": str(cfg.device),
-                                "tensor_parallel_size": cfg.tensor_parallel_size,
-                                "pipeline_parallel_size": cfg.pipeline_parallel_size,
-                                "kind": "generate" if llm.engine is not None else "pooling"}
+        info: dict[str, Any] = {
+            "model": cfg.model_path.name,
+            "device": str(cfg.device),
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            "kind": "generate" if llm.engine is not None else "pooling",
+        }
         if llm.engine is not None:
             values = {m.name: m.value for m in snapshot(llm.engine.metrics.registry) if isinstance(m, Counter | Gauge)}
-            for field, name in (("running", "dfllm_num_requests_running"), ("waiting", "dfllm_num_requests_waiting"),
-                                ("kv_cache_usage", "dfllm_kv_cache_usage_perc"),
-                                ("prompt_tokens", "dfllm_prompt_tokens"),
-                                ("generation_tokens", "dfllm_generation_tokens"),
-                                ("preemptions", "dfllm_num_preemptions"),
-                                ("prefix_cache_queries", "dfllm_prefix_cache_queries"),
-                                ("prefix_cache_hits", "dfllm_prefix_cache_hits")):
+            for field, name in (
+                ("running", "dfllm_num_requests_running"),
+                ("waiting", "dfllm_num_requests_waiting"),
+                ("kv_cache_usage", "dfllm_kv_cache_usage_perc"),
+                ("prompt_tokens", "dfllm_prompt_tokens"),
+                ("generation_tokens", "dfllm_generation_tokens"),
+                ("preemptions", "dfllm_num_preemptions"),
+                ("prefix_cache_queries", "dfllm_prefix_cache_queries"),
+                ("prefix_cache_hits", "dfllm_prefix_cache_hits"),
+            ):
                 value = values.get(name, 0)
                 info[field] = float(value) if field == "kv_cache_usage" else int(value)
         out.append(info)

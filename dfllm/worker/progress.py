@@ -13,11 +13,11 @@ Everything here runs in the worker process. Three small sources feed one report:
   of the part it wrote).
 
 :func:`worker_report` puts these and what the registered engine sources report (the
-engine cache's engines and their ``dfllm_`` metrics) into one plain dict, which the plugin adds to the worker's Dask metrics (``worker.metrics["dfllm"]``): the
-worker's own heartbeat carries it to the scheduler, where
-:class:`dfllm.dashboard.collector.DashboardPlugin` reads it. No port, no service. This
-module imports nothing beyond the standard library: the worker writes to it, the dashboard
-reads it, and neither reaches into the other.
+engine cache's engines and their ``dfllm_`` metrics) into one plain dict, which the plugin
+adds to the worker's Dask metrics (``worker.metrics["dfllm"]``): the worker's own heartbeat
+carries it to the scheduler, where :class:`dfllm.dashboard.collector.DashboardPlugin` reads
+it. No port, no service. This module imports nothing beyond the standard library: the worker
+writes to it, the dashboard reads it, and neither reaches into the other.
 
 A job is one graph layer of dfllm tasks (see :func:`job_of`): ``llm-generate-<token>``
 for ``ddf.llm.generate(...)``, ``llm-write-generate-<run>`` for one ``write_parquet``.
@@ -70,8 +70,14 @@ class JobProgress:
         self.updated = time.time()
 
     def as_dict(self) -> dict:
-        return {"running": self.running, "done": self.done, "failed": self.failed, "rows": self.rows,
-                "errors": self.errors, "updated": self.updated}
+        return {
+            "running": self.running,
+            "done": self.done,
+            "failed": self.failed,
+            "rows": self.rows,
+            "errors": self.errors,
+            "updated": self.updated,
+        }
 
 
 _lock = threading.Lock()
@@ -190,7 +196,12 @@ def worker_report(worker: Any = None) -> dict:
     with _lock:
         jobs = {name: job.as_dict() for name, job in _jobs.items()}
     engines = [info for source in _engine_sources for info in source()]
-    return {"time": now, "process": _PROCESS, "engines": engines,
-            "batch_last": recent[-1] if recent else 0,
-            "batch_mean": sum(recent) / len(recent) if recent else 0.0,
-            "steps": len(recent), "jobs": jobs}
+    return {
+        "time": now,
+        "process": _PROCESS,
+        "engines": engines,
+        "batch_last": recent[-1] if recent else 0,
+        "batch_mean": sum(recent) / len(recent) if recent else 0.0,
+        "steps": len(recent),
+        "jobs": jobs,
+    }

@@ -24,9 +24,17 @@ LATENT_WIDTH = KV_LORA_RANK + ROPE_DIM
 
 def build_deepseek(root: Path, tokenizer_dir: Path, name: str, version: int = 2, **overrides) -> Path:
     """A random all-dense DeepSeek-V2 (or V3) with the SmolLM2 tokenizer, saved to ``root/name``."""
-    kwargs = dict(intermediate_size=128, q_lora_rank=32, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM,
-                  qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=LAYERS, tie_word_embeddings=False,
-                  pad_token_id=None)
+    kwargs = dict(
+        intermediate_size=128,
+        q_lora_rank=32,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_rope_head_dim=ROPE_DIM,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        first_k_dense_replace=LAYERS,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+    )
     kwargs.update(overrides)
 
     def init(model: torch.nn.Module) -> None:
@@ -34,8 +42,16 @@ def build_deepseek(root: Path, tokenizer_dir: Path, name: str, version: int = 2,
             if buffer.endswith("e_score_correction_bias"):  # V3 initialises it to zeros: make it matter
                 tensor.copy_(torch.rand(tensor.shape) * 0.3)
 
-    return build_decoder(root, tokenizer_dir, DeepseekV2Config if version == 2 else DeepseekV3Config, name,
-                         kv_heads=4, layers=LAYERS, init=init, **kwargs)
+    return build_decoder(
+        root,
+        tokenizer_dir,
+        DeepseekV2Config if version == 2 else DeepseekV3Config,
+        name,
+        kv_heads=4,
+        layers=LAYERS,
+        init=init,
+        **kwargs,
+    )
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int] | int) -> list[list[int]]:
@@ -68,46 +84,76 @@ def test_greedy_matches_transformers(tmp_path, smollm2_dir):
     max_tokens = [6, 10, 1]
     prompts = random_prompts(len(max_tokens), 3, 41, seed=1)
     llm = LLM(path, max_num_seqs=8)
-    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens), hf_greedy_logprobs(path, prompts, max_tokens),
-                         "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
     runner = llm.engine.runner
     assert runner.kv.shape == (1, LAYERS, llm.engine.num_blocks, 16, 1, LATENT_WIDTH)
     attn = runner.model.model.layers[0].self_attn
     assert attn.k_cache.shape[-1] == LATENT_WIDTH and attn.v_cache is None
 
 
-@pytest.mark.parametrize("version,extra", [
-    (2, dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-                              "mscale_all_dim": 0.8, "original_max_position_embeddings": 256})),
-    (3, dict(rope_interleave=False)),
-])
+@pytest.mark.parametrize(
+    "version,extra",
+    [
+        (
+            2,
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 0.8,
+                    "original_max_position_embeddings": 256,
+                }
+            ),
+        ),
+        (3, dict(rope_interleave=False)),
+    ],
+)
 def test_rope_variants_match_transformers(tmp_path, smollm2_dir, version, extra):
     """Yarn (scaled rope and the softmax mscale), and DeepSeek-V3's rope by halves (its default,
     interleaved pairs, runs in the MoE test)."""
     path = build_deepseek(tmp_path, smollm2_dir, "ds-variant", version=version, **extra)
     prompts = random_prompts(2, 5, 300, seed=6)
     max_tokens = [8, 6]
-    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
-                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
-MOE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-           moe_intermediate_size=16)
+MOE = dict(
+    first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=16
+)
 
 
-@pytest.mark.parametrize("version,extra", [
-    (2, dict(q_lora_rank=None)),  # greedy top-k; queries from q_proj (no q LoRA)
-    (2, dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5)),
-    (3, dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
-])
+@pytest.mark.parametrize(
+    "version,extra",
+    [
+        (2, dict(q_lora_rank=None)),  # greedy top-k; queries from q_proj (no q LoRA)
+        (2, dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5)),
+        (3, dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    ],
+)
 def test_moe_layers_match_transformers(tmp_path, smollm2_dir, version, extra):
     """A dense first layer, then routed plus shared experts: V2's greedy and group-limited
     routing, V3's sigmoid routing with its score-correction bias and renormalised weights."""
     path = build_deepseek(tmp_path, smollm2_dir, "ds-moe", version=version, **MOE, **extra)
     prompts = random_prompts(2, 5, 40, seed=7)
     max_tokens = [8, 6]
-    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
-                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
 def test_chunked_prefill_and_prefix_caching(deepseek_v2, workload):
@@ -119,8 +165,11 @@ def test_chunked_prefill_and_prefix_caching(deepseek_v2, workload):
     got = dfllm_greedy_logprobs(llm, prompts, max_tokens)
     check_logprobs_close(got, reference, "dfllm", "transformers")
     expected = token_ids(got)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
-                        [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens[:3]], use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:3]],
+        [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens[:3]],
+        use_tqdm=False,
+    )
     assert [o.num_cached_tokens for o in outs] == [32] * 3
     assert [o.outputs[0].token_ids for o in outs] == expected[:3]
 

@@ -18,8 +18,11 @@ from dfllm.models.registry import DECODER_CLASSIFIER_ARCHITECTURES, ENCODER_ARCH
 
 def test_models_command_lists_every_registered_architecture(capsys):
     assert main(["models"]) == 0
-    lines = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
-             if line.split() and line.split()[0].endswith(("LM", "Model", "Classification", "ColBERT", "Generation"))}
+    lines = {
+        line.split()[0]: line.split(None, 1)[1]
+        for line in capsys.readouterr().out.splitlines()
+        if line.split() and line.split()[0].endswith(("LM", "Model", "Classification", "ColBERT", "Generation"))
+    }
     registered = {**GENERATIVE_ARCHITECTURES, **ENCODER_ARCHITECTURES, **DECODER_CLASSIFIER_ARCHITECTURES}
     assert set(registered) <= set(lines)
     assert lines["Qwen3ForCausalLM"] == "generate, chat, embed, token_embed, score"
@@ -29,13 +32,16 @@ def test_models_command_lists_every_registered_architecture(capsys):
     assert lines["BertModel"] == "embed, token_embed, score"
 
 
-@pytest.mark.parametrize("arch,closest", [
-    ("Qwen3NextForCausalLM", "Qwen3ForCausalLM"),
-    ("Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
-    ("LlavaNextForConditionalGeneration", "LlavaForConditionalGeneration"),
-    ("Phi3SmallForCausalLM", "Phi3ForCausalLM"),
-    ("LamaForCausalLM", "LlamaForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "arch,closest",
+    [
+        ("Qwen3NextForCausalLM", "Qwen3ForCausalLM"),
+        ("Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
+        ("LlavaNextForConditionalGeneration", "LlavaForConditionalGeneration"),
+        ("Phi3SmallForCausalLM", "Phi3ForCausalLM"),
+        ("LamaForCausalLM", "LlamaForCausalLM"),
+    ],
+)
 def test_closest_supported_family(arch, closest):
     assert closest_supported(arch)[0] == closest
     assert arch not in supported_architectures()

@@ -25,15 +25,36 @@ SP = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
 FAMILIES = {
     "qwen3": (Qwen3Config, dict(head_dim=24)),
     "phi3": (Phi3Config, dict()),
-    "gemma2": (Gemma2Config, dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-                                  attn_logit_softcapping=4.0, final_logit_softcapping=3.0)),
+    "gemma2": (
+        Gemma2Config,
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
     "gemma3": (Gemma3TextConfig, dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)),
     "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
-    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                       norm_topk_prob=True, head_dim=24)),
-    "deepseek_v2": (DeepseekV2Config, dict(kv_heads=4, intermediate_size=128, q_lora_rank=32, kv_lora_rank=16,
-                                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                                           first_k_dense_replace=2, pad_token_id=None)),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=24),
+    ),
+    "deepseek_v2": (
+        DeepseekV2Config,
+        dict(
+            kv_heads=4,
+            intermediate_size=128,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            first_k_dense_replace=2,
+            pad_token_id=None,
+        ),
+    ),
 }
 TEXTS = ["Describe the sea in winter.", "List three prime numbers and explain why each is prime, briefly."]
 
@@ -49,5 +70,6 @@ def test_dataframe_generate_matches_transformers(tmp_path, smollm2_dir, family):
     direct = LLM(path, **engine).generate(TEXTS, SamplingParams(**SP, logprobs=TOPK), use_tqdm=False)
     assert out.generated_text.tolist() == [o.outputs[0].text for o in direct]
     prompts = [list(o.prompt_token_ids) for o in direct]
-    check_logprobs_close(from_outputs(direct), hf_greedy_logprobs(path, prompts, SP["max_tokens"]),
-                         "dfllm", "transformers")
+    check_logprobs_close(
+        from_outputs(direct), hf_greedy_logprobs(path, prompts, SP["max_tokens"]), "dfllm", "transformers"
+    )

@@ -24,20 +24,40 @@ WINDOW = 8
 def gemma2(tmp_path_factory, smollm2_dir) -> Path:
     # layer 0 sliding, layer 1 global; small caps so that both change the numbers;
     # query_pre_attn_scalar differs from head_dim
-    return build_decoder(tmp_path_factory.mktemp("gemma2"), smollm2_dir, Gemma2Config, "gemma2", head_dim=16,
-                         sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
-                         final_logit_softcapping=3.0, tie_word_embeddings=True)
+    return build_decoder(
+        tmp_path_factory.mktemp("gemma2"),
+        smollm2_dir,
+        Gemma2Config,
+        "gemma2",
+        head_dim=16,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, smollm2_dir) -> Path:
     # sliding, global, sliding; the global layers' rope is scaled (linear) and has its own base
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
-    return build_decoder(tmp_path_factory.mktemp("gemma3"), smollm2_dir, Gemma3TextConfig, "gemma3", layers=3,
-                         head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16, rope_parameters=rope,
-                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                         tie_word_embeddings=True)
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    }
+    return build_decoder(
+        tmp_path_factory.mktemp("gemma3"),
+        smollm2_dir,
+        Gemma3TextConfig,
+        "gemma3",
+        layers=3,
+        head_dim=16,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+        rope_parameters=rope,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +77,12 @@ def _engine(path: Path, **kwargs) -> LLM:
 def test_greedy_matches_transformers_past_the_window(request, model, prompts):
     path = request.getfixturevalue(model)
     llm = _engine(path)
-    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, MAX_TOKENS), hf_greedy_logprobs(path, prompts, MAX_TOKENS),
-                         "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, prompts, MAX_TOKENS),
+        hf_greedy_logprobs(path, prompts, MAX_TOKENS),
+        "dfllm",
+        "transformers",
+    )
     # prompts sharing a new 21-token prefix: the later ones are served partly from the prefix cache
     prefix = random_prompts(1, 21, 21, seed=43)[0]
     shared = [prefix + p[:6] for p in prompts]
@@ -79,9 +103,11 @@ def hf_log_probs(path: Path, ids: list[int]) -> torch.Tensor:
 def test_gemma2_log_probs_see_the_capped_logits(gemma2, prompts):
     prompt = prompts[2]
     llm = _engine(gemma2)
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3),
+        use_tqdm=False,
+    )[0]
     tokens = out.outputs[0].token_ids
     want = hf_log_probs(gemma2, prompt + tokens)
     # transformers' logits are capped to (-3, 3), so every row's log-probabilities span less than 6
@@ -98,12 +124,27 @@ def test_gemma2_log_probs_see_the_capped_logits(gemma2, prompts):
 
 
 def test_gemma3_head_dim_256(tmp_path, smollm2_dir, prompts):
-    path = build_decoder(tmp_path, smollm2_dir, Gemma3TextConfig, "gemma3-hd256", hidden=32, heads=2, kv_heads=1,
-                         head_dim=256, query_pre_attn_scalar=256, sliding_window=WINDOW, tie_word_embeddings=True,
-                         layer_types=["sliding_attention", "full_attention"])
+    path = build_decoder(
+        tmp_path,
+        smollm2_dir,
+        Gemma3TextConfig,
+        "gemma3-hd256",
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=WINDOW,
+        tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     few, max_tokens = prompts[:2], [6, 3]
-    check_logprobs_close(dfllm_greedy_logprobs(_engine(path), few, max_tokens),
-                         hf_greedy_logprobs(path, few, max_tokens), "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(_engine(path), few, max_tokens),
+        hf_greedy_logprobs(path, few, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
 def test_gemma2_triton_backend(gemma2, prompts):
@@ -111,8 +152,12 @@ def test_gemma2_triton_backend(gemma2, prompts):
     decode steps stay eager, the class declaring no CUDA-graph support."""
     few, max_tokens = [prompts[0], prompts[2]], [4, 3]
     llm = _engine(gemma2, attention_backend="triton")
-    check_logprobs_close(dfllm_greedy_logprobs(llm, few, max_tokens),
-                         hf_greedy_logprobs(gemma2, few, max_tokens), "dfllm-triton", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, few, max_tokens),
+        hf_greedy_logprobs(gemma2, few, max_tokens),
+        "dfllm-triton",
+        "transformers",
+    )
     assert "supports_cuda_graphs" in unsupported_reason(llm.engine.runner.model)
 
 
@@ -124,8 +169,14 @@ def test_preemption_keeps_outputs(request, model, prompts):
     path = request.getfixturevalue(model)
     roomy = _engine(path)
     block_bytes = roomy.engine.runner.block_bytes
-    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=64,
-              kv_cache_memory_bytes=16 * block_bytes)
+    llm = LLM(
+        path,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        max_model_len=64,
+        kv_cache_memory_bytes=16 * block_bytes,
+    )
     llm.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the small cache preempts
     assert greedy(llm, prompts, MAX_TOKENS) == greedy(roomy, prompts, MAX_TOKENS)
     assert llm.engine.stats().num_preemptions > 0

@@ -40,8 +40,16 @@ def hf_states(model, tok, text: str) -> torch.Tensor:
 def colbert(tmp_path_factory):
     """A tiny ``HF_ColBERT`` directory (``bert.*`` tensors plus ``linear.weight`` [16, 32]),
     its transformers encoder and the projection."""
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128, architectures=["HF_ColBERT"], dim=16)
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        architectures=["HF_ColBERT"],
+        dim=16,
+    )
     torch.manual_seed(3)
     model = AutoModel.from_config(cfg, add_pooling_layer=False).eval()
     linear = torch.randn(16, 32) / 32**0.5
@@ -100,9 +108,17 @@ def test_colbert_serves_token_embed_and_score_only(colbert, colbert_llm, tmp_pat
 def bge_m3_like(tmp_path_factory):
     """A tiny XLM-R with bge-m3's ColBERT head (hidden -> hidden, with bias) converted to safetensors;
     the original pickles are there too, as unreadable bytes."""
-    cfg = XLMRobertaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=66, type_vocab_size=1, pad_token_id=0,
-                           architectures=["XLMRobertaModel"])
+    cfg = XLMRobertaConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=66,
+        type_vocab_size=1,
+        pad_token_id=0,
+        architectures=["XLMRobertaModel"],
+    )
     torch.manual_seed(4)
     model = XLMRobertaModel(cfg).eval()
     head = torch.nn.Linear(32, 32)
@@ -113,8 +129,10 @@ def bge_m3_like(tmp_path_factory):
         (path / pickle).write_bytes(b"not a pickle: dfllm must never load this")
     pt_only = path.parent / "pt-only"
     shutil.copytree(path, pt_only)
-    save_file({"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()},
-              str(path / "colbert_linear.safetensors"))
+    save_file(
+        {"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()},
+        str(path / "colbert_linear.safetensors"),
+    )
     return path, pt_only, model, head
 
 

@@ -38,11 +38,28 @@ FAMILIES = {
     # every layer sparse, top-k renormalised; experts of intermediate_size
     "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
     # top-k not renormalised (norm_topk_prob False), shared expert; layer 0 dense (sparse step 2)
-    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                       shared_expert_intermediate_size=48, decoder_sparse_step=2)),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=2,
+        ),
+    ),
     # q/k norms, head_dim 24, top-k renormalised; layer 1 dense (mlp_only_layers)
-    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                       norm_topk_prob=True, head_dim=24, mlp_only_layers=[1])),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            head_dim=24,
+            mlp_only_layers=[1],
+        ),
+    ),
 }
 MAX_TOKENS = [8, 3, 12, 6]
 
@@ -74,8 +91,9 @@ def layer_plan(llm: LLM) -> list[tuple[bool, bool, bool] | None]:
     for layer in llm.engine.runner.model.model.layers:
         block = layer.mlp
         sparse = isinstance(block, SparseMoeBlock)
-        plan.append((block.renormalize, block.shared_expert is not None, block.experts.w13_weight.shape[1])
-                    if sparse else None)
+        plan.append(
+            (block.renormalize, block.shared_expert is not None, block.experts.w13_weight.shape[1]) if sparse else None
+        )
     return plan
 
 
@@ -95,8 +113,9 @@ def test_greedy_matches_transformers(models, prompts, references, family):
     assert layer_plan(llm) == PLANS[family]
     got = dfllm_greedy_logprobs(llm, prompts, MAX_TOKENS)
     check_logprobs_close(got, references[family], "dfllm", "transformers")
-    again = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=MAX_TOKENS[1], **GREEDY),
-                         use_tqdm=False)[0]  # 37 tokens: two full blocks cached
+    again = llm.generate(
+        [{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=MAX_TOKENS[1], **GREEDY), use_tqdm=False
+    )[0]  # 37 tokens: two full blocks cached
     assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == got[1].token_ids
 
 
@@ -111,8 +130,9 @@ def test_preemption_keeps_outputs(models, prompts, references, family):
     expected = token_ids(roomy_out)
     head = [o._replace(token_ids=o.token_ids[:n], logprobs=o.logprobs[:n]) for o, n in zip(roomy_out, MAX_TOKENS)]
     check_logprobs_close(head, references[family], "dfllm", "transformers")
-    llm = LLM(models[family], block_size=4, max_model_len=64,
-              kv_cache_memory_bytes=16 * roomy.engine.runner.block_bytes)
+    llm = LLM(
+        models[family], block_size=4, max_model_len=64, kv_cache_memory_bytes=16 * roomy.engine.runner.block_bytes
+    )
     llm.engine.scheduler.reserve_growth = False  # admit as vLLM does, so that the small cache preempts
     assert greedy(llm, prompts, max_tokens) == expected
     assert llm.engine.stats().num_preemptions > 0
@@ -125,8 +145,10 @@ def fused_copy(src, dst):
     fused = {}
     for layer in range(2):
         prefix = f"model.layers.{layer}.block_sparse_moe"
-        w = {p: torch.stack([tensors.pop(f"{prefix}.experts.{e}.{p}.weight") for e in range(4)])
-             for p in ("w1", "w2", "w3")}
+        w = {
+            p: torch.stack([tensors.pop(f"{prefix}.experts.{e}.{p}.weight") for e in range(4)])
+            for p in ("w1", "w2", "w3")
+        }
         fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([w["w1"], w["w3"]], dim=1)
         fused[f"model.layers.{layer}.mlp.experts.down_proj"] = w["w2"]
         fused[f"model.layers.{layer}.mlp.gate.weight"] = tensors.pop(f"{prefix}.gate.weight")
@@ -136,10 +158,15 @@ def fused_copy(src, dst):
 
 
 def test_fused_expert_checkpoint_layout(models, prompts, references, tmp_path):
-    assert not any(".experts.0." in k for k in load_file(fused_copy(models["mixtral"], tmp_path / "f")
-                                                         / "model.safetensors"))
-    check_logprobs_close(dfllm_greedy_logprobs(LLM(tmp_path / "f"), prompts[:2], MAX_TOKENS[:2]),
-                         references["mixtral"][:2], "dfllm", "transformers")
+    assert not any(
+        ".experts.0." in k for k in load_file(fused_copy(models["mixtral"], tmp_path / "f") / "model.safetensors")
+    )
+    check_logprobs_close(
+        dfllm_greedy_logprobs(LLM(tmp_path / "f"), prompts[:2], MAX_TOKENS[:2]),
+        references["mixtral"][:2],
+        "dfllm",
+        "transformers",
+    )
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
@@ -152,8 +179,9 @@ def test_expert_weights_split_over_ranks(models, tmp_path, layout):
     def load(rank):
         parallel = None
         if rank is not None:  # a rank's share, loaded without a process group (no forward runs)
-            parallel = ParallelContext(rank, ParallelConfig(tensor_parallel_size=2), GroupComm(None, rank, 2, True),
-                                       None)
+            parallel = ParallelContext(
+                rank, ParallelConfig(tensor_parallel_size=2), GroupComm(None, rank, 2, True), None
+            )
         model = MixtralForCausalLM(spec, TORCH_OPS, 64, parallel)
         load_weights(model, path)
         return model
@@ -163,8 +191,10 @@ def test_expert_weights_split_over_ranks(models, tmp_path, layout):
     inter = 48
     for r, part in enumerate(ranks):
         cols = slice(r * inter // 2, (r + 1) * inter // 2)
-        assert torch.equal(part.w13_weight, torch.cat([full.w13_weight[:, :inter][:, cols],
-                                                       full.w13_weight[:, inter:][:, cols]], dim=1))
+        assert torch.equal(
+            part.w13_weight,
+            torch.cat([full.w13_weight[:, :inter][:, cols], full.w13_weight[:, inter:][:, cols]], dim=1),
+        )
         assert torch.equal(part.w2_weight, full.w2_weight[:, :, cols])
     x = torch.randn(5, 64)
     weights, ids = route_topk(torch.randn(5, 4), 2, True)
@@ -174,28 +204,38 @@ def test_expert_weights_split_over_ranks(models, tmp_path, layout):
     # an in-memory weight update of one expert reaches rank 1's slice only
     new = torch.randn(64, inter)
     assert update_weights(built[2], [("model.layers.1.block_sparse_moe.experts.2.w2.weight", new)]) == [
-        "model.layers.1.mlp.experts.w2_weight"]
-    assert torch.equal(ranks[1].w2_weight[2], new[:, inter // 2:])
+        "model.layers.1.mlp.experts.w2_weight"
+    ]
+    assert torch.equal(ranks[1].w2_weight[2], new[:, inter // 2 :])
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("num_experts_per_tok", 0, "num_experts_per_tok > 0"),
-    ("num_experts_per_tok", 5, r"num_experts_per_tok must be in \[1, num_experts=4\], got 5"),
-    ("num_experts", 0, "num_local_experts"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("num_experts_per_tok", 0, "num_experts_per_tok > 0"),
+        ("num_experts_per_tok", 5, r"num_experts_per_tok must be in \[1, num_experts=4\], got 5"),
+        ("num_experts", 0, "num_local_experts"),
+    ],
+)
 def test_bad_moe_config_names_the_field(models, field, value, match):
     spec = dataclasses.replace(ModelSpec.from_hf(load_config(models["mixtral"])), **{field: value})
     with pytest.raises(ValueError, match=match):
         MixtralForCausalLM(spec, TORCH_OPS, 64)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="needs a GPU or Triton's interpreter")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs a GPU or Triton's interpreter",
+)
 def test_triton_backend_matches_transformers(models, prompts, references):
     """The whole model on the Triton kernels (fused MoE included): shared expert, dense and sparse layers."""
     llm = LLM(models["qwen2_moe"], attention_backend="triton")
-    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts[3:], MAX_TOKENS[3:]), references["qwen2_moe"][3:],
-                         "dfllm-triton", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, prompts[3:], MAX_TOKENS[3:]),
+        references["qwen2_moe"][3:],
+        "dfllm-triton",
+        "transformers",
+    )
 
 
 def test_tensor_parallel_matches_one_rank(models, prompts):
@@ -205,8 +245,12 @@ def test_tensor_parallel_matches_one_rank(models, prompts):
     llm = LLM(models["qwen2_moe"], tensor_parallel_size=2, max_num_batched_tokens=16)
     try:
         assert greedy(llm, prompts, MAX_TOKENS) == one_rank
-        shapes = llm.apply_model(lambda m: (tuple(m.model.layers[1].mlp.experts.w13_weight.shape),
-                                            tuple(m.model.layers[1].mlp.experts.w2_weight.shape)))
+        shapes = llm.apply_model(
+            lambda m: (
+                tuple(m.model.layers[1].mlp.experts.w13_weight.shape),
+                tuple(m.model.layers[1].mlp.experts.w2_weight.shape),
+            )
+        )
         assert shapes == [((4, 32, 64), (4, 64, 16))] * 2
     finally:
         llm.shutdown()
@@ -256,8 +300,10 @@ def test_grouped_path_equals_per_token_loop(tokens, experts, top_k):
     assert fused_moe_torch(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="needs a GPU or Triton's interpreter")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs a GPU or Triton's interpreter",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,experts,top_k,inter", [(8, 4, 2, 32), (40, 5, 2, 24)])
 def test_triton_fused_moe_equals_reference(dtype, tokens, experts, top_k, inter):

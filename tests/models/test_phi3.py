@@ -28,9 +28,15 @@ ORIGINAL = 32  # original_max_position_embeddings of the longrope model
 
 def longrope(head_dim: int, partial: float) -> dict:
     half = int(head_dim * partial) // 2
-    return dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                              "long_factor": [2.0 + 0.5 * i for i in range(half)]},
-                original_max_position_embeddings=ORIGINAL, max_position_embeddings=256)
+    return dict(
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)],
+        },
+        original_max_position_embeddings=ORIGINAL,
+        max_position_embeddings=256,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,17 @@ def models(tmp_path_factory, smollm2_dir):
     return {
         "default": build_decoder(root, smollm2_dir, Phi3Config, "phi3-default", heads=4, kv_heads=2),
         # Phi-4-mini style: 3/4 of each head rotates, longrope with distinct short/long factors
-        "longrope": build_decoder(root, smollm2_dir, Phi3Config, "phi3-longrope", heads=4, kv_heads=4, seed=1,
-                                  partial_rotary_factor=0.75, **longrope(16, 0.75)),
+        "longrope": build_decoder(
+            root,
+            smollm2_dir,
+            Phi3Config,
+            "phi3-longrope",
+            heads=4,
+            kv_heads=4,
+            seed=1,
+            partial_rotary_factor=0.75,
+            **longrope(16, 0.75),
+        ),
     }
 
 
@@ -57,8 +72,12 @@ def references(models):
 def engine_outputs(models):
     """The default engine's greedy outputs (longrope within its original length), the exact
     reference of the other engine configurations."""
-    return {name: dfllm_greedy_logprobs(LLM(path, **({"max_model_len": ORIGINAL} if name == "longrope" else {})),
-                                        PROMPTS, MAX_TOKENS) for name, path in models.items()}
+    return {
+        name: dfllm_greedy_logprobs(
+            LLM(path, **({"max_model_len": ORIGINAL} if name == "longrope" else {})), PROMPTS, MAX_TOKENS
+        )
+        for name, path in models.items()
+    }
 
 
 def test_checkpoint_holds_fused_tensors(models):
@@ -70,10 +89,13 @@ def test_checkpoint_holds_fused_tensors(models):
 
 
 @pytest.mark.parametrize("which", ["default", "longrope"])
-@pytest.mark.parametrize("kwargs", [
-    dict(),
-    dict(max_num_batched_tokens=8, max_num_seqs=3, enable_prefix_caching=False),  # chunked prefill
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(max_num_batched_tokens=8, max_num_seqs=3, enable_prefix_caching=False),  # chunked prefill
+    ],
+)
 def test_phi3_greedy_matches_transformers(models, references, engine_outputs, which, kwargs):
     """Short sequences: within ``original_max_position_embeddings`` transformers uses the short
     factors, and so does an engine whose ``max_model_len`` stays within it. Chunked prefill
@@ -92,8 +114,12 @@ def test_longrope_long_sequences_match_transformers(models):
     (vLLM's rule: the factors never change under cached keys)."""
     prompts, max_tokens = random_prompts(3, 33, 61, seed=41), [12, 5, 9]
     llm = LLM(models["longrope"], max_model_len=128, max_num_batched_tokens=24)
-    check_logprobs_close(dfllm_greedy_logprobs(llm, prompts, max_tokens),
-                         hf_greedy_logprobs(models["longrope"], prompts, max_tokens), "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(llm, prompts, max_tokens),
+        hf_greedy_logprobs(models["longrope"], prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
 @pytest.mark.parametrize("max_model_len,factors", [(ORIGINAL, "short"), (ORIGINAL + 1, "long")])

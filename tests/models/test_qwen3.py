@@ -48,11 +48,14 @@ def test_qwen3_has_its_norms_and_no_bias(qwen3):
     assert attn.qkv_proj.bias is None and attn.o_proj.bias is None
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(),
-    dict(max_num_batched_tokens=16, max_num_seqs=3),  # chunked prefill beside decodes
-    dict(enable_prefix_caching=False),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(max_num_batched_tokens=16, max_num_seqs=3),  # chunked prefill beside decodes
+        dict(enable_prefix_caching=False),
+    ],
+)
 def test_qwen3_greedy_matches_transformers(qwen3, prompts, reference, kwargs):
     if not kwargs:
         check_logprobs_close(reference, hf_greedy_logprobs(qwen3, prompts, MAX_TOKENS), "dfllm", "transformers")
@@ -69,8 +72,12 @@ def test_qwen3_prefix_cache_hits(qwen3):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(7), use_tqdm=False)
     cached = [o.num_cached_tokens for o in outs]
     assert cached[0] >= 24 and cached[1:] == [24, 24]
-    check_logprobs_close(first + from_outputs(outs), hf_greedy_logprobs(qwen3, prompts[:1] + prompts, [3, 7, 7, 7]),
-                         "dfllm", "transformers")
+    check_logprobs_close(
+        first + from_outputs(outs),
+        hf_greedy_logprobs(qwen3, prompts[:1] + prompts, [3, 7, 7, 7]),
+        "dfllm",
+        "transformers",
+    )
 
 
 def test_qwen3_preemption(qwen3):
@@ -86,11 +93,25 @@ def test_qwen3_preemption(qwen3):
 
 
 def test_qwen3_attention_bias_matches_transformers(tmp_path, smollm2_dir):
-    path = build_decoder(tmp_path, smollm2_dir, Qwen3Config, "qwen3-bias", head_dim=16, attention_bias=True,
-                         heads=4, kv_heads=4, hidden=48, seed=1)
+    path = build_decoder(
+        tmp_path,
+        smollm2_dir,
+        Qwen3Config,
+        "qwen3-bias",
+        head_dim=16,
+        attention_bias=True,
+        heads=4,
+        kv_heads=4,
+        hidden=48,
+        seed=1,
+    )
     prompts, max_tokens = random_prompts(2, 5, 21, seed=31), [6, 8]
-    check_logprobs_close(dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
-                         hf_greedy_logprobs(path, prompts, max_tokens), "dfllm", "transformers")
+    check_logprobs_close(
+        dfllm_greedy_logprobs(LLM(path), prompts, max_tokens),
+        hf_greedy_logprobs(path, prompts, max_tokens),
+        "dfllm",
+        "transformers",
+    )
 
 
 def test_qwen3_tensor_parallel_matches_one_rank(qwen3, prompts, reference):

@@ -22,19 +22,29 @@ from transformers import (
 import dfllm.accessors  # noqa: F401  (registers the .llm accessors)
 from dfllm import LLM
 
-RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-            "is_original_qwen3_reranker": True}
+RERANKER = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
 
 # vLLM's example formats the pairs itself (examples/offline_inference/qwen3_reranker.py)
-PREFIX = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
-          'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-QUERIES = [f"{PREFIX}<Instruct>: {INSTRUCTION}\n<Query>: {q}\n" for q in ("What is the capital of China?",
-                                                                          "Explain gravity")]
-DOCUMENTS = [f"<Document>: {d}{SUFFIX}" for d in (
-    "The capital of China is Beijing.",
-    "Gravity is a force that attracts two bodies towards each other. It gives weight to physical objects.")]
+QUERIES = [
+    f"{PREFIX}<Instruct>: {INSTRUCTION}\n<Query>: {q}\n" for q in ("What is the capital of China?", "Explain gravity")
+]
+DOCUMENTS = [
+    f"<Document>: {d}{SUFFIX}"
+    for d in (
+        "The capital of China is Beijing.",
+        "Gravity is a force that attracts two bodies towards each other. It gives weight to physical objects.",
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +54,18 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def causal(request, root, smollm2_dir):
-    return build_decoder(root, smollm2_dir, Qwen3Config, f"qwen3-{request.param}", hidden=32, heads=4, kv_heads=2,
-                         head_dim=16, tie_word_embeddings=request.param, seed=3)
+    return build_decoder(
+        root,
+        smollm2_dir,
+        Qwen3Config,
+        f"qwen3-{request.param}",
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=request.param,
+        seed=3,
+    )
 
 
 def hf_yes_probability(path, texts: list[str]) -> list[float]:
@@ -71,13 +91,15 @@ def test_original_qwen3_reranker_scores_as_vllm(causal):
     # one query against many documents broadcasts; the pair is the two texts joined
     one = llm.score(QUERIES[0], DOCUMENTS, use_tqdm=False)
     assert [o.outputs.score for o in one] == pytest.approx(
-        hf_yes_probability(causal, [QUERIES[0] + d for d in DOCUMENTS]), abs=1e-4)
+        hf_yes_probability(causal, [QUERIES[0] + d for d in DOCUMENTS]), abs=1e-4
+    )
     assert one[0].prompt_token_ids == AutoTokenizer.from_pretrained(causal)(QUERIES[0] + DOCUMENTS[0]).input_ids
 
 
 def test_reranker_through_the_dataframe_accessor(root, smollm2_dir):
-    path = build_decoder(root, smollm2_dir, Qwen3Config, "qwen3-frame", hidden=32, heads=4, kv_heads=2, head_dim=16,
-                         seed=4)
+    path = build_decoder(
+        root, smollm2_dir, Qwen3Config, "qwen3-frame", hidden=32, heads=4, kv_heads=2, head_dim=16, seed=4
+    )
     df = pd.DataFrame({"query": QUERIES, "doc": DOCUMENTS})
     scored = df.llm.score("query", "doc", model=str(path), runner="pooling", hf_overrides=RERANKER)
     want = hf_yes_probability(path, [q + d for q, d in zip(QUERIES, DOCUMENTS)])
@@ -96,9 +118,18 @@ def test_plain_sequence_classification_checkpoint(root, smollm2_dir, config_cls)
     """A ``*ForSequenceClassification`` checkpoint (``score.weight``, 3 labels): its class
     probabilities are transformers' softmax of the last token's logits."""
     arch = config_cls.__name__.replace("Config", "ForSequenceClassification")
-    cfg = config_cls(vocab_size=AutoTokenizer.from_pretrained(smollm2_dir).vocab_size, hidden_size=32,
-                     intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     num_labels=3, pad_token_id=0, initializer_range=0.2, architectures=[arch])
+    cfg = config_cls(
+        vocab_size=AutoTokenizer.from_pretrained(smollm2_dir).vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=3,
+        pad_token_id=0,
+        initializer_range=0.2,
+        architectures=[arch],
+    )
     torch.manual_seed(5)
     model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
     path = root / arch
@@ -118,8 +149,18 @@ def test_plain_sequence_classification_checkpoint(root, smollm2_dir, config_cls)
 def test_qwen3_embedding_last_token_normalised(root, smollm2_dir, bare):
     """Qwen3-Embedding style: last-token pooling, normalised; also a checkpoint saved from the
     bare ``Qwen3Model`` (tensors without the ``model.`` prefix), as Qwen3-Embedding ships."""
-    path = build_decoder(root, smollm2_dir, Qwen3Config, f"qwen3-embed-{bare}", hidden=32, heads=4, kv_heads=2,
-                         head_dim=16, tie_word_embeddings=True, seed=6)
+    path = build_decoder(
+        root,
+        smollm2_dir,
+        Qwen3Config,
+        f"qwen3-embed-{bare}",
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        seed=6,
+    )
     if bare:
         bare_path = root / "qwen3-embed-bare-model"
         AutoModel.from_pretrained(path, dtype=torch.float32).save_pretrained(bare_path)
@@ -133,8 +174,10 @@ def test_qwen3_embedding_last_token_normalised(root, smollm2_dir, bare):
     tok = AutoTokenizer.from_pretrained(path)
     base = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        want = [torch.nn.functional.normalize(base(**tok(t, return_tensors="pt")).last_hidden_state[0, -1], dim=-1)
-                for t in texts]
+        want = [
+            torch.nn.functional.normalize(base(**tok(t, return_tensors="pt")).last_hidden_state[0, -1], dim=-1)
+            for t in texts
+        ]
     got = LLM(path, runner="pooling").embed(texts, use_tqdm=False)
     for g, w in zip(got, want):
         assert torch.nn.functional.cosine_similarity(torch.tensor(g.outputs.embedding), w, dim=0) >= 0.9999

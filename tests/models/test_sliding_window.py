@@ -61,9 +61,17 @@ def test_reference_matches_dense_attention(window, softcap):
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="Triton needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("window,softcap,num_segments", [
-    (8, None, 1), (8, None, 4), (1, None, None), (None, 5.0, 1), (13, 2.0, 2), (100, 2.0, None),
-])
+@pytest.mark.parametrize(
+    "window,softcap,num_segments",
+    [
+        (8, None, 1),
+        (8, None, 4),
+        (1, None, None),
+        (None, 5.0, 1),
+        (13, 2.0, 2),
+        (100, 2.0, None),
+    ],
+)
 def test_triton_matches_reference(window, softcap, num_segments):
     from dfllm.kernels._triton_paged_attention import paged_attention_launch
 
@@ -72,8 +80,9 @@ def test_triton_matches_reference(window, softcap, num_segments):
     q, k, v, kc, vc, meta = _attention_batch(seqs, 2, 3, 16, 4, torch.float32, DEVICE, seed=5)
     q = q * 3
     want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.25, sliding_window=window, softcap=softcap)
-    got = paged_attention_launch(q, kc, vc, meta, 0.25, num_segments=num_segments, sliding_window=window,
-                                 softcap=softcap)
+    got = paged_attention_launch(
+        q, kc, vc, meta, 0.25, num_segments=num_segments, sliding_window=window, softcap=softcap
+    )
     assert rel_err(got, want) < 1e-5
 
 
@@ -114,8 +123,7 @@ def test_blocks_before_the_window_are_never_read():
 
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory, smollm2_dir) -> Path:
-    return build_decoder(tmp_path_factory.mktemp("models"), smollm2_dir, MistralConfig, "mistral-w8",
-                         sliding_window=8)
+    return build_decoder(tmp_path_factory.mktemp("models"), smollm2_dir, MistralConfig, "mistral-w8", sliding_window=8)
 
 
 def test_mistral_window_shorter_than_prompts_matches_transformers(tiny_mistral):

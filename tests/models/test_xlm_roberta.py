@@ -35,16 +35,30 @@ from dfllm.models.bundled import resolve_model
 
 from helpers import local_client
 
-TEXTS = ["short", "a somewhat longer text about dataframes, engines and the partitions they run",
-         "mid length text here", "x", "the last one " * 30]  # the last is cut to the model's 64 tokens
-SIZES = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-             max_position_embeddings=66, type_vocab_size=1, pad_token_id=1)
+TEXTS = [
+    "short",
+    "a somewhat longer text about dataframes, engines and the partitions they run",
+    "mid length text here",
+    "x",
+    "the last one " * 30,
+]  # the last is cut to the model's 64 tokens
+SIZES = dict(
+    vocab_size=30522,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=66,
+    type_vocab_size=1,
+    pad_token_id=1,
+)
 
 
 def save_tokenizer(path: Path) -> None:
     """The MiniLM tokenizer with XLM-R's pad id (1, ``[unused0]``) and no token types."""
-    tok = AutoTokenizer.from_pretrained(resolve_model("all-minilm-l6-v2"),
-                                        model_input_names=["input_ids", "attention_mask"])
+    tok = AutoTokenizer.from_pretrained(
+        resolve_model("all-minilm-l6-v2"), model_input_names=["input_ids", "attention_mask"]
+    )
     tok.pad_token = "[unused0]"
     tok.save_pretrained(path)
 
@@ -52,12 +66,18 @@ def save_tokenizer(path: Path) -> None:
 def save_sentence_transformers_cls(path: Path) -> None:
     """bge-m3's pipeline: CLS pooling, then Normalize."""
     (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
-                                                                "pooling_mode_cls_token": True}))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_cls_token": True})
+    )
+    (path / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+            ]
+        )
+    )
 
 
 def build(root: Path, model_cls, config_cls, arch: str, seed: int, st_files: bool = False, **extra):
@@ -73,8 +93,9 @@ def build(root: Path, model_cls, config_cls, arch: str, seed: int, st_files: boo
 
 @pytest.fixture(scope="module")
 def bge_like(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("xlmr"), XLMRobertaModel, XLMRobertaConfig, "XLMRobertaModel", 0,
-                 st_files=True)
+    return build(
+        tmp_path_factory.mktemp("xlmr"), XLMRobertaModel, XLMRobertaConfig, "XLMRobertaModel", 0, st_files=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +105,9 @@ def bge_llm(bge_like):
 
 def hf_states(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
-                     ).last_hidden_state[0]
+        return model(
+            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+        ).last_hidden_state[0]
 
 
 def test_bge_m3_style_embeddings_match_transformers(bge_like, bge_llm):
@@ -119,20 +141,29 @@ def test_roberta_model_without_sentence_transformers_files(tmp_path):
 
 
 def test_xlm_roberta_cross_encoder_scores(tmp_path):
-    path, ref = build(tmp_path, XLMRobertaForSequenceClassification, XLMRobertaConfig,
-                      "XLMRobertaForSequenceClassification", 2, num_labels=1)
+    path, ref = build(
+        tmp_path,
+        XLMRobertaForSequenceClassification,
+        XLMRobertaConfig,
+        "XLMRobertaForSequenceClassification",
+        2,
+        num_labels=1,
+    )
     llm = LLM(path)
     query, docs = "capital of France", ["Paris is the capital of France.", "Trains run on rails.", "x"]
     scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
-    raw = [o.outputs.score for o in llm.score(query, docs, pooling_params=PoolingParams(use_activation=False),
-                                              use_tqdm=False)]
+    raw = [
+        o.outputs.score
+        for o in llm.score(query, docs, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+    ]
     tok = llm.get_tokenizer()
     with torch.inference_mode():
         logits = [ref(**tok(query, d, return_tensors="pt")).logits[0, 0].item() for d in docs]
     assert raw == pytest.approx(logits, abs=1e-4)
     assert scores == pytest.approx(torch.sigmoid(torch.tensor(logits)).tolist(), abs=1e-4)
     assert llm.classify([query], use_tqdm=False)[0].outputs.probs[0] == pytest.approx(
-        torch.sigmoid(ref(**tok(query, return_tensors="pt")).logits[0, 0]).item(), abs=1e-4)
+        torch.sigmoid(ref(**tok(query, return_tensors="pt")).logits[0, 0]).item(), abs=1e-4
+    )
 
 
 # ---- the same model through the accessors and the command line, on one small cluster ------------
@@ -156,8 +187,25 @@ def test_accessors_and_cli_embed(bge_like, bge_llm, client, tmp_path):
     src = tmp_path / "texts.csv"
     frame.dropna().rename(columns={"t": "text"}).to_csv(src, index=False)
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "dfllm.jobs.cli", "run", str(src), str(out), "--task", "embed",
-                          "--model", path, "--scheduler", client.scheduler.address, "--no-progress"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dfllm.jobs.cli",
+            "run",
+            str(src),
+            str(out),
+            "--task",
+            "embed",
+            "--model",
+            path,
+            "--scheduler",
+            client.scheduler.address,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     np.testing.assert_allclose(np.stack(pd.read_parquet(out)["embedding"].tolist()), want, atol=1e-5)

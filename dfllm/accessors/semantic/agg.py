@@ -35,11 +35,15 @@ from dfllm.tasks.task import LLMTask, make_task
 
 logger = logging.getLogger("dfllm")
 
-AGG_PREAMBLE = ("You summarise records. Follow the instruction, which names the records' fields in [brackets]; "
-                "the records follow it, separated by blank lines. Answer with the summary only.")
-FOLD_PREAMBLE = ("You combine partial summaries of records into one summary. Follow the instruction, which names "
-                 "the records' fields in [brackets]; the partial summaries follow it, separated by blank lines. "
-                 "Answer with the combined summary only.")
+AGG_PREAMBLE = (
+    "You summarise records. Follow the instruction, which names the records' fields in [brackets]; "
+    "the records follow it, separated by blank lines. Answer with the summary only."
+)
+FOLD_PREAMBLE = (
+    "You combine partial summaries of records into one summary. Follow the instruction, which names "
+    "the records' fields in [brackets]; the partial summaries follow it, separated by blank lines. "
+    "Answer with the combined summary only."
+)
 _BODY = "__dfllm_body__"
 _SUMMARY, _ERR = "__dfllm_summary__", "__dfllm_error__"
 SEPARATOR = "\n\n"
@@ -91,8 +95,8 @@ def pack(texts: Sequence[str], budget: int, tokenizer) -> tuple[list[list[str]],
     for n, text in enumerate(texts):
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) > budget:
-            text = tokenizer.decode(ids[:max(budget - sep, 1)])
-            ids = ids[:max(budget - sep, 1)]
+            text = tokenizer.decode(ids[: max(budget - sep, 1)])
+            ids = ids[: max(budget - sep, 1)]
             notes.append(f"text {n} was cut to {len(ids)} tokens to fit max_model_len")
         cost = len(ids) + sep
         if current and used + cost > budget:
@@ -251,8 +255,9 @@ class AggCombine:
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         keys, groups, notes = [], [], []
-        items = [((), df)] if not self.spec.by else df.groupby(list(self.spec.by), sort=True, dropna=False,
-                                                               observed=True)
+        items = (
+            [((), df)] if not self.spec.by else df.groupby(list(self.spec.by), sort=True, dropna=False, observed=True)
+        )
         for key, g in items:
             if not len(g):
                 continue
@@ -276,9 +281,22 @@ class AggCombine:
         return _frame(keys, texts, errors, self.spec, df.iloc[:0], self.final)
 
 
-def semantic_agg(accessor, instruction: str, *, by, model, output_column: str, max_tokens: int, chat: bool,
-                 split_every: int, on_error: str, resources: dict | None, cache, return_stats: bool,
-                 engine_kwargs: dict):
+def semantic_agg(
+    accessor,
+    instruction: str,
+    *,
+    by,
+    model,
+    output_column: str,
+    max_tokens: int,
+    chat: bool,
+    split_every: int,
+    on_error: str,
+    resources: dict | None,
+    cache,
+    return_stats: bool,
+    engine_kwargs: dict,
+):
     """``df.llm.agg``: see :meth:`SemanticFrameMethods.agg`."""
     from dfllm.models.bundled import DEFAULT_CHAT_MODEL
 
@@ -302,38 +320,63 @@ def semantic_agg(accessor, instruction: str, *, by, model, output_column: str, m
     for preamble, label in ((AGG_PREAMBLE, "records"), (FOLD_PREAMBLE, "partial summaries")):
         prompt = semantic_prompt(preamble, instruction, {label: _BODY}, chat=chat)
         try:
-            task = make_task("chat" if chat else "generate", (prompt.template,), [_BODY], output_column="__out",
-                             model=model, sampling_params={"temperature": 0.0, "max_tokens": max_tokens},
-                             system=prompt.system, on_error=on_error, engine_kwargs=engine_kwargs, cache=cache,
-                             model_check=accessor._model_check(resources))
+            task = make_task(
+                "chat" if chat else "generate",
+                (prompt.template,),
+                [_BODY],
+                output_column="__out",
+                model=model,
+                sampling_params={"temperature": 0.0, "max_tokens": max_tokens},
+                system=prompt.system,
+                on_error=on_error,
+                engine_kwargs=engine_kwargs,
+                cache=cache,
+                model_check=accessor._model_check(resources),
+            )
         except ValueError as exc:
             raise ValueError(f"agg: {exc}") from None
         tasks.append(task)
         tok = _tokenizer(model_name)
         fixed = prompt.text({_BODY: ""})
         if chat and getattr(tok, "chat_template", None):
-            msgs = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + \
-                [{"role": "user", "content": prompt.template.format(**{_BODY: ""})}]
+            msgs = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+                {"role": "user", "content": prompt.template.format(**{_BODY: ""})}
+            ]
             rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             n_fixed = len(tok.encode(rendered, add_special_tokens=False))
         else:
             n_fixed = len(tok.encode(fixed))
         budget = _model_len(model_name, engine_kwargs) - max_tokens - n_fixed - 8
         if budget < 16:
-            raise ValueError(f"agg: max_model_len leaves {budget} tokens for records after the prompt's "
-                             f"{n_fixed} and max_tokens={max_tokens}; raise max_model_len or lower max_tokens")
+            raise ValueError(
+                f"agg: max_model_len leaves {budget} tokens for records after the prompt's "
+                f"{n_fixed} and max_tokens={max_tokens}; raise max_model_len or lower max_tokens"
+            )
         budgets.append(budget)
-    spec = AggSpec(tasks[0], tasks[1], tuple(fields), by_cols, model_name, budgets[0], budgets[1], output_column,
-                   split_every, operator_resources(accessor, resources))
+    spec = AggSpec(
+        tasks[0],
+        tasks[1],
+        tuple(fields),
+        by_cols,
+        model_name,
+        budgets[0],
+        budgets[1],
+        output_column,
+        split_every,
+        operator_resources(accessor, resources),
+    )
     obj = accessor._obj
     if frame_kind(obj) == "dask":
         if return_stats:
             raise ValueError("agg: return_stats=True needs an eager frame (pandas or Polars)")
         meta = _frame([], [], [], spec, obj._meta, True)
-        return obj.reduction(Placed(AggChunk(spec), spec.resources, "agg"),
-                             aggregate=Placed(AggCombine(spec, final=True), spec.resources, "agg"),
-                             combine=Placed(AggCombine(spec), spec.resources, "agg"), split_every=split_every,
-                             meta=meta)
+        return obj.reduction(
+            Placed(AggChunk(spec), spec.resources, "agg"),
+            aggregate=Placed(AggCombine(spec, final=True), spec.resources, "agg"),
+            combine=Placed(AggCombine(spec), spec.resources, "agg"),
+            split_every=split_every,
+            meta=meta,
+        )
     cost = SemanticCost()
     out = agg_frame(to_pandas(obj), spec, cost)
     result = back(obj, out)

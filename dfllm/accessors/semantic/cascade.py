@@ -138,8 +138,9 @@ class CascadeStats:
 
 
 # ---- the statistics -----------------------------------------------------------------------------------
-def importance_sample(scores: np.ndarray, size: int, weight: float, rng: np.random.Generator
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def importance_sample(
+    scores: np.ndarray, size: int, weight: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """``(draws, corrections)``: ``size`` positions drawn with replacement, position ``i``
     with probability ``weight * sqrt(s_i) / sum(sqrt(s)) + (1 - weight) / n`` (a missing
     score counts as 0.5), and each draw's correction ``(1 / n) / w_i``."""
@@ -171,12 +172,19 @@ def ratio_bound(num: np.ndarray, other: np.ndarray, z: float, pseudo: float) -> 
         return 1.0, 0.0
     est = float(num.sum() / total.sum())
     influence = (num - est * total) / total.mean()
-    return float(num[:-1].sum() / total[:-1].sum()) if total[:-1].sum() > 0 else 1.0, \
-        est - z * float(influence.std()) / math.sqrt(len(num))
+    return float(num[:-1].sum() / total[:-1].sum()) if total[:-1].sum() > 0 else 1.0, est - z * float(
+        influence.std()
+    ) / math.sqrt(len(num))
 
 
-def learn_thresholds(scores: np.ndarray, labels: np.ndarray, corrections: np.ndarray, recall_target: float,
-                     precision_target: float, failure_probability: float) -> dict:
+def learn_thresholds(
+    scores: np.ndarray,
+    labels: np.ndarray,
+    corrections: np.ndarray,
+    recall_target: float,
+    precision_target: float,
+    failure_probability: float,
+) -> dict:
     """The thresholds ``tau_neg < tau_pos`` from the sample's draws (their proxy scores,
     the oracle's labels and the corrections; NaN scores are always the oracle's), and the
     estimates and bounds at them (see the module's docstring)."""
@@ -210,8 +218,14 @@ def learn_thresholds(scores: np.ndarray, labels: np.ndarray, corrections: np.nda
             break
     est_r, bound_r = recall(tau_neg)
     est_p, bound_p = precision(tau_neg, tau_pos)
-    return {"tau_neg": tau_neg, "tau_pos": tau_pos, "estimated_recall": est_r, "recall_bound": bound_r,
-            "estimated_precision": est_p, "precision_bound": bound_p}
+    return {
+        "tau_neg": tau_neg,
+        "tau_pos": tau_pos,
+        "estimated_recall": est_r,
+        "recall_bound": bound_r,
+        "estimated_precision": est_p,
+        "precision_bound": bound_p,
+    }
 
 
 def sample_size(rows: int, cascade: Cascade) -> int:
@@ -219,8 +233,9 @@ def sample_size(rows: int, cascade: Cascade) -> int:
     return min(rows, max(cascade.min_sample, math.ceil(cascade.sample_fraction * rows))) if rows else 0
 
 
-def run_cascade(scores: np.ndarray, oracle: Callable[[np.ndarray], np.ndarray], cascade: Cascade
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, CascadeStats]:
+def run_cascade(
+    scores: np.ndarray, oracle: Callable[[np.ndarray], np.ndarray], cascade: Cascade
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, CascadeStats]:
     """A cascade over ``scores`` (the proxy's probability that each row is positive; NaN:
     none), ``oracle(positions)`` giving the large model's labels of those rows (bool; NaN for
     a row it failed on). Returns ``(sampled, band, decisions, stats)``: the distinct sampled
@@ -234,17 +249,33 @@ def run_cascade(scores: np.ndarray, oracle: Callable[[np.ndarray], np.ndarray], 
     labels = dict(zip(sampled.tolist(), np.asarray(oracle(sampled), dtype=float).tolist(), strict=True))
     drawn = np.array([labels[d] for d in draws.tolist()], dtype=float)
     ok = ~np.isnan(drawn)  # draws of rows the oracle failed on teach nothing
-    learned = learn_thresholds(np.asarray(scores, dtype=float)[draws[ok]], drawn[ok] > 0.5, corrections[ok],
-                               cascade.recall_target, cascade.precision_target, cascade.failure_probability)
+    learned = learn_thresholds(
+        np.asarray(scores, dtype=float)[draws[ok]],
+        drawn[ok] > 0.5,
+        corrections[ok],
+        cascade.recall_target,
+        cascade.precision_target,
+        cascade.failure_probability,
+    )
     s = np.asarray(scores, dtype=float)
     in_sample = np.zeros(n, dtype=bool)
     in_sample[sampled] = True
     uncertain = np.isnan(s) | ((s > learned["tau_neg"]) & (s < learned["tau_pos"]))
     band = np.flatnonzero(uncertain & ~in_sample)
     large = len(sampled) + len(band)
-    stats = CascadeStats(n, len(draws), len(sampled), len(band), large, large / n if n else 0.0,
-                         recall_target=cascade.recall_target, precision_target=cascade.precision_target,
-                         failure_probability=cascade.failure_probability, proxy=cascade.proxy, **learned)
+    stats = CascadeStats(
+        n,
+        len(draws),
+        len(sampled),
+        len(band),
+        large,
+        large / n if n else 0.0,
+        recall_target=cascade.recall_target,
+        precision_target=cascade.precision_target,
+        failure_probability=cascade.failure_probability,
+        proxy=cascade.proxy,
+        **learned,
+    )
     return sampled, band, np.nan_to_num(s, nan=0.0) >= learned["tau_pos"], stats
 
 
@@ -281,8 +312,10 @@ class ModelScore:
         verdict, prob = df.pop(PROXY_VERDICT), df.pop(PROXY_PROB)
         v = verdict.astype(object).to_numpy()
         p = prob.astype(float).to_numpy()
-        score = [None if vi is None or vi is pd.NA or np.isnan(pi) else (pi if vi else 1 - pi)
-                 for vi, pi in zip(v, p, strict=True)]
+        score = [
+            None if vi is None or vi is pd.NA or np.isnan(pi) else (pi if vi else 1 - pi)
+            for vi, pi in zip(v, p, strict=True)
+        ]
         errors = df.pop(LLM_ERROR)
         df[SCORE] = pd.Series(score, index=df.index, dtype=FLOAT)
         df[PROXY_VERDICT] = verdict
@@ -301,23 +334,51 @@ class Chain:
         return self.second(self.first(df))
 
 
-def proxy_step(accessor, instruction: str, cascade: Cascade, columns: list[str], *, chat: bool, logprobs: int,
-               resources) -> tuple[SemanticFunction, Callable]:
+def proxy_step(
+    accessor, instruction: str, cascade: Cascade, columns: list[str], *, chat: bool, logprobs: int, resources
+) -> tuple[SemanticFunction, Callable]:
     """``(step, finish)``: the proxy's pass (its score in ``SCORE``, its errors in ``llm_error``)."""
     kwargs = dict(cascade.proxy_kwargs)
     if cascade.proxy == "model":
-        task, shadow = judge_task(accessor, instruction, model=cascade.proxy_model, return_explanations=False,
-                                  chat=chat, logprobs=logprobs, max_explanation_tokens=0, on_error="null",
-                                  resources=resources, cache=None, engine_kwargs=kwargs, what="cascade proxy",
-                                  columns=columns)
-        step = judge_step(task, shadow, keep=True, output_column=PROXY_VERDICT, probability_column=PROXY_PROB,
-                          return_explanations=False, explanation_column="", resources=resources)
+        task, shadow = judge_task(
+            accessor,
+            instruction,
+            model=cascade.proxy_model,
+            return_explanations=False,
+            chat=chat,
+            logprobs=logprobs,
+            max_explanation_tokens=0,
+            on_error="null",
+            resources=resources,
+            cache=None,
+            engine_kwargs=kwargs,
+            what="cascade proxy",
+            columns=columns,
+        )
+        step = judge_step(
+            task,
+            shadow,
+            keep=True,
+            output_column=PROXY_VERDICT,
+            probability_column=PROXY_PROB,
+            return_explanations=False,
+            explanation_column="",
+            resources=resources,
+        )
         return step, ModelScore()
     fields = instruction_fields(instruction)
     shadow, seen = shadowed(columns, "embed", EMBEDDING, (), fields)
     model = cascade.proxy_model
-    task = make_llm_task(accessor, "embed", (record_template(fields),), resources, model=model, columns=seen,
-                         output_column=EMBEDDING, engine_kwargs=kwargs)
+    task = make_llm_task(
+        accessor,
+        "embed",
+        (record_template(fields),),
+        resources,
+        model=model,
+        columns=seen,
+        output_column=EMBEDDING,
+        engine_kwargs=kwargs,
+    )
     query = pd.DataFrame({"q": [render_instruction(instruction)]}).llm.embed("q", model=task.model, **kwargs)
     if query[LLM_ERROR].notna().any():
         raise ValueError(f"cascade: the instruction could not be embedded: {query[LLM_ERROR].iloc[0]}")
@@ -337,9 +398,19 @@ class CascadeFinish:
     """Each partition's verdicts: the sample's (known), the band's (the oracle, run here) and
     the proxy's (the rest); then the operator's columns, and for filter its rows."""
 
-    def __init__(self, oracle: SemanticFunction, inputs: list[str], known: pd.DataFrame, band: np.ndarray,
-                 decisions: np.ndarray, output_column: str, probability_column: str,
-                 explanation_column: str | None, keep: bool, prior: bool):
+    def __init__(
+        self,
+        oracle: SemanticFunction,
+        inputs: list[str],
+        known: pd.DataFrame,
+        band: np.ndarray,
+        decisions: np.ndarray,
+        output_column: str,
+        probability_column: str,
+        explanation_column: str | None,
+        keep: bool,
+        prior: bool,
+    ):
         self.oracle, self.inputs, self.known = oracle, inputs, known
         self.band, self.decisions = frozenset(band.tolist()), decisions
         self.output_column, self.probability_column = output_column, probability_column
@@ -375,13 +446,14 @@ class CascadeFinish:
             if self.explanation_column is not None:
                 note[mask] = judged[self.explanation_column].astype(object).to_numpy()
         out = part[self.inputs].copy()
-        out[self.output_column] = pd.Series([None if v is pd.NA else v for v in verdict], index=part.index,
-                                            dtype=BOOL)
-        out[self.probability_column] = pd.Series([None if v is pd.NA else v for v in prob], index=part.index,
-                                                 dtype=FLOAT)
+        out[self.output_column] = pd.Series([None if v is pd.NA else v for v in verdict], index=part.index, dtype=BOOL)
+        out[self.probability_column] = pd.Series(
+            [None if v is pd.NA else v for v in prob], index=part.index, dtype=FLOAT
+        )
         if self.explanation_column is not None:
-            out[self.explanation_column] = pd.Series([None if v is pd.NA else v for v in note], index=part.index,
-                                                     dtype=STRING)
+            out[self.explanation_column] = pd.Series(
+                [None if v is pd.NA else v for v in note], index=part.index, dtype=STRING
+            )
         out[SOURCE] = pd.Series(source, index=part.index, dtype=STRING)
         new = pd.Series([None if v is pd.NA else v for v in error], index=part.index, dtype=STRING)
         if self.prior:
@@ -398,10 +470,27 @@ class CascadeFinish:
         return out
 
 
-def cascade_judge(accessor, instruction: str, cascade: Cascade, *, keep: bool, model, output_column: str,
-                  probability_column: str, return_explanations: bool, explanation_column: str, return_stats: bool,
-                  chat: bool, logprobs: int, max_explanation_tokens: int, on_error: str, resources, cache,
-                  engine_kwargs: dict, what: str):
+def cascade_judge(
+    accessor,
+    instruction: str,
+    cascade: Cascade,
+    *,
+    keep: bool,
+    model,
+    output_column: str,
+    probability_column: str,
+    return_explanations: bool,
+    explanation_column: str,
+    return_stats: bool,
+    chat: bool,
+    logprobs: int,
+    max_explanation_tokens: int,
+    on_error: str,
+    resources,
+    cache,
+    engine_kwargs: dict,
+    what: str,
+):
     """``.llm.judge``/``.llm.filter`` with ``cascade=``: see the module's docstring."""
     if not isinstance(cascade, Cascade):
         raise ValueError(f"{what}: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
@@ -424,16 +513,34 @@ def cascade_judge(accessor, instruction: str, cascade: Cascade, *, keep: bool, m
         frame = frame.assign(**{POS: ones.cumsum() - 1})
     else:
         frame = frame.assign(**{POS: np.arange(len(frame), dtype=np.int64)})
-    oracle_task, oracle_shadow = judge_task(accessor, instruction, model=model, return_explanations=return_explanations,
-                                            chat=chat, logprobs=logprobs,
-                                            max_explanation_tokens=max_explanation_tokens, on_error="null",
-                                            resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what,
-                                            columns=inputs)
-    oracle = judge_step(oracle_task, oracle_shadow, keep=True, output_column=output_column,
-                        probability_column=probability_column, return_explanations=return_explanations,
-                        explanation_column=explanation_column, resources=resources)
-    step, finish = proxy_step(accessor, instruction, cascade, [*inputs, POS], chat=chat, logprobs=logprobs,
-                              resources=resources)
+    oracle_task, oracle_shadow = judge_task(
+        accessor,
+        instruction,
+        model=model,
+        return_explanations=return_explanations,
+        chat=chat,
+        logprobs=logprobs,
+        max_explanation_tokens=max_explanation_tokens,
+        on_error="null",
+        resources=resources,
+        cache=cache,
+        engine_kwargs=engine_kwargs,
+        what=what,
+        columns=inputs,
+    )
+    oracle = judge_step(
+        oracle_task,
+        oracle_shadow,
+        keep=True,
+        output_column=output_column,
+        probability_column=probability_column,
+        return_explanations=return_explanations,
+        explanation_column=explanation_column,
+        resources=resources,
+    )
+    step, finish = proxy_step(
+        accessor, instruction, cascade, [*inputs, POS], chat=chat, logprobs=logprobs, resources=resources
+    )
     scored_step = SemanticFunction(step.name, step.task, Chain(step.post, finish), step.resources, step.shadow)
     scored = run_step(frame, scored_step)
     if dask:
@@ -452,16 +559,39 @@ def cascade_judge(accessor, instruction: str, cascade: Cascade, *, keep: bool, m
         return np.array([np.nan if x is None or x is pd.NA else float(bool(x)) for x in v], dtype=float)
 
     sampled, band, decisions, stats = run_cascade(scores, judge_sample, cascade)
-    logger.info("%s cascade: %d of %d rows (%.1f%%) went to the large model (%d sampled, %d uncertain); estimated "
-                "recall %.3f (bound %.3f, target %.3f), precision %.3f (bound %.3f, target %.3f)", what,
-                stats.large_model_rows, stats.rows, 100 * stats.large_model_share, stats.sampled_rows,
-                stats.band_rows, stats.estimated_recall, stats.recall_bound, stats.recall_target,
-                stats.estimated_precision, stats.precision_bound, stats.precision_target)
-    keep_columns = [c for c in [output_column, probability_column, LLM_ERROR]
-                    + ([explanation_column] if return_explanations else [])]
+    logger.info(
+        "%s cascade: %d of %d rows (%.1f%%) went to the large model (%d sampled, %d uncertain); estimated "
+        "recall %.3f (bound %.3f, target %.3f), precision %.3f (bound %.3f, target %.3f)",
+        what,
+        stats.large_model_rows,
+        stats.rows,
+        100 * stats.large_model_share,
+        stats.sampled_rows,
+        stats.band_rows,
+        stats.estimated_recall,
+        stats.recall_bound,
+        stats.recall_target,
+        stats.estimated_precision,
+        stats.precision_bound,
+        stats.precision_target,
+    )
+    keep_columns = [
+        c
+        for c in [output_column, probability_column, LLM_ERROR] + ([explanation_column] if return_explanations else [])
+    ]
     known_frame = known[0][keep_columns] if known else pd.DataFrame(columns=keep_columns)
-    fin = CascadeFinish(oracle, inputs, known_frame, band, decisions, output_column, probability_column,
-                        explanation_column if return_explanations else None, keep, prior)
+    fin = CascadeFinish(
+        oracle,
+        inputs,
+        known_frame,
+        band,
+        decisions,
+        output_column,
+        probability_column,
+        explanation_column if return_explanations else None,
+        keep,
+        prior,
+    )
     if dask:
         result = scored.map_partitions(fin, meta=fin(scored._meta))
     else:

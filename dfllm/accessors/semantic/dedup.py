@@ -37,8 +37,10 @@ from dfllm.tasks.schema import LLM_ERROR
 
 logger = logging.getLogger("dfllm")
 
-DEDUP_PREAMBLE = ("You judge whether two records, A and B, are near-duplicates. The statement to judge comes first; "
-                  "the two records follow it.")
+DEDUP_PREAMBLE = (
+    "You judge whether two records, A and B, are near-duplicates. The statement to judge comes first; "
+    "the two records follow it."
+)
 DEFAULT_CONFIRM = "The two records are near-duplicates: they say the same thing, perhaps in other words."
 _EMB, _ERR, _PART, _POS = "__dfllm_embedding__", "__dfllm_error__", "__dfllm_part__", "__dfllm_pos__"
 
@@ -79,15 +81,16 @@ def candidate_links(vecs: np.ndarray, ok: np.ndarray, threshold: float, block: i
     idx = np.flatnonzero(ok)
     links: list[tuple[int, int]] = []
     for start in range(0, len(idx), block):
-        rows = idx[start:start + block]
+        rows = idx[start : start + block]
         sims = vecs[rows] @ vecs[idx[start:]].T  # this block against itself and every later row
         a, b = np.nonzero(np.triu(sims >= threshold, k=1))
         links += [(int(rows[i]), int(idx[start + j])) for i, j in zip(a, b)]
     return sorted(links)
 
 
-def cluster(vecs: np.ndarray, errors: list, texts: list, spec: DedupSpec, cost: SemanticCost,
-            labels: list | None = None) -> tuple[list, list]:
+def cluster(
+    vecs: np.ndarray, errors: list, texts: list, spec: DedupSpec, cost: SemanticCost, labels: list | None = None
+) -> tuple[list, list]:
     """Each row's cluster id (None where it failed) and error, for rows in frame order
     (``labels``: the rows' index labels, for messages)."""
     labels = labels if labels is not None else list(range(len(errors)))
@@ -118,8 +121,11 @@ def cluster(vecs: np.ndarray, errors: list, texts: list, spec: DedupSpec, cost: 
 def _vectors(df: pd.DataFrame) -> np.ndarray:
     vecs = df[_EMB].tolist()
     dim = next((len(v) for v in vecs if v is not None and len(v)), 0)
-    return np.stack([np.asarray(v, np.float32) if v is not None and len(v) else np.zeros(dim, np.float32)
-                     for v in vecs]) if vecs else np.zeros((0, 0), np.float32)
+    return (
+        np.stack([np.asarray(v, np.float32) if v is not None and len(v) else np.zeros(dim, np.float32) for v in vecs])
+        if vecs
+        else np.zeros((0, 0), np.float32)
+    )
 
 
 def _embed(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> tuple[np.ndarray, list]:
@@ -131,8 +137,9 @@ def _embed(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> tuple[np.nd
 
 def _labelled(df: pd.DataFrame, ids: list, errors: list, spec: DedupSpec, offset: int = 0) -> pd.DataFrame:
     out = df.drop(columns=[LLM_ERROR], errors="ignore").copy()
-    out[spec.cluster_column] = pd.Series([None if c is None else c + offset for c in ids], index=df.index,
-                                         dtype="int64[pyarrow]")
+    out[spec.cluster_column] = pd.Series(
+        [None if c is None else c + offset for c in ids], index=df.index, dtype="int64[pyarrow]"
+    )
     rep = [None if c is None else c == n for n, c in enumerate(ids)]
     out[spec.representative_column] = pd.Series(rep, index=df.index, dtype="bool[pyarrow]")
     out[LLM_ERROR] = pd.Series(errors, index=df.index, dtype="string[pyarrow]")
@@ -144,8 +151,12 @@ def dedup_frame(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> pd.Dat
     vecs, errors = _embed(df, spec, cost)
     ids, errors = cluster(vecs, errors, df[spec.column].astype(object).tolist(), spec, cost, list(df.index))
     if len(df):
-        logger.info("dedup: %d rows, %d candidate pairs, %d clusters", len(df),
-                    cost.counts.get("candidate_pairs", 0), len({c for c in ids if c is not None}))
+        logger.info(
+            "dedup: %d rows, %d candidate pairs, %d clusters",
+            len(df),
+            cost.counts.get("candidate_pairs", 0),
+            len({c for c in ids if c is not None}),
+        )
     return _labelled(df, ids, errors, spec)
 
 
@@ -158,13 +169,18 @@ class EmbedRows:
     def __call__(self, df: pd.DataFrame, partition_info=None) -> pd.DataFrame:
         vecs, errors = _embed(df, self.spec, SemanticCost())
         number = 0 if partition_info is None else partition_info["number"]
-        return pd.DataFrame({_EMB: list(vecs) if len(df) else pd.Series([], dtype=object),
-                             _ERR: pd.Series(errors, dtype=object),
-                             "__text": [None] * len(df) if self.spec.images  # the images stay here
-                             else df[self.spec.column].astype(object).to_numpy(),
-                             _PART: pd.Series([number] * len(df), dtype="int64"),
-                             _POS: pd.Series(range(len(df)), dtype="int64"),
-                             "__label": pd.Series(list(df.index), dtype=object)})
+        return pd.DataFrame(
+            {
+                _EMB: list(vecs) if len(df) else pd.Series([], dtype=object),
+                _ERR: pd.Series(errors, dtype=object),
+                "__text": [None] * len(df)
+                if self.spec.images  # the images stay here
+                else df[self.spec.column].astype(object).to_numpy(),
+                _PART: pd.Series([number] * len(df), dtype="int64"),
+                _POS: pd.Series(range(len(df)), dtype="int64"),
+                "__label": pd.Series(list(df.index), dtype=object),
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,12 +191,18 @@ class ClusterAll:
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         df = df.sort_values([_PART, _POS], kind="stable").reset_index(drop=True)
-        ids, errors = cluster(_vectors(df), list(df[_ERR]), df["__text"].tolist(), self.spec, SemanticCost(),
-                              list(df["__label"]))
-        return pd.DataFrame({_PART: df[_PART], _POS: df[_POS], "__cluster": pd.Series(ids, dtype="Int64"),
-                             "__rep": pd.Series([None if c is None else c == n for n, c in enumerate(ids)],
-                                                dtype="boolean"),
-                             _ERR: pd.Series(errors, dtype=object)})
+        ids, errors = cluster(
+            _vectors(df), list(df[_ERR]), df["__text"].tolist(), self.spec, SemanticCost(), list(df["__label"])
+        )
+        return pd.DataFrame(
+            {
+                _PART: df[_PART],
+                _POS: df[_POS],
+                "__cluster": pd.Series(ids, dtype="Int64"),
+                "__rep": pd.Series([None if c is None else c == n for n, c in enumerate(ids)], dtype="boolean"),
+                _ERR: pd.Series(errors, dtype=object),
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,15 +219,31 @@ class Attach:
         ids = [None if pd.isna(c) else int(c) for c in mine["__cluster"]]
         out = df.drop(columns=[LLM_ERROR], errors="ignore").copy()
         out[self.spec.cluster_column] = pd.Series(ids, index=df.index, dtype="int64[pyarrow]")
-        out[self.spec.representative_column] = pd.Series([None if pd.isna(r) else bool(r) for r in mine["__rep"]],
-                                                         index=df.index, dtype="bool[pyarrow]")
+        out[self.spec.representative_column] = pd.Series(
+            [None if pd.isna(r) else bool(r) for r in mine["__rep"]], index=df.index, dtype="bool[pyarrow]"
+        )
         out[LLM_ERROR] = pd.Series(list(mine[_ERR]), index=df.index, dtype="string[pyarrow]")
         return out
 
 
-def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, embed_model, cluster_column: str,
-                   representative_column: str, chat: bool, on_error: str, resources: dict | None, cache,
-                   return_stats: bool, engine_kwargs: dict, images: bool = False):
+def semantic_dedup(
+    accessor,
+    column: str,
+    *,
+    threshold: float,
+    confirm,
+    model,
+    embed_model,
+    cluster_column: str,
+    representative_column: str,
+    chat: bool,
+    on_error: str,
+    resources: dict | None,
+    cache,
+    return_stats: bool,
+    engine_kwargs: dict,
+    images: bool = False,
+):
     """``df.llm.dedup``: see :meth:`SemanticFrameMethods.dedup`."""
     columns = columns_of(accessor._obj)
     if column not in columns:
@@ -220,30 +258,62 @@ def semantic_dedup(accessor, column: str, *, threshold: float, confirm, model, e
     if not isinstance(images, (bool, np.bool_)):
         raise ValueError(f"dedup: images must be True or False, got {images!r}")
     if images and confirm:
-        raise ValueError("dedup: confirm= has a language model judge each pair's texts; with images=True the "
-                         "clusters come from the image embeddings alone (leave confirm off)")
-    embedder = make_embedder(accessor, "{__text}", ["__text"], model=embed_model, resources=resources,
-                             engine_kwargs=None, what="dedup", images="images=True" if images else None)
+        raise ValueError(
+            "dedup: confirm= has a language model judge each pair's texts; with images=True the "
+            "clusters come from the image embeddings alone (leave confirm off)"
+        )
+    embedder = make_embedder(
+        accessor,
+        "{__text}",
+        ["__text"],
+        model=embed_model,
+        resources=resources,
+        engine_kwargs=None,
+        what="dedup",
+        images="images=True" if images else None,
+    )
     judge = None
     if confirm:
         statement = DEFAULT_CONFIRM if confirm is True else confirm
         if not isinstance(statement, str):
             raise ValueError(f"dedup: confirm is True or a statement about records A and B, got {confirm!r}")
-        judge = make_judge(accessor, ["__a_text", "__b_text"], statement.replace("{", "{{").replace("}", "}}"),
-                           DEDUP_PREAMBLE, answer="Does the statement hold for A and B? Answer True or False.",
-                           choices=TRUE_FALSE, names=None, model=model, chat=chat, sampling_params=None,
-                           on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs,
-                           what="dedup", record={"A": "__a_text", "B": "__b_text"})
-    spec = DedupSpec(column, float(threshold), embedder, judge, cluster_column, representative_column,
-                     operator_resources(accessor, resources), bool(images))
+        judge = make_judge(
+            accessor,
+            ["__a_text", "__b_text"],
+            statement.replace("{", "{{").replace("}", "}}"),
+            DEDUP_PREAMBLE,
+            answer="Does the statement hold for A and B? Answer True or False.",
+            choices=TRUE_FALSE,
+            names=None,
+            model=model,
+            chat=chat,
+            sampling_params=None,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            engine_kwargs=engine_kwargs,
+            what="dedup",
+            record={"A": "__a_text", "B": "__b_text"},
+        )
+    spec = DedupSpec(
+        column,
+        float(threshold),
+        embedder,
+        judge,
+        cluster_column,
+        representative_column,
+        operator_resources(accessor, resources),
+        bool(images),
+    )
     obj = accessor._obj
     if frame_kind(obj) == "dask":
         if return_stats:
             raise ValueError("dedup: return_stats=True needs an eager frame (pandas or Polars)")
         meta = _labelled(obj._meta, [], [], spec)
         stage1 = obj.map_partitions(Placed(EmbedRows(spec), spec.resources, "embed"), meta=EmbedRows(spec)(obj._meta))
-        labels = stage1.repartition(npartitions=1).map_partitions(Placed(ClusterAll(spec), spec.resources, "dedup"),
-                                                                  meta=ClusterAll(spec)(stage1._meta))
+        labels = stage1.repartition(npartitions=1).map_partitions(
+            Placed(ClusterAll(spec), spec.resources, "dedup"), meta=ClusterAll(spec)(stage1._meta)
+        )
         return obj.map_partitions(Attach(spec), labels, meta=meta, align_dataframes=False)
     cost = SemanticCost()
     out = dedup_frame(to_pandas(obj), spec, cost)

@@ -21,14 +21,21 @@ from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import LLM_ERROR, structured_dtype
 
-EXTRACT_PREAMBLE = ("You extract structured data from a record. Reply with one JSON object with these fields: "
-                    "{fields}.")
+EXTRACT_PREAMBLE = "You extract structured data from a record. Reply with one JSON object with these fields: {fields}."
 ANSWER = "Reply with the JSON object only."
 TEXT = "__dfllm_sem_struct__"  # the task's own output column (private, so that it clashes with no input)
 DEFAULT_MAX_TOKENS = 256
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
-_NAMES = {"str": str, "string": str, "int": int, "integer": int, "float": float, "number": float, "bool": bool,
-          "boolean": bool}
+_NAMES = {
+    "str": str,
+    "string": str,
+    "int": int,
+    "integer": int,
+    "float": float,
+    "number": float,
+    "bool": bool,
+    "boolean": bool,
+}
 
 
 def type_schema(t, field: str = "") -> dict:
@@ -51,8 +58,10 @@ def type_schema(t, field: str = "") -> dict:
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         return {"anyOf": [*(type_schema(a, field) for a in rest), {"type": "null"}]}
-    raise ValueError(f"extract: field {field!r} has type {t!r}, which has no JSON schema; use str, int, float, "
-                     "bool, list[...], Literal[...], X | None, a pydantic model or a JSON schema dict")
+    raise ValueError(
+        f"extract: field {field!r} has type {t!r}, which has no JSON schema; use str, int, float, "
+        "bool, list[...], Literal[...], X | None, a pydantic model or a JSON schema dict"
+    )
 
 
 def as_json_schema(schema) -> dict:
@@ -67,11 +76,14 @@ def as_json_schema(schema) -> dict:
         props = {name: type_schema(t, name) for name, t in schema.items()}
         out = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
     else:
-        raise ValueError("extract: schema must be a pydantic model, a JSON schema of an object, or a non-empty dict "
-                         f"of field name -> type, got {schema!r}")
+        raise ValueError(
+            "extract: schema must be a pydantic model, a JSON schema of an object, or a non-empty dict "
+            f"of field name -> type, got {schema!r}"
+        )
     if out.get("type") != "object" or not isinstance(out.get("properties"), dict) or not out["properties"]:
-        raise ValueError("extract: the schema must describe an object with properties (its fields), got "
-                         f"{json.dumps(out)[:200]}")
+        raise ValueError(
+            f"extract: the schema must describe an object with properties (its fields), got {json.dumps(out)[:200]}"
+        )
     return out
 
 
@@ -106,15 +118,29 @@ class ExtractStep:
         return out
 
 
-def semantic_extract(accessor, instruction: str, schema, *, model, output_column: str, expand: bool, chat: bool,
-                     sampling_params, on_error: str, resources, cache, engine_kwargs: dict):
+def semantic_extract(
+    accessor,
+    instruction: str,
+    schema,
+    *,
+    model,
+    output_column: str,
+    expand: bool,
+    chat: bool,
+    sampling_params,
+    on_error: str,
+    resources,
+    cache,
+    engine_kwargs: dict,
+):
     """``.llm.extract``: see its docstring."""
     fields = instruction_fields(instruction)
     columns = accessor._columns()
     missing = [f for f in fields if f not in columns]
     if missing:
-        raise ValueError(f"extract: the instruction names column(s) {missing} that are not in the dataframe "
-                         f"(columns: {columns})")
+        raise ValueError(
+            f"extract: the instruction names column(s) {missing} that are not in the dataframe (columns: {columns})"
+        )
     json_schema = as_json_schema(schema)
     try:
         dtype = structured_dtype(("json", StructuredOutputsParams(json=json_schema).key[1]))
@@ -124,17 +150,32 @@ def semantic_extract(accessor, instruction: str, schema, *, model, output_column
     new = list(names) if names is not None else [output_column]
     clash = sorted(set(new) & (set(columns) - {LLM_ERROR}))
     if clash or LLM_ERROR in new:
-        raise ValueError(f"extract: output column(s) {clash or [LLM_ERROR]} already exist or are reserved; "
-                         "choose another output_column, or expand=False")
+        raise ValueError(
+            f"extract: output column(s) {clash or [LLM_ERROR]} already exist or are reserved; "
+            "choose another output_column, or expand=False"
+        )
     kind = "chat" if chat else "generate"
     shadow, seen = shadowed(columns, kind, TEXT, (), fields)
-    prompt = semantic_prompt(EXTRACT_PREAMBLE.format(fields=fields_text(json_schema)), instruction, fields,
-                             answer=ANSWER, chat=chat)
+    prompt = semantic_prompt(
+        EXTRACT_PREAMBLE.format(fields=fields_text(json_schema)), instruction, fields, answer=ANSWER, chat=chat
+    )
     if sampling_params is None:
         sampling_params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS)
     extra = {"system": prompt.system} if chat else {}
-    task = make_llm_task(accessor, kind, (prompt.template,), resources, model=model, columns=seen,
-                         output_column=TEXT, sampling_params=sampling_params, json_schema=json_schema,
-                         on_error=on_error, engine_kwargs=engine_kwargs, cache=cache, **extra)
+    task = make_llm_task(
+        accessor,
+        kind,
+        (prompt.template,),
+        resources,
+        model=model,
+        columns=seen,
+        output_column=TEXT,
+        sampling_params=sampling_params,
+        json_schema=json_schema,
+        on_error=on_error,
+        engine_kwargs=engine_kwargs,
+        cache=cache,
+        **extra,
+    )
     post = ExtractStep(output_column, names, tuple(task_columns(kind, TEXT)))
     return run_step(accessor._obj, SemanticFunction("extract", task, post, resources, shadow))

@@ -26,11 +26,14 @@ from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
 
 BOOL = pd.ArrowDtype(pa.bool_())
 ANSWERS = ("True", "False")
-JUDGE_PREAMBLE = ("You judge whether a claim holds for a record. The claim refers to the record's fields by their "
-                  "names in brackets; the record follows it.")
+JUDGE_PREAMBLE = (
+    "You judge whether a claim holds for a record. The claim refers to the record's fields by their "
+    "names in brackets; the record follows it."
+)
 ANSWER = "Is the claim true for this record? Answer True or False."
-EXPLAINED_ANSWER = ("Is the claim true for this record? Answer True or False, then a colon and a one-sentence "
-                    "explanation.")
+EXPLAINED_ANSWER = (
+    "Is the claim true for this record? Answer True or False, then a colon and a one-sentence explanation."
+)
 DEFAULT_MAX_LOGPROBS = 20  # the engine's max_logprobs unless told otherwise
 TEXT = "__dfllm_sem_text__"  # the task's own output column (private, so that it clashes with no input)
 
@@ -98,43 +101,88 @@ class JudgeStep:
         return out
 
 
-def judge_task(accessor, instruction: str, *, model, return_explanations: bool, chat: bool, logprobs: int,
-               max_explanation_tokens: int, on_error: str, resources, cache, engine_kwargs: dict,
-               what: str = "judge", columns: list[str] | None = None):
+def judge_task(
+    accessor,
+    instruction: str,
+    *,
+    model,
+    return_explanations: bool,
+    chat: bool,
+    logprobs: int,
+    max_explanation_tokens: int,
+    on_error: str,
+    resources,
+    cache,
+    engine_kwargs: dict,
+    what: str = "judge",
+    columns: list[str] | None = None,
+):
     """``(task, shadow)``: the ``.llm`` task judging ``instruction`` on the accessor's frame
     (whose columns are ``columns``, if given)."""
     columns = accessor._columns() if columns is None else columns
     fields = instruction_fields(instruction)
     missing = [f for f in fields if f not in columns]
     if missing:
-        raise ValueError(f"{what}: the instruction names column(s) {missing} that are not in the dataframe "
-                         f"(columns: {columns})")
+        raise ValueError(
+            f"{what}: the instruction names column(s) {missing} that are not in the dataframe (columns: {columns})"
+        )
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
         raise ValueError(f"{what}: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
     if (logprobs == -1 or logprobs > DEFAULT_MAX_LOGPROBS) and "max_logprobs" not in engine_kwargs:
         engine_kwargs = {**engine_kwargs, "max_logprobs": logprobs}  # the engine allows 20 unless told
     kind = "chat" if chat else "generate"
     shadow, seen = shadowed(columns, kind, TEXT, ("logprobs",), fields)
-    prompt = semantic_prompt(JUDGE_PREAMBLE, instruction, fields,
-                             answer=EXPLAINED_ANSWER if return_explanations else ANSWER, chat=chat)
+    prompt = semantic_prompt(
+        JUDGE_PREAMBLE, instruction, fields, answer=EXPLAINED_ANSWER if return_explanations else ANSWER, chat=chat
+    )
     if return_explanations:
-        sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=max_explanation_tokens,
-                                  structured_outputs=StructuredOutputsParams(regex=r"(True|False): [^\n]+"))
+        sampling = SamplingParams(
+            temperature=0.0,
+            logprobs=logprobs,
+            max_tokens=max_explanation_tokens,
+            structured_outputs=StructuredOutputsParams(regex=r"(True|False): [^\n]+"),
+        )
         choice = None
     else:
         sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8)
         choice = list(ANSWERS)
     extra = {"system": prompt.system} if chat else {}
-    task = make_llm_task(accessor, kind, (prompt.template,), resources, model=model, columns=seen,
-                         output_column=TEXT, sampling_params=sampling, choice=choice, on_error=on_error,
-                         engine_kwargs=engine_kwargs, engine_columns=("logprobs",), cache=cache, **extra)
+    task = make_llm_task(
+        accessor,
+        kind,
+        (prompt.template,),
+        resources,
+        model=model,
+        columns=seen,
+        output_column=TEXT,
+        sampling_params=sampling,
+        choice=choice,
+        on_error=on_error,
+        engine_kwargs=engine_kwargs,
+        engine_columns=("logprobs",),
+        cache=cache,
+        **extra,
+    )
     return task, shadow
 
 
-def judge_step(task, shadow, *, keep: bool, output_column: str, probability_column: str,
-               return_explanations: bool, explanation_column: str, resources) -> SemanticFunction:
+def judge_step(
+    task,
+    shadow,
+    *,
+    keep: bool,
+    output_column: str,
+    probability_column: str,
+    return_explanations: bool,
+    explanation_column: str,
+    resources,
+) -> SemanticFunction:
     """The operator (judge or filter) of a judgment ``task``."""
-    post = JudgeStep(output_column, probability_column, explanation_column if return_explanations else None, keep,
-                     tuple(task_columns(task.kind, TEXT, ("logprobs",))))
+    post = JudgeStep(
+        output_column,
+        probability_column,
+        explanation_column if return_explanations else None,
+        keep,
+        tuple(task_columns(task.kind, TEXT, ("logprobs",))),
+    )
     return SemanticFunction("judge" if keep else "filter", task, post, resources, shadow)
-

@@ -40,8 +40,14 @@ class SemanticFunction(WritableFunction):
     message is kept in front of the new one (``"<earlier>; <new>"``), so that chained
     operators lose no row's error."""
 
-    def __init__(self, name: str, task: LLMTask, post: Callable[[pd.DataFrame], pd.DataFrame],
-                 resources: dict | None = None, shadow: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        name: str,
+        task: LLMTask,
+        post: Callable[[pd.DataFrame], pd.DataFrame],
+        resources: dict | None = None,
+        shadow: tuple[str, ...] = (),
+    ):
         if not name.isalpha() or not name.islower():
             raise ValueError(f"a semantic operator's name is lower-case letters, got {name!r}")
         self.name, self.task, self.post, self.resources = name, task, post, resources
@@ -52,8 +58,7 @@ class SemanticFunction(WritableFunction):
     @property
     def write_key(self) -> str:
         # the task but its response cache (which decides no output) and the step after it
-        return canonical({"task": dataclasses.replace(self.task, cache=None), "post": self.post,
-                          "shadow": self.shadow})
+        return canonical({"task": dataclasses.replace(self.task, cache=None), "post": self.post, "shadow": self.shadow})
 
     def model_sources(self) -> tuple:
         return (self.task.model,)
@@ -86,8 +91,14 @@ class SemanticFunction(WritableFunction):
         return self.apply(df, lambda frame, task: run_placed(frame, task, self.resources))
 
     def __dask_tokenize__(self):
-        return (type(self).__name__, self.name, self.task, canonical(self.post), self.shadow,
-                sorted((self.resources or {}).items()))
+        return (
+            type(self).__name__,
+            self.name,
+            self.task,
+            canonical(self.post),
+            self.shadow,
+            sorted((self.resources or {}).items()),
+        )
 
     def __repr__(self) -> str:
         return f"SemanticFunction({self.name!r}, {self.task!r}, {self.post!r}, resources={self.resources!r})"
@@ -100,8 +111,13 @@ def task_columns(kind: str, output_column: str, engine_columns: tuple[str, ...] 
     return list(KINDS[kind].output_dtypes(output_column, (), engine_columns, reasoning=True))
 
 
-def shadowed(columns, kind: str, output_column: str, engine_columns: tuple[str, ...] = (),
-             fields: list[str] | tuple[str, ...] = ()) -> tuple[tuple[str, ...], list[str]]:
+def shadowed(
+    columns,
+    kind: str,
+    output_column: str,
+    engine_columns: tuple[str, ...] = (),
+    fields: list[str] | tuple[str, ...] = (),
+) -> tuple[tuple[str, ...], list[str]]:
     """``(shadow, columns)``: the input columns the task writes too, and the frame's columns
     as the task sees them (those renamed). ``ValueError`` if the instruction reads one of
     them (``fields``)."""
@@ -113,8 +129,9 @@ def shadowed(columns, kind: str, output_column: str, engine_columns: tuple[str, 
     return shadow, [SHADOW + c if c in shadow else c for c in map(str, columns)]
 
 
-def make_llm_task(accessor, kind: str, inputs: tuple[str, ...], resources: dict | None, *, model=None,
-                  columns=None, **kwargs) -> LLMTask:
+def make_llm_task(
+    accessor, kind: str, inputs: tuple[str, ...], resources: dict | None, *, model=None, columns=None, **kwargs
+) -> LLMTask:
     """An ``.llm`` task of ``kind`` checked against the accessor's frame (or ``columns``), as
     the accessor's own methods check theirs (its model check), without running it."""
     from dfllm.tasks.kinds import KINDS
@@ -122,8 +139,14 @@ def make_llm_task(accessor, kind: str, inputs: tuple[str, ...], resources: dict 
     spec = KINDS[kind]
     if not model and spec.default_model:
         model = spec.default_model
-    return make_task(kind, inputs, accessor._columns() if columns is None else columns, model=model,
-                     model_check=accessor._model_check(resources), **kwargs)
+    return make_task(
+        kind,
+        inputs,
+        accessor._columns() if columns is None else columns,
+        model=model,
+        model_check=accessor._model_check(resources),
+        **kwargs,
+    )
 
 
 def run_step(obj, step: SemanticFunction):

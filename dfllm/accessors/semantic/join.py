@@ -30,8 +30,10 @@ from dfllm.tasks.task import LLMTask, make_task
 logger = logging.getLogger("dfllm")
 
 TRUE_FALSE = ("True", "False")
-JOIN_PREAMBLE = ("You judge whether a statement holds for a pair of records, one from the left table and one from "
-                 "the right table. The statement names the records' fields in [brackets]; the records follow it.")
+JOIN_PREAMBLE = (
+    "You judge whether a statement holds for a pair of records, one from the left table and one from "
+    "the right table. The statement names the records' fields in [brackets]; the records follow it."
+)
 SIMILARITY = "similarity"
 _EMB = "__dfllm_embedding__"
 _ERR = "__dfllm_error__"
@@ -101,8 +103,10 @@ class PairJudge:
                 errors[i] = "the judgment gave no answer"
         choices = tuple(self.task.structured[1]) if self.task.structured[:1] == ("choice",) else ()
         if "logprobs" in out.columns and len(choices) == 2:
-            first = [first_choice_probability(lps[0] if isinstance(lps, list) and lps else None, *choices)
-                     for lps in out["logprobs"]]
+            first = [
+                first_choice_probability(lps[0] if isinstance(lps, list) and lps else None, *choices)
+                for lps in out["logprobs"]
+            ]
         else:
             first = [None] * len(out)
         return answers, errors, first
@@ -115,8 +119,11 @@ def first_choice_probability(first_token: dict | None, one: str, other: str) -> 
     whose tokens is listed counted at the smallest listed log-probability. None without them."""
     if not first_token:
         return None
-    entries = [(str(e["decoded_token"]).strip(), e["logprob"]) for e in first_token.values()
-               if e.get("decoded_token") and e.get("logprob") is not None and math.isfinite(e["logprob"])]
+    entries = [
+        (str(e["decoded_token"]).strip(), e["logprob"])
+        for e in first_token.values()
+        if e.get("decoded_token") and e.get("logprob") is not None and math.isfinite(e["logprob"])
+    ]
     if not entries:
         return None
     floor = min(lp for _, lp in entries)
@@ -127,10 +134,26 @@ def first_choice_probability(first_token: dict | None, one: str, other: str) -> 
     return 1.0 / (1.0 + math.exp(mass[1] - mass[0]))
 
 
-def make_judge(accessor, template_columns: Sequence[str], instruction: str, preamble: str, *, answer: str,
-               choices: Sequence[str], names: dict | None, model, chat: bool, sampling_params, on_error: str,
-               resources: dict | None, cache, engine_kwargs: dict, what: str,
-               record: dict | None = None, logprobs: int | None = None) -> PairJudge:
+def make_judge(
+    accessor,
+    template_columns: Sequence[str],
+    instruction: str,
+    preamble: str,
+    *,
+    answer: str,
+    choices: Sequence[str],
+    names: dict | None,
+    model,
+    chat: bool,
+    sampling_params,
+    on_error: str,
+    resources: dict | None,
+    cache,
+    engine_kwargs: dict,
+    what: str,
+    record: dict | None = None,
+    logprobs: int | None = None,
+) -> PairJudge:
     """A :class:`PairJudge` for ``instruction`` (its fields already the pair frame's columns),
     checked now: its task is built as ``.llm.chat``/``.llm.generate`` builds theirs (the model
     checked by the accessor, on a worker for Dask). ``record`` (label -> pair column) lists the
@@ -141,14 +164,27 @@ def make_judge(accessor, template_columns: Sequence[str], instruction: str, prea
     if logprobs is not None:
         params["logprobs"] = logprobs
     if sampling_params is not None:
-        params.update(sampling_params if isinstance(sampling_params, dict) else
-                      {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)})
+        params.update(
+            sampling_params
+            if isinstance(sampling_params, dict)
+            else {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)}
+        )
     try:
-        task = make_task("chat" if chat else "generate", (prompt.template,), list(template_columns),
-                         output_column="__dfllm_answer__", model=model, sampling_params=params,
-                         system=prompt.system if chat else None, on_error=on_error, engine_kwargs=engine_kwargs,
-                         choice=list(choices), model_check=accessor._model_check(resources), cache=cache,
-                         engine_columns=("logprobs",) if logprobs is not None else ())
+        task = make_task(
+            "chat" if chat else "generate",
+            (prompt.template,),
+            list(template_columns),
+            output_column="__dfllm_answer__",
+            model=model,
+            sampling_params=params,
+            system=prompt.system if chat else None,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+            choice=list(choices),
+            model_check=accessor._model_check(resources),
+            cache=cache,
+            engine_columns=("logprobs",) if logprobs is not None else (),
+        )
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return PairJudge(task)
@@ -171,8 +207,10 @@ class Embedder:
         if cost is not None:
             cost.add(out, generative=False)
         errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
-        vecs = [None if e is not None else np.asarray(v, dtype=np.float32)
-                for v, e in zip(out[self.task.output_column], errors)]
+        vecs = [
+            None if e is not None else np.asarray(v, dtype=np.float32)
+            for v, e in zip(out[self.task.output_column], errors)
+        ]
         dim = next((len(v) for v in vecs if v is not None), 0)
         mat = np.zeros((len(vecs), dim), dtype=np.float32)
         for i, v in enumerate(vecs):
@@ -182,8 +220,17 @@ class Embedder:
         return mat, errors
 
 
-def make_embedder(accessor, template: str, columns: Sequence[str], *, model, resources: dict | None,
-                  engine_kwargs: dict | None, what: str, images: str | None = None) -> Embedder:
+def make_embedder(
+    accessor,
+    template: str,
+    columns: Sequence[str],
+    *,
+    model,
+    resources: dict | None,
+    engine_kwargs: dict | None,
+    what: str,
+    images: str | None = None,
+) -> Embedder:
     """An :class:`Embedder` of ``template`` (default model: the bundled MiniLM), checked now.
     ``images`` (the argument that asked for it, e.g. ``"right_images=True"``) embeds the
     single column ``columns[0]`` as images instead (its cells as ``.llm.embed(images=)``
@@ -201,13 +248,26 @@ def make_embedder(accessor, template: str, columns: Sequence[str], *, model, res
 
     try:
         if images:
-            task = make_task("embed", (), list(columns), output_column="__dfllm_vector__",
-                             model=model or DEFAULT_EMBED_MODEL, engine_kwargs=engine_kwargs or {},
-                             model_check=check, images=columns[0])
+            task = make_task(
+                "embed",
+                (),
+                list(columns),
+                output_column="__dfllm_vector__",
+                model=model or DEFAULT_EMBED_MODEL,
+                engine_kwargs=engine_kwargs or {},
+                model_check=check,
+                images=columns[0],
+            )
         else:
-            task = make_task("embed", (template,), list(columns), output_column="__dfllm_vector__",
-                             model=model or DEFAULT_EMBED_MODEL, engine_kwargs=engine_kwargs or {},
-                             model_check=check)
+            task = make_task(
+                "embed",
+                (template,),
+                list(columns),
+                output_column="__dfllm_vector__",
+                model=model or DEFAULT_EMBED_MODEL,
+                engine_kwargs=engine_kwargs or {},
+                model_check=check,
+            )
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return Embedder(task)
@@ -228,8 +288,10 @@ def image_text_model(model: str | None) -> bool | None:
 
 
 def text_only_message(model: str | None) -> str:
-    return (f"{model!r} is a text-only model; embedding images needs an image-text embed_model (CLIP, SigLIP) "
-            "that embeds texts and images into one space")
+    return (
+        f"{model!r} is a text-only model; embedding images needs an image-text embed_model (CLIP, SigLIP) "
+        "that embeds texts and images into one space"
+    )
 
 
 # --- Dask tasks -----------------------------------------------------------------------------------------
@@ -248,8 +310,7 @@ class Placed:
         object.__setattr__(self, "__name__", f"llm-sem-{self.name}")
 
     def __call__(self, *args, partition_info=None):
-        kwargs = {"partition_info": partition_info} \
-            if "partition_info" in inspect.signature(self.fn).parameters else {}
+        kwargs = {"partition_info": partition_info} if "partition_info" in inspect.signature(self.fn).parameters else {}
         if self.resources is None or not _on_worker():
             return self.fn(*args, **kwargs)
         from dfllm.accessors.placement import worker_has
@@ -259,8 +320,14 @@ class Placed:
         from distributed import worker_client
 
         with worker_client() as client:
-            future = client.submit(self.fn, *args, resources=self.resources, pure=False,
-                                   key=f"llm-sem-{self.name}-placed-{uuid.uuid4().hex[:12]}", **kwargs)
+            future = client.submit(
+                self.fn,
+                *args,
+                resources=self.resources,
+                pure=False,
+                key=f"llm-sem-{self.name}-placed-{uuid.uuid4().hex[:12]}",
+                **kwargs,
+            )
             return future.result()
 
 
@@ -385,14 +452,18 @@ def parse_join_instruction(instruction: str, left: list[str], right: list[str]) 
             continue
         if conv or (spec and spec not in ("left", "right")):
             raise ValueError(f"join: {{{name}:{spec}}}: a field is {{column}}, {{column:left}} or {{column:right}}")
-        side = spec or ("left" if name in left and name not in right else "right" if name in right and
-                        name not in left else None)
+        side = spec or (
+            "left" if name in left and name not in right else "right" if name in right and name not in left else None
+        )
         if side is None:
             where = "both frames" if name in left else "neither frame"
-            raise ValueError(f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
-                             f"columns: {right}); write {{{name}:left}} or {{{name}:right}}" if name in left else
-                             f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
-                             f"columns: {right})")
+            raise ValueError(
+                f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
+                f"columns: {right}); write {{{name}:left}} or {{{name}:right}}"
+                if name in left
+                else f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
+                f"columns: {right})"
+            )
         if name not in (left if side == "left" else right):
             raise ValueError(f"join: {{{name}:{side}}}: no column {name!r} in the {side} frame")
         col = f"__{side[0]}_{name}"
@@ -400,8 +471,10 @@ def parse_join_instruction(instruction: str, left: list[str], right: list[str]) 
         names[col] = f"{side}.{name}" if (name in left and name in right) else name
         parts.append("{" + col + "}")
     if not lf or not rf:
-        raise ValueError(f"join: the instruction {instruction!r} must name a field of each frame "
-                         f"(left columns: {left}; right columns: {right})")
+        raise ValueError(
+            f"join: the instruction {instruction!r} must name a field of each frame "
+            f"(left columns: {left}; right columns: {right})"
+        )
     return "".join(parts), list(lf.items()), list(rf.items()), names
 
 
@@ -418,13 +491,18 @@ def _fields_frame(df: pd.DataFrame, fields: Sequence[tuple[str, str]]) -> pd.Dat
     return pd.DataFrame({col: df[src].reset_index(drop=True) for col, src in fields})
 
 
-def embed_side(df: pd.DataFrame, embedder: Embedder, fields: Sequence[tuple[str, str]],
-               cost: SemanticCost | None = None) -> pd.DataFrame:
+def embed_side(
+    df: pd.DataFrame, embedder: Embedder, fields: Sequence[tuple[str, str]], cost: SemanticCost | None = None
+) -> pd.DataFrame:
     """``df`` with its records' unit vectors and each row's error (naming the frame's column)."""
     vecs, errors = embedder(_fields_frame(df, fields), cost)
     errors = [None if e is None else rename_columns(e, fields) for e in errors]
-    return df.assign(**{_EMB: pd.Series(list(vecs) if len(df) else [], index=df.index, dtype=object),
-                        _ERR: pd.Series(errors, index=df.index, dtype=object)})
+    return df.assign(
+        **{
+            _EMB: pd.Series(list(vecs) if len(df) else [], index=df.index, dtype=object),
+            _ERR: pd.Series(errors, index=df.index, dtype=object),
+        }
+    )
 
 
 def rename_columns(message: str, fields: Sequence[tuple[str, str]]) -> str:
@@ -434,8 +512,9 @@ def rename_columns(message: str, fields: Sequence[tuple[str, str]]) -> str:
     return message
 
 
-def candidate_pairs(lv: np.ndarray, rv: np.ndarray, lok: np.ndarray, rok: np.ndarray, k: int | None,
-                    min_similarity: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def candidate_pairs(
+    lv: np.ndarray, rv: np.ndarray, lok: np.ndarray, rok: np.ndarray, k: int | None, min_similarity: float | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(left positions, right positions, similarities)`` of the pairs to judge: for every
     usable left row its ``k`` most similar usable right rows (all of them when ``k`` is None),
     those below ``min_similarity`` left out; ordered by left row, then similarity (highest
@@ -479,8 +558,9 @@ def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: li
     return errors
 
 
-def _assemble(left: pd.DataFrame, right: pd.DataFrame, li: list, ri: list, sims: list | None, errors: list,
-              spec: JoinSpec) -> pd.DataFrame:
+def _assemble(
+    left: pd.DataFrame, right: pd.DataFrame, li: list, ri: list, sims: list | None, errors: list, spec: JoinSpec
+) -> pd.DataFrame:
     """Result rows: left row ``li[n]`` beside right row ``ri[n]`` (None: that side null)."""
     lcols = [c for c in left.columns if c not in (_EMB, _ERR, LLM_ERROR)]
     rcols = [c for c in right.columns if c not in (_EMB, _ERR, LLM_ERROR)]
@@ -488,8 +568,15 @@ def _assemble(left: pd.DataFrame, right: pd.DataFrame, li: list, ri: list, sims:
     rpart = _take(right[rcols], ri).rename(columns=dict(spec.right_names))
     parts = [lpart, rpart]
     if spec.similarity_column:
-        parts.append(pd.DataFrame({spec.similarity_column: pd.Series(sims if sims is not None else [None] * len(li),
-                                                                     dtype="double[pyarrow]")}))
+        parts.append(
+            pd.DataFrame(
+                {
+                    spec.similarity_column: pd.Series(
+                        sims if sims is not None else [None] * len(li), dtype="double[pyarrow]"
+                    )
+                }
+            )
+        )
     parts.append(pd.DataFrame({LLM_ERROR: pd.Series(errors, dtype="string[pyarrow]")}))
     return pd.concat(parts, axis=1)
 
@@ -503,8 +590,9 @@ def _take(df: pd.DataFrame, positions: list) -> pd.DataFrame:
     return rows
 
 
-def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: SemanticCost,
-                report_right_errors: bool = True) -> pd.DataFrame:
+def join_frames(
+    left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: SemanticCost, report_right_errors: bool = True
+) -> pd.DataFrame:
     """The join of two pandas frames (``right`` already embedded when the spec blocks):
     matching pairs, then every left row and (``report_right_errors``) right row that could not
     be used, with its error; a pair whose judgment failed is kept with its error, never dropped."""
@@ -516,8 +604,9 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
     lidx, ridx = list(left.index), list(right.index)
     left, right = left.reset_index(drop=True), right.reset_index(drop=True)
     lerr = _null_fields(left, spec.left_fields, list(left[_ERR]) if blocked else [None] * len(left))
-    rerr = _null_fields(right, spec.right_fields,
-                        list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right))
+    rerr = _null_fields(
+        right, spec.right_fields, list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right)
+    )
     lok = np.array([e is None for e in lerr], dtype=bool)
     rok = np.array([e is None for e in rerr], dtype=bool)
     if blocked:
@@ -534,8 +623,9 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
     out_e: list = []
     sources: list | None = None
     if spec.judge is not None:
-        pairs = pd.concat([_fields_frame(left.iloc[li], spec.left_fields),
-                           _fields_frame(right.iloc[ri], spec.right_fields)], axis=1)
+        pairs = pd.concat(
+            [_fields_frame(left.iloc[li], spec.left_fields), _fields_frame(right.iloc[ri], spec.right_fields)], axis=1
+        )
         if spec.cascade is not None:
             answers, errors, sources = _cascade_pairs(pairs, spec, cost)
         else:
@@ -548,9 +638,13 @@ def join_frames(left: pd.DataFrame, right: pd.DataFrame, spec: JoinSpec, cost: S
                 out_l.append(int(li[n]))
                 out_r.append(int(ri[n]))
                 out_s.append(None if sims is None else float(sims[n]))
-                out_e.append(None if e is None else f"join: the pair (left index {lidx[li[n]]!r}, right index "
-                                                    f"{ridx[ri[n]]!r}) could not be judged: "
-                                                    f"{rename_columns(e, spec.left_fields + spec.right_fields)}")
+                out_e.append(
+                    None
+                    if e is None
+                    else f"join: the pair (left index {lidx[li[n]]!r}, right index "
+                    f"{ridx[ri[n]]!r}) could not be judged: "
+                    f"{rename_columns(e, spec.left_fields + spec.right_fields)}"
+                )
     else:
         for n in range(len(li)):
             out_l.append(int(li[n]))
@@ -585,8 +679,9 @@ def _cascade_pairs(pairs: pd.DataFrame, spec: JoinSpec, cost: SemanticCost) -> t
     readable = pairs.rename(columns=dict(spec.readable))
     kwargs = dict(spec.judge_kwargs)
     engine_kwargs = kwargs.pop("engine_kwargs", {})
-    out, stats = readable.llm.judge(spec.cascade_instruction, cascade=spec.cascade, return_stats=True, **kwargs,
-                                    **engine_kwargs)
+    out, stats = readable.llm.judge(
+        spec.cascade_instruction, cascade=spec.cascade, return_stats=True, **kwargs, **engine_kwargs
+    )
     cost.cascade = stats
     cost.count("large_model_pairs", stats.large_model_rows)
     answers = [None if pd.isna(v) else TRUE_FALSE[0] if bool(v) else TRUE_FALSE[1] for v in out["verdict"]]
@@ -629,57 +724,131 @@ def run_join(accessor, other, spec: JoinSpec, return_stats: bool):
 
         right = other if isinstance(other, dd.DataFrame) else dd.from_pandas(to_pandas(other), npartitions=1)
         if spec.right_embedder is not None:
-            meta_r = right._meta.assign(**{_EMB: pd.Series([], dtype=object),
-                                                                  _ERR: pd.Series([], dtype=object)})
-            right = right.map_partitions(Placed(EmbedPartition(spec.right_embedder, spec.right_fields),
-                                                spec.resources, "embed"), meta=meta_r)
+            meta_r = right._meta.assign(**{_EMB: pd.Series([], dtype=object), _ERR: pd.Series([], dtype=object)})
+            right = right.map_partitions(
+                Placed(EmbedPartition(spec.right_embedder, spec.right_fields), spec.resources, "embed"), meta=meta_r
+            )
         right = right.repartition(npartitions=1)
         meta = _assemble(obj._meta, right._meta, [], [], [], [], spec)
         if return_stats:
-            raise ValueError("return_stats=True needs an eager frame (pandas or Polars); on Dask, the pairs "
-                             "judged are logged by each task")
-        return obj.map_partitions(Placed(JoinPartition(spec), spec.resources, "join"), right, meta=meta,
-                                  align_dataframes=False)
+            raise ValueError(
+                "return_stats=True needs an eager frame (pandas or Polars); on Dask, the pairs "
+                "judged are logged by each task"
+            )
+        return obj.map_partitions(
+            Placed(JoinPartition(spec), spec.resources, "join"), right, meta=meta, align_dataframes=False
+        )
     cost = SemanticCost()
     out = join_frames(to_pandas(obj), to_pandas(other), spec, cost)
-    logger.info("%s: %d of %d pairs judged (%d engine calls, %d prompt tokens)", "join" if spec.judge else "sim_join",
-                cost.counts.get("pairs_judged", 0), cost.counts.get("cross_product", 0), cost.engine_calls,
-                cost.input_tokens)
+    logger.info(
+        "%s: %d of %d pairs judged (%d engine calls, %d prompt tokens)",
+        "join" if spec.judge else "sim_join",
+        cost.counts.get("pairs_judged", 0),
+        cost.counts.get("cross_product", 0),
+        cost.engine_calls,
+        cost.input_tokens,
+    )
     result = back(obj, out)
     return (result, cost) if return_stats else result
 
 
-def semantic_join(accessor, other, instruction: str, *, block_k: int | None, min_similarity: float | None,
-                  embed_model, model, suffix: str, similarity_column: str, chat: bool, sampling_params,
-                  on_error: str, resources: dict | None, cache, return_stats: bool, engine_kwargs: dict,
-                  cascade=None):
+def semantic_join(
+    accessor,
+    other,
+    instruction: str,
+    *,
+    block_k: int | None,
+    min_similarity: float | None,
+    embed_model,
+    model,
+    suffix: str,
+    similarity_column: str,
+    chat: bool,
+    sampling_params,
+    on_error: str,
+    resources: dict | None,
+    cache,
+    return_stats: bool,
+    engine_kwargs: dict,
+    cascade=None,
+):
     """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
     left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "join")
     template, lf, rf, names = parse_join_instruction(instruction, left_cols, right_cols)
     _check_block(block_k, min_similarity, "join")
     blocked = block_k is not None or min_similarity is not None
-    judge = make_judge(accessor, [c for c, _ in lf + rf], template, JOIN_PREAMBLE,
-                       answer="Does the statement hold for these two records? Answer True or False.",
-                       choices=TRUE_FALSE, names=names, model=model, chat=chat, sampling_params=sampling_params,
-                       on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs, what="join")
+    judge = make_judge(
+        accessor,
+        [c for c, _ in lf + rf],
+        template,
+        JOIN_PREAMBLE,
+        answer="Does the statement hold for these two records? Answer True or False.",
+        choices=TRUE_FALSE,
+        names=names,
+        model=model,
+        chat=chat,
+        sampling_params=sampling_params,
+        on_error=on_error,
+        resources=resources,
+        cache=cache,
+        engine_kwargs=engine_kwargs,
+        what="join",
+    )
     embed = {}
     if blocked:
         for side, fields in (("left", lf), ("right", rf)):
             labels = {names[c]: c for c, _ in fields}
-            embed[side] = make_embedder(accessor, record_template(labels), [c for c, _ in fields], model=embed_model,
-                                        resources=resources, engine_kwargs=None, what="join")
+            embed[side] = make_embedder(
+                accessor,
+                record_template(labels),
+                [c for c, _ in fields],
+                model=embed_model,
+                resources=resources,
+                engine_kwargs=None,
+                what="join",
+            )
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column] if blocked else [LLM_ERROR])
-    spec = JoinSpec(judge, tuple(lf), tuple(rf), embed.get("left"), embed.get("right"), block_k, min_similarity,
-                    tuple(rnames.items()), similarity_column if blocked else None,
-                    operator_resources(accessor, resources))
+    spec = JoinSpec(
+        judge,
+        tuple(lf),
+        tuple(rf),
+        embed.get("left"),
+        embed.get("right"),
+        block_k,
+        min_similarity,
+        tuple(rnames.items()),
+        similarity_column if blocked else None,
+        operator_resources(accessor, resources),
+    )
     if cascade is not None:
-        spec = _with_cascade(accessor, spec, cascade, template, names, model=model, chat=chat, cache=cache,
-                             on_error=on_error, engine_kwargs=engine_kwargs)
+        spec = _with_cascade(
+            accessor,
+            spec,
+            cascade,
+            template,
+            names,
+            model=model,
+            chat=chat,
+            cache=cache,
+            on_error=on_error,
+            engine_kwargs=engine_kwargs,
+        )
     return run_join(accessor, other, spec, return_stats)
 
 
-def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict, *, model, chat: bool, cache,
-                  on_error: str, engine_kwargs: dict) -> JoinSpec:
+def _with_cascade(
+    accessor,
+    spec: JoinSpec,
+    cascade,
+    template: str,
+    names: dict,
+    *,
+    model,
+    chat: bool,
+    cache,
+    on_error: str,
+    engine_kwargs: dict,
+) -> JoinSpec:
     """``spec`` judging its pairs through ``.llm.judge(..., cascade=cascade)`` (pandas and
     Polars frames): the pair columns renamed as the prompt shows them (``review``, or
     ``left_title``/``right_title`` for a column both frames have)."""
@@ -688,8 +857,10 @@ def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict,
     if not isinstance(cascade, Cascade):
         raise ValueError(f"join: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
     if frame_kind(accessor._obj) == "dask":
-        raise ValueError("join: cascade= learns its thresholds on a sample of every pair; it runs on pandas and "
-                         "Polars frames (compute the Dask frames first, or join without cascade=)")
+        raise ValueError(
+            "join: cascade= learns its thresholds on a sample of every pair; it runs on pandas and "
+            "Polars frames (compute the Dask frames first, or join without cascade=)"
+        )
     if on_error != "null":
         raise ValueError("join: a cascade keeps failed pairs with their llm_error; on_error must be 'null'")
     from dfllm.accessors.semantic.cascade import SOURCE
@@ -703,14 +874,28 @@ def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict,
     for col, name in readable.items():
         instruction = instruction.replace("{" + col + "}", "{" + name + "}")
     kwargs = (("model", model), ("chat", chat), ("cache", cache), ("engine_kwargs", dict(engine_kwargs)))
-    return dataclasses.replace(spec, cascade=cascade, cascade_instruction=instruction,
-                               readable=tuple(readable.items()), judge_kwargs=kwargs)
+    return dataclasses.replace(
+        spec, cascade=cascade, cascade_instruction=instruction, readable=tuple(readable.items()), judge_kwargs=kwargs
+    )
 
 
-def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, embed_model, suffix: str,
-                      similarity_column: str, min_similarity: float | None, resources: dict | None,
-                      return_stats: bool, engine_kwargs: dict | None, left_images: bool = False,
-                      right_images: bool = False):
+def semantic_sim_join(
+    accessor,
+    other,
+    left_on: str,
+    right_on: str,
+    k: int,
+    *,
+    embed_model,
+    suffix: str,
+    similarity_column: str,
+    min_similarity: float | None,
+    resources: dict | None,
+    return_stats: bool,
+    engine_kwargs: dict | None,
+    left_images: bool = False,
+    right_images: bool = False,
+):
     """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
     left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "sim_join")
     if left_on not in left_cols:
@@ -724,26 +909,55 @@ def semantic_sim_join(accessor, other, left_on: str, right_on: str, k: int, *, e
     if k is None:
         raise ValueError("sim_join: k (the neighbours per left row) is required")
     lf, rf = (("__l_text", left_on),), (("__r_text", right_on),)
-    le = make_embedder(accessor, "{__l_text}", ["__l_text"], model=embed_model, resources=resources,
-                       engine_kwargs=engine_kwargs, what="sim_join",
-                       images="left_images=True" if left_images else None)
-    re_ = make_embedder(accessor, "{__r_text}", ["__r_text"], model=embed_model, resources=resources,
-                        engine_kwargs=engine_kwargs, what="sim_join",
-                        images="right_images=True" if right_images else None)
+    le = make_embedder(
+        accessor,
+        "{__l_text}",
+        ["__l_text"],
+        model=embed_model,
+        resources=resources,
+        engine_kwargs=engine_kwargs,
+        what="sim_join",
+        images="left_images=True" if left_images else None,
+    )
+    re_ = make_embedder(
+        accessor,
+        "{__r_text}",
+        ["__r_text"],
+        model=embed_model,
+        resources=resources,
+        engine_kwargs=engine_kwargs,
+        what="sim_join",
+        images="right_images=True" if right_images else None,
+    )
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column])
-    spec = JoinSpec(None, lf, rf, le, re_, k, min_similarity, tuple(rnames.items()), similarity_column,
-                    operator_resources(accessor, resources))
+    spec = JoinSpec(
+        None,
+        lf,
+        rf,
+        le,
+        re_,
+        k,
+        min_similarity,
+        tuple(rnames.items()),
+        similarity_column,
+        operator_resources(accessor, resources),
+    )
     return run_join(accessor, other, spec, return_stats)
 
 
 def _other_columns(obj, other, what: str) -> list[str]:
     kind = frame_kind(obj)
     okind = frame_kind(other)
-    allowed = {"pandas": ("pandas",), "dask": ("dask", "pandas"), "polars": ("polars", "lazy", "pandas"),
-               "lazy": ("polars", "lazy", "pandas")}[kind]
+    allowed = {
+        "pandas": ("pandas",),
+        "dask": ("dask", "pandas"),
+        "polars": ("polars", "lazy", "pandas"),
+        "lazy": ("polars", "lazy", "pandas"),
+    }[kind]
     if okind not in allowed:
-        raise ValueError(f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} "
-                         "frames")
+        raise ValueError(
+            f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} frames"
+        )
     return _data_columns(other)
 
 

@@ -20,11 +20,25 @@ class SemanticFrameMethods:
 
     _obj: Any
 
-    def judge(self, instruction: str, *, model=None, output_column: str = "verdict",
-              probability_column: str = "verdict_probability", return_explanations: bool = False,
-              explanation_column: str = "explanation", cascade=None, return_stats: bool = False,
-              chat: bool = True, logprobs: int = DEFAULT_LOGPROBS, max_explanation_tokens: int = 64,
-              on_error: str = "null", resources: dict | None = None, cache=None, **engine_kwargs):
+    def judge(
+        self,
+        instruction: str,
+        *,
+        model=None,
+        output_column: str = "verdict",
+        probability_column: str = "verdict_probability",
+        return_explanations: bool = False,
+        explanation_column: str = "explanation",
+        cascade=None,
+        return_stats: bool = False,
+        chat: bool = True,
+        logprobs: int = DEFAULT_LOGPROBS,
+        max_explanation_tokens: int = 64,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        **engine_kwargs,
+    ):
         """Judge for every row whether the statement ``instruction`` holds (a template such as
         ``"{review} is about shipping delays"``) and keep every row: adds a bool ``verdict``,
         its probability (``verdict_probability``, float: the probability of the answer given,
@@ -40,30 +54,83 @@ class SemanticFrameMethods:
         then returns ``(frame, CascadeStats)``. ``chat=False`` prompts with ``.llm.generate``
         instead of ``.llm.chat``. ``model``, ``resources``, ``cache`` and engine arguments as in
         ``.llm.generate``. See docs/semantic.md."""
-        return semantic_judge(self, instruction, keep=True, model=model, output_column=output_column,
-                              probability_column=probability_column, return_explanations=return_explanations,
-                              explanation_column=explanation_column, cascade=cascade, return_stats=return_stats,
-                              chat=chat, logprobs=logprobs, max_explanation_tokens=max_explanation_tokens,
-                              on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs)
+        return semantic_judge(
+            self,
+            instruction,
+            keep=True,
+            model=model,
+            output_column=output_column,
+            probability_column=probability_column,
+            return_explanations=return_explanations,
+            explanation_column=explanation_column,
+            cascade=cascade,
+            return_stats=return_stats,
+            chat=chat,
+            logprobs=logprobs,
+            max_explanation_tokens=max_explanation_tokens,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            engine_kwargs=engine_kwargs,
+        )
 
-    def filter(self, instruction: str, *, model=None, return_explanations: bool = False,
-               explanation_column: str = "explanation", cascade=None, return_stats: bool = False,
-               chat: bool = True, logprobs: int = DEFAULT_LOGPROBS, max_explanation_tokens: int = 64,
-               on_error: str = "null", resources: dict | None = None, cache=None, **engine_kwargs):
+    def filter(
+        self,
+        instruction: str,
+        *,
+        model=None,
+        return_explanations: bool = False,
+        explanation_column: str = "explanation",
+        cascade=None,
+        return_stats: bool = False,
+        chat: bool = True,
+        logprobs: int = DEFAULT_LOGPROBS,
+        max_explanation_tokens: int = 64,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        **engine_kwargs,
+    ):
         """The rows for which the model judges the statement ``instruction`` true (a template
         such as ``"{review} is about shipping delays"``), with the frame's columns, the
         ``explanation`` (with ``return_explanations``) and ``llm_error``. A row whose judgment
         failed is kept, with its message in ``llm_error`` (nothing is dropped silently);
         drop them with ``df[df.llm_error.isna()]``. Arguments as in :meth:`judge`."""
-        return semantic_judge(self, instruction, keep=False, model=model, output_column="verdict",
-                              probability_column="verdict_probability", return_explanations=return_explanations,
-                              explanation_column=explanation_column, cascade=cascade, return_stats=return_stats,
-                              chat=chat, logprobs=logprobs, max_explanation_tokens=max_explanation_tokens,
-                              on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs)
+        return semantic_judge(
+            self,
+            instruction,
+            keep=False,
+            model=model,
+            output_column="verdict",
+            probability_column="verdict_probability",
+            return_explanations=return_explanations,
+            explanation_column=explanation_column,
+            cascade=cascade,
+            return_stats=return_stats,
+            chat=chat,
+            logprobs=logprobs,
+            max_explanation_tokens=max_explanation_tokens,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            engine_kwargs=engine_kwargs,
+        )
 
-    def extract(self, instruction: str, schema, *, model=None, output_column: str = "extracted",
-                expand: bool = True, chat: bool = True, sampling_params=None, on_error: str = "null",
-                resources: dict | None = None, cache=None, **engine_kwargs):
+    def extract(
+        self,
+        instruction: str,
+        schema,
+        *,
+        model=None,
+        output_column: str = "extracted",
+        expand: bool = True,
+        chat: bool = True,
+        sampling_params=None,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        **engine_kwargs,
+    ):
         """Typed fields from each row's text, through structured outputs: ``instruction`` is a
         template naming the columns to read (``"{text}"``, or ``"the complaint in {text}"``),
         ``schema`` a pydantic model, a JSON schema (an object) or a dict name -> type (``str``,
@@ -72,16 +139,42 @@ class SemanticFrameMethods:
         Greedy unless ``sampling_params`` say otherwise. See docs/semantic.md."""
         from dfllm.accessors.semantic.extract import semantic_extract
 
-        return semantic_extract(self, instruction, schema, model=model, output_column=output_column, expand=expand,
-                                chat=chat, sampling_params=sampling_params, on_error=on_error, resources=resources,
-                                cache=cache, engine_kwargs=engine_kwargs)
+        return semantic_extract(
+            self,
+            instruction,
+            schema,
+            model=model,
+            output_column=output_column,
+            expand=expand,
+            chat=chat,
+            sampling_params=sampling_params,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            engine_kwargs=engine_kwargs,
+        )
 
     # --- semantic-2's operators (topk, join, sim_join, dedup, agg) go below, in one block ---
 
-    def topk(self, instruction: str, k: int, *, method: str = "quick", model=None, rank_column: str = "rank",
-             seed_embeddings: bool = False, embed_model=None, both_orders: bool = False,
-             logprobs: int = DEFAULT_LOGPROBS, chat: bool = True, on_error: str = "null",
-             resources: dict | None = None, cache=None, return_stats: bool = False, **engine_kwargs):
+    def topk(
+        self,
+        instruction: str,
+        k: int,
+        *,
+        method: str = "quick",
+        model=None,
+        rank_column: str = "rank",
+        seed_embeddings: bool = False,
+        embed_model=None,
+        both_orders: bool = False,
+        logprobs: int = DEFAULT_LOGPROBS,
+        chat: bool = True,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        return_stats: bool = False,
+        **engine_kwargs,
+    ):
         """The ``k`` rows that best satisfy the criterion ``instruction`` (a template such as
         ``"{review} is the most enthusiastic"``), best first, by LLM pairwise comparisons: a
         ``rank`` column (1 = best) and ``llm_error``. Rows that could not be ranked (a null
@@ -100,15 +193,45 @@ class SemanticFrameMethods:
         ``counts["comparisons"]``. See docs/semantic.md."""
         from dfllm.accessors.semantic.topk import semantic_topk
 
-        return semantic_topk(self, instruction, k, method=method, model=model, rank_column=rank_column,
-                             seed_embeddings=seed_embeddings, embed_model=embed_model, chat=chat, on_error=on_error,
-                             resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs,
-                             both_orders=both_orders, logprobs=logprobs)
+        return semantic_topk(
+            self,
+            instruction,
+            k,
+            method=method,
+            model=model,
+            rank_column=rank_column,
+            seed_embeddings=seed_embeddings,
+            embed_model=embed_model,
+            chat=chat,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            return_stats=return_stats,
+            engine_kwargs=engine_kwargs,
+            both_orders=both_orders,
+            logprobs=logprobs,
+        )
 
-    def join(self, other, instruction: str, *, block_k: int | None = None, min_similarity: float | None = None,
-             model=None, embed_model=None, suffix: str = "_right", similarity_column: str = "similarity",
-             chat: bool = True, sampling_params=None, on_error: str = "null", resources: dict | None = None,
-             cache=None, return_stats: bool = False, cascade=None, **engine_kwargs):
+    def join(
+        self,
+        other,
+        instruction: str,
+        *,
+        block_k: int | None = None,
+        min_similarity: float | None = None,
+        model=None,
+        embed_model=None,
+        suffix: str = "_right",
+        similarity_column: str = "similarity",
+        chat: bool = True,
+        sampling_params=None,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        return_stats: bool = False,
+        cascade=None,
+        **engine_kwargs,
+    ):
         """The pairs of this frame's rows and ``other``'s for which the model judges the
         statement ``instruction`` true (``"{abstract} cites {title}"``; a column both frames have
         is ``{title:left}`` or ``{title:right}``): this frame's columns, ``other``'s (with
@@ -130,16 +253,43 @@ class SemanticFrameMethods:
         ``CascadeStats``) and ``counts["large_model_pairs"]``. See docs/semantic.md."""
         from dfllm.accessors.semantic.join import semantic_join
 
-        return semantic_join(self, other, instruction, block_k=block_k, min_similarity=min_similarity,
-                             embed_model=embed_model, model=model, suffix=suffix,
-                             similarity_column=similarity_column, chat=chat, sampling_params=sampling_params,
-                             on_error=on_error, resources=resources, cache=cache, return_stats=return_stats,
-                             engine_kwargs=engine_kwargs, cascade=cascade)
+        return semantic_join(
+            self,
+            other,
+            instruction,
+            block_k=block_k,
+            min_similarity=min_similarity,
+            embed_model=embed_model,
+            model=model,
+            suffix=suffix,
+            similarity_column=similarity_column,
+            chat=chat,
+            sampling_params=sampling_params,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            return_stats=return_stats,
+            engine_kwargs=engine_kwargs,
+            cascade=cascade,
+        )
 
-    def sim_join(self, other, left_on: str, right_on: str, k: int, *, left_images: bool = False,
-                 right_images: bool = False, embed_model=None, suffix: str = "_right",
-                 similarity_column: str = "similarity", min_similarity: float | None = None,
-                 resources: dict | None = None, return_stats: bool = False, **engine_kwargs):
+    def sim_join(
+        self,
+        other,
+        left_on: str,
+        right_on: str,
+        k: int,
+        *,
+        left_images: bool = False,
+        right_images: bool = False,
+        embed_model=None,
+        suffix: str = "_right",
+        similarity_column: str = "similarity",
+        min_similarity: float | None = None,
+        resources: dict | None = None,
+        return_stats: bool = False,
+        **engine_kwargs,
+    ):
         """For every row, the ``k`` rows of ``other`` whose ``right_on`` text is most similar to
         its ``left_on`` text (cosine of ``embed_model``'s embeddings, default the bundled MiniLM;
         ``min_similarity`` drops weaker ones): this frame's columns, ``other``'s (``suffix`` on
@@ -155,15 +305,41 @@ class SemanticFrameMethods:
         unreadable image is its row's error. See docs/semantic.md."""
         from dfllm.accessors.semantic.join import semantic_sim_join
 
-        return semantic_sim_join(self, other, left_on, right_on, k, embed_model=embed_model, suffix=suffix,
-                                 similarity_column=similarity_column, min_similarity=min_similarity,
-                                 resources=resources, return_stats=return_stats, engine_kwargs=engine_kwargs,
-                                 left_images=left_images, right_images=right_images)
+        return semantic_sim_join(
+            self,
+            other,
+            left_on,
+            right_on,
+            k,
+            embed_model=embed_model,
+            suffix=suffix,
+            similarity_column=similarity_column,
+            min_similarity=min_similarity,
+            resources=resources,
+            return_stats=return_stats,
+            engine_kwargs=engine_kwargs,
+            left_images=left_images,
+            right_images=right_images,
+        )
 
-    def dedup(self, column: str, *, images: bool = False, threshold: float = 0.9, confirm=False, model=None,
-              embed_model=None, cluster_column: str = "cluster_id", representative_column: str = "is_representative",
-              chat: bool = True, on_error: str = "null", resources: dict | None = None, cache=None,
-              return_stats: bool = False, **engine_kwargs):
+    def dedup(
+        self,
+        column: str,
+        *,
+        images: bool = False,
+        threshold: float = 0.9,
+        confirm=False,
+        model=None,
+        embed_model=None,
+        cluster_column: str = "cluster_id",
+        representative_column: str = "is_representative",
+        chat: bool = True,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        return_stats: bool = False,
+        **engine_kwargs,
+    ):
         """Near-duplicate clusters of the texts in ``column``: rows whose embeddings
         (``embed_model``, default the bundled MiniLM) have cosine similarity ``>= threshold``
         are linked, and clusters are the connected components. ``confirm=True`` (or a statement
@@ -180,15 +356,40 @@ class SemanticFrameMethods:
         with it. An unreadable image is its row's error (null labels). See docs/semantic.md."""
         from dfllm.accessors.semantic.dedup import semantic_dedup
 
-        return semantic_dedup(self, column, threshold=threshold, confirm=confirm, model=model,
-                              embed_model=embed_model, cluster_column=cluster_column,
-                              representative_column=representative_column, chat=chat, on_error=on_error,
-                              resources=resources, cache=cache, return_stats=return_stats,
-                              engine_kwargs=engine_kwargs, images=images)
+        return semantic_dedup(
+            self,
+            column,
+            threshold=threshold,
+            confirm=confirm,
+            model=model,
+            embed_model=embed_model,
+            cluster_column=cluster_column,
+            representative_column=representative_column,
+            chat=chat,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            return_stats=return_stats,
+            engine_kwargs=engine_kwargs,
+            images=images,
+        )
 
-    def agg(self, instruction: str, *, by=None, model=None, output_column: str = "summary", max_tokens: int = 128,
-            chat: bool = True, split_every: int = 8, on_error: str = "null", resources: dict | None = None,
-            cache=None, return_stats: bool = False, **engine_kwargs):
+    def agg(
+        self,
+        instruction: str,
+        *,
+        by=None,
+        model=None,
+        output_column: str = "summary",
+        max_tokens: int = 128,
+        chat: bool = True,
+        split_every: int = 8,
+        on_error: str = "null",
+        resources: dict | None = None,
+        cache=None,
+        return_stats: bool = False,
+        **engine_kwargs,
+    ):
         """Summarise all rows (or each group of ``by``, a column or a list) into one text, as
         ``instruction`` asks (``"Summarise the complaints in {review}"``): one row per group with
         its keys, ``summary`` and ``llm_error``. Rows are packed into chunks whose prompts fit
@@ -199,15 +400,43 @@ class SemanticFrameMethods:
         See docs/semantic.md."""
         from dfllm.accessors.semantic.agg import semantic_agg
 
-        return semantic_agg(self, instruction, by=by, model=model, output_column=output_column,
-                            max_tokens=max_tokens, chat=chat, split_every=split_every, on_error=on_error,
-                            resources=resources, cache=cache, return_stats=return_stats, engine_kwargs=engine_kwargs)
+        return semantic_agg(
+            self,
+            instruction,
+            by=by,
+            model=model,
+            output_column=output_column,
+            max_tokens=max_tokens,
+            chat=chat,
+            split_every=split_every,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            return_stats=return_stats,
+            engine_kwargs=engine_kwargs,
+        )
 
 
-def semantic_judge(accessor, instruction: str, *, keep: bool, model, output_column: str, probability_column: str,
-                   return_explanations: bool, explanation_column: str, cascade, return_stats: bool, chat: bool,
-                   logprobs: int, max_explanation_tokens: int, on_error: str, resources, cache,
-                   engine_kwargs: dict):
+def semantic_judge(
+    accessor,
+    instruction: str,
+    *,
+    keep: bool,
+    model,
+    output_column: str,
+    probability_column: str,
+    return_explanations: bool,
+    explanation_column: str,
+    cascade,
+    return_stats: bool,
+    chat: bool,
+    logprobs: int,
+    max_explanation_tokens: int,
+    on_error: str,
+    resources,
+    cache,
+    engine_kwargs: dict,
+):
     """``.llm.judge`` (``keep``) and ``.llm.filter``: see their docstrings."""
     from dfllm.accessors.semantic.cascade import cascade_judge
     from dfllm.accessors.semantic.filter import judge_step, judge_task
@@ -223,17 +452,50 @@ def semantic_judge(accessor, instruction: str, *, keep: bool, model, output_colu
     if clash:
         raise ValueError(f"{what}: output column(s) {clash} already exist; choose other names")
     if cascade is not None:
-        return cascade_judge(accessor, instruction, cascade, keep=keep, model=model, output_column=output_column,
-                             probability_column=probability_column, return_explanations=return_explanations,
-                             explanation_column=explanation_column, return_stats=return_stats, chat=chat,
-                             logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
-                             resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
+        return cascade_judge(
+            accessor,
+            instruction,
+            cascade,
+            keep=keep,
+            model=model,
+            output_column=output_column,
+            probability_column=probability_column,
+            return_explanations=return_explanations,
+            explanation_column=explanation_column,
+            return_stats=return_stats,
+            chat=chat,
+            logprobs=logprobs,
+            max_explanation_tokens=max_explanation_tokens,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            engine_kwargs=engine_kwargs,
+            what=what,
+        )
     if return_stats:
         raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
-    task, shadow = judge_task(accessor, instruction, model=model, return_explanations=return_explanations, chat=chat,
-                              logprobs=logprobs, max_explanation_tokens=max_explanation_tokens, on_error=on_error,
-                              resources=resources, cache=cache, engine_kwargs=engine_kwargs, what=what)
-    step = judge_step(task, shadow, keep=keep, output_column=output_column, probability_column=probability_column,
-                      return_explanations=return_explanations, explanation_column=explanation_column,
-                      resources=resources)
+    task, shadow = judge_task(
+        accessor,
+        instruction,
+        model=model,
+        return_explanations=return_explanations,
+        chat=chat,
+        logprobs=logprobs,
+        max_explanation_tokens=max_explanation_tokens,
+        on_error=on_error,
+        resources=resources,
+        cache=cache,
+        engine_kwargs=engine_kwargs,
+        what=what,
+    )
+    step = judge_step(
+        task,
+        shadow,
+        keep=keep,
+        output_column=output_column,
+        probability_column=probability_column,
+        return_explanations=return_explanations,
+        explanation_column=explanation_column,
+        resources=resources,
+    )
     return run_step(accessor._obj, step)

@@ -28,8 +28,10 @@ def instruction_fields(instruction: str) -> list[str]:
         raise ValueError(f"the instruction must be a non-empty string, got {instruction!r}")
     fields = template_fields(instruction)
     if not fields:
-        raise ValueError(f"the instruction {instruction!r} names no column: write the fields it is about as "
-                         "{column}, e.g. \"{review} is about shipping delays\"")
+        raise ValueError(
+            f"the instruction {instruction!r} names no column: write the fields it is about as "
+            '{column}, e.g. "{review} is about shipping delays"'
+        )
     return fields
 
 
@@ -70,8 +72,15 @@ class SemanticPrompt:
         return body if self.system is None else f"{self.system}\n\n{body}"
 
 
-def semantic_prompt(preamble: str, instruction: str, fields: Sequence[str] | Mapping[str, str] | None = None, *,
-                    answer: str = "", chat: bool = True, names: Mapping[str, str] | None = None) -> SemanticPrompt:
+def semantic_prompt(
+    preamble: str,
+    instruction: str,
+    fields: Sequence[str] | Mapping[str, str] | None = None,
+    *,
+    answer: str = "",
+    chat: bool = True,
+    names: Mapping[str, str] | None = None,
+) -> SemanticPrompt:
     """The prompt of one operator call: ``preamble`` (what the operator asks: fixed text),
     the user's ``instruction`` (its ``{column}`` as ``[column]``), then the record of
     ``fields`` (default: the instruction's), then ``answer`` (fixed text asking for the

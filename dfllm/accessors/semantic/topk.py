@@ -41,8 +41,10 @@ logger = logging.getLogger("dfllm")
 
 METHODS = ("quick", "heap")
 AB = ("A", "B")
-TOPK_PREAMBLE = ("You compare two records, A and B, by a criterion. The criterion names the records' fields in "
-                 "[brackets]; the two records follow it.")
+TOPK_PREAMBLE = (
+    "You compare two records, A and B, by a criterion. The criterion names the records' fields in "
+    "[brackets]; the two records follow it."
+)
 TOPK_ANSWER = "Which record better satisfies the criterion? Answer A or B."
 
 
@@ -81,8 +83,13 @@ class _Comparator:
         asked = todo + [(j, i) for i, j in todo] if self.spec.both_orders else todo
         a = self.df.iloc[[p[0] for p in asked]]
         b = self.df.iloc[[p[1] for p in asked]]
-        frame = pd.concat([pd.DataFrame({f"__a_{f}": a[f].to_numpy() for f in self.spec.fields}),
-                           pd.DataFrame({f"__b_{f}": b[f].to_numpy() for f in self.spec.fields})], axis=1)
+        frame = pd.concat(
+            [
+                pd.DataFrame({f"__a_{f}": a[f].to_numpy() for f in self.spec.fields}),
+                pd.DataFrame({f"__b_{f}": b[f].to_numpy() for f in self.spec.fields}),
+            ],
+            axis=1,
+        )
         answers, errors, first = self.spec.judge.judge(frame, self.cost)
         self.cost.count("comparisons", len(todo))
         n = len(todo)
@@ -93,8 +100,15 @@ class _Comparator:
                 else:
                     self.memo[p] = answers[k] == AB[0]
                 continue
-            err = errors[k] or errors[n + k] or (None if first[k] is not None and first[n + k] is not None else
-                                                "no log-probabilities of A and B to compare")
+            err = (
+                errors[k]
+                or errors[n + k]
+                or (
+                    None
+                    if first[k] is not None and first[n + k] is not None
+                    else "no log-probabilities of A and B to compare"
+                )
+            )
             if err is not None:
                 self.failed[p] = err
             else:  # P(A | i shown first) against P(A | j shown first): the position's bias cancels
@@ -145,8 +159,10 @@ def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | N
                     continue
                 verdict = cmp.better(x, p)
                 if verdict is None:
-                    errors[x] = (f"its comparison with the row of index {cmp.df.index[p]!r} failed: "
-                                 f"{cmp.failed[(min(x, p), max(x, p))]}")
+                    errors[x] = (
+                        f"its comparison with the row of index {cmp.df.index[p]!r} failed: "
+                        f"{cmp.failed[(min(x, p), max(x, p))]}"
+                    )
                 else:
                     (better if verdict else worse).append(x)
             new.extend(part for part in (better, [p], worse) if part)
@@ -188,8 +204,11 @@ def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_or
     with a null rank and their ``llm_error``. The index is kept. ``in_frame_order`` keeps the
     top rows in the frame's order instead (a partition's candidates, so that the merge shows
     every pair in the orientation a single frame would)."""
-    prior = df[LLM_ERROR].astype(object).where(df[LLM_ERROR].notna(), None).tolist() \
-        if LLM_ERROR in df.columns else [None] * len(df)
+    prior = (
+        df[LLM_ERROR].astype(object).where(df[LLM_ERROR].notna(), None).tolist()
+        if LLM_ERROR in df.columns
+        else [None] * len(df)
+    )
     errors: dict[int, str] = {i: e for i, e in enumerate(prior) if e is not None}
     for f in spec.fields:
         for i in np.flatnonzero(df[f].isna().to_numpy()):
@@ -222,8 +241,14 @@ def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_or
     out[spec.rank_column] = pd.Series(ranks, index=out.index, dtype="int64[pyarrow]")
     out[LLM_ERROR] = pd.Series(msgs, index=out.index, dtype="string[pyarrow]")
     if len(df):
-        logger.info("topk: %d comparisons in %d engine calls for %d rows (k=%d, %s)", cost.counts.get("comparisons", 0),
-                    cost.engine_calls, len(df), spec.k, spec.method)
+        logger.info(
+            "topk: %d comparisons in %d engine calls for %d rows (k=%d, %s)",
+            cost.counts.get("comparisons", 0),
+            cost.engine_calls,
+            len(df),
+            spec.k,
+            spec.method,
+        )
     return out
 
 
@@ -238,9 +263,25 @@ class TopKPartition:
         return topk_frame(df, self.spec, SemanticCost(), self.in_frame_order)
 
 
-def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, rank_column: str, seed_embeddings: bool,
-                  embed_model, chat: bool, on_error: str, resources: dict | None, cache, return_stats: bool,
-                  engine_kwargs: dict, both_orders: bool = False, logprobs: int = 20):
+def semantic_topk(
+    accessor,
+    instruction: str,
+    k: int,
+    *,
+    method: str,
+    model,
+    rank_column: str,
+    seed_embeddings: bool,
+    embed_model,
+    chat: bool,
+    on_error: str,
+    resources: dict | None,
+    cache,
+    return_stats: bool,
+    engine_kwargs: dict,
+    both_orders: bool = False,
+    logprobs: int = 20,
+):
     """``df.llm.topk``: see :meth:`SemanticFrameMethods.topk`."""
     from dfllm.accessors.semantic.join import columns_of
 
@@ -263,30 +304,66 @@ def semantic_topk(accessor, instruction: str, k: int, *, method: str, model, ran
     record = {}
     for side in AB:
         record.update({f"{side}.{f}": f"__{side.lower()}_{f}" for f in fields})
-    judge = make_judge(accessor, list(record.values()), instruction, TOPK_PREAMBLE, answer=TOPK_ANSWER, choices=AB,
-                       names=None, model=model, chat=chat, sampling_params=None, on_error=on_error,
-                       resources=resources, cache=cache, engine_kwargs=engine_kwargs, what="topk",
-                       record=record, logprobs=logprobs if both_orders else None)
+    judge = make_judge(
+        accessor,
+        list(record.values()),
+        instruction,
+        TOPK_PREAMBLE,
+        answer=TOPK_ANSWER,
+        choices=AB,
+        names=None,
+        model=model,
+        chat=chat,
+        sampling_params=None,
+        on_error=on_error,
+        resources=resources,
+        cache=cache,
+        engine_kwargs=engine_kwargs,
+        what="topk",
+        record=record,
+        logprobs=logprobs if both_orders else None,
+    )
     embedder = query = None
     if seed_embeddings:
-        embedder = make_embedder(accessor, record_template(fields), fields, model=embed_model, resources=resources,
-                                 engine_kwargs=None, what="topk")
-        query = make_embedder(accessor, "{__q}", ["__q"], model=embed_model, resources=resources,
-                              engine_kwargs=None, what="topk")
-    spec = TopKSpec(judge, tuple(fields), int(k), method, rank_column, embedder, query,
-                    render_instruction(instruction), operator_resources(accessor, resources), bool(both_orders))
+        embedder = make_embedder(
+            accessor,
+            record_template(fields),
+            fields,
+            model=embed_model,
+            resources=resources,
+            engine_kwargs=None,
+            what="topk",
+        )
+        query = make_embedder(
+            accessor, "{__q}", ["__q"], model=embed_model, resources=resources, engine_kwargs=None, what="topk"
+        )
+    spec = TopKSpec(
+        judge,
+        tuple(fields),
+        int(k),
+        method,
+        rank_column,
+        embedder,
+        query,
+        render_instruction(instruction),
+        operator_resources(accessor, resources),
+        bool(both_orders),
+    )
     obj = accessor._obj
     kind = frame_kind(obj)
     if kind == "dask":
         if return_stats:
-            raise ValueError("topk: return_stats=True needs an eager frame (pandas or Polars); on Dask each task "
-                             "logs its comparisons")
+            raise ValueError(
+                "topk: return_stats=True needs an eager frame (pandas or Polars); on Dask each task "
+                "logs its comparisons"
+            )
         meta = topk_frame(obj._meta, spec, SemanticCost())
         if obj.npartitions == 1:
             return obj.map_partitions(Placed(TopKPartition(spec), spec.resources, "topk"), meta=meta)
         local = obj.map_partitions(Placed(TopKPartition(spec, in_frame_order=True), spec.resources, "topk"), meta=meta)
-        return local.repartition(npartitions=1).map_partitions(Placed(TopKPartition(spec), spec.resources, "topk"),
-                                                               meta=meta)
+        return local.repartition(npartitions=1).map_partitions(
+            Placed(TopKPartition(spec), spec.resources, "topk"), meta=meta
+        )
     cost = SemanticCost()
     out = topk_frame(to_pandas(obj), spec, cost)
     result = back(obj, out)

@@ -66,14 +66,22 @@ class VisionSpec:
     @classmethod
     def from_hf(cls, config) -> VisionSpec:
         """The spec of a transformers vision config (an object or a dict)."""
+
         def get(key: str, default: Any = None) -> Any:
             return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
 
-        return cls(hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
-                   num_hidden_layers=get("num_hidden_layers"), num_attention_heads=get("num_attention_heads"),
-                   image_size=get("image_size"), patch_size=get("patch_size"), num_channels=get("num_channels", 3),
-                   hidden_act=get("hidden_act", "quick_gelu"), layer_norm_eps=get("layer_norm_eps", 1e-5),
-                   vision_use_head=bool(get("vision_use_head", False)))
+        return cls(
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"),
+            image_size=get("image_size"),
+            patch_size=get("patch_size"),
+            num_channels=get("num_channels", 3),
+            hidden_act=get("hidden_act", "quick_gelu"),
+            layer_norm_eps=get("layer_norm_eps", 1e-5),
+            vision_use_head=bool(get("vision_use_head", False)),
+        )
 
 
 class VisionAttention(nn.Module):
@@ -143,8 +151,9 @@ class CLIPVisionEmbeddings(nn.Module):
         super().__init__()
         h = spec.hidden_size
         self.class_embedding = nn.Parameter(torch.zeros(h))
-        self.patch_embedding = nn.Conv2d(spec.num_channels, h, kernel_size=spec.patch_size, stride=spec.patch_size,
-                                         bias=False)
+        self.patch_embedding = nn.Conv2d(
+            spec.num_channels, h, kernel_size=spec.patch_size, stride=spec.patch_size, bias=False
+        )
         self.num_patches = (spec.image_size // spec.patch_size) ** 2
         self.position_embedding = nn.Embedding(self.num_patches + 1, h)
 
@@ -165,10 +174,15 @@ class VisionOutput:
 
 
 def _check_pixels(pixel_values: torch.Tensor, spec: VisionSpec) -> None:
-    if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (spec.num_channels, spec.image_size,
-                                                                     spec.image_size):
-        raise ValueError(f"vision tower: expected pixel values of shape (batch, {spec.num_channels}, "
-                         f"{spec.image_size}, {spec.image_size}), got {tuple(pixel_values.shape)}")
+    if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (
+        spec.num_channels,
+        spec.image_size,
+        spec.image_size,
+    ):
+        raise ValueError(
+            f"vision tower: expected pixel values of shape (batch, {spec.num_channels}, "
+            f"{spec.image_size}, {spec.image_size}), got {tuple(pixel_values.shape)}"
+        )
 
 
 def strip_vision_model(name: str) -> str:

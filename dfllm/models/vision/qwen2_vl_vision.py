@@ -96,17 +96,20 @@ class Qwen2VisionTransformer(nn.Module):
         self.merge = cfg.get("spatial_merge_size", 2)
         kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.embed_dim, kernel_size=kernel, stride=kernel,
-                                          bias=False)
+        self.patch_embed.proj = nn.Conv3d(
+            self.in_channels, self.embed_dim, kernel_size=kernel, stride=kernel, bias=False
+        )
         mlp_hidden = int(self.embed_dim * cfg.get("mlp_ratio", 4))
         act = cfg.get("hidden_act", "quick_gelu")
-        self.blocks = nn.ModuleList(Qwen2VLVisionBlock(self.embed_dim, heads, mlp_hidden, act)
-                                    for _ in range(cfg["depth"]))
+        self.blocks = nn.ModuleList(
+            Qwen2VLVisionBlock(self.embed_dim, heads, mlp_hidden, act) for _ in range(cfg["depth"])
+        )
         self.merger = Qwen2VLPatchMerger(cfg["hidden_size"], self.embed_dim, self.merge)
         theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         spatial = (self.embed_dim // heads) // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False
+        )
 
     def _positions(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Each patch's (row, column), 2x2 merge blocks adjacent, as the processor lays them out."""
@@ -114,8 +117,9 @@ class Qwen2VisionTransformer(nn.Module):
         for t, h, w in grids:
             hpos, wpos = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
             shape = (h // m, m, w // m, m)
-            hw = torch.stack([hpos.reshape(shape).transpose(1, 2).flatten(),
-                              wpos.reshape(shape).transpose(1, 2).flatten()], dim=-1)
+            hw = torch.stack(
+                [hpos.reshape(shape).transpose(1, 2).flatten(), wpos.reshape(shape).transpose(1, 2).flatten()], dim=-1
+            )
             out.append(hw.repeat(t, 1))
         return torch.cat(out)
 
@@ -199,17 +203,20 @@ class Qwen25VisionTransformer(Qwen2VisionTransformer):
         self.full_blocks = set(cfg.get("fullatt_block_indexes") or ())
         kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.embed_dim, kernel_size=kernel, stride=kernel,
-                                          bias=False)
+        self.patch_embed.proj = nn.Conv3d(
+            self.in_channels, self.embed_dim, kernel_size=kernel, stride=kernel, bias=False
+        )
         act = cfg.get("hidden_act", "silu")
-        self.blocks = nn.ModuleList(Qwen25VLVisionBlock(self.embed_dim, heads, cfg["intermediate_size"], act)
-                                    for _ in range(cfg["depth"]))
+        self.blocks = nn.ModuleList(
+            Qwen25VLVisionBlock(self.embed_dim, heads, cfg["intermediate_size"], act) for _ in range(cfg["depth"])
+        )
         self.merger = Qwen2VLPatchMerger(cfg["out_hidden_size"], self.embed_dim, self.merge)
         self.merger.ln_q = _RMSNorm(self.embed_dim)
         theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         spatial = (self.embed_dim // heads) // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False
+        )
 
     def _windows(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
         """The merge units in window order, and the windows' bounds in patches."""

@@ -26,8 +26,9 @@ from dfllm.models.vision.clip_vision import (
 class SiglipVisionEmbeddings(nn.Module):
     def __init__(self, spec: VisionSpec):
         super().__init__()
-        self.patch_embedding = nn.Conv2d(spec.num_channels, spec.hidden_size, kernel_size=spec.patch_size,
-                                         stride=spec.patch_size)
+        self.patch_embedding = nn.Conv2d(
+            spec.num_channels, spec.hidden_size, kernel_size=spec.patch_size, stride=spec.patch_size
+        )
         self.num_patches = (spec.image_size // spec.patch_size) ** 2
         self.position_embedding = nn.Embedding(self.num_patches, spec.hidden_size)
 

@@ -32,8 +32,9 @@ def llm(tiny_llama):
 def test_minimal_quickstart(tiny_llama, llm):
     """``minimal_quickstart.py``: prompts in, chat messages out of preprocess, ``prompt`` and
     ``response`` read back (``iter_rows`` there; the frame's rows here)."""
-    config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), concurrency=1, batch_size=32,
-                                       engine_kwargs={"max_model_len": 256})
+    config = vLLMEngineProcessorConfig(
+        model_source=str(tiny_llama), concurrency=1, batch_size=32, engine_kwargs={"max_model_len": 256}
+    )
     processor = build_processor(
         config,
         preprocess=lambda row: {
@@ -48,8 +49,11 @@ def test_minimal_quickstart(tiny_llama, llm):
     questions = ["What is machine learning?", "Explain neural networks in one sentence."]
     ds = processor(dask([{"prompt": q} for q in questions]))
     results = ds.compute().sort_index()
-    refs = llm.chat([[{"role": "user", "content": q}] for q in questions],
-                    dfllm.SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    refs = llm.chat(
+        [[{"role": "user", "content": q}] for q in questions],
+        dfllm.SamplingParams(temperature=0.0, max_tokens=6),
+        use_tqdm=False,
+    )
     for result, q, ref in zip(results.to_dict("records"), questions, refs):
         assert q in result["prompt"] and result["prompt"] == ref.prompt  # the prompt sent, as in Ray
         assert result["response"] == ref.outputs[0].text
@@ -61,8 +65,9 @@ def test_embedding_example(tmp_path):
     embedding_config = vLLMEngineProcessorConfig(
         model_source="all-minilm-l6-v2",  # Ray: "sentence-transformers/all-MiniLM-L6-v2", bundled here
         task_type="embed",
-        engine_kwargs=dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256,
-                           enforce_eager=True),
+        engine_kwargs=dict(
+            enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256, enforce_eager=True
+        ),
         batch_size=32,
         concurrency=1,
         chat_template_stage=False,  # Skip chat templating for embeddings
@@ -84,10 +89,19 @@ def test_embedding_example(tmp_path):
     for got, ref in zip(embedded["embedding"], refs):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref.outputs.embedding), rtol=1e-5, atol=1e-6)
     # the legacy flags of basic_llm_example.py's embedding config: the same processor
-    legacy = vLLMEngineProcessorConfig(model_source="all-minilm-l6-v2", task_type="embed", batch_size=32,
-                                       concurrency=1, apply_chat_template=False, detokenize=False)
-    again = build_processor(legacy, preprocess=lambda row: dict(prompt=row["text"]),
-                            postprocess=lambda row: {"text": row["prompt"], "embedding": row["embeddings"]})
+    legacy = vLLMEngineProcessorConfig(
+        model_source="all-minilm-l6-v2",
+        task_type="embed",
+        batch_size=32,
+        concurrency=1,
+        apply_chat_template=False,
+        detokenize=False,
+    )
+    again = build_processor(
+        legacy,
+        preprocess=lambda row: dict(prompt=row["text"]),
+        postprocess=lambda row: {"text": row["prompt"], "embedding": row["embeddings"]},
+    )
     pd.testing.assert_frame_equal(again(dask([{"text": t} for t in texts])).compute().sort_index(), embedded)
 
 
@@ -115,8 +129,11 @@ def test_classification_example(tmp_path):
             else None,
         },
     )
-    texts = ["lol that was so funny haha", "Photosynthesis converts light energy into chemical energy.",
-             "Newton's laws describe the relationship between forces and motion."]
+    texts = [
+        "lol that was so funny haha",
+        "Photosynthesis converts light energy into chemical energy.",
+        "Newton's laws describe the relationship between forces and motion.",
+    ]
     classified = classification_processor(dask([{"text": t} for t in texts])).compute().sort_index()
     refs = dfllm.LLM(classification_config.model_source).classify(texts, use_tqdm=False)
     assert classified["text"].tolist() == texts
@@ -128,10 +145,16 @@ def test_tokenization_examples(tiny_llama, llm, disaggregated):
     """``tokenization_disaggregation_example.py`` (stages on, ``detokenize=False`` in the
     sampling params: the detokenize stage decodes) and ``tokenization_aggregation_example.py``
     (stage config classes with ``enabled=False``, ``detokenize=True``: the engine decodes)."""
-    stages = dict(tokenize_stage=True, detokenize_stage=True) if disaggregated else dict(
-        tokenize_stage=TokenizerStageConfig(enabled=False), detokenize_stage=DetokenizeStageConfig(enabled=False))
-    config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256},
-                                       concurrency=1, batch_size=64, **stages)
+    stages = (
+        dict(tokenize_stage=True, detokenize_stage=True)
+        if disaggregated
+        else dict(
+            tokenize_stage=TokenizerStageConfig(enabled=False), detokenize_stage=DetokenizeStageConfig(enabled=False)
+        )
+    )
+    config = vLLMEngineProcessorConfig(
+        model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256}, concurrency=1, batch_size=64, **stages
+    )
     processor = build_processor(
         config,
         preprocess=lambda row: dict(
@@ -141,8 +164,11 @@ def test_tokenization_examples(tiny_llama, llm, disaggregated):
         postprocess=lambda row: dict(resp=row["generated_text"]),
     )
     ds = processor(dask([{"item": "Hello world!"}], npartitions=1)).compute()
-    ref = llm.chat([{"role": "user", "content": "Hello world!"}],
-                   dfllm.SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    ref = llm.chat(
+        [{"role": "user", "content": "Hello world!"}],
+        dfllm.SamplingParams(temperature=0.0, max_tokens=6),
+        use_tqdm=False,
+    )[0]
     assert ds["resp"].tolist() == [ref.outputs[0].text] and ref.outputs[0].text
 
 
@@ -159,29 +185,53 @@ def test_custom_tokenizer_pipeline(tiny_llama, llm):
             if hasattr(messages, "tolist"):
                 messages = messages.tolist()
             add_generation_prompt = messages[-1]["role"] == "user"
-            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                         add_generation_prompt=add_generation_prompt,
-                                                         continue_final_message=not add_generation_prompt))
-        return pd.DataFrame({"prompt": prompts, "messages": batch["messages"],
-                             "sampling_params": batch["sampling_params"]}, index=batch.index)
+            prompts.append(
+                tokenizer.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
+                )
+            )
+        return pd.DataFrame(
+            {"prompt": prompts, "messages": batch["messages"], "sampling_params": batch["sampling_params"]},
+            index=batch.index,
+        )
 
     def tokenize(batch: pd.DataFrame) -> pd.DataFrame:  # VLLMTokenize.__call__
-        return pd.DataFrame({"tokenized_prompt": [tokenizer.encode(p) for p in batch["prompt"]],
-                             "messages": batch["messages"], "sampling_params": batch["sampling_params"]},
-                            index=batch.index)
+        return pd.DataFrame(
+            {
+                "tokenized_prompt": [tokenizer.encode(p) for p in batch["prompt"]],
+                "messages": batch["messages"],
+                "sampling_params": batch["sampling_params"],
+            },
+            index=batch.index,
+        )
 
     def detokenize(batch: pd.DataFrame) -> pd.DataFrame:  # VLLMDetokenize.__call__
         decoded = [tokenizer.decode(list(tokens), skip_special_tokens=True) for tokens in batch["generated_tokens"]]
         return batch.assign(generated_text_custom=pd.Series(decoded, index=batch.index, dtype="string[pyarrow]"))
 
-    rows = [{"messages": [{"role": "user", "content": "What is the capital of France?"}],
-             "sampling_params": {"max_tokens": 6, "temperature": 0.0}},
-            {"messages": [{"role": "user", "content": "Write a haiku about computing."}],
-             "sampling_params": {"max_tokens": 6, "temperature": 0.0}}]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "sampling_params": {"max_tokens": 6, "temperature": 0.0},
+        },
+        {
+            "messages": [{"role": "user", "content": "Write a haiku about computing."}],
+            "sampling_params": {"max_tokens": 6, "temperature": 0.0},
+        },
+    ]
     # Ray's example also sets trust_remote_code=True, which dfllm refuses (it never runs remote code)
-    config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), engine_kwargs=dict(
-        max_model_len=256, tokenizer_mode="auto"), batch_size=4, concurrency=1,
-        chat_template_stage=False, tokenize_stage=False, detokenize_stage=False)
+    config = vLLMEngineProcessorConfig(
+        model_source=str(tiny_llama),
+        engine_kwargs=dict(max_model_len=256, tokenizer_mode="auto"),
+        batch_size=4,
+        concurrency=1,
+        chat_template_stage=False,
+        tokenize_stage=False,
+        detokenize_stage=False,
+    )
     processor = build_processor(
         config,
         postprocess=lambda row: {
@@ -192,16 +242,16 @@ def test_custom_tokenizer_pipeline(tiny_llama, llm):
         },
     )
     ds = dask(rows)
-    ds = ds.map_partitions(chat_template, meta=pd.DataFrame({"prompt": pd.Series([], dtype=str),
-                                                            "messages": [], "sampling_params": []}))
-    ds = ds.map_partitions(tokenize, meta=pd.DataFrame({"tokenized_prompt": [], "messages": [],
-                                                       "sampling_params": []}))
+    ds = ds.map_partitions(
+        chat_template, meta=pd.DataFrame({"prompt": pd.Series([], dtype=str), "messages": [], "sampling_params": []})
+    )
+    ds = ds.map_partitions(tokenize, meta=pd.DataFrame({"tokenized_prompt": [], "messages": [], "sampling_params": []}))
     ds = processor(ds)
-    ds = ds.map_partitions(detokenize, meta=ds._meta.assign(
-        generated_text_custom=pd.Series([], dtype="string[pyarrow]")))
+    ds = ds.map_partitions(
+        detokenize, meta=ds._meta.assign(generated_text_custom=pd.Series([], dtype="string[pyarrow]"))
+    )
     got = ds.compute().sort_index()
-    refs = llm.chat([r["messages"] for r in rows], dfllm.SamplingParams(max_tokens=6, temperature=0.0),
-                    use_tqdm=False)
+    refs = llm.chat([r["messages"] for r in rows], dfllm.SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert "llm_error" not in got.columns  # Ray's default: a failed row fails the job, no error column
     for (_, row), ref in zip(got.iterrows(), refs):
         assert row["generated_text"] == ref.outputs[0].text == row["generated_text_custom"]
@@ -213,44 +263,76 @@ def test_scaling_and_tuning_configs(tiny_llama, llm):
     """The configs of "Scaling", "Per-stage configuration", "Tuning concurrent batch
     processing" and "GPU memory and CUDA OOM" (``basic_llm_example.py``): accepted as
     written, the Ray-cluster knobs inert on Dask, and the rows the same."""
+
     def preprocess(row):
-        return dict(messages=[{"role": "system", "content": "You are a bot that responds with haikus."},
-                              {"role": "user", "content": row["item"]}],
-                    sampling_params=dict(temperature=0.0, max_tokens=4))
+        return dict(
+            messages=[
+                {"role": "system", "content": "You are a bot that responds with haikus."},
+                {"role": "user", "content": row["item"]},
+            ],
+            sampling_params=dict(temperature=0.0, max_tokens=4),
+        )
 
     configs = [
         dict(concurrency=4, batch_size=64),  # autoscaling 1..4 replicas
         dict(concurrency=(4, 4), batch_size=64),  # a fixed pool
-        dict(chat_template_stage={"enabled": True, "batch_size": 256, "concurrency": 4},
-             tokenize_stage={"enabled": True, "batch_size": 512, "num_cpus": 0.5},
-             detokenize_stage={"enabled": True, "concurrency": (2, 8)}),
+        dict(
+            chat_template_stage={"enabled": True, "batch_size": 256, "concurrency": 4},
+            tokenize_stage={"enabled": True, "batch_size": 512, "num_cpus": 0.5},
+            detokenize_stage={"enabled": True, "concurrency": (2, 8)},
+        ),
         dict(max_concurrent_batches=16, experimental={"max_tasks_in_flight_per_actor": 32}, batch_size=16),
-        dict(engine_kwargs={"max_model_len": 256, "max_num_batched_tokens": 2048, "enable_chunked_prefill": True,
-                            "block_size": 16}, batch_size=16),
+        dict(
+            engine_kwargs={
+                "max_model_len": 256,
+                "max_num_batched_tokens": 2048,
+                "enable_chunked_prefill": True,
+                "block_size": 16,
+            },
+            batch_size=16,
+        ),
     ]
-    ref = llm.chat([preprocess({"item": i})["messages"] for i in ITEMS],
-                   dfllm.SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    ref = llm.chat(
+        [preprocess({"item": i})["messages"] for i in ITEMS],
+        dfllm.SamplingParams(temperature=0.0, max_tokens=4),
+        use_tqdm=False,
+    )
     for fields in configs:
-        config = vLLMEngineProcessorConfig(model_source=str(tiny_llama),
-                                           **{"engine_kwargs": {"max_model_len": 256}, **fields})
-        processor = build_processor(config, preprocess=preprocess,
-                                    postprocess=lambda row: dict(answer=row["generated_text"], **row))
+        config = vLLMEngineProcessorConfig(
+            model_source=str(tiny_llama), **{"engine_kwargs": {"max_model_len": 256}, **fields}
+        )
+        processor = build_processor(
+            config, preprocess=preprocess, postprocess=lambda row: dict(answer=row["generated_text"], **row)
+        )
         got = processor(dask([{"item": i} for i in ITEMS])).compute().sort_index()
         assert got["answer"].tolist() == [r.outputs[0].text for r in ref], fields
-    assert vLLMEngineProcessorConfig(model_source=str(tiny_llama), experimental={
-        "max_tasks_in_flight_per_actor": 32}).max_tasks_in_flight_per_actor == 32
+    assert (
+        vLLMEngineProcessorConfig(
+            model_source=str(tiny_llama), experimental={"max_tasks_in_flight_per_actor": 32}
+        ).max_tasks_in_flight_per_actor
+        == 32
+    )
     with pytest.raises(ValueError, match="experimental"):
         vLLMEngineProcessorConfig(model_source=str(tiny_llama), experimental={"nope": 1})
 
 
 def test_row_level_fault_tolerance_example(tiny_llama):
-    """"Continue processing after row failures": ``should_continue_on_error=True``, a prompt
+    """ "Continue processing after row failures": ``should_continue_on_error=True``, a prompt
     past ``max_model_len`` is its row's ``__inference_error__`` and the job goes on."""
-    config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256},
-                                       should_continue_on_error=True, batch_size=64, concurrency=1)
-    processor = build_processor(config, preprocess=lambda row: dict(
-        messages=[{"role": "user", "content": row["item"]}], sampling_params=dict(temperature=0.0, max_tokens=4)),
-        postprocess=lambda row: dict(resp=row["generated_text"], item=row["item"]))
+    config = vLLMEngineProcessorConfig(
+        model_source=str(tiny_llama),
+        engine_kwargs={"max_model_len": 256},
+        should_continue_on_error=True,
+        batch_size=64,
+        concurrency=1,
+    )
+    processor = build_processor(
+        config,
+        preprocess=lambda row: dict(
+            messages=[{"role": "user", "content": row["item"]}], sampling_params=dict(temperature=0.0, max_tokens=4)
+        ),
+        postprocess=lambda row: dict(resp=row["generated_text"], item=row["item"]),
+    )
     got = processor(dask([{"item": "ok"}, {"item": "word " * 400}, {"item": "fine"}], npartitions=1)).compute()
     errors = got["__inference_error__"]
     assert errors.notna().tolist() == [False, True, False] and "max_model_len" in errors[1]

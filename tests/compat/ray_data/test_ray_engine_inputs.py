@@ -36,8 +36,12 @@ def run(processor, frame: pd.DataFrame, npartitions: int = 2) -> pd.DataFrame:
 
 def ray_logprobs(steps) -> list:
     """vLLM's logprobs as Ray's engine stage converts them (``dataclasses.asdict`` per entry)."""
-    return [None if s is None else {t: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in s.items()} for s in steps]
+    return [
+        None
+        if s is None
+        else {t: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in s.items()}
+        for s in steps
+    ]
 
 
 def assert_same_logprobs(got: list, want: list) -> None:
@@ -63,12 +67,18 @@ def test_logprobs_and_prompt_logprobs_as_ray_gives_them(tiny_llama, llm):
         seen[row["ask"]] = (row["logprobs"], row["prompt_logprobs"])
         return dict(ask=row["ask"], text=row["generated_text"])
 
-    processor = build_processor(config(tiny_llama), lambda r: dict(
-        messages=[{"role": "user", "content": r["q"]}], sampling_params=asks[r["ask"]]), post)
+    processor = build_processor(
+        config(tiny_llama),
+        lambda r: dict(messages=[{"role": "user", "content": r["q"]}], sampling_params=asks[r["ask"]]),
+        post,
+    )
     got = run(processor, frame)
     assert "llm_error" not in got.columns  # Ray's default: a failed row fails the job, no error column
-    refs = llm.chat([[{"role": "user", "content": q}] for q in frame["q"]],
-                    [dfllm.SamplingParams(**a) for a in asks], use_tqdm=False)
+    refs = llm.chat(
+        [[{"role": "user", "content": q}] for q in frame["q"]],
+        [dfllm.SamplingParams(**a) for a in asks],
+        use_tqdm=False,
+    )
     for i, ref in enumerate(refs):
         logprobs, prompt_logprobs = seen[i]
         assert got.loc[i, "text"] == ref.outputs[0].text
@@ -89,8 +99,9 @@ def test_logprobs_and_prompt_logprobs_as_ray_gives_them(tiny_llama, llm):
 
 def test_logprobs_kept_without_postprocess_are_a_map_column(tiny_llama):
     frame = pd.DataFrame({"q": ["Say hello.", "Pick a fruit."]})
-    processor = build_processor(config(tiny_llama), lambda r: dict(prompt=r["q"],
-                                                                   sampling_params=dict(GREEDY, logprobs=1)))
+    processor = build_processor(
+        config(tiny_llama), lambda r: dict(prompt=r["q"], sampling_params=dict(GREEDY, logprobs=1))
+    )
     lazy = processor(dd.from_pandas(frame, npartitions=2))
     got = lazy.compute()
     assert str(got.dtypes["logprobs"]).startswith("list<item: map<int64, struct<logprob: double")
@@ -105,15 +116,21 @@ def test_tokenized_prompt_is_generated_from_as_given(tiny_llama, llm):
     are kept, with their error, under Ray's ``should_continue_on_error=True``."""
     tok = llm.get_tokenizer()
     ids = tok.encode("Once upon a time")
-    rows = [dict(tokenized_prompt=np.array(ids)), dict(prompt="Once upon a time"),
-            dict(messages=[{"role": "user", "content": "Hi"}]),
-            dict(tokenized_prompt=ids, prompt="the text I tokenized"),
-            dict(tokenized_prompt=[10**9]), dict(tokenized_prompt="not ids"), dict(nothing=1)]
+    rows = [
+        dict(tokenized_prompt=np.array(ids)),
+        dict(prompt="Once upon a time"),
+        dict(messages=[{"role": "user", "content": "Hi"}]),
+        dict(tokenized_prompt=ids, prompt="the text I tokenized"),
+        dict(tokenized_prompt=[10**9]),
+        dict(tokenized_prompt="not ids"),
+        dict(nothing=1),
+    ]
     frame = pd.DataFrame({"i": range(len(rows))})
-    processor = build_processor(config(tiny_llama, should_continue_on_error=True),
-                                lambda r: dict(rows[r["i"]], sampling_params=GREEDY),
-                                lambda r: dict(i=r["i"], text=r["generated_text"], prompt=r["prompt"],
-                                               ids=list(r["prompt_token_ids"])))
+    processor = build_processor(
+        config(tiny_llama, should_continue_on_error=True),
+        lambda r: dict(rows[r["i"]], sampling_params=GREEDY),
+        lambda r: dict(i=r["i"], text=r["generated_text"], prompt=r["prompt"], ids=list(r["prompt_token_ids"])),
+    )
     got = run(processor, frame, npartitions=1)
     params = dfllm.SamplingParams(**GREEDY)
     by_ids = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
@@ -137,9 +154,11 @@ def test_assistant_prefill_is_continued(tiny_llama, llm):
     prefill = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
     ask = [{"role": "user", "content": "Name a colour."}]
     frame = pd.DataFrame({"prefill": [True, False]})
-    processor = build_processor(config(tiny_llama), lambda r: dict(
-        messages=prefill if r["prefill"] else ask, sampling_params=GREEDY),
-        lambda r: dict(prompt=r["prompt"], text=r["generated_text"]))
+    processor = build_processor(
+        config(tiny_llama),
+        lambda r: dict(messages=prefill if r["prefill"] else ask, sampling_params=GREEDY),
+        lambda r: dict(prompt=r["prompt"], text=r["generated_text"]),
+    )
     got = run(processor, frame)
     params = dfllm.SamplingParams(**GREEDY)
     cont = llm.chat(prefill, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
@@ -149,17 +168,20 @@ def test_assistant_prefill_is_continued(tiny_llama, llm):
     assert got.loc[1, "prompt"] == answer.prompt and got.loc[1, "text"] == answer.outputs[0].text
 
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{{ greeting | default('') }}{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{{ greeting | default('') }}{% endif %}"
+)
 
 
 @pytest.mark.parametrize("where", ["config", "stage", "builder_kwargs"])
 def test_chat_template_kwargs_reach_the_template(tiny_llama, llm, where):
     kwargs = {"greeting": "Ahoy!"}
-    fields = {"config": dict(chat_template=TEMPLATE, chat_template_kwargs=kwargs),
-              "stage": dict(chat_template_stage=ChatTemplateStageConfig(chat_template=TEMPLATE,
-                                                                        chat_template_kwargs=kwargs)),
-              "builder_kwargs": dict(chat_template=TEMPLATE)}[where]
+    fields = {
+        "config": dict(chat_template=TEMPLATE, chat_template_kwargs=kwargs),
+        "stage": dict(chat_template_stage=ChatTemplateStageConfig(chat_template=TEMPLATE, chat_template_kwargs=kwargs)),
+        "builder_kwargs": dict(chat_template=TEMPLATE),
+    }[where]
     frame = pd.DataFrame({"q": ["Hi", "Bye"], "own": [None, "Hello!"]})
 
     def pre(row):
@@ -168,21 +190,35 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama, llm, where):
             out["chat_template_kwargs"] = {"greeting": row["own"]}  # a row's own, over the config's
         return out
 
-    processor = build_processor(config(tiny_llama, **fields), pre, lambda r: dict(prompt=r["prompt"]),
-                                builder_kwargs={"chat_template_kwargs": kwargs} if where == "builder_kwargs" else None)
+    processor = build_processor(
+        config(tiny_llama, **fields),
+        pre,
+        lambda r: dict(prompt=r["prompt"]),
+        builder_kwargs={"chat_template_kwargs": kwargs} if where == "builder_kwargs" else None,
+    )
     got = run(processor, frame, npartitions=1)  # one batch: a row without its own beside one with
     assert "llm_error" not in got.columns
     for i, greeting in enumerate(["Ahoy!", "Hello!"]):
-        ref = llm.chat([{"role": "user", "content": frame.loc[i, "q"]}], dfllm.SamplingParams(**GREEDY),
-                       chat_template=TEMPLATE, chat_template_kwargs={"greeting": greeting}, use_tqdm=False)[0]
+        ref = llm.chat(
+            [{"role": "user", "content": frame.loc[i, "q"]}],
+            dfllm.SamplingParams(**GREEDY),
+            chat_template=TEMPLATE,
+            chat_template_kwargs={"greeting": greeting},
+            use_tqdm=False,
+        )[0]
         assert got.loc[i, "prompt"] == ref.prompt and ref.prompt.endswith(f"<assistant>{greeting}")
 
 
 def test_bad_row_chat_template_kwargs_is_that_rows_error(tiny_llama):
     frame = pd.DataFrame({"q": ["Hi", "Bye"]})
-    processor = build_processor(config(tiny_llama, should_continue_on_error=True), lambda r: dict(
-        messages=[{"role": "user", "content": r["q"]}], sampling_params=GREEDY,
-        chat_template_kwargs=None if r["q"] == "Hi" else ["not", "a", "dict"]))
+    processor = build_processor(
+        config(tiny_llama, should_continue_on_error=True),
+        lambda r: dict(
+            messages=[{"role": "user", "content": r["q"]}],
+            sampling_params=GREEDY,
+            chat_template_kwargs=None if r["q"] == "Hi" else ["not", "a", "dict"],
+        ),
+    )
     errors = processor(frame)["__inference_error__"]
     assert pd.isna(errors[0])
     assert errors[1].startswith("chat_template_kwargs:") and "dict" in errors[1]
@@ -196,10 +232,12 @@ def test_pooling_params_per_row():
     params = [{"truncate_prompt_tokens": 3}, {"normalize": False}, None, {"bogus": 1}]
     frame = pd.DataFrame({"text": texts, "i": range(4)})
     processor = build_processor(
-        vLLMEngineProcessorConfig(model_source=None, task_type="embed", chat_template_stage=False,
-                                  should_continue_on_error=True),
+        vLLMEngineProcessorConfig(
+            model_source=None, task_type="embed", chat_template_stage=False, should_continue_on_error=True
+        ),
         lambda r: dict(prompt=r["text"], **({} if params[r["i"]] is None else {"pooling_params": params[r["i"]]})),
-        lambda r: dict(i=r["i"], vector=list(r["embeddings"])))
+        lambda r: dict(i=r["i"], vector=list(r["embeddings"])),
+    )
     got = run(processor, frame)
     ref = dfllm.LLM("all-minilm-l6-v2")
     for i in range(3):
@@ -221,26 +259,38 @@ def test_pooling_params_per_row_classify_and_score(tmp_path):
     processor = build_processor(
         vLLMEngineProcessorConfig(model_source=str(path), task_type="classify", apply_chat_template=False),
         lambda r: dict(prompt=r["text"], pooling_params={"use_activation": not r["raw"]}),
-        lambda r: dict(logits=list(r["embeddings"])))
+        lambda r: dict(logits=list(r["embeddings"])),
+    )
     got = run(processor, frame)
     ref = dfllm.LLM(str(path))
     for i, raw in enumerate(frame["raw"]):
         want = ref.classify(frame.loc[i, "text"], dfllm.PoolingParams(use_activation=not raw), use_tqdm=False)[0]
         np.testing.assert_allclose(got.loc[i, "logits"], want.outputs.probs, rtol=1e-5, atol=1e-6)
     assert abs(sum(got.loc[0, "logits"]) - 1) < 1e-5 and abs(sum(got.loc[1, "logits"]) - 1) > 1e-4
-    pairs = pd.DataFrame({"q": ["a cat", "a cat"], "d": ["a small kitten sleeping", "a small kitten sleeping"],
-                          "cut": [None, 3]})
-    scorer = build_processor(vLLMEngineProcessorConfig(model_source=None, task_type="score"), lambda r: dict(
-        text_1=r["q"], text_2=r["d"], **({} if pd.isna(r["cut"]) else
-                                         {"pooling_params": {"truncate_prompt_tokens": int(r["cut"])}})))
+    pairs = pd.DataFrame(
+        {"q": ["a cat", "a cat"], "d": ["a small kitten sleeping", "a small kitten sleeping"], "cut": [None, 3]}
+    )
+    scorer = build_processor(
+        vLLMEngineProcessorConfig(model_source=None, task_type="score"),
+        lambda r: dict(
+            text_1=r["q"],
+            text_2=r["d"],
+            **({} if pd.isna(r["cut"]) else {"pooling_params": {"truncate_prompt_tokens": int(r["cut"])}}),
+        ),
+    )
     # one partition: the sampled rows (the output's columns, without postprocess the whole row)
     # include the row with pooling_params; a sample without it would make that column a failed row
     scores = run(scorer, pairs, npartitions=1)["score"].tolist()
     minilm = dfllm.LLM("all-minilm-l6-v2")
     assert scores[0] == pytest.approx(minilm.score("a cat", "a small kitten sleeping", use_tqdm=False)[0].outputs.score)
-    assert scores[1] == pytest.approx(minilm.score("a cat", "a small kitten sleeping", use_tqdm=False,
-                                                   pooling_params=dfllm.PoolingParams(truncate_prompt_tokens=3)
-                                                   )[0].outputs.score)
+    assert scores[1] == pytest.approx(
+        minilm.score(
+            "a cat",
+            "a small kitten sleeping",
+            use_tqdm=False,
+            pooling_params=dfllm.PoolingParams(truncate_prompt_tokens=3),
+        )[0].outputs.score
+    )
     assert scores[0] != pytest.approx(scores[1])
 
 
@@ -249,17 +299,29 @@ def test_guided_decoding_in_sampling_params(tiny_llama):
     vLLM's structured outputs params from it), or dfllm/vLLM's ``structured_outputs``."""
     choices = ["yes", "no", "maybe"]
     frame = pd.DataFrame({"q": ["Is it?", "Really?"], "how": ["guided_decoding", "structured_outputs"]})
-    processor = build_processor(config(tiny_llama), lambda r: dict(
-        messages=[{"role": "user", "content": r["q"]}],
-        # arrays, as list values read back from Arrow columns are (Ray turns them into lists)
-        sampling_params={"temperature": 0.0, "max_tokens": 8, "stop": np.array(["\n\n"]),
-                         r["how"]: {"choice": np.array(choices)}}),
-        lambda r: dict(answer=r["generated_text"]))
+    processor = build_processor(
+        config(tiny_llama),
+        lambda r: dict(
+            messages=[{"role": "user", "content": r["q"]}],
+            # arrays, as list values read back from Arrow columns are (Ray turns them into lists)
+            sampling_params={
+                "temperature": 0.0,
+                "max_tokens": 8,
+                "stop": np.array(["\n\n"]),
+                r["how"]: {"choice": np.array(choices)},
+            },
+        ),
+        lambda r: dict(answer=r["generated_text"]),
+    )
     got = run(processor, frame)
     assert "llm_error" not in got.columns and set(got["answer"]) <= set(choices)
-    both = build_processor(config(tiny_llama, should_continue_on_error=True), lambda r: dict(
-        prompt=r["q"], sampling_params={"guided_decoding": {"choice": choices},
-                                        "structured_outputs": {"choice": choices}}))(frame)
+    both = build_processor(
+        config(tiny_llama, should_continue_on_error=True),
+        lambda r: dict(
+            prompt=r["q"],
+            sampling_params={"guided_decoding": {"choice": choices}, "structured_outputs": {"choice": choices}},
+        ),
+    )(frame)
     assert both["__inference_error__"].str.contains("guided_decoding or structured_outputs").all()
 
 
@@ -268,9 +330,11 @@ def test_detokenize_false_under_the_detokenize_stage(tiny_llama, llm, stage):
     """Ray's docs: with the detokenize stage on, rows say ``detokenize=False`` and the stage
     decodes ``generated_tokens``; with it off, the engine's (empty) text is what there is."""
     frame = pd.DataFrame({"q": ["Hello world!"]})
-    processor = build_processor(config(tiny_llama, detokenize_stage=stage), lambda r: dict(
-        messages=[{"role": "user", "content": r["q"]}], sampling_params=dict(GREEDY, detokenize=False)),
-        lambda r: dict(resp=r["generated_text"], n=len(r["generated_tokens"])))
+    processor = build_processor(
+        config(tiny_llama, detokenize_stage=stage),
+        lambda r: dict(messages=[{"role": "user", "content": r["q"]}], sampling_params=dict(GREEDY, detokenize=False)),
+        lambda r: dict(resp=r["generated_text"], n=len(r["generated_tokens"])),
+    )
     got = run(processor, frame, npartitions=1)
     ref = llm.chat([{"role": "user", "content": "Hello world!"}], dfllm.SamplingParams(**GREEDY), use_tqdm=False)[0]
     assert got.loc[0, "n"] == len(ref.outputs[0].token_ids)

@@ -19,9 +19,16 @@ SP = dict(temperature=0.0, max_tokens=6)
 
 def ray_postprocess(row):
     """Ray's docs' postprocess, reading the engine stage's columns."""
-    return dict(answer=row["generated_text"], prompt=row["prompt"], tokens=list(row["generated_tokens"]),
-                prompt_ids=list(row["prompt_token_ids"]), n_in=row["num_input_tokens"],
-                n_out=row["num_generated_tokens"], seconds=row["time_taken_llm"], item=row["item"])
+    return dict(
+        answer=row["generated_text"],
+        prompt=row["prompt"],
+        tokens=list(row["generated_tokens"]),
+        prompt_ids=list(row["prompt_token_ids"]),
+        n_in=row["num_input_tokens"],
+        n_out=row["num_generated_tokens"],
+        seconds=row["time_taken_llm"],
+        item=row["item"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +43,7 @@ def test_generation_columns_as_in_ray(tiny_llama, items, chat):
             return dict(messages=[{"role": "user", "content": row["item"]}], sampling_params=SP)
         return dict(prompt=row["item"], sampling_params=SP)
 
-    config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256},
-                                       batch_size=2)
+    config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256}, batch_size=2)
     processor = build_processor(config, preprocess=preprocess, postprocess=ray_postprocess)
     got = processor(dd.from_pandas(items, npartitions=2)).compute().sort_index()
     assert "llm_error" not in got.columns  # Ray's default: a failed row fails the job, no error column
@@ -65,13 +71,22 @@ def test_generation_columns_as_in_ray(tiny_llama, items, chat):
 def test_no_postprocess_carries_the_engine_columns(tiny_llama, items):
     config = vLLMEngineProcessorConfig(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 256})
     got = build_processor(config, preprocess=lambda r: dict(prompt=r["item"], sampling_params=SP))(items)
-    assert {"generated_text", "prompt", "prompt_token_ids", "generated_tokens", "num_input_tokens",
-            "num_generated_tokens", "finish_reason", "time_taken_llm"} <= set(got.columns)
+    assert {
+        "generated_text",
+        "prompt",
+        "prompt_token_ids",
+        "generated_tokens",
+        "num_input_tokens",
+        "num_generated_tokens",
+        "finish_reason",
+        "time_taken_llm",
+    } <= set(got.columns)
     assert (got["generated_tokens"].list.len() == got["num_generated_tokens"]).all()
 
 
 def test_embed_default_model_reads_embeddings(items):
     """``model_source=None``: the embed task's default model, the bundled MiniLM."""
+
     def postprocess(row):
         return dict(item=row["item"], vector=list(row["embeddings"]), seconds=row["time_taken_llm"])
 
@@ -101,8 +116,11 @@ def test_classify_embeddings_are_the_probabilities(tmp_path, items):
 
     path, _ = tiny_bert(tmp_path, resolve_model("all-minilm-l6-v2"), 3)
     config = vLLMEngineProcessorConfig(model_source=str(path), task_type="classify")
-    got = build_processor(config, preprocess=lambda r: dict(prompt=r["item"]),
-                          postprocess=lambda r: dict(probs=r["probs"], embeddings=r["embeddings"]))(items)
+    got = build_processor(
+        config,
+        preprocess=lambda r: dict(prompt=r["item"]),
+        postprocess=lambda r: dict(probs=r["probs"], embeddings=r["embeddings"]),
+    )(items)
     for probs, embeddings in zip(got["probs"], got["embeddings"]):
         assert len(embeddings) == 3 and list(embeddings) == list(probs)
 
@@ -115,9 +133,12 @@ def test_classify_without_a_model_is_refused():
 def test_generate_default_model_is_the_bundled_chat_model():
     """``model_source=None`` for generate: dfllm's bundled chat model, its template rendered."""
     config = vLLMEngineProcessorConfig(model_source=None, engine_kwargs={"max_model_len": 256})
-    got = build_processor(config, preprocess=lambda r: dict(messages=[{"role": "user", "content": r["q"]}],
-                                                            sampling_params=dict(temperature=0.0, max_tokens=2)),
-                          postprocess=lambda r: dict(prompt=r["prompt"], n=r["num_generated_tokens"],
-                                                     tokens=list(r["generated_tokens"])))(pd.DataFrame({"q": ["hi"]}))
+    got = build_processor(
+        config,
+        preprocess=lambda r: dict(
+            messages=[{"role": "user", "content": r["q"]}], sampling_params=dict(temperature=0.0, max_tokens=2)
+        ),
+        postprocess=lambda r: dict(prompt=r["prompt"], n=r["num_generated_tokens"], tokens=list(r["generated_tokens"])),
+    )(pd.DataFrame({"q": ["hi"]}))
     assert "llm_error" not in got.columns and got.loc[0, "prompt"].endswith("assistant\n")
     assert len(got.loc[0, "tokens"]) == got.loc[0, "n"] == 2

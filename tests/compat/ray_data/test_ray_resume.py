@@ -34,7 +34,7 @@ FAILS = 4  # the id whose preprocess fails
 
 
 # ---- fingerprints -------------------------------------------------------------------------------------
-MODULE = '''
+MODULE = """
 import json
 SP = {"temperature": 0.0, "max_tokens": 4}
 
@@ -48,7 +48,7 @@ def make_postprocess(upper):
     def postprocess(row):
         return dict(id=row["id"], answer=row["generated_text"].upper() if upper else row["generated_text"])
     return postprocess
-'''
+"""
 
 
 def _fingerprints(tmp_path: Path, sources: list[str], seed: int) -> list[list[str]]:
@@ -59,15 +59,22 @@ def _fingerprints(tmp_path: Path, sources: list[str], seed: int) -> list[list[st
         (tmp_path / f"mod_{seed}_{i}").mkdir()
         (tmp_path / f"mod_{seed}_{i}" / "user_module.py").write_text(textwrap.dedent(source))
         dirs.append(str(tmp_path / f"mod_{seed}_{i}"))
-    code = ("import importlib, sys\n"
-            "from dfllm.jobs.fingerprint import fingerprint\n"
-            "for path in sys.argv[1:]:\n"
-            "    sys.path.insert(0, path); sys.modules.pop('user_module', None)\n"
-            "    m = importlib.import_module('user_module'); sys.path.remove(path)\n"
-            "    print(fingerprint(m.preprocess), fingerprint(m.make_postprocess(True)), "
-            "fingerprint(m.make_postprocess(False)))")
-    out = subprocess.run([sys.executable, "-c", code, *dirs], check=True, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": str(seed)})
+    code = (
+        "import importlib, sys\n"
+        "from dfllm.jobs.fingerprint import fingerprint\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.path.insert(0, path); sys.modules.pop('user_module', None)\n"
+        "    m = importlib.import_module('user_module'); sys.path.remove(path)\n"
+        "    print(fingerprint(m.preprocess), fingerprint(m.make_postprocess(True)), "
+        "fingerprint(m.make_postprocess(False)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *dirs],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": str(seed)},
+    )
     return [line.split() for line in out.stdout.splitlines()]
 
 
@@ -78,7 +85,7 @@ def test_fingerprint_is_stable_across_processes_and_sees_changes(tmp_path):
     edits = {  # every one of these changes what preprocess does
         "its code": MODULE.replace('helper(row["q"]) * n', 'helper(row["q"]) * n + "!"'),
         "a global it reads": MODULE.replace('"max_tokens": 4', '"max_tokens": 5'),
-        "a helper of its module": MODULE.replace('x.strip()', 'x.lower()'),
+        "a helper of its module": MODULE.replace("x.strip()", "x.lower()"),
         "a default": MODULE.replace("n=1", "n=2"),
     }
     # comments, blank lines and line numbers do not count
@@ -124,6 +131,7 @@ def rows() -> pd.DataFrame:
 
 def make_processor(tiny_llama, *, max_tokens: int = 2, upper: bool = False, key: str | None = None, **config):
     """A processor as a re-run of the same script builds it: fresh function objects."""
+
     def preprocess(row):
         if row["id"] == FAILS:
             raise KeyError("no lake")
@@ -139,8 +147,9 @@ def make_processor(tiny_llama, *, max_tokens: int = 2, upper: bool = False, key:
 
 
 def write(processor, rows: pd.DataFrame, out: Path, *, npartitions: int = 3, resume: bool = True):
-    return dfllm.write_parquet(processor(dd.from_pandas(rows, npartitions=npartitions)), str(out), resume=resume,
-                               progress=False)
+    return dfllm.write_parquet(
+        processor(dd.from_pandas(rows, npartitions=npartitions)), str(out), resume=resume, progress=False
+    )
 
 
 def exact(out: Path, summary: dfllm.WriteSummary, error_column: str) -> pd.DataFrame:
@@ -157,8 +166,9 @@ def exact(out: Path, summary: dfllm.WriteSummary, error_column: str) -> pd.DataF
 
 
 @pytest.mark.parametrize("continue_on_error, error_column", [(None, "llm_error"), (True, "__inference_error__")])
-def test_killed_write_resumes_only_missing_partitions(client, tiny_llama, rows, tmp_path, continue_on_error,
-                                                      error_column):
+def test_killed_write_resumes_only_missing_partitions(
+    client, tiny_llama, rows, tmp_path, continue_on_error, error_column
+):
     processor = make_processor(tiny_llama, should_continue_on_error=continue_on_error)
     once = processor(dd.from_pandas(rows, npartitions=3)).compute().sort_values("id")
     assert error_column in once.columns and once[error_column].notna().sum() == 1
@@ -184,8 +194,9 @@ def test_killed_write_resumes_only_missing_partitions(client, tiny_llama, rows, 
     assert (third.written, third.skipped) == (0, 3)
     # other partitions of the same rows: the one-row partitions a 6-way split shares with none
     # of the 3 earlier parts are recomputed, and the folder is exact again
-    pd.testing.assert_frame_equal(exact(out, write(rerun, rows, out, npartitions=6), error_column), once,
-                                  check_dtype=False)
+    pd.testing.assert_frame_equal(
+        exact(out, write(rerun, rows, out, npartitions=6), error_column), once, check_dtype=False
+    )
 
 
 def test_changed_processor_is_noticed(client, tiny_llama, rows, tmp_path):
@@ -216,9 +227,12 @@ def test_unfingerprintable_function_asks_for_a_key(tiny_llama, rows, tmp_path):
     lock = threading.Lock()
     cfg = dfllm.ProcessorConfig(model_source=str(tiny_llama), engine_kwargs={"max_model_len": 64})
     meta = {"id": "int64", "answer": "string"}
-    processor = dfllm.build_processor(cfg, preprocess=lambda r: dict(prompt=r["q"]),
-                                      postprocess=lambda r: dict(id=r["id"], answer=r["generated_text"],
-                                                                 busy=lock.locked()), meta=meta)
+    processor = dfllm.build_processor(
+        cfg,
+        preprocess=lambda r: dict(prompt=r["q"]),
+        postprocess=lambda r: dict(id=r["id"], answer=r["generated_text"], busy=lock.locked()),
+        meta=meta,
+    )
     ddf = dd.from_pandas(rows, npartitions=2)
     with pytest.raises(ValueError, match=r"closure value 'lock'.*pass key="):
         dfllm.write_parquet(processor(ddf), str(tmp_path / "out"), progress=False)

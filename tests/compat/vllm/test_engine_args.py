@@ -30,25 +30,54 @@ PROMPTS = ["Hello there", "Numbers: 1 2 3"]
 SMALL = dict(max_num_seqs=4, max_model_len=64)
 
 REFUSED = [
-    ("skip_tokenizer_init", "yes"), ("trust_remote_code", True), ("load_format", "pt"), ("load_format", "dummy"),
-    ("tokenizer_mode", "mistral"), ("revision", "main"), ("tokenizer_revision", "v1"), ("download_dir", "/tmp/x"),
-    ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("cpu_offload_gb", 4),
+    ("skip_tokenizer_init", "yes"),
+    ("trust_remote_code", True),
+    ("load_format", "pt"),
+    ("load_format", "dummy"),
+    ("tokenizer_mode", "mistral"),
+    ("revision", "main"),
+    ("tokenizer_revision", "v1"),
+    ("download_dir", "/tmp/x"),
+    ("kv_cache_dtype", "fp8"),
+    ("quantization", "awq"),
+    ("cpu_offload_gb", 4),
     ("structured_outputs_config", {"backend": "guidance"}),
     ("structured_outputs_config", {"backend": "xgrammar", "disable_any_whitespace": True}),
-    ("scheduling_policy", "lottery"), ("hf_overrides", "rope_theta=1e6"),
+    ("scheduling_policy", "lottery"),
+    ("hf_overrides", "rope_theta=1e6"),
     ("distributed_executor_backend", "ray"),
-    ("enforce_eager", "yes"), ("swap_space", -1), ("max_logprobs", -2),
-    ("compilation_config", {"cudagraph_capture_sizes": [0, 8]}), ("compilation_config", "O3"),
+    ("enforce_eager", "yes"),
+    ("swap_space", -1),
+    ("max_logprobs", -2),
+    ("compilation_config", {"cudagraph_capture_sizes": [0, 8]}),
+    ("compilation_config", "O3"),
 ]
 
-ACCEPTED = dict(enforce_eager=True, disable_log_stats=False, swap_space=0,
-                compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4]},
-                max_seq_len_to_capture=None, max_logprobs=-1, enable_chunked_prefill=False, enable_sleep_mode=True,
-                disable_custom_all_reduce=True, tokenizer_mode="hf", skip_tokenizer_init=False,
-                trust_remote_code=False, load_format="safetensors", revision=None, tokenizer_revision=None,
-                download_dir=None, kv_cache_dtype="auto", quantization=None, cpu_offload_gb=0.0,
-                structured_outputs_config={"backend": "xgrammar"}, scheduling_policy="fcfs", hf_overrides=None,
-                distributed_executor_backend="mp")
+ACCEPTED = dict(
+    enforce_eager=True,
+    disable_log_stats=False,
+    swap_space=0,
+    compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4]},
+    max_seq_len_to_capture=None,
+    max_logprobs=-1,
+    enable_chunked_prefill=False,
+    enable_sleep_mode=True,
+    disable_custom_all_reduce=True,
+    tokenizer_mode="hf",
+    skip_tokenizer_init=False,
+    trust_remote_code=False,
+    load_format="safetensors",
+    revision=None,
+    tokenizer_revision=None,
+    download_dir=None,
+    kv_cache_dtype="auto",
+    quantization=None,
+    cpu_offload_gb=0.0,
+    structured_outputs_config={"backend": "xgrammar"},
+    scheduling_policy="fcfs",
+    hf_overrides=None,
+    distributed_executor_backend="mp",
+)
 
 
 def test_signature_is_the_engine_args_fields():
@@ -77,14 +106,34 @@ def test_cli_flags_come_from_the_fields():
     flags not given stay unset (None: LLM's default)."""
     parser = argparse.ArgumentParser()
     add_cli_args(parser, prefix="engine_")
-    assert {a.dest for a in parser._actions if a.dest.startswith("engine_")} == {f"engine_{n}" for n in
-                                                                                ENGINE_ARG_NAMES}
-    args = parser.parse_args(["--max-model-len", "64", "--no-enable-prefix-caching", "--swap-space", "2.5",
-                              "--hf-overrides", '{"rope_theta": 10.0}', "--reasoning-parser", "qwen3",
-                              "--enforce-eager", "--dtype", "float32"])
-    assert cli_kwargs(args, "engine_") == {"max_model_len": 64, "enable_prefix_caching": False, "swap_space": 2.5,
-                                           "hf_overrides": {"rope_theta": 10.0}, "reasoning_parser": "qwen3",
-                                           "enforce_eager": True, "dtype": "float32"}
+    assert {a.dest for a in parser._actions if a.dest.startswith("engine_")} == {
+        f"engine_{n}" for n in ENGINE_ARG_NAMES
+    }
+    args = parser.parse_args(
+        [
+            "--max-model-len",
+            "64",
+            "--no-enable-prefix-caching",
+            "--swap-space",
+            "2.5",
+            "--hf-overrides",
+            '{"rope_theta": 10.0}',
+            "--reasoning-parser",
+            "qwen3",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+        ]
+    )
+    assert cli_kwargs(args, "engine_") == {
+        "max_model_len": 64,
+        "enable_prefix_caching": False,
+        "swap_space": 2.5,
+        "hf_overrides": {"rope_theta": 10.0},
+        "reasoning_parser": "qwen3",
+        "enforce_eager": True,
+        "dtype": "float32",
+    }
     with pytest.raises(SystemExit):
         parser.parse_args(["--reasoning-parser", "nope"])
 
@@ -123,8 +172,9 @@ def test_accepted_arguments_change_no_output(tiny_llama):
 
 
 def test_dataframe_engine_kwargs_accept_vllm_arguments(tiny_llama):
-    out = pd.DataFrame({"q": ["hi"]}).llm.generate("q", model=str(tiny_llama), sampling_params={"max_tokens": 2},
-                                                  enforce_eager=True, **SMALL)
+    out = pd.DataFrame({"q": ["hi"]}).llm.generate(
+        "q", model=str(tiny_llama), sampling_params={"max_tokens": 2}, enforce_eager=True, **SMALL
+    )
     assert len(out) == 1 and isinstance(out["generated_text"][0], str)
     with pytest.raises(ValueError, match="unknown argument"):
         pd.DataFrame({"q": ["hi"]}).llm.generate("q", model=str(tiny_llama), enforce_eagre=True)
@@ -151,4 +201,3 @@ def test_hf_overrides_change_the_config_dfllm_reads(tiny_llama):
     other = LLM(tiny_llama, hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}})
     assert other.config.model.rope_parameters["rope_theta"] == 10.0
     assert other.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids != base
-

@@ -33,6 +33,7 @@ def gen(llm, prompts, params=None, **kw):
 
 # ---- tests/entrypoints/llm/test_generate.py ------------------------------------------------
 
+
 def test_multiple_sampling_params(llm):
     params = [SamplingParams(temperature=t, top_p=0.95, **SHORT) for t in (0.01, 0.3, 0.7, 0.99)]
     assert len(gen(llm, PROMPTS, params)) == len(PROMPTS)
@@ -82,8 +83,9 @@ def test_chat_template_kwargs_reach_the_template(llm):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!!{% endif %}"
     conv = [{"role": "user", "content": "hi"}]
     plain = llm.chat(conv, SamplingParams(max_tokens=1), chat_template=template, use_tqdm=False)[0]
-    loud = llm.chat(conv, SamplingParams(max_tokens=1), chat_template=template, use_tqdm=False,
-                    chat_template_kwargs={"shout": True})[0]
+    loud = llm.chat(
+        conv, SamplingParams(max_tokens=1), chat_template=template, use_tqdm=False, chat_template_kwargs={"shout": True}
+    )[0]
     assert loud.prompt == plain.prompt + "!!!"
 
 
@@ -116,8 +118,10 @@ def test_chat(llm):
 
 
 def test_multi_chat(llm):
-    conversations = [[SYSTEM, {"role": "user", "content": "Explain the concept of entropy."}],
-                     [SYSTEM, {"role": "user", "content": "Explain what among us is."}]]
+    conversations = [
+        [SYSTEM, {"role": "user", "content": "Explain the concept of entropy."}],
+        [SYSTEM, {"role": "user", "content": "Explain what among us is."}],
+    ]
     assert len(llm.chat(conversations, SamplingParams(**SHORT), use_tqdm=False)) == 2
 
 
@@ -130,7 +134,8 @@ def test_chat_tokenization_no_double_bos(llm):
     assert ids[1] != bos, "Double BOS"
 
 
-@pytest.mark.skip(reason="multimodal: dfllm serves text-only models (vLLM's test_chat_multi_image/pil_image "
-                         "use Phi-3.5-vision)")
+@pytest.mark.skip(
+    reason="multimodal: dfllm serves text-only models (vLLM's test_chat_multi_image/pil_image use Phi-3.5-vision)"
+)
 def test_chat_multi_image():
     pass

@@ -19,8 +19,12 @@ import pytest
 from dfllm import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams, VLLMValidationError
 
 ENGINE = dict(max_num_seqs=8, max_model_len=128, kv_cache_memory_bytes=2**22)
-PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is",
-           "The future of AI is"]
+PROMPTS = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
@@ -80,28 +84,46 @@ def test_skip_tokenizer_init_takes_token_ids_and_gives_empty_text(llm, bare):
     assert [o.prompt_token_ids for o in got] == [p["prompt_token_ids"] for p in prompts]
     assert all(lp.decoded_token is None for step in got[0].outputs[0].logprobs for lp in step.values())
     stop_id = want[0].outputs[0].token_ids[2]  # token-level stops work without a tokenizer
-    stopped = bare.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                       stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    stopped = bare.generate(
+        prompts[0],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
     free = bare.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     full = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     assert (free.token_ids, free.finish_reason) == (full.token_ids, full.finish_reason)  # same end-of-sequence
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda m: m.generate("text", GREEDY, use_tqdm=False), "You cannot pass text prompts when `skip_tokenizer_init`"),
-    (lambda m: m.generate([{"prompt_token_ids": [1, 2]}, "text"], GREEDY, use_tqdm=False), "prompt 1"),
-    (lambda m: m.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
-     "Unable to get tokenizer because skip_tokenizer_init is True"),
-    (lambda m: m.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop=["x"]), use_tqdm=False),
-     "stop cannot be used with 'skip_tokenizer_init'"),
-    (lambda m: m.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]), use_tqdm=False),
-     "bad_words cannot be used with 'skip_tokenizer_init'"),
-    (lambda m: m.generate({"prompt_token_ids": [1, 2]}, SamplingParams(structured_outputs={"regex": "a+"}),
-                          use_tqdm=False),
-     "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"),
-    (lambda m: m.enqueue("text"), "You cannot pass text prompts"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda m: m.generate("text", GREEDY, use_tqdm=False),
+            "You cannot pass text prompts when `skip_tokenizer_init`",
+        ),
+        (lambda m: m.generate([{"prompt_token_ids": [1, 2]}, "text"], GREEDY, use_tqdm=False), "prompt 1"),
+        (
+            lambda m: m.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
+            "Unable to get tokenizer because skip_tokenizer_init is True",
+        ),
+        (
+            lambda m: m.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop=["x"]), use_tqdm=False),
+            "stop cannot be used with 'skip_tokenizer_init'",
+        ),
+        (
+            lambda m: m.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]), use_tqdm=False),
+            "bad_words cannot be used with 'skip_tokenizer_init'",
+        ),
+        (
+            lambda m: m.generate(
+                {"prompt_token_ids": [1, 2]}, SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False
+            ),
+            "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'",
+        ),
+        (lambda m: m.enqueue("text"), "You cannot pass text prompts"),
+    ],
+)
 def test_skip_tokenizer_init_refuses_what_needs_a_tokenizer_at_generate(bare, call, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         call(bare)
@@ -142,8 +164,9 @@ def test_priority_on_a_default_engine(llm):
 def test_priority_list_of_another_length_is_a_validation_error(llm, priority):
     with pytest.raises(VLLMValidationError) as info:
         llm.generate(PROMPTS, GREEDY, priority=priority, use_tqdm=False)
-    assert str(info.value).startswith(f"The lengths of prompts ({len(PROMPTS)}) and priority ({len(priority)}) "
-                                      "must be the same.")
+    assert str(info.value).startswith(
+        f"The lengths of prompts ({len(PROMPTS)}) and priority ({len(priority)}) must be the same."
+    )
     assert info.value.parameter == "priority" and nothing_queued(llm)
 
 
@@ -159,8 +182,9 @@ def test_best_of_is_refused_by_generate(llm):
     assert nothing_queued(llm)
     out = llm.generate(PROMPTS[0], SamplingParams(n=2, best_of=2, seed=1, max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs) == 2  # best_of == n asks nothing more
-    with pytest.raises(ValueError, match=re.escape("best_of must be greater than or equal to n, got n=2 and "
-                                                   "best_of=1.")):
+    with pytest.raises(
+        ValueError, match=re.escape("best_of must be greater than or equal to n, got n=2 and best_of=1.")
+    ):
         SamplingParams(n=2, best_of=1)
 
 
@@ -173,13 +197,17 @@ def test_empty_prompt_has_vllms_text(llm):
         assert f"prompt {len(prompt) - 1} is empty" in str(info.value)  # then dfllm's: which one
 
 
-@pytest.mark.parametrize("grammar,vllm", [
-    ("not a grammar", "Failed to convert the grammar from Lark to EBNF."),
-    ("root ::= undefined_rule", "Failed to convert the grammar: Invalid grammar specification."),
-])
+@pytest.mark.parametrize(
+    "grammar,vllm",
+    [
+        ("not a grammar", "Failed to convert the grammar from Lark to EBNF."),
+        ("root ::= undefined_rule", "Failed to convert the grammar: Invalid grammar specification."),
+    ],
+)
 def test_invalid_grammar_raises_vllms_validation_error_at_generate(llm, grammar, vllm):
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20,
-                            structured_outputs=StructuredOutputsParams(grammar=grammar))  # built, as by vLLM
+    params = SamplingParams(
+        temperature=0.8, top_p=0.95, max_tokens=20, structured_outputs=StructuredOutputsParams(grammar=grammar)
+    )  # built, as by vLLM
     with pytest.raises(VLLMValidationError) as info:
         llm.generate(PROMPTS[0], sampling_params=params, use_tqdm=False)
     assert isinstance(info.value, ValueError) and str(info.value).startswith(vllm)
@@ -197,8 +225,11 @@ VLLM_TEXTS = [  # (kwargs, vLLM's message, then dfllm's detail that follows it)
     (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0.", "presence_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0.", "repetition_penalty"),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0.", "max_tokens must be >= 1, got 0"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens must be less than or equal to max_tokens=10, got 20.",
-     "min_tokens"),
+    (
+        dict(min_tokens=20, max_tokens=10),
+        "min_tokens must be less than or equal to max_tokens=10, got 20.",
+        "min_tokens",
+    ),
     (dict(logprobs=-2), "logprobs must be non-negative or -1, got -2.", "logprobs"),
     (dict(prompt_logprobs=-2), "prompt_logprobs must be non-negative or -1, got -2.", "prompt_logprobs"),
     (dict(stop=["ok", ""]), "stop cannot contain an empty string.", "every stop string must be a non-empty str"),
@@ -206,10 +237,16 @@ VLLM_TEXTS = [  # (kwargs, vLLM's message, then dfllm's detail that follows it)
     (dict(n=2, temperature=0.0), "n must be 1 when using greedy sampling, got 2.", "greedy"),
     (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty!", "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words cannot contain an empty string.", "bad_words"),
-    (dict(logit_bias={"x": 1.0}), "logit_bias contains key(s) that cannot be converted to integer token IDs",
-     "logit_bias"),
-    (dict(logits_processors=[abs]), "vLLM V1 does not support per request user provided logits processors.",
-     "logits_processors"),
+    (
+        dict(logit_bias={"x": 1.0}),
+        "logit_bias contains key(s) that cannot be converted to integer token IDs",
+        "logit_bias",
+    ),
+    (
+        dict(logits_processors=[abs]),
+        "vLLM V1 does not support per request user provided logits processors.",
+        "logits_processors",
+    ),
 ]
 
 
@@ -232,30 +269,38 @@ def test_request_errors_start_with_vllms_text(llm):
         return str(info.value)
 
     assert refused(lambda: llm.generate({"prompt_token_ids": [1, vocab]}, use_tqdm=False)).startswith(
-        f"Token id {vocab} is out of vocabulary (prompt 0:")
+        f"Token id {vocab} is out of vocabulary (prompt 0:"
+    )
     assert refused(lambda: llm.generate({"prompt_token_ids": [5] * 129}, use_tqdm=False)).startswith(
-        "The decoder prompt (length 129) is longer than the maximum model length of 128.")
+        "The decoder prompt (length 129) is longer than the maximum model length of 128."
+    )
     assert refused(lambda: llm.generate("hi", SamplingParams(logprobs=21), use_tqdm=False)).startswith(
-        "Requested sample logprobs of 21, which is greater than max allowed: 20 (prompt 0:")
+        "Requested sample logprobs of 21, which is greater than max allowed: 20 (prompt 0:"
+    )
     assert refused(lambda: llm.generate("hi", SamplingParams(allowed_token_ids=[vocab]), use_tqdm=False)).startswith(
-        "allowed_token_ids contains out-of-vocab token id!")
+        "allowed_token_ids contains out-of-vocab token id!"
+    )
     assert refused(lambda: llm.generate("hi", SamplingParams(stop_token_ids=[vocab]), use_tqdm=False)).startswith(
-        f"token_id(s) [{vocab}] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab}")
+        f"token_id(s) [{vocab}] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab}"
+    )
     assert refused(lambda: llm.generate(PROMPTS, [GREEDY] * 3, use_tqdm=False)).startswith(
-        "The lengths of prompts (4) and sampling_params (3) must be the same.")
-    assert refused(lambda: llm.generate("hi", lora_request=object(), use_tqdm=False)).startswith(
-        "Got lora_request")
+        "The lengths of prompts (4) and sampling_params (3) must be the same."
+    )
+    assert refused(lambda: llm.generate("hi", lora_request=object(), use_tqdm=False)).startswith("Got lora_request")
 
 
-@pytest.mark.parametrize("kwargs,vllm", [
-    (dict(regex="(a"), "Failed to transform regex into a grammar:"),
-    (dict(json={"type": "nonsense"}), "Failed to transform json schema into a grammar:"),
-    (dict(json="{nope"), "Invalid JSON grammar specification."),
-    (dict(choice=[]), "Choice '[]' cannot be an empty list"),
-    (dict(grammar=" "), "structured_outputs.grammar cannot be an empty string"),
-    (dict(), "You must use one kind of structured outputs constraint but none are specified"),
-    (dict(regex="a", choice=["a"]), "You can only use one kind of structured outputs constraint but multiple"),
-])
+@pytest.mark.parametrize(
+    "kwargs,vllm",
+    [
+        (dict(regex="(a"), "Failed to transform regex into a grammar:"),
+        (dict(json={"type": "nonsense"}), "Failed to transform json schema into a grammar:"),
+        (dict(json="{nope"), "Invalid JSON grammar specification."),
+        (dict(choice=[]), "Choice '[]' cannot be an empty list"),
+        (dict(grammar=" "), "structured_outputs.grammar cannot be an empty string"),
+        (dict(), "You must use one kind of structured outputs constraint but none are specified"),
+        (dict(regex="a", choice=["a"]), "You can only use one kind of structured outputs constraint but multiple"),
+    ],
+)
 def test_structured_outputs_errors_start_with_vllms_text(kwargs, vllm):
     with pytest.raises(ValueError) as info:
         StructuredOutputsParams(**kwargs)
@@ -264,8 +309,12 @@ def test_structured_outputs_errors_start_with_vllms_text(kwargs, vllm):
 
 # ---- 6. Polars expressions have score -----------------------------------------------------------
 def test_polars_expression_score_matches_the_frames():
-    df = pl.DataFrame({"a": ["Paris is in France.", None, "A cat sleeps."],
-                       "b": ["The capital of France", "anything", "A dog barks."]})
+    df = pl.DataFrame(
+        {
+            "a": ["Paris is in France.", None, "A cat sleeps."],
+            "b": ["The capital of France", "anything", "A dog barks."],
+        }
+    )
     want = df.llm.score("a", "b")["score"]
     got = df.with_columns(pl.col("a").llm.score(pl.col("b")).alias("s"))
     assert got.schema["s"] == pl.Float64 and got["s"].to_list()[1] is None

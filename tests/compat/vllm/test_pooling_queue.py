@@ -15,8 +15,13 @@ from dfllm import LLM, InvalidRequestError, PoolingParams, PoolingRequestOutput,
 
 from helpers import build_tiny_classifier
 
-TEXTS = ["Paris is the capital of France.", "Trains run on rails.", "Berlin is in Germany.",
-         "A short one.", "Data engineers run batch jobs over parquet files on object storage."]
+TEXTS = [
+    "Paris is the capital of France.",
+    "Trains run on rails.",
+    "Berlin is in Germany.",
+    "A short one.",
+    "Data engineers run batch jobs over parquet files on object storage.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,9 @@ def test_embedder_queue_matches_embed(embedder):
     outs = embedder.wait_for_completion(use_tqdm=False)
     assert all(type(o) is PoolingRequestOutput and o.finished for o in outs)
     assert [o.request_id for o in outs] == first + second  # enqueue order, each once
-    want = embedder.embed(TEXTS[:2], use_tqdm=False) + embedder.embed(TEXTS[2:], PoolingParams(normalize=False),
-                                                                        use_tqdm=False)
+    want = embedder.embed(TEXTS[:2], use_tqdm=False) + embedder.embed(
+        TEXTS[2:], PoolingParams(normalize=False), use_tqdm=False
+    )
     for got, ref in zip(outs, want):
         assert torch.allclose(got.outputs.data, torch.tensor(ref.outputs.embedding), atol=1e-5)
         assert got.prompt_token_ids == ref.prompt_token_ids
@@ -51,8 +57,10 @@ def test_embedder_queue_matches_embed(embedder):
 def test_task_per_request_and_token_ids(embedder):
     tok = embedder.get_tokenizer()
     ids = tok(TEXTS[0])["input_ids"]
-    rids = embedder.enqueue([TEXTS[1], {"prompt_token_ids": ids}, TEXTS[3]],
-                            [PoolingParams(), PoolingParams(task="token_embed"), PoolingParams(task="embed")])
+    rids = embedder.enqueue(
+        [TEXTS[1], {"prompt_token_ids": ids}, TEXTS[3]],
+        [PoolingParams(), PoolingParams(task="token_embed"), PoolingParams(task="embed")],
+    )
     outs = embedder.wait_for_completion(use_tqdm=False)
     assert [o.request_id for o in outs] == rids
     per_token = embedder.encode({"prompt_token_ids": ids}, pooling_task="token_embed", use_tqdm=False)[0]

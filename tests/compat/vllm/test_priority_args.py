@@ -40,8 +40,12 @@ def test_policy_is_in_the_engine_config(tiny_llama, fcfs, prio):
 
 @pytest.mark.parametrize("call", ["generate", "chat", "enqueue", "enqueue_chat"])
 def test_fcfs_accepts_any_priority(fcfs, call):
-    args = {"generate": (PROMPTS,), "chat": ([CONV, CONV, CONV],), "enqueue": (PROMPTS,),
-            "enqueue_chat": ([CONV, CONV, CONV],)}[call]
+    args = {
+        "generate": (PROMPTS,),
+        "chat": ([CONV, CONV, CONV],),
+        "enqueue": (PROMPTS,),
+        "enqueue_chat": ([CONV, CONV, CONV],),
+    }[call]
     kw = {"use_tqdm": False} if call in ("generate", "chat") else {}
     for priority in ([0, 2, 0], -1, 0):
         assert len(getattr(fcfs, call)(*args, GREEDY, priority=priority, **kw)) == 3

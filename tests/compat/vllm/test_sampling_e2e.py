@@ -37,6 +37,7 @@ def greedy(llm, prompt=PROMPT, **kw):
 
 # ---- tests/v1/sample/test_sampling_params_e2e.py ------------------------------------------
 
+
 def test_n_gt_1(llm):
     outs = gen(llm, PROMPT, SamplingParams(n=3))
     assert len(outs) == 1 and len(outs[0].outputs) == 3
@@ -49,8 +50,15 @@ def test_best_of_is_refused(llm):
 
 
 def test_penalties_apply_without_error(llm):
-    params = SamplingParams(temperature=1.2, presence_penalty=1.2, frequency_penalty=1.2, repetition_penalty=1.2,
-                            min_p=0.5, top_p=0.5, top_k=3)
+    params = SamplingParams(
+        temperature=1.2,
+        presence_penalty=1.2,
+        frequency_penalty=1.2,
+        repetition_penalty=1.2,
+        min_p=0.5,
+        top_p=0.5,
+        top_k=3,
+    )
     out = gen(llm, PROMPT, params)[0].outputs[0]
     assert len(out.token_ids) > 0
 
@@ -143,6 +151,7 @@ def test_seed_decides_randomness(llm):
 
 # ---- tests/samplers/test_ignore_eos.py -----------------------------------------------------
 
+
 def test_ignore_eos_reaches_max_tokens(llm):
     max_tokens = 48
     for prompt in EXAMPLE_PROMPTS:
@@ -160,6 +169,7 @@ def test_ignore_eos_even_when_eos_is_likeliest(llm):
 
 # ---- tests/samplers/test_no_bad_words.py ----------------------------------------------------
 
+
 def _bannable(tok, word):
     bare = tok.encode(word, add_special_tokens=False)
     spaced = tok.encode(" " + word, add_special_tokens=False)
@@ -170,14 +180,17 @@ def test_one_token_bad_word(llm):
     tok = llm.get_tokenizer()
     ref = greedy(llm, "How old are you? I am 10").token_ids
     # the first generated word that is one token with or without its leading space
-    target = next(t for t in ref if len(tok.encode(tok.decode([t]).strip(), add_special_tokens=False)) == 1
-                  and tok.decode([t]).startswith(" "))
+    target = next(
+        t
+        for t in ref
+        if len(tok.encode(tok.decode([t]).strip(), add_special_tokens=False)) == 1 and tok.decode([t]).startswith(" ")
+    )
     out = greedy(llm, "How old are you? I am 10", bad_words=[tok.decode([target]).strip()])
     assert target not in out.token_ids
 
 
 def _contains(seq, sub):
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def test_two_token_bad_word(llm):
@@ -198,6 +211,7 @@ def test_two_token_bad_word(llm):
 
 
 # ---- tests/samplers/test_logprobs.py --------------------------------------------------------
+
 
 def test_sample_logprobs_match_transformers(llm, tiny_llama):
     k, max_tokens = 6, 5

@@ -27,7 +27,7 @@ def llm(tiny_llama):
 def ref(llm):
     """The greedy completion with no stop, and the text of each of its tokens."""
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
-    pieces = [llm.get_tokenizer().decode(out.token_ids[:i + 1]) for i in range(len(out.token_ids))]
+    pieces = [llm.get_tokenizer().decode(out.token_ids[: i + 1]) for i in range(len(out.token_ids))]
     assert pieces[-1] == out.text
     return out
 
@@ -40,7 +40,7 @@ def run(llm, **kw):
 def check_stop(llm, ref, stop, stop_list=None):
     assert stop in ref.text
     cut = ref.text.index(stop)
-    for include, expected in ((False, ref.text[:cut]), (True, ref.text[:cut + len(stop)])):
+    for include, expected in ((False, ref.text[:cut]), (True, ref.text[: cut + len(stop)])):
         out = run(llm, stop=stop_list or [stop], include_stop_str_in_output=include)
         assert out.text == expected
         assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -71,10 +71,10 @@ def test_stop_token_id(llm, ref):
     assert stop_id not in ref.token_ids[:idx]
     out = run(llm, stop_token_ids=[stop_id])
     assert out.text == tok.decode(ref.token_ids[:idx])
-    assert out.token_ids == ref.token_ids[:idx + 1]  # the stop token stays in token_ids
+    assert out.token_ids == ref.token_ids[: idx + 1]  # the stop token stays in token_ids
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     out = run(llm, stop_token_ids=[stop_id], include_stop_str_in_output=True)
-    assert out.text == tok.decode(ref.token_ids[:idx + 1])
+    assert out.text == tok.decode(ref.token_ids[: idx + 1])
     assert out.stop_reason == stop_id
 
 
@@ -85,7 +85,7 @@ def test_stop_string_and_stop_token_id_together(llm, ref):
     later_id = ref.token_ids[-2]
     assert ref.text.index(word) < len(tok.decode(ref.token_ids[:-2]))
     out = run(llm, stop=[word], stop_token_ids=[later_id])
-    assert out.text == ref.text[:ref.text.index(word)]
+    assert out.text == ref.text[: ref.text.index(word)]
     assert out.stop_reason == word
 
 
@@ -120,19 +120,23 @@ def test_stop_token_id_groups(llm, ref):
 
 # ---- tests/detokenizer/test_stop_reason.py -------------------------------------------------
 
+
 def test_stop_reason_stop_token(llm):
     seeded = SamplingParams(ignore_eos=True, seed=42, max_tokens=MAX_TOKENS)
     firsts = llm.generate(EXAMPLE_PROMPTS, seeded, use_tqdm=False)
-    params = [SamplingParams(ignore_eos=True, seed=42, max_tokens=MAX_TOKENS,
-                             stop_token_ids=[o.outputs[0].token_ids[8]]) for o in firsts]
+    params = [
+        SamplingParams(ignore_eos=True, seed=42, max_tokens=MAX_TOKENS, stop_token_ids=[o.outputs[0].token_ids[8]])
+        for o in firsts
+    ]
     for out, p in zip(llm.generate(EXAMPLE_PROMPTS, params, use_tqdm=False), params):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == p.stop_token_ids[0]
 
 
 def test_stop_reason_stop_string(llm):
-    firsts = llm.generate(EXAMPLE_PROMPTS, SamplingParams(ignore_eos=True, seed=42, max_tokens=MAX_TOKENS),
-                          use_tqdm=False)
+    firsts = llm.generate(
+        EXAMPLE_PROMPTS, SamplingParams(ignore_eos=True, seed=42, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
     stops = [o.outputs[0].text.split()[2][:3] for o in firsts]
     params = [SamplingParams(ignore_eos=True, seed=42, max_tokens=MAX_TOKENS, stop=s) for s in stops]
     for out, stop in zip(llm.generate(EXAMPLE_PROMPTS, params, use_tqdm=False), stops):
@@ -154,10 +158,11 @@ def test_stop_reason_eos(llm):
 
 # ---- tests/detokenizer/test_min_tokens.py, test_stop_token_ids.py ----------------------------
 
+
 @pytest.mark.parametrize("stop", [None, "e"])
 def test_min_tokens_zero_with_stop(llm, ref, stop):
     out = run(llm, stop=stop, min_tokens=0)
-    truth = ref.text if stop is None else ref.text[:ref.text.index(stop)]
+    truth = ref.text if stop is None else ref.text[: ref.text.index(stop)]
     assert out.text == truth
 
 

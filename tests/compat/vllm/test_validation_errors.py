@@ -55,27 +55,34 @@ def test_the_error_class():
 
 # ---- prompts --------------------------------------------------------------------------------
 def test_empty_prompt(llm):
-    err = refused(lambda: llm.generate(["ok", {"prompt_token_ids": []}], SamplingParams(**SP), use_tqdm=False),
-                  "prompt 1 is empty", "The decoder prompt cannot be empty")
+    err = refused(
+        lambda: llm.generate(["ok", {"prompt_token_ids": []}], SamplingParams(**SP), use_tqdm=False),
+        "prompt 1 is empty",
+        "The decoder prompt cannot be empty",
+    )
     assert isinstance(err, ValueError)
     assert llm.engine.get_num_unfinished_requests() == 0  # nothing was queued
 
 
 def test_token_id_out_of_vocabulary(llm, vocab):
-    refused(lambda: llm.generate({"prompt_token_ids": [1, vocab + 5]}, use_tqdm=False),
-            "prompt 0: token id", f"Token id {vocab + 5} is out of vocabulary")
+    refused(
+        lambda: llm.generate({"prompt_token_ids": [1, vocab + 5]}, use_tqdm=False),
+        "prompt 0: token id",
+        f"Token id {vocab + 5} is out of vocabulary",
+    )
     refused(lambda: llm.generate({"prompt_token_ids": [1, -1]}, use_tqdm=False), "Token id -1 is out of vocabulary")
     refused(lambda: llm.generate({"prompt_token_ids": [1, "2"]}, use_tqdm=False), "must be a list of ints")
 
 
 def test_prompt_longer_than_max_model_len(llm):
     ids = list(range(1, MAX_LEN + 2))
-    refused(lambda: llm.generate([{"prompt_token_ids": [1]}, {"prompt_token_ids": ids}], use_tqdm=False),
-            f"prompt 1 has {MAX_LEN + 1} tokens, longer than max_model_len={MAX_LEN}",
-            f"The decoder prompt (length {MAX_LEN + 1}) is longer than the maximum model length of {MAX_LEN}")
+    refused(
+        lambda: llm.generate([{"prompt_token_ids": [1]}, {"prompt_token_ids": ids}], use_tqdm=False),
+        f"prompt 1 has {MAX_LEN + 1} tokens, longer than max_model_len={MAX_LEN}",
+        f"The decoder prompt (length {MAX_LEN + 1}) is longer than the maximum model length of {MAX_LEN}",
+    )
     # a prompt of exactly max_model_len tokens is accepted (as before)
-    assert llm.generate({"prompt_token_ids": ids[:MAX_LEN]}, SamplingParams(max_tokens=1),
-                        use_tqdm=False)[0].finished
+    assert llm.generate({"prompt_token_ids": ids[:MAX_LEN]}, SamplingParams(max_tokens=1), use_tqdm=False)[0].finished
 
 
 def test_bad_prompt_types_and_chats(llm):
@@ -85,8 +92,12 @@ def test_bad_prompt_types_and_chats(llm):
     refused(lambda: llm.generate("ok", PoolingParams(), use_tqdm=False), "sampling_params must be a SamplingParams")
     refused(lambda: llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False), "got 1 sampling_params for 2")
     refused(lambda: llm.chat([{"role": "robot", "content": "x"}], use_tqdm=False), "conversation 0, message 0")
-    refused(lambda: llm.chat([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                             continue_final_message=True, use_tqdm=False), "cannot both be True")
+    refused(
+        lambda: llm.chat(
+            [{"role": "user", "content": "x"}], add_generation_prompt=True, continue_final_message=True, use_tqdm=False
+        ),
+        "cannot both be True",
+    )
     refused(lambda: llm.generate("ok", lora_request=object(), use_tqdm=False), "LoRA is not enabled")
 
 
@@ -100,46 +111,65 @@ def test_enqueue_refuses_and_queues_nothing(llm):
 # ---- sampling params checked against the model ----------------------------------------------
 def test_token_ids_in_params_out_of_vocabulary(llm, vocab):
     big = vocab + 1
-    refused(lambda: llm.generate("ok", SamplingParams(allowed_token_ids=[1, big]), use_tqdm=False),
-            "prompt 0: token id", "allowed_token_ids contains out-of-vocab token id!")
-    refused(lambda: llm.generate("ok", SamplingParams(logit_bias={big: 1.0}), use_tqdm=False),
-            f"token_id(s) [{big}] in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}")
-    refused(lambda: llm.generate("ok", SamplingParams(stop_token_ids=[big]), use_tqdm=False),
-            f"token_id(s) [{big}] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab}")
+    refused(
+        lambda: llm.generate("ok", SamplingParams(allowed_token_ids=[1, big]), use_tqdm=False),
+        "prompt 0: token id",
+        "allowed_token_ids contains out-of-vocab token id!",
+    )
+    refused(
+        lambda: llm.generate("ok", SamplingParams(logit_bias={big: 1.0}), use_tqdm=False),
+        f"token_id(s) [{big}] in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}",
+    )
+    refused(
+        lambda: llm.generate("ok", SamplingParams(stop_token_ids=[big]), use_tqdm=False),
+        f"token_id(s) [{big}] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab}",
+    )
 
 
 def test_max_logprobs_default_is_vllms(llm, vocab):
     assert llm.config.max_logprobs == 20
     out = llm.generate("ok", SamplingParams(logprobs=20, **SP), use_tqdm=False)[0].outputs[0]
     assert all(len(step) >= 20 for step in out.logprobs)
-    err = refused(lambda: llm.generate("ok", SamplingParams(logprobs=21, **SP), use_tqdm=False),
-                  "prompt 0: logprobs=21 exceeds max_logprobs=20",
-                  "Requested sample logprobs of 21, which is greater than max allowed: 20")
+    err = refused(
+        lambda: llm.generate("ok", SamplingParams(logprobs=21, **SP), use_tqdm=False),
+        "prompt 0: logprobs=21 exceeds max_logprobs=20",
+        "Requested sample logprobs of 21, which is greater than max allowed: 20",
+    )
     assert (err.parameter, err.value) == ("logprobs", 21)
     # -1 (the whole vocabulary) counts as the vocabulary size
-    refused(lambda: llm.generate("ok", SamplingParams(logprobs=-1, **SP), use_tqdm=False),
-            f"Requested sample logprobs of {vocab}, which is greater than max allowed: 20")
-    refused(lambda: llm.generate("ok", SamplingParams(prompt_logprobs=21, **SP), use_tqdm=False),
-            "Requested prompt logprobs of 21, which is greater than max allowed: 20")
-    refused(lambda: llm.generate("ok", SamplingParams(logprobs=10**6, **SP), use_tqdm=False),
-            "logprobs=1000000 exceeds the model's vocabulary", "max allowed: 20")
+    refused(
+        lambda: llm.generate("ok", SamplingParams(logprobs=-1, **SP), use_tqdm=False),
+        f"Requested sample logprobs of {vocab}, which is greater than max allowed: 20",
+    )
+    refused(
+        lambda: llm.generate("ok", SamplingParams(prompt_logprobs=21, **SP), use_tqdm=False),
+        "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+    )
+    refused(
+        lambda: llm.generate("ok", SamplingParams(logprobs=10**6, **SP), use_tqdm=False),
+        "logprobs=1000000 exceeds the model's vocabulary",
+        "max allowed: 20",
+    )
     assert llm.engine.get_num_unfinished_requests() == 0
 
 
 def test_max_logprobs_set_and_unlimited(tiny_llama, vocab):
     five = LLM(tiny_llama, max_logprobs=5, **ENGINE)
     assert five.generate("ok", SamplingParams(logprobs=5, **SP), use_tqdm=False)[0].outputs[0].logprobs
-    refused(lambda: five.generate(["ok", "fine"], [SamplingParams(**SP), SamplingParams(logprobs=6, **SP)],
-                                  use_tqdm=False),
-            "prompt 1: logprobs=6 exceeds max_logprobs=5", "Requested sample logprobs of 6, which is greater "
-                                                            "than max allowed: 5")
+    refused(
+        lambda: five.generate(["ok", "fine"], [SamplingParams(**SP), SamplingParams(logprobs=6, **SP)], use_tqdm=False),
+        "prompt 1: logprobs=6 exceeds max_logprobs=5",
+        "Requested sample logprobs of 6, which is greater than max allowed: 5",
+    )
     refused(lambda: five.enqueue("ok", SamplingParams(logprobs=6)), "max allowed: 5")
     everything = LLM(tiny_llama, max_logprobs=-1, **ENGINE)
     out = everything.generate("ok", SamplingParams(logprobs=-1, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs[0]) == vocab  # -1 with max_logprobs=-1: the whole vocabulary
-    refused(lambda: everything.generate("ok", SamplingParams(logprobs=vocab + 1), use_tqdm=False),
-            f"logprobs={vocab + 1} exceeds the model's vocabulary",
-            f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}")
+    refused(
+        lambda: everything.generate("ok", SamplingParams(logprobs=vocab + 1), use_tqdm=False),
+        f"logprobs={vocab + 1} exceeds the model's vocabulary",
+        f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}",
+    )
 
 
 def test_max_logprobs_in_engine_config(tiny_llama):
@@ -153,16 +183,23 @@ def test_max_logprobs_in_engine_config(tiny_llama):
 
 # ---- pooling --------------------------------------------------------------------------------
 def test_pooling_requests(embedder):
-    refused(lambda: embedder.embed(["ok", {"prompt_token_ids": []}], use_tqdm=False),
-            "prompt 1 is empty", "The decoder prompt cannot be empty")
-    refused(lambda: embedder.embed({"prompt_token_ids": [101, 10**8]}, use_tqdm=False),
-            "Token id 100000000 is out of vocabulary")
+    refused(
+        lambda: embedder.embed(["ok", {"prompt_token_ids": []}], use_tqdm=False),
+        "prompt 1 is empty",
+        "The decoder prompt cannot be empty",
+    )
+    refused(
+        lambda: embedder.embed({"prompt_token_ids": [101, 10**8]}, use_tqdm=False),
+        "Token id 100000000 is out of vocabulary",
+    )
     refused(lambda: embedder.embed(["ok", None], use_tqdm=False), "prompt 1: expected a str")
     refused(lambda: embedder.embed("ok", SamplingParams(), use_tqdm=False), "pooling_params must be a PoolingParams")
     refused(lambda: embedder.classify("ok", use_tqdm=False), "Unsupported task: 'classify'")
     refused(lambda: embedder.encode("ok", use_tqdm=False), "pooling_task must be one of")
-    refused(lambda: embedder.embed("ok", PoolingParams(task="token_embed"), use_tqdm=False),
-            "You cannot overwrite self.task='token_embed' with task='embed'!")
+    refused(
+        lambda: embedder.embed("ok", PoolingParams(task="token_embed"), use_tqdm=False),
+        "You cannot overwrite self.task='token_embed' with task='embed'!",
+    )
     refused(lambda: embedder.score([], ["x"], use_tqdm=False), "at least one text")
     refused(lambda: embedder.embed("ok", truncate_prompt_tokens=0, use_tqdm=False), "truncate_prompt_tokens")
 
@@ -180,6 +217,7 @@ def test_dataframe_rows_carry_vllms_phrases(tiny_llama):
     assert "is longer than the maximum model length of 64" in out.llm_error[1]
     many = df[:1].llm.generate("q", model=str(tiny_llama), sampling_params={**SP, "logprobs": 25}, **ENGINE)
     assert "Requested sample logprobs of 25, which is greater than max allowed: 20" in many.llm_error[0]
-    lifted = df[:1].llm.generate("q", model=str(tiny_llama), sampling_params={**SP, "logprobs": 25},
-                                 max_logprobs=-1, **ENGINE)
+    lifted = df[:1].llm.generate(
+        "q", model=str(tiny_llama), sampling_params={**SP, "logprobs": 25}, max_logprobs=-1, **ENGINE
+    )
     assert pd.isna(lifted.llm_error[0]) and isinstance(lifted.generated_text[0], str)
