@@ -23,11 +23,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from dfllm.config import EngineArgs, EngineConfig
+from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import NO_TOKENIZER, EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
-from dfllm.engine_args import check_vllm_args, vllm_args
+from dfllm.engine_args import EngineArgs, check_vllm_args, vllm_args
 from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import as_prompt_list
 from dfllm.llm_control import EngineControl
@@ -107,7 +107,7 @@ class LLM:
     ``scheduling_policy``, ``tokenizer_mode="slow"``, ``skip_tokenizer_init``...), a no-op
     (``swap_space``, ``disable_log_stats``...) or, for a value dfllm cannot honour
     (``trust_remote_code=True``, a ``revision``...), refused with a ``ValueError`` naming the
-    argument and value. :class:`dfllm.config.EngineArgs` defines every argument of this
+    argument and value. :class:`dfllm.engine_args.EngineArgs` defines every argument of this
     signature (docs/from_vllm.md tables the vLLM ones); unknown names raise ``TypeError``.
 
     ``reasoning_parser`` (vLLM's engine argument: ``"qwen3"``, ``"deepseek_r1"``; see

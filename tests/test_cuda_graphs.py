@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dfllm import LLM, SamplingParams
-from dfllm.config import EngineArgs, EngineConfig, default_capture_sizes, parse_capture_sizes
+from dfllm.config import EngineConfig
 from dfllm.engine.cuda_graphs import bucket_for, unsupported_reason
-from dfllm.engine_args import check_vllm_args
+from dfllm.engine_args import EngineArgs, check_vllm_args, default_capture_sizes, parse_capture_sizes
 
 from helpers import build_tiny_model, random_prompts
 

@@ -359,7 +359,8 @@ def test_unsupported_llava_variants_are_refused(tmp_path, tiny_llava):
     import json
     import shutil
 
-    from dfllm.config import EngineArgs, EngineConfig
+    from dfllm.config import EngineConfig
+    from dfllm.engine_args import EngineArgs
 
     bad = tmp_path / "pixtral-llava"
     shutil.copytree(tiny_llava, bad)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dfllm.config import CAPTURE_SIZES_FIELD
+from dfllm.engine_args import CAPTURE_SIZES_FIELD
 from dfllm.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:

@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 
 from dfllm import LLM, SamplingParams
-from dfllm.config import EngineArgs
 from dfllm.engine_args import (
     ENGINE_ARG_NAMES,
     ENGINE_ARGS,
     VLLM_ARGS,
+    EngineArgs,
     add_cli_args,
     check_vllm_args,
     cli_kwargs,

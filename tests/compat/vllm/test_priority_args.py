@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from dfllm import LLM, InvalidRequestError, SamplingParams
-from dfllm.config import EngineArgs, EngineConfig
+from dfllm.config import EngineConfig
+from dfllm.engine_args import EngineArgs
 
 ENGINE = dict(max_num_seqs=8, max_model_len=64, kv_cache_memory_bytes=2**22)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from dfllm import LLM, InvalidRequestError, PoolingParams, SamplingParams, VLLMValidationError
-from dfllm.config import EngineArgs, EngineConfig
+from dfllm.config import EngineConfig
+from dfllm.engine_args import EngineArgs
 
 MAX_LEN = 64
 ENGINE = dict(max_num_seqs=8, max_model_len=MAX_LEN, kv_cache_memory_bytes=2**22)
