@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+OutputT = TypeVar("OutputT")  # the outputs of one prompt of a pooling task
 
 
 @dataclass
@@ -147,13 +149,19 @@ class PoolingOutput:
 
 
 @dataclass
-class PoolingRequestOutput:
-    """Everything produced for one pooling prompt."""
+class _PromptOutput(Generic[OutputT]):
+    """What a pooling task produced for one prompt: its ``outputs`` (one kind per task)."""
 
     request_id: str
-    outputs: PoolingOutput
+    outputs: OutputT
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass
+class PoolingRequestOutput(_PromptOutput[PoolingOutput]):
+    """Everything produced for one pooling prompt."""
+
     num_cached_tokens: int = 0
 
 
@@ -167,11 +175,8 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+class EmbeddingRequestOutput(_PromptOutput[EmbeddingOutput]):
+    pass
 
 
 @dataclass
@@ -187,11 +192,8 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+class ClassificationRequestOutput(_PromptOutput[ClassificationOutput]):
+    pass
 
 
 @dataclass
@@ -200,8 +202,5 @@ class ScoringOutput:
 
 
 @dataclass
-class ScoringRequestOutput:
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+class ScoringRequestOutput(_PromptOutput[ScoringOutput]):
+    pass

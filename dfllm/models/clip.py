@@ -133,16 +133,31 @@ def load_image_processor(path: Path) -> Any:
     return AutoImageProcessor.from_pretrained(path, backend="pil")
 
 
-class CLIPModel(nn.Module):
-    """CLIP's two towers and projections. ``forward`` (the pooling engine's encoder call)
-    gives the text tower's states; :meth:`pool_text` the projected text embeddings and
-    :meth:`image_features` the projected image embeddings."""
+class ImageTextModel(nn.Module):
+    """A text tower and an image tower (CLIP, SigLIP), built from the whole (nested) config.
+    ``forward`` (the pooling engine's encoder call) gives the text tower's states."""
 
     #: takes images (``{"multi_modal_data": {"image": ...}}`` prompts) besides text
     image_text = True
+    text_model: TextTransformer
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
+
+    @classmethod
+    def from_hf_config(cls, config: PretrainedConfig) -> ImageTextModel:
+        return cls(config)
+
+    def forward(self, ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.text_model(ids, valid)
+
+
+class CLIPModel(ImageTextModel):
+    """CLIP's two towers and projections: :meth:`pool_text` the projected text embeddings and
+    :meth:`image_features` the projected image embeddings."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
         from dfllm.models.vision.clip_vision import CLIPVisionTransformer
 
         text, vision = config.text_config, config.vision_config
@@ -151,13 +166,6 @@ class CLIPModel(nn.Module):
         self.vision_model = CLIPVisionTransformer(vision)
         self.text_projection = nn.Linear(text.hidden_size, config.projection_dim, bias=False)
         self.visual_projection = nn.Linear(vision.hidden_size, config.projection_dim, bias=False)
-
-    @classmethod
-    def from_hf_config(cls, config: PretrainedConfig) -> CLIPModel:
-        return cls(config)
-
-    def forward(self, ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return self.text_model(ids, valid)
 
     def pool_text(self, hidden: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
         """Projected embeddings ``[batch, projection_dim]`` of the text states ``hidden`` of

@@ -67,21 +67,20 @@ def adapt_seq_cls_config(hf_config: PretrainedConfig, path: Path) -> PretrainedC
     return hf_config
 
 
-class DecoderClassifierMixin:
-    """A decoder whose ``classify`` maps the last token's hidden state to label logits."""
+class DecoderClassifierMixin(LlamaForCausalLM):
+    """A decoder whose ``classify`` maps the last token's hidden state to label logits; listed
+    first among the bases of a classifier, before the decoder family it classifies with."""
 
-    lm_head: nn.Module | None
     score: nn.Module | None
 
-    def _init_classifier(
-        self, hidden: int, num_labels: int, token_ids: tuple[int, ...], method: str | None, tied: bool
-    ) -> None:
-        self.token_ids, self.method = token_ids, method
-        if token_ids and tied:
+    def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
+        super().__init__(spec, ops, max_positions, parallel)
+        self.token_ids, self.method = spec.classifier_token_ids, spec.classifier_method
+        if self.token_ids and spec.tie_word_embeddings:
             self.score = None  # the head's rows are read from the (tied) embedding when classifying
         else:
             self.lm_head = None
-            self.score = nn.Linear(hidden, num_labels, bias=False)
+            self.score = nn.Linear(spec.hidden_size, spec.num_labels, bias=False)
 
     def _token_head(self, rows: torch.Tensor) -> torch.Tensor:
         """The classifier weight from the LM head's ``rows`` of the classifier tokens (float32)."""
@@ -108,40 +107,10 @@ class DecoderClassifierMixin:
 class Qwen3ForSequenceClassification(DecoderClassifierMixin, Qwen3ForCausalLM):
     """Qwen3 as a sequence classifier or (Qwen3-Reranker through ``hf_overrides``) a cross-encoder."""
 
-    def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
-        super().__init__(spec, ops, max_positions, parallel)
-        self._init_classifier(
-            spec.hidden_size,
-            spec.num_labels,
-            spec.classifier_token_ids,
-            spec.classifier_method,
-            spec.tie_word_embeddings,
-        )
-
 
 class Qwen2ForSequenceClassification(DecoderClassifierMixin, Qwen2ForCausalLM):
     """Qwen2 as a sequence classifier or cross-encoder."""
 
-    def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
-        super().__init__(spec, ops, max_positions, parallel)
-        self._init_classifier(
-            spec.hidden_size,
-            spec.num_labels,
-            spec.classifier_token_ids,
-            spec.classifier_method,
-            spec.tie_word_embeddings,
-        )
-
 
 class LlamaForSequenceClassification(DecoderClassifierMixin, LlamaForCausalLM):
     """Llama (and Mistral) as a sequence classifier or cross-encoder."""
-
-    def __init__(self, spec: ModelSpec, ops: KernelOps, max_positions: int, parallel: ParallelContext | None = None):
-        super().__init__(spec, ops, max_positions, parallel)
-        self._init_classifier(
-            spec.hidden_size,
-            spec.num_labels,
-            spec.classifier_token_ids,
-            spec.classifier_method,
-            spec.tie_word_embeddings,
-        )

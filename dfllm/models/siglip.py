@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from dfllm.models.clip import TextTransformer
+from dfllm.models.clip import ImageTextModel, TextTransformer
 
 
 class SiglipTextTransformer(TextTransformer):
@@ -25,14 +25,14 @@ class SiglipTextTransformer(TextTransformer):
         self.head = nn.Linear(config.hidden_size, getattr(config, "projection_size", None) or config.hidden_size)
 
 
-class SiglipModel(nn.Module):
-    """SigLIP's two towers. ``forward`` gives the text tower's states; :meth:`pool_text` the
-    text embeddings and :meth:`image_features` the image embeddings."""
+class SiglipModel(ImageTextModel):
+    """SigLIP's two towers: :meth:`pool_text` the text embeddings and :meth:`image_features`
+    the image embeddings."""
 
-    image_text = True
+    text_model: SiglipTextTransformer
 
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
+        super().__init__(config)
         from dfllm.models.vision.siglip_vision import SiglipVisionTransformer
 
         vision = config.vision_config
@@ -43,13 +43,6 @@ class SiglipModel(nn.Module):
             )
         self.text_model = SiglipTextTransformer(config.text_config)
         self.vision_model = SiglipVisionTransformer(vision)
-
-    @classmethod
-    def from_hf_config(cls, config: PretrainedConfig) -> SiglipModel:
-        return cls(config)
-
-    def forward(self, ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return self.text_model(ids, valid)
 
     def pool_text(self, hidden: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
         """Text embeddings ``[batch, projection_size]``: each prompt's last token, through ``head``."""

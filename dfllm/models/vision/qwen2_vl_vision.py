@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dfllm.models.vision.clip_vision import vision_activation
+from dfllm.models.vision.clip_vision import VisionMLP, vision_activation
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -46,24 +46,13 @@ class Qwen2VLVisionAttention(nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
-class Qwen2VLVisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = vision_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Qwen2VLVisionBlock(nn.Module):
     def __init__(self, dim: int, heads: int, mlp_hidden: int, act: str):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Qwen2VLVisionAttention(dim, heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Qwen2VLVisionMLP(dim, mlp_hidden, act)
+        self.mlp = VisionMLP(dim, mlp_hidden, act)
 
     def forward(self, x, cos, sin, bounds):
         x = x + self.attn(self.norm1(x), cos, sin, bounds)
