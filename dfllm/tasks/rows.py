@@ -91,28 +91,14 @@ def row_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, Sa
     column the row's own dict of fields (a null cell: the task's); bad rows get errors."""
     fields: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in task.sampling}
     base = SamplingParams(**fields)
-    if not task.sampling_column:
-        return {i: base for i in rows}
-    params, column = {}, df[task.sampling_column].tolist()
-    for i in rows:
-        try:
-            value = column[i]
-            if isinstance(value, str):  # Dask's convert-string, or JSON text from CSV
-                value = literal_text(value, dict, "a dict of SamplingParams fields")
-            if is_null(value):
-                params[i] = base
-            elif not isinstance(value, Mapping):
-                raise ValueError(f"must be a dict of SamplingParams fields, got {type(value).__name__}")
-            else:
-                # null fields are unset (a parquet struct column has every field in every row)
-                row = SamplingParams.from_dict(
-                    {k: v for k, v in dict(value).items() if v is not None and v is not pd.NA}
-                )
-                if row.n != 1:
-                    raise ValueError("n must be 1 in a dataframe (one output per row)")
-                params[i] = row
-        except (ValueError, TypeError) as exc:
-            row_error(task, out, i, f"sampling_params: {exc}")
+    return _per_row(df, task, rows, out, task.sampling_column, base, "SamplingParams", "sampling_params", _one_output)
+
+
+def _one_output(fields: dict) -> SamplingParams:
+    # null fields are unset (a parquet struct column has every field in every row): _fields dropped them
+    params = SamplingParams.from_dict(fields)
+    if params.n != 1:
+        raise ValueError("n must be 1 in a dataframe (one output per row)")
     return params
 
 
@@ -122,16 +108,9 @@ def row_pooling_params(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict
     from dfllm.tasks.task import pooling_params_from
 
     base = task.pooling_params()
-    if not task.pooling_column:
-        return {i: base for i in rows}
-    params, column = {}, df[task.pooling_column].tolist()
-    for i in rows:
-        try:
-            value = _fields(column[i], "PoolingParams")
-            params[i] = base if value is None else pooling_params_from(value)
-        except (ValueError, TypeError) as exc:
-            row_error(task, out, i, f"pooling_params: {exc}")
-    return params
+    return _per_row(
+        df, task, rows, out, task.pooling_column, base, "PoolingParams", "pooling_params", pooling_params_from
+    )
 
 
 def row_chat_template_kwargs(df: pd.DataFrame, task: LLMTask, rows, out: dict) -> dict[int, dict]:
@@ -140,18 +119,30 @@ def row_chat_template_kwargs(df: pd.DataFrame, task: LLMTask, rows, out: dict) -
     from dfllm.tasks.task import thawed
 
     base = {k: thawed(v) for k, v in task.chat_template_kwargs}
-    if not task.chat_template_kwargs_column:
+
+    def merged(value: dict) -> dict:
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError("template variable names must be strings")
+        return {**base, **value}
+
+    column = task.chat_template_kwargs_column
+    return _per_row(df, task, rows, out, column, base, "template variables", "chat_template_kwargs", merged)
+
+
+def _per_row(df: pd.DataFrame, task: LLMTask, rows, out: dict, column, base, what: str, argument: str, make) -> dict:
+    """Row position -> ``base`` for ``rows``, or with a ``column`` each row's own: ``make`` of
+    the row's dict of ``what`` fields (a null cell: ``base``); a bad row gets the error
+    ``"<argument>: <why>"``."""
+    if not column:
         return {i: base for i in rows}
-    kwargs, column = {}, df[task.chat_template_kwargs_column].tolist()
+    values, cells = {}, df[column].tolist()
     for i in rows:
         try:
-            value = _fields(column[i], "template variables")
-            if value is not None and not all(isinstance(k, str) for k in value):
-                raise ValueError("template variable names must be strings")
-            kwargs[i] = base if value is None else {**base, **value}
+            value = _fields(cells[i], what)
+            values[i] = base if value is None else make(value)
         except (ValueError, TypeError) as exc:
-            row_error(task, out, i, f"chat_template_kwargs: {exc}")
-    return kwargs
+            row_error(task, out, i, f"{argument}: {exc}")
+    return values
 
 
 def token_id_prompts(df: pd.DataFrame, task: LLMTask, out: dict) -> dict[int, list[int]]:

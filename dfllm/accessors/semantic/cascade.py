@@ -47,7 +47,7 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.semantic.filter import BOOL, judge_step, judge_task
+from dfllm.accessors.semantic.filter import BOOL, Judgment, judge_step
 from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed
 from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
@@ -335,37 +335,28 @@ class Chain:
 
 
 def proxy_step(
-    accessor, instruction: str, cascade: Cascade, columns: list[str], *, chat: bool, logprobs: int, resources
+    accessor, instruction: str, cascade: Cascade, columns: list[str], j: Judgment
 ) -> tuple[SemanticFunction, Callable]:
-    """``(step, finish)``: the proxy's pass (its score in ``SCORE``, its errors in ``llm_error``)."""
+    """``(step, finish)``: the proxy's pass (its score in ``SCORE``, its errors in ``llm_error``)
+    for the judgment ``j`` (its ``chat``, ``logprobs`` and ``resources``)."""
     kwargs = dict(cascade.proxy_kwargs)
+    resources = j.resources
     if cascade.proxy == "model":
-        task, shadow = judge_task(
-            accessor,
-            instruction,
-            model=cascade.proxy_model,
-            return_explanations=False,
-            chat=chat,
-            logprobs=logprobs,
-            max_explanation_tokens=0,
-            on_error="null",
-            resources=resources,
-            cache=None,
-            engine_kwargs=kwargs,
-            what="cascade proxy",
-            columns=columns,
-        )
-        step = judge_step(
-            task,
-            shadow,
+        proxy = dataclasses.replace(
+            j,
             keep=True,
+            model=cascade.proxy_model,
             output_column=PROXY_VERDICT,
             probability_column=PROXY_PROB,
             return_explanations=False,
             explanation_column="",
-            resources=resources,
+            max_explanation_tokens=0,
+            on_error="null",
+            cache=None,
+            engine_kwargs=kwargs,
+            what="cascade proxy",
         )
-        return step, ModelScore()
+        return judge_step(accessor, instruction, proxy, columns), ModelScore()
     fields = instruction_fields(instruction)
     shadow, seen = shadowed(columns, "embed", EMBEDDING, (), fields)
     model = cascade.proxy_model
@@ -405,16 +396,14 @@ class CascadeFinish:
         known: pd.DataFrame,
         band: np.ndarray,
         decisions: np.ndarray,
-        output_column: str,
-        probability_column: str,
-        explanation_column: str | None,
-        keep: bool,
+        j: Judgment,
         prior: bool,
     ):
         self.oracle, self.inputs, self.known = oracle, inputs, known
         self.band, self.decisions = frozenset(band.tolist()), decisions
-        self.output_column, self.probability_column = output_column, probability_column
-        self.explanation_column, self.keep, self.prior = explanation_column, keep, prior
+        self.output_column, self.probability_column = j.output_column, j.probability_column
+        self.explanation_column = j.explanation_column if j.return_explanations else None
+        self.keep, self.prior = j.keep, prior
         self.token = uuid.uuid4().hex  # one cascade's finish: its thresholds and sample are this call's
 
     def __dask_tokenize__(self):
@@ -470,34 +459,14 @@ class CascadeFinish:
         return out
 
 
-def cascade_judge(
-    accessor,
-    instruction: str,
-    cascade: Cascade,
-    *,
-    keep: bool,
-    model,
-    output_column: str,
-    probability_column: str,
-    return_explanations: bool,
-    explanation_column: str,
-    return_stats: bool,
-    chat: bool,
-    logprobs: int,
-    max_explanation_tokens: int,
-    on_error: str,
-    resources,
-    cache,
-    engine_kwargs: dict,
-    what: str,
-):
+def cascade_judge(accessor, instruction: str, cascade: Cascade, j: Judgment, return_stats: bool):
     """``.llm.judge``/``.llm.filter`` with ``cascade=``: see the module's docstring."""
     if not isinstance(cascade, Cascade):
-        raise ValueError(f"{what}: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
-    if on_error != "null":
-        raise ValueError(f"{what}: a cascade keeps failed rows with their llm_error; on_error must be 'null'")
+        raise ValueError(f"{j.what}: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
+    if j.on_error != "null":
+        raise ValueError(f"{j.what}: a cascade keeps failed rows with their llm_error; on_error must be 'null'")
     if SOURCE in accessor._columns():
-        raise ValueError(f"{what}: a cascade adds the column {SOURCE!r}, which the dataframe already has; rename it")
+        raise ValueError(f"{j.what}: a cascade adds the column {SOURCE!r}, which the dataframe already has; rename it")
     obj = accessor._obj
     lazy_polars = _is_polars_lazy(obj)
     polars = lazy_polars or _is_polars(obj)
@@ -513,34 +482,9 @@ def cascade_judge(
         frame = frame.assign(**{POS: ones.cumsum() - 1})
     else:
         frame = frame.assign(**{POS: np.arange(len(frame), dtype=np.int64)})
-    oracle_task, oracle_shadow = judge_task(
-        accessor,
-        instruction,
-        model=model,
-        return_explanations=return_explanations,
-        chat=chat,
-        logprobs=logprobs,
-        max_explanation_tokens=max_explanation_tokens,
-        on_error="null",
-        resources=resources,
-        cache=cache,
-        engine_kwargs=engine_kwargs,
-        what=what,
-        columns=inputs,
-    )
-    oracle = judge_step(
-        oracle_task,
-        oracle_shadow,
-        keep=True,
-        output_column=output_column,
-        probability_column=probability_column,
-        return_explanations=return_explanations,
-        explanation_column=explanation_column,
-        resources=resources,
-    )
-    step, finish = proxy_step(
-        accessor, instruction, cascade, [*inputs, POS], chat=chat, logprobs=logprobs, resources=resources
-    )
+    # the oracle keeps every row: CascadeFinish drops filter's
+    oracle = judge_step(accessor, instruction, dataclasses.replace(j, keep=True, on_error="null"), inputs)
+    step, finish = proxy_step(accessor, instruction, cascade, [*inputs, POS], j)
     scored_step = SemanticFunction(step.name, step.task, Chain(step.post, finish), step.resources, step.shadow)
     scored = run_step(frame, scored_step)
     if dask:
@@ -555,14 +499,14 @@ def cascade_judge(
         judged = carry(rows) if not dask else rows.map_partitions(carry, meta=carry.meta(rows._meta)).compute()
         judged = judged.set_index(POS).loc[positions]
         known.append(judged)
-        v = judged[output_column].astype(object)
+        v = judged[j.output_column].astype(object)
         return np.array([np.nan if x is None or x is pd.NA else float(bool(x)) for x in v], dtype=float)
 
     sampled, band, decisions, stats = run_cascade(scores, judge_sample, cascade)
     logger.info(
         "%s cascade: %d of %d rows (%.1f%%) went to the large model (%d sampled, %d uncertain); estimated "
         "recall %.3f (bound %.3f, target %.3f), precision %.3f (bound %.3f, target %.3f)",
-        what,
+        j.what,
         stats.large_model_rows,
         stats.rows,
         100 * stats.large_model_share,
@@ -575,23 +519,9 @@ def cascade_judge(
         stats.precision_bound,
         stats.precision_target,
     )
-    keep_columns = [
-        c
-        for c in [output_column, probability_column, LLM_ERROR] + ([explanation_column] if return_explanations else [])
-    ]
+    keep_columns = [*j.output_columns, LLM_ERROR]
     known_frame = known[0][keep_columns] if known else pd.DataFrame(columns=keep_columns)
-    fin = CascadeFinish(
-        oracle,
-        inputs,
-        known_frame,
-        band,
-        decisions,
-        output_column,
-        probability_column,
-        explanation_column if return_explanations else None,
-        keep,
-        prior,
-    )
+    fin = CascadeFinish(oracle, inputs, known_frame, band, decisions, j, prior)
     if dask:
         result = scored.map_partitions(fin, meta=fin(scored._meta))
     else:

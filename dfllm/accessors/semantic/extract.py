@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed, task_columns
-from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
+from dfllm.accessors.semantic.frames import SemanticFunction, prompted_task, run_step, task_columns
+from dfllm.accessors.semantic.prompts import instruction_fields
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import LLM_ERROR, structured_dtype
@@ -154,28 +154,24 @@ def semantic_extract(
             f"extract: output column(s) {clash or [LLM_ERROR]} already exist or are reserved; "
             "choose another output_column, or expand=False"
         )
-    kind = "chat" if chat else "generate"
-    shadow, seen = shadowed(columns, kind, TEXT, (), fields)
-    prompt = semantic_prompt(
-        EXTRACT_PREAMBLE.format(fields=fields_text(json_schema)), instruction, fields, answer=ANSWER, chat=chat
-    )
     if sampling_params is None:
         sampling_params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS)
-    extra = {"system": prompt.system} if chat else {}
-    task = make_llm_task(
+    task, shadow = prompted_task(
         accessor,
-        kind,
-        (prompt.template,),
-        resources,
-        model=model,
-        columns=seen,
+        EXTRACT_PREAMBLE.format(fields=fields_text(json_schema)),
+        instruction,
+        fields,
+        columns,
+        answer=ANSWER,
+        chat=chat,
+        resources=resources,
         output_column=TEXT,
+        model=model,
         sampling_params=sampling_params,
         json_schema=json_schema,
         on_error=on_error,
         engine_kwargs=engine_kwargs,
         cache=cache,
-        **extra,
     )
-    post = ExtractStep(output_column, names, tuple(task_columns(kind, TEXT)))
+    post = ExtractStep(output_column, names, tuple(task_columns(task.kind, TEXT)))
     return run_step(accessor._obj, SemanticFunction("extract", task, post, resources, shadow))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, shadowed, task_columns
-from dfllm.accessors.semantic.prompts import instruction_fields, semantic_prompt
+from dfllm.accessors.semantic.frames import SemanticFunction, prompted_task, task_columns
+from dfllm.accessors.semantic.prompts import instruction_fields
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
@@ -101,88 +102,82 @@ class JudgeStep:
         return out
 
 
-def judge_task(
-    accessor,
-    instruction: str,
-    *,
-    model,
-    return_explanations: bool,
-    chat: bool,
-    logprobs: int,
-    max_explanation_tokens: int,
-    on_error: str,
-    resources,
-    cache,
-    engine_kwargs: dict,
-    what: str = "judge",
-    columns: list[str] | None = None,
-):
-    """``(task, shadow)``: the ``.llm`` task judging ``instruction`` on the accessor's frame
-    (whose columns are ``columns``, if given)."""
+@dataclass(frozen=True)
+class Judgment:
+    """One judgment's arguments (``.llm.judge``'s and ``.llm.filter``'s, less the frame, the
+    instruction, ``cascade`` and ``return_stats``), passed on as one to the steps and the cascade."""
+
+    keep: bool  # judge: every row; filter: the rows judged true, and the failed ones
+    model: Any
+    output_column: str
+    probability_column: str
+    return_explanations: bool
+    explanation_column: str
+    chat: bool
+    logprobs: int
+    max_explanation_tokens: int
+    on_error: str
+    resources: Any
+    cache: Any
+    engine_kwargs: dict
+    what: str  # the operator's name in error messages
+
+    @property
+    def output_columns(self) -> list[str]:
+        """The columns the judgment adds (but ``llm_error``)."""
+        explanations = [self.explanation_column] if self.return_explanations else []
+        return [self.output_column, self.probability_column, *explanations]
+
+
+def judge_step(accessor, instruction: str, j: Judgment, columns: list[str] | None = None) -> SemanticFunction:
+    """The operator (judge or filter) judging ``instruction`` on the accessor's frame (whose
+    columns are ``columns``, if given)."""
     columns = accessor._columns() if columns is None else columns
     fields = instruction_fields(instruction)
     missing = [f for f in fields if f not in columns]
     if missing:
         raise ValueError(
-            f"{what}: the instruction names column(s) {missing} that are not in the dataframe (columns: {columns})"
+            f"{j.what}: the instruction names column(s) {missing} that are not in the dataframe (columns: {columns})"
         )
+    logprobs, engine_kwargs = j.logprobs, j.engine_kwargs
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
-        raise ValueError(f"{what}: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
+        raise ValueError(f"{j.what}: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
     if (logprobs == -1 or logprobs > DEFAULT_MAX_LOGPROBS) and "max_logprobs" not in engine_kwargs:
         engine_kwargs = {**engine_kwargs, "max_logprobs": logprobs}  # the engine allows 20 unless told
-    kind = "chat" if chat else "generate"
-    shadow, seen = shadowed(columns, kind, TEXT, ("logprobs",), fields)
-    prompt = semantic_prompt(
-        JUDGE_PREAMBLE, instruction, fields, answer=EXPLAINED_ANSWER if return_explanations else ANSWER, chat=chat
-    )
-    if return_explanations:
+    if j.return_explanations:
         sampling = SamplingParams(
             temperature=0.0,
             logprobs=logprobs,
-            max_tokens=max_explanation_tokens,
+            max_tokens=j.max_explanation_tokens,
             structured_outputs=StructuredOutputsParams(regex=r"(True|False): [^\n]+"),
         )
         choice = None
     else:
         sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8)
         choice = list(ANSWERS)
-    extra = {"system": prompt.system} if chat else {}
-    task = make_llm_task(
+    task, shadow = prompted_task(
         accessor,
-        kind,
-        (prompt.template,),
-        resources,
-        model=model,
-        columns=seen,
+        JUDGE_PREAMBLE,
+        instruction,
+        fields,
+        columns,
+        answer=EXPLAINED_ANSWER if j.return_explanations else ANSWER,
+        chat=j.chat,
+        resources=j.resources,
         output_column=TEXT,
+        engine_columns=("logprobs",),
+        model=j.model,
         sampling_params=sampling,
         choice=choice,
-        on_error=on_error,
+        on_error=j.on_error,
         engine_kwargs=engine_kwargs,
-        engine_columns=("logprobs",),
-        cache=cache,
-        **extra,
+        cache=j.cache,
     )
-    return task, shadow
-
-
-def judge_step(
-    task,
-    shadow,
-    *,
-    keep: bool,
-    output_column: str,
-    probability_column: str,
-    return_explanations: bool,
-    explanation_column: str,
-    resources,
-) -> SemanticFunction:
-    """The operator (judge or filter) of a judgment ``task``."""
     post = JudgeStep(
-        output_column,
-        probability_column,
-        explanation_column if return_explanations else None,
-        keep,
+        j.output_column,
+        j.probability_column,
+        j.explanation_column if j.return_explanations else None,
+        j.keep,
         tuple(task_columns(task.kind, TEXT, ("logprobs",))),
     )
-    return SemanticFunction("judge" if keep else "filter", task, post, resources, shadow)
+    return SemanticFunction("judge" if j.keep else "filter", task, post, j.resources, shadow)

@@ -149,6 +149,45 @@ def make_llm_task(
     )
 
 
+def prompted_task(
+    accessor,
+    preamble: str,
+    instruction: str,
+    fields: list[str],
+    columns: list[str],
+    *,
+    answer: str,
+    chat: bool,
+    resources: dict | None,
+    output_column: str,
+    engine_columns: tuple[str, ...] = (),
+    **kwargs,
+) -> tuple[LLMTask, tuple[str, ...]]:
+    """``(task, shadow)``: the ``.llm.chat`` (without ``chat``, ``.llm.generate``) task asking
+    ``instruction`` (which reads ``fields``) of each row of a frame with ``columns``, in the
+    prompt :func:`~dfllm.accessors.semantic.prompts.semantic_prompt` makes of ``preamble`` and
+    ``answer``; ``shadow`` as :func:`shadowed` returns it, ``kwargs`` as :func:`make_llm_task`
+    takes them."""
+    from dfllm.accessors.semantic.prompts import semantic_prompt
+
+    kind = "chat" if chat else "generate"
+    shadow, seen = shadowed(columns, kind, output_column, engine_columns, fields)
+    prompt = semantic_prompt(preamble, instruction, fields, answer=answer, chat=chat)
+    if chat:
+        kwargs["system"] = prompt.system
+    task = make_llm_task(
+        accessor,
+        kind,
+        (prompt.template,),
+        resources,
+        columns=seen,
+        output_column=output_column,
+        engine_columns=engine_columns,
+        **kwargs,
+    )
+    return task, shadow
+
+
 def run_step(obj, step: SemanticFunction):
     """``step`` on a pandas, Dask or Polars frame: eager for pandas and a Polars DataFrame,
     lazy for Dask (one task per partition, exact ``meta``) and a Polars LazyFrame."""

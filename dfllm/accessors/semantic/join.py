@@ -18,6 +18,7 @@ import math
 import string
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -134,31 +135,41 @@ def first_choice_probability(first_token: dict | None, one: str, other: str) -> 
     return 1.0 / (1.0 + math.exp(mass[1] - mass[0]))
 
 
+@dataclasses.dataclass(frozen=True)
+class LLMArgs:
+    """An operator's (``topk``, ``join``, ``dedup``) arguments for its model's judgments, as its
+    method takes them (``resources`` places its embeddings too; ``sampling_params``: join's)."""
+
+    model: Any
+    chat: bool
+    on_error: str
+    resources: dict | None
+    cache: Any
+    engine_kwargs: dict
+    sampling_params: Any = None
+
+
 def make_judge(
     accessor,
     template_columns: Sequence[str],
     instruction: str,
     preamble: str,
+    llm: LLMArgs,
     *,
     answer: str,
     choices: Sequence[str],
     names: dict | None,
-    model,
-    chat: bool,
-    sampling_params,
-    on_error: str,
-    resources: dict | None,
-    cache,
-    engine_kwargs: dict,
     what: str,
     record: dict | None = None,
     logprobs: int | None = None,
 ) -> PairJudge:
     """A :class:`PairJudge` for ``instruction`` (its fields already the pair frame's columns),
     checked now: its task is built as ``.llm.chat``/``.llm.generate`` builds theirs (the model
-    checked by the accessor, on a worker for Dask). ``record`` (label -> pair column) lists the
-    record after the instruction (default: the instruction's fields); ``logprobs`` (top
-    log-probabilities per token) lets :meth:`PairJudge.judge` read the first choice's probability."""
+    checked by the accessor, on a worker for Dask) with the operator's ``llm`` arguments. ``record``
+    (label -> pair column) lists the record after the instruction (default: the instruction's
+    fields); ``logprobs`` (top log-probabilities per token) lets :meth:`PairJudge.judge` read the
+    first choice's probability."""
+    chat, sampling_params = llm.chat, llm.sampling_params
     prompt = semantic_prompt(preamble, instruction, record, answer=answer, chat=chat, names=names)
     params: dict = {"temperature": 0.0, "max_tokens": 8}
     if logprobs is not None:
@@ -175,14 +186,14 @@ def make_judge(
             (prompt.template,),
             list(template_columns),
             output_column="__dfllm_answer__",
-            model=model,
+            model=llm.model,
             sampling_params=params,
             system=prompt.system if chat else None,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
+            on_error=llm.on_error,
+            engine_kwargs=llm.engine_kwargs,
             choice=list(choices),
-            model_check=accessor._model_check(resources),
-            cache=cache,
+            model_check=accessor._model_check(llm.resources),
+            cache=llm.cache,
             engine_columns=("logprobs",) if logprobs is not None else (),
         )
     except ValueError as exc:
@@ -247,27 +258,16 @@ def make_embedder(
             raise ValueError(f"{images} embeds images: {text_only_message(task.model)}")
 
     try:
-        if images:
-            task = make_task(
-                "embed",
-                (),
-                list(columns),
-                output_column="__dfllm_vector__",
-                model=model or DEFAULT_EMBED_MODEL,
-                engine_kwargs=engine_kwargs or {},
-                model_check=check,
-                images=columns[0],
-            )
-        else:
-            task = make_task(
-                "embed",
-                (template,),
-                list(columns),
-                output_column="__dfllm_vector__",
-                model=model or DEFAULT_EMBED_MODEL,
-                engine_kwargs=engine_kwargs or {},
-                model_check=check,
-            )
+        task = make_task(
+            "embed",
+            () if images else (template,),
+            list(columns),
+            output_column="__dfllm_vector__",
+            model=model or DEFAULT_EMBED_MODEL,
+            engine_kwargs=engine_kwargs or {},
+            model_check=check,
+            images=columns[0] if images else None,
+        )
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return Embedder(task)
@@ -756,20 +756,14 @@ def semantic_join(
     accessor,
     other,
     instruction: str,
+    llm: LLMArgs,
     *,
     block_k: int | None,
     min_similarity: float | None,
     embed_model,
-    model,
     suffix: str,
     similarity_column: str,
-    chat: bool,
-    sampling_params,
-    on_error: str,
-    resources: dict | None,
-    cache,
     return_stats: bool,
-    engine_kwargs: dict,
     cascade=None,
 ):
     """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
@@ -782,16 +776,10 @@ def semantic_join(
         [c for c, _ in lf + rf],
         template,
         JOIN_PREAMBLE,
+        llm,
         answer="Does the statement hold for these two records? Answer True or False.",
         choices=TRUE_FALSE,
         names=names,
-        model=model,
-        chat=chat,
-        sampling_params=sampling_params,
-        on_error=on_error,
-        resources=resources,
-        cache=cache,
-        engine_kwargs=engine_kwargs,
         what="join",
     )
     embed = {}
@@ -803,7 +791,7 @@ def semantic_join(
                 record_template(labels),
                 [c for c, _ in fields],
                 model=embed_model,
-                resources=resources,
+                resources=llm.resources,
                 engine_kwargs=None,
                 what="join",
             )
@@ -818,37 +806,14 @@ def semantic_join(
         min_similarity,
         tuple(rnames.items()),
         similarity_column if blocked else None,
-        operator_resources(accessor, resources),
+        operator_resources(accessor, llm.resources),
     )
     if cascade is not None:
-        spec = _with_cascade(
-            accessor,
-            spec,
-            cascade,
-            template,
-            names,
-            model=model,
-            chat=chat,
-            cache=cache,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
-        )
+        spec = _with_cascade(accessor, spec, cascade, template, names, llm)
     return run_join(accessor, other, spec, return_stats)
 
 
-def _with_cascade(
-    accessor,
-    spec: JoinSpec,
-    cascade,
-    template: str,
-    names: dict,
-    *,
-    model,
-    chat: bool,
-    cache,
-    on_error: str,
-    engine_kwargs: dict,
-) -> JoinSpec:
+def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict, llm: LLMArgs) -> JoinSpec:
     """``spec`` judging its pairs through ``.llm.judge(..., cascade=cascade)`` (pandas and
     Polars frames): the pair columns renamed as the prompt shows them (``review``, or
     ``left_title``/``right_title`` for a column both frames have)."""
@@ -861,7 +826,7 @@ def _with_cascade(
             "join: cascade= learns its thresholds on a sample of every pair; it runs on pandas and "
             "Polars frames (compute the Dask frames first, or join without cascade=)"
         )
-    if on_error != "null":
+    if llm.on_error != "null":
         raise ValueError("join: a cascade keeps failed pairs with their llm_error; on_error must be 'null'")
     from dfllm.accessors.semantic.cascade import SOURCE
 
@@ -873,7 +838,12 @@ def _with_cascade(
     instruction = template
     for col, name in readable.items():
         instruction = instruction.replace("{" + col + "}", "{" + name + "}")
-    kwargs = (("model", model), ("chat", chat), ("cache", cache), ("engine_kwargs", dict(engine_kwargs)))
+    kwargs = (
+        ("model", llm.model),
+        ("chat", llm.chat),
+        ("cache", llm.cache),
+        ("engine_kwargs", dict(llm.engine_kwargs)),
+    )
     return dataclasses.replace(
         spec, cascade=cascade, cascade_instruction=instruction, readable=tuple(readable.items()), judge_kwargs=kwargs
     )
@@ -909,25 +879,18 @@ def semantic_sim_join(
     if k is None:
         raise ValueError("sim_join: k (the neighbours per left row) is required")
     lf, rf = (("__l_text", left_on),), (("__r_text", right_on),)
-    le = make_embedder(
-        accessor,
-        "{__l_text}",
-        ["__l_text"],
-        model=embed_model,
-        resources=resources,
-        engine_kwargs=engine_kwargs,
-        what="sim_join",
-        images="left_images=True" if left_images else None,
-    )
-    re_ = make_embedder(
-        accessor,
-        "{__r_text}",
-        ["__r_text"],
-        model=embed_model,
-        resources=resources,
-        engine_kwargs=engine_kwargs,
-        what="sim_join",
-        images="right_images=True" if right_images else None,
+    le, re_ = (
+        make_embedder(
+            accessor,
+            "{" + col + "}",
+            [col],
+            model=embed_model,
+            resources=resources,
+            engine_kwargs=engine_kwargs,
+            what="sim_join",
+            images=f"{side}_images=True" if flag else None,
+        )
+        for side, col, flag in (("left", "__l_text", left_images), ("right", "__r_text", right_images))
     )
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column])
     spec = JoinSpec(

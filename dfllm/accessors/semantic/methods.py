@@ -10,7 +10,10 @@ docs/semantic.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dfllm.accessors.semantic.filter import Judgment
 
 DEFAULT_LOGPROBS = 20  # top log-probabilities read per verdict token (filter, judge)
 
@@ -54,17 +57,15 @@ class SemanticFrameMethods:
         then returns ``(frame, CascadeStats)``. ``chat=False`` prompts with ``.llm.generate``
         instead of ``.llm.chat``. ``model``, ``resources``, ``cache`` and engine arguments as in
         ``.llm.generate``. See docs/semantic.md."""
-        return semantic_judge(
-            self,
-            instruction,
+        from dfllm.accessors.semantic.filter import Judgment
+
+        judgment = Judgment(
             keep=True,
             model=model,
             output_column=output_column,
             probability_column=probability_column,
             return_explanations=return_explanations,
             explanation_column=explanation_column,
-            cascade=cascade,
-            return_stats=return_stats,
             chat=chat,
             logprobs=logprobs,
             max_explanation_tokens=max_explanation_tokens,
@@ -72,7 +73,9 @@ class SemanticFrameMethods:
             resources=resources,
             cache=cache,
             engine_kwargs=engine_kwargs,
+            what="judge",
         )
+        return semantic_judge(self, instruction, judgment, cascade, return_stats)
 
     def filter(
         self,
@@ -96,17 +99,15 @@ class SemanticFrameMethods:
         ``explanation`` (with ``return_explanations``) and ``llm_error``. A row whose judgment
         failed is kept, with its message in ``llm_error`` (nothing is dropped silently);
         drop them with ``df[df.llm_error.isna()]``. Arguments as in :meth:`judge`."""
-        return semantic_judge(
-            self,
-            instruction,
+        from dfllm.accessors.semantic.filter import Judgment
+
+        judgment = Judgment(
             keep=False,
             model=model,
             output_column="verdict",
             probability_column="verdict_probability",
             return_explanations=return_explanations,
             explanation_column=explanation_column,
-            cascade=cascade,
-            return_stats=return_stats,
             chat=chat,
             logprobs=logprobs,
             max_explanation_tokens=max_explanation_tokens,
@@ -114,7 +115,9 @@ class SemanticFrameMethods:
             resources=resources,
             cache=cache,
             engine_kwargs=engine_kwargs,
+            what="filter",
         )
+        return semantic_judge(self, instruction, judgment, cascade, return_stats)
 
     def extract(
         self,
@@ -191,23 +194,22 @@ class SemanticFrameMethods:
         On Dask: each partition's top k, then one merge task (one partition out).
         ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
         ``counts["comparisons"]``. See docs/semantic.md."""
+        from dfllm.accessors.semantic.join import LLMArgs
         from dfllm.accessors.semantic.topk import semantic_topk
 
+        llm = LLMArgs(
+            model=model, chat=chat, on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs
+        )
         return semantic_topk(
             self,
             instruction,
             k,
+            llm,
             method=method,
-            model=model,
             rank_column=rank_column,
             seed_embeddings=seed_embeddings,
             embed_model=embed_model,
-            chat=chat,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
             return_stats=return_stats,
-            engine_kwargs=engine_kwargs,
             both_orders=both_orders,
             logprobs=logprobs,
         )
@@ -251,25 +253,28 @@ class SemanticFrameMethods:
         ``.llm.judge(..., cascade=)``: a proxy decides the pairs it is sure about, ``model`` the
         rest; the result adds ``decided_by`` and the cost carries ``cascade`` (its
         ``CascadeStats``) and ``counts["large_model_pairs"]``. See docs/semantic.md."""
-        from dfllm.accessors.semantic.join import semantic_join
+        from dfllm.accessors.semantic.join import LLMArgs, semantic_join
 
+        llm = LLMArgs(
+            model=model,
+            chat=chat,
+            on_error=on_error,
+            resources=resources,
+            cache=cache,
+            engine_kwargs=engine_kwargs,
+            sampling_params=sampling_params,
+        )
         return semantic_join(
             self,
             other,
             instruction,
+            llm,
             block_k=block_k,
             min_similarity=min_similarity,
             embed_model=embed_model,
-            model=model,
             suffix=suffix,
             similarity_column=similarity_column,
-            chat=chat,
-            sampling_params=sampling_params,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
             return_stats=return_stats,
-            engine_kwargs=engine_kwargs,
             cascade=cascade,
         )
 
@@ -355,22 +360,21 @@ class SemanticFrameMethods:
         ``embed_model`` (CLIP, SigLIP; a text-only model is refused); ``confirm`` is refused
         with it. An unreadable image is its row's error (null labels). See docs/semantic.md."""
         from dfllm.accessors.semantic.dedup import semantic_dedup
+        from dfllm.accessors.semantic.join import LLMArgs
 
+        llm = LLMArgs(
+            model=model, chat=chat, on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs
+        )
         return semantic_dedup(
             self,
             column,
+            llm,
             threshold=threshold,
             confirm=confirm,
-            model=model,
             embed_model=embed_model,
             cluster_column=cluster_column,
             representative_column=representative_column,
-            chat=chat,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
             return_stats=return_stats,
-            engine_kwargs=engine_kwargs,
             images=images,
         )
 
@@ -417,85 +421,22 @@ class SemanticFrameMethods:
         )
 
 
-def semantic_judge(
-    accessor,
-    instruction: str,
-    *,
-    keep: bool,
-    model,
-    output_column: str,
-    probability_column: str,
-    return_explanations: bool,
-    explanation_column: str,
-    cascade,
-    return_stats: bool,
-    chat: bool,
-    logprobs: int,
-    max_explanation_tokens: int,
-    on_error: str,
-    resources,
-    cache,
-    engine_kwargs: dict,
-):
-    """``.llm.judge`` (``keep``) and ``.llm.filter``: see their docstrings."""
+def semantic_judge(accessor, instruction: str, j: Judgment, cascade, return_stats: bool):
+    """``.llm.judge`` (``j.keep``) and ``.llm.filter``: see their docstrings."""
     from dfllm.accessors.semantic.cascade import cascade_judge
-    from dfllm.accessors.semantic.filter import judge_step, judge_task
+    from dfllm.accessors.semantic.filter import judge_step
     from dfllm.accessors.semantic.frames import run_step
 
-    what = "judge" if keep else "filter"
-    new = [output_column, probability_column] + ([explanation_column] if return_explanations else [])
+    new = j.output_columns
     if len(set(new)) != len(new):
-        raise ValueError(f"{what}: the output columns {new} must differ")
-    clash = sorted(set(new) & set(accessor._columns())) if keep else []
-    if return_explanations and not keep and explanation_column in accessor._columns():
-        clash = [explanation_column]
+        raise ValueError(f"{j.what}: the output columns {new} must differ")
+    clash = sorted(set(new) & set(accessor._columns())) if j.keep else []
+    if j.return_explanations and not j.keep and j.explanation_column in accessor._columns():
+        clash = [j.explanation_column]
     if clash:
-        raise ValueError(f"{what}: output column(s) {clash} already exist; choose other names")
+        raise ValueError(f"{j.what}: output column(s) {clash} already exist; choose other names")
     if cascade is not None:
-        return cascade_judge(
-            accessor,
-            instruction,
-            cascade,
-            keep=keep,
-            model=model,
-            output_column=output_column,
-            probability_column=probability_column,
-            return_explanations=return_explanations,
-            explanation_column=explanation_column,
-            return_stats=return_stats,
-            chat=chat,
-            logprobs=logprobs,
-            max_explanation_tokens=max_explanation_tokens,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
-            engine_kwargs=engine_kwargs,
-            what=what,
-        )
+        return cascade_judge(accessor, instruction, cascade, j, return_stats)
     if return_stats:
-        raise ValueError(f"{what}: return_stats reports a cascade's figures; pass cascade= as well")
-    task, shadow = judge_task(
-        accessor,
-        instruction,
-        model=model,
-        return_explanations=return_explanations,
-        chat=chat,
-        logprobs=logprobs,
-        max_explanation_tokens=max_explanation_tokens,
-        on_error=on_error,
-        resources=resources,
-        cache=cache,
-        engine_kwargs=engine_kwargs,
-        what=what,
-    )
-    step = judge_step(
-        task,
-        shadow,
-        keep=keep,
-        output_column=output_column,
-        probability_column=probability_column,
-        return_explanations=return_explanations,
-        explanation_column=explanation_column,
-        resources=resources,
-    )
-    return run_step(accessor._obj, step)
+        raise ValueError(f"{j.what}: return_stats reports a cascade's figures; pass cascade= as well")
+    return run_step(accessor._obj, judge_step(accessor, instruction, j))

@@ -24,6 +24,7 @@ import pandas as pd
 
 from dfllm.accessors.semantic.join import (
     Embedder,
+    LLMArgs,
     PairJudge,
     Placed,
     SemanticCost,
@@ -267,18 +268,13 @@ def semantic_topk(
     accessor,
     instruction: str,
     k: int,
+    llm: LLMArgs,
     *,
     method: str,
-    model,
     rank_column: str,
     seed_embeddings: bool,
     embed_model,
-    chat: bool,
-    on_error: str,
-    resources: dict | None,
-    cache,
     return_stats: bool,
-    engine_kwargs: dict,
     both_orders: bool = False,
     logprobs: int = 20,
 ):
@@ -309,16 +305,10 @@ def semantic_topk(
         list(record.values()),
         instruction,
         TOPK_PREAMBLE,
+        llm,
         answer=TOPK_ANSWER,
         choices=AB,
         names=None,
-        model=model,
-        chat=chat,
-        sampling_params=None,
-        on_error=on_error,
-        resources=resources,
-        cache=cache,
-        engine_kwargs=engine_kwargs,
         what="topk",
         record=record,
         logprobs=logprobs if both_orders else None,
@@ -330,12 +320,12 @@ def semantic_topk(
             record_template(fields),
             fields,
             model=embed_model,
-            resources=resources,
+            resources=llm.resources,
             engine_kwargs=None,
             what="topk",
         )
         query = make_embedder(
-            accessor, "{__q}", ["__q"], model=embed_model, resources=resources, engine_kwargs=None, what="topk"
+            accessor, "{__q}", ["__q"], model=embed_model, resources=llm.resources, engine_kwargs=None, what="topk"
         )
     spec = TopKSpec(
         judge,
@@ -346,7 +336,7 @@ def semantic_topk(
         embedder,
         query,
         render_instruction(instruction),
-        operator_resources(accessor, resources),
+        operator_resources(accessor, llm.resources),
         bool(both_orders),
     )
     obj = accessor._obj
