@@ -254,9 +254,9 @@ class LLM:
         it before any work starts.
         """
         requests = self._engine("generate").input_processor.process_prompts(prompts, sampling_params)
-        loras = self._loras(lora_request, len(requests))
-        priorities = self._priorities(priority, len(requests))
-        return raise_for_errors(self._run([self._add(requests, priorities, loras)], use_tqdm), lambda i: f"prompt {i}")
+        return raise_for_errors(
+            self._run([self._add(requests, priority, lora_request)], use_tqdm), lambda i: f"prompt {i}"
+        )
 
     def chat(
         self,
@@ -288,10 +288,8 @@ class LLM:
             continue_final_message,
             chat_template_kwargs,
         )
-        loras = self._loras(lora_request, len(requests))
-        priorities = self._priorities(priority, len(requests))
         return raise_for_errors(
-            self._run([self._add(requests, priorities, loras)], use_tqdm), lambda i: f"conversation {i}"
+            self._run([self._add(requests, priority, lora_request)], use_tqdm), lambda i: f"conversation {i}"
         )
 
     def enqueue(
@@ -320,8 +318,7 @@ class LLM:
                 self._priorities(priority, len(as_prompt_list(prompts)))
             return self._pooling.enqueue(prompts, sampling_params)
         requests = self._engine("enqueue").input_processor.process_prompts(prompts, sampling_params)
-        loras = self._loras(lora_request, len(requests))
-        self._queued.append(self._add(requests, self._priorities(priority, len(requests)), loras))
+        self._queued.append(self._add(requests, priority, lora_request))
         return self._queued[-1][1]
 
     def enqueue_chat(
@@ -345,8 +342,7 @@ class LLM:
             continue_final_message,
             chat_template_kwargs,
         )
-        loras = self._loras(lora_request, len(requests))
-        self._queued.append(self._add(requests, self._priorities(priority, len(requests)), loras))
+        self._queued.append(self._add(requests, priority, lora_request))
         return self._queued[-1][1]
 
     def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput] | list[PoolingRequestOutput]:
@@ -505,19 +501,16 @@ class LLM:
         return loras
 
     def _add(
-        self,
-        requests: list[EngineRequest],
-        priorities: list[int] | None = None,
-        loras: list[LoRARequest | None] | None = None,
+        self, requests: list[EngineRequest], priority: int | list[int] | None = None, lora_request: Any = None
     ) -> tuple[int, list[str]]:
-        """Queue one call's checked requests as one group, with their priorities (default 0)
-        and LoRA adapters (default none); (the group, their request ids)."""
+        """Queue one call's checked requests as one group, with the call's ``priority`` (default 0)
+        and ``lora_request`` (default none), each checked first; (the group, their request ids)."""
+        loras = self._loras(lora_request, len(requests))
+        priorities = self._priorities(priority, len(requests))
         self._control.check_can_serve()
         engine = self._control.require_generative("generate")
         group, ids = next(self._groups), [self._next_id() for _ in requests]
-        for rid, request, p, lora in zip(
-            ids, requests, priorities or [0] * len(requests), loras or [None] * len(requests)
-        ):
+        for rid, request, p, lora in zip(ids, requests, priorities, loras):
             engine.add_request(rid, request, group=group, priority=p, lora_request=lora)
         return group, ids
 

@@ -89,12 +89,8 @@ class PoolingFrontend:
         Every prompt is checked before any work starts; a bad one (or params whose ``task``
         is another one, or an adapter that cannot run) raises
         :class:`~dfllm.errors.InvalidRequestError` naming its index."""
-        task = self.require(check_pooling_task(pooling_task))
-        requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens, task)
-        data = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
-        return [
-            PoolingRequestOutput(self._next_id(), PoolingOutput(d), r.prompt_token_ids) for d, r in zip(data, requests)
-        ]
+        task = check_pooling_task(pooling_task)
+        return self._encode(task, prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request)
 
     def embed(
         self,
@@ -107,14 +103,7 @@ class PoolingFrontend:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding (a list of floats) per prompt, in input order; ``lora_request`` as in
         :meth:`encode`."""
-        outs = self.encode(
-            prompts,
-            pooling_params,
-            pooling_task="embed",
-            use_tqdm=use_tqdm,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            lora_request=lora_request,
-        )
+        outs = self._encode("embed", prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request)
         return [
             EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
             for o in outs
@@ -131,14 +120,7 @@ class PoolingFrontend:
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt; ``outputs.label`` names the most likely class
         (``id2label``); ``lora_request`` as in :meth:`encode`."""
-        outs = self.encode(
-            prompts,
-            pooling_params,
-            pooling_task="classify",
-            use_tqdm=use_tqdm,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            lora_request=lora_request,
-        )
+        outs = self._encode("classify", prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request)
         id2label = self.engine.cfg.model.id2label or {}
         return [
             ClassificationRequestOutput(
@@ -189,14 +171,9 @@ class PoolingFrontend:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
         late = self.engine.late_interaction  # token vectors and MaxSim; else one normalised vector and a dot
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
-        outs = self.encode(
-            unique,
-            PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens),
-            pooling_task="token_embed" if late else "embed",
-            use_tqdm=use_tqdm,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            lora_request=lora_request,
-        )
+        vectors = PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        task = "token_embed" if late else "embed"
+        outs = self._encode(task, unique, vectors, use_tqdm, truncate_prompt_tokens, lora_request)
         by_text = dict(zip(unique, outs))
         return [
             ScoringRequestOutput(
@@ -337,6 +314,17 @@ class PoolingFrontend:
                 self.engine.check_lora(lora, f"lora_request (prompt {i})")
                 checked.add(id(lora))
         return loras if any(lora is not None for lora in loras) else None
+
+    def _encode(
+        self, task: str, prompts, pooling_params, use_tqdm: bool, truncate_prompt_tokens, lora_request
+    ) -> list[PoolingRequestOutput]:
+        """:meth:`encode` of a checked ``task`` name (refused here if the model does not serve it)."""
+        task = self.require(task)
+        requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens, task)
+        data = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
+        return [
+            PoolingRequestOutput(self._next_id(), PoolingOutput(d), r.prompt_token_ids) for d, r in zip(data, requests)
+        ]
 
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
         requests = self.processor.process_pairs(left, right, params, truncate_prompt_tokens, self.engine.is_decoder)

@@ -41,7 +41,7 @@ from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.output_processor import OutputProcessor
-from dfllm.engine.runner import make_runner
+from dfllm.engine.runner import lora_manager, make_runner
 from dfllm.engine.sampler import SampledToken, Sampler
 from dfllm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from dfllm.engine.sequence import Request, Sequence
@@ -118,19 +118,7 @@ class LLMEngine:
             sliding_window=uniform_window(cfg.model),
             max_loras=cfg.max_loras if cfg.enable_lora else None,
         )
-        # LoRA adapters (dfllm.lora): the CPU cache and the model's slots
-        self.lora: LoRAManager | None = (
-            LoRAManager(
-                cfg.model,
-                cfg.max_loras,
-                cfg.max_lora_rank,
-                cfg.max_cpu_loras,
-                self.runner.set_lora_slot,
-                self.runner.lora_modules(),
-            )
-            if cfg.enable_lora
-            else None
-        )
+        self.lora = lora_manager(cfg, self.runner)  # LoRA adapters (dfllm.lora)
         images = model_class(cfg.model).image_tokens(cfg.model, tokenizer)  # None: a text-only model
         self.input_processor = InputProcessor(
             tokenizer,

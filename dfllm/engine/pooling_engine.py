@@ -39,12 +39,12 @@ from transformers import PreTrainedTokenizerBase
 from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import ImagePrompt, InputProcessor, PoolingRequest
 from dfllm.engine.model_runner import ModelRunner
+from dfllm.engine.runner import lora_manager
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.engine.step_inputs import prepare_inputs
 from dfllm.errors import InvalidRequestError
 from dfllm.lora.adapter import LoRAAdapterError
-from dfllm.lora.manager import LoRAManager
 from dfllm.lora.request import LoRARequest
 from dfllm.models.bert import BertForSequenceClassification
 from dfllm.models.cpu_linear import packing_available, prepack_linears
@@ -91,19 +91,8 @@ class PoolingEngine:
         self.late_interaction = bool(getattr(self.model, "late_interaction", False))
         # RoBERTa reads fewer tokens than max_position_embeddings (its positions start after the pad id)
         self.max_input_tokens: int | None = getattr(self.model, "max_input_tokens", None)
-        # LoRA adapters (decoders with enable_lora): the CPU cache and the model's slots, as LLMEngine's
-        self.lora: LoRAManager | None = (
-            LoRAManager(
-                cfg.model,
-                cfg.max_loras,
-                cfg.max_lora_rank,
-                cfg.max_cpu_loras,
-                self.runner.set_lora_slot,
-                self.runner.lora_modules(),
-            )
-            if self.is_decoder and cfg.enable_lora
-            else None
-        )
+        # LoRA adapters (decoders with enable_lora), as LLMEngine's
+        self.lora = lora_manager(cfg, self.runner) if self.is_decoder else None
         limit = min(n for n in (cfg.max_model_len, pooler.max_length, self.max_input_tokens) if n)
         self.input_processor = InputProcessor(
             tokenizer, cfg.model.vocab_size, limit, set(), embeds_images=self.image_text, model_name=cfg.model_path.name

@@ -1,4 +1,5 @@
-"""What the engine calls on the object that runs its model, and the factory that builds it."""
+"""What the engine calls on the object that runs its model, the factory that builds it, and the LoRA
+adapters' manager over it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dfllm.engine.executor import ParallelExecutor
 from dfllm.engine.model_runner import ModelRunner
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.step_inputs import StepOutput
+from dfllm.lora.manager import LoRAManager
 
 
 class Runner(Protocol):
@@ -78,3 +80,12 @@ def make_runner(cfg: EngineConfig) -> Runner:
     if cfg.world_size > 1:
         return ParallelExecutor(cfg)
     return ModelRunner(cfg)
+
+
+def lora_manager(cfg: EngineConfig, runner: Runner) -> LoRAManager | None:
+    """The LoRA adapters' CPU cache and the model's slots on ``runner`` (``enable_lora``), else None."""
+    if not cfg.enable_lora:
+        return None
+    return LoRAManager(
+        cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, runner.set_lora_slot, runner.lora_modules()
+    )

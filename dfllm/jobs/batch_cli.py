@@ -174,42 +174,33 @@ def run_batch_command(args: argparse.Namespace) -> int:
             f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {describe_client(client)}; dashboard "
             f"{getattr(client, 'dashboard_link', None)}"
         )
+        job = dict(  # the arguments run_batch and dry_run_batch share
+            model=args.model,
+            error_file=args.error_file,
+            response_role=args.response_role,
+            served_model_name=args.served_model_name,
+            partition_bytes=args.partition_bytes,
+            storage_options=args.storage_options,
+            resources=resources,
+            progress=not args.no_progress,
+            cache=cache,
+            **engine_kwargs,
+        )
         if args.dry_run:
             from dfllm.jobs.batch_job import dry_run_batch
 
             report = dry_run_batch(
-                args.input_file,
-                model=args.model,
-                output_file=args.output_file,
-                error_file=args.error_file,
-                response_role=args.response_role,
-                served_model_name=args.served_model_name,
-                partition_bytes=args.partition_bytes,
-                storage_options=args.storage_options,
-                resources=resources,
-                progress=not args.no_progress,
-                cache=cache,
-                calibration_seconds=args.calibration_seconds,
-                **engine_kwargs,
+                args.input_file, output_file=args.output_file, calibration_seconds=args.calibration_seconds, **job
             )
             print(report.format(), flush=True)
             return 0
         summary = run_batch(
             args.input_file,
             args.output_file,
-            model=args.model,
-            error_file=args.error_file,
-            response_role=args.response_role,
-            served_model_name=args.served_model_name,
             resume=args.resume,
             unordered=args.unordered,
-            partition_bytes=args.partition_bytes,
-            storage_options=args.storage_options,
-            resources=resources,
-            progress=not args.no_progress,
             keep_parts=args.keep_parts,
-            cache=cache,
-            **engine_kwargs,
+            **job,
         )
     print(format_batch_summary(summary), flush=True)
     if summary.lines and summary.failed / summary.lines > args.max_error_rate:

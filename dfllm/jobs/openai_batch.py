@@ -28,7 +28,7 @@ so a resumed job gives every line the id it had.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dfllm.jobs.openai_requests import LineError, parse_body
@@ -162,26 +162,12 @@ class BatchRequestOutput:
     error: BatchError | None = None
 
     def to_dict(self) -> dict:
-        response = (
-            None
-            if self.response is None
-            else {
-                "status_code": self.response.status_code,
-                "request_id": self.response.request_id,
-                "body": self.response.body,
-            }
-        )
-        error = (
-            None
-            if self.error is None
-            else {
-                "code": self.error.code,
-                "message": self.error.message,
-                "param": self.error.param,
-                "line": self.error.line,
-            }
-        )
-        return {"id": self.id, "custom_id": self.custom_id, "response": response, "error": error}
+        return {
+            "id": self.id,
+            "custom_id": self.custom_id,
+            "response": _fields(self.response),
+            "error": _fields(self.error),
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)
@@ -202,6 +188,11 @@ class BatchRequestOutput:
         return self.error is None and self.response is not None and self.response.status_code == 200
 
 
+def _fields(part: BatchResponse | BatchError | None) -> dict | None:
+    """An answer line's ``response`` or ``error`` as JSON: its fields, by OpenAI's names (values not copied)."""
+    return None if part is None else {f.name: getattr(part, f.name) for f in fields(part)}
+
+
 def answer_line(
     key: str, custom_id: str | None, status: int, body_json: str | None, error: BatchError | None = None
 ) -> str:
@@ -209,9 +200,7 @@ def answer_line(
     streamed from the job's parts without parsing their bodies again)."""
     if error is not None:
         body_json = json.dumps(error.body(status), ensure_ascii=False)
-        err = json.dumps(
-            {"code": error.code, "message": error.message, "param": error.param, "line": error.line}, ensure_ascii=False
-        )
+        err = json.dumps(_fields(error), ensure_ascii=False)
     else:
         err = "null"
     return (

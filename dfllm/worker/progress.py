@@ -70,14 +70,7 @@ class JobProgress:
         self.updated = time.time()
 
     def as_dict(self) -> dict:
-        return {
-            "running": self.running,
-            "done": self.done,
-            "failed": self.failed,
-            "rows": self.rows,
-            "errors": self.errors,
-            "updated": self.updated,
-        }
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 _lock = threading.Lock()
