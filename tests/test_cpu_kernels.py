@@ -108,6 +108,22 @@ def test_attention_mixed_batch(cpu_ops, dtype, kv_heads, group, head_dim, bs):
     assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bfloat16_decode_scores_take_avx512_bf16_dot_products(cpu_ops, head_dim):
+    """bfloat16 queries over a bfloat16 cache: the decode kernel's scores come from vdpbf16ps
+    (no widening of the keys) where the CPU has AVX512-BF16, and stay as close to float32
+    attention over the same bfloat16 values as the widening path is."""
+    available, before = _cpu.load().bf16_dot_stats()
+    if not available:
+        pytest.skip("this CPU has no AVX512-BF16 (the kernel widens the keys instead)")
+    q, k, v, kc, vc, meta = attention_batch(MIXED, 3, 3, head_dim, 16, torch.bfloat16)
+    got = cpu_ops.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)
+    assert _cpu.load().bf16_dot_stats()[1] == before + 1
+    exact = TORCH_OPS.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, head_dim**-0.5)
+    rows = meta.decodes.rows
+    assert rel_err(got[rows].float(), exact[rows]) < 4e-3  # bfloat16 output rounding (2^-9) and no more
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 48])  # 48: the portable loop, not the AVX-512 one
 def test_attention_bfloat16_cache_under_float32_queries(cpu_ops, head_dim):
     """kv_cache_dtype="bfloat16": the kernel widens the cached values itself, as the reference's cast does."""
@@ -292,6 +308,37 @@ def test_write_kv_cache_skips_padding_and_takes_views(cpu_ops, dtype, cache_dtyp
     assert not torch.equal(got[0], fill)
     with pytest.raises(RuntimeError, match="past the cache"):
         cpu_ops.write_kv_cache(key, value, *got, torch.full((tokens,), 6 * 4))
+
+
+def test_bfloat16_rounding_matches_torch_on_ties_nan_inf_and_overflow(cpu_ops):
+    """The kernels narrow float32 to bfloat16 with their own vectorised integer code (c10's is
+    scalar): it must round exactly as ``.to(torch.bfloat16)`` does, ties to even, NaN kept,
+    float32's largest values carried to infinity, subnormals rounded too."""
+    bits = torch.tensor(
+        [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
+         0x7FC00001, 0xFFA00000, 0x00008000, 0x00018000, 0x80000000, 0x00000000, 0x7F7F8000, 0x3F7FFFFF],
+        dtype=torch.int64,
+    ).to(torch.int32)  # fmt: skip
+    special = bits.view(torch.float32)
+    values = torch.cat([special, torch.randn(48) * 1e3])  # 64 values: one token of 2 heads of 32
+    key = values.view(1, 2, 32)
+    got = (torch.zeros(2, 4, 2, 32, dtype=torch.bfloat16), torch.zeros(2, 4, 2, 32, dtype=torch.bfloat16))
+    cpu_ops.write_kv_cache(key, key, *got, torch.tensor([5]))
+    want = key.to(torch.bfloat16)[0]
+    assert_same_bfloat16(got[0][1, 1], want)
+    # and the residual sum of a bfloat16 norm, rounded from float32 the same way
+    x = special.to(torch.bfloat16).view(1, 16)
+    r = torch.full((1, 16), 2.0**-9, dtype=torch.bfloat16)  # half an ulp of 1.0: ties
+    _, total = cpu_ops.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-6, r)
+    assert_same_bfloat16(total, x + r)
+
+
+def assert_same_bfloat16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit, except that a NaN only has to be a NaN (torch's own vectorised and scalar
+    conversions give NaNs different payloads)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 49152 + 5])
