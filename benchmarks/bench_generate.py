@@ -87,6 +87,10 @@ Run (from the repository root)::
     python benchmarks/bench_generate.py --num-prompts 8         # quick check
     python benchmarks/bench_generate.py --mode natural --repeats 3 --json bench.json
 
+Every engine but transformers first runs the whole workload ``--warmup-runs`` (1) times
+untimed, so that the timed runs measure the steady state a long batch job sees: a first run
+also pays for one-off work (oneDNN builds a GEMM primitive for each new batch row count).
+
 ``--skip-hf``, ``--skip-llama-cpp``, ``--skip-breakdown`` drop a leg. Run it on an otherwise
 idle machine: with other processes competing for the cores, the thread pools are
 oversubscribed and every leg (and the ceiling) slows down a lot (``--threads`` sets torch's
@@ -746,6 +750,12 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="run each leg this many times per mode, in alternating order; report medians",
     )
+    p.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=1,
+        help="untimed runs of the whole workload per engine and mode before the timed ones (default 1)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="no transformers leg")
     p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp leg")
     p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
@@ -777,6 +787,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--device", default="auto", help="'auto' (CUDA when available), 'cpu' or 'cuda'; dfllm and transformers use it"
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="dfllm's quantization (opt-in int8); the peers keep --dtype",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -815,7 +831,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     modes = MODES if args.mode == "both" else (args.mode,)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+    )
     tokenizer = llm.get_tokenizer()
     eos_ids = set(getattr(llm.llm_engine, "eos_token_ids", None) or {tokenizer.eos_token_id})
     prompts, max_tokens = build_workload(tokenizer, args.num_prompts)
@@ -893,6 +915,15 @@ def main() -> None:
         + [(name, leg_peer(s)) for name, s in servers]
     )
     runs: dict = {m: {name: {"secs": [], "tokens": [], "rows": None} for name, _ in legs} for m in modes}
+    if args.warmup_runs:
+        # steady state: every engine meets the workload's shapes once untimed (oneDNN builds a GEMM
+        # primitive per new row count, about 1 ms each: dfllm's first run was ~1 s slower)
+        for mode in modes:
+            for _ in range(args.warmup_runs):
+                for name, leg in legs:
+                    if name != "transformers":  # nothing to build; its leg is the slowest
+                        leg(mode)
+        print(f"warm-up: {args.warmup_runs} untimed run(s) of the workload per engine and mode", flush=True)
     for mode in modes:
         for r in range(args.repeats):
             done = []
