@@ -50,10 +50,7 @@ inline uint16_t bf16_bits(float x) {
 template <typename T>
 inline float round_to(float x) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const uint32_t u = static_cast<uint32_t>(bf16_bits(x)) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
+    return f32(at::BFloat16(bf16_bits(x), at::BFloat16::from_bits()));
   } else {
     return f32(static_cast<T>(x));
   }
