@@ -160,7 +160,9 @@ class CLICluster:
         from distributed import Client
 
         if not hasattr(self, "_client"):
-            self._client = Client(self.address, timeout=60)
+            # not the process's default client: a test that runs on this cluster says so with
+            # ``client.as_current()``, and later tests (in the same pytest process) run without it
+            self._client = Client(self.address, timeout=60, set_as_default=False)
         return self._client
 
     def worker_pids(self) -> dict[str, int]:

@@ -302,3 +302,22 @@ def test_partitions_share_steps_and_one_model_load_on_a_cluster(tiny_llama):
     assert got.generated_text.tolist() == serial.generated_text.tolist() and got.llm_error.isna().all()
     assert max(shared) >= 2, f"no step served two partitions: {shared}"
     assert loads == 1
+
+
+def test_a_one_thread_worker_keeps_several_partitions_in_the_engine(tiny_llama):
+    """A task waiting on the engine leaves the worker's thread pool (Dask's secede), so even a
+    worker of one thread starts its next partitions and their rows share steps (one after
+    another, no step could serve two); every row still comes out once, as serially."""
+    from distributed import Client, LocalCluster
+
+    kw = dict(model=str(tiny_llama), **ENGINE)
+    df = pd.DataFrame({"q": [f"Question {i}: {GOOD[i % 3]}" for i in range(12)]})
+    serial = df.llm.generate("q", sampling_params=SP, **kw)
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        got = dd.from_pandas(df, npartitions=4).llm.generate("q", sampling_params=SP, **kw).compute()
+        (shared,) = client.run(driver.partitions_per_step).values()
+    assert got.generated_text.tolist() == serial.generated_text.tolist() and got.llm_error.isna().all()
+    assert max(shared) >= 2, f"no step served two partitions: {shared}"

@@ -72,6 +72,11 @@ class EngineQueue:
     def busy(self) -> bool:
         return bool(self.pending or self.active)
 
+    def rows_in_flight(self) -> int:
+        """Requests handed over and not finished (read while the driver may be stepping: a
+        close count, which is all the tasks' admission needs)."""
+        return sum(len(s.requests) for s in self.pending) + sum(len(s.ids) - len(s.outputs) for s in self.active)
+
 
 class Driver:
     """The thread that runs all of the process's accessor torch work.
@@ -105,13 +110,22 @@ class Driver:
         """The outputs of ``requests`` (checked by ``engine``'s input processor), in order,
         generated in the batches of every task using ``engine``; ``progress`` shows a bar."""
         sub = Submission(requests)
-        with tqdm(total=len(requests), desc="llm rows", unit="row", disable=not progress) as bar, self.cv:
-            self.queues.setdefault(id(engine), EngineQueue(engine, lock)).pending.append(sub)
-            self.cv.notify_all()
-            while sub.error is None and not sub.done:  # the driver notifies after every step
-                self.cv.wait()
-                if len(sub.outputs) > bar.n:
-                    bar.update(len(sub.outputs) - bar.n)
+        with tqdm(total=len(requests), desc="llm rows", unit="row", disable=not progress) as bar:
+            with self.cv:
+                queue = self.queues.setdefault(id(engine), EngineQueue(engine, lock))
+                queue.pending.append(sub)
+                in_flight = queue.rows_in_flight()
+                self.cv.notify_all()
+            seceded = in_flight <= IN_FLIGHT_BATCHES * engine.cfg.max_num_seqs and _secede()
+            try:
+                with self.cv:
+                    while sub.error is None and not sub.done:  # the driver notifies after every step
+                        self.cv.wait()
+                        if len(sub.outputs) > bar.n:
+                            bar.update(len(sub.outputs) - bar.n)
+            finally:
+                if seceded:
+                    _rejoin()
         if sub.error is not None:
             raise sub.error
         return [sub.outputs[i] for i in sub.ids]
@@ -198,6 +212,36 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
                 for rid in sub.ids:
                     queue.owner.pop(rid, None)
         queue.active = [s for s in queue.active if not s.done and s.error is None]
+
+
+# A Dask task that hands rows over leaves its worker's thread pool while it waits (Dask's
+# secede/rejoin), so that the worker starts its next partition, whose rows join the same
+# continuous batches, as long as the engine has at most this many times max_num_seqs rows in
+# flight; past that, tasks wait in their threads and the worker starts no more (backpressure:
+# partitions in memory stay bounded). Without it a worker of 2 threads kept 2 partitions in
+# the engine, and 8 partitions of 32 rows ran 4 rounds of half-empty decode steps.
+IN_FLIGHT_BATCHES = 2
+
+
+def _secede() -> bool:
+    """Leave the Dask worker's thread pool if this thread runs a Dask task (True: rejoin later)."""
+    try:
+        from distributed import get_worker, secede
+        from distributed.worker import thread_state
+
+        get_worker()
+    except (ImportError, ValueError):
+        return False
+    if getattr(thread_state, "key", None) is None:  # a thread of the worker, but no task's
+        return False
+    secede()
+    return True
+
+
+def _rejoin() -> None:
+    from distributed import rejoin
+
+    rejoin()
 
 
 _driver: Driver | None = None
