@@ -497,8 +497,12 @@ def test_released_engine_leaves_the_metrics_registry_and_memory(kw):
 
     import prometheus_client
 
-    def served() -> set[str]:
-        return {m.name for m in prometheus_client.REGISTRY.collect() if m.samples and m.name.startswith("dfllm_")}
+    def served() -> set[str]:  # the engine's metrics (the response cache's are the process's own)
+        return {
+            m.name
+            for m in prometheus_client.REGISTRY.collect()
+            if m.samples and m.name.startswith("dfllm_") and not m.name.startswith("dfllm_response_cache_")
+        }
 
     dfllm.release_engines()
     assert not served()
