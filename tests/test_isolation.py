@@ -304,20 +304,29 @@ def test_partitions_share_steps_and_one_model_load_on_a_cluster(tiny_llama):
     assert loads == 1
 
 
-def test_a_one_thread_worker_keeps_several_partitions_in_the_engine(tiny_llama):
-    """A task waiting on the engine leaves the worker's thread pool (Dask's secede), so even a
-    worker of one thread starts its next partitions and their rows share steps (one after
-    another, no step could serve two); every row still comes out once, as serially."""
+def test_a_one_thread_worker_keeps_partitions_in_the_engine_up_to_a_full_batch(tiny_llama):
+    """A task whose rows leave the engine short of a full batch leaves the worker's thread pool
+    while it waits (Dask's secede), so even a worker of one thread starts its next partitions
+    and their rows share steps (one after another, no step could serve two). Once the engine
+    holds ``max_num_seqs`` rows, the worker starts no more partitions than it has threads:
+    with 1-row partitions and ``max_num_seqs=2`` the engine never holds more than 2 of them
+    (and does hold 2: one that seceded, one in the thread). Every row comes out once, as
+    serially."""
     from distributed import Client, LocalCluster
 
-    kw = dict(model=str(tiny_llama), **ENGINE)
     df = pd.DataFrame({"q": [f"Question {i}: {GOOD[i % 3]}" for i in range(12)]})
-    serial = df.llm.generate("q", sampling_params=SP, **kw)
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
-        Client(cluster) as client,
-    ):
-        got = dd.from_pandas(df, npartitions=4).llm.generate("q", sampling_params=SP, **kw).compute()
-        (shared,) = client.run(driver.partitions_per_step).values()
-    assert got.generated_text.tolist() == serial.generated_text.tolist() and got.llm_error.isna().all()
-    assert max(shared) >= 2, f"no step served two partitions: {shared}"
+    for max_num_seqs, npartitions in ((256, 4), (2, 12)):
+        kw = dict(model=str(tiny_llama), max_num_seqs=max_num_seqs, **ENGINE)
+        serial = df.llm.generate("q", sampling_params=SP, **kw)
+        with (
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+            Client(cluster) as client,
+        ):
+            got = dd.from_pandas(df, npartitions=npartitions).llm.generate("q", sampling_params=SP, **kw).compute()
+            (shared,) = client.run(driver.partitions_per_step).values()
+            (held,) = client.run(driver.partitions_held_per_step).values()
+        assert got.generated_text.tolist() == serial.generated_text.tolist() and got.llm_error.isna().all()
+        if max_num_seqs == 256:
+            assert max(shared) >= 2, f"no step served two partitions: {shared}"
+        else:
+            assert max(held) == 2, f"partitions held by the engine per step: {held}"

@@ -213,6 +213,10 @@ def test_killed_client_resumes_without_recomputing(cli_cluster, tiny_llama, tmp_
         *LONG,
         "--npartitions",
         "8",
+        # a full batch at 2 rows: a worker starts no partition beyond its thread's (see
+        # dfllm.worker.driver), so some partitions are unstarted when the client dies
+        "--max-num-seqs",
+        "2",
         "--resume",
         "--scheduler",
         cli_cluster.address,

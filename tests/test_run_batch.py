@@ -453,6 +453,10 @@ def test_killed_client_resumes_answering_each_line_once(cli_cluster, tiny_llama,
         str(tiny_llama),
         "--max-model-len",
         "400",
+        # a full batch at 1 row: a worker starts no partition beyond its thread's (see
+        # dfllm.worker.driver), so some partitions are unstarted when the client dies
+        "--max-num-seqs",
+        "1",
         "--partition-bytes",
         str(size),
         "--resume",

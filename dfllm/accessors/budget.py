@@ -8,7 +8,9 @@ its bound, no new partition starts: the gate closes (a partition task that start
 that returns without computing or writing anything, not even on the thread the last one
 ran on), the write's futures that have not started yet are cancelled, and the partitions
 already running finish and are written. So the budget may be passed by what those partitions use, never by
-a partition started after it was reached. The folder then holds the finished parts exactly
+a partition started after it was reached. (On a Dask worker, "running" can be more partitions than
+the worker has threads: while their rows fit in one batch of its engine, see
+:mod:`dfllm.worker.driver`.) The folder then holds the finished parts exactly
 as written, and ``write_parquet(..., resume=True)`` (``dfllm run --resume``) computes the
 rest (see :mod:`dfllm.accessors.writer`).
 """

@@ -30,7 +30,9 @@ class WorkerReporter(WorkerPlugin):
         worker.metrics.pop(METRIC, None)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        if start != "executing" or not tracked(key):
+        # a task that seceded while waiting on its engine (dfllm.worker.driver) finishes from
+        # "long-running"
+        if start not in ("executing", "long-running") or not tracked(key):
             return
         if finish == "memory":
             task_finished(key, self.worker.data[key] if key in self.worker.data else None)

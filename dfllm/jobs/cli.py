@@ -128,7 +128,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     )
     add_cli_args(
         p,
-        ("max_model_len", "reasoning_parser"),
+        ("max_model_len", "max_num_seqs", "reasoning_parser"),
         reasoning_parser="generate/chat with a thinking "
         "model: put the reasoning (<think>...</think>) in a reasoning_content column and only the answer "
         f"in the output column ({', '.join(reasoning_parser_names())})",
@@ -211,7 +211,7 @@ def engine_kwargs_from(args) -> dict:
     """The engine flags given, but LoRA's (:func:`lora_from`), as the task's keyword arguments."""
     kwargs = {
         k: v
-        for k in ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size")
+        for k in ("max_model_len", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size")
         if (v := getattr(args, k)) not in (None, DEFAULTS[k])
     }
     if getattr(args, "reasoning_parser", None):

@@ -22,8 +22,13 @@ outputs); the task whose rows fail on their own gets ``RuntimeError("the engine 
 while generating these rows: ...")``, the others the outputs they would have had. Rows for
 which the model produces non-finite logits are not a failed step: they end with
 ``finish_reason="error"`` and the rest of the batch goes on. For tests and diagnostics,
-:func:`partitions_per_step` says how many tasks shared each step; each step's batch size
-also goes to the dashboard (:func:`dfllm.worker.progress.record_step`).
+:func:`partitions_per_step` says how many tasks shared each step and
+:func:`partitions_held_per_step` how many the engine held; each step's batch size also goes to
+the dashboard (:func:`dfllm.worker.progress.record_step`).
+
+In a Dask worker, a task that leaves its engine short of a full batch leaves the worker's
+thread pool while it waits (see ``_secede``), so that the worker starts more partitions than
+it has threads while their rows fit in a batch.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from dfllm.worker.tuning import tune_worker_process, worker_thread_count
 
 STEP_RECORD = 100_000  # steps whose task count is kept (the most recent)
 _step_tasks: collections.deque[int] = collections.deque(maxlen=STEP_RECORD)
+_step_held: collections.deque[int] = collections.deque(maxlen=STEP_RECORD)
 _request_ids = itertools.count()  # the driver's request ids, unique in the process
 
 
@@ -116,7 +122,7 @@ class Driver:
                 queue.pending.append(sub)
                 in_flight = queue.rows_in_flight()
                 self.cv.notify_all()
-            seceded = in_flight <= IN_FLIGHT_BATCHES * engine.cfg.max_num_seqs and _secede()
+            seceded = in_flight < engine.cfg.max_num_seqs and _secede()
             try:
                 with self.cv:
                     while sub.error is None and not sub.done:  # the driver notifies after every step
@@ -187,6 +193,7 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
             try:
                 outputs = engine.step()
                 _step_tasks.append(sum(sub in engine.last_step_groups for sub in queue.active))
+                _step_held.append(len(queue.active))
                 progress.record_step(engine.stats().num_running + len(outputs))  # the step's batch, roughly
             except Exception as exc:  # not the model (the engine recovers from that): no task may wait forever
                 for sub in queue.active:
@@ -215,12 +222,12 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
 
 
 # A Dask task that hands rows over leaves its worker's thread pool while it waits (Dask's
-# secede/rejoin), so that the worker starts its next partition, whose rows join the same
-# continuous batches, as long as the engine has at most this many times max_num_seqs rows in
-# flight; past that, tasks wait in their threads and the worker starts no more (backpressure:
-# partitions in memory stay bounded). Without it a worker of 2 threads kept 2 partitions in
-# the engine, and 8 partitions of 32 rows ran 4 rounds of half-empty decode steps.
-IN_FLIGHT_BATCHES = 2
+# secede/rejoin) if the engine then holds fewer than max_num_seqs rows, so that the worker
+# starts its next partition, whose rows join the same continuous batches. Once the engine
+# holds a full batch, tasks wait in their threads and the worker starts no more partitions
+# than it has threads (backpressure: at most max_num_seqs rows plus a partition per thread
+# in the engine). Without it a worker of 2 threads kept 2 partitions in the engine, and 8
+# partitions of 32 rows ran 4 rounds of part-empty decode steps.
 
 
 def _secede() -> bool:
@@ -272,3 +279,10 @@ def partitions_per_step() -> list[int]:
     """For each generation step the driver ran in this process (the last 100,000), how many
     tasks (partitions) had rows in its batch; for tests and diagnostics."""
     return list(_step_tasks)
+
+
+def partitions_held_per_step() -> list[int]:
+    """For each generation step the driver ran in this process (the last 100,000), how many
+    tasks (partitions) had unfinished rows in the engine, in its batch or waiting; for tests
+    and diagnostics."""
+    return list(_step_held)
