@@ -193,9 +193,7 @@ def test_prefill_kernel_spans_tiles_and_cached_prefixes(cpu_ops, dtype, kv_heads
     if not hasattr(ext, "prefill_attention"):  # the kernel is built for AVX-512 only
         pytest.skip(f"no prefill kernel in this build ({torch.backends.cpu.get_cpu_capability()}: SDPA per span)")
     direct = torch.full_like(q, float("nan"))
-    ext.prefill_attention(
-        direct, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, head_dim**-0.5, 0
-    )
+    ext.prefill_attention(direct, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, head_dim**-0.5, 0)
     rows = prefill_rows(meta)
     assert torch.equal(got[rows], direct[rows])
     others = torch.ones(q.shape[0], dtype=torch.bool)

@@ -181,6 +181,39 @@ struct DecodeCall : PagedCall<T, TC> {
         cap(static_cast<float>(softcap)), rp(rows.data_ptr<int64_t>()), lp(lens.data_ptr<int32_t>()) {}
 };
 
+// body(begin, end) over [0, n) on torch's intra-op threads, one contiguous range per thread,
+// the ranges cut so that each holds an equal share of the total cost(i). at::parallel_for cuts
+// equal counts of items, which leaves a thread idle while another finishes the longer
+// sequences of a batch of mixed lengths.
+template <typename Cost, typename Body>
+void parallel_balanced(int64_t n, const Cost& cost, const Body& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    if (n > 0) body(0, n);
+    return;
+  }
+  std::vector<double> upto(n + 1, 0.0);  // cost of items [0, i)
+  for (int64_t i = 0; i < n; ++i) upto[i + 1] = upto[i] + static_cast<double>(cost(i));
+  std::vector<int64_t> cuts(threads + 1, n);
+  cuts[0] = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    const double goal = upto[n] * static_cast<double>(t) / static_cast<double>(threads);
+    cuts[t] = std::lower_bound(upto.begin(), upto.end(), goal) - upto.begin();
+    cuts[t] = std::clamp<int64_t>(cuts[t], cuts[t - 1], n);
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      if (cuts[t] < cuts[t + 1]) body(cuts[t], cuts[t + 1]);
+  });
+}
+
+// A decode's cost for parallel_balanced: the keys it reads, plus a fixed share for its query.
+template <typename Call>
+int64_t decode_cost(const Call& a, int64_t i) {
+  const int64_t len = a.lp[i];
+  return (a.window > 0 ? std::min<int64_t>(len, a.window) : len) + 16;
+}
+
 // One decode query per sequence: its query heads read the sequence's keys and values block by
 // block through its block table, in two passes (scores, then the weighted sum of values).
 // Only the positions [start, len) are read: padding and blocks before a sliding window never are.
@@ -192,7 +225,7 @@ void decode_attention_impl(const DecodeCall<T, TC> a) {
 
   // one task per sequence, every head of a cached token at once: each token's slot (all KV
   // heads, contiguous) is read in one sweep, which the hardware prefetcher follows
-  at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
+  parallel_balanced(a.n, [&](int64_t i) { return decode_cost(a, i); }, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(a.heads * dim), acc(a.heads * dim), kv(a.slot), scores, total(a.heads);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t len = a.lp[i];
@@ -391,7 +424,7 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
     if (kBf16Dot) bf16_dot_calls.fetch_add(1, std::memory_order_relaxed);
   }
 
-  at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
+  parallel_balanced(a.n, [&](int64_t i) { return decode_cost(a, i); }, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(a.heads * DIM), acc(a.heads * DIM), scores, total(a.heads);
     std::vector<float> wide(std::is_same_v<TC, float> ? 0 : CHUNK * a.slot);
     for (int64_t i = begin; i < end; ++i) {
