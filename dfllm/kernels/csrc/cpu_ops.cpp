@@ -516,6 +516,8 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
   });
 }
 
+#endif  // __AVX512F__
+
 // One prefill_attention call: every prefill span of a step (the sequences with more than one
 // query) attends causally over its keys, which are already in the paged cache (its cached
 // prefix and its own new tokens alike), read through its block table.
@@ -538,6 +540,7 @@ struct PrefillTile {
   int64_t seq, kv_head, first, tokens, cost;
 };
 
+#if defined(__AVX512F__)
 // prefill_attention for head dimensions DIM of 32, 64 or 128, with AVX-512. A tile's rows are
 // laid out in lanes: its queries transposed to [DIM, rows] (scaled), so that the scores of one
 // key for all rows are DIM broadcast multiply-adds, with no horizontal sum; the scores
@@ -679,8 +682,150 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   }
 }
 
+#else
+// prefill_tile without intrinsics, for builds without AVX-512 (AVX2 and others): the same
+// layout and the same two passes (queries transposed to [DIM, rows], scores [keys, rows],
+// output [DIM, rows]), each loop over the tile's R rows written for the compiler to
+// vectorise at whatever width the build has.
+template <typename T, typename TC, int DIM, int NRV>
+void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
+                  float* wide) {
+  constexpr int R = 16 * NRV;  // rows of the tile, padded to 16
+  const int64_t q_start = a.qsl[tile.seq], q_len = a.qsl[tile.seq + 1] - q_start, len = a.lens[tile.seq];
+  const int64_t base = len - q_len;  // position of the span's first query
+  const int64_t rows = tile.tokens * a.group;
+  const int64_t first_pos = base + tile.first, last_pos = first_pos + tile.tokens - 1;
+  const int64_t kstart = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  const int64_t kend = last_pos + 1;
+  const int32_t* table = a.tp + tile.seq * a.width;
+  const int64_t h_off = tile.kv_head * DIM;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // queries, transposed and scaled; padding rows are zero and sit at the last position
+  alignas(64) int32_t pos[R];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = std::min<int64_t>(r / a.group, tile.tokens - 1);
+    pos[r] = static_cast<int32_t>(base + tile.first + t);
+    if (r < rows) {
+      const T* qr = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + r % a.group) * a.q_head;
+      for (int d = 0; d < DIM; ++d) qt[d * R + r] = f32(qr[d]) * a.sc;
+    } else {
+      for (int d = 0; d < DIM; ++d) qt[d * R + r] = 0.f;
+    }
+  }
+  auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, kend, m); };
+  // m cached tokens as float32: the cache itself, or widened once into `wide`
+  auto widen = [&](const TC* p, int64_t m) -> const float* {
+    if constexpr (std::is_same_v<TC, float>) {
+      return p;
+    } else {
+      load(wide, p, m * a.slot);
+      return wide;
+    }
+  };
+
+  // pass 1: scores [keys, rows], two keys at a time (each query row loaded once for both)
+  for (int64_t j = kstart; j < kend;) {
+    int64_t m;
+    const int64_t at = chunk(j, m);  // sets m
+    const float* key = widen(a.kp + at, m) + h_off;
+    float* s = sbuf + (j - kstart) * R;
+    int64_t t = 0;
+    for (; t + 2 <= m; t += 2) {
+      float* s0 = s + t * R;
+      float* s1 = s0 + R;
+      const float* k0 = key + t * a.slot;
+      const float* k1 = k0 + a.slot;
+#pragma omp simd
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = 0.f;
+      for (int d = 0; d < DIM; ++d) {
+        const float* qd = qt + d * R;
+        const float x0 = k0[d], x1 = k1[d];
+#pragma omp simd
+        for (int r = 0; r < R; ++r) {
+          s0[r] += qd[r] * x0;
+          s1[r] += qd[r] * x1;
+        }
+      }
+    }
+    for (; t < m; ++t) {
+      float* st = s + t * R;
+      const float* kt = key + t * a.slot;
+#pragma omp simd
+      for (int r = 0; r < R; ++r) st[r] = 0.f;
+      for (int d = 0; d < DIM; ++d) {
+        const float* qd = qt + d * R;
+        const float x = kt[d];
+#pragma omp simd
+        for (int r = 0; r < R; ++r) st[r] += qd[r] * x;
+      }
+    }
+    // keys a row may not see (after its position, or before its window): -inf
+    if (j + m - 1 > first_pos || (a.window > 0 && j <= last_pos - a.window)) {
+      for (int64_t u = 0; u < m; ++u) {
+        const int32_t key_pos = static_cast<int32_t>(j + u);
+        const int32_t window = static_cast<int32_t>(a.window);
+        float* su = s + u * R;
+#pragma omp simd
+        for (int r = 0; r < R; ++r) {
+          const bool hidden = pos[r] < key_pos || (window > 0 && pos[r] - window >= key_pos);
+          su[r] = hidden ? neg_inf : su[r];
+        }
+      }
+    }
+    j += m;
+  }
+  // softmax over each row's keys, unnormalised; hidden keys weigh exactly 0
+  const int64_t span = kend - kstart;
+  alignas(64) float mx[R], total[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = neg_inf;
+    total[r] = 0.f;
+  }
+  for (int64_t u = 0; u < span; ++u) {
+    const float* su = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], su[r]);
+  }
+  for (int64_t u = 0; u < span; ++u) {
+    float* su = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) {
+      const float p = su[r] == neg_inf ? 0.f : fast_exp(su[r] - mx[r]);
+      su[r] = p;
+      total[r] += p;
+    }
+  }
+  // pass 2: the weighted sum of the values, transposed like the queries: out[DIM, rows]
+  for (int64_t e = 0; e < DIM * R; ++e) obuf[e] = 0.f;
+  for (int64_t j = kstart; j < kend;) {
+    int64_t m;
+    const int64_t at = chunk(j, m);
+    const float* value = widen(a.vp + at, m) + h_off;
+    const float* w = sbuf + (j - kstart) * R;
+    for (int d = 0; d < DIM; ++d) {
+      float* od = obuf + d * R;
+      for (int64_t u = 0; u < m; ++u) {
+        const float* wu = w + u * R;
+        const float x = value[u * a.slot + d];
+#pragma omp simd
+        for (int r = 0; r < R; ++r) od[r] += wu[r] * x;
+      }
+    }
+    j += m;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / total[r];
+    T* o = a.op + (q_start + tile.first + r / a.group) * a.o_row + (tile.kv_head * a.group + r % a.group) * DIM;
+    for (int d = 0; d < DIM; ++d) put(o + d, obuf[d * R + r] * inv);
+  }
+}
+#endif
+
+// prefill_attention for head dimensions DIM of 32, 64 or 128: the step's prefill spans cut
+// into tiles, the tiles shared out over the threads, the largest first.
 template <typename T, typename TC, int DIM>
-void prefill_attention_avx512(const PrefillCall<T, TC> a) {
+void prefill_attention_tiles(const PrefillCall<T, TC> a) {
   // tiles of at most 64 rows, the larger first (a tile's cost grows with its last position)
   const int64_t per_tile = std::max<int64_t>(1, 64 / a.group);
   std::vector<PrefillTile> tiles;
@@ -715,7 +860,6 @@ void prefill_attention_avx512(const PrefillCall<T, TC> a) {
     }
   }
 }
-#endif
 
 // out = weight * (x [+ residual]) / rms(...), per row; with a residual the sum is returned too.
 template <typename T>
@@ -967,21 +1111,19 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_c
   });
 }
 
-#if defined(__AVX512F__)
 namespace {
 template <typename T, typename TC>
 void prefill_attention_dims(const PrefillCall<T, TC>& a) {
   if (a.dim == 32) {
-    prefill_attention_avx512<T, TC, 32>(a);
+    prefill_attention_tiles<T, TC, 32>(a);
   } else if (a.dim == 64) {
-    prefill_attention_avx512<T, TC, 64>(a);
+    prefill_attention_tiles<T, TC, 64>(a);
   } else {
-    prefill_attention_avx512<T, TC, 128>(a);
+    prefill_attention_tiles<T, TC, 128>(a);
   }
 }
 }  // namespace
 
-// Built with AVX-512 only; elsewhere the prefills take the PyTorch reference's path.
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& tables,
                        double scale, int64_t window) {
@@ -998,7 +1140,6 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                                               window));
   });
 }
-#endif
 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const c10::optional<at::Tensor>& residual) {
@@ -1083,7 +1224,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qk", &rotary_qk);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("argmax_rows", &argmax_rows);
-#if defined(__AVX512F__)
   m.def("prefill_attention", &prefill_attention);
-#endif
 }
