@@ -233,13 +233,15 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
 def _secede() -> bool:
     """Leave the Dask worker's thread pool if this thread runs a Dask task (True: rejoin later)."""
     try:
-        from distributed import get_worker, secede
+        from distributed import get_worker, secede, threadpoolexecutor
         from distributed.worker import thread_state
 
         get_worker()
     except (ImportError, ValueError):
         return False
     if getattr(thread_state, "key", None) is None:  # a thread of the worker, but no task's
+        return False
+    if not getattr(threadpoolexecutor.thread_state, "proceed", False):  # not in the pool (seceded already)
         return False
     secede()
     return True
