@@ -684,6 +684,144 @@ void prefill_attention_avx512(const PrefillCall<T, TC> a) {
 }
 #endif
 
+// Bidirectional attention of an encoder over unpadded sequences (BERT and its kin): the
+// tokens of every sequence lie back to back in qkv [tokens, 3 * hidden] (q, k, v of each
+// token side by side, as the fused projection writes them), sequence i on rows
+// cu_seqlens[i] .. cu_seqlens[i + 1]; each query attends to every key of its own sequence.
+// The work is cut into tiles of up to 16 queries of one head of one sequence; a tile's rows
+// lie in vector lanes (queries transposed to [DIM, 16], scaled), so a key's scores for all
+// rows are DIM broadcast multiply-adds with no horizontal sum, and the output is accumulated
+// transposed too, as in prefill_tile. Written with GCC vector types (8 floats: one AVX2
+// register, or two SSE ones), not intrinsics, so it builds for every x86 capability. Two
+// passes: scores and an exact softmax per row, then the weighted sum of the values.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f vload(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void vstore(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+struct EncoderCall {
+  const float* qkv;
+  float* out;
+  const int64_t* cu;
+  int64_t n, heads, hidden, row, out_row;
+  float scale;
+};
+
+struct EncoderTile {
+  int64_t seq, head, first, rows, cost;
+};
+
+// encoder_attention calls (read by the tests: the fast path ran)
+std::atomic<int64_t> encoder_attention_calls{0};
+
+template <int DIM>
+void encoder_tile(const EncoderCall& a, const EncoderTile& tile, float* qt, float* sbuf, float* obuf) {
+  constexpr int NV = 2, R = 8 * NV;  // rows of a tile, in two 8-lane vectors
+  const int64_t start = a.cu[tile.seq], len = a.cu[tile.seq + 1] - start;
+  const float* q0 = a.qkv + (start + tile.first) * a.row + tile.head * DIM;
+  const float* k0 = a.qkv + start * a.row + a.hidden + tile.head * DIM;
+  const float* v0 = k0 + a.hidden;
+  for (int r = 0; r < R; ++r) {
+    const float* qr = q0 + r * a.row;
+    for (int d = 0; d < DIM; ++d) qt[d * R + r] = r < tile.rows ? qr[d] * a.scale : 0.f;
+  }
+  // pass 1: scores [keys, rows], four keys at a time (each query vector loaded once for four)
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) {
+    v8f acc[4][NV] = {};
+    const float* kj = k0 + j * a.row;
+    for (int d = 0; d < DIM; ++d) {
+      v8f qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = vload(qt + d * R + 8 * v);
+      for (int u = 0; u < 4; ++u) {
+        const v8f kd = v8f{} + kj[u * a.row + d];
+        for (int v = 0; v < NV; ++v) acc[u][v] += qv[v] * kd;
+      }
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < NV; ++v) vstore(sbuf + (j + u) * R + 8 * v, acc[u][v]);
+  }
+  for (; j < len; ++j) {
+    v8f acc[NV] = {};
+    const float* kj = k0 + j * a.row;
+    for (int d = 0; d < DIM; ++d) {
+      const v8f kd = v8f{} + kj[d];
+      for (int v = 0; v < NV; ++v) acc[v] += vload(qt + d * R + 8 * v) * kd;
+    }
+    for (int v = 0; v < NV; ++v) vstore(sbuf + j * R + 8 * v, acc[v]);
+  }
+  // softmax over each row's keys (lane-wise), unnormalised
+  alignas(32) float mx[R], total[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = -std::numeric_limits<float>::infinity();
+    total[r] = 0.f;
+  }
+  for (int64_t u = 0; u < len; ++u) {
+    const float* s = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], s[r]);
+  }
+  for (int64_t u = 0; u < len; ++u) {
+    float* s = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) {
+      const float p = fast_exp(s[r] - mx[r]);
+      s[r] = p;
+      total[r] += p;
+    }
+  }
+  // pass 2: the weighted sum of the values, out[DIM, rows], four dimensions at a time
+  for (int d0 = 0; d0 < DIM; d0 += 4) {
+    v8f acc[4][NV] = {};
+    for (int64_t u = 0; u < len; ++u) {
+      v8f wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = vload(sbuf + u * R + 8 * v);
+      const float* vu = v0 + u * a.row + d0;
+      for (int e = 0; e < 4; ++e) {
+        const v8f x = v8f{} + vu[e];
+        for (int v = 0; v < NV; ++v) acc[e][v] += wv[v] * x;
+      }
+    }
+    for (int e = 0; e < 4; ++e)
+      for (int v = 0; v < NV; ++v) vstore(obuf + (d0 + e) * R + 8 * v, acc[e][v]);
+  }
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    float* o = a.out + (start + tile.first + r) * a.out_row + tile.head * DIM;
+    const float inv = 1.f / total[r];
+    for (int d = 0; d < DIM; ++d) o[d] = obuf[d * R + r] * inv;
+  }
+}
+
+template <int DIM>
+void encoder_attention_impl(const EncoderCall& a) {
+  constexpr int64_t R = 16;
+  std::vector<EncoderTile> tiles;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t len = a.cu[i + 1] - a.cu[i];
+    longest = std::max(longest, len);
+    for (int64_t first = 0; first < len; first += R) {
+      const int64_t rows = std::min(R, len - first);
+      for (int64_t h = 0; h < a.heads; ++h) tiles.push_back({i, h, first, rows, len * rows});
+    }
+  }
+  // the costlier first, so that the last tiles handed out are short
+  std::stable_sort(tiles.begin(), tiles.end(), [](const EncoderTile& x, const EncoderTile& y) { return x.cost > y.cost; });
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> qt(DIM * R), sbuf(longest * R + R), obuf(DIM * R);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) encoder_tile<DIM>(a, tiles[i], qt.data(), sbuf.data(), obuf.data());
+  }
+}
+
 // out = weight * (x [+ residual]) / rms(...), per row; with a residual the sum is returned too.
 template <typename T>
 void rms_norm_impl(at::Tensor& out, at::Tensor& sum_out, const at::Tensor& x, const at::Tensor* residual,
@@ -1041,6 +1179,35 @@ std::vector<int64_t> bf16_dot_stats() {
 #endif
 }
 
+// The encoders' bidirectional attention over unpadded sequences (encoder_tile): qkv [tokens,
+// 3 * heads * dim] float32 (rows may be strided), cu_seqlens int64 [sequences + 1]; returns
+// out [tokens, heads * dim]. Head dimensions 32, 64 and 128.
+at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.scalar_type() == at::kFloat && qkv.size(1) % (3 * heads) == 0,
+              "qkv must be float32 [tokens, 3 * heads * dim] with contiguous rows");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.is_contiguous() && cu_seqlens.scalar_type() == at::kLong &&
+                  cu_seqlens.size(0) >= 1,
+              "cu_seqlens must be contiguous int64 [sequences + 1]");
+  const int64_t hidden = qkv.size(1) / 3, dim = hidden / heads;
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t n = cu_seqlens.size(0) - 1;
+  TORCH_CHECK(cu[0] == 0 && cu[n] == qkv.size(0), "cu_seqlens must run from 0 to the number of tokens");
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(cu[i + 1] >= cu[i], "cu_seqlens must not decrease");
+  auto out = at::empty({qkv.size(0), hidden}, qkv.options());
+  const EncoderCall a{qkv.data_ptr<float>(), out.data_ptr<float>(), cu, n, heads, hidden, qkv.stride(0), hidden,
+                      static_cast<float>(scale)};
+  switch (dim) {
+    case 32: encoder_attention_impl<32>(a); break;
+    case 64: encoder_attention_impl<64>(a); break;
+    case 128: encoder_attention_impl<128>(a); break;
+    default: TORCH_CHECK(false, "encoder_attention takes head dimensions 32, 64 and 128, got ", dim);
+  }
+  encoder_attention_calls.fetch_add(1, std::memory_order_relaxed);
+  return out;
+}
+
+int64_t encoder_attention_count() { return encoder_attention_calls.load(); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_stats", &bf16_dot_stats);
   m.def("decode_attention", &decode_attention);
@@ -1050,6 +1217,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qk", &rotary_qk);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("argmax_rows", &argmax_rows);
+  m.def("encoder_attention", &encoder_attention);
+  m.def("encoder_attention_count", &encoder_attention_count);
 #if defined(__AVX512F__)
   m.def("prefill_attention", &prefill_attention);
 #endif
