@@ -688,8 +688,10 @@ void prefill_attention_avx512(const PrefillCall<T, TC> a) {
 // tokens of every sequence lie back to back in qkv [tokens, 3 * hidden] (q, k, v of each
 // token side by side, as the fused projection writes them), sequence i on rows
 // cu_seqlens[i] .. cu_seqlens[i + 1]; each query attends to every key of its own sequence.
-// The work is cut into tiles of up to 16 queries of one head of one sequence; a tile's rows
-// lie in vector lanes (queries transposed to [DIM, 16], scaled), so a key's scores for all
+// The work is cut by sequence and head: that head's keys and values are first copied out of
+// qkv's long rows into two small contiguous buffers (read in place, every key row is 3 * hidden
+// floats from the next, so a long sequence's keys fell on few cache sets and were read again
+// from L2 by every tile), then its queries go in tiles of 16; a tile's rows lie in vector lanes (queries transposed to [DIM, 16], scaled), so a key's scores for all
 // rows are DIM broadcast multiply-adds with no horizontal sum, and the output is accumulated
 // transposed too, as in prefill_tile. Written with GCC vector types (8 floats: one AVX2
 // register, or two SSE ones), not intrinsics, so it builds for every x86 capability. Two
@@ -704,6 +706,9 @@ inline v8f vload(const float* p) {
 
 inline void vstore(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 
+// x in every lane (one vbroadcastss; `v8f{} + x` would add +0.0 first, which is no identity for -0.0)
+inline v8f vbroadcast(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
 struct EncoderCall {
   const float* qkv;
   float* out;
@@ -712,34 +717,37 @@ struct EncoderCall {
   float scale;
 };
 
-struct EncoderTile {
-  int64_t seq, head, first, rows, cost;
+// one sequence's one head
+struct EncoderWork {
+  int64_t seq, head, len;
 };
 
 // encoder_attention calls (read by the tests: the fast path ran)
 std::atomic<int64_t> encoder_attention_calls{0};
 
+constexpr int kEncoderTileRows = 16;
+
+// `rows` queries from position `first` of the sequence at `start` against its `len` keys and
+// values k0, v0 (contiguous rows of DIM)
 template <int DIM>
-void encoder_tile(const EncoderCall& a, const EncoderTile& tile, float* qt, float* sbuf, float* obuf) {
-  constexpr int NV = 2, R = 8 * NV;  // rows of a tile, in two 8-lane vectors
-  const int64_t start = a.cu[tile.seq], len = a.cu[tile.seq + 1] - start;
-  const float* q0 = a.qkv + (start + tile.first) * a.row + tile.head * DIM;
-  const float* k0 = a.qkv + start * a.row + a.hidden + tile.head * DIM;
-  const float* v0 = k0 + a.hidden;
+void encoder_tile(const EncoderCall& a, int64_t start, int64_t len, int64_t head, int64_t first, int64_t rows,
+                  const float* k0, const float* v0, float* qt, float* sbuf, float* obuf) {
+  constexpr int NV = kEncoderTileRows / 8, R = kEncoderTileRows;  // rows of a tile, in 8-lane vectors
+  const float* q0 = a.qkv + (start + first) * a.row + head * DIM;
   for (int r = 0; r < R; ++r) {
     const float* qr = q0 + r * a.row;
-    for (int d = 0; d < DIM; ++d) qt[d * R + r] = r < tile.rows ? qr[d] * a.scale : 0.f;
+    for (int d = 0; d < DIM; ++d) qt[d * R + r] = r < rows ? qr[d] * a.scale : 0.f;
   }
   // pass 1: scores [keys, rows], four keys at a time (each query vector loaded once for four)
   int64_t j = 0;
   for (; j + 4 <= len; j += 4) {
     v8f acc[4][NV] = {};
-    const float* kj = k0 + j * a.row;
+    const float* kj = k0 + j * DIM;
     for (int d = 0; d < DIM; ++d) {
       v8f qv[NV];
       for (int v = 0; v < NV; ++v) qv[v] = vload(qt + d * R + 8 * v);
       for (int u = 0; u < 4; ++u) {
-        const v8f kd = v8f{} + kj[u * a.row + d];
+        const v8f kd = vbroadcast(kj[u * DIM + d]);
         for (int v = 0; v < NV; ++v) acc[u][v] += qv[v] * kd;
       }
     }
@@ -748,9 +756,9 @@ void encoder_tile(const EncoderCall& a, const EncoderTile& tile, float* qt, floa
   }
   for (; j < len; ++j) {
     v8f acc[NV] = {};
-    const float* kj = k0 + j * a.row;
+    const float* kj = k0 + j * DIM;
     for (int d = 0; d < DIM; ++d) {
-      const v8f kd = v8f{} + kj[d];
+      const v8f kd = vbroadcast(kj[d]);
       for (int v = 0; v < NV; ++v) acc[v] += vload(qt + d * R + 8 * v) * kd;
     }
     for (int v = 0; v < NV; ++v) vstore(sbuf + j * R + 8 * v, acc[v]);
@@ -781,44 +789,59 @@ void encoder_tile(const EncoderCall& a, const EncoderTile& tile, float* qt, floa
     for (int64_t u = 0; u < len; ++u) {
       v8f wv[NV];
       for (int v = 0; v < NV; ++v) wv[v] = vload(sbuf + u * R + 8 * v);
-      const float* vu = v0 + u * a.row + d0;
+      const float* vu = v0 + u * DIM + d0;
       for (int e = 0; e < 4; ++e) {
-        const v8f x = v8f{} + vu[e];
+        const v8f x = vbroadcast(vu[e]);
         for (int v = 0; v < NV; ++v) acc[e][v] += wv[v] * x;
       }
     }
     for (int e = 0; e < 4; ++e)
       for (int v = 0; v < NV; ++v) vstore(obuf + (d0 + e) * R + 8 * v, acc[e][v]);
   }
-  for (int64_t r = 0; r < tile.rows; ++r) {
-    float* o = a.out + (start + tile.first + r) * a.out_row + tile.head * DIM;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = a.out + (start + first + r) * a.out_row + head * DIM;
     const float inv = 1.f / total[r];
     for (int d = 0; d < DIM; ++d) o[d] = obuf[d * R + r] * inv;
   }
 }
 
+// One sequence's one head: its keys and values copied into kbuf, vbuf, then its query tiles.
+template <int DIM>
+void encoder_head(const EncoderCall& a, const EncoderWork& w, float* kbuf, float* vbuf, float* qt, float* sbuf,
+                  float* obuf) {
+  const int64_t start = a.cu[w.seq];
+  const float* k = a.qkv + start * a.row + a.hidden + w.head * DIM;
+  for (int64_t j = 0; j < w.len; ++j) {
+    std::memcpy(kbuf + j * DIM, k + j * a.row, DIM * sizeof(float));
+    std::memcpy(vbuf + j * DIM, k + j * a.row + a.hidden, DIM * sizeof(float));
+  }
+  for (int64_t first = 0; first < w.len; first += kEncoderTileRows) {
+    const int64_t rows = std::min<int64_t>(kEncoderTileRows, w.len - first);
+    encoder_tile<DIM>(a, start, w.len, w.head, first, rows, kbuf, vbuf, qt, sbuf, obuf);
+  }
+}
+
 template <int DIM>
 void encoder_attention_impl(const EncoderCall& a) {
-  constexpr int64_t R = 16;
-  std::vector<EncoderTile> tiles;
+  constexpr int64_t R = kEncoderTileRows;
+  std::vector<EncoderWork> work;
   int64_t longest = 0;
   for (int64_t i = 0; i < a.n; ++i) {
     const int64_t len = a.cu[i + 1] - a.cu[i];
     longest = std::max(longest, len);
-    for (int64_t first = 0; first < len; first += R) {
-      const int64_t rows = std::min(R, len - first);
-      for (int64_t h = 0; h < a.heads; ++h) tiles.push_back({i, h, first, rows, len * rows});
-    }
+    if (len > 0)
+      for (int64_t h = 0; h < a.heads; ++h) work.push_back({i, h, len});
   }
-  // the costlier first, so that the last tiles handed out are short
-  std::stable_sort(tiles.begin(), tiles.end(), [](const EncoderTile& x, const EncoderTile& y) { return x.cost > y.cost; });
-  const int64_t count = static_cast<int64_t>(tiles.size());
+  // the longest first (cost grows as len^2), so that the last items handed out are short
+  std::stable_sort(work.begin(), work.end(), [](const EncoderWork& x, const EncoderWork& y) { return x.len > y.len; });
+  const int64_t count = static_cast<int64_t>(work.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float> qt(DIM * R), sbuf(longest * R + R), obuf(DIM * R);
+    std::vector<float> kbuf(longest * DIM), vbuf(longest * DIM), qt(DIM * R), sbuf(longest * R + R), obuf(DIM * R);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) encoder_tile<DIM>(a, tiles[i], qt.data(), sbuf.data(), obuf.data());
+    for (int64_t i = 0; i < count; ++i)
+      encoder_head<DIM>(a, work[i], kbuf.data(), vbuf.data(), qt.data(), sbuf.data(), obuf.data());
   }
 }
 
