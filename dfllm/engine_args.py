@@ -207,8 +207,7 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "the most sequences in one step")
     max_num_batched_tokens: int | None = _arg(
         None,
-        "tokens per step (default 8192 on CUDA, 2048 on CPU, 1024 padded "
-        "tokens for pooling on CPU; never below max_num_seqs)",
+        "tokens per step (default 8192 on CUDA, 2048 on CPU, padded tokens for pooling; never below max_num_seqs)",
     )
     block_size: int = _arg(16, "tokens per KV cache block (a power of two)")
     enable_prefix_caching: bool = _arg(True, "keep the KV cache blocks of prompts' shared prefixes for reuse")

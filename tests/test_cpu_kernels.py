@@ -14,6 +14,7 @@ import torch
 
 from dfllm.kernels import _cpu
 from dfllm.kernels.backend import TORCH_OPS, select_ops
+from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -359,6 +360,41 @@ def test_argmax_rows_matches_torch_ties_nan_and_inf_included(cpu_ops, width):
     got = _cpu.argmax_rows_cpu(x)
     assert _cpu.loaded() and got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[5, 17, 1, 33, 16], [24, 24, 24], [1], [200, 3]],
+    ids=["mixed", "equal", "one-token", "long-and-short"],
+)
+@pytest.mark.parametrize("heads,head_dim", [(12, 32), (4, 64), (2, 128)])
+def test_encoder_attention_matches_padded_sdpa(cpu_ops, lengths, heads, head_dim):
+    """The encoders' attention over unpadded sequences: the kernel (which reads q, k and v in
+    place from the fused projection's rows, here a strided view) against SDPA over the
+    sequences padded with a key mask; the call counter proves the kernel ran."""
+    g = torch.Generator().manual_seed(len(lengths) * head_dim)
+    hidden = heads * head_dim
+    qkv = torch.randn(sum(lengths), 3 * hidden + 8, generator=g)[:, 4 : 4 + 3 * hidden]
+    assert qkv.stride(0) != qkv.shape[1]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    before = _cpu.encoder_attention_count()
+    got = _cpu.encoder_attention_cpu(qkv, cu_seqlens, heads)
+    assert _cpu.encoder_attention_count() == before + 1
+    want = encoder_attention_torch(qkv, cu_seqlens, heads)
+    assert got.shape == (sum(lengths), hidden)
+    assert rel_err(got, want) < TOL[torch.float32]
+    # each sequence alone: no token attends across a sequence's end
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        alone = _cpu.encoder_attention_cpu(qkv[start:end], torch.tensor([0, end - start]), heads)
+        assert rel_err(got[start:end], alone) < TOL[torch.float32]
+
+
+def test_encoder_attention_falls_back_to_the_reference_off_its_head_sizes(cpu_ops):
+    qkv, cu_seqlens = torch.randn(7, 3 * 2 * 24), torch.tensor([0, 3, 7])
+    before = _cpu.encoder_attention_count()
+    got = _cpu.encoder_attention_cpu(qkv, cu_seqlens, 2)  # head size 24
+    assert _cpu.encoder_attention_count() == before
+    assert torch.equal(got, encoder_attention_torch(qkv, cu_seqlens, 2))
 
 
 def test_auto_picks_the_cpu_kernels_and_torch_forces_the_references():

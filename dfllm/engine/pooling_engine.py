@@ -6,7 +6,8 @@ are sorted by length and packed into batches under a token budget
 (``max_num_batched_tokens`` padded tokens, ``max_num_seqs`` sequences), so a batch pads
 only to its own longest member; results come back in input order.
 
-BERT and (XLM-)RoBERTa encoders run as padded batches. Decoder embedders (Llama/Qwen2 with
+BERT and (XLM-)RoBERTa encoders take padded batches and run them unpadded
+(:mod:`dfllm.models.bert`). Decoder embedders (Llama/Qwen2 with
 last-token or mean pooling) run through the decoder's paged-attention forward, one prefill
 step per batch, with a KV cache just large enough for a batch.
 
@@ -44,9 +45,10 @@ from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.engine.step_inputs import prepare_inputs
 from dfllm.errors import InvalidRequestError
+from dfllm.kernels.backend import encoder_attention_op
 from dfllm.lora.adapter import LoRAAdapterError
 from dfllm.lora.request import LoRARequest
-from dfllm.models.bert import BertForSequenceClassification
+from dfllm.models.bert import BertForSequenceClassification, use_encoder_attention
 from dfllm.models.cpu_linear import packing_available, prepack_linears
 from dfllm.models.loader import load_weights
 from dfllm.models.pooler import PoolerConfig, normalize, pool
@@ -332,6 +334,7 @@ def _build(cls: type[nn.Module], cfg: EngineConfig) -> nn.Module:
         quantize_encoder(model, cfg.quantization)
     if packing_available(cfg.device, cfg.dtype):
         prepack_linears(model)
+    use_encoder_attention(model, encoder_attention_op(cfg.attention_backend, cfg.device))
     return model.eval()
 
 

@@ -19,6 +19,12 @@ references (:func:`load` returns None).
   take their decode scores from AVX512-BF16 dot products (``vdpbf16ps``, checked at run time:
   the library is built for plain AVX-512) instead of widening every key (1.4x on the kernel
   alone with the cache in L2; out of cache it is bound by memory either way).
+* :func:`encoder_attention_cpu`: the encoders' (BERT's) bidirectional attention over
+  unpadded sequences, reading queries, keys and values in place from the fused projection's
+  output by the sequences' offsets, for head sizes 32/64/128 on every build (GCC vector types,
+  no intrinsics); each sequence's head copies its keys and values into contiguous buffers
+  first, then its queries go in lane-transposed tiles of 16 (as the prefill kernel's). On
+  MiniLM's head-32 shapes it measured 1.3x padded SDPA on one thread and 1.3-1.9x on two.
 * Every kernel converts bfloat16 with its own integer code, which the compiler vectorises
   (c10's conversions are scalar calls: SiLU-and-multiply was 15x slower in bfloat16 than in
   float32 on them); it rounds as c10 does, to nearest even.
@@ -47,6 +53,7 @@ from types import ModuleType
 import torch
 
 from dfllm.kernels.activation import silu_and_mul_torch
+from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.kernels.paged_attention import attend_prefills, paged_attention_torch
@@ -59,6 +66,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # head sizes of the prefill kernel (other prefills take SDPA, as the reference)
 PREFILL_HEAD_DIMS = (32, 64, 128)
+# head sizes of the encoders' attention kernel (every build; others take the reference)
+ENCODER_HEAD_DIMS = (32, 64, 128)
 STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old belongs to a killed process
 
 # -fno-trapping-math lets loops that round (exp's range reduction) vectorise; neither flag
@@ -304,3 +313,27 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
     ext = load()
     assert ext is not None
     return ext.argmax_rows(x)
+
+
+def encoder_attention_cpu(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """:func:`~dfllm.kernels.encoder_attention.encoder_attention_torch` by the C++ kernel
+    (float32 CPU tensors, head sizes :data:`ENCODER_HEAD_DIMS`, contiguous rows; otherwise the
+    reference): no padding, and queries, keys and values read in place from the fused ``qkv``."""
+    ext = load()
+    if (
+        ext is None
+        or qkv.device.type != "cpu"
+        or qkv.dtype != torch.float32
+        or qkv.dim() != 2
+        or qkv.stride(1) != 1
+        or qkv.shape[1] // (3 * num_heads) not in ENCODER_HEAD_DIMS
+        or qkv.shape[1] % (3 * num_heads)
+    ):
+        return encoder_attention_torch(qkv, cu_seqlens, num_heads)
+    return ext.encoder_attention(qkv, cu_seqlens, num_heads, (qkv.shape[1] // (3 * num_heads)) ** -0.5)
+
+
+def encoder_attention_count() -> int:
+    """How many times the C++ encoder attention kernel ran in this process (0 when not built)."""
+    ext = load() if loaded() else None
+    return 0 if ext is None else int(ext.encoder_attention_count())

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dfllm.kernels.activation import silu_and_mul_torch
+from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.fused_moe import fused_moe_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
 from dfllm.kernels.paged_attention import paged_attention_torch
@@ -70,6 +71,18 @@ def select_ops(attention_backend: str, device: torch.device) -> KernelOps:
     if attention_backend == "torch" or (attention_backend == "auto" and device.type != "cuda"):
         return TORCH_OPS
     return triton_ops(device)
+
+
+def encoder_attention_op(attention_backend: str, device: torch.device) -> Callable:
+    """The encoders' attention over unpadded sequences for ``attention_backend`` on ``device``:
+    dfllm's compiled CPU kernel under "auto" or "cpu" on a CPU where it builds, the PyTorch
+    reference (SDPA over the sequences padded) elsewhere, and always under "torch"."""
+    if attention_backend in ("auto", "cpu") and torch.device(device).type == "cpu":
+        from dfllm.kernels import _cpu
+
+        if _cpu.available():
+            return _cpu.encoder_attention_cpu
+    return encoder_attention_torch
 
 
 def cpu_ops() -> KernelOps | None:

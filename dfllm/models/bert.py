@@ -1,17 +1,28 @@
 """BERT encoders: ``BertModel`` (sentence-transformers embedders) and
 ``BertForSequenceClassification`` (classifiers and cross-encoders).
 
-Sequences run as right-padded batches of similar length with a key mask. The module tree
-mirrors Hugging Face's names, except that query, key and value are fused into ``qkv_proj``.
+A batch comes in right-padded (``input_ids`` ``[batch, length]`` and the ``valid`` mask) and
+runs unpadded: its real tokens back to back, ``[tokens, hidden]``, through the embeddings,
+every linear layer, LayerNorm, GELU and residual add, and through attention too, which takes
+the sequences' offsets (``cu_seqlens``) rather than a mask
+(:mod:`dfllm.kernels.encoder_attention`); only the per-token hidden states returned are padded
+again, ``[batch, length, hidden]``, zeros at the padding. The module tree mirrors Hugging Face's
+names, except that query, key and value are fused into ``qkv_proj``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.models.spec import ModelSpec
+
+# (qkv [tokens, 3 * hidden], cu_seqlens [sequences + 1], num_heads) -> [tokens, hidden]
+EncoderAttention = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -45,9 +56,12 @@ class BertEmbeddings(nn.Module):
         """Positions of right-padded ``input_ids``: 0, 1, 2, ... (RoBERTa overrides this)."""
         return torch.arange(input_ids.shape[1], device=input_ids.device)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x + self.position_embeddings(self.position_ids(input_ids)))
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[tokens, hidden]`` of the ``valid`` tokens of right-padded ``input_ids``
+        (in row order): the padding is never embedded."""
+        positions = self.position_ids(input_ids).expand_as(input_ids)[valid]
+        x = self.word_embeddings(input_ids[valid]) + self.token_type_embeddings(token_type_ids[valid])
+        return self.LayerNorm(x + self.position_embeddings(positions))
 
 
 class BertSelfAttention(nn.Module):
@@ -58,12 +72,12 @@ class BertSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(h, 3 * h)
         # torch's stubs type nn.Module.__setattr__'s value as Tensor | Module (it takes any value)
         self.qkv_proj.output_sizes = [h, h, h]  # type: ignore[assignment]
+        # the attention kernel: the PyTorch reference until the engine picks its backend's
+        # (:func:`~dfllm.kernels.backend.encoder_attention_op`)
+        self.attend: EncoderAttention = encoder_attention_torch
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        b, n, _ = x.shape
-        qkv = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-        return o.transpose(1, 2).reshape(b, n, -1)
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return self.attend(self.qkv_proj(x), cu_seqlens, self.num_heads)
 
 
 class BertDenseNorm(nn.Module):
@@ -84,8 +98,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(spec)
         self.output = BertDenseNorm(spec.hidden_size, spec.hidden_size, spec.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(x, mask), x)
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x, cu_seqlens), x)
 
 
 class BertIntermediate(nn.Module):
@@ -110,8 +124,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(spec)
         self.output = BertDenseNorm(spec.intermediate_size, spec.hidden_size, spec.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x, mask)
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x, cu_seqlens)
         return self.output(self.intermediate(x), x)
 
 
@@ -120,9 +134,10 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(spec) for _ in range(spec.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Unpadded hidden states ``[tokens, hidden]`` of sequences at offsets ``cu_seqlens``."""
         for layer in self.layer:
-            x = layer(x, mask)
+            x = layer(x, cu_seqlens)
         return x
 
 
@@ -136,7 +151,8 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    """The encoder; ``forward`` returns per-token hidden states ``[batch, length, hidden]``."""
+    """The encoder; ``forward`` returns per-token hidden states ``[batch, length, hidden]``
+    (right-padded, zeros at the padding), computed unpadded (see the module docstring)."""
 
     packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1), "value": ("qkv_proj", 2)}
     embeddings_class: type[BertEmbeddings] = BertEmbeddings
@@ -152,9 +168,13 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(spec) if with_pooler else None
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        # A batch of equal lengths needs no mask, which lets SDPA take its fastest kernel.
-        mask = None if bool(valid.all()) else valid[:, None, None, :]
-        return self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+        """Hidden states ``[batch, length, hidden]`` of right-padded ``input_ids`` whose real
+        tokens are ``valid`` (each row's a prefix)."""
+        cu_seqlens = F.pad(valid.sum(dim=1).cumsum(dim=0), (1, 0))
+        flat = self.encoder(self.embeddings(input_ids, token_type_ids, valid), cu_seqlens)
+        hidden = flat.new_zeros(*valid.shape, flat.shape[-1])
+        hidden[valid] = flat
+        return hidden
 
     def checkpoint_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> parameter name (``bert.`` prefix, old gamma/beta names);
@@ -186,6 +206,13 @@ class BertForSequenceClassification(nn.Module):
     @staticmethod
     def checkpoint_name(name: str) -> str:
         return _modern_norm_names(name)
+
+
+def use_encoder_attention(model: nn.Module, attend: EncoderAttention) -> None:
+    """Run every BERT attention layer of ``model`` through ``attend`` (the engine's kernel)."""
+    for module in model.modules():
+        if isinstance(module, BertSelfAttention):
+            module.attend = attend
 
 
 def _modern_norm_names(name: str) -> str:

@@ -861,6 +861,167 @@ void prefill_attention_tiles(const PrefillCall<T, TC> a) {
   }
 }
 
+// Bidirectional attention of an encoder over unpadded sequences (BERT and its kin): the
+// tokens of every sequence lie back to back in qkv [tokens, 3 * hidden] (q, k, v of each
+// token side by side, as the fused projection writes them), sequence i on rows
+// cu_seqlens[i] .. cu_seqlens[i + 1]; each query attends to every key of its own sequence.
+// The work is cut by sequence and head: that head's keys and values are first copied out of
+// qkv's long rows into two small contiguous buffers (read in place, every key row is 3 * hidden
+// floats from the next, so a long sequence's keys fell on few cache sets and were read again
+// from L2 by every tile), then its queries go in tiles of 16; a tile's rows lie in vector lanes (queries transposed to [DIM, 16], scaled), so a key's scores for all
+// rows are DIM broadcast multiply-adds with no horizontal sum, and the output is accumulated
+// transposed too, as in prefill_tile. Written with GCC vector types (8 floats: one AVX2
+// register, or two SSE ones), not intrinsics, so it builds for every x86 capability. Two
+// passes: scores and an exact softmax per row, then the weighted sum of the values.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f vload(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void vstore(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// x in every lane (one vbroadcastss; `v8f{} + x` would add +0.0 first, which is no identity for -0.0)
+inline v8f vbroadcast(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+struct EncoderCall {
+  const float* qkv;
+  float* out;
+  const int64_t* cu;
+  int64_t n, heads, hidden, row, out_row;
+  float scale;
+};
+
+// one sequence's one head
+struct EncoderWork {
+  int64_t seq, head, len;
+};
+
+// encoder_attention calls (read by the tests: the fast path ran)
+std::atomic<int64_t> encoder_attention_calls{0};
+
+constexpr int kEncoderTileRows = 16;
+
+// `rows` queries from position `first` of the sequence at `start` against its `len` keys and
+// values k0, v0 (contiguous rows of DIM)
+template <int DIM>
+void encoder_tile(const EncoderCall& a, int64_t start, int64_t len, int64_t head, int64_t first, int64_t rows,
+                  const float* k0, const float* v0, float* qt, float* sbuf, float* obuf) {
+  constexpr int NV = kEncoderTileRows / 8, R = kEncoderTileRows;  // rows of a tile, in 8-lane vectors
+  const float* q0 = a.qkv + (start + first) * a.row + head * DIM;
+  for (int r = 0; r < R; ++r) {
+    const float* qr = q0 + r * a.row;
+    for (int d = 0; d < DIM; ++d) qt[d * R + r] = r < rows ? qr[d] * a.scale : 0.f;
+  }
+  // pass 1: scores [keys, rows], four keys at a time (each query vector loaded once for four)
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) {
+    v8f acc[4][NV] = {};
+    const float* kj = k0 + j * DIM;
+    for (int d = 0; d < DIM; ++d) {
+      v8f qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = vload(qt + d * R + 8 * v);
+      for (int u = 0; u < 4; ++u) {
+        const v8f kd = vbroadcast(kj[u * DIM + d]);
+        for (int v = 0; v < NV; ++v) acc[u][v] += qv[v] * kd;
+      }
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < NV; ++v) vstore(sbuf + (j + u) * R + 8 * v, acc[u][v]);
+  }
+  for (; j < len; ++j) {
+    v8f acc[NV] = {};
+    const float* kj = k0 + j * DIM;
+    for (int d = 0; d < DIM; ++d) {
+      const v8f kd = vbroadcast(kj[d]);
+      for (int v = 0; v < NV; ++v) acc[v] += vload(qt + d * R + 8 * v) * kd;
+    }
+    for (int v = 0; v < NV; ++v) vstore(sbuf + j * R + 8 * v, acc[v]);
+  }
+  // softmax over each row's keys (lane-wise), unnormalised
+  alignas(32) float mx[R], total[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = -std::numeric_limits<float>::infinity();
+    total[r] = 0.f;
+  }
+  for (int64_t u = 0; u < len; ++u) {
+    const float* s = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], s[r]);
+  }
+  for (int64_t u = 0; u < len; ++u) {
+    float* s = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) {
+      const float p = fast_exp(s[r] - mx[r]);
+      s[r] = p;
+      total[r] += p;
+    }
+  }
+  // pass 2: the weighted sum of the values, out[DIM, rows], four dimensions at a time
+  for (int d0 = 0; d0 < DIM; d0 += 4) {
+    v8f acc[4][NV] = {};
+    for (int64_t u = 0; u < len; ++u) {
+      v8f wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = vload(sbuf + u * R + 8 * v);
+      const float* vu = v0 + u * DIM + d0;
+      for (int e = 0; e < 4; ++e) {
+        const v8f x = vbroadcast(vu[e]);
+        for (int v = 0; v < NV; ++v) acc[e][v] += wv[v] * x;
+      }
+    }
+    for (int e = 0; e < 4; ++e)
+      for (int v = 0; v < NV; ++v) vstore(obuf + (d0 + e) * R + 8 * v, acc[e][v]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = a.out + (start + first + r) * a.out_row + head * DIM;
+    const float inv = 1.f / total[r];
+    for (int d = 0; d < DIM; ++d) o[d] = obuf[d * R + r] * inv;
+  }
+}
+
+// One sequence's one head: its keys and values copied into kbuf, vbuf, then its query tiles.
+template <int DIM>
+void encoder_head(const EncoderCall& a, const EncoderWork& w, float* kbuf, float* vbuf, float* qt, float* sbuf,
+                  float* obuf) {
+  const int64_t start = a.cu[w.seq];
+  const float* k = a.qkv + start * a.row + a.hidden + w.head * DIM;
+  for (int64_t j = 0; j < w.len; ++j) {
+    std::memcpy(kbuf + j * DIM, k + j * a.row, DIM * sizeof(float));
+    std::memcpy(vbuf + j * DIM, k + j * a.row + a.hidden, DIM * sizeof(float));
+  }
+  for (int64_t first = 0; first < w.len; first += kEncoderTileRows) {
+    const int64_t rows = std::min<int64_t>(kEncoderTileRows, w.len - first);
+    encoder_tile<DIM>(a, start, w.len, w.head, first, rows, kbuf, vbuf, qt, sbuf, obuf);
+  }
+}
+
+template <int DIM>
+void encoder_attention_impl(const EncoderCall& a) {
+  constexpr int64_t R = kEncoderTileRows;
+  std::vector<EncoderWork> work;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t len = a.cu[i + 1] - a.cu[i];
+    longest = std::max(longest, len);
+    if (len > 0)
+      for (int64_t h = 0; h < a.heads; ++h) work.push_back({i, h, len});
+  }
+  // the longest first (cost grows as len^2), so that the last items handed out are short
+  std::stable_sort(work.begin(), work.end(), [](const EncoderWork& x, const EncoderWork& y) { return x.len > y.len; });
+  const int64_t count = static_cast<int64_t>(work.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> kbuf(longest * DIM), vbuf(longest * DIM), qt(DIM * R), sbuf(longest * R + R), obuf(DIM * R);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i)
+      encoder_head<DIM>(a, work[i], kbuf.data(), vbuf.data(), qt.data(), sbuf.data(), obuf.data());
+  }
+}
+
 // out = weight * (x [+ residual]) / rms(...), per row; with a residual the sum is returned too.
 template <typename T>
 void rms_norm_impl(at::Tensor& out, at::Tensor& sum_out, const at::Tensor& x, const at::Tensor* residual,
@@ -1215,6 +1376,35 @@ std::vector<int64_t> bf16_dot_stats() {
 #endif
 }
 
+// The encoders' bidirectional attention over unpadded sequences (encoder_tile): qkv [tokens,
+// 3 * heads * dim] float32 (rows may be strided), cu_seqlens int64 [sequences + 1]; returns
+// out [tokens, heads * dim]. Head dimensions 32, 64 and 128.
+at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.scalar_type() == at::kFloat && qkv.size(1) % (3 * heads) == 0,
+              "qkv must be float32 [tokens, 3 * heads * dim] with contiguous rows");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.is_contiguous() && cu_seqlens.scalar_type() == at::kLong &&
+                  cu_seqlens.size(0) >= 1,
+              "cu_seqlens must be contiguous int64 [sequences + 1]");
+  const int64_t hidden = qkv.size(1) / 3, dim = hidden / heads;
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t n = cu_seqlens.size(0) - 1;
+  TORCH_CHECK(cu[0] == 0 && cu[n] == qkv.size(0), "cu_seqlens must run from 0 to the number of tokens");
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(cu[i + 1] >= cu[i], "cu_seqlens must not decrease");
+  auto out = at::empty({qkv.size(0), hidden}, qkv.options());
+  const EncoderCall a{qkv.data_ptr<float>(), out.data_ptr<float>(), cu, n, heads, hidden, qkv.stride(0), hidden,
+                      static_cast<float>(scale)};
+  switch (dim) {
+    case 32: encoder_attention_impl<32>(a); break;
+    case 64: encoder_attention_impl<64>(a); break;
+    case 128: encoder_attention_impl<128>(a); break;
+    default: TORCH_CHECK(false, "encoder_attention takes head dimensions 32, 64 and 128, got ", dim);
+  }
+  encoder_attention_calls.fetch_add(1, std::memory_order_relaxed);
+  return out;
+}
+
+int64_t encoder_attention_count() { return encoder_attention_calls.load(); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_stats", &bf16_dot_stats);
   m.def("decode_attention", &decode_attention);
@@ -1224,5 +1414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qk", &rotary_qk);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("argmax_rows", &argmax_rows);
+  m.def("encoder_attention", &encoder_attention);
+  m.def("encoder_attention_count", &encoder_attention_count);
   m.def("prefill_attention", &prefill_attention);
 }
