@@ -240,7 +240,9 @@ def test_int8_mlp_applies_gelu_once_after_the_int8_gemm(tiny_bert_pair):
         want = torch.nn.functional.gelu(linear)
         assert (got - want).norm() < 0.05 * want.norm()  # int8 error: a few percent at most
         assert (got - linear).norm() > 0.2 * want.norm()  # GELU was applied...
-        assert (got - torch.nn.functional.gelu(want)).norm() > 5 * (got - want).norm()  # ...once
+        # ...once (applied twice, the left side would be about the int8 error; measured: 8.9x it
+        # with 8-bit activations, 4.5x with 7-bit ones on a CPU without VNNI)
+        assert (got - torch.nn.functional.gelu(want)).norm() > 3 * (got - want).norm()
 
 
 def test_int8_tiny_bert_embeddings_close_to_fp32(tiny_bert_pair):
@@ -263,18 +265,23 @@ def test_int8_minilm_embeddings_and_scores_close_to_fp32(minilm_pair):
     """all-MiniLM-L6-v2, a real embedder. Measured: lowest cosine to float32 0.994 over 46
     mixed-length texts (short ones are the worst: few tokens to average), mean 0.999;
     quantizing the MLP's second layer too (per call) gave 0.981, no smoothing 0.97. The bound
-    0.99 leaves room for other CPUs' rounding, not for a broken layer."""
+    0.99 leaves room for other CPUs' rounding, not for a broken layer. On a CPU without VNNI the
+    activations have 7 bits (``reduce_range``): measured there (an AVX2 EPYC) lowest 0.986, mean
+    0.995, so the bounds are 0.98 and 0.99."""
     fp32, int8 = minilm_pair
-    assert sum(isinstance(m, Int8Linear) for m in _pooling_model(int8).modules()) == 3 * 6
+    layers = [m for m in _pooling_model(int8).modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 3 * 6
+    seven_bits = layers[0].reduce_range
     cos = torch.nn.functional.cosine_similarity(_embed(fp32, ENCODER_TEXTS), _embed(int8, ENCODER_TEXTS))
-    assert cos.min() > 0.99 and cos.mean() > 0.997, cos
+    assert cos.min() > (0.98 if seven_bits else 0.99) and cos.mean() > (0.99 if seven_bits else 0.997), cos
     assert cos.min() < 0.99999  # quantization changed the numbers
     query, docs = (
         "Which city is the capital of France?",
         ["Paris is the capital of France.", "Trains run on rails.", "Berlin is in Germany."],
     )
     scores = [[o.outputs.score for o in llm.score(query, docs, use_tqdm=False)] for llm in minilm_pair]
-    assert scores[1] == pytest.approx(scores[0], abs=0.01)  # measured: within 0.0021
+    # measured: within 0.0021 (8-bit activations), 0.017 (7-bit)
+    assert scores[1] == pytest.approx(scores[0], abs=0.03 if seven_bits else 0.01)
     assert max(range(3), key=lambda i: scores[1][i]) == 0
 
 
