@@ -126,6 +126,33 @@ inline void softmax_heads(float* scores, float* total, int64_t heads, int64_t sp
   }
 }
 
+// The softmax of each of the R columns of scores [span, R] (a tile's query rows in lanes), in
+// place and unnormalised (exp(s - the column's max)); each column's sum goes to total[r]. A
+// score of -inf (a key the row may not see) weighs exactly 0.
+template <int R>
+inline void softmax_lanes(float* sbuf, int64_t span, float* total) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  alignas(64) float mx[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = neg_inf;
+    total[r] = 0.f;
+  }
+  for (int64_t u = 0; u < span; ++u) {
+    const float* su = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], su[r]);
+  }
+  for (int64_t u = 0; u < span; ++u) {
+    float* su = sbuf + u * R;
+#pragma omp simd
+    for (int r = 0; r < R; ++r) {
+      const float p = su[r] == neg_inf ? 0.f : fast_exp(su[r] - mx[r]);
+      su[r] = p;
+      total[r] += p;
+    }
+  }
+}
+
 // out[head] = acc[head] / total[head] for every query head of one token, rounded to T.
 template <typename T>
 inline void normalize_heads(T* o, const float* acc, const float* total, int64_t heads, int64_t dim) {
@@ -777,25 +804,8 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   }
   // softmax over each row's keys, unnormalised; hidden keys weigh exactly 0
   const int64_t span = kend - kstart;
-  alignas(64) float mx[R], total[R];
-  for (int r = 0; r < R; ++r) {
-    mx[r] = neg_inf;
-    total[r] = 0.f;
-  }
-  for (int64_t u = 0; u < span; ++u) {
-    const float* su = sbuf + u * R;
-#pragma omp simd
-    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], su[r]);
-  }
-  for (int64_t u = 0; u < span; ++u) {
-    float* su = sbuf + u * R;
-#pragma omp simd
-    for (int r = 0; r < R; ++r) {
-      const float p = su[r] == neg_inf ? 0.f : fast_exp(su[r] - mx[r]);
-      su[r] = p;
-      total[r] += p;
-    }
-  }
+  alignas(64) float total[R];
+  softmax_lanes<R>(sbuf, span, total);
   // pass 2: the weighted sum of the values, transposed like the queries: out[DIM, rows]
   for (int64_t e = 0; e < DIM * R; ++e) obuf[e] = 0.f;
   for (int64_t j = kstart; j < kend;) {
@@ -941,25 +951,8 @@ void encoder_tile(const EncoderCall& a, int64_t start, int64_t len, int64_t head
     for (int v = 0; v < NV; ++v) vstore(sbuf + j * R + 8 * v, acc[v]);
   }
   // softmax over each row's keys (lane-wise), unnormalised
-  alignas(32) float mx[R], total[R];
-  for (int r = 0; r < R; ++r) {
-    mx[r] = -std::numeric_limits<float>::infinity();
-    total[r] = 0.f;
-  }
-  for (int64_t u = 0; u < len; ++u) {
-    const float* s = sbuf + u * R;
-#pragma omp simd
-    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], s[r]);
-  }
-  for (int64_t u = 0; u < len; ++u) {
-    float* s = sbuf + u * R;
-#pragma omp simd
-    for (int r = 0; r < R; ++r) {
-      const float p = fast_exp(s[r] - mx[r]);
-      s[r] = p;
-      total[r] += p;
-    }
-  }
+  alignas(32) float total[R];
+  softmax_lanes<R>(sbuf, len, total);
   // pass 2: the weighted sum of the values, out[DIM, rows], four dimensions at a time
   for (int d0 = 0; d0 < DIM; d0 += 4) {
     v8f acc[4][NV] = {};
