@@ -567,6 +567,24 @@ struct PrefillTile {
   int64_t seq, kv_head, first, tokens, cost;
 };
 
+// A prefill tile's queries, transposed to [DIM, R] and scaled, and each row's position (the
+// span's first query at `base`); padding rows are zero and sit at the tile's last position.
+template <typename T, typename TC, int DIM, int R>
+void tile_queries(const PrefillCall<T, TC>& a, const PrefillTile& tile, int64_t q_start, int64_t base, int32_t* pos,
+                  float* qt) {
+  const int64_t rows = tile.tokens * a.group;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = std::min<int64_t>(r / a.group, tile.tokens - 1);
+    pos[r] = static_cast<int32_t>(base + tile.first + t);
+    if (r < rows) {
+      const T* qr = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + r % a.group) * a.q_head;
+      for (int d = 0; d < DIM; ++d) qt[d * R + r] = f32(qr[d]) * a.sc;
+    } else {
+      for (int d = 0; d < DIM; ++d) qt[d * R + r] = 0.f;
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // prefill_attention for head dimensions DIM of 32, 64 or 128, with AVX-512. A tile's rows are
 // laid out in lanes: its queries transposed to [DIM, rows] (scaled), so that the scores of one
@@ -592,16 +610,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
 
   // queries, transposed and scaled; padding rows are zero and sit at the last position
   alignas(64) int32_t pos[R];
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = std::min<int64_t>(r / a.group, tile.tokens - 1);
-    pos[r] = static_cast<int32_t>(base + tile.first + t);
-    if (r < rows) {
-      const T* qr = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + r % a.group) * a.q_head;
-      for (int d = 0; d < DIM; ++d) qt[d * R + r] = f32(qr[d]) * a.sc;
-    } else {
-      for (int d = 0; d < DIM; ++d) qt[d * R + r] = 0.f;
-    }
-  }
+  tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, qt);
   __m512i posv[NRV];
   for (int v = 0; v < NRV; ++v) posv[v] = _mm512_load_si512(pos + 16 * v);
 
@@ -730,16 +739,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
 
   // queries, transposed and scaled; padding rows are zero and sit at the last position
   alignas(64) int32_t pos[R];
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = std::min<int64_t>(r / a.group, tile.tokens - 1);
-    pos[r] = static_cast<int32_t>(base + tile.first + t);
-    if (r < rows) {
-      const T* qr = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + r % a.group) * a.q_head;
-      for (int d = 0; d < DIM; ++d) qt[d * R + r] = f32(qr[d]) * a.sc;
-    } else {
-      for (int d = 0; d < DIM; ++d) qt[d * R + r] = 0.f;
-    }
-  }
+  tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, qt);
   auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, kend, m); };
   // m cached tokens as float32: the cache itself, or widened once into `wide`
   auto widen = [&](const TC* p, int64_t m) -> const float* {
