@@ -567,6 +567,22 @@ struct PrefillTile {
   int64_t seq, kv_head, first, tokens, cost;
 };
 
+// Where a prefill tile sits: its span's first query row (q_start) and position (base), its
+// rows (tokens times the group's heads), its first and last query positions, and the keys
+// [kstart, kend) its rows may see.
+struct TileSpan {
+  int64_t q_start, base, rows, first_pos, last_pos, kstart, kend;
+};
+
+template <typename T, typename TC>
+TileSpan tile_span(const PrefillCall<T, TC>& a, const PrefillTile& tile) {
+  const int64_t q_start = a.qsl[tile.seq], q_len = a.qsl[tile.seq + 1] - q_start;
+  const int64_t base = a.lens[tile.seq] - q_len;
+  const int64_t first_pos = base + tile.first, last_pos = first_pos + tile.tokens - 1;
+  const int64_t kstart = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  return {q_start, base, tile.tokens * a.group, first_pos, last_pos, kstart, last_pos + 1};
+}
+
 // A prefill tile's queries, transposed to [DIM, R] and scaled, and each row's position (the
 // span's first query at `base`); padding rows are zero and sit at the tile's last position.
 template <typename T, typename TC, int DIM, int R>
@@ -599,12 +615,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
                   float* wide) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to whole vectors
   constexpr int C = DIM / 16;
-  const int64_t q_start = a.qsl[tile.seq], q_len = a.qsl[tile.seq + 1] - q_start, len = a.lens[tile.seq];
-  const int64_t base = len - q_len;  // position of the span's first query
-  const int64_t rows = tile.tokens * a.group;
-  const int64_t first_pos = base + tile.first, last_pos = first_pos + tile.tokens - 1;
-  const int64_t kstart = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
-  const int64_t kend = last_pos + 1;
+  const auto [q_start, base, rows, first_pos, last_pos, kstart, kend] = tile_span(a, tile);
   const int32_t* table = a.tp + tile.seq * a.width;
   const int64_t h_off = tile.kv_head * DIM;
 
@@ -727,12 +738,7 @@ template <typename T, typename TC, int DIM, int NRV>
 void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
                   float* wide) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to 16
-  const int64_t q_start = a.qsl[tile.seq], q_len = a.qsl[tile.seq + 1] - q_start, len = a.lens[tile.seq];
-  const int64_t base = len - q_len;  // position of the span's first query
-  const int64_t rows = tile.tokens * a.group;
-  const int64_t first_pos = base + tile.first, last_pos = first_pos + tile.tokens - 1;
-  const int64_t kstart = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
-  const int64_t kend = last_pos + 1;
+  const auto [q_start, base, rows, first_pos, last_pos, kstart, kend] = tile_span(a, tile);
   const int32_t* table = a.tp + tile.seq * a.width;
   const int64_t h_off = tile.kv_head * DIM;
   const float neg_inf = -std::numeric_limits<float>::infinity();
