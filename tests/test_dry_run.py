@@ -161,6 +161,11 @@ def test_a_budget_stops_the_job_and_resume_finishes_it(cli_cluster, tiny_llama, 
         "3",
         "--npartitions",
         "6",
+        # a partition (4 rows) fills a batch: a worker's task then holds its thread rather than
+        # seceding (dfllm.worker.driver), so each worker runs one partition at a time and the
+        # budget stops the job with partitions unstarted, however fast the workers admit them
+        "--max-num-seqs",
+        "4",
         "--scheduler",
         cli_cluster.address,
         "--no-progress",
