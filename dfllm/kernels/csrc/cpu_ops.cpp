@@ -146,7 +146,9 @@ inline void softmax_lanes(float* sbuf, int64_t span, float* total) {
     float* su = sbuf + u * R;
 #pragma omp simd
     for (int r = 0; r < R; ++r) {
-      const float p = su[r] == neg_inf ? 0.f : fast_exp(su[r] - mx[r]);
+      // a hidden key's weight is exp's (finite: the column's max is finite) times 0; as a
+      // select (`hidden ? 0 : exp`) the compiler saw control flow and ran one lane at a time
+      const float p = fast_exp(su[r] - mx[r]) * static_cast<float>(su[r] > neg_inf);
       su[r] = p;
       total[r] += p;
     }
