@@ -1,5 +1,6 @@
 """The decoders' packed linear layers (dfllm.models.cpu_linear.PackableLinear): equal to
-``F.linear`` up to float rounding, and never stale after the weight changes."""
+``F.linear`` up to float rounding, and never stale after the weight changes; the encoders'
+(PackedLinear) apply a GELU once, fused or after the GEMM."""
 
 from __future__ import annotations
 
@@ -116,3 +117,28 @@ def test_weights_written_through_data_by_an_rpc_callable_are_served(tmp_path, sm
 
     assert after != before
     assert llm.collective_rpc(stale)[0] < 1e-4  # every packed copy matches its updated weight
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_encoders_gelu_is_applied_once_fused_into_the_gemm_or_after_it(fused, monkeypatch):
+    """A BERT MLP's first layer, packed (as the pooling engine packs encoders): where
+    ``gelu_fusion_pays`` oneDNN applies the exact GELU (``fused_activation == "gelu"``),
+    elsewhere the layer applies it after the GEMM; either way GELU(x W^T + b), once."""
+    from transformers import BertConfig
+
+    from dfllm.models.bert import BertIntermediate
+    from dfllm.models.spec import ModelSpec
+
+    monkeypatch.setattr(cpu_linear, "gelu_fusion_pays", lambda: fused)
+    spec = ModelSpec.from_hf(
+        BertConfig(vocab_size=50, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96)
+    )
+    torch.manual_seed(0)
+    mlp = BertIntermediate(spec).eval()
+    x = torch.randn(37, 64)
+    with torch.inference_mode():
+        want = F.gelu(F.linear(x, mlp.dense.weight, mlp.dense.bias))
+        cpu_linear.prepack_linears(mlp)
+        assert isinstance(mlp.dense, cpu_linear.PackedLinear)
+        assert mlp.dense.fused_activation == ("gelu" if fused else None)
+        torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)

@@ -47,9 +47,9 @@ per call makes a text's vector depend slightly on the texts batched with it (run
 lowest cosine was 0.996). The pooler, a classifier's head and a ColBERT projection stay float:
 the first two run once per sequence, not per token, and their outputs are the logits
 returned; a ColBERT head (hidden -> 128) is about 1% of a token's work and its outputs are
-the vectors returned. The MLP's GELU, which
-:class:`~dfllm.models.cpu_linear.PackedLinear` fuses into a float GEMM, is applied after the
-int8 GEMM (``Int8Linear.fused_activation`` is None).
+the vectors returned. The MLP's GELU, which :class:`~dfllm.models.cpu_linear.PackedLinear`
+fuses into a float GEMM on AVX-512 CPUs, is applied after the int8 GEMM
+(``Int8Linear.fused_activation`` is None).
 
 Weight updates (``LLM.update_weights``) re-quantize the rows they replace
 (:meth:`Int8Linear.update_weight`); a head tied to the embeddings is re-quantized from the
