@@ -78,7 +78,7 @@ def matmul_ceiling(cfg, tokens: int, passes: int = 9) -> tuple[float, float, flo
     pass); and the GFLOP/s of ``F.linear`` and of the prepacked GEMM alone."""
     torch.manual_seed(0)
     best = {"F.linear": 0.0, "packed": 0.0, "either": 0.0}
-    typical = 0.0
+    median_pass = 0.0
     for d_in, d_out in linear_shapes(cfg):
         x, w, b = torch.randn(tokens, d_in), torch.randn(d_out, d_in) * 0.02, torch.zeros(d_out)
         fns = {"F.linear": lambda x=x, w=w, b=b: F.linear(x, w, b)}
@@ -96,14 +96,14 @@ def matmul_ceiling(cfg, tokens: int, passes: int = 9) -> tuple[float, float, flo
                     times.append(time.perf_counter() - start)
                 shape_best[name] = min(times)
                 shape_median[name] = statistics.median(times)
-        typical += min(shape_median.values())
+        median_pass += min(shape_median.values())
         best["F.linear"] += shape_best["F.linear"]
         best["packed"] += shape_best.get("packed", shape_best["F.linear"])
         best["either"] += min(shape_best.values())
     layers = cfg.num_hidden_layers
     flops = 2 * tokens * sum(a * b for a, b in linear_shapes(cfg)) * layers
     gflops = flops / (best["F.linear"] * layers) / 1e9, flops / (best["packed"] * layers) / 1e9
-    return best["either"] * layers, typical * layers, *gflops
+    return best["either"] * layers, median_pass * layers, *gflops
 
 
 def main() -> None:
