@@ -55,7 +55,8 @@ def test_int8_layers_are_packed_int8_and_the_rest_stays_float(pair):
             continue
         weight = layer.int8_weight()
         assert weight.dtype == torch.qint8 and weight.qscheme() == torch.per_channel_affine
-        assert (weight.int_repr().abs().amax(dim=1) == 127).all()  # symmetric per-channel scales, full range
+        # symmetric per-channel scales over the full range this CPU's kernel sums exactly
+        assert (weight.int_repr().abs().amax(dim=1) == layer.weight_max).all()
         float_weight = fp32.get_submodule(name).weight.detach()
         scales = weight.q_per_channel_scales().float().unsqueeze(1)
         assert (weight.dequantize() - float_weight).abs().le(scales / 2 + 1e-6).all(), name
@@ -124,6 +125,33 @@ def test_missing_quantized_engine_is_named(monkeypatch, tiny_llama):
     monkeypatch.setattr(quant, "_ENGINES", ("no-such-engine",))
     with pytest.raises(RuntimeError, match="quantization='int8' needs PyTorch's x86/fbgemm quantized engine"):
         LLM(tiny_llama, quantization="int8", **KV)
+
+
+def test_int8_ranges_are_the_widest_this_cpus_kernel_sums_exactly():
+    """The ranges the layers are packed with give fbgemm's exact integer result on operands
+    at their extremes (weights of either sign at the edge of their range, activations at the
+    top of theirs), and no bit is given up that this CPU's kernel does not need: with VNNI 8
+    bits each; without it 7-bit weights, since full-range ones saturate int16 pair sums."""
+    engine = quant.quantized_engine()
+    weight_max, reduce_range = quant.int8_ranges(engine)
+    assert (weight_max, reduce_range) in ((127, False), (63, False), (127, True))
+    if quant._exact(engine, 127, False):  # VNNI: full ranges are exact
+        assert (weight_max, reduce_range) == (127, False)
+    else:
+        assert weight_max == 63 or reduce_range
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 256, 48
+    ints = torch.randint(0, 2, (n, k), generator=gen) * 2 - 1  # +-1
+    values = (ints * weight_max).to(torch.int8)  # every weight at the edge of its range
+    scales = torch.full((n,), 0.01, dtype=torch.double)
+    qweight = torch._make_per_channel_quantized_tensor(values, scales, torch.zeros(n, dtype=torch.long), 0)
+    # 0s and 1s (each row has both): zero point 0, and every 1 quantizes to the top of the range
+    x = torch.randint(0, 2, (5, k), generator=gen).float()
+    x[:, 0], x[:, 1] = 0.0, 1.0
+    y = torch.ops.quantized.linear_dynamic(x, quant._prepack(qweight, engine), reduce_range)
+    want = x @ qweight.dequantize().t()  # exact: integer multiples of the weights' scale
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-3)
 
 
 def test_each_token_gets_its_own_activation_scale():
@@ -219,7 +247,7 @@ def test_int8_encoder_quantizes_the_layer_linears_and_keeps_the_rest_float(tiny_
         float_qkv = torch.cat([getattr(ref.attention.self, p).weight for p in ("query", "key", "value")])
         for q, w in ((qkv, float_qkv), (out, ref.attention.output.dense.weight), (up, ref.intermediate.dense.weight)):
             weight = q.int8_weight()
-            assert weight.dtype == torch.qint8 and (weight.int_repr().abs().amax(dim=1) == 127).all()
+            assert weight.dtype == torch.qint8 and (weight.int_repr().abs().amax(dim=1) == q.weight_max).all()
             smooth = q.smooth if q.smooth is not None else torch.ones(w.shape[1])
             scales = weight.q_per_channel_scales().float().unsqueeze(1)
             # int8 weight = round(float weight * smooth / row scale): within half a step of it
@@ -266,8 +294,9 @@ def test_int8_minilm_embeddings_and_scores_close_to_fp32(minilm_pair):
     mixed-length texts (short ones are the worst: few tokens to average), mean 0.999;
     quantizing the MLP's second layer too (per call) gave 0.981, no smoothing 0.97. The bound
     0.99 leaves room for other CPUs' rounding, not for a broken layer. On a CPU without VNNI the
-    activations have 7 bits (``reduce_range``): measured there (an AVX2 EPYC) lowest 0.986, mean
-    0.995, so the bounds are 0.98 and 0.99."""
+    weights have 7 bits instead (measured on an AVX2 EPYC: lowest 0.995, mean 0.999); were the
+    activations cut to 7 bits (``reduce_range``), lowest 0.986, mean 0.995, so the bounds
+    would be 0.98 and 0.99."""
     fp32, int8 = minilm_pair
     layers = [m for m in _pooling_model(int8).modules() if isinstance(m, Int8Linear)]
     assert len(layers) == 3 * 6
@@ -399,7 +428,7 @@ def test_update_weights_requantizes_a_smoothed_encoder_layer(tiny_bert_pair):
     torch.testing.assert_close(y1 - y0, torch.cat([torch.zeros(128), bias - old_bias]).expand(5, -1), atol=1e-5, rtol=0)
     update_weights(model, [("encoder.layer.0.attention.self.query.weight", weight)])
     got = qkv.int8_weight()
-    want = quant._quantize_rows(weight * qkv.smooth)
+    want = quant._quantize_rows(weight * qkv.smooth, qkv.weight_max)
     assert torch.equal(got.int_repr()[:64], want.int_repr())
     with torch.inference_mode():
         y2 = qkv(x)
