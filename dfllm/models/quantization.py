@@ -17,11 +17,8 @@ On CPUs without VNNI (AVX2), fbgemm sums pairs of uint8 x int8 products in int16
 saturates for full-range operands (255 x 127 x 2 > 32,767). Either side can give up a bit:
 7-bit activations (``reduce_range``) or 7-bit weights (-63..63). :func:`int8_ranges` probes the
 kernel once and takes the widest exact choice: 8 bits each with VNNI; otherwise 7-bit weights
-with 8-bit activations, because the activations are the side with outliers. Measured on an
-AVX2 EPYC (``benchmarks/bench_quant.py``, SmolLM2-135M): 7-bit activations 0.39 nats of mean
-prompt log-probability error (max 1.57), top-1 agreement 0.78, the top-5 criterion broken on 2
-of 6 greedy chats; 7-bit weights 0.22 (max 1.16), 0.87, holding on all 6 (with VNNI, 8 bits
-each: 0.20). MiniLM's lowest cosine to float32 went from 0.989 to 0.995, at the same speed.
+with 8-bit activations, because the activations are the side with outliers (on SmolLM2-135M
+it nearly halved the log-probability error; figures in docs/benchmarks.md, 2026-12-04).
 
 What stays float: the embeddings and norms (cheap, and precision-sensitive), the rotary
 tables, the attention itself and the KV cache, a mixture of experts' fused expert weights
@@ -200,7 +197,7 @@ class Int8Linear(nn.Module):
         )
 
 
-def _quantize_rows(weight: torch.Tensor, weight_max: int = 127) -> torch.Tensor:
+def _quantize_rows(weight: torch.Tensor, weight_max: int) -> torch.Tensor:
     """``weight`` in int8 with one symmetric scale per row (output channel), each row's
     largest magnitude mapped to ``weight_max``."""
     weight = weight.detach().float().cpu()
