@@ -389,6 +389,23 @@ def test_encoder_attention_matches_padded_sdpa(cpu_ops, lengths, heads, head_dim
         assert rel_err(got[start:end], alone) < TOL[torch.float32]
 
 
+def test_encoder_attention_spreads_a_nan_key_to_its_own_head_and_sequence_only(cpu_ops):
+    """A NaN score is not taken for a hidden key (weight 0, as -inf is): like the reference,
+    the kernel's output is NaN for every query of that sequence and head, and exact elsewhere."""
+    heads, head_dim, lengths = 12, 32, [5, 40]
+    hidden = heads * head_dim
+    qkv = torch.randn(sum(lengths), 3 * hidden, generator=torch.Generator().manual_seed(3))
+    qkv[5 + 17, hidden + 2 * head_dim + 3] = float("nan")  # sequence 1's key 17, head 2
+    cu_seqlens = torch.tensor([0, 5, 45])
+    got = _cpu.encoder_attention_cpu(qkv, cu_seqlens, heads).view(-1, heads, head_dim)
+    want = encoder_attention_torch(qkv, cu_seqlens, heads).view(-1, heads, head_dim)
+    poisoned = torch.zeros_like(got, dtype=torch.bool)
+    poisoned[5:, 2] = True
+    assert torch.equal(want.isnan(), poisoned)
+    assert torch.equal(got.isnan(), poisoned)
+    assert rel_err(got[~poisoned], want[~poisoned]) < TOL[torch.float32]
+
+
 def test_encoder_attention_falls_back_to_the_reference_off_its_head_sizes(cpu_ops):
     qkv, cu_seqlens = torch.randn(7, 3 * 2 * 24), torch.tensor([0, 3, 7])
     before = _cpu.encoder_attention_count()

@@ -74,29 +74,64 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// exp(x) for the softmax and SiLU, written so that the compiler vectorises the loops that
-// call it (std::exp stays a scalar library call): Cephes' expf, range reduction to
-// [-ln2/2, ln2/2], a degree-6 polynomial, then 2^n through the exponent bits; within 2 ulp
-// of std::exp on [-87, 88] (below, it returns ~0; above, the value at 88).
-inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  const float t = x * 1.44269504088896341f;
-  const int32_t ni = static_cast<int32_t>(t + std::copysign(0.5f, t));  // nearest (truncation vectorises)
-  const float n = static_cast<float>(ni);
-  x -= n * 0.693359375f;
-  x -= n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * x * x + x + 1.0f;
-  int32_t bits = (ni + 127) << 23;
-  float scale;
+// Eight floats as a GCC vector type: one AVX2 register, or two SSE ones. Kernels written with
+// it (not intrinsics) build for every x86 capability.
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+inline v8f vload(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void vstore(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// x in every lane (one vbroadcastss; `v8f{} + x` would add +0.0 first, which is no identity for -0.0)
+inline v8f vbroadcast(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+// c in every lane of F (float or v8f)
+template <typename F>
+inline F splat(float c) {
+  if constexpr (std::is_same_v<F, float>) {
+    return c;
+  } else {
+    return vbroadcast(c);
+  }
+}
+
+// exp(x) for the softmax and SiLU (std::exp stays a scalar library call), on a float or on 8
+// lanes (F, with U its bits as unsigned integers): Cephes' expf, range reduction to
+// [-ln2/2, ln2/2], a degree-6 polynomial, then 2^n through the exponent bits; within 2 ulp of
+// std::exp on [-87, 88] (below, it returns ~0; above, the value at 88). n is rounded to nearest
+// even by adding 1.5 * 2^23, whose low mantissa bits then hold n: no float-integer conversion.
+// A softmax over fast_exp8 ran 1.5x faster than the compiler's vectorisation of a loop over
+// fast_exp (AVX2), with the same values.
+template <typename F, typename U>
+inline F exp_steps(F x) {
+  const F lo = splat<F>(-87.3f), hi = splat<F>(88.3f), round = splat<F>(12582912.f);  // 1.5 * 2^23
+  x = x < lo ? lo : (x > hi ? hi : x);
+  const F shifted = x * splat<F>(1.44269504088896341f) + round;
+  const F n = shifted - round;
+  x -= n * splat<F>(0.693359375f);
+  x -= n * splat<F>(-2.12194440e-4f);
+  F y = splat<F>(1.9875691500e-4f);
+  y = y * x + splat<F>(1.3981999507e-3f);
+  y = y * x + splat<F>(8.3334519073e-3f);
+  y = y * x + splat<F>(4.1665795894e-2f);
+  y = y * x + splat<F>(1.6666665459e-1f);
+  y = y * x + splat<F>(5.0000001201e-1f);
+  y = y * x * x + x + splat<F>(1.0f);
+  U bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));
+  bits = (bits << 23) + (127u << 23);  // n + 127 in the exponent field
+  F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
 }
+
+inline float fast_exp(float x) { return exp_steps<float, uint32_t>(x); }
+inline v8f fast_exp8(v8f x) { return exp_steps<v8f, v8u>(x); }
 
 template <typename T>
 inline void load(float* dst, const T* src, int64_t n) {
@@ -116,43 +151,52 @@ inline void softmax_heads(float* scores, float* total, int64_t heads, int64_t sp
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < span; ++j) m = std::max(m, s[j]);
+    const v8f mv = vbroadcast(m);
+    v8f sums = {};
+    int64_t j = 0;
+    for (; j + 8 <= span; j += 8) {
+      const v8f p = fast_exp8(vload(s + j) - mv);
+      vstore(s + j, p);
+      sums += p;
+    }
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < span; ++j) {
+    for (; j < span; ++j) {
       s[j] = fast_exp(s[j] - m);
       sum += s[j];
     }
+    for (int e = 0; e < 8; ++e) sum += sums[e];
     total[hq] = sum;
   }
 }
 
-// The softmax of each of the R columns of scores [span, R] (a tile's query rows in lanes), in
-// place and unnormalised (exp(s - the column's max)); each column's sum goes to total[r]. A
-// score of -inf (a key the row may not see) weighs exactly 0.
+// The softmax of each of the R columns of scores [span, R] (a tile's query rows in lanes, R a
+// multiple of 8), in place and unnormalised (exp(s - the column's max)); each column's sum goes
+// to total[r]. A score of -inf (a key the row may not see) weighs exactly 0.
 template <int R>
 inline void softmax_lanes(float* sbuf, int64_t span, float* total) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  alignas(64) float mx[R];
-  for (int r = 0; r < R; ++r) {
-    mx[r] = neg_inf;
-    total[r] = 0.f;
+  static_assert(R % 8 == 0, "softmax_lanes takes whole vectors of rows");
+  constexpr int NV = R / 8;
+  const v8f neg_inf = vbroadcast(-std::numeric_limits<float>::infinity()), zero = {};
+  v8f mx[NV], sum[NV];
+  for (int v = 0; v < NV; ++v) {
+    mx[v] = neg_inf;
+    sum[v] = zero;
   }
-  for (int64_t u = 0; u < span; ++u) {
-    const float* su = sbuf + u * R;
-#pragma omp simd
-    for (int r = 0; r < R; ++r) mx[r] = std::max(mx[r], su[r]);
-  }
-  for (int64_t u = 0; u < span; ++u) {
-    float* su = sbuf + u * R;
-#pragma omp simd
-    for (int r = 0; r < R; ++r) {
-      // a hidden key's weight is exp's (finite: the column's max is finite) times 0; as a
-      // select (`hidden ? 0 : exp`) the compiler saw control flow and ran one lane at a time
-      const float p = fast_exp(su[r] - mx[r]) * static_cast<float>(su[r] > neg_inf);
-      su[r] = p;
-      total[r] += p;
+  for (int64_t u = 0; u < span; ++u)
+    for (int v = 0; v < NV; ++v) {
+      const v8f x = vload(sbuf + u * R + 8 * v);
+      mx[v] = x > mx[v] ? x : mx[v];
     }
-  }
+  for (int64_t u = 0; u < span; ++u)
+    for (int v = 0; v < NV; ++v) {
+      float* su = sbuf + u * R + 8 * v;
+      const v8f x = vload(su);
+      // a hidden key's exp is finite (the column's max is), and is replaced by 0
+      const v8f p = x == neg_inf ? zero : fast_exp8(x - mx[v]);
+      vstore(su, p);
+      sum[v] += p;
+    }
+  for (int v = 0; v < NV; ++v) vstore(total + 8 * v, sum[v]);
 }
 
 // out[head] = acc[head] / total[head] for every query head of one token, rounded to T.
@@ -888,21 +932,9 @@ void prefill_attention_tiles(const PrefillCall<T, TC> a) {
 // floats from the next, so a long sequence's keys fell on few cache sets and were read again
 // from L2 by every tile), then its queries go in tiles of 16; a tile's rows lie in vector lanes (queries transposed to [DIM, 16], scaled), so a key's scores for all
 // rows are DIM broadcast multiply-adds with no horizontal sum, and the output is accumulated
-// transposed too, as in prefill_tile. Written with GCC vector types (8 floats: one AVX2
-// register, or two SSE ones), not intrinsics, so it builds for every x86 capability. Two
+// transposed too, as in prefill_tile. Written with GCC vector types (v8f), not intrinsics, so it builds for
+// every x86 capability. Two
 // passes: scores and an exact softmax per row, then the weighted sum of the values.
-typedef float v8f __attribute__((vector_size(32)));
-
-inline v8f vload(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void vstore(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-
-// x in every lane (one vbroadcastss; `v8f{} + x` would add +0.0 first, which is no identity for -0.0)
-inline v8f vbroadcast(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
 struct EncoderCall {
   const float* qkv;
