@@ -20,6 +20,13 @@ is a burst that no whole run sustains.
 :mod:`dfllm.models.quantization`) to the alternation: its throughput, its ratio to
 sentence-transformers and its cosine similarity to dfllm float32's embeddings (min and mean).
 
+A breakdown of one more dfllm float32 pass over the workload follows (``--skip-breakdown``
+drops it): the linear layers, attention, GELU, LayerNorm with its residual add, the
+embeddings, the rest of the encoder, and what runs outside it (tokenising, batching,
+pooling), each timed from outside the engine. It says where the time the linears-only
+ceiling leaves out goes, and what attention's matmuls weigh against the linears' (FLOPs and
+GFLOP/s).
+
     python benchmarks/bench_embed.py
     python benchmarks/bench_embed.py --quantization int8
     python benchmarks/bench_embed.py --num-texts 200 --repeats 1     # quick check
@@ -33,6 +40,7 @@ import platform
 import random
 import statistics
 import time
+from collections import defaultdict
 from datetime import datetime
 
 import torch
@@ -106,6 +114,99 @@ def matmul_ceiling(cfg, tokens: int, passes: int = 9) -> tuple[float, float, flo
     return best["either"] * layers, median_pass * layers, *gflops
 
 
+BREAKDOWN_PARTS = [
+    ("linear layers", "q/k/v, attention output, MLP up and down"),
+    ("attention", "the encoder attention kernel"),
+    ("GELU", "the MLP's activation"),
+    ("LayerNorm + add", "the residual adds and their norms"),
+    ("embeddings", "lookups, their sum and norm"),
+    ("rest of the encoder", "unpadding, module calls"),
+    ("outside the encoder", "tokenising, batching, pooling, normalising"),
+]
+
+
+def breakdown(llm, texts: list[str]) -> dict[str, float]:
+    """Seconds of one ``llm.embed(texts)`` per part of :data:`BREAKDOWN_PARTS`, timed by
+    forward hooks and a wrapped attention kernel (from outside the engine, for measurement)."""
+    from dfllm.models import bert
+    from dfllm.models.cpu_linear import PackedLinear
+    from dfllm.models.quantization import Int8Linear
+
+    model = llm.pooling_engine.model
+    acc: dict[str, float] = defaultdict(float)
+    starts: dict[tuple[int, str], float] = {}
+    handles = []
+
+    def timed(module, name: str) -> None:
+        def pre(m, _args):
+            starts[id(m), name] = time.perf_counter()
+
+        def post(m, _args, _out):
+            acc[name] += time.perf_counter() - starts[id(m), name]
+
+        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, PackedLinear, Int8Linear)):
+            timed(module, "linear")
+        elif isinstance(module, (bert.BertIntermediate, bert.BertDenseNorm)):
+            # the whole block, and its linear layer on its own: the difference is GELU, or add + norm
+            kind = "intermediate" if isinstance(module, bert.BertIntermediate) else "dense_norm"
+            timed(module, kind)
+            timed(module.dense, f"{kind}.dense")
+        elif isinstance(module, bert.BertEmbeddings):
+            timed(module, "embeddings")
+    timed(model, "model")
+    attends = [(m, m.attend) for m in model.modules() if isinstance(m, bert.BertSelfAttention)]
+
+    def attend(qkv, cu_seqlens, heads, _fn=attends[0][1]):
+        start = time.perf_counter()
+        out = _fn(qkv, cu_seqlens, heads)
+        acc["attention"] += time.perf_counter() - start
+        return out
+
+    bert.use_encoder_attention(model, attend)
+    try:
+        start = time.perf_counter()
+        llm.embed(texts, use_tqdm=False)
+        total = time.perf_counter() - start
+    finally:
+        for h in handles:
+            h.remove()
+        for m, fn in attends:
+            m.attend = fn
+    parts = {
+        "linear layers": acc["linear"],
+        "attention": acc["attention"],
+        "GELU": acc["intermediate"] - acc["intermediate.dense"],
+        "LayerNorm + add": acc["dense_norm"] - acc["dense_norm.dense"],
+        "embeddings": acc["embeddings"],
+    }
+    parts["rest of the encoder"] = acc["model"] - sum(parts.values())
+    parts["outside the encoder"] = total - acc["model"]
+    return {**parts, "total": total}
+
+
+def print_breakdown(parts: dict[str, float], ceiling: float, lengths: list[int], cfg) -> None:
+    total = parts["total"]
+    print("\nwhere dfllm float32's time goes (one more pass over the workload, timed from outside):")
+    print(f"  {'part':<22}{'':<44}{'s':>8}{'%':>7}")
+    for name, what in BREAKDOWN_PARTS:
+        print(f"  {name:<22}{what:<44}{parts[name]:>8.2f}{100 * parts[name] / total:>7.1f}")
+    print(f"  {'whole embed':<66}{total:>8.2f}{100:>7.1f}")
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    linear_flops = 2 * sum(lengths) * sum(a * b for a, b in linear_shapes(cfg)) * layers
+    attention_flops = 4 * sum(n * n for n in lengths) * h * layers
+    attention_rate = attention_flops / parts["attention"] / 1e9
+    linear_rate = linear_flops / parts["linear layers"] / 1e9
+    print(
+        f"  attention's matmuls are {100 * attention_flops / linear_flops:.1f}% of the linears' FLOPs, at "
+        f"{attention_rate:.0f} GFLOP/s (the linears {linear_rate:.0f}); "
+        f"at 85% of the ceiling, all but the ceiling's linears would have to fit in {ceiling / 0.85 - ceiling:.2f} s "
+        f"({ceiling:.2f} s of linears at their fastest pass, here they took {parts['linear layers']:.2f} s)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-texts", type=int, default=2000)
@@ -117,6 +218,7 @@ def main() -> None:
         default=None,
         help="also time dfllm with this quantization (alternating with the others)",
     )
+    ap.add_argument("--skip-breakdown", action="store_true", help="no breakdown of dfllm float32's time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -176,7 +278,12 @@ def main() -> None:
         f"ratio dfllm/sentence-transformers: {ratio:.2f}x   (min cosine similarity {cos:.6f}); "
         f"float32 ceiling/sentence-transformers: {med['sentence-transformers'] / ceiling:.2f}x"
     )
+    parts = None
+    if not args.skip_breakdown:
+        parts = breakdown(llm, texts)
+        print_breakdown(parts, ceiling, lengths, llm.config.hf_config)
     result = {
+        "breakdown_seconds": parts,
         "median_seconds": med,
         "ratio": ratio,
         "texts": len(texts),
