@@ -58,7 +58,8 @@ its text re-tokenized, and its arithmetic is quantized, so it drifts more).
 
 Also printed:
 
-- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of float32 GEMMs (the
+- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of float32 GEMMs,
+  measured after every round of the legs and the fastest round kept (the
   faster of ``F.linear`` and oneDNN with prepacked weights, alternating) over the model's
   linear layers (one distinct weight per layer, lm_head included, as in one
   forward pass) at the decode batch (``--ceiling-batch``, default min(num_prompts,
@@ -924,6 +925,11 @@ def main() -> None:
                     if name != "transformers":  # nothing to build; its leg is the slowest
                         leg(mode)
         print(f"warm-up: {args.warmup_runs} untimed run(s) of the workload per engine and mode", flush=True)
+    batch = args.ceiling_batch or min(args.num_prompts, llm.config.max_num_seqs)
+    prefill_rows = min(args.prefill_ceiling_rows, llm.config.max_num_batched_tokens)
+    # the ceilings are measured after every round of the legs and the fastest kept: one
+    # measurement could fall in a slow spell of the machine that no leg saw
+    decode_ceilings, prefill_ceilings = [], []
     for mode in modes:
         for r in range(args.repeats):
             done = []
@@ -935,11 +941,12 @@ def main() -> None:
                 run["rows"] = run["rows"] or rows
                 done.append(f"{name} {secs:.2f}s ({tokens / secs:.1f} tok/s)")
             print(f"{mode} run {r + 1}: " + ", ".join(done), flush=True)
-
-    batch = args.ceiling_batch or min(args.num_prompts, llm.config.max_num_seqs)
-    ceiling = matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes)
-    prefill_rows = min(args.prefill_ceiling_rows, llm.config.max_num_batched_tokens)
-    prefill_ceiling = matmul_ceiling(llm.config.hf_config, prefill_rows, args.ceiling_passes, lm_head=False)
+            decode_ceilings.append(matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes))
+            prefill_ceilings.append(
+                matmul_ceiling(llm.config.hf_config, prefill_rows, args.ceiling_passes, lm_head=False)
+            )
+    ceiling = min(decode_ceilings, key=lambda c: c["best_seconds"])
+    prefill_ceiling = min(prefill_ceilings, key=lambda c: c["best_seconds"])
     breakdown = breakdown_ceiling = None
     if not args.skip_breakdown:
         breakdown = decode_step_breakdown(llm, tokenizer, args.breakdown_batch, args.breakdown_steps)
