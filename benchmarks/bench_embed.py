@@ -9,13 +9,13 @@ similarity between the two engines' embeddings.
 
 The same run measures the workload's matmul ceiling (after each round of the engines, the
 fastest of the rounds kept): the encoder's linear layers alone (q/k/v, attention output, the
-MLP's two layers, times the number of layers) in float32, at
-the token count of a length-sorted batch of 32 texts, the fastest of several passes of
-``F.linear`` and of oneDNN's prepacked GEMM (what dfllm runs), over the workload's real
-(unpadded) tokens. No float32 engine can beat it (attention, norms, GELU and padding come on
-top), so each engine's share of it shows how much headroom is left. The same GEMMs at their
-median pass are printed too: on a VM whose speed varies from pass to pass the fastest pass
-is a burst that no whole run sustains.
+MLP's two layers, times the number of layers) in float32, at the token count of a
+length-sorted batch of 32 texts, the fastest of several passes of ``F.linear`` and of
+oneDNN's prepacked GEMM (what dfllm runs), over the workload's real (unpadded) tokens. No
+float32 engine can beat it (attention, norms, GELU and padding come on top), so each
+engine's share of it shows how much headroom is left. The same GEMMs at their median pass are
+printed too: on a VM whose speed varies from pass to pass the fastest pass is a burst that no
+whole run sustains.
 
 ``--quantization int8`` adds dfllm with ``quantization="int8"`` (dynamic int8 encoder layers,
 :mod:`dfllm.models.quantization`) to the alternation: its throughput, its ratio to

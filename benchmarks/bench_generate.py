@@ -946,7 +946,7 @@ def main() -> None:
         print(f"warm-up: {args.warmup_runs} untimed run(s) of the workload per engine and mode", flush=True)
     batch = args.ceiling_batch or min(args.num_prompts, llm.config.max_num_seqs)
     prefill_rows = min(args.prefill_ceiling_rows, llm.config.max_num_batched_tokens)
-    # the ceilings are measured after every round of the legs and the fastest kept: one
+    # the ceilings are measured after every round of the legs and their passes pooled: one
     # measurement could fall in a slow spell of the machine that no leg saw
     decode_ceilings, prefill_ceilings = [], []
     for mode in modes:
