@@ -188,15 +188,15 @@ def host_reads(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, spy)
     real_to_host = sampler_mod.to_host
 
-    def to_host(token_ids, logprobs):
-        shapes = [tuple(token_ids.shape)]
+    def to_host(token_ids, logprobs, row_max=None):
+        shapes = [tuple(token_ids.shape)] + ([] if row_max is None else [("max", *row_max.shape)])
         if logprobs is not None:
             shapes += [tuple(logprobs.chosen.shape), tuple(logprobs.ranks.shape)]
             shapes += [tuple(t.shape) for _, values, ids in logprobs.top for t in (values, ids)]
         calls["to_host"].append(shapes)
         depth[0] += 1
         try:
-            return real_to_host(token_ids, logprobs)
+            return real_to_host(token_ids, logprobs, row_max)
         finally:
             depth[0] -= 1
 
@@ -225,9 +225,9 @@ def test_only_row_sized_results_cross_to_the_host(mode, host_reads):
     assert [name for name, _ in host_reads["inside"]] == ["tolist"]  # one transfer
     (shapes,) = host_reads["to_host"]
     k = seqs[0].params.logprobs
-    assert shapes[0] == (rows,)
+    assert shapes[:2] == [(rows,), ("max", rows)]  # the tokens and the non-finite check, in the one transfer
     expected = [] if k is None else [(rows,), (rows,)] + ([(rows, VOCAB if k == -1 else k)] * 2 if k else [])
-    assert shapes[1:] == expected
+    assert shapes[2:] == expected
 
 
 def test_constrained_rows_cross_only_their_tokens(regex_grammar, host_reads):
@@ -236,7 +236,7 @@ def test_constrained_rows_cross_only_their_tokens(regex_grammar, host_reads):
     seqs[0].grammar, seqs[2].grammar = grammar.matcher(), grammar.matcher()
     out = Sampler(EOS, seed=0)(torch.randn(3, vocab), seqs)
     assert host_reads["outside"] == [] and [n for n, _ in host_reads["inside"]] == ["tolist"]
-    assert host_reads["to_host"] == [[(3,), (3,), (3,), (3, 1), (3, 1)]]
+    assert host_reads["to_host"] == [[(3,), ("max", 3), (3,), (3,), (3, 1), (3, 1)]]
     for i in (0, 2):  # the grammar allowed them
         assert seqs[i].grammar.accept(out[i].token_id)
 
@@ -287,3 +287,23 @@ def test_engine_on_cuda_matches_cpu(tiny_llama):
             assert y.logprobs[i][y.token_ids[i]].logprob == pytest.approx(
                 x.logprobs[i][x.token_ids[i]].logprob, abs=1e-3
             )
+
+
+def test_unsampleable_rows_are_named_from_their_maximum_and_the_others_unchanged():
+    """NaN anywhere, +inf anywhere, or nothing finite: the row gets the message instead of a
+    token, and every other row (greedy and seeded alike) gets the token it gets without them."""
+    torch.manual_seed(3)
+    good = torch.randn(10, VOCAB) * 3
+    bad = torch.randn(4, VOCAB)
+    bad[0, 7] = float("nan")
+    bad[1, 3] = float("inf")
+    bad[2] = float("-inf")
+    bad[3, 5], bad[3, 9] = float("inf"), float("nan")  # both: NaN wins, as it always did
+    modes = every_mode()
+    deterministic = [i for i, s in enumerate(modes) if s.params.is_greedy or s.params.seed is not None]
+    alone = Sampler(EOS, seed=0)(good.clone(), every_mode())
+    mixed_modes = every_mode() + [every_mode()[0] for _ in range(4)]
+    got = Sampler(EOS, seed=0)(torch.cat([good, bad]), mixed_modes)
+    assert got[10:] == ["NaN", "+inf", "no finite value", "NaN"]
+    for i in deterministic:
+        assert got[i] == alone[i]

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dfllm.engine.host_pack import HostPack
 from dfllm.engine_args import CAPTURE_SIZES_FIELD
 from dfllm.kernels.metadata import AttentionMetadata
 
@@ -197,20 +198,28 @@ class CudaGraphRunner:
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None, f"{n} sequences exceed the largest bucket {self.sizes[-1]}"
         bs = self.block_size
-        rows = []
+        ids, positions, slots, lens = [], [], [], []
         width = 1
         for s in seqs:
             p, table = s.num_computed_tokens, s.block_table
-            rows.append((s.token_ids[p], p, table[p // bs] * bs + p % bs, p + 1))
+            ids.append(s.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
             width = max(width, len(table))
-        host = torch.tensor(rows, dtype=torch.long).T.contiguous().to(self.device)  # one copy to the device
-        tables = torch.tensor(
-            [s.block_table + s.block_table[-1:] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32
+        pack = HostPack()  # one copy per dtype, without waiting for the device
+        pack.add(ids + positions + slots, torch.long, (3, n))
+        pack.add(lens, torch.int32)
+        pack.add(
+            [b for s in seqs for b in s.block_table + s.block_table[-1:] * (width - len(s.block_table))],
+            torch.int32,
+            (n, width),
         )
-        self.input_ids[:n].copy_(host[0])
-        self.positions[:n].copy_(host[1])
-        self.slot_mapping[:n].copy_(host[2])
-        self.seq_lens[:n].copy_(host[3])
+        rows, seq_lens, tables = pack.send(self.device)
+        self.input_ids[:n].copy_(rows[0])
+        self.positions[:n].copy_(rows[1])
+        self.slot_mapping[:n].copy_(rows[2])
+        self.seq_lens[:n].copy_(seq_lens)
         self.block_tables[:n, :width].copy_(tables)
         self._pad(n, bucket)
         return bucket

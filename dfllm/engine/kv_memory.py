@@ -58,4 +58,7 @@ def allocate(
 def zero_blocks(kv: torch.Tensor, block_ids: list[int]) -> None:
     """Zero the given blocks in every layer, for keys and values (or keys only)."""
     if block_ids:
-        kv.index_fill_(2, torch.tensor(block_ids, device=kv.device), 0)
+        ids = torch.tensor(block_ids)
+        if kv.device.type == "cuda":  # from pinned memory, without waiting for the device
+            ids = ids.pin_memory().to(kv.device, non_blocking=True)
+        kv.index_fill_(2, ids, 0)

@@ -349,17 +349,7 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
         """A token per row, or what is wrong with a row whose logits cannot be sampled."""
-        if not seqs:
-            return []
-        bad = non_finite_rows(logits)
-        if not bad:
-            return list(self.sampler(logits, seqs))
-        keep = [i for i in range(len(seqs)) if i not in bad]
-        out: list[SampledToken | str] = list(bad.get(i, "") for i in range(len(seqs)))
-        if keep:
-            for i, tok in zip(keep, self.sampler(logits[keep], [seqs[i] for i in keep])):
-                out[i] = tok
-        return out
+        return self.sampler(logits, seqs) if seqs else []
 
     def _finished(self, ended: list[Sequence], now: float) -> list[Request]:
         """The requests whose last sequence just ended, each once, timed and forgotten."""
@@ -568,16 +558,3 @@ def _dedupe_key(req: Request) -> Hashable | None:
         None if req.mm_inputs is None else req.mm_inputs.keys,
         None if req.lora_request is None else ("lora", req.lora_request.lora_int_id),
     )
-
-
-def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
-    """Rows of ``logits`` that cannot be sampled, with what is wrong: any NaN, any +inf, or
-    no finite value at all. One pass (a row's max is NaN, +inf or -inf exactly then)."""
-    top = logits.amax(dim=-1)
-    bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
-    if not bad:
-        return {}
-    return {
-        i: "NaN" if bool(logits[i].isnan().any()) else "+inf" if bool(logits[i].isposinf().any()) else "no finite value"
-        for i in bad
-    }

@@ -265,7 +265,7 @@ class ModelRunner:
         if not rows:
             return StepOutput(torch.empty(0, device=self.device), [])
         if len(rows) < len(sched.seqs):
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[torch.tensor(rows).pin_memory().to(self.device, non_blocking=True)]
         logits = model.compute_logits(hidden)
         return StepOutput(logits.float(), [sched.seqs[i] for i in rows])
 

@@ -10,13 +10,20 @@ so its text does not depend on the rest of the batch, the others from the sample
 generator for that device. Log-probabilities are taken before all of this, from the model's
 raw distribution (constrained rows included).
 
-Everything runs where the logits are; only the chosen token ids (``[rows]``) and the
-requested log-probabilities (``[rows]`` and ``[rows, k]``) come to the host, packed into one
-transfer by :func:`to_host`.
+A row whose logits cannot be sampled (any NaN, any +inf, or no finite value: NaN weights, an
+overflow) gets a message instead of a token. Its maximum, taken before anything else changes
+the logits, tells which (torch's ``amax`` propagates NaN, is +inf with any +inf, -inf when
+nothing is finite); the row is sampled with the others and its token discarded, so no step
+waits on the device to learn which rows are bad.
+
+Everything runs where the logits are; only each row's maximum and chosen token id (``[rows]``)
+and the requested log-probabilities (``[rows]`` and ``[rows, k]``) come to the host, packed into
+one transfer by :func:`to_host`: the step's one device-to-host synchronisation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,20 +67,27 @@ class HostLogprobs:
     top: dict[int, list[tuple[int, float, int]]]  # position in rows -> (token id, logprob, rank), best first
 
 
-def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None) -> tuple[list[int], HostLogprobs | None]:
-    """The sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``) and the requested
-    log-probabilities, read back in one transfer (packed as float64, exact for both)."""
-    parts = [token_ids.double()]
+def to_host(
+    token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: torch.Tensor | None = None
+) -> tuple[list[int], HostLogprobs | None, list[float]]:
+    """The sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``), the requested
+    log-probabilities and each row's logit maximum (``row_max``, ``[rows]``; for the non-finite
+    check), read back in one transfer (packed as float64, exact for all three)."""
+    n = token_ids.numel()
+    parts = [token_ids.double()] + ([] if row_max is None else [row_max.double()])
     if logprobs is not None:
         parts += [logprobs.chosen.double(), logprobs.ranks.double()]
         for _, values, ids in logprobs.top:
             parts += [values.double().flatten(), ids.double().flatten()]
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
-    n = token_ids.numel()
     ids_host = [int(v) for v in flat[:n]]
+    at = n
+    maxima: list[float] = []
+    if row_max is not None:
+        maxima, at = flat[n : 2 * n], 2 * n
     if logprobs is None:
-        return ids_host, None
-    r, at = len(logprobs.rows), n
+        return ids_host, None, maxima
+    r = len(logprobs.rows)
     chosen, ranks = flat[at : at + r], [int(v) for v in flat[at + r : at + 2 * r]]
     at += 2 * r
     top: dict[int, list[tuple[int, float, int]]] = {}
@@ -83,7 +97,7 @@ def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None) -> tuple[l
         at += 2 * len(positions) * k
         for j, pos in enumerate(positions):
             top[pos] = [(int(toks[j * k + c]), vals[j * k + c], c + 1) for c in range(k)]
-    return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top)
+    return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top), maxima
 
 
 class Sampler:
@@ -101,8 +115,11 @@ class Sampler:
         return self.generators[device]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
+        """A token per row (with its log-probabilities where asked), or for a row whose logits
+        cannot be sampled what is wrong with them (module docstring). ``logits`` may be changed."""
         logits = logits.float()
+        row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None
         if any(s.grammar is not None for s in seqs):
@@ -110,8 +127,12 @@ class Sampler:
         apply_penalties(logits, seqs, self.eos_token_ids)
         token_ids = self._choose(logits, seqs)
         payload = None if raw is None else _logprob_payload(raw, token_ids, lp_rows, seqs)
-        ids, host = to_host(token_ids, payload)
-        return _sampled_tokens(ids, host)
+        ids, host, maxima = to_host(token_ids, payload, row_max)
+        out: list[SampledToken | str] = list(_sampled_tokens(ids, host))
+        for i, top in enumerate(maxima):
+            if not math.isfinite(top):
+                out[i] = "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
+        return out
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The chosen token of every row (``[rows]``, on the logits' device)."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from dfllm.engine.host_pack import HostPack
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.sequence import Sequence
 from dfllm.kernels.lora import lora_metadata
-from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
+from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, Deferred, PrefillSpan
 from dfllm.multimodal.encoder import move_mm
 
 
@@ -67,12 +69,13 @@ class StepOutput:
 
 
 def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
-    """Flatten the step's tokens and describe where their keys live (tensors on ``device``)."""
+    """Flatten the step's tokens and describe where their keys live (tensors on ``device``,
+    sent in one copy per dtype: :class:`~dfllm.engine.host_pack.HostPack`)."""
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    prefills: list[PrefillSpan] = []
+    prefills: list[tuple[int, int, int, torch.Tensor | None]] = []  # q_start, q_len, ctx_len, host kv slots
     dec_rows: list[int] = []
     dec_seqs: list[Sequence] = []
     logit_rows: list[int] = []
@@ -86,16 +89,18 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         scheduled.sort(key=lambda sn: sn[0].request.lora_slot)
     for seq, n in scheduled:
         start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
-        ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
         table = seq.block_table
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         if n == 1:
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
             dec_rows.append(row)
             dec_seqs.append(seq)
         else:
-            kv_slots = None if start == 0 else _slots(table, end, bs)
-            prefills.append(PrefillSpan(row, n, end, kv_slots))
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            prefills.append((row, n, end, None if start == 0 else _slots(table, end, bs)))
         if end == seq.num_tokens:
             logit_rows.append(row + n - 1)
             sample_seqs.append(seq)
@@ -110,19 +115,19 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         qsl.append(len(ids))
     seq_lens = [s.num_computed_tokens + n for s, n in scheduled]
     tables = [s.block_table for s, _ in scheduled]
-    groups = _decode_groups(dec_rows, dec_seqs, bs)
-    meta = attention_metadata(torch.tensor(slots), prefills, groups, qsl, seq_lens, tables, bs, device)
-    meta.decodes = _decode_batch(dec_rows, dec_seqs, device)
+    pack = HostPack()
+    tokens = pack.add(ids, torch.long), pack.add(positions, torch.long), pack.add(logit_rows + prompt_rows, torch.long)
+    # the C++ decode kernel's batch, on a CPU device only (no other kernel reads it)
+    decodes = _decode_batch(pack, dec_rows, dec_seqs) if device.type == "cpu" and dec_seqs else None
+    build_meta = _pack_metadata(pack, slots, prefills, qsl, seq_lens, tables, bs)
+    sent = pack.send(device)
+    meta = build_meta(sent)
+    meta.decode_groups = Deferred(lambda: _decode_groups(dec_rows, dec_seqs, bs, device))
+    if decodes is not None:
+        meta.decodes = DecodeBatch(*(sent[i] for i in decodes))
     if lora:  # each token row's adapter slot
         meta.lora = lora_metadata([s.request.lora_slot for s, n in scheduled for _ in range(n)], device)
-    return StepInputs(
-        torch.tensor(ids, device=device),
-        torch.tensor(positions, device=device),
-        meta,
-        torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device),
-        sample_seqs,
-        prompt_spans,
-    )
+    return StepInputs(sent[tokens[0]], sent[tokens[1]], meta, sent[tokens[2]], sample_seqs, prompt_spans)
 
 
 def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
@@ -135,10 +140,13 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
 
     m: AttentionMetadata = inputs.meta
     prefills = [replace(p, kv_slots=to(p.kv_slots)) for p in m.prefills]
-    groups = [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in m.decode_groups]
+    host_groups = m.decode_groups
+    groups = Deferred(
+        lambda: [replace(g, rows=to(g.rows), block_tables=to(g.block_tables), mask=to(g.mask)) for g in host_groups]
+    )
     decodes = (
         None
-        if m.decodes is None
+        if m.decodes is None or device.type != "cpu"  # the C++ decode kernel's batch: read on a CPU only
         else DecodeBatch(*(to(x) for x in (m.decodes.rows, m.decodes.block_tables, m.decodes.seq_lens)))
     )
     meta = replace(
@@ -173,8 +181,9 @@ DECODE_GROUPS = 8
 MIN_DECODE_GROUP = 8
 
 
-def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[DecodeGroup]:
-    """Decodes sorted by context length and split into a few groups of similar length.
+def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int, device: torch.device) -> list[DecodeGroup]:
+    """Decodes sorted by context length and split into a few groups of similar length, for
+    the kernels that gather each group's keys (the PyTorch reference, MLA), on ``device``.
 
     A table shorter than its group's is padded with its own last block, never another
     sequence's: the padding is masked out, but still multiplied by a zero attention weight,
@@ -182,7 +191,8 @@ def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[Decod
     """
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
     size = max(MIN_DECODE_GROUP, -(-len(order) // DECODE_GROUPS))
-    groups = []
+    pack = HostPack()
+    parts = []
     for start in range(0, len(order), size):
         members = order[start : start + size]
         width = len(seqs[members[-1]].block_table)
@@ -193,21 +203,62 @@ def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int) -> list[Decod
         )
         lens = torch.tensor([seqs[m].num_computed_tokens + 1 for m in members])
         mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-        groups.append(DecodeGroup(torch.tensor([rows[m] for m in members]), tables, mask))
-    return groups
+        parts.append(
+            (pack.add([rows[m] for m in members], torch.long), pack.add(tables, torch.long, tables.shape), mask)
+        )
+    sent = pack.send(device)
+    return [DecodeGroup(sent[r], sent[t], mask.to(device)) for r, t, mask in parts]
 
 
-def _decode_batch(rows: list[int], seqs: list[Sequence], device: torch.device) -> DecodeBatch | None:
-    """All decodes in one batch, each block table padded with its own last block."""
-    if not seqs:
-        return None
+def _decode_batch(pack: HostPack, rows: list[int], seqs: list[Sequence]) -> tuple[int, int, int]:
+    """All decodes in one batch, each block table padded with its own last block: their
+    indices in ``pack`` (rows, block tables, context lengths)."""
     width = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [s.block_table[-1]] * (width - len(s.block_table)) for s in seqs]
-    return DecodeBatch(
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(tables, dtype=torch.int32, device=device),
-        torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.int32, device=device),
+    tables = [b for s in seqs for b in s.block_table + [s.block_table[-1]] * (width - len(s.block_table))]
+    return (
+        pack.add(rows, torch.long),
+        pack.add(tables, torch.int32, (len(seqs), width)),
+        pack.add([s.num_computed_tokens + 1 for s in seqs], torch.int32),
     )
+
+
+def _pack_metadata(
+    pack: HostPack,
+    slot_mapping: list[int] | torch.Tensor,
+    prefills: list[tuple[int, int, int, torch.Tensor | None]],
+    qsl: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    bs: int,
+) -> Callable[[list[torch.Tensor]], AttentionMetadata]:
+    """Add a step's metadata arrays to ``pack``; what builds the metadata from the sent arrays."""
+    width = max(len(t) for t in tables)
+    flat_tables = [b for t in tables for b in (t + [-1] * (width - len(t)) if len(t) < width else t)]
+    at = (
+        pack.add(slot_mapping, torch.long),
+        pack.add(qsl, torch.int32),
+        pack.add(seq_lens, torch.int32),
+        pack.add(flat_tables, torch.int32, (len(tables), width)),
+    )
+    spans = [
+        (q_start, q_len, ctx, None if kv is None else pack.add(kv, torch.long)) for q_start, q_len, ctx, kv in prefills
+    ]
+    max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
+
+    def build(sent: list[torch.Tensor]) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=sent[at[0]],
+            prefills=[PrefillSpan(q, n, ctx, None if kv is None else sent[kv]) for q, n, ctx, kv in spans],
+            decode_groups=[],
+            query_start_loc=sent[at[1]],
+            seq_lens=sent[at[2]],
+            block_tables=sent[at[3]],
+            block_size=bs,
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+        )
+
+    return build
 
 
 def attention_metadata(
@@ -220,27 +271,14 @@ def attention_metadata(
     bs: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """The metadata of a step, its tensors moved to ``device``."""
-    width = max(len(t) for t in tables)
-    block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-
-    def to(x):
-        return None if x is None else x.to(device)
-
-    for span in prefills:
-        span.kv_slots = to(span.kv_slots)
-    for g in groups:
-        g.rows, g.block_tables, g.mask = to(g.rows), to(g.block_tables), to(g.mask)
-    return AttentionMetadata(
-        slot_mapping=to(slot_mapping),
-        prefills=prefills,
-        decode_groups=groups,
-        query_start_loc=to(torch.tensor(qsl, dtype=torch.int32)),
-        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
-        block_tables=to(block_tables),
-        block_size=bs,
-        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-        max_seq_len=max(seq_lens),
+    """The metadata of a step, its tensors moved to ``device`` (in one copy per dtype)."""
+    pack = HostPack()
+    build = _pack_metadata(
+        pack, slot_mapping, [(p.q_start, p.q_len, p.ctx_len, p.kv_slots) for p in prefills], qsl, seq_lens, tables, bs
     )
+    meta = build(pack.send(device))
+    meta.decode_groups = [
+        replace(g, rows=g.rows.to(device), block_tables=g.block_tables.to(device), mask=g.mask.to(device))
+        for g in groups
+    ]
+    return meta

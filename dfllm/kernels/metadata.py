@@ -3,9 +3,44 @@ token rows run which LoRA adapter."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar, overload
 
 import torch
+
+T = TypeVar("T")
+
+
+class Deferred(Sequence[T], Generic[T]):
+    """A list made on first use: metadata that only some kernels read (the decode groups of the
+    PyTorch reference and of MLA) costs nothing in a step whose kernels never look at it."""
+
+    def __init__(self, make: Callable[[], list[T]]):
+        self._make: Callable[[], list[T]] | None = make
+        self._items: list[T] = []
+
+    def _list(self) -> list[T]:
+        if self._make is not None:
+            self._items, self._make = self._make(), None
+        return self._items
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._list())
+
+    def __reduce__(self):
+        """Pickled (to another rank's process) as the plain list, made now."""
+        return list, (self._list(),)
 
 
 @dataclass
@@ -124,7 +159,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     prefills: list[PrefillSpan]
-    decode_groups: list[DecodeGroup]
+    decode_groups: Sequence[DecodeGroup]
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
