@@ -84,11 +84,54 @@ Also printed:
   of the step, timed by wrapping the engine's parts from outside (nothing in dfllm changes),
   next to the untimed step and the ceiling's matmul time at that batch.
 
+On a GPU (``--device cuda``, or ``auto`` finding one)
+------------------------------------------------------
+The CPU's float32 GEMM ceiling above means nothing next to a GPU's figures, so on CUDA it is
+neither measured nor printed; instead (``benchmarks/roofline.py`` has the arithmetic and its
+model of a run in its docstring):
+
+- the device's own limits, measured in the run before the engine is loaded: the matmul rate
+  in the run's ``--dtype`` (an ``--roofline-matmul-n`` cubed GEMM, default 8192, the fastest of
+  10 reps timed with CUDA events after 3 warm-ups) and the device-to-device copy bandwidth
+  (``--roofline-copy-mib`` MiB, default 1024, bytes read + written per second, likewise);
+- the workload's roofline at those limits: prefill compute-bound at the matmul rate, decode
+  as continuous-batching steps of at most ``max_num_seqs`` sequences (admitted in input
+  order as rows finish), each step ``max(bytes / bandwidth, FLOPs / matmul rate)`` with the
+  weights read once and the running sequences' KV cache read whole; per mode, with the rows'
+  generated lengths (natural: dfllm's useful tokens per row). Printed: the ceiling's tok/s,
+  and every engine's tok/s as a share of it;
+- the device-busy split of one more dfllm run of the workload (the "device-busy pass",
+  after the timed ones, so the timed figure carries no instrumentation;
+  ``--skip-device-busy`` drops it): CUDA events recorded around each step's forward (from
+  just before the model's or the decode graph's launch until its logits are done on the
+  GPU; no synchronisation inside the run, the events read afterwards), summed: the
+  device-time span of the forwards. Host-only = the pass's wall time - that span: scheduling,
+  input preparation, sampling (its kernels included: they are not in the span), output
+  processing, and whatever else kept the GPU waiting.
+
+Workload ``nano-vllm`` (``--workload nano-vllm``)
+-------------------------------------------------
+nano-vllm's ``bench.py`` shape, as its README benchmarks it: 256 sequences, each prompt
+``randint(100, 1024)`` random token ids ``randint(0, 10000)`` and ``max_tokens =
+randint(100, 1024)``, drawn in nano-vllm's order from ``random.seed(0)`` (133,966 generated
+and 142,827 prompt tokens, as its README's tables give), ``ignore_eos=True`` (forced mode
+only), temperature 0.6 (``--temperature 0`` for greedy). ``--num-prompts`` overrides the 256
+and ``--length-scale`` scales both length ranges (``--length-scale 0.02``: 2-20 tokens) for a
+dry run on a CPU. With sampling (temperature > 0) no fidelity is computed, and the peers
+(greedy) do the same amount of work, not the same tokens. On CUDA the transformers leg is
+skipped for this workload unless ``--force-hf`` (static batches of 64 run to their longest
+row, ~1000 steps each: minutes). Published figures of other hardware are printed beside
+it as references, never compared: nano-vllm's README (RTX 4070 laptop, Qwen3-0.6B: vLLM
+1361.84 tok/s, nano-vllm 1434.13 tok/s) and vLLM 0.10.2 with Llama-3.2-1B on an A800
+(12,627 tok/s).
+
 Run (from the repository root)::
 
     python benchmarks/bench_generate.py                         # full run, 128 prompts, both modes
     python benchmarks/bench_generate.py --num-prompts 8         # quick check
     python benchmarks/bench_generate.py --mode natural --repeats 3 --json bench.json
+    python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --model DIR   # on a GPU: roofline
+    python benchmarks/bench_generate.py --workload nano-vllm --num-prompts 4 --length-scale 0.02  # CPU dry run
 
 Every engine but transformers first runs the whole workload ``--warmup-runs`` (1) times
 untimed, so that the timed runs measure the steady state a long batch job sees: a first run
@@ -121,6 +164,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from peers.llama_server_leg import start_legs as start_llama_servers  # benchmarks/peers/
+from roofline import ModelShape, device_limits, roofline  # benchmarks/roofline.py
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from dfllm import LLM, SamplingParams
@@ -194,6 +238,39 @@ def build_workload(tokenizer, num_prompts: int, seed: int = SEED) -> tuple[list[
     return prompts, max_tokens
 
 
+# nano-vllm's bench.py: random.seed(0); 256 sequences; prompts of randint(100, 1024) token ids
+# randint(0, 10000); max_tokens randint(100, 1024); SamplingParams(temperature=0.6, ignore_eos=True)
+NANO = {"seqs": 256, "min_len": 100, "max_input_len": 1024, "max_output_len": 1024, "max_id": 10000, "seed": 0}
+NANO_TEMPERATURE = 0.6
+PUBLISHED = [  # other hardware, other models: printed beside the nano-vllm workload, never compared
+    ("vLLM (nano-vllm README: RTX 4070 laptop, Qwen3-0.6B)", 1361.84),
+    ("nano-vllm (its README: RTX 4070 laptop, Qwen3-0.6B)", 1434.13),
+    ("vLLM 0.10.2 (Llama-3.2-1B, A800)", 12627.0),
+]
+
+
+def build_nano_workload(
+    num_prompts: int = NANO["seqs"], length_scale: float = 1.0, vocab_size: int | None = None, seed: int = NANO["seed"]
+) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's benchmark workload, drawn in its order from ``random.Random(seed)``: every
+    prompt (its length, then its ids), then every ``max_tokens``. ``length_scale`` scales the
+    length bounds (at least 1 token); ids are taken modulo a vocabulary smaller than 10,001.
+
+    >>> prompts, max_tokens = build_nano_workload()
+    >>> sum(max_tokens), sum(map(len, prompts))  # nano-vllm README's 133,966 output tokens
+    (133966, 142827)
+    """
+    rng = random.Random(seed)
+    lo = max(1, round(NANO["min_len"] * length_scale))
+    hi_in = max(lo, round(NANO["max_input_len"] * length_scale))
+    hi_out = max(lo, round(NANO["max_output_len"] * length_scale))
+    prompts = [[rng.randint(0, NANO["max_id"]) for _ in range(rng.randint(lo, hi_in))] for _ in range(num_prompts)]
+    max_tokens = [rng.randint(lo, hi_out) for _ in range(num_prompts)]
+    if vocab_size is not None and vocab_size <= NANO["max_id"]:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return prompts, max_tokens
+
+
 def useful(row: list[int], limit: int, eos_ids: set[int]) -> list[int]:
     """A row's useful tokens: its first ``limit``, cut after its first EOS (kept)."""
     row = row[:limit]
@@ -202,9 +279,11 @@ def useful(row: list[int], limit: int, eos_ids: set[int]) -> list[int]:
 
 
 # ---- dfllm -------------------------------------------------------------------------------
-def run_dfllm(llm: LLM, prompts: list[list[int]], max_tokens: list[int], mode: str) -> tuple[float, list[list[int]]]:
+def run_dfllm(
+    llm: LLM, prompts: list[list[int]], max_tokens: list[int], mode: str, temperature: float = 0.0
+) -> tuple[float, list[list[int]]]:
     """Seconds for one generate call over all prompts, and the generated ids."""
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=mode == "forced") for n in max_tokens]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=mode == "forced") for n in max_tokens]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
     llm.reset_prefix_cache()  # a timed run never reuses a previous run's prompts
     start = time.perf_counter()
@@ -709,6 +788,159 @@ def print_breakdown(b: dict, ceiling: dict | None) -> None:
         )
 
 
+# ---- CUDA: the roofline's inputs and the device-busy split ---------------------------------
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every parameter and buffer once (tied ones
+    once), but for the rotary tables and an input embedding that the LM head does not share
+    (only its rows are gathered)."""
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    skip = set()
+    if embed is not None and (head is None or head.data_ptr() != embed.data_ptr()):
+        skip.add(embed.data_ptr())
+    seen: set[int] = set()
+    total = 0
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if t is None or "rotary" in name or t.data_ptr() in seen or t.data_ptr() in skip:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def roofline_inputs(llm: LLM, dtype: str) -> dict:
+    """The model's shape, the bytes of its weights and of one position's KV cache, as the
+    engine holds them (the config's arithmetic where the runner is not reachable)."""
+    shape = ModelShape.from_config(llm.config.hf_config)
+    runner = getattr(llm.llm_engine, "runner", None)
+    model, kv = getattr(runner, "model", None), getattr(runner, "kv", None)
+    dtype_bytes = getattr(torch, dtype).itemsize
+    kv_bytes = kv.element_size() if isinstance(kv, torch.Tensor) else dtype_bytes
+    return {
+        "shape": shape,
+        "weight_bytes": model_weight_bytes(model) if model is not None else shape.weight_bytes(dtype_bytes),
+        "kv_token_bytes": shape.kv_bytes_per_token(kv_bytes),
+        "kv_dtype": str(kv.dtype).removeprefix("torch.") if isinstance(kv, torch.Tensor) else dtype,
+        "max_num_seqs": llm.config.max_num_seqs,
+    }
+
+
+class ForwardEvents:
+    """CUDA events around every engine step's forward (from outside, for measurement only):
+    a start event recorded just before the model or a decode graph is launched (the runner's
+    input preparation stays outside), an end event once the runner's ``run`` has queued the
+    logits. Nothing synchronises during the run; :meth:`summary` reads the events after it."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []  # (start, end, decode only)
+        self.state: dict = {"start": None}
+        self.patched: list[tuple] = []
+        self.fallback = 0  # steps whose forward was not seen: timed from the run's entry
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _patch(self, obj, attr: str, fn) -> None:
+        self.patched.append((obj, attr, attr in vars(obj), getattr(obj, attr)))
+        setattr(obj, attr, fn)
+
+    def _starts(self, fn):
+        state = self.state
+
+        def wrapper(*args, **kwargs):
+            if state["start"] is None and not torch.cuda.is_current_stream_capturing():
+                state["start"] = self._event()
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def __enter__(self) -> ForwardEvents:
+        runner, state, steps = self.runner, self.state, self.steps
+        run = runner.run
+
+        def timed_run(sched, *args, **kwargs):
+            entry = self._event()
+            state["start"] = None
+            out = run(sched, *args, **kwargs)
+            end = self._event()
+            start, state["start"] = state["start"], None
+            if start is None:
+                self.fallback += 1
+                start = entry
+            steps.append((start, end, all(n == 1 for n in getattr(sched, "num_new_tokens", [0]))))
+            return out
+
+        self._patch(runner, "run", timed_run)
+        self._patch(runner.model, "forward", self._starts(runner.model.forward))
+        graphs = getattr(runner, "decode_graphs", None)
+        if graphs is not None:
+            self._patch(graphs, "forward", self._starts(graphs.forward))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, attr, own, original in reversed(self.patched):
+            if own:
+                setattr(obj, attr, original)
+            else:
+                delattr(obj, attr)
+        self.patched.clear()
+
+    def summary(self, wall: float) -> dict:
+        """The device-time spans summed (all steps, decode-only steps, steps with prompt
+        tokens) against the run's ``wall`` seconds."""
+        torch.cuda.synchronize()
+        spans = [(start.elapsed_time(end) / 1e3, decode) for start, end, decode in self.steps]
+        busy = sum(t for t, _ in spans)
+        decode = [t for t, d in spans if d]
+        mixed = [t for t, d in spans if not d]
+        return {
+            "wall_seconds": wall,
+            "device_busy_seconds": busy,
+            "host_only_seconds": wall - busy,
+            "busy_fraction": busy / wall,
+            "idle_fraction": 1 - busy / wall,
+            "steps": len(spans),
+            "decode_steps": len(decode),
+            "decode_busy_seconds": sum(decode),
+            "prompt_steps": len(mixed),
+            "prompt_busy_seconds": sum(mixed),
+            "unseen_forwards": self.fallback,
+        }
+
+
+def device_busy_pass(
+    llm: LLM, prompts: list[list[int]], max_tokens: list[int], mode: str, temperature: float
+) -> dict | None:
+    """One more dfllm run of the workload with :class:`ForwardEvents` on: how much of its
+    wall time the device spent in the forwards, and how much was host-only."""
+    runner = getattr(llm.llm_engine, "runner", None)
+    if runner is None or getattr(runner, "model", None) is None:
+        return None  # a parallel engine's model lives in other processes
+    with ForwardEvents(runner) as events:
+        secs, _ = run_dfllm(llm, prompts, max_tokens, mode, temperature)
+    return {"mode": mode, **events.summary(secs)}
+
+
+def print_device_busy(b: dict, headline_seconds: float | None) -> None:
+    head = f" (its timed run: {headline_seconds:.2f} s)" if headline_seconds else ""
+    print(
+        f"\ndevice-busy pass (dfllm, {b['mode']}, one more run with CUDA events around each step's forward): "
+        f"wall {b['wall_seconds']:.2f} s{head}; device busy in forwards {b['device_busy_seconds']:.2f} s "
+        f"({100 * b['busy_fraction']:.1f}%), host-only {b['host_only_seconds']:.2f} s: "
+        f"the device idle {100 * b['idle_fraction']:.1f}% of the run"
+    )
+    dec = b["decode_busy_seconds"] / b["decode_steps"] * 1e3 if b["decode_steps"] else float("nan")
+    print(
+        f"  {b['decode_steps']} decode-only steps: {b['decode_busy_seconds']:.2f} s on the device ({dec:.2f} ms each); "
+        f"{b['prompt_steps']} steps with prompt tokens: {b['prompt_busy_seconds']:.2f} s"
+        + (f"; {b['unseen_forwards']} steps timed from the runner's entry" if b["unseen_forwards"] else "")
+    )
+
+
 # ---- report ------------------------------------------------------------------------------
 MODE_TITLES = {
     "forced": "forced length: every row generates exactly its max_tokens (EOS ignored)",
@@ -753,9 +985,82 @@ def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
         )
 
 
+def print_mode_roofline(mode: str, fig: dict) -> None:
+    """A mode's figures on a GPU: every engine against the workload's roofline."""
+    roof = fig["roofline"]
+    print(f"\n{MODE_TITLES[mode]}")
+    print(f"  {'engine':<24}{'gen tokens':>12}{'seconds':>10}{'tok/s':>10}{'% roofline':>12}")
+    for r in fig["results"]:
+        name = f"llama.cpp ({r['weights']})" if r["engine"] == "llama.cpp" else r["engine"]
+        pct = roof["pct"][r["engine"]]
+        print(f"  {name:<24}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>12.1f}")
+    print(
+        f"  roofline of this workload on this device: {roof['ceiling_tok_s']:.1f} tok/s ({roof['seconds']:.3f} s: "
+        f"prefill {roof['prefill_seconds']:.3f} s at the matmul rate, {roof['decode_steps']} decode steps "
+        f"{roof['decode_seconds']:.3f} s, {roof['memory_bound_steps']} of them memory-bound, mean batch "
+        f"{roof['mean_decode_batch']:.1f}); dfllm {roof['pct']['dfllm']:.1f}% of it"
+        + "".join(f", {e} {v:.1f}%" for e, v in roof["pct"].items() if e != "dfllm")
+    )
+    if fig["ratios"]:
+        print("  " + ", ".join(f"dfllm/{k}: {v:.2f}x" for k, v in fig["ratios"].items()))
+    for other, f in fig["fidelity"].items():
+        print(
+            f"  fidelity vs {other}: {f['identical']}/{f['rows']} rows identical ({f['fraction']:.3f}), "
+            f"mean matching prefix {f['mean_prefix']:.1f} of {f['mean_ref_len']:.1f} tokens"
+        )
+
+
+def print_published() -> None:
+    print("  published figures of nano-vllm's workload on other hardware (references, not comparisons):")
+    for name, tok_s in PUBLISHED:
+        print(f"    {name:<58}{tok_s:>10.1f} tok/s")
+
+
+def print_device_limits(limits: dict, inputs: dict) -> None:
+    mm, cp = limits["matmul"], limits["copy"]
+    n = mm["shape"][0]
+    print(
+        f"\ndevice limits ({limits.get('device_name', 'GPU')}, measured in this run before the engine loaded): "
+        f"{mm['dtype']} matmul {n}x{n}x{n} {mm['flop_s'] / 1e12:.1f} TFLOP/s (fastest of {mm['reps']}, median "
+        f"{mm['median_flop_s'] / 1e12:.1f}); device-to-device copy of {cp['bytes'] / 2**20:.0f} MiB "
+        f"{cp['bytes_s'] / 1e9:.0f} GB/s read + written (median {cp['median_bytes_s'] / 1e9:.0f})"
+    )
+    print(
+        f"  roofline inputs: {inputs['weight_bytes'] / 1e9:.3f} GB of weights read by every decode step, "
+        f"{inputs['kv_token_bytes'] / 1e3:.1f} kB of KV cache per position ({inputs['kv_dtype']}), "
+        f"{2 * inputs['shape'].linear_params / 1e9:.3f} GFLOP of linears per token, "
+        f"at most {inputs['max_num_seqs']} sequences a step (max_num_seqs)"
+    )
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="prompts of the workload (default: 128 chats; 256 sequences for --workload nano-vllm)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=("chat", "nano-vllm"),
+        default="chat",
+        help="chat (default: the chat prompts above) or nano-vllm (its bench.py: 256 random-id prompts of "
+        "100-1024 tokens, 100-1024 tokens out, ignore_eos, temperature 0.6; forced mode only)",
+    )
+    p.add_argument(
+        "--length-scale",
+        "--max-len-scale",
+        type=float,
+        default=1.0,
+        help="nano-vllm workload: scale its prompt and output length bounds (0.02: 2-20 tokens, a CPU dry run)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="dfllm's sampling temperature (default: 0, greedy; 0.6 for --workload nano-vllm); the peers stay greedy",
+    )
     p.add_argument(
         "--mode",
         choices=(*MODES, "both"),
@@ -777,6 +1082,25 @@ def parse_args() -> argparse.Namespace:
         help="untimed runs of the whole workload per engine and mode before the timed ones (default 1)",
     )
     p.add_argument("--skip-hf", action="store_true", help="no transformers leg")
+    p.add_argument(
+        "--force-hf",
+        action="store_true",
+        help="run the transformers leg where it is skipped by default (the nano-vllm workload on CUDA: minutes)",
+    )
+    p.add_argument(
+        "--skip-device-busy",
+        action="store_true",
+        help="CUDA: no device-busy pass (one more dfllm run with CUDA events around each step's forward)",
+    )
+    p.add_argument(
+        "--roofline-matmul-n",
+        type=int,
+        default=8192,
+        help="CUDA: the n of the n x n x n matmul priced for the roofline",
+    )
+    p.add_argument(
+        "--roofline-copy-mib", type=int, default=1024, help="CUDA: MiB of the device-to-device copy for the roofline"
+    )
     p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp leg")
     p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
     p.add_argument(
@@ -850,7 +1174,21 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    nano = args.workload == "nano-vllm"
+    if args.num_prompts is None:
+        args.num_prompts = NANO["seqs"] if nano else 128
+    if args.temperature is None:
+        args.temperature = NANO_TEMPERATURE if nano else 0.0
+    temperature = args.temperature
     modes = MODES if args.mode == "both" else (args.mode,)
+    if nano and modes != ("forced",):
+        print("nano-vllm workload: ignore_eos=True, so forced mode only")
+        modes, args.mode = ("forced",), "forced"
+    # a GPU's own limits, measured before the engine takes its memory (its KV cache is sized from what is free)
+    wants_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    limits = None
+    if wants_cuda:
+        limits = device_limits("cuda", getattr(torch, args.dtype), args.roofline_matmul_n, args.roofline_copy_mib << 20)
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -860,17 +1198,33 @@ def main() -> None:
     )
     tokenizer = llm.get_tokenizer()
     eos_ids = set(getattr(llm.llm_engine, "eos_token_ids", None) or {tokenizer.eos_token_id})
-    prompts, max_tokens = build_workload(tokenizer, args.num_prompts)
+    cuda = torch.device(llm.config.device).type == "cuda"
+    if cuda and limits is None:
+        limits = device_limits("cuda", getattr(torch, args.dtype), args.roofline_matmul_n, args.roofline_copy_mib << 20)
+    if not cuda:
+        limits = None
+    if nano:
+        prompts, max_tokens = build_nano_workload(args.num_prompts, args.length_scale, llm.config.hf_config.vocab_size)
+    else:
+        prompts, max_tokens = build_workload(tokenizer, args.num_prompts)
     lens = sorted(len(p) for p in prompts)
+    sampling = "greedy" if temperature == 0 else f"temperature {temperature:g} (dfllm; the peers greedy)"
     print(
-        f"workload: {len(prompts)} prompts, prompt tokens {lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, "
-        f"total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)} (sum {sum(max_tokens)}), greedy; "
-        f"modes: {', '.join(modes)}"
+        f"workload{' nano-vllm' if nano else ''}: {len(prompts)} prompts, prompt tokens {lens[0]}-{lens[-1]} "
+        f"(median {lens[len(lens) // 2]}, total {sum(lens)}), max_tokens {min(max_tokens)}-{max(max_tokens)} "
+        f"(sum {sum(max_tokens)}), {sampling}; modes: {', '.join(modes)}"
     )
 
     warm_prompts, _ = build_workload(tokenizer, 4, seed=SEED + 1)
     run_dfllm(llm, warm_prompts, [8] * 4, "forced")
-    hf = None if args.skip_hf else load_hf(llm.config.model_path, str(llm.config.device), args.dtype)
+    skip_hf = args.skip_hf
+    if nano and cuda and not skip_hf and not args.force_hf:
+        skip_hf = True
+        print(
+            "transformers leg skipped: nano-vllm workload on CUDA (its static batches of 64 run to their longest "
+            "row, ~1000 steps each: minutes); --force-hf runs it"
+        )
+    hf = None if skip_hf else load_hf(llm.config.model_path, str(llm.config.device), args.dtype)
     if hf:
         run_hf(hf, warm_prompts, [8] * 4, "forced", eos_ids, 4)
     gguf = Path(args.gguf) if args.gguf else bundled_gguf(args.model)
@@ -912,7 +1266,7 @@ def main() -> None:
     leg_vllm = leg_peer(vllm)
 
     def leg_dfllm(mode):
-        secs, rows = run_dfllm(llm, prompts, max_tokens, mode)
+        secs, rows = run_dfllm(llm, prompts, max_tokens, mode, temperature)
         if mode == "forced":
             assert [len(o) for o in rows] == max_tokens, "dfllm did not generate exactly max_tokens per prompt"
             return secs, rows, sum(max_tokens)
@@ -960,24 +1314,39 @@ def main() -> None:
                 run["rows"] = run["rows"] or rows
                 done.append(f"{name} {secs:.2f}s ({tokens / secs:.1f} tok/s)")
             print(f"{mode} run {r + 1}: " + ", ".join(done), flush=True)
+            if cuda:
+                continue  # a GPU is priced by its own roofline, not by the host's float32 GEMMs
             decode_ceilings.append(matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes))
             prefill_ceilings.append(
                 matmul_ceiling(llm.config.hf_config, prefill_rows, args.ceiling_passes, lm_head=False)
             )
-    ceiling, prefill_ceiling = merged_ceiling(decode_ceilings), merged_ceiling(prefill_ceilings)
+    ceiling = prefill_ceiling = None
+    if not cuda:
+        ceiling, prefill_ceiling = merged_ceiling(decode_ceilings), merged_ceiling(prefill_ceilings)
+    busy = None
+    if cuda and not args.skip_device_busy:  # after the timed runs: they carry no instrumentation
+        busy = device_busy_pass(llm, prompts, max_tokens, modes[0], temperature)
     breakdown = breakdown_ceiling = None
     if not args.skip_breakdown:
         breakdown = decode_step_breakdown(llm, tokenizer, args.breakdown_batch, args.breakdown_steps)
-        if breakdown is not None:
+        if breakdown is not None and not cuda:
             breakdown_ceiling = (
                 ceiling
                 if args.breakdown_batch == batch
                 else matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes)
             )
 
+    inputs = roofline_inputs(llm, args.dtype) if cuda else None
     figures: dict = {
         "args": vars(args),
         "modes": {},
+        "device_limits": limits,
+        "roofline_inputs": (
+            {**{k: v for k, v in inputs.items() if k != "shape"}, "shape": dataclasses.asdict(inputs["shape"])}
+            if inputs
+            else None
+        ),
+        "device_busy": busy,
         "ceiling": ceiling,
         "prefill_ceiling": prefill_ceiling,
         "breakdown": breakdown,
@@ -997,14 +1366,46 @@ def main() -> None:
         fig = {
             "results": results,
             "ratios": {r["engine"]: results[0]["tok_s"] / r["tok_s"] for r in results[1:]},
+            "fidelity": (
+                {
+                    name: fidelity(*compared_rows(mode, df_rows, runs[mode][name]["rows"], max_tokens, eos_ids))
+                    for name, _ in legs[1:]
+                }
+                if temperature == 0
+                else {}  # dfllm sampled: its tokens are not the greedy peers'
+            ),
+        }
+        if cuda:
+            gen_lens = (
+                max_tokens if mode == "forced" else [len(useful(r, n, eos_ids)) for r, n in zip(df_rows, max_tokens)]
+            )
+            roof = roofline(
+                inputs["shape"],
+                [len(p) for p in prompts],
+                gen_lens,
+                inputs["max_num_seqs"],
+                inputs["weight_bytes"],
+                inputs["kv_token_bytes"],
+                limits["matmul"]["flop_s"],
+                limits["copy"]["bytes_s"],
+            )
+            roof["pct"] = {r["engine"]: 100 * r["tok_s"] / roof["ceiling_tok_s"] for r in results}
+            fig["roofline"] = roof
+            fig["dfllm_pct_of_roofline"] = roof["pct"]["dfllm"]
+            if busy is not None and busy["mode"] == mode:
+                fig["device_busy"] = busy
+            figures["modes"][mode] = fig
+            print_mode_roofline(mode, fig)
+            if temperature:
+                print("  fidelity: not compared (dfllm sampled, the peers greedy)")
+            if nano:
+                print_published()
+            continue
+        fig |= {
             "dfllm_pct_of_ceiling": 100 * results[0]["tok_s"] / ceiling["tok_s"],
             "workload_ceiling": workload_ceiling(
                 ceiling, prefill_ceiling, sum(map(len, prompts)), results[0]["tokens"]
             ),
-            "fidelity": {
-                name: fidelity(*compared_rows(mode, df_rows, runs[mode][name]["rows"], max_tokens, eos_ids))
-                for name, _ in legs[1:]
-            },
         }
         fig["dfllm_pct_of_workload_ceiling"] = 100 * results[0]["tok_s"] / fig["workload_ceiling"]["tok_s"]
         sustained = workload_ceiling(
@@ -1016,33 +1417,46 @@ def main() -> None:
         }
         figures["modes"][mode] = fig
         print_mode(mode, fig, ceiling)
+        if temperature:
+            print("  fidelity: not compared (dfllm sampled, the peers greedy)")
+        if nano:
+            print_published()
 
-    print(
-        f"\nmatmul ceiling (float32 GEMMs over the model's linear layers at batch {batch}, fastest of "
-        f"{ceiling['passes']} passes, {ceiling['gemm']}; "
-        + ", ".join(f"{g} {t * 1e3:.1f} ms" for g, t in ceiling["best_by_gemm"].items())
-        + f"): "
-        f"{ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
-        f"{ceiling['flop_s'] / 1e9:.1f} GFLOP/s, {ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token "
-        f"-> {ceiling['tok_s']:.1f} tok/s"
-    )
-    print("  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes) + " of it")
-    print(
-        f"prompt-token matmul ceiling (the same linears without lm_head at {prefill_rows} rows, a prefill "
-        f"chunk's shape, {prefill_ceiling['gemm']}): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
-        f"{prefill_ceiling['flop_s'] / 1e9:.1f} GFLOP/s"
-    )
-    print(
-        "  dfllm against the workload ceiling (both together, per mode): "
-        + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_workload_ceiling']:.1f}%" for m in modes)
-    )
-    for m in modes:
-        pct = figures["modes"][m]["pct_of_workload_ceiling_median_pass"]
+    if cuda:
+        print_device_limits(limits, inputs)
+        if busy is not None:
+            print_device_busy(busy, statistics.median(runs[busy["mode"]]["dfllm"]["secs"]))
+        elif not args.skip_device_busy:
+            print("\ndevice-busy pass skipped: the model runs in other processes")
+    else:
         print(
-            f"  {m}, the workload ceiling at the GEMMs' median pass instead of their fastest "
-            f"({figures['modes'][m]['workload_ceiling_median_pass']['tok_s']:.1f} tok/s): "
-            + ", ".join(f"{e} {v:.1f}%" for e, v in pct.items())
+            f"\nmatmul ceiling (float32 GEMMs over the model's linear layers at batch {batch}, fastest of "
+            f"{ceiling['passes']} passes, {ceiling['gemm']}; "
+            + ", ".join(f"{g} {t * 1e3:.1f} ms" for g, t in ceiling["best_by_gemm"].items())
+            + f"): "
+            f"{ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+            f"{ceiling['flop_s'] / 1e9:.1f} GFLOP/s, {ceiling['flops_per_token'] / 1e6:.1f} MFLOP/token "
+            f"-> {ceiling['tok_s']:.1f} tok/s"
         )
+        print(
+            "  dfllm: " + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_ceiling']:.1f}%" for m in modes) + " of it"
+        )
+        print(
+            f"prompt-token matmul ceiling (the same linears without lm_head at {prefill_rows} rows, a prefill "
+            f"chunk's shape, {prefill_ceiling['gemm']}): {prefill_ceiling['best_seconds'] * 1e3:.1f} ms a pass, "
+            f"{prefill_ceiling['flop_s'] / 1e9:.1f} GFLOP/s"
+        )
+        print(
+            "  dfllm against the workload ceiling (both together, per mode): "
+            + ", ".join(f"{m} {figures['modes'][m]['dfllm_pct_of_workload_ceiling']:.1f}%" for m in modes)
+        )
+        for m in modes:
+            pct = figures["modes"][m]["pct_of_workload_ceiling_median_pass"]
+            print(
+                f"  {m}, the workload ceiling at the GEMMs' median pass instead of their fastest "
+                f"({figures['modes'][m]['workload_ceiling_median_pass']['tok_s']:.1f} tok/s): "
+                + ", ".join(f"{e} {v:.1f}%" for e, v in pct.items())
+            )
     if breakdown is not None:
         print_breakdown(breakdown, breakdown_ceiling)
     elif not args.skip_breakdown:
