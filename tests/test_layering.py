@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent / "dfllm"
 
 #: Top to bottom. A module belongs to the first entry naming its folder or module.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dfllm",),  # the package's facade: what ``import dfllm`` gives
+    ("dfllm", "dfllm.namespaces"),  # the package's facade: what ``import dfllm`` gives, and .llm on the libraries
     ("dfllm.jobs",),  # the CLI, Ray's processor, OpenAI batch files
     ("dfllm.accessors",),  # .llm on Dask, pandas and Polars; placement; the parquet writer
     ("dfllm.tasks",),  # a task as data, its rows, its runners

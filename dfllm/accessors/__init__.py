@@ -1,3 +1,3 @@
-"""``.llm`` accessors on Dask, pandas and Polars, registered when ``dfllm`` is imported."""
-
-from dfllm.accessors import arrow_dtypes, dask_ext, pandas_ext, polars_ext  # noqa: F401  (registration)
+"""``.llm`` on Dask, pandas and Polars: one module per library (``pandas_ext``, ``dask_ext``,
+``polars_ext``), each with a ``register()`` that :mod:`dfllm` calls on the first ``.llm`` use.
+This package imports none of them itself, so that a library that is not installed is not needed."""

@@ -4,7 +4,9 @@
 Partitions run wherever Dask schedules them; on a distributed cluster each worker process
 keeps one engine per model configuration (see :mod:`dfllm.worker.engine_cache`). Tasks
 are named ``llm-<task>`` in the dashboard's task stream. ``resources=`` keeps the engine
-work on workers declaring those resources (see :mod:`dfllm.accessors.placement`)."""
+work on workers declaring those resources (see :mod:`dfllm.accessors.placement`).
+
+:func:`register` puts ``.llm`` there; ``import dfllm`` arranges for that on the first ``.llm``."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.tasks.task import LLMTask
 
 
-@register_dataframe_accessor("llm")
 class DaskLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
     def _model_check(self, resources: dict | None):
         return model_check(check_resources(resources))
@@ -28,7 +29,6 @@ class DaskLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
         return self._obj.map_partitions(PartitionFunction(task, resources), meta=output_meta(self._obj._meta, task))
 
 
-@register_series_accessor("llm")
 class DaskSeriesLLMAccessor(LLMSeriesMethods):
     frame_methods = DaskLLMAccessor
 
@@ -40,3 +40,9 @@ class DaskSeriesLLMAccessor(LLMSeriesMethods):
 
     def _main(self, frame: dd.DataFrame, column: str) -> dd.Series:
         return frame[column].rename(self._obj.name)
+
+
+def register() -> None:
+    """Registers ``.llm`` on Dask's DataFrame and Series."""
+    register_dataframe_accessor("llm")(DaskLLMAccessor)
+    register_series_accessor("llm")(DaskSeriesLLMAccessor)

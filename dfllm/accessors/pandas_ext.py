@@ -1,4 +1,6 @@
-"""``.llm`` on pandas DataFrames and Series (pandas' accessor API); runs in this process."""
+"""``.llm`` on pandas DataFrames and Series (pandas' accessor API); runs in this process.
+
+:func:`register` puts it there; ``import dfllm`` arranges for that on the first ``.llm``."""
 
 from __future__ import annotations
 
@@ -10,13 +12,11 @@ from dfllm.tasks.runners import run_task
 from dfllm.tasks.task import LLMTask
 
 
-@pd.api.extensions.register_dataframe_accessor("llm")
 class PandasLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pd.DataFrame:
         return run_task(self._obj, task, progress=True)
 
 
-@pd.api.extensions.register_series_accessor("llm")
 class PandasSeriesLLMAccessor(LLMSeriesMethods):
     frame_methods = PandasLLMAccessor
 
@@ -28,3 +28,9 @@ class PandasSeriesLLMAccessor(LLMSeriesMethods):
 
     def _main(self, frame: pd.DataFrame, column: str) -> pd.Series:
         return frame[column].rename(self._obj.name)
+
+
+def register() -> None:
+    """Registers ``.llm`` on pandas' DataFrame and Series."""
+    pd.api.extensions.register_dataframe_accessor("llm")(PandasLLMAccessor)
+    pd.api.extensions.register_series_accessor("llm")(PandasSeriesLLMAccessor)

@@ -5,6 +5,8 @@ and come back as Polars; a LazyFrame maps its batches lazily with the output sch
 up front; ``pl.col("q").llm.generate(...)`` gives the main output inside ``with_columns``
 (``pl.col("a").llm.score(pl.col("b"))`` scores two expressions row by row, as pandas' and
 Dask's ``series.llm.score(other)`` do).
+
+:func:`register` puts ``.llm`` there; ``import dfllm`` arranges for that on the first ``.llm``.
 """
 
 from __future__ import annotations
@@ -60,13 +62,11 @@ def _polars_schema(task: LLMTask) -> dict:
     return {c: _polars_dtype(d, c) for c, d in task.output_dtypes().items()}
 
 
-@pl.api.register_dataframe_namespace("llm")
 class PolarsLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.DataFrame:
         return _run(self._obj, task)
 
 
-@pl.api.register_lazyframe_namespace("llm")
 class PolarsLazyLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
     def _columns(self) -> list[str]:
         return list(self._obj.collect_schema().names())
@@ -76,7 +76,6 @@ class PolarsLazyLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
         return self._obj.map_batches(lambda df: _run(df, task), schema=schema)
 
 
-@pl.api.register_expr_namespace("llm")
 class PolarsExprLLMNamespace:
     """``pl.col(...).llm.<method>(...)``: the main output of each method, for ``with_columns``."""
 
@@ -134,3 +133,10 @@ def _probe_task(kind: str, output_column: str, json_schema=None, choice=None) ->
         if json_schema is not None or choice is not None
         else LLMTask(kind, (SERIES_INPUT,), output_column)
     )
+
+
+def register() -> None:
+    """Registers ``.llm`` on Polars' DataFrame, LazyFrame and Expr."""
+    pl.api.register_dataframe_namespace("llm")(PolarsLLMNamespace)
+    pl.api.register_lazyframe_namespace("llm")(PolarsLazyLLMNamespace)
+    pl.api.register_expr_namespace("llm")(PolarsExprLLMNamespace)
