@@ -50,6 +50,8 @@ class _Pack:
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
     """Edit ``logits`` (one row per sequence of ``seqs``) in place with each row's bias,
     allowed tokens, bad words, penalties and ``min_tokens`` ban."""
+    if not _any_edit(seqs):
+        return
     vocab = logits.shape[1]
     pack = _Pack()
     allowed_rows: list[int] = []
@@ -115,3 +117,28 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: s
         logits[rows] -= t["frequency"].unsqueeze(1) * counts + t["presence"].unsqueeze(1) * present
     if "min_rows" in t:
         logits[t["min_rows"], t["min_ids"]] = _NEG_INF
+
+
+def _any_edit(seqs: list[Sequence]) -> bool:
+    """Whether some row may have an edit: False only where no row has a bias, allowed tokens,
+    bad words, a penalty or ``min_tokens`` (each parameters object checked once in a run of
+    rows that share it, the usual case)."""
+    last = None
+    for seq in seqs:
+        req = seq.request
+        if req.bad_words_ids:
+            return True
+        p = req.params
+        if p is last:
+            continue
+        if (
+            p.logit_bias
+            or p.allowed_token_ids is not None
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.min_tokens
+        ):
+            return True
+        last = p
+    return False

@@ -90,11 +90,50 @@ class EngineMetrics:
         else:
             self.tpot.observe(seconds)
 
+    def observe_tokens(self, prompt_tokens: int, ttfts: list[float], tpots: list[float]) -> None:
+        """A step's generated tokens at once, as :meth:`observe_token` once per token would
+        record them (the same counters, bucket counts and, added in the same order, sums):
+        ``ttfts`` the times to first token of the requests whose first token this was (their
+        prompts ``prompt_tokens`` tokens together), ``tpots`` the other tokens' times since
+        their previous one."""
+        n = len(ttfts) + len(tpots)
+        if n:
+            self.generation_tokens.inc(n)
+        if ttfts:
+            self.prompt_tokens.inc(prompt_tokens)
+            _observe_all(self.ttft, ttfts)
+        if tpots:
+            _observe_all(self.tpot, tpots)
+
     def observe_finish(self, seconds: float, prompt_tokens: int, generated_tokens: int) -> None:
         """A finished request: its latency and its prompt and generated token counts."""
         self.e2e.observe(seconds)
         self.request_prompt.observe(prompt_tokens)
         self.request_generation.observe(generated_tokens)
+
+
+def _observe_all(hist: PromHistogram, values: list[float]) -> None:
+    """``hist.observe(v)`` for each of ``values`` in order, in one update of the sum and one of
+    each bucket hit (a step's tokens mostly share one value) where the client's histogram is
+    the one this was written against (``_sum``, ``_buckets``, ``_upper_bounds``); one
+    ``observe`` per value otherwise. Only the engine's stepping thread observes tokens, so
+    reading the sum and setting it back loses no concurrent update."""
+    total, buckets, bounds = (getattr(hist, a, None) for a in ("_sum", "_buckets", "_upper_bounds"))
+    if total is None or buckets is None or bounds is None:
+        for v in values:
+            hist.observe(v)
+        return
+    s = total.get()
+    counts: dict[float, int] = {}
+    for v in values:  # the same float additions, in the same order, as observe's
+        s += v
+        counts[v] = counts.get(v, 0) + 1
+    total.set(s)
+    for v, c in counts.items():
+        for i, bound in enumerate(bounds):  # as observe: the first bucket whose bound holds v (none for NaN)
+            if v <= bound:
+                buckets[i].inc(c)
+                break
 
 
 # ---- snapshots -----------------------------------------------------------------------

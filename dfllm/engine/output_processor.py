@@ -51,41 +51,74 @@ class OutputProcessor:
 
     def process(self, seqs: list[Sequence], sampled: list[SampledToken | str], now: float) -> list[Sequence]:
         """Apply one step's sampled tokens (or, for a row that could not be sampled, what was
-        wrong with its logits); the sequences that ended, with ``finish_reason`` set."""
-        ended = []
-        for seq, tok in zip(seqs, sampled):
-            if isinstance(tok, str):
-                seq.error = (
-                    f"the model produced non-finite logits ({tok}) at output token {seq.num_output_tokens} (0-based)"
-                )
-                logger.warning("request %s: %s", seq.request.request_id, seq.error)
-                seq.finish_reason = "error"
-            else:
-                self._append(seq, tok, now)
-            if seq.finish_reason is not None:
-                ended.append(seq)
-        return ended
+        wrong with its logits); the sequences that ended, with ``finish_reason`` set.
 
-    def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
-        token = tok.token_id
-        seq.token_ids.append(token)
-        m = seq.request.metrics
-        first = m.first_token_time is None
-        since = m.arrival_time if first else m.last_token_time
-        assert since is not None  # set with the first token
-        self.metrics.observe_token(first, len(seq.request.prompt_token_ids), now - since)
-        if first:
-            m.first_token_time = now
-        m.last_token_time = now
-        if tok.logprob is not None:
-            seq.cumulative_logprob += tok.logprob
-            assert seq.logprobs is not None  # a list where logprobs were asked for
-            seq.logprobs.append(self._logprob_dict(tok, seq.params.detokenize))
-        seq.finish_reason, seq.stop_reason = self._check_stop(seq, token)
+        The tokens' metrics are recorded once for the step (:meth:`EngineMetrics.observe_tokens`,
+        the same values as one observation per token). A row whose parameters ask for no stop
+        but the end-of-sequence token and the length limits, with no grammar and no text
+        (``detokenize=False``), takes a short path that makes the same decisions as
+        :meth:`_check_stop`."""
+        ended = []
+        ttfts: list[float] = []
+        tpots: list[float] = []
+        prompt_tokens = 0
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        last_params, plain = None, False
+        try:
+            for seq, tok in zip(seqs, sampled):
+                if isinstance(tok, str):
+                    seq.error = (
+                        f"the model produced non-finite logits ({tok}) at output token "
+                        f"{seq.num_output_tokens} (0-based)"
+                    )
+                    logger.warning("request %s: %s", seq.request.request_id, seq.error)
+                    seq.finish_reason = "error"
+                    ended.append(seq)
+                    continue
+                token = tok.token_id
+                token_ids = seq.token_ids
+                token_ids.append(token)
+                req = seq.request
+                m = req.metrics
+                if m.first_token_time is None:
+                    prompt_tokens += len(req.prompt_token_ids)
+                    ttfts.append(now - m.arrival_time)
+                    m.first_token_time = now
+                else:
+                    since = m.last_token_time
+                    assert since is not None  # set with the first token
+                    tpots.append(now - since)
+                m.last_token_time = now
+                p = req.params
+                if tok.logprob is not None:
+                    seq.cumulative_logprob += tok.logprob
+                    assert seq.logprobs is not None  # a list where logprobs were asked for
+                    seq.logprobs.append(self._logprob_dict(tok, p.detokenize))
+                if p is not last_params:
+                    last_params = p
+                    plain = not (p.detokenize or p.stop_token_groups or p.single_stop_token_ids)
+                if plain and seq.grammar is None:  # _check_stop's decisions for such a row
+                    num_out = len(token_ids) - seq.num_prompt_tokens
+                    if num_out >= p.min_tokens and not p.ignore_eos and token in eos:
+                        seq.finish_reason, seq.stop_reason = "stop", None
+                    else:
+                        if num_out == p.min_tokens:
+                            seq.stop_offset = len(seq.text)
+                        if (p.max_tokens is not None and num_out >= p.max_tokens) or len(token_ids) >= max_len:
+                            seq.finish_reason, seq.stop_reason = "length", None
+                        else:
+                            seq.finish_reason, seq.stop_reason = None, None
+                else:
+                    seq.finish_reason, seq.stop_reason = self._check_stop(seq, token)
+                if seq.finish_reason is not None:
+                    ended.append(seq)
+        finally:
+            self.metrics.observe_tokens(prompt_tokens, ttfts, tpots)
+        return ended
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
         """(finish_reason, stop_reason) after ``token`` was appended; (None, None) to go on."""
-        p = seq.params
+        p = seq.request.params
         if seq.grammar is not None:
             if not seq.grammar.accept(token, seq.token_ids):  # the mask allows only accepted tokens: a bug if reached
                 logger.error(
@@ -94,7 +127,8 @@ class OutputProcessor:
                 return "stop", None
             if seq.grammar.terminated:  # complete, and a stop token accepted: done whatever ignore_eos says
                 return "stop", None
-        stops_allowed = seq.num_output_tokens >= p.min_tokens
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens  # the token ids do not change below
+        stops_allowed = num_out >= p.min_tokens
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         if p.stop_token_groups:
@@ -111,15 +145,15 @@ class OutputProcessor:
                 self.detokenizer.step(seq)
             return "stop", token
         delta = self.detokenizer.step(seq) if p.detokenize else ""
-        if seq.num_output_tokens == p.min_tokens:  # as vLLM: no stop string in these tokens' text
+        if num_out == p.min_tokens:  # as vLLM: no stop string in these tokens' text
             seq.stop_offset = len(seq.text)
-        if seq.num_output_tokens > p.min_tokens and delta and p.stop_strings:
+        if num_out > p.min_tokens and delta and p.stop_strings:
             stop = _cut_at_stop_string(seq, len(delta))
             if stop is not None:
                 return "stop", stop
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_out >= p.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.token_ids) >= self.max_model_len:
             return "length", None
         return None, None
 

@@ -148,9 +148,13 @@ class Scheduler:
     def update_from_step(self, out: SchedulerOutput) -> None:
         """After the model ran ``out``: its tokens are in the KV cache, and the blocks they
         filled join the prefix cache."""
+        bm = self.bm
+        bs, hashing, window = bm.block_size, bm.enable_prefix_caching, bm.sliding_window is not None
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
+            # cache_full_blocks does nothing unless a block became full (or a window slides)
+            if window or (hashing and seq.num_computed_tokens // bs > seq.num_hashed_blocks):
+                bm.cache_full_blocks(seq)
 
     def blocks_to_zero(self) -> list[int]:
         """Blocks newly handed out since the last call, which the runner zeroes before use."""
@@ -180,19 +184,40 @@ class Scheduler:
     def _schedule_once(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        bs, status_running = self.bm.block_size, SequenceStatus.RUNNING
+        seqs, counts = out.seqs, out.num_new_tokens
+        # the running decodes first, in order (each as it comes), then the running prefills
+        prefills: list[Sequence] = []
+        for seq in list(self.running):  # a copy: preemption removes from the list
+            if seq.status is not status_running:  # preempted earlier in this step
+                continue
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left != 1:
+                if left > 1:
+                    prefills.append(seq)
+                continue
             if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                return out
+            # a sequence whose block table already holds its new token needs no room and no block
+            if seq.num_computed_tokens >= len(seq.block_table) * bs:
+                if not self._make_room(seq, 1, out):
+                    continue
+                self.bm.allocate(seq, seq.num_computed_tokens + 1)
+            seqs.append(seq)
+            counts.append(1)
+            budget -= 1
+        for seq in prefills:
+            if budget == 0:
+                return out
+            if seq.status is not status_running:  # preempted earlier in this step
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, n, out):
-                continue
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + n > len(seq.block_table) * bs:
+                if not self._make_room(seq, n, out):
+                    continue
+                self.bm.allocate(seq, seq.num_computed_tokens + n)
+            seqs.append(seq)
+            counts.append(n)
             budget -= n
         if out.num_preempted == 0:
             budget = self._admit_waiting(out, budget)

@@ -87,34 +87,37 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     lora = any(s.request.lora_request is not None for s in sched.seqs)
     if lora:  # LoRA: each adapter's rows together (one slice per adapter in every adapted layer)
         scheduled.sort(key=lambda sn: sn[0].request.lora_slot)
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
     for seq, n in scheduled:
-        start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
+        start = seq.num_computed_tokens
+        end, row = start + n, len(ids)
         table = seq.block_table
+        token_ids = seq.token_ids
         if n == 1:
-            ids.append(seq.token_ids[start])
+            ids.append(token_ids[start])
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
             dec_rows.append(row)
             dec_seqs.append(seq)
         else:
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             prefills.append((row, n, end, None if start == 0 else _slots(table, end, bs)))
-        if end == seq.num_tokens:
+        if end == len(token_ids):
             logit_rows.append(row + n - 1)
             sample_seqs.append(seq)
-        if seq.needs_prompt_logprobs:
-            assert seq.prompt_logprobs is not None
-            # positions p scoring prompt token p + 1, from the first not yet scored
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            # (needs_prompt_logprobs) positions p scoring prompt token p + 1, from the first not yet scored
             first = max(start, len(seq.prompt_logprobs) - 1)
             last = min(end, seq.num_prompt_tokens - 1)
             if last > first:
                 prompt_rows.extend(range(row + first - start, row + last - start))
                 prompt_spans.append(PromptLogitSpan(seq, first, last - first))
         qsl.append(len(ids))
-    seq_lens = [s.num_computed_tokens + n for s, n in scheduled]
-    tables = [s.block_table for s, _ in scheduled]
+        seq_lens.append(end)
+        tables.append(table)
     pack = HostPack()
     tokens = pack.add(ids, torch.long), pack.add(positions, torch.long), pack.add(logit_rows + prompt_rows, torch.long)
     # the C++ decode kernel's batch, on a CPU device only (no other kernel reads it)

@@ -1,0 +1,174 @@
+"""The engine's per-step host fast paths decide and record exactly what the general ones do:
+batched token metrics, the plain stop check, the decode schedule without block work, the
+skipped penalties and the 16-byte block zeroing."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from dfllm.engine.block_manager import block_hash, chain_root
+from dfllm.engine.kv_memory import zero_blocks
+from dfllm.engine.logit_penalties import apply_penalties
+from dfllm.engine.metrics import EngineMetrics, snapshot
+from dfllm.engine.output_processor import OutputProcessor
+from dfllm.engine.sampler import SampledToken
+from dfllm.engine.scheduler import Scheduler
+from dfllm.engine.sequence import Request, Sequence
+from dfllm.outputs import RequestMetrics
+from dfllm.sampling_params import SamplingParams
+
+from helpers import make_seq
+
+
+def test_observe_tokens_records_what_one_observation_per_token_does():
+    rng = random.Random(0)
+    bounds = [0.001, 0.005, 0.1, 600.0]
+    per_token, batched = EngineMetrics("m"), EngineMetrics("m")
+    for _ in range(20):  # steps: many tokens sharing a value, bucket bounds, outliers, negatives
+        shared = rng.random() * 0.05
+        firsts = [(rng.randrange(1, 50), rng.choice([shared, rng.random(), rng.choice(bounds)])) for _ in range(3)]
+        others = [rng.choice([shared, shared, rng.choice(bounds), -0.001, 1e4, rng.random() / 7]) for _ in range(40)]
+        for plen, s in firsts:
+            per_token.observe_token(True, plen, s)
+        for s in others:
+            per_token.observe_token(False, 0, s)
+        batched.observe_tokens(sum(p for p, _ in firsts), [s for _, s in firsts], others)
+    batched.observe_tokens(0, [], [])  # a step without tokens records nothing
+    assert snapshot(per_token.registry) == snapshot(batched.registry)  # sums equal to the last bit: the same additions
+    tpot = next(x for x in snapshot(batched.registry) if x.name == "dfllm_time_per_output_token_seconds")
+    assert tpot.count == 20 * 40 and math.isfinite(tpot.sum)
+
+
+def _plain_seq(params: SamplingParams, prompt: list[int], out: list[int]) -> Sequence:
+    req = Request("r", None, prompt, params, RequestMetrics(0.0))
+    seq = Sequence(req, 0, prompt + out, len(prompt))
+    req.seqs.append(seq)
+    return seq
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(detokenize=False),
+        dict(detokenize=False, ignore_eos=True),
+        dict(detokenize=False, min_tokens=2),
+        dict(detokenize=False, min_tokens=3, max_tokens=3),
+        dict(detokenize=False, max_tokens=None),
+        dict(detokenize=False, stop_token_ids=[5]),  # the general path, for comparison
+        dict(detokenize=False, stop_token_ids=[[5, 2]], min_tokens=1),
+    ],
+)
+def test_plain_stop_path_decides_as_check_stop(kw):
+    params = SamplingParams(**kw)
+    eos, max_len = {2}, 9
+    for tokens in ([2], [1, 2], [5, 2], [1, 1, 1], [1, 5, 1, 2], [1, 1, 1, 1, 1, 1, 1]):
+        fast = _plain_seq(params, [9, 9, 9], [])
+        slow = _plain_seq(params, [9, 9, 9], [])
+        proc = OutputProcessor(None, eos, max_len, EngineMetrics("m"))
+        for i, t in enumerate(tokens):
+            if fast.finish_reason is not None:
+                break
+            proc.process([fast], [SampledToken(t)], float(i + 1))
+            slow.token_ids.append(t)
+            expected = proc._check_stop(slow, t)
+            assert (fast.finish_reason, fast.stop_reason) == expected, (kw, tokens, i)
+            assert fast.stop_offset == slow.stop_offset and fast.text == slow.text
+        assert fast.token_ids == slow.token_ids[: len(fast.token_ids)]
+
+
+def test_process_records_each_token_once_and_errors_end_rows():
+    metrics = EngineMetrics("m")
+    proc = OutputProcessor(None, {2}, 100, metrics)
+    params = SamplingParams(detokenize=False, max_tokens=3)
+    a, b = _plain_seq(params, [1, 1], []), _plain_seq(params, [1, 1, 1], [])
+    assert proc.process([a, b], [SampledToken(4), "NaN"], 1.0) == [b]
+    assert b.finish_reason == "error" and "NaN" in (b.error or "")
+    assert proc.process([a], [SampledToken(4)], 1.5) == []
+    assert proc.process([a], [SampledToken(4)], 2.5) == [a] and a.finish_reason == "length"
+    values = {x.name: x for x in snapshot(metrics.registry)}
+    assert values["dfllm_generation_tokens"].value == 3
+    assert values["dfllm_prompt_tokens"].value == 2
+    assert values["dfllm_time_to_first_token_seconds"].count == 1
+    assert values["dfllm_time_per_output_token_seconds"].count == 2
+    assert values["dfllm_time_per_output_token_seconds"].sum == 0.5 + 1.0
+
+
+def test_decodes_take_blocks_and_hash_them_exactly_when_a_block_fills():
+    bs = 4
+    s = Scheduler(64, bs, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [make_seq(list(range(10 * i, 10 * i + 5 + i))) for i in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    for _ in range(12):
+        out = s.schedule()
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            assert len(seq.block_table) == -(-(seq.num_computed_tokens + n) // bs)  # just enough blocks
+        s.update_from_step(out)
+        for seq in out.seqs:
+            full = seq.num_computed_tokens // bs
+            assert seq.num_hashed_blocks == full
+            parent = chain_root(seq)
+            for i in range(full):  # every full block keyed by its chained hash
+                block = s.bm.blocks[seq.block_table[i]]
+                assert block.hash == block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+                assert s.bm.hash_to_block[block.hash] == block.block_id
+                parent = block.hash
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(7)
+    assert s.stats().num_preemptions == 0
+
+
+def test_penalties_skip_rows_without_edits_and_apply_with_one():
+    plain = SamplingParams()
+    seqs = [make_seq([1, 2, 3]) for _ in range(4)]
+    logits = torch.randn(4, 10)
+    before = logits.clone()
+    apply_penalties(logits, seqs, {0})
+    assert torch.equal(logits, before)
+    for kw in (
+        dict(logit_bias={3: 5.0}),
+        dict(repetition_penalty=1.5),
+        dict(presence_penalty=0.5),
+        dict(min_tokens=2),
+        dict(allowed_token_ids=[1]),
+    ):
+        edited = [make_seq([1, 2, 3]) for _ in range(4)]
+        edited[2].request.params = SamplingParams(**kw)
+        for s in edited:
+            s.request.params = plain if s is not edited[2] else s.request.params
+            s.token_ids.append(4)
+        x = before.clone()
+        apply_penalties(x, edited, {0})
+        assert torch.equal(x[[0, 1, 3]], before[[0, 1, 3]]) and not torch.equal(x[2], before[2]), kw
+    bad = [make_seq([1, 2, 3]) for _ in range(2)]
+    bad[1].request.bad_words_ids = ((6,),)
+    x = before[:2].clone()
+    apply_penalties(x, bad, {0})
+    assert x[1, 6] == float("-inf") and torch.equal(x[0], before[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 3, 20, 4, 2, 8), (1, 2, 20, 4, 1, 16), (2, 1, 20, 1, 1, 3)])
+def test_zero_blocks_matches_index_fill(dtype, shape):
+    kv = torch.randn(shape).to(dtype)
+    kv[0, 0, 5] = float("nan")
+    ids = [5, 0, 7, 8, 19, 7]  # repeated ids too
+    expected = kv.clone()
+    expected.index_fill_(2, torch.tensor(ids), 0)
+    zero_blocks(kv, ids)
+    assert torch.equal(kv.view(torch.uint8), expected.view(torch.uint8))  # the same bytes
+    zero_blocks(kv, [])
+    assert torch.equal(kv.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_zero_blocks_on_a_view_that_cannot_be_widened():
+    base = torch.randn(2, 2, 10, 4, 2, 8)
+    kv = base[:, :, :, :, :, :7]  # not contiguous: the plain fill
+    expected = kv.clone()
+    expected.index_fill_(2, torch.tensor([1, 3]), 0)
+    zero_blocks(kv, [1, 3])
+    assert torch.equal(kv, expected)
