@@ -286,7 +286,7 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
     for i, line in enumerate(lines):
         try:
             planned.append((i, engine_requests(line.request, gen)))
-        except (LineError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001  (whatever a line's checks raise stays with the line)
             results[i] = LineResult.failed(as_line_error(exc))
 
     def run(groups: list[tuple[int, list]]) -> list[list]:
@@ -308,17 +308,15 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
 def engine_requests(request, gen: Generation) -> list:
     """The checked engine requests of one chat or completions request (as ``LLM.chat`` and
     ``LLM.generate`` check them): :class:`LineError` (or ``ValueError``) for one the engine
-    refuses. Only ``gen``'s processor and lock are used (a dry run makes them too)."""
+    refuses. Only ``gen``'s processor and lock are used (a dry run makes them too). A chat
+    template that cannot render the conversation (it raises, as real templates do when the
+    roles do not alternate; a syntax error; an undefined variable) is the line's 400, naming
+    ``body.chat_template`` when the line gave the template, else ``body.messages``."""
+    aliases = request.param_fields()
     if isinstance(request, ChatCompletionRequest):
         with gen.lock:
-            rendered = gen.processor.render_chat(
-                request.messages,
-                request.chat_template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
-            return [_process(gen, rendered, request.params, "body.messages", "the conversation")]
+            rendered = _render(gen, request)
+            return [_process(gen, rendered, request.params, "body.messages", "the conversation", aliases)]
     assert isinstance(request, CompletionRequest)
     with gen.lock:
         checked = [
@@ -328,6 +326,7 @@ def engine_requests(request, gen: Generation) -> list:
                 request.params,
                 "body.prompt" + (f"[{k}]" if len(request.prompts) > 1 else ""),
                 "the prompt" + (f" {k}" if len(request.prompts) > 1 else ""),
+                aliases,
             )
             for k, p in enumerate(request.prompts)
         ]
@@ -370,12 +369,41 @@ class WholeText(ReasoningParser):
         return None, model_output
 
 
-def _process(gen: Generation, prompt, params, field_name: str, what: str):
+def _render(gen: Generation, request: ChatCompletionRequest):
+    """The line's conversation rendered by the chat template (call holding ``gen.lock``)."""
+    try:
+        return gen.processor.render_chat(
+            request.messages,
+            request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (a template that cannot render this conversation: this line's 400)
+        where = "body.chat_template" if request.chat_template is not None else "body.messages"
+        raise LineError(
+            f"{where}: the chat template cannot render this conversation ({type(exc).__name__}: {exc})",
+            param=where,
+        ) from None
+
+
+def _process(gen: Generation, prompt, params, field_name: str, what: str, aliases: Mapping[str, str]):
+    """``prompt`` checked by the engine's input processor; :class:`LineError` naming the body
+    field at fault (``aliases``: the processor's name of a field -> the body's)."""
     try:
         return gen.processor.process(prompt, params, what=what)
     except InvalidRequestError as exc:
         param = exc.parameter
-        where = field_name if param in (None, "prompt", "prompt_token_ids", "messages") else f"body.{param}"
+        if param is None and params.structured_outputs is not None and "(structured_outputs." in str(exc):
+            param = "structured_outputs"  # the constraint did not compile for this tokenizer
+        if param is not None and param in aliases:
+            where = f"body.{aliases[param]}"
+        elif param in (None, "prompt", "prompt_token_ids", "messages"):
+            where = field_name
+        else:
+            where = f"body.{param}"
         raise LineError(f"{where}: {exc}", param=where) from None
 
 

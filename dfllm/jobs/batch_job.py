@@ -23,8 +23,14 @@ object appears when its upload completes. Either way the output appears only com
 Resume: a job that was killed leaves its finished parts in the staging folder; run it
 again with ``resume=True`` (``--resume``) and only the missing partitions are computed,
 then the whole output is written again from the parts, so every line is answered exactly
-once. The staging folder is removed once the output is written (``keep_parts=True`` keeps
-it, so that a later resumed run recomputes nothing).
+once. Once the output is written, the files the job wrote in the staging folder are removed,
+then the folder if it is empty (``keep_parts=True`` keeps them, so that a later resumed run
+recomputes nothing). The staging folder is the job's own: a job refuses to start if it
+holds a file no batch job wrote, or the input or error file (:func:`check_paths`).
+
+Hostile lines (a chat template that raises, lone surrogates, integers of more digits than
+Python reads, values of any type in any field) are each that line's error answer; a UTF-8
+byte-order mark at the start of the file is dropped.
 
 ``reasoning_parser=`` (``--reasoning-parser``) splits a thinking model's chat answers into
 ``reasoning_content`` and ``content`` (see :mod:`dfllm.jobs.batch`); ``cache=`` (``--cache``)
@@ -50,7 +56,7 @@ import pyarrow.parquet as pq
 
 from dfllm.accessors.partitions import WritableFunction
 from dfllm.jobs.batch import BatchOptions, Engines, answer
-from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
+from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line, printable
 from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.write_key import canonical
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress
 STAGING_SUFFIX = ".parts"
+UTF8_BOM = b"\xef\xbb\xbf"
 _STR, _INT = pd.ArrowDtype(pa.string()), pd.ArrowDtype(pa.int64())
 #: The columns of a staged part, one row per input line (blank lines included, with no status).
 PART_COLUMNS = {
@@ -172,7 +179,7 @@ def answer_partition(df: pd.DataFrame, options: BatchOptions, cache: ResponseCac
             cols["custom_id"][pos] = custom_id_of(text) if ok else None
             _fill_error(cols, pos, exc)
             continue
-        cols["custom_id"][pos] = request.custom_id
+        cols["custom_id"][pos] = printable(request.custom_id)
         parsed.append(request)
         where.append(pos)
     if parsed:
@@ -183,20 +190,26 @@ def answer_partition(df: pd.DataFrame, options: BatchOptions, cache: ResponseCac
                 _fill_error(cols, pos, r.error)
                 continue
             cols["status_code"][pos] = r.status_code
-            cols["body"][pos] = json.dumps(r.body, ensure_ascii=False)
+            cols["body"][pos] = printable(json.dumps(r.body, ensure_ascii=False))  # a surrogate: its JSON escape
             cols[NUM_INPUT_TOKENS][pos], cols[NUM_GENERATED_TOKENS][pos] = r.input_tokens, r.output_tokens
     return pd.DataFrame({c: pd.Series(v, dtype=PART_COLUMNS[c], index=df.index) for c, v in cols.items()})
 
 
 def _fill_error(cols: dict, pos: int, exc: LineError) -> None:
     cols["status_code"][pos] = exc.status
-    cols["error_code"][pos], cols["error_message"][pos], cols["error_param"][pos] = exc.code, str(exc), exc.param
+    param = None if exc.param is None else printable(exc.param)
+    cols["error_code"][pos], cols["error_message"][pos], cols["error_param"][pos] = exc.code, printable(str(exc)), param
 
 
 # ---- the input --------------------------------------------------------------------------------------------
 def _block_lines(data: bytes, block: int) -> pd.DataFrame:
     """One block of the input (whole lines) as rows: its number, each line's place in it,
-    the line's text (``\\r\\n`` ends read as ``\\n``) and whether it was valid UTF-8."""
+    the line's text (``\\r\\n`` ends read as ``\\n``) and whether it was valid UTF-8. A UTF-8
+    byte-order mark at the start of the file (block 0) is dropped, as Python's ``utf-8-sig``
+    and pandas drop it (PowerShell 5 and Excel write one); anywhere else it stays, and that
+    line is not JSON."""
+    if block == 0 and data.startswith(UTF8_BOM):
+        data = data[len(UTF8_BOM) :]
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
         raw.pop()
@@ -449,7 +462,7 @@ def run_batch(
             errors.discard()
         raise
     if not keep_parts and lines is not None:
-        _remove_staging(staging, storage_options)
+        _remove_staging(staging, storage_options, partitions)
     cache_delta = None
     if cache_before is not None:
         cache_delta = {k: v - cache_before.get(k, 0) for k, v in cache_counts().items()}
@@ -536,8 +549,8 @@ class BatchRequests:
                         continue
                     raise unsupported_endpoint(line.endpoint, self.options)
                 requests += engine_requests(line.request, gen)
-            except (LineError, ValueError) as exc:
-                refused[pos] = str(as_line_error(exc))
+            except Exception as exc:  # noqa: BLE001  (as the real run: whatever a line raises is that line's)
+                refused[pos] = printable(str(as_line_error(exc)))
         return requests, refused, skipped
 
     def cache_hits(self, requests: list, config) -> list[bool] | None:
@@ -669,13 +682,17 @@ def check_paths(
     input_file: str, output_file: str, error_file: str | None = None, storage_options: dict | None = None
 ) -> None:
     """``ValueError`` unless the input is a file and the output, the error file and the
-    staging folder (``<output>.parts``) are paths of their own."""
+    staging folder (``<output>.parts``) are paths of their own, none of the files inside the
+    staging folder, and the staging folder holds nothing but what batch jobs write there
+    (:func:`check_staging`): it is the job's own, and the job removes its files at the end."""
     import fsspec
 
     from dfllm.accessors.writer import _normal
 
     fs, where = check_input(input_file, storage_options)
     staging = output_file.rstrip("/") + STAGING_SUFFIX
+    sfs, s = fsspec.core.url_to_fs(staging, **(storage_options or {}))
+    s = _normal(sfs, s)
     seen = {("input file", _normal(fs, where))}
     for what, path in (("output file", output_file), ("error file", error_file), ("staging folder", staging)):
         if path is None:
@@ -688,6 +705,67 @@ def check_paths(
         if what != "staging folder" and pfs.isdir(p):
             raise ValueError(f"the {what} {path} is a folder; give a file path")
         seen.add((what, p))
+    for what, p in seen:
+        if p.startswith(s + "/"):
+            raise ValueError(
+                f"the {what} {p} is inside the staging folder {staging}, which the job owns (it writes its "
+                f"parts there and removes them when done): put the {what} elsewhere"
+            )
+    check_staging(staging, storage_options)
+
+
+def _staging_files(fs, root: str) -> tuple[list[str], list[str]]:
+    """The files under a staging folder (relative to it): those batch jobs write there (their
+    parts, key records, set-aside parts, schema and temporary files) and the others."""
+    from dfllm.accessors.writer import COMMON_METADATA, FOOTER_KEY, KEY_FILE, PART, SET_ASIDE_FILE, TEMPORARY
+
+    def batch_parquet(name: str) -> bool:  # written by dfllm (its record in the footer), with a batch part's columns
+        try:
+            with fs.open(f"{root}/{name}", "rb") as f:
+                meta = pq.read_metadata(f)
+            names = set(meta.schema.to_arrow_schema().names)
+        except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
+            return False
+        return FOOTER_KEY in (meta.metadata or {}) and set(PART_COLUMNS) <= names
+
+    ours: list[str] = []
+    foreign: list[str] = []
+    for name in sorted(f[len(root) + 1 :] for f in fs.find(root) if f.startswith(root + "/")):
+        folder, _, base = name.rpartition("/")
+        mine = (
+            (folder == "" and (PART.fullmatch(base) or base == COMMON_METADATA) and batch_parquet(name))
+            or (folder == "_dfllm_keys" and KEY_FILE.fullmatch(base))
+            or (folder == "_dfllm_keys/set-aside" and SET_ASIDE_FILE.fullmatch(base) and batch_parquet(name))
+            or (folder in ("", "_dfllm_keys") and TEMPORARY.fullmatch(base))
+            or (folder == "" and _COMMON_METADATA_TEMPORARY.fullmatch(base))
+        )
+        (ours if mine else foreign).append(name)
+    return ours, foreign
+
+
+_COMMON_METADATA_TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{32}-_common_metadata")  # dfllm.write_parquet's
+
+
+def check_staging(staging: str, storage_options: dict | None = None) -> None:
+    """``ValueError`` if the staging folder ``<output>.parts`` exists and holds anything a
+    batch job did not write there (the job removes its files from it when done, so the
+    folder must be the job's own); a folder of an earlier, killed run of a job is fine
+    (``resume=True`` keeps its parts, a run without it replaces them)."""
+    from dfllm.accessors.writer import _filesystem
+
+    fs, root = _filesystem(staging, storage_options)
+    if not fs.exists(root):
+        return
+    if not fs.isdir(root):
+        raise ValueError(f"the staging folder {staging} is a file: the job needs that path for its parts")
+    foreign = _staging_files(fs, root)[1]
+    if foreign:
+        names = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"the staging folder {staging} holds {len(foreign)} file(s) that no batch job wrote ({names}); "
+            "the job owns that folder (it writes its parts there and removes them when done): move "
+            "those files, or write the output elsewhere"
+        )
 
 
 def check_input(input_file: str, storage_options: dict | None = None) -> tuple:
@@ -700,11 +778,23 @@ def check_input(input_file: str, storage_options: dict | None = None) -> tuple:
     return fs, where
 
 
-def _remove_staging(staging: str, storage_options: dict | None) -> None:
-    from dfllm.accessors.writer import _filesystem
+def _remove_staging(staging: str, storage_options: dict | None, partitions: int) -> None:
+    """Remove the files this job wrote in its staging folder (its ``partitions`` parts and
+    key records, the schema file, temporary files of dfllm's names), each by its literal
+    name, then the folder if nothing else is left in it: a file someone put there meanwhile
+    stays, and so does the folder holding it."""
+    from dfllm.accessors.writer import COMMON_METADATA, KEYS, SET_ASIDE, _filesystem, _key_file, _part, _remove
 
     fs, root = _filesystem(staging, storage_options)
-    try:
-        fs.rm(root, recursive=True)
-    except FileNotFoundError:
-        pass
+    if not fs.exists(root):
+        return
+    recorded = [_part(root, i) for i in range(partitions)] + [_key_file(root, i) for i in range(partitions)]
+    recorded.append(f"{root}/{COMMON_METADATA}")
+    listed = _staging_files(fs, root)[0]
+    recorded += [f"{root}/{f}" for f in listed if ".tmp-" in f]  # a killed run's temporary files
+    _remove(fs, recorded)
+    for folder in (f"{root}/{SET_ASIDE}", f"{root}/{KEYS}", root):
+        try:
+            fs.rmdir(folder)  # only if empty (a no-op on object stores, which have no folders)
+        except (FileNotFoundError, OSError):
+            pass

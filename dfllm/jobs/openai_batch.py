@@ -28,6 +28,8 @@ so a resumed job gives every line the id it had.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -77,11 +79,18 @@ class BatchRequestInput:
 
 def parse_line(text: str, key: str = "") -> BatchRequestInput:
     """One input line (JSON text) as a :class:`BatchRequestInput`, its body checked for its
-    endpoint; :class:`LineError` naming the field at fault otherwise."""
+    endpoint; :class:`LineError` naming the field at fault otherwise (never another
+    exception: whatever a line holds, it is that line's error)."""
     try:
-        line = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise LineError(f"the line is not valid JSON ({exc})", code="invalid_json") from None
+        return _parse_line(text, key)
+    except LineError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (a line the checks did not foresee is still that line's error)
+        raise LineError(f"the line cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_line(text: str, key: str) -> BatchRequestInput:
+    line = load_line(text)
     if not isinstance(line, dict):
         raise LineError(
             f"the line must be a JSON object with custom_id, method, url and body, got {type(line).__name__}",
@@ -117,13 +126,89 @@ def parse_line(text: str, key: str = "") -> BatchRequestInput:
 
 def custom_id_of(text: str) -> str | None:
     """The ``custom_id`` of a line that could not be parsed as a request, when it has one
-    (so that its error line still names it)."""
+    (so that its error line still names it), its lone surrogates escaped (:func:`printable`)."""
     try:
-        line = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        line = json.loads(text, parse_int=_read_int)
+    except (ValueError, RecursionError):
         return None
     value = line.get("custom_id") if isinstance(line, dict) else None
-    return value if isinstance(value, str) else None
+    return printable(value) if isinstance(value, str) else None
+
+
+def printable(text: str) -> str:
+    """``text`` as valid Unicode: each lone surrogate (which JSON's ``\\ud83d`` escapes can
+    make, and which has no UTF-8 form) written as its escape, ``\\ud83d`` (six characters)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# ---- reading a line ---------------------------------------------------------------------------------
+class _TooLong:
+    """An integer of more digits than Python converts (``sys.get_int_max_str_digits()``)."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+
+def _read_int(digits: str) -> int | _TooLong:
+    limit = sys.get_int_max_str_digits()
+    return _TooLong(digits) if limit and len(digits.lstrip("-")) > limit else int(digits)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate (paired or not)
+
+
+def load_line(text: str) -> Any:
+    """A line's JSON value; :class:`LineError` for text that is not JSON, for an integer of
+    more digits than Python reads (naming its field), and for a string holding a lone
+    surrogate (``"\\ud83d"``: valid JSON, but not Unicode text; naming its field)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise LineError(f"the line is not valid JSON ({exc})", code="invalid_json") from None
+    except ValueError:  # Python's limit on the digits of an integer
+        value = json.loads(text, parse_int=_read_int)
+        where, found = _find(value, lambda v: isinstance(v, _TooLong))
+        digits = len(found.digits.lstrip("-")) if isinstance(found, _TooLong) else 0
+        raise LineError(
+            f"{where or 'the line'}: an integer of {digits:,} digits; dfllm reads integers of at most "
+            f"{sys.get_int_max_str_digits():,} digits",
+            param=where,
+        ) from None
+    if _SURROGATE_ESCAPE.search(text):
+        where, found = _find(value, lambda v: isinstance(v, str) and printable(v) is not v)
+        if where is not None:
+            assert isinstance(found, str)
+            at = next(i for i, c in enumerate(found) if 0xD800 <= ord(c) <= 0xDFFF)
+            raise LineError(
+                f"{where} is not valid Unicode text: it holds a lone surrogate ({printable(found[at])} at "
+                f"character {at}), which has no UTF-8 form",
+                param=where,
+            )
+    return value
+
+
+def _find(value: Any, bad) -> tuple[str | None, Any]:
+    """The field (``body.messages[0].content``) of the first part of a line's JSON value for
+    which ``bad`` holds (a dict key counts as its field), and that part; ``(None, None)``
+    if none. Iterative: a deeply nested line does not exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        if bad(v):
+            return where or None, v
+        if isinstance(v, dict):
+            for k in reversed(list(v)):
+                field = f"{where}.{printable(k)}" if where else printable(k)
+                if bad(k):
+                    return field, k
+                stack.append((field, v[k]))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+    return None, None
 
 
 # ---- answers ---------------------------------------------------------------------------------------

@@ -105,6 +105,27 @@ UNSUPPORTED = {
     "use_beam_search": "beam search",
 }
 STREAM_REFUSED = "Request must not be sent in stream mode"
+#: The arguments transformers' ``apply_chat_template`` and its template rendering take
+#: themselves: not template variables a line may set through ``chat_template_kwargs``.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 # ---- checks -------------------------------------------------------------------------------------------
@@ -253,24 +274,37 @@ def _check_messages(value: Any) -> list[dict]:
     return messages
 
 
-def _structured(body: dict) -> StructuredOutputsParams | None:
-    """The output constraint of ``response_format``, ``structured_outputs`` or vLLM's
-    ``guided_*`` fields (at most one of them)."""
-    given = [
-        k
-        for k in (
-            "response_format",
-            "structured_outputs",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-        )
-        if body.get(k) is not None
-    ]
+CONSTRAINTS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def _constraints(body: dict) -> list[str]:
+    """The body fields that give an output constraint (``response_format`` of type text gives none)."""
+    given = [k for k in CONSTRAINTS if body.get(k) is not None]
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "text":
         given.remove("response_format")
+    return given
+
+
+def constraint_field(body: dict) -> str | None:
+    """The body field that holds the line's output constraint, if any."""
+    given = _constraints(body)
+    return given[0] if given else None
+
+
+def _structured(body: dict) -> StructuredOutputsParams | None:
+    """The output constraint of ``response_format``, ``structured_outputs`` or vLLM's
+    ``guided_*`` fields (at most one of them), checked: a grammar that does not compile is
+    refused here, naming the field that held it (the engine checks it again)."""
+    given = _constraints(body)
+    fmt = body.get("response_format")
     if len(given) > 1:
         raise LineError(
             f"give one output constraint, not {' and '.join('body.' + g for g in given)}", param=f"body.{given[1]}"
@@ -280,11 +314,14 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
     name = given[0]
     try:
         if name == "response_format":
-            return _response_format(fmt)
-        if name == "structured_outputs":
-            return StructuredOutputsParams.from_dict(_dict(body, name) or {})
-        kind = name.removeprefix("guided_")
-        return StructuredOutputsParams(**{kind: body[name]})
+            params = _response_format(fmt)
+        elif name == "structured_outputs":
+            params = StructuredOutputsParams.from_dict(_dict(body, name) or {})
+        else:
+            params = StructuredOutputsParams(**{name.removeprefix("guided_"): body[name]})
+        if params is not None and params.grammar is not None:
+            params.check()  # a grammar is not checked when built (see StructuredOutputsParams.check)
+        return params
     except LineError:
         raise
     except (ValueError, TypeError) as exc:
@@ -343,12 +380,28 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, aliases:
     try:
         return SamplingParams(**values)
     except InvalidRequestError as exc:
-        field_name = aliases.get(exc.parameter or "", exc.parameter)
+        field_name = aliases.get(exc.parameter or "", exc.parameter) or _culprit(values)
         raise LineError(
             f"body.{field_name}: {exc}" if field_name else str(exc), param=f"body.{field_name}" if field_name else None
         ) from None
-    except (ValueError, TypeError) as exc:
-        raise LineError(str(exc)) from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        field_name = _culprit(values)
+        field_name = aliases.get(field_name or "", field_name)
+        raise LineError(
+            f"body.{field_name}: {exc}" if field_name else str(exc), param=f"body.{field_name}" if field_name else None
+        ) from None
+
+
+def _culprit(values: dict[str, Any]) -> str | None:
+    """The first of ``values`` (SamplingParams fields) that SamplingParams refuses on its own."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except Exception:  # noqa: BLE001  (any refusal names the field)
+            return name
+    return None
 
 
 # ---- the requests ---------------------------------------------------------------------------------------
@@ -413,6 +466,14 @@ class ChatCompletionRequest:
             (top or 0) if logprobs else None,
             {"max_tokens": limit_name, "logprobs": "top_logprobs"},
         )
+        template_kwargs = _dict(body, "chat_template_kwargs")
+        for name in template_kwargs or {}:
+            if name in TEMPLATE_ARGUMENTS:
+                raise LineError(
+                    f"body.chat_template_kwargs.{name}: {name} is the chat template's own argument (set by "
+                    "the request); it cannot be given in chat_template_kwargs",
+                    param=f"body.chat_template_kwargs.{name}",
+                )
         add = _bool(body, "add_generation_prompt", True)
         cont = _bool(body, "continue_final_message", False)
         if add and cont:  # vLLM's rule: continuing the last message means no generation prompt
@@ -428,7 +489,7 @@ class ChatCompletionRequest:
             logprobs,
             top or 0,
             _str(body, "chat_template"),
-            _dict(body, "chat_template_kwargs"),
+            template_kwargs,
             add,
             cont,
             body.get("model"),
@@ -438,6 +499,16 @@ class ChatCompletionRequest:
     def sampling_params(self) -> SamplingParams:
         """The request's sampling params, for :meth:`dfllm.LLM.chat`."""
         return self.params
+
+    def param_fields(self) -> dict[str, str]:
+        """The body field of each sampling param whose name differs (for the engine's errors)."""
+        fields = {"logprobs": "top_logprobs"}
+        if self.body.get("max_completion_tokens") is not None:
+            fields["max_tokens"] = "max_completion_tokens"
+        constraint = constraint_field(self.body)
+        if constraint is not None:
+            fields["structured_outputs"] = constraint
+        return fields
 
     def chat_kwargs(self) -> dict:
         """The keyword arguments of :meth:`dfllm.LLM.chat` this request sets."""
@@ -487,6 +558,11 @@ class CompletionRequest:
     def sampling_params(self) -> SamplingParams:
         """The request's sampling params, for :meth:`dfllm.LLM.generate`."""
         return self.params
+
+    def param_fields(self) -> dict[str, str]:
+        """The body field of each sampling param whose name differs (for the engine's errors)."""
+        constraint = constraint_field(self.body)
+        return {} if constraint is None else {"structured_outputs": constraint}
 
 
 @dataclass
