@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import dask
@@ -89,7 +89,9 @@ class RequestSource(Protocol):
         not refused, in row order; and the refused rows: row position -> the message its
         ``llm_error`` would hold. Call ``processor`` holding ``lock``. A source whose rows do
         not all run on this engine adds a third item, the rows the dry run does not estimate:
-        row position -> why (rows neither run here nor refused)."""
+        row position -> why (rows neither run here nor refused). A source whose ``requests``
+        takes ``check_lora=`` gets the engine's check of a LoRA adapter (see
+        :func:`source_requests`)."""
         ...
 
     def cache_hits(self, requests: list[EngineRequest], config: EngineConfig) -> list[bool] | None:
@@ -133,8 +135,15 @@ class TaskRequests:
         return self.task.engine_kwargs
 
     def requests(
-        self, df: pd.DataFrame, processor: InputProcessor, lock: threading.Lock
+        self,
+        df: pd.DataFrame,
+        processor: InputProcessor,
+        lock: threading.Lock,
+        check_lora: Callable[[Any], None] | None = None,
     ) -> tuple[list[EngineRequest], dict[int, str]]:
+        """As :meth:`RequestSource.requests`; ``check_lora`` is the engine's check of a LoRA
+        adapter (:meth:`~dfllm.engine.llm_engine.LLMEngine.check_lora`), the one the real run
+        calls on each row's adapter, so that a row whose adapter cannot run is refused here too."""
         from dfllm.tasks.runners import RUNNERS, Generation
 
         fields: dict[str, Any] = {"on_error": "null", "sort_by": ()}
@@ -143,7 +152,7 @@ class TaskRequests:
         task = dataclasses.replace(self.task, **fields)
         out: dict[str, list] = {c: [None] * len(df) for c in task.output_dtypes()}
         try:
-            RUNNERS[task.spec.runner](df, task, out, Generation(processor, lock, _capture))
+            RUNNERS[task.spec.runner](df, task, out, Generation(processor, lock, _capture, check_lora=check_lora))
             requests: list[EngineRequest] = []  # no row got through
         except _Captured as captured:
             requests = captured.requests
@@ -229,7 +238,7 @@ def survey_partition(df: pd.DataFrame, source: RequestSource, partition: int) ->
     with lease(source.model, dict(source.engine_kwargs)) as entry:
         load = time.perf_counter() - start if load_count() > loads else 0.0
         engine = _generative(entry.llm)
-        got = source.requests(df, engine.input_processor, entry.lock) if len(df) else ([], {})
+        got = source_requests(source, df, engine, entry.lock) if len(df) else ([], {})
         requests, refused = got[0], got[1]
         skipped: dict[int, str] = got[2] if len(got) > 2 else {}
         hits = source.cache_hits(requests, entry.llm.config) if requests else None
@@ -237,6 +246,20 @@ def survey_partition(df: pd.DataFrame, source: RequestSource, partition: int) ->
     survey = _summarize(partition, df, requests, refused, hits, facts, load, time.perf_counter() - start, skipped)
     survey.not_estimated = dict(Counter(skipped.values()))
     return survey
+
+
+def source_requests(source: RequestSource, df: pd.DataFrame, engine: LLMEngine, lock: threading.Lock) -> tuple:
+    """``source.requests`` of ``df`` on ``engine``, with the engine's LoRA check
+    (``check_lora=``, the one the real run calls on each row's adapter) where the source
+    takes it."""
+    import inspect
+
+    try:
+        takes = "check_lora" in inspect.signature(source.requests).parameters
+    except (TypeError, ValueError):
+        takes = False
+    lora = {"check_lora": engine.check_lora} if takes else {}
+    return source.requests(df, engine.input_processor, lock, **lora)
 
 
 def _generative(llm) -> LLMEngine:
@@ -418,7 +441,7 @@ def calibrate(frames: list[pd.DataFrame], source: RequestSource, sample_rows: in
         engine = _generative(entry.llm)
         requests: list[EngineRequest] = []
         for df in frames:
-            requests += source.requests(df, engine.input_processor, entry.lock)[0] if len(df) else []
+            requests += source_requests(source, df, engine, entry.lock)[0] if len(df) else []
         sample = _spread(_distinct(requests), sample_rows)
         cfg = entry.llm.config
         cal = driver().call(

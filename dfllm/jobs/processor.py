@@ -217,11 +217,21 @@ class Processor:
         """Each row of ``df`` through preprocess, the engine (``batch_size`` rows per call)
         and postprocess, as :class:`RowResult`."""
         inputs = df.to_dict("records")
-        pre = [self._pre(r) for r in inputs]
+        pre = [self._upstream(r) or self._pre(r) for r in inputs]
         engine_rows: list[tuple[dict, str | None]] = []
         for start in range(0, len(pre), self.config.batch_size):
             engine_rows += self._infer(pre[start : start + self.config.batch_size])
         return [self._post(inp, row, err) for inp, (row, err) in zip(inputs, engine_rows)]
+
+    def _upstream(self, row: dict) -> tuple[dict, str | None] | None:
+        """A row that failed in an earlier stage (its incoming error column, the one this
+        processor writes, is set): it skips preprocess, the engine and postprocess and keeps
+        that message as its error. None for the other rows."""
+        earlier = row.get(self._err)
+        if self._err not in row or is_null(earlier):
+            return None
+        # as text the error column can hold (a lone surrogate, no valid UTF-8, as its escape)
+        return row, str(earlier).encode("utf-8", "backslashreplace").decode("utf-8")
 
     def _pre(self, row: dict) -> tuple[dict, str | None]:
         if self.preprocess is None:
@@ -380,7 +390,7 @@ class Processor:
         docs/from_ray.md), and the first row without output (or None)."""
         ok = [r.output for r in rows if r.output is not None]
         names = list(dict.fromkeys(k for out in ok for k in out if k != self._err))
-        inputs = input_dtypes(df, self._err)
+        inputs = _input_dtypes(df, self._err)
         schema = {}
         for name in names:
             values = [out.get(name) for out in ok]
@@ -393,8 +403,8 @@ class Processor:
 
     def _sample_rows(self, df: pd.DataFrame) -> tuple[dict | None, int, tuple | None]:
         """Run on the head of the input where partitions run: (schema or None when no row
-        got through postprocess, the number of rows, (index label, error) of the first
-        failed row)."""
+        got through postprocess, the number of rows but those that failed in an earlier
+        stage, (index label, error) of the first failed row)."""
         rows = self.run_rows(df)
         schema: dict | None
         schema, failed = self._schema_from(rows, df)
@@ -404,7 +414,9 @@ class Processor:
             first = (label.item() if isinstance(label, np.generic) else label, failed.error)
         if not any(r.output is not None for r in rows):
             schema = None
-        return schema, len(rows), first
+        # rows that failed in an earlier stage tell nothing of the output: with only those, look further
+        count = sum(self._upstream(r) is None for r in df.to_dict("records"))
+        return schema, count, first
 
     def _sample_schema(self, ddf) -> dict:
         """The output schema from the first rows of the first non-empty partitions of
@@ -445,7 +457,7 @@ class Processor:
         """``meta=``'s columns, then the input's other columns (typed from the input), then
         the error column."""
         schema = {c: t for c, t in given.items() if c != self._err}
-        for name, dtype in input_dtypes(input_meta, self._err).items():
+        for name, dtype in _input_dtypes(input_meta, self._err).items():
             schema.setdefault(name, dtype)
         schema[self._err] = STRING
         return schema
@@ -490,6 +502,23 @@ def _frame(
         columns[c] = typed_column(values[c], schema[c], index, c, errors, inputs[c])
     columns[error] = pd.Series(errors, index=index, dtype=STRING)
     return pd.DataFrame(columns, index=index)
+
+
+def _input_dtypes(df: pd.DataFrame, error: str) -> dict:
+    """:func:`input_dtypes`, with a column whose values Arrow cannot hold (an integer beyond
+    64 bits, which ``input_dtypes`` lets through as ``OverflowError``) typed as text: its
+    values then go into the output as any value that does not fit, null with an error naming
+    the column."""
+    try:
+        return input_dtypes(df, error)
+    except OverflowError:
+        out = {}
+        for name in df.columns:
+            try:
+                out.update(input_dtypes(df[[name]], error))
+            except OverflowError:
+                out[name] = STRING
+        return out
 
 
 def _plain(value):

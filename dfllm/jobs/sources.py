@@ -19,7 +19,16 @@ The frame has one schema for all files, decided before any partition is read:
   each field's type unified over all files in the same way; a field whose values have no
   common type (text in one row, a list in the others) stays an ``object`` column, and the
   writer then types it by its most common kind of value (the other rows get an error
-  naming the column). One partition per file.
+  naming the column). A field some of whose values are of its kind but do not convert to
+  its type (a list mixing kinds among lists of numbers, an integer beyond 64 bits) is read
+  as JSON text in every row and file; text holding a lone surrogate (valid JSON, no valid
+  UTF-8) is read with that surrogate as its ``\\uXXXX`` escape. One partition per file.
+- CSV: every file is read once up front (on the cluster, if there is one) for its columns'
+  pandas types, unified by :func:`csv_types` (integers and floats give floats; any other
+  difference, integers in one file and text in another, gives text, the cells as written);
+  a column missing from a file is null there, bytes that are not UTF-8 are read as their
+  ``\\xNN`` escape. One partition per file.
+- A parquet file with two columns of one name is refused, naming the column and the file.
 """
 
 from __future__ import annotations
@@ -93,16 +102,12 @@ def read_input(path: str, *, fmt: str | None = None, storage_options: dict | Non
     fs, files = input_files(path, storage_options)
     fmt = fmt or detect_format(files)
     urls = [fs.unstrip_protocol(f) for f in files]
-    opts = {"storage_options": storage_options} if storage_options else {}
     if fmt == "parquet":
         return _read_parquet(fs, files, urls, path)
     if fmt == "json":
         return _read_jsonl(fs, files, urls, path)
-    try:
-        if fmt == "csv":
-            return dd.read_csv(urls, blocksize=None, **opts)
-    except Exception as exc:  # a file that does not parse: name it, no traceback
-        raise InputError(f"cannot read {path} as {fmt}: {type(exc).__name__}: {exc}") from None
+    if fmt == "csv":
+        return _read_csv(fs, files, urls, path)
     raise InputError(f"unknown format {fmt!r}; use parquet, csv or json")
 
 
@@ -121,6 +126,10 @@ def _read_parquet(fs, files: list[str], urls: list[str], path: str) -> dd.DataFr
     except Exception as exc:  # noqa: BLE001  (a file that is no parquet: name the problem, no traceback)
         raise InputError(f"cannot read {path} as parquet: {type(exc).__name__}: {exc}") from None
     schemas = [_without_pandas(m.schema.to_arrow_schema()) for m in footers]
+    for file, schema in zip(files, schemas):
+        twice = sorted({n for n in schema.names if schema.names.count(n) > 1})
+        if twice:
+            raise InputError(f"{file} has more than one column named {twice[0]!r}; a column's name must be unique")
     schema = unified(schemas, files)
     pieces = []
     for url, meta in zip(urls, footers):
@@ -193,30 +202,139 @@ def _frame(table: pa.Table) -> pd.DataFrame:
     return table.to_pandas(types_mapper=lambda t: None if pa.types.is_dictionary(t) else pd.ArrowDtype(t))
 
 
+# ---- CSV ------------------------------------------------------------------------------------------------
+def _read_csv(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
+    """Each file read once up front (on the cluster, if there is one) for its columns' types,
+    unified over all files (see :func:`csv_types`); one partition per file."""
+    import dask
+
+    surveys = _cached_surveys(
+        fs, files, "csv", lambda: dask.compute(*[dask.delayed(_survey_csv)(fs, f) for f in files])
+    )
+    for file, found in zip(files, surveys):
+        if isinstance(found, str):
+            raise InputError(f"cannot read {file} as CSV: {found}")
+    reader = CsvFiles(csv_types(surveys), fs, path)
+    with dask.config.set({"dataframe.convert-string": False}):  # the reader gives its own string columns
+        return dd.from_map(reader, urls, meta=reader.empty(), enforce_metadata=False)
+
+
+def _read_csv_file(fs, file: str, text: list[str] | None = None) -> pd.DataFrame:
+    """One CSV file as pandas reads it (bytes that are not UTF-8 as their ``\\xNN`` escape),
+    the columns in ``text`` as text."""
+    with fs.open(file, "rb") as f:
+        return pd.read_csv(
+            f, encoding="utf-8", encoding_errors="backslashreplace", dtype=dict.fromkeys(text or (), str)
+        )
+
+
+def _survey_csv(fs, file: str) -> dict | str:
+    """Each column's pandas dtype (``None``: null throughout this file); or what is wrong."""
+    try:
+        df = _read_csv_file(fs, file)
+    except Exception as exc:  # noqa: BLE001  (a file that does not parse: say why, no traceback)
+        return f"{type(exc).__name__}: {exc}"
+    return {str(c): (None if not df[c].notna().any() else str(df[c].dtype)) for c in df.columns}
+
+
+def csv_types(surveys) -> dict[str, str]:
+    """Column -> how every file's values are read: ``int64``, ``float64``, ``bool`` when the
+    files agree (integers and floats: ``float64``; a column null throughout a file, or
+    missing from it, takes the others' type, an integer or boolean one becoming ``float64``
+    or text as pandas reads a column with empty cells), else ``text``: the cells as written."""
+    found: dict[str, set] = {}
+    gaps: set[str] = set()
+    for survey in surveys:
+        for name, dtype in survey.items():
+            found.setdefault(name, set())
+            if dtype is None:
+                gaps.add(name)
+            else:
+                found[name].add(dtype)
+    for survey in surveys:
+        gaps.update(n for n in found if n not in survey)
+    types = {}
+    for name, kinds in found.items():
+        if kinds <= {"int64", "float64"} and kinds:
+            t = "float64" if "float64" in kinds or name in gaps else "int64"
+        elif kinds == {"bool"} and name not in gaps:
+            t = "bool"
+        else:
+            t = "text"
+        types[name] = t
+    return types
+
+
+class CsvFiles:
+    """Reads one CSV file in the unified types (:func:`csv_types`), every column there (null
+    where the file lacks it)."""
+
+    def __init__(self, types: dict[str, str], fs, path: str):
+        self.types, self.fs, self.input_paths = types, fs, [path]
+
+    def __call__(self, url: str) -> pd.DataFrame:
+        text = [n for n, t in self.types.items() if t == "text"]
+        df = _read_csv_file(self.fs, self.fs._strip_protocol(url), text)
+        df.columns = [str(c) for c in df.columns]
+        out = {}
+        for name, t in self.types.items():
+            if name not in df.columns:
+                out[name] = pd.Series([None] * len(df), dtype=_csv_dtype(t))
+            elif t == "text":
+                out[name] = df[name].astype(object).where(df[name].notna(), None).astype(_csv_dtype(t))
+            else:
+                out[name] = df[name].astype(_csv_dtype(t))
+        return pd.DataFrame(out, index=pd.RangeIndex(len(df)))
+
+    def empty(self) -> pd.DataFrame:
+        return pd.DataFrame({name: pd.Series([], dtype=_csv_dtype(t)) for name, t in self.types.items()})
+
+
+def _csv_dtype(t: str):
+    return pd.StringDtype("pyarrow") if t == "text" else t
+
+
+def _cached_surveys(fs, files: list[str], kind: str, survey) -> tuple:
+    """``survey()``, or its result for the same files (names, sizes, times) the last time:
+    the command line builds its job twice (checked before its cluster starts, then on it)."""
+    stamp = (kind,) + tuple(
+        (f, info.get("size"), str(info.get("mtime", info.get("LastModified", info.get("ETag")))))
+        for f, info in ((f, fs.info(f)) for f in files)
+    )
+    surveys = _SURVEYS.get(stamp)
+    if surveys is None:
+        surveys = survey()
+        _SURVEYS.clear()
+        _SURVEYS[stamp] = surveys
+    return surveys
+
+
 # ---- JSON Lines -----------------------------------------------------------------------------------------
 def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
     import dask
 
     from dfllm.accessors.arrow_schema import unify_counts
 
-    stamp = tuple(
-        (f, info.get("size"), str(info.get("mtime", info.get("LastModified", info.get("ETag")))))
-        for f, info in ((f, fs.info(f)) for f in files)
+    surveys = _cached_surveys(
+        fs, files, "json", lambda: dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
     )
-    surveys = _SURVEYS.get(stamp)
-    if surveys is None:  # the command line builds its job twice (checked before its cluster starts, then on it)
-        surveys = dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
-        _SURVEYS.clear()
-        _SURVEYS[stamp] = surveys
     for file, found in zip(files, surveys):
         if isinstance(found, str):
             raise InputError(f"cannot read {file} as JSON Lines: {found}")
     columns: dict[str, Counter] = {}
+    as_text: set[str] = set()
     for found in surveys:
         for name, counts in found.items():
-            columns.setdefault(name, Counter()).update(counts)
-    types: dict[str, pa.DataType | None] = {}
+            if isinstance(counts, str):
+                as_text.add(name)
+                columns.setdefault(name, Counter())
+            else:
+                columns.setdefault(name, Counter()).update(counts)
+    types: dict[str, pa.DataType | str | None] = {}
     for name, counts in columns.items():
+        if name in as_text:
+            types[name] = _AS_TEXT
+            continue
         t = unify_counts(counts)
         fits = t is not None and all(_merges(t, other) for other in counts)
         types[name] = _settled(t) if fits else None  # None: mixed kinds, an object column
@@ -237,7 +355,53 @@ def _survey_jsonl(fs, file: str) -> dict | str:
     except ValueError as exc:
         return str(exc)
     names = list(dict.fromkeys(k for r in rows for k in r))
-    return {n: value_types([r.get(n) for r in rows]) for n in names}
+    out: dict = {}
+    for n in names:
+        values = [r.get(n) for r in rows]
+        counts = value_types(values)
+        out[n] = counts if _fit(values, counts) else _AS_TEXT
+    return out
+
+
+#: A field's survey when some of its values do not convert to the type of the others (a
+#: list mixing kinds among lists of numbers, an integer beyond 64 bits): read as JSON text.
+_AS_TEXT = "json-text"
+
+
+def _fit(values: list, counts) -> bool:
+    """Whether ``values`` convert to the type their counts unify to (every value of a kind
+    that merges into it; values of other kinds are the writer's to refuse, see the module's
+    docstring)."""
+    from dfllm.accessors.arrow_schema import unify_counts, value_types
+
+    t = unify_counts(counts)
+    if t is None or pa.types.is_null(t):
+        return all(v is None for v in values)  # e.g. an integer too large for any Arrow type
+    present = [v for v in values if v is not None]
+    try:
+        pa.array(present, type=_settled(t))
+        return True
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    for v in present:  # a value of another kind is not this field's misfit (an object column)
+        try:
+            counts_v = value_types([v])
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return False
+        if not counts_v:
+            return False  # a value with no Arrow type (an integer beyond 64 bits)
+        if not all(_merges(t, other) for other in counts_v):
+            continue
+        try:
+            pa.array([v], type=_settled(t))
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return False
+    return True
+
+
+def json_text(value) -> str | None:
+    """A value as its JSON text (None stays None)."""
+    return None if value is None else json.dumps(value, ensure_ascii=False)
 
 
 def _rows(fs, file: str) -> list[dict]:
@@ -252,8 +416,25 @@ def _rows(fs, file: str) -> list[dict]:
                 raise ValueError(f"line {number} is not valid JSON ({exc})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"line {number} is a JSON {type(row).__name__}, not an object")
-            rows.append(row)
+            rows.append(_valid_text(row))
     return rows
+
+
+def _valid_text(value):
+    """``value`` with each text (keys included, at any depth) holding a lone surrogate (valid
+    JSON, ``"\\ud800"``, but no valid UTF-8) written with that surrogate as its escape, as
+    the file has it (the six characters ``\\ud800``)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_valid_text(v) for v in value]
+    return value
 
 
 def _merges(t: pa.DataType, other: pa.DataType) -> bool:
@@ -285,17 +466,34 @@ class JsonLines:
         data = {}
         for name, t in self.types.items():
             values = [r.get(name) for r in rows]
-            data[name] = (
-                pd.Series(values, dtype=object)
-                if t is None
-                else pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values, type=t)), dtype=pd.ArrowDtype(t))
-            )
+            if isinstance(t, str):
+                data[name] = pd.Series([json_text(v) for v in values], dtype=STRING_DTYPE)
+                continue
+            if t is None:
+                data[name] = pd.Series(values, dtype=object)
+                continue
+            try:
+                array = pa.array(values, type=t)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                # a value the survey let through (e.g. an integer beyond float's exact range in a
+                # float column): the values as they are, each typed by the writer, which gives a
+                # row whose value does not fit an llm_error naming the column and the value
+                data[name] = pd.Series(values, dtype=object)
+                continue
+            data[name] = pd.Series(pd.arrays.ArrowExtensionArray(array), dtype=pd.ArrowDtype(t))
         return pd.DataFrame(data, index=pd.RangeIndex(len(rows)))
 
     def empty(self) -> pd.DataFrame:
-        return pd.DataFrame(
-            {name: pd.Series([], dtype=object if t is None else pd.ArrowDtype(t)) for name, t in self.types.items()}
-        )
+        return pd.DataFrame({name: pd.Series([], dtype=_dtype(t)) for name, t in self.types.items()})
+
+
+STRING_DTYPE = pd.ArrowDtype(pa.string())
+
+
+def _dtype(t):
+    if t is None:
+        return object
+    return STRING_DTYPE if isinstance(t, str) else pd.ArrowDtype(t)
 
 
 def repartition(
