@@ -39,11 +39,22 @@ OBJECT_COLUMNS = {
 
 
 def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
-    result = run_task(df.to_pandas(use_pyarrow_extension_array=True), task, progress=True)
+    """``df`` with the task's output columns. Only the columns the task reads go to pandas;
+    every other column stays as it is, untouched (its exact dtype: an Enum, an Int128, an
+    Object column...), and the output columns get the types :func:`_polars_schema` declares."""
+    needed = task.columns_needed()
+    inputs = df.select([c for c in df.columns if c in needed]) if needed else df.select([])
+    if not inputs.width:  # no column read (cannot happen for a checked task): keep the row count
+        inputs = pl.DataFrame({"__dfllm_row__": pl.zeros(df.height, eager=True)})
+    result = run_task(inputs.to_pandas(use_pyarrow_extension_array=True), task, progress=True)
+    outputs = result[list(task.output_dtypes())]
     objects = {c: OBJECT_COLUMNS[c] for c in task.engine_columns if c in OBJECT_COLUMNS}
-    out = pl.from_pandas(result.astype(objects) if objects else result)
-    enums = {c: t for c, t in _polars_schema(task).items() if isinstance(t, pl.Enum)}
-    return out.cast(enums) if enums else out  # a choice column: pandas category -> Enum of the choices
+    out = pl.from_pandas(outputs.astype(objects) if objects else outputs)
+    schema = _polars_schema(task)
+    differ = {c: t for c, t in schema.items() if out.schema[c] != t}
+    if differ:  # a choice column: pandas category -> Enum of the choices; an all-null column...
+        out = out.cast(differ)
+    return df.hstack(out)
 
 
 def _polars_dtype(dtype, column: str = "") -> pl.DataType:

@@ -111,10 +111,34 @@ def read_adapter_config(request: LoRARequest) -> dict:
     if not cfg_file.is_file():
         raise _fail(request, "adapter_config.json is missing")
     try:
-        cfg = json.loads(cfg_file.read_text())
+        text = cfg_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _fail(request, f"adapter_config.json cannot be read as UTF-8 text: {exc}") from None
+    try:
+        cfg = json.loads(text)
     except ValueError as exc:
         raise _fail(request, f"adapter_config.json is not valid JSON: {exc}") from None
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    except RecursionError:
+        raise _fail(request, "adapter_config.json is not valid JSON: nested too deeply") from None
+    if not isinstance(cfg, dict):
+        raise _fail(request, f"adapter_config.json must hold a JSON object (PEFT's LoraConfig), not {_json_type(cfg)}")
+    return _check_config(request, cfg)
+
+
+def _json_type(value) -> str:
+    """What a JSON value is, for a message (``null``, an array, a number, a string...)."""
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return kind.get(type(value), type(value).__name__)
+
+
+def _check_config(request: LoRARequest, cfg: dict) -> dict:
+    """``cfg`` (a JSON object) checked for what dfllm cannot serve, its fields' types included."""
+    peft_type = cfg.get("peft_type", "LORA")
+    if not isinstance(peft_type, str):
+        raise _fail(request, f"adapter_config.json: peft_type must be a string, got {peft_type!r}")
+    peft_type = peft_type.upper()
     if peft_type != "LORA":
         raise _fail(request, f"peft_type {peft_type!r} is not LoRA")
     for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
@@ -130,8 +154,20 @@ def read_adapter_config(request: LoRARequest) -> dict:
         )
     if cfg.get("alpha_pattern"):
         raise _fail(request, "alpha_pattern is not supported (one lora_alpha for every module)")
+    for key in ("use_dora", "fan_in_fan_out", "use_rslora"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise _fail(request, f"adapter_config.json: {key} must be true or false, got {cfg[key]!r}")
     targets = cfg.get("target_modules")
-    if isinstance(targets, list | tuple):
+    if targets is not None and not isinstance(targets, str | list):
+        raise _fail(
+            request,
+            f"adapter_config.json: target_modules must be a list of module names (or PEFT's regular "
+            f"expression string), got {targets!r}",
+        )
+    if isinstance(targets, list):
+        odd = [t for t in targets if not isinstance(t, str)]
+        if odd:
+            raise _fail(request, f"adapter_config.json: target_modules must be module names, got {odd[0]!r}")
         unknown = sorted(set(targets) - set(MODULES) - set(FUSED_PARTS))
         if unknown:
             raise _fail(
@@ -141,14 +177,25 @@ def read_adapter_config(request: LoRARequest) -> dict:
             )
     for key in ("r", "lora_alpha"):
         value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise _fail(request, f"adapter_config.json: {key} must be a positive number, got {value!r}")
     return cfg
 
 
 def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> LoRAAdapter:
     """Read and check the adapter of ``request`` for a model of ``spec``; raise
-    :class:`LoRAAdapterError` naming the problem (see the module docstring)."""
+    :class:`LoRAAdapterError` naming the problem (see the module docstring). Whatever else
+    goes wrong reading its files (a file cut short, a tensor of an odd type) is a
+    :class:`LoRAAdapterError` too, naming the adapter: the rows that use it fail, not the call."""
+    try:
+        return _load_adapter(request, spec, max_lora_rank)
+    except LoRAAdapterError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (a file dfllm cannot read: the adapter's rows' error)
+        raise _fail(request, f"its files cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> LoRAAdapter:
     cfg = read_adapter_config(request)
     path = Path(request.lora_path)
     file = path / "adapter_model.safetensors"
@@ -205,6 +252,8 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> L
                 "each other ([r, in] and [out, r])",
             )
         r = a.shape[0]
+        if r < 1:
+            raise _fail(request, f"{where} has rank 0 (empty lora_A and lora_B)")
         if r > max_lora_rank:
             raise _fail(
                 request, f"{where} has rank {r}, above max_lora_rank={max_lora_rank} (raise LLM(max_lora_rank=...))"

@@ -470,8 +470,11 @@ def cascade_judge(accessor, instruction: str, cascade: Cascade, j: Judgment, ret
     obj = accessor._obj
     lazy_polars = _is_polars_lazy(obj)
     polars = lazy_polars or _is_polars(obj)
+    schema = None
     if polars:
-        obj = (obj.collect() if lazy_polars else obj).to_pandas(use_pyarrow_extension_array=True)
+        obj = obj.collect() if lazy_polars else obj
+        schema = obj.schema
+        obj = obj.to_pandas(use_pyarrow_extension_array=True)
     columns = [PRIOR if c == LLM_ERROR else c for c in accessor._columns()]
     prior = PRIOR in columns
     inputs = [*columns]
@@ -530,7 +533,7 @@ def cascade_judge(accessor, instruction: str, cascade: Cascade, j: Judgment, ret
     if polars:
         from dfllm.accessors.semantic.frames import to_polars
 
-        result = to_polars(result)
+        result = to_polars(result, schema)
         result = result.lazy() if lazy_polars else result
     return (result, stats) if return_stats else result
 

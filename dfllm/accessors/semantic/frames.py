@@ -206,8 +206,9 @@ def run_step(obj, step: SemanticFunction):
     if isinstance(obj, pl.DataFrame):
         return _polars(obj, step)
     if isinstance(obj, pl.LazyFrame):
-        empty = pl.DataFrame(schema=obj.collect_schema()).to_pandas(use_pyarrow_extension_array=True)
-        schema = to_polars(step.meta(empty)).schema
+        given = obj.collect_schema()
+        empty = pl.DataFrame(schema=given).to_pandas(use_pyarrow_extension_array=True)
+        schema = to_polars(step.meta(empty), given).schema
         return obj.map_batches(lambda df: _polars(df, step), schema=schema)
     raise TypeError(f"semantic operators run on pandas, Dask and Polars frames, not {type(obj).__name__}")
 
@@ -219,11 +220,19 @@ def _pandas(df: pd.DataFrame, step: SemanticFunction) -> pd.DataFrame:
 
 
 def _polars(df, step: SemanticFunction):
-    return to_polars(_pandas(df.to_pandas(use_pyarrow_extension_array=True), step))
+    return to_polars(_pandas(df.to_pandas(use_pyarrow_extension_array=True), step), df.schema)
 
 
-def to_polars(df: pd.DataFrame):
-    """A pandas frame (Arrow-backed where the operators make it so) as a Polars frame."""
+def to_polars(df: pd.DataFrame, schema=None):
+    """A pandas frame (Arrow-backed where the operators make it so) as a Polars frame. With
+    ``schema`` (the Polars input's), the input's columns get their own dtypes back where the
+    trip through pandas changed them (an ``Enum`` comes back from pandas as ``Categorical``);
+    not ``llm_error``, which the operators write (an earlier one's errors with theirs)."""
     import polars as pl
 
-    return pl.from_pandas(df.reset_index(drop=True))
+    out = pl.from_pandas(df.reset_index(drop=True))
+    if schema is not None:
+        differ = {c: t for c, t in schema.items() if c in out.columns and c != LLM_ERROR and out.schema[c] != t}
+        if differ:
+            out = out.cast(differ)
+    return out

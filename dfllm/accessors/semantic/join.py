@@ -384,7 +384,7 @@ def back(obj, df: pd.DataFrame):
     if kind in ("polars", "lazy"):
         from dfllm.accessors.semantic.frames import to_polars
 
-        out = to_polars(df)
+        out = to_polars(df, obj.collect_schema() if kind == "lazy" else obj.schema)  # the left's dtypes back
         return out.lazy() if kind == "lazy" else out
     return df
 
@@ -478,12 +478,30 @@ def parse_join_instruction(instruction: str, left: list[str], right: list[str]) 
     return "".join(parts), list(lf.items()), list(rf.items()), names
 
 
-def right_names(left: list[str], right: list[str], suffix: str, reserved: Sequence[str]) -> dict[str, str]:
-    """The result's name of each right column: as is, or with ``suffix`` where the left has it."""
+def right_names(
+    left: list[str], right: list[str], suffix: str, reserved: Sequence[str], what: str = "join"
+) -> dict[str, str]:
+    """The result's name of each right column: as is, or with ``suffix`` where the left has it.
+    A column the operator adds (``reserved``: its similarity column) that either frame already
+    has is refused, naming it, as is a suffixed name that is taken (``llm_error`` is not
+    reserved on the left: it is an earlier operator's error, reported per row)."""
+    added = [c for c in reserved if c != LLM_ERROR]
+    for c in added:
+        if not isinstance(c, str) or not c:
+            raise ValueError(f"{what}: similarity_column must be a non-empty string, got {c!r}")
+    if list(reserved).count(LLM_ERROR) > 1:
+        raise ValueError(f"{what}: similarity_column cannot be {LLM_ERROR!r} (the result's error column)")
     out = {c: (c + suffix if c in left else c) for c in right}
+    for side, names in (("the frame", left), ("other", list(out.values()))):
+        taken = [c for c in added if c in names]
+        if taken:
+            raise ValueError(
+                f"{what}: {side} already has a column {taken[0]!r}, which the result adds; pass another "
+                "similarity_column= (or rename the column)"
+            )
     clash = sorted(set(out.values()) & (set(left) | set(reserved)))
     if clash:
-        raise ValueError(f"join: the result would have column(s) {clash} twice; pass another suffix=")
+        raise ValueError(f"{what}: the result would have column(s) {clash} twice; pass another suffix=")
     return out
 
 
@@ -892,7 +910,7 @@ def semantic_sim_join(
         )
         for side, col, flag in (("left", "__l_text", left_images), ("right", "__r_text", right_images))
     )
-    rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column])
+    rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column], "sim_join")
     spec = JoinSpec(
         None,
         lf,

@@ -104,8 +104,9 @@ class SemanticFrameMethods:
         judgment = Judgment(
             keep=False,
             model=model,
-            output_column="verdict",
-            probability_column="verdict_probability",
+            # private: filter drops them, so that a frame's own `verdict` columns pass through untouched
+            output_column="__dfllm_sem_verdict__",
+            probability_column="__dfllm_sem_verdict_probability__",
             return_explanations=return_explanations,
             explanation_column=explanation_column,
             chat=chat,
