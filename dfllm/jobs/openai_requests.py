@@ -77,6 +77,15 @@ VLLM_SAMPLING = (
     "allowed_token_ids",
     "truncate_prompt_tokens",
 )
+#: The body fields that constrain the output (one at most per request).
+CONSTRAINTS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 SAMPLING = (
     "temperature",
     "top_p",
@@ -86,12 +95,7 @@ SAMPLING = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
+    *CONSTRAINTS,
     "stream",
 ) + VLLM_SAMPLING
 #: OpenAI fields for what dfllm does not run: refused unless empty, null or false.
@@ -272,16 +276,6 @@ def _check_messages(value: Any) -> list[dict]:
             )
         messages.append({k: v for k, v in msg.items() if k in ("role", "content", "name")})
     return messages
-
-
-CONSTRAINTS = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
 
 
 def _constraints(body: dict) -> list[str]:
