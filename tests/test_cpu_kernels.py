@@ -15,6 +15,7 @@ import torch
 from dfllm.kernels import _cpu
 from dfllm.kernels.backend import TORCH_OPS, select_ops
 from dfllm.kernels.encoder_attention import encoder_attention_torch
+from dfllm.kernels.logits import exact_top_logits_torch
 from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -360,6 +361,40 @@ def test_argmax_rows_matches_torch_ties_nan_and_inf_included(cpu_ops, width):
     got = _cpu.argmax_rows_cpu(x)
     assert _cpu.loaded() and got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_top_logits_matches_the_reference_and_float32s_argmax(cpu_ops, dtype, seed):
+    """A reduced-precision LM head's logits, widened with the leading entries recomputed in
+    float32: the kernel equals the reference, the argmax is the float32 product's (the rounded
+    logits' often is not: near ties), and rows with NaN or infinities are only widened."""
+    g = torch.Generator().manual_seed(seed)
+    rows, h, vocab = 9, 64, 4099
+    hidden = (torch.randn(rows, h, generator=g) * 3).to(dtype)
+    weight = torch.randn(vocab, h, generator=g).to(dtype)
+    # near ties: copies of the leading rows of the weight, nudged by less than a rounding step
+    exact = hidden.float() @ weight.float().T
+    for r in range(rows):
+        j = int(exact[r].argmax())
+        for k in range(1, 6):
+            weight[(j + 97 * k) % vocab] = (weight[j].float() * (1 + (-1) ** k * 1e-3 * k)).to(dtype)
+    exact = hidden.float() @ weight.float().T
+    logits = (hidden @ weight.T).to(dtype)
+    logits[1, 5] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[3, 7] = float("inf")
+    want = exact_top_logits_torch(logits, hidden, weight)
+    _cpu.load()
+    got = _cpu.exact_top_logits_cpu(logits, hidden, weight)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    special = torch.tensor([1, 2, 3])
+    assert torch.equal(got[special], logits[special].float()) or torch.allclose(
+        got[special], logits[special].float(), equal_nan=True
+    )
+    plain = torch.tensor([0, 4, 5, 6, 7, 8])
+    assert torch.equal(got[plain].argmax(-1), exact[plain].argmax(-1))
 
 
 @pytest.mark.parametrize(

@@ -235,3 +235,57 @@ def test_bfloat16_tiny_models_are_logprob_close_to_transformers_float32(tmp_path
         "dfllm bfloat16",
         "transformers float32",
     )
+
+
+BF16_QUESTIONS = [
+    "What is the capital of {}, and what is it known for?",
+    "Write two sentences about the history of {}.",
+    "Give three tips for a visitor to {}.",
+    "Describe the weather in {} in spring.",
+]
+BF16_PLACES = ["France", "Japan", "Brazil", "Kenya", "Canada", "Norway"]
+
+
+def greedy_share_before_divergence(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """(share of rows fully equal, mean share of a reference row before its first divergence)."""
+    equal, shares = 0, []
+    for a, b in zip(ref, other):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        equal += a == b
+        shares.append(1.0 if a == b else k / max(len(a), 1))
+    return equal / len(ref), sum(shares) / len(shares)
+
+
+def test_bfloat16_greedy_stays_with_float32(smollm2_dir):
+    """bfloat16's greedy tokens stay with float32's as long as measured after the numerics
+    round (issue #50: float32 logits where they decide, RMSNorm and rotary rounded once): on 24
+    chats of 48 tokens, at least the share of rows and of tokens before the first divergence
+    measured then, with a margin (benchmarks/bench_fidelity.py measures the full workload)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q.format(p)}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for q in BF16_QUESTIONS
+        for p in BF16_PLACES
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        outs = LLM(smollm2_dir, dtype=dtype).generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        rows[dtype] = [list(o.outputs[0].token_ids) for o in outs]
+    equal, share = greedy_share_before_divergence(rows["float32"], rows["bfloat16"])
+    print(f"bfloat16 vs float32: {equal:.3f} rows equal, {share:.3f} of a row before its first divergence")
+    assert equal >= BF16_FLOOR["equal"] and share >= BF16_FLOOR["share"], (equal, share)
+
+
+# measured 2026-12-05 (AMD EPYC, AVX512-BF16): 10/24 rows equal, 0.646 of a row; with the LM
+# head's logits rounded to bfloat16 as before, 6/24 and 0.573
+BF16_FLOOR = {"equal": 0.33, "share": 0.61}

@@ -35,6 +35,8 @@ references (:func:`load` returns None).
 * :func:`argmax_rows_cpu`: greedy sampling's argmax over ``[rows, vocab]`` float32 logits,
   vectorised (torch's CPU argmax tracks its index scalar by scalar: 12x slower at SmolLM2's
   49,152-token vocabulary); the same indices as ``torch.argmax``, ties and NaN included.
+* :func:`exact_top_logits_cpu`: a bfloat16 (float16) LM head's logits widened to float32, the
+  few that could be their row's maximum recomputed in float32 (``dfllm.kernels.logits``).
 
 They agree with the references up to float rounding (the order of a few reductions differs),
 which the tests check; greedy fidelity against transformers is measured by log-probabilities.
@@ -55,6 +57,7 @@ import torch
 from dfllm.kernels.activation import silu_and_mul_torch
 from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
+from dfllm.kernels.logits import MARGIN, exact_top_logits_torch
 from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.kernels.paged_attention import attend_prefills, paged_attention_torch
 from dfllm.kernels.rms_norm import rms_norm_torch
@@ -337,3 +340,18 @@ def encoder_attention_count() -> int:
     """How many times the C++ encoder attention kernel ran in this process (0 when not built)."""
     ext = load() if loaded() else None
     return 0 if ext is None else int(ext.encoder_attention_count())
+
+
+def exact_top_logits_cpu(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`~dfllm.kernels.logits.exact_top_logits_torch` in the pass that widens the logits."""
+    if (
+        logits.dtype not in MARGIN
+        or not (logits.dtype == hidden.dtype == weight.dtype)
+        or logits.dim() != 2
+        or any(t.stride(-1) != 1 for t in (logits, hidden, weight))
+        or not loaded()
+    ):
+        return exact_top_logits_torch(logits, hidden, weight)
+    ext = load()
+    assert ext is not None
+    return ext.exact_top_logits(logits, hidden, weight, MARGIN[logits.dtype])

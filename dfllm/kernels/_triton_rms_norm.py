@@ -35,8 +35,8 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], x, mask=mask)
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
-    # Round the normalised value to the input dtype before the weight, as the reference does.
-    h = (h * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+    # the output rounded once (on the store), as the reference does
+    h = h * inv_rms[:, None]
     w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], h * w[None, :], mask=mask)
 

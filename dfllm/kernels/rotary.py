@@ -16,7 +16,8 @@ def rotary_torch(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In float32 with float32 cos/sin, rounded to ``x``'s dtype once (as vLLM's kernels)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -12,15 +12,21 @@ can multiply through a oneDNN-packed weight on CPU), so one rank pays nothing fo
   partial products are summed over the group (the bias is added once, after the sum);
 - vocabulary-parallel embedding and LM head: each rank holds a slice of the vocabulary;
   lookups outside it give zeros and the group sums; the LM head's logits are gathered.
+
+Either LM head returns float32 logits whatever the model's dtype (``dfllm.kernels.logits``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dfllm.distributed.communication import GroupComm
+from dfllm.kernels import _cpu
+from dfllm.kernels.logits import MARGIN
 from dfllm.models.cpu_linear import PackableLinear
 
 
@@ -95,7 +101,31 @@ class ParallelLMHead(nn.Module):
         self.weight = _mark(nn.Parameter(torch.zeros(-(-vocab_size // tp.size), hidden)), 0, tp, vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)[..., : self.vocab_size]
+        # each rank's slice float32 where it decides: the true maximum of a row lies within its
+        # own slice's margin, so refining slice by slice is refining the whole row
+        local = lm_head_logits(hidden, self.weight, lambda h: F.linear(h, self.weight))
+        return self.tp.all_gather(local, dim=-1)[..., : self.vocab_size]
+
+
+def lm_head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Float32 logits of ``hidden`` ``[rows, h]`` through an LM head of ``weight`` ``[vocab, h]``
+    whose own product is ``linear(hidden)``: in float32 as they are; on CUDA from a GEMM that
+    writes float32; on a CPU rounded, then the leading entries of each row recomputed in
+    float32 (``dfllm.kernels.logits``)."""
+    if weight.dtype not in MARGIN:
+        return linear(hidden).float()
+    if hidden.device.type == "cuda":
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return _cpu.exact_top_logits_cpu(linear(hidden), hidden, weight)
+
+
+class LMHead(PackableLinear):
+    """A single rank's LM head: float32 logits ``[rows, vocab]`` of hidden states ``[rows, h]``."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return lm_head_logits(hidden, self.weight, super().forward)
 
 
 def column_linear(in_features: int, output_sizes: list[int], bias: bool, tp: GroupComm | None) -> nn.Module:
@@ -121,7 +151,7 @@ def vocab_embedding(vocab_size: int, hidden: int, tp: GroupComm | None) -> nn.Mo
 
 
 def lm_head(vocab_size: int, hidden: int, tp: GroupComm | None) -> nn.Module:
-    return PackableLinear(hidden, vocab_size, bias=False) if tp is None else ParallelLMHead(vocab_size, hidden, tp)
+    return LMHead(hidden, vocab_size, bias=False) if tp is None else ParallelLMHead(vocab_size, hidden, tp)
 
 
 def check_shard_sizes(output_sizes: list[int], tp: GroupComm | None) -> None:

@@ -1091,7 +1091,48 @@ void rms_norm_impl(at::Tensor& out, at::Tensor& sum_out, const at::Tensor& x, co
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
       T* orow = op + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) put(orow + i, f32(wp[i]) * round_to<T>(hp[i] * inv));
+      for (int64_t i = 0; i < n; ++i) put(orow + i, f32(wp[i]) * (hp[i] * inv));  // rounded once, as vLLM's
+    }
+  });
+}
+
+// out [rows, vocab] float32 = logits [rows, vocab] (T) widened, then every entry within
+// rel * |max| of its row's maximum recomputed as the float32 dot product of hidden's row and
+// weight's row (the LM head's operands, in T). A row with a NaN or an infinite maximum is only
+// widened.
+template <typename T>
+void exact_top_logits_impl(at::Tensor& out, const at::Tensor& logits, const at::Tensor& hidden,
+                           const at::Tensor& weight, float rel) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1), h = hidden.size(1);
+  const T* lp = logits.data_ptr<T>();
+  const T* hp = hidden.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  const int64_t ls = logits.stride(0), hs = hidden.stride(0), ws = weight.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(h);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* l = lp + r * ls;
+      float* o = op + r * vocab;
+      float m = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t j = 0; j < vocab; ++j) {
+        o[j] = f32(l[j]);
+        m = std::max(m, o[j]);
+        nan |= o[j] != o[j];
+      }
+      if (nan || !std::isfinite(m)) continue;
+      load(x.data(), hp + r * hs, h);
+      const float floor = m - rel * std::fabs(m);
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (!(o[j] >= floor)) continue;
+        const T* w = wp + j * ws;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < h; ++k) acc += x[k] * f32(w[k]);
+        o[j] = acc;
+      }
     }
   });
 }
@@ -1135,11 +1176,12 @@ void rotary_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, co
         T* o = op + (t * heads + h) * d;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          // cos/sin are rounded to T first, and each product too, as in PyTorch
-          const float c = round_to<T>(cp[t * cs + i]), s = round_to<T>(sp[t * cs + i]);
+          // in float32 with float32 cos/sin, rounded to T once (bench_fidelity.py: rounding cos,
+          // sin and each product to bfloat16 first made greedy tokens part from float32's sooner)
+          const float c = cp[t * cs + i], s = sp[t * cs + i];
           const float x1 = f32(a[i]), x2 = f32(a[i + half]);
-          put(o + i, round_to<T>(x1 * c) - round_to<T>(x2 * s));
-          put(o + i + half, round_to<T>(x2 * c) + round_to<T>(x1 * s));
+          put(o + i, x1 * c - x2 * s);
+          put(o + i + half, x2 * c + x1 * s);
         }
       }
     }
@@ -1393,6 +1435,22 @@ std::vector<at::Tensor> rotary_qk(const at::Tensor& q, const at::Tensor& k, cons
   return {rotary(q, cos, sin), rotary(k, cos, sin)};
 }
 
+at::Tensor exact_top_logits(const at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight,
+                            double rel) {
+  TORCH_CHECK(logits.dim() == 2 && hidden.dim() == 2 && weight.dim() == 2 && logits.stride(1) == 1 &&
+                  hidden.stride(1) == 1 && weight.stride(1) == 1,
+              "logits, hidden and weight must be 2-D with contiguous rows");
+  TORCH_CHECK(logits.scalar_type() == hidden.scalar_type() && weight.scalar_type() == hidden.scalar_type() &&
+                  logits.scalar_type() != at::kFloat,
+              "logits, hidden and weight must share one reduced-precision dtype");
+  TORCH_CHECK(logits.size(0) == hidden.size(0) && logits.size(1) == weight.size(0) && hidden.size(1) == weight.size(1),
+              "logits [rows, vocab] = hidden [rows, h] @ weight [vocab, h]^T");
+  auto out = at::empty(logits.sizes(), logits.options().dtype(at::kFloat));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(logits.scalar_type(), "exact_top_logits",
+                                     [&] { exact_top_logits_impl<scalar_t>(out, logits, hidden, weight, rel); });
+  return out;
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x must be float32 [rows, n > 0] with contiguous rows");
@@ -1448,6 +1506,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qk", &rotary_qk);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("argmax_rows", &argmax_rows);
+  m.def("exact_top_logits", &exact_top_logits);
   m.def("encoder_attention", &encoder_attention);
   m.def("encoder_attention_count", &encoder_attention_count);
   m.def("prefill_attention", &prefill_attention);
