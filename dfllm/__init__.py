@@ -21,6 +21,7 @@ from dfllm.namespaces import missing_package
 if TYPE_CHECKING:  # what the names are, for type checkers; at run time __getattr__ imports them
     from dfllm.accessors.semantic.cascade import Cascade, CascadeStats
     from dfllm.accessors.writer import WriteSummary, write_parquet
+    from dfllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from dfllm.errors import InvalidRequestError, VLLMValidationError
     from dfllm.jobs.batch_job import BatchSummary, run_batch
     from dfllm.jobs.processor import Processor, build_llm_processor, build_processor
@@ -95,6 +96,9 @@ __all__ = [
     "Cascade",
     "CascadeStats",
     "LoRARequest",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
 ]
 __version__ = version("dfllm")  # pyproject.toml's
 
@@ -104,6 +108,7 @@ _MODULES: dict[str, str] = {
     "CascadeStats": "dfllm.accessors.semantic.cascade",
     "WriteSummary": "dfllm.accessors.writer",
     "write_parquet": "dfllm.accessors.writer",
+    **dict.fromkeys(("BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"), "dfllm.beam_search"),
     "InvalidRequestError": "dfllm.errors",
     "VLLMValidationError": "dfllm.errors",
     "BatchSummary": "dfllm.jobs.batch_job",

@@ -55,6 +55,7 @@ class EngineConfig:
     """
 
     model_path: Path
+    tokenizer_path: Path  # the tokenizer's directory: the model's, or `tokenizer` resolved as `model` is
     hf_config: PretrainedConfig
     model: ModelSpec
     runner_type: str
@@ -72,6 +73,7 @@ class EngineConfig:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     max_logprobs: int
+    logprobs_mode: str  # vLLM's: what sampled logprobs hand back (dfllm.engine.sampler)
     scheduling_policy: str
     deduplicate_requests: bool
     prefix_aware_scheduling: bool
@@ -87,6 +89,9 @@ class EngineConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
+    # vLLM's structured_outputs_config defaults for every request's StructuredOutputsParams
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -147,8 +152,10 @@ class EngineConfig:
         capture_sizes = parse_capture_sizes(args.compilation_config)
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(args.max_num_seqs)
+        structured = args.structured_outputs_config or {}
         return cls(
             model_path=path,
+            tokenizer_path=path if args.tokenizer is None else resolve_model(args.tokenizer),
             hf_config=hf_config,
             dtype=resolved_dtype,
             device=dev,
@@ -166,6 +173,7 @@ class EngineConfig:
             model=spec,
             runner_type=runner_type,
             max_logprobs=max_logprobs,
+            logprobs_mode=args.logprobs_mode,
             scheduling_policy=args.scheduling_policy,
             deduplicate_requests=bool(args.deduplicate_requests),
             prefix_aware_scheduling=bool(args.prefix_aware_scheduling),
@@ -177,6 +185,8 @@ class EngineConfig:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            disable_any_whitespace=structured.get("disable_any_whitespace"),
+            disable_additional_properties=bool(structured.get("disable_additional_properties", False)),
         )
 
 

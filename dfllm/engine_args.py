@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from dfllm.reasoning import check_reasoning_parser, reasoning_parser_names
+from dfllm.structured_outputs import check_backend
 
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}  # vLLM's kv_cache_dtype values dfllm serves
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's logprobs_mode
 MAX_CAPTURE_SIZE = 512  # vLLM's largest default capture size
 CAPTURE_SIZES_FIELD = "compilation_config.cudagraph_capture_sizes"
 
@@ -127,28 +129,42 @@ def _optional_int(minimum: int) -> Callable[[str, Any], None]:
     return check
 
 
+STRUCTURED_OUTPUTS_KEYS = (
+    "backend",
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "reasoning_parser",
+    "enable_in_reasoning",
+)
+
+
 def _structured_outputs_config(name: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be None or a dict such as {{'backend': 'xgrammar'}}, got {value!r}")
-    unknown = sorted(set(value) - {"backend", "disable_fallback", "reasoning_parser", "enable_in_reasoning"})
+    unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS))
     if unknown:
-        raise _refuse(
-            name,
-            value,
-            f"only 'backend', 'reasoning_parser' and 'enable_in_reasoning' can be set "
-            f"(found {unknown}); dfllm's structured outputs follow xgrammar's defaults",
-        )
+        raise _refuse(name, value, f"only {list(STRUCTURED_OUTPUTS_KEYS)} can be set (found {unknown})")
     _reasoning_parser(f"{name}['reasoning_parser']", value.get("reasoning_parser"))
-    if "enable_in_reasoning" in value:
-        _bool(f"{name}['enable_in_reasoning']", value["enable_in_reasoning"])
-    backend = value.get("backend", "auto")
-    if not _is(backend, ("auto", "xgrammar")):
+    for key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning"):
+        if key in value:
+            _bool(f"{name}['{key}']", value[key])
+    try:
+        check_backend(value.get("backend", "auto"))
+    except ValueError as exc:
+        raise _refuse(name, value, str(exc)) from None
+
+
+def _attention_config(name: str, value: Any) -> None:
+    backend = value.get("backend") if isinstance(value, dict) else getattr(value, "backend", None)
+    if backend is not None:
         raise _refuse(
             name,
             value,
-            f"backend {backend!r}: dfllm's only structured-outputs backend is xgrammar (use 'auto' or 'xgrammar')",
+            f"backend {backend!r}: dfllm runs its own attention kernels, chosen with attention_backend= "
+            "('auto', 'torch', 'cpu' or 'triton'); leave attention_config's backend unset",
         )
 
 
@@ -196,7 +212,9 @@ class EngineArgs:
     model: str | Path | None = _arg(
         None, "model directory or the alias of a bundled model (default: the bundled chat model, SmolLM2-135M-Instruct)"
     )
-    tokenizer: str | Path | None = _arg(None, "tokenizer directory (default: the model's)")
+    tokenizer: str | Path | None = _arg(
+        None, "tokenizer directory or the alias of a bundled model, resolved as `model` is (default: the model's)"
+    )
     dtype: str | torch.dtype = _arg(
         "auto",
         "auto (float32 on CPU; on CUDA the checkpoint's, bfloat16 for float32 "
@@ -258,6 +276,16 @@ class EngineArgs:
         "`-1` allows the whole vocabulary",
         "maps",
         _optional_int(-1),
+    )
+    logprobs_mode: str = _arg(
+        "raw_logprobs",
+        'what `logprobs` hand back, as vLLM: `"raw_logprobs"` (the model\'s distribution), `"raw_logits"`, '
+        '`"processed_logprobs"` or `"processed_logits"` (after the structured-output mask, logit bias, '
+        "allowed/bad words, penalties, and for a sampled row temperature, top-k, top-p and min-p: -inf where "
+        "they rule a token out); the sampled token first, then the top-k by rank; prompt logprobs stay raw",
+        "maps",
+        _only(LOGPROBS_MODES, f"vLLM's logprobs modes are {list(LOGPROBS_MODES)}"),
+        LOGPROBS_MODES,
     )
     enable_chunked_prefill: bool | None = _arg(
         None, "accepted: chunked prefill is always on (as in vLLM V1); `False` changes nothing", "no-op", _optional_bool
@@ -325,10 +353,13 @@ class EngineArgs:
     )
     structured_outputs_config: dict | None = _arg(
         None,
-        '`None` or a dict of `backend` (`"auto"`/`"xgrammar"`; other backends refused, xgrammar only), '
-        "`reasoning_parser` (as the argument) and `enable_in_reasoning` (`True`: the grammar constrains the "
-        "reasoning too)",
-        "refuses",
+        '`None` or a dict of `backend` (`"auto"`/`"xgrammar"`; `"guidance"`, `"outlines"`, '
+        '`"lm-format-enforcer"` refused by name: dfllm ships xgrammar only), `disable_any_whitespace` and '
+        "`disable_additional_properties` (the default of every request's `StructuredOutputsParams` field of "
+        "that name: `True` compact JSON, `False` any whitespace; `True` closes JSON schemas' objects), "
+        "`disable_fallback` (accepted: there is no fallback), `reasoning_parser` (as the argument) and "
+        "`enable_in_reasoning` (`True`: the grammar constrains the reasoning too)",
+        "maps",
         _structured_outputs_config,
     )
     reasoning_parser: str | None = _arg(
@@ -382,6 +413,26 @@ class EngineArgs:
         '`None`, `"mp"`; `"ray"` and others refused',
         "refuses",
         _only((None, "mp"), "dfllm runs parallel ranks as local processes it spawns (None or 'mp')"),
+    )
+    async_scheduling: bool | None = _arg(
+        None,
+        "accepted, ignored: dfllm schedules each step once the last one's tokens are known (one host "
+        "transfer per step), with the same outputs either way",
+        "no-op",
+        _optional_bool,
+    )
+    attention_config: Any = _arg(
+        None,
+        "a dict or `AttentionConfig`: its tuning fields are accepted and ignored (they tune vLLM's kernels); "
+        "a `backend` is refused by name (dfllm's kernels are chosen with `attention_backend`)",
+        "refuses",
+        _attention_config,
+    )
+    config_format: str = _arg(
+        "auto",
+        '`"auto"`, `"hf"` (a Hugging Face `config.json`, the only format dfllm reads); `"mistral"` refused',
+        "refuses",
+        _only(("auto", "hf"), "dfllm reads Hugging Face config.json files only ('auto' or 'hf')"),
     )
     # vLLM's multimodal arguments (docs/images.md)
     limit_mm_per_prompt: dict[str, int] | None = _arg(

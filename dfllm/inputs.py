@@ -14,11 +14,13 @@ VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 @dataclass
 class TokenizedPrompt:
     """A prompt's text (None if given as token ids only) and token ids; a rendered chat also
-    keeps the template variables it was rendered with (a reasoning parser reads them)."""
+    keeps the template variables it was rendered with (a reasoning parser reads them) and
+    ``chat=True`` (vLLM's words for a chat past the context length differ)."""
 
     prompt: str | None
     token_ids: list[int]
     chat_template_kwargs: dict | None = None
+    chat: bool = False
 
 
 def as_prompt_list(prompts) -> list:

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from dfllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_search
 from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import NO_TOKENIZER, EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
@@ -157,6 +158,7 @@ class LLM:
         max_seq_len_to_capture: int | None = 8192,
         disable_log_stats: bool = True,
         max_logprobs: int | None = 20,
+        logprobs_mode: str = "raw_logprobs",
         enable_chunked_prefill: bool | None = None,
         swap_space: float = 4,
         enable_sleep_mode: bool = False,
@@ -180,6 +182,9 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         distributed_executor_backend: str | None = None,
+        async_scheduling: bool | None = None,
+        attention_config: Any = None,
+        config_format: str = "auto",
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ):
@@ -195,7 +200,9 @@ class LLM:
         self.tokenizer: PreTrainedTokenizerBase | None = (
             None
             if skip_tokenizer_init
-            else (AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=False, use_fast=vllm["use_fast"]))
+            else AutoTokenizer.from_pretrained(
+                self.config.tokenizer_path, trust_remote_code=False, use_fast=vllm["use_fast"]
+            )
         )
         self.engine: LLMEngine | None = None
         self.pooling_engine: PoolingEngine | None = None
@@ -291,6 +298,59 @@ class LLM:
         return raise_for_errors(
             self._run([self._add(requests, priority, lora_request)], use_tqdm), lambda i: f"conversation {i}"
         )
+
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: for each prompt (a string, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``) the ``params.beam_width`` best sequences by
+        length-penalised cumulative log-probability, best first (see :mod:`dfllm.beam_search`).
+
+        Each step is one :meth:`generate` call of one token over every live beam, with
+        ``logprobs=2 * beam_width`` (so ``beam_width`` up to ``max_logprobs / 2``): the prefix cache
+        shares the beams' common prefixes. ``concurrency_limit`` runs that many prompts at a time
+        (None: all); ``lora_request`` is one adapter or one per prompt, as in :meth:`generate`.
+        Needs a tokenizer (its end-of-sequence token ends a beam)."""
+        tokenizer = self.get_tokenizer()
+        self._engine("beam_search")
+        items = as_prompt_list(prompts)
+        ids = [
+            p["prompt_token_ids"]
+            if isinstance(p, dict) and "prompt_token_ids" in p
+            else tokenizer.encode(p["prompt"] if isinstance(p, dict) else p)
+            for p in items
+        ]
+        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+
+        def step(beams: list[BeamSearchSequence]) -> list[dict]:
+            loras = [b.lora_request for b in beams]
+            outs = self.generate(
+                [{"prompt_token_ids": b.tokens} for b in beams],
+                step_params,
+                use_tqdm=False,
+                lora_request=None if all(lora is None for lora in loras) else loras,
+            )
+            return [o.outputs[0].logprobs[0] for o in outs]  # type: ignore[index]
+
+        found = beam_search(
+            step,
+            ids,
+            params,
+            tokenizer.eos_token_id,
+            self.config.max_model_len,
+            loras=None if lora_request is None else per_prompt(lora_request, len(ids)),
+            concurrency_limit=concurrency_limit,
+            use_tqdm=use_tqdm,
+        )
+        for beams in found:
+            for beam in beams:
+                beam.text = str(tokenizer.decode(beam.tokens))
+        return [BeamSearchOutput(beams) for beams in found]
 
     def enqueue(
         self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None, lora_request: Any = None

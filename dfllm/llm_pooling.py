@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +39,27 @@ def check_pooling_task(pooling_task: str | None) -> str:
             value=pooling_task,
         )
     return pooling_task
+
+
+def truncation(truncate_prompt_tokens: int | None, tokenization_kwargs: dict[str, Any] | None) -> int | None:
+    """A pooling call's truncation size: vLLM's current ``tokenization_kwargs={"truncate_prompt_tokens": N}``,
+    else its older ``truncate_prompt_tokens=N`` argument (-1: ``max_model_len``; above it is refused when
+    the prompts are read). Other tokenization keys are refused by name, as is a clash of the two forms."""
+    kwargs = dict(tokenization_kwargs or {})
+    size = kwargs.pop("truncate_prompt_tokens", truncate_prompt_tokens)
+    if kwargs:
+        raise InvalidRequestError(
+            f"tokenization_kwargs {sorted(kwargs)} are not supported by dfllm (it takes 'truncate_prompt_tokens')",
+            parameter="tokenization_kwargs",
+            value=sorted(kwargs),
+        )
+    if truncate_prompt_tokens is not None and size != truncate_prompt_tokens:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens={truncate_prompt_tokens} and tokenization_kwargs' {size} differ: give one",
+            parameter="truncate_prompt_tokens",
+            value=truncate_prompt_tokens,
+        )
+    return size
 
 
 def not_pooling_error(task: str) -> InvalidRequestError:
@@ -78,6 +100,7 @@ class PoolingFrontend:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Raw pooled tensors: ``pooling_task`` is "embed", "classify" or "token_embed" (required;
         "token_embed" gives a ``[tokens, dim]`` tensor per prompt, see :mod:`dfllm.engine.pooling_engine`).
@@ -86,11 +109,17 @@ class PoolingFrontend:
         one :class:`~dfllm.lora.request.LoRARequest` for every prompt, or a list with one per
         prompt (None: the base model).
 
+        ``tokenization_kwargs={"truncate_prompt_tokens": N}`` (vLLM's form; the older
+        ``truncate_prompt_tokens=N`` works too, on ``embed``/``classify``/``score`` as well) keeps
+        at most N tokens of each prompt (-1: ``max_model_len``; more than ``max_model_len`` is
+        refused with vLLM's message).
+
         Every prompt is checked before any work starts; a bad one (or params whose ``task``
         is another one, or an adapter that cannot run) raises
         :class:`~dfllm.errors.InvalidRequestError` naming its index."""
         task = check_pooling_task(pooling_task)
-        return self._encode(task, prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request)
+        truncate = truncation(truncate_prompt_tokens, tokenization_kwargs)
+        return self._encode(task, prompts, pooling_params, use_tqdm, truncate, lora_request)
 
     def embed(
         self,
@@ -100,10 +129,12 @@ class PoolingFrontend:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding (a list of floats) per prompt, in input order; ``lora_request`` as in
         :meth:`encode`."""
-        outs = self._encode("embed", prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request)
+        truncate = truncation(truncate_prompt_tokens, tokenization_kwargs)
+        outs = self._encode("embed", prompts, pooling_params, use_tqdm, truncate, lora_request)
         return [
             EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
             for o in outs
@@ -117,10 +148,12 @@ class PoolingFrontend:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt; ``outputs.label`` names the most likely class
         (``id2label``); ``lora_request`` as in :meth:`encode`."""
-        outs = self._encode("classify", prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request)
+        truncate = truncation(truncate_prompt_tokens, tokenization_kwargs)
+        outs = self._encode("classify", prompts, pooling_params, use_tqdm, truncate, lora_request)
         id2label = self.engine.cfg.model.id2label or {}
         return [
             ClassificationRequestOutput(
@@ -141,6 +174,7 @@ class PoolingFrontend:
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ScoringRequestOutput]:
         """Similarity of text pairs: one to one, one to many, or many to many (pairwise);
         ``lora_request``: one adapter every text runs with (as in :meth:`encode`).
@@ -152,6 +186,7 @@ class PoolingFrontend:
         the cosine similarity of the two embeddings.
         """
         left, right = score_pairs(data_1, data_2)
+        truncate_prompt_tokens = truncation(truncate_prompt_tokens, tokenization_kwargs)
         params = pooling_params or PoolingParams()
         self.require("score")
         if self.processor.tokenizer is None:

@@ -21,6 +21,15 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def token_first(
+    token_id: int, logprob: float, rank: int, top: list[tuple[int, float, int]]
+) -> list[tuple[int, float, int]]:
+    """The entries of one position's logprobs dict in vLLM's order: the token that was chosen
+    (sampled, or the prompt's) first, then the top-k ``(token id, logprob, rank)`` by rank
+    without it; sampled and prompt logprobs both use this."""
+    return [(token_id, logprob, rank)] + [entry for entry in top if entry[0] != token_id]
+
+
 @dataclass
 class RequestMetrics:
     """Timings of one request, as ``time.time()`` seconds.

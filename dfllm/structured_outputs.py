@@ -20,7 +20,11 @@ any JSON object, or structural tags.
   current one: free text until a trigger, then the tagged structure.
 
 ``whitespace_pattern`` (an option of vLLM's outlines backend) is refused: xgrammar, the
-backend dfllm uses, has no whitespace pattern.
+backend dfllm uses, has no whitespace pattern. ``backend`` is None, "auto" or "xgrammar";
+vLLM's other backends ("guidance", "outlines", "lm-format-enforcer") are refused by name, per
+request as in ``LLM(structured_outputs_config={"backend": ...})``. The engine's
+``structured_outputs_config`` gives ``disable_any_whitespace`` and
+``disable_additional_properties`` their defaults (:func:`with_engine_defaults`).
 
 A JSON schema, regex, choice or structural tag is checked when the object is built (a bad
 one raises ``ValueError``); a ``grammar`` is checked when a request using it is made
@@ -41,10 +45,23 @@ from __future__ import annotations
 
 import json as _json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 ANY_JSON_OBJECT = {"type": "object"}
+BACKENDS = ("auto", "xgrammar")  # vLLM's structured-output backends dfllm ships
+UNSHIPPED_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
+
+
+def check_backend(backend: object) -> None:
+    """``ValueError`` unless ``backend`` (vLLM's ``structured_outputs_config["backend"]`` or a
+    request's ``backend``) is one dfllm ships (:data:`BACKENDS`); vLLM's others are named."""
+    if not any(backend == b for b in BACKENDS):
+        which = "vLLM's" if backend in UNSHIPPED_BACKENDS else "an unknown"
+        raise ValueError(
+            f"structured outputs backend {backend!r} ({which} backend) is not supported by dfllm: dfllm ships "
+            f"xgrammar only (supported: {', '.join(repr(b) for b in BACKENDS)})"
+        )
 
 
 @dataclass(eq=False)
@@ -60,8 +77,11 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool | None = None  # None: compact JSON (dfllm's default)
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    backend: str | None = None  # None or "auto": the engine's; "xgrammar" (dfllm's only backend)
 
     def __post_init__(self) -> None:
+        if self.backend is not None:
+            check_backend(self.backend)
         if self.json_object is False:
             self.json_object = None
         given = [k for k in KINDS if getattr(self, k) is not None]
@@ -213,7 +233,7 @@ class StructuredOutputsParams:
         return "Failed to convert the grammar: Invalid grammar specification."
 
 
-OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "backend")
 
 
 def _looks_like_lark(grammar: str) -> bool:
@@ -279,3 +299,16 @@ def _schema_dict(schema) -> dict:
         return _json.loads(_json.dumps(schema))  # a private, JSON-serialisable copy
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs.json: the schema is not JSON-serialisable: {exc}") from None
+
+
+def with_engine_defaults(
+    params: StructuredOutputsParams, disable_any_whitespace: bool | None, disable_additional_properties: bool
+) -> StructuredOutputsParams:
+    """``params`` with the engine's ``structured_outputs_config`` defaults for the options the
+    request leaves unset (``disable_any_whitespace=None``; ``disable_additional_properties`` is
+    closed by either); ``params`` itself when they change nothing."""
+    whitespace = params.disable_any_whitespace if params.disable_any_whitespace is not None else disable_any_whitespace
+    closed = params.disable_additional_properties or disable_additional_properties
+    if whitespace == params.disable_any_whitespace and closed == params.disable_additional_properties:
+        return params
+    return replace(params, disable_any_whitespace=whitespace, disable_additional_properties=closed)

@@ -35,3 +35,45 @@ def test_block_extraction_sees_every_fence():
     for page in PAGES:
         text = (ROOT / page).read_text()
         assert len(python_blocks(ROOT / page)) == text.count("```python\n")
+
+
+# ---- what the pages name exists ----------------------------------------------------------------------------------
+API_PAGES = ["README.md", "docs/from_vllm.md"]  # the pages that name LLM's methods and engine arguments
+SPAN = re.compile(r"`([^`\n]+)`")
+
+
+def named_api(page: Path) -> tuple[set[str], set[str]]:
+    """(methods, engine arguments) a page names: ``LLM.x``/``llm.x`` and ``x()`` in code spans,
+    the bare names listed after `LLM.generate`, and the ``x=`` of ``LLM(...)`` spans and the
+    names of its engine-argument table."""
+    text = page.read_text()
+    methods: set[str] = set()
+    args = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    for span in SPAN.findall(text):
+        methods |= set(re.findall(r"(?<![.\w])(?:LLM|llm)\.(\w+)", span))
+        methods |= set(re.findall(r"^(\w+)\(\)$", span))
+        if span.startswith("LLM("):
+            args |= set(re.findall(r"(\w+)=", span))
+    for listed in re.findall(r"`LLM\.generate`((?:, `\w+`)+)", text):
+        methods |= set(re.findall(r"`(\w+)`", listed))
+    return methods, args
+
+
+@pytest.mark.parametrize("page", API_PAGES)
+def test_named_methods_and_engine_arguments_exist(page):
+    from dfllm import LLM
+    from dfllm.engine_args import ENGINE_ARG_NAMES
+
+    methods, args = named_api(ROOT / page)
+    assert methods, f"{page} names no LLM method"
+    assert sorted(m for m in methods if not hasattr(LLM, m)) == [], f"{page} names LLM methods that do not exist"
+    assert sorted(set(args) - set(ENGINE_ARG_NAMES)) == [], f"{page} names engine arguments that do not exist"
+
+
+def test_the_api_check_sees_what_the_pages_name():
+    """The extraction finds what it is for (a regex that matched nothing would pass anything)."""
+    methods, args = named_api(ROOT / "README.md")
+    assert {"generate", "chat", "embed", "score", "beam_search"} <= methods
+    methods, args = named_api(ROOT / "docs/from_vllm.md")
+    assert {"wake_up", "llm_engine", "get_tokenizer", "beam_search", "embed"} <= methods
+    assert {"enforce_eager", "logprobs_mode", "structured_outputs_config", "skip_tokenizer_init"} <= args

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dfllm.tasks",),  # a task as data, its rows, its runners
     ("dfllm.dashboard",),  # the Dask dashboard's page, reading the worker's leaf counters
     ("dfllm.worker",),  # the engine cache and driver thread of a worker process
-    ("dfllm.llm", "dfllm.llm_pooling", "dfllm.llm_control"),  # the LLM class
+    ("dfllm.llm", "dfllm.llm_pooling", "dfllm.llm_control", "dfllm.beam_search"),  # the LLM class
     ("dfllm.engine",),
     ("dfllm.config",),  # the engine's arguments resolved against the model
     ("dfllm.engine_args",),  # each argument of LLM defined once

@@ -104,8 +104,7 @@ def reference_sample(logits: torch.Tensor, seqs: list[Sequence], seed: int) -> l
         if k > 0:
             values, ids = lp.topk(k)
             top = [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids))]
-        if all(t != token for t, _, _ in top):
-            top.insert(0, (token, value, int((lp > value).sum()) + 1))
+        top = [(token, value, int((lp > value).sum()) + 1)] + [e for e in top if e[0] != token]  # vLLM's order
         out.append(SampledToken(token, value, top))
     return out
 

@@ -45,6 +45,7 @@ from dfllm.multimodal.processor import ImageInputProcessor, has_image_parts
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import ReasoningParser, make_reasoning_parser
 from dfllm.sampling_params import SamplingParams
+from dfllm.structured_outputs import with_engine_defaults
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class InputProcessor:
         eos_token_ids: set[int],
         *,
         max_logprobs: int = -1,
+        structured_defaults: tuple[bool | None, bool] = (None, False),
         reasoning_parser: str | ReasoningParser | None = None,
         mm: ImageInputProcessor | None = None,
         embeds_images: bool = False,
@@ -102,6 +104,8 @@ class InputProcessor:
     ):
         """``max_logprobs`` caps ``logprobs`` and ``prompt_logprobs`` of a request (vLLM's
         engine argument, ``EngineConfig.max_logprobs``); -1 allows the whole vocabulary.
+        ``structured_defaults``: ``(disable_any_whitespace, disable_additional_properties)`` of vLLM's
+        ``structured_outputs_config``, for the structured outputs of every request.
         A pooling model's (``model_name``'s) ``max_model_len`` is its input limit; ``embeds_images``: CLIP, SigLIP.
         ``tokenizer`` is None under ``skip_tokenizer_init=True``. ``reasoning_parser`` (a
         :mod:`dfllm.reasoning` parser, or its name: ``ValueError`` now for an unknown one or a
@@ -112,6 +116,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_logprobs = max_logprobs
+        self.structured_defaults = structured_defaults
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.reasoning = (
             make_reasoning_parser(reasoning_parser, tokenizer)
@@ -178,6 +183,7 @@ class InputProcessor:
             text,
             tokenizer.encode(text, add_special_tokens=False),
             dict(chat_template_kwargs) if chat_template_kwargs else None,
+            chat=True,
         )
 
     def _tokenizer(self, message: str, parameter: str) -> PreTrainedTokenizerBase:
@@ -205,16 +211,21 @@ class InputProcessor:
                 )
             tokenized = self._tokenized(prompt, what)
             tokenized, mm_inputs = self._with_images(prompt, tokenized, images, params, what)
-            keep = params.truncate_prompt_tokens
-            if keep is not None:  # the last tokens, as vLLM truncates (-1: as many as max_model_len)
-                keep = self.max_model_len if keep == -1 else keep
+            keep = truncation_size(params.truncate_prompt_tokens, self.max_model_len)
+            if keep is not None:  # the last tokens, as vLLM truncates
                 tokenized = TokenizedPrompt(tokenized.prompt, tokenized.token_ids[-keep:])
-            check_prompt_length(len(tokenized.token_ids), what, self.max_model_len)
+            chat = isinstance(prompt, TokenizedPrompt) and prompt.chat
+            check_prompt_length(len(tokenized.token_ids), what, self.max_model_len, chat=chat)
             check_params_for_model(params, what, self.vocab_size, self.max_logprobs)
             params.check_supported(what)
             if self.tokenizer is None:
                 params = self._without_tokenizer(params, what)
-            grammar = None if params.structured_outputs is None else self.grammars.prepare(params.structured_outputs)
+            grammar = None
+            if params.structured_outputs is not None:
+                constraint = with_engine_defaults(params.structured_outputs, *self.structured_defaults)
+                if constraint is not params.structured_outputs:
+                    params = replace(params, structured_outputs=constraint)
+                grammar = self.grammars.prepare(constraint)
             return EngineRequest(
                 tokenized.prompt,
                 tokenized.token_ids,
@@ -407,13 +418,14 @@ class InputProcessor:
         return [PoolingRequest(ids, params, t) for ids, t in zip(enc["input_ids"], types)]
 
     def _pooling_limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
-        """How many tokens a pooling prompt keeps: ``max_model_len``, or fewer when asked."""
+        """How many tokens a pooling prompt keeps: ``max_model_len``, or fewer when asked (more
+        is refused: :func:`truncation_size`)."""
         limit = self.max_model_len
         for t in (truncate_prompt_tokens, params.truncate_prompt_tokens):
-            if t is not None and t != -1:
+            if t is not None:
                 with invalid_request():
                     PoolingParams(truncate_prompt_tokens=t)  # validates
-                limit = min(limit, t)
+                    limit = min(limit, truncation_size(t, self.max_model_len) or limit)
         return limit
 
     def _image_prompt(self, item: dict, i: int) -> ImagePrompt:
@@ -515,21 +527,58 @@ def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def check_prompt_length(n: int, what: str, max_model_len: int | None) -> None:
-    """Refuse an empty prompt, and one longer than ``max_model_len`` (unless None), naming ``what``."""
+def check_prompt_length(n: int, what: str, max_model_len: int | None, *, chat: bool = False) -> None:
+    """Refuse an empty prompt and, unless ``max_model_len`` is None, a generation prompt that
+    leaves no room for one output token (``n >= max_model_len``), naming ``what``, in vLLM's
+    words: its renderer's for a ``chat`` past the context length, its input processor's otherwise."""
     if n == 0:  # e.g. an empty string without special tokens, or a chat template that rendered nothing
         raise InvalidRequestError(
             f"Prompt cannot be empty. The decoder prompt cannot be empty ({what} is empty: no tokens)",
             parameter="prompt",
         )
-    if max_model_len is not None and n > max_model_len:
-        raise InvalidRequestError(
-            f"The decoder prompt (length {n}) is longer than the maximum model length of {max_model_len}. "
-            f"Make sure that `max_model_len` is no smaller than the number of text tokens. ({what} has {n} tokens, "
-            f"longer than max_model_len={max_model_len})",
-            parameter="prompt",
-            value=n,
+    if max_model_len is None or n < max_model_len:
+        return
+    m = max_model_len
+    if chat and n > m:
+        vllm = (
+            f"You passed {n} input tokens and requested 0 output tokens. However, the model's context length is "
+            f"only {m} tokens, resulting in a maximum input length of {m} tokens. Please reduce the length of the "
+            "input prompt."
         )
+    elif n > m:
+        vllm = (
+            f"The decoder prompt (length {n}) is longer than the maximum model length of {m}. Make sure that "
+            "`max_model_len` is no smaller than the number of text tokens."
+        )
+    else:  # exactly max_model_len: no room for the one token every request generates
+        vllm = (
+            f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
+            f"than the maximum model length of {m}. Make sure that `max_model_len` is no smaller than the number "
+            "of text tokens (prompt + requested output tokens)."
+        )
+    plus = "," if n > m else ": with its first output token,"
+    raise InvalidRequestError(
+        f"{vllm} ({what} has {n} tokens{plus} longer than max_model_len={m})",
+        parameter="prompt",
+        value=n,
+    )
+
+
+def truncation_size(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many prompt tokens vLLM's ``truncate_prompt_tokens`` keeps (-1: ``max_model_len``;
+    None: no truncation); a size above ``max_model_len`` is refused in vLLM's words, not clamped."""
+    if truncate_prompt_tokens is None:
+        return None
+    if truncate_prompt_tokens == -1:
+        return max_model_len
+    if truncate_prompt_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens={truncate_prompt_tokens} cannot be greater than max_model_len - "
+            f"max_output_tokens = {max_model_len}. Please request a smaller truncation size.",
+            parameter="truncate_prompt_tokens",
+            value=truncate_prompt_tokens,
+        )
+    return truncate_prompt_tokens
 
 
 def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, max_logprobs: int = -1) -> None:

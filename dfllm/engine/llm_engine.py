@@ -126,6 +126,7 @@ class LLMEngine:
             cfg.max_model_len,
             eos_token_ids,
             max_logprobs=cfg.max_logprobs,
+            structured_defaults=(cfg.disable_any_whitespace, cfg.disable_additional_properties),
             reasoning_parser=reasoning_parser,
             mm=image_input_processor(
                 cfg.model_path, images, limit_per_prompt=limit_mm_per_prompt, processor_kwargs=mm_processor_kwargs
@@ -134,7 +135,7 @@ class LLMEngine:
         self.enable_in_reasoning = enable_in_reasoning
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
-        self.sampler = Sampler(eos_token_ids, cfg.seed)
+        self.sampler = Sampler(eos_token_ids, cfg.seed, cfg.logprobs_mode)
         self.requests: dict[str, Request] = {}  # queued or running, or finished by a step that raised
         self.deduplicate = cfg.deduplicate_requests
         self.leaders: dict[Hashable, str] = {}  # dedupe key -> the unfinished request computing it

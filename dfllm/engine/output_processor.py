@@ -22,7 +22,7 @@ from dfllm.engine.detokenizer import Detokenizer
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.sampler import SampledToken
 from dfllm.engine.sequence import Request, Sequence
-from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
+from dfllm.outputs import CompletionOutput, Logprob, RequestOutput, token_first
 
 logger = logging.getLogger("dfllm")
 
@@ -177,13 +177,8 @@ class OutputProcessor:
         for i, row in enumerate(host.tolist()):
             if start + 1 + i != len(seq.prompt_logprobs):  # recorded before (or a gap: never expected)
                 continue
-            target = target_ids[i]
-            top = [(target, row[0], int(row[1]))]  # the prompt token first, as in vLLM
-            top += [
-                (int(t), v, r + 1)
-                for r, (v, t) in enumerate(zip(row[2 : 2 + width], row[2 + width :]))
-                if int(t) != target
-            ]
+            ranked = [(int(t), v, r + 1) for r, (v, t) in enumerate(zip(row[2 : 2 + width], row[2 + width :]))]
+            top = token_first(target_ids[i], row[0], int(row[1]), ranked)
             seq.prompt_logprobs.append(self._logprobs(top, seq.params.detokenize))
 
     def _logprob_dict(self, tok: SampledToken, detokenize: bool) -> dict[int, Logprob]:

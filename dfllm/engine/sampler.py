@@ -7,8 +7,12 @@ row's ``logit_bias``, ``allowed_token_ids``, ``bad_words``, penalties and ``min_
 min-p followed by a draw. Draws use the exponential-race trick (``argmax(p / q)`` with
 ``q ~ Exp(1)``); a seeded request draws ``q`` from its own generator (on the logits' device)
 so its text does not depend on the rest of the batch, the others from the sampler's
-generator for that device. Log-probabilities are taken before all of this, from the model's
-raw distribution (constrained rows included).
+generator for that device. Log-probabilities follow vLLM's ``logprobs_mode``: by default
+("raw_logprobs") they are taken before all of this, from the model's raw distribution
+(constrained rows included); "raw_logits" hands back those logits themselves; the
+"processed_*" modes take the logits the token was chosen from (after the mask and penalties,
+and for a sampled row temperature, top-k, top-p and min-p, a token they rule out being -inf),
+as log-probabilities or as logits. Prompt log-probabilities are always the raw ones, as vLLM's.
 
 A row whose logits cannot be sampled (any NaN, any +inf, or no finite value: NaN weights, an
 overflow) gets a message instead of a token. Its maximum, taken before anything else changes
@@ -32,6 +36,7 @@ from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.structured import apply_masks
 from dfllm.kernels._cpu import argmax_rows_cpu
+from dfllm.outputs import token_first
 from dfllm.sampling_params import SamplingParams
 
 
@@ -41,7 +46,7 @@ class SampledToken:
 
     token_id: int
     logprob: float | None = None
-    top: list[tuple[int, float, int]] | None = None  # (token id, logprob, rank)
+    top: list[tuple[int, float, int]] | None = None  # (token id, logprob, rank): the token, then the top-k
 
 
 @dataclass
@@ -103,9 +108,12 @@ def to_host(
 class Sampler:
     """Samples next tokens for a batch of sequences, on the device of the logits it is given."""
 
-    def __init__(self, eos_token_ids: set[int], seed: int):
+    def __init__(self, eos_token_ids: set[int], seed: int, logprobs_mode: str = "raw_logprobs"):
+        """``logprobs_mode`` is vLLM's engine argument (:data:`dfllm.engine_args.LOGPROBS_MODES`): what the
+        log-probabilities handed back are (module docstring)."""
         self.eos_token_ids = eos_token_ids
         self.seed = seed
+        self.logprobs_mode = logprobs_mode
         self.generators: dict[torch.device, torch.Generator] = {}  # one per device, made on first use
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -121,12 +129,15 @@ class Sampler:
         logits = logits.float()
         row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw = torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None
+        raw, as_logprobs = self.logprobs_mode.startswith("raw"), self.logprobs_mode.endswith("logprobs")
+        values = _logprob_values(_rows(logits, lp_rows), as_logprobs) if lp_rows and raw else None
         if any(s.grammar is not None for s in seqs):
             apply_masks(logits, [s.grammar for s in seqs])
         apply_penalties(logits, seqs, self.eos_token_ids)
-        token_ids = self._choose(logits, seqs)
-        payload = None if raw is None else _logprob_payload(raw, token_ids, lp_rows, seqs)
+        token_ids, processed_logits = self._choose(logits, seqs, keep_processed=bool(lp_rows) and not raw)
+        if processed_logits is not None:
+            values = _logprob_values(_rows(processed_logits, lp_rows), as_logprobs)
+        payload = None if values is None else _logprob_payload(values, token_ids, lp_rows, seqs)
         ids, host, maxima = to_host(token_ids, payload, row_max)
         out: list[SampledToken | str] = list(_sampled_tokens(ids, host))
         for i, top in enumerate(maxima):
@@ -134,12 +145,16 @@ class Sampler:
                 out[i] = "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
         return out
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The chosen token of every row (``[rows]``, on the logits' device)."""
+    def _choose(
+        self, logits: torch.Tensor, seqs: list[Sequence], keep_processed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chosen token of every row (``[rows]``, on the logits' device) and, with
+        ``keep_processed``, the logits the choice was made from (vLLM's processed logits: a
+        greedy row's as given, a sampled row's after temperature, top-k, top-p and min-p)."""
         rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if not rows:
-            return argmax_rows_cpu(logits)
-        probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
+            return argmax_rows_cpu(logits), logits if keep_processed else None
+        scaled, probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
         noise = race_noise(
             probs,
             [seqs[i].generator for i in rows],
@@ -147,11 +162,15 @@ class Sampler:
             one_launch=logits.device.type != "cpu",
         )
         drawn = argmax_rows_cpu(probs / noise)
+        processed = None
+        if keep_processed:
+            processed = logits.clone()
+            processed[_index(rows, logits.device)] = scaled
         if len(rows) == len(seqs):
-            return drawn
+            return drawn, processed
         chosen = argmax_rows_cpu(logits)  # the greedy rows'
         chosen[_index(rows, logits.device)] = drawn
-        return chosen
+        return chosen, processed
 
 
 def race_noise(
@@ -181,8 +200,15 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
-def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's distribution after temperature, top-k, top-p and min-p."""
+def _logprob_values(logits: torch.Tensor, logprobs: bool) -> torch.Tensor:
+    """What the log-probabilities handed back are made of: ``logits`` as log-probabilities, or
+    (vLLM's ``*_logits`` modes) a copy of the logits themselves."""
+    return torch.log_softmax(logits, dim=-1) if logprobs else logits.clone()
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logits after temperature, top-k, top-p and min-p (-inf outside them), and its
+    distribution."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).to(dev, non_blocking=True)
     logits = logits / temps.unsqueeze(1)
@@ -195,7 +221,8 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(dev, non_blocking=True).unsqueeze(1)
         keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
-    return probs
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits, probs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -206,7 +233,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     remove = ranks >= torch.tensor(top_k).to(dev, non_blocking=True).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).to(dev, non_blocking=True).unsqueeze(1)
+    p = torch.tensor(top_p, dtype=probs.dtype).to(dev, non_blocking=True).unsqueeze(1)
+    remove |= (mass_before >= p) & (p < 1.0)  # top_p=1 keeps all (a saturated sum would drop some)
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -215,8 +243,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 def _logprob_payload(
     raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int], seqs: list[Sequence]
 ) -> LogprobPayload:
-    """The chosen tokens' raw log-probabilities and ranks, and each row's top-k (``raw``: the
-    raw log-probabilities of ``rows``), all on the device."""
+    """The chosen tokens' log-probabilities and ranks, and each row's top-k (``raw``: the
+    values of ``rows`` that ``logprobs_mode`` hands back), all on the device."""
     chosen = raw.gather(1, _rows(token_ids.unsqueeze(1), rows))
     ranks = (raw > chosen).sum(dim=1) + 1
     by_k: dict[int, list[int]] = {}
@@ -239,8 +267,5 @@ def _sampled_tokens(ids: list[int], host: HostLogprobs | None) -> list[SampledTo
         return out
     for j, i in enumerate(host.rows):
         token_id, chosen = ids[i], host.chosen[j]
-        top = list(host.top.get(j, []))
-        if all(t != token_id for t, _, _ in top):
-            top.insert(0, (token_id, chosen, host.ranks[j]))
-        out[i] = SampledToken(token_id, chosen, top)
+        out[i] = SampledToken(token_id, chosen, token_first(token_id, chosen, host.ranks[j], host.top.get(j, [])))
     return out

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 DEFAULT_SAMPLE_ROWS = 16
 DEFAULT_CALIBRATION_SECONDS = 30.0
 EXAMPLES = 3  # refused rows shown per reason
-TOO_LONG = "longer than the maximum model length"  # the input processor's words for a prompt past max_model_len
+TOO_LONG = "longer than max_model_len="  # the input processor's detail for a prompt with no room left
 
 
 # ---- what turns rows into requests -----------------------------------------------------------------------

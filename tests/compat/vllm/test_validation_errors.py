@@ -82,8 +82,14 @@ def test_prompt_longer_than_max_model_len(llm):
         f"prompt 1 has {MAX_LEN + 1} tokens, longer than max_model_len={MAX_LEN}",
         f"The decoder prompt (length {MAX_LEN + 1}) is longer than the maximum model length of {MAX_LEN}",
     )
-    # a prompt of exactly max_model_len tokens is accepted (as before)
-    assert llm.generate({"prompt_token_ids": ids[:MAX_LEN]}, SamplingParams(max_tokens=1), use_tqdm=False)[0].finished
+    # exactly max_model_len tokens leave no room for an output token: refused, as vLLM does
+    refused(
+        lambda: llm.generate({"prompt_token_ids": ids[:MAX_LEN]}, SamplingParams(max_tokens=1), use_tqdm=False),
+        f"The decoder prompt (length {MAX_LEN}) plus the number of requested output tokens (at least 1)",
+    )
+    assert llm.generate({"prompt_token_ids": ids[: MAX_LEN - 1]}, SamplingParams(max_tokens=1), use_tqdm=False)[
+        0
+    ].finished
 
 
 def test_bad_prompt_types_and_chats(llm):
