@@ -16,12 +16,14 @@ Figures, against dfllm float32 (whose greedy tokens equal transformers' float32)
   engine through its kernel table (PyTorch code, so slow: fidelity only, never speed):
 
   - ``norm-once``: RMSNorm's output rounded once (``x * rsqrt * weight`` in float32), as
-    vLLM's kernel; dfllm rounds the normalised value, then the product with the weight;
+    vLLM's kernel (dfllm rounded the normalised value, then the product with the weight);
   - ``rope-once``: rotary in float32 with float32 cos/sin, rounded once;
   - ``silu-once``: ``silu(gate) * up`` in float32, rounded once;
   - ``residual-fp32``: the residual stream kept in float32 between layers;
   - ``logits-fp32``: the LM head's output (the logits) left in float32;
 
+  ``norm-once`` and ``rope-once`` are the engine's own PyTorch references since they were
+  kept (2026-12-05), so on the compiled kernels they differ from ``base`` by summation order only.
   ``base`` is the engine as shipped; ``a+b`` applies several (``residual-fp32`` includes
   ``norm-once``). A variant the engine already has is the same as ``base``.
 
@@ -45,37 +47,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dfllm import LLM, SamplingParams
 from dfllm.kernels.backend import KernelOps
+from dfllm.kernels.rms_norm import rms_norm_torch
+from dfllm.kernels.rotary import rotary_torch
 from dfllm.models.bundled import resolve_model
 
 TOPK = 5
 
 
 # ---- the suspects: kernels that round once, in PyTorch -------------------------------------
-def rms_norm_once(x, weight, eps, residual=None):
-    """RMSNorm whose output is rounded once; the sum with ``residual`` kept in the residual's dtype."""
-    if residual is not None:
-        residual = (x.float() + residual.float()).to(residual.dtype)
-        x = residual
-    h = x.float()
-    out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
-    return out if residual is None else (out, residual)
-
-
 def rms_norm_fp32_residual(x, weight, eps, residual=None):
-    """:func:`rms_norm_once` with a float32 residual stream (the first layer's input widened)."""
+    """RMSNorm with a float32 residual stream (the first layer's input widened), output rounded once."""
     if residual is None:
-        return rms_norm_once(x, weight, eps)
-    return rms_norm_once(x, weight, eps, residual.float())
-
-
-def rotary_once(q, k, cos, sin):
-    def rotate(x):
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+        return rms_norm_torch(x, weight, eps)
+    out, residual = rms_norm_torch(x.float(), weight, eps, residual.float())
+    return out.to(weight.dtype), residual
 
 
 def silu_once(x):
@@ -97,8 +82,8 @@ def _logits_fp32(model: torch.nn.Module) -> None:
 
 VARIANTS: dict[str, Callable[[torch.nn.Module], None]] = {
     "base": lambda m: None,
-    "norm-once": lambda m: _replace_ops(m, rms_norm=rms_norm_once),
-    "rope-once": lambda m: _replace_ops(m, rotary=rotary_once),
+    "norm-once": lambda m: _replace_ops(m, rms_norm=rms_norm_torch),
+    "rope-once": lambda m: _replace_ops(m, rotary=rotary_torch),
     "silu-once": lambda m: _replace_ops(m, silu_and_mul=silu_once),
     "residual-fp32": lambda m: _replace_ops(m, rms_norm=rms_norm_fp32_residual),
     "logits-fp32": _logits_fp32,
@@ -270,6 +255,14 @@ def main() -> None:
             continue
         ties = f"{div['ties']}/{div['checked']}" if div["checked"] else "-"
         print(f"{name:<28} {100 * div['equal'] / div['rows']:>10.1f}% {100 * div['share']:>27.1f}% {ties:>10}")
+    vllm = next((div for name, (div, _) in table.items() if name.startswith("vLLM")), None)
+    if vllm is not None:
+        for name, (div, _) in table.items():
+            if div is not None and div is not vllm:
+                print(
+                    f"{name} / vLLM: rows equal {div['equal'] / max(vllm['equal'], 1):.2f}x, "
+                    f"share before the first divergence {div['share'] / vllm['share']:.2f}x"
+                )
     if layer_prompts:
         names = [n for n, (_, layers) in table.items() if layers]
         n_layers = len(table["float32"][1]) - 1

@@ -14,6 +14,7 @@ from dfllm.kernels.activation import silu_and_mul_torch
 from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.fused_moe import fused_moe_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
+from dfllm.kernels.logits import exact_top_logits_torch
 from dfllm.kernels.paged_attention import paged_attention_torch
 from dfllm.kernels.rms_norm import rms_norm_torch
 from dfllm.kernels.rotary import rotary_torch
@@ -143,3 +144,13 @@ def _enable_interpreter() -> None:
 def _interpreted(kernel: object) -> bool:
     """Whether a ``@triton.jit`` kernel runs in Triton's interpreter."""
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`~dfllm.kernels.logits.exact_top_logits_torch` through the compiled CPU kernel on a
+    CPU where it is loaded, the reference elsewhere."""
+    if logits.device.type == "cpu":
+        from dfllm.kernels import _cpu
+
+        return _cpu.exact_top_logits_cpu(logits, hidden, weight)
+    return exact_top_logits_torch(logits, hidden, weight)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dfllm.distributed.communication import GroupComm
-from dfllm.kernels import _cpu
+from dfllm.kernels.backend import exact_top_logits
 from dfllm.kernels.logits import MARGIN
 from dfllm.models.cpu_linear import PackableLinear
 
@@ -118,7 +118,7 @@ def lm_head_logits(
         return linear(hidden).float()
     if hidden.device.type == "cuda":
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-    return _cpu.exact_top_logits_cpu(linear(hidden), hidden, weight)
+    return exact_top_logits(linear(hidden), hidden, weight)
 
 
 class LMHead(PackableLinear):
