@@ -436,7 +436,9 @@ def test_killed_client_resumes_answering_each_line_once(cli_cluster, tiny_llama,
     """The ``dfllm run-batch`` client killed mid-job, then run again with ``--resume``: the
     partitions it finished are kept (not recomputed), and the output holds each line once,
     in order; no output appears from the killed run."""
-    n = 6
+    # twelve partitions of one or two lines: however fast the machine, the client dies (two
+    # parts written, at most two more running) with most of them unstarted
+    n = 12
     src, size = slow_file(tmp_path / "in.jsonl", n)
     out = tmp_path / "out.jsonl"
     staged = tmp_path / "out.jsonl.parts"
