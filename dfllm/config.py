@@ -5,16 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
-from dfllm.engine_args import KV_CACHE_DTYPES, EngineArgs, default_capture_sizes, parse_capture_sizes
-from dfllm.kernels.backend import BACKENDS
+from dfllm.engine_args import (
+    DEFAULTS,
+    KV_CACHE_DTYPES,
+    EngineArgs,
+    as_kwargs,
+    check_engine_args,
+    default_capture_sizes,
+    parse_capture_sizes,
+)
 from dfllm.models.bundled import resolve_model
 from dfllm.models.families import unsupported_architecture_message
 from dfllm.models.loader import load_config
-from dfllm.models.quantization import QUANTIZATIONS, quantized_engine
+from dfllm.models.quantization import quantized_engine
 from dfllm.models.registry import (
     is_generative,
     is_pooling_only,
@@ -24,6 +32,7 @@ from dfllm.models.registry import (
 from dfllm.models.seq_cls import adapt_seq_cls_config
 from dfllm.models.sliding_window import honours_windows
 from dfllm.models.spec import ModelSpec, check_parallel_config
+from dfllm.reasoning import make_reasoning_parser, reasoning_settings
 
 DTYPES = {
     "float32": torch.float32,
@@ -35,63 +44,50 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-RUNNERS = ("auto", "generate", "pooling")
-SCHEDULING_POLICIES = ("fcfs", "priority")
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's default
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Resolved settings of one engine instance; build it with :meth:`create`.
+    """One engine instance's settings; build it with :meth:`create`.
 
-    ``model`` describes the checkpoint (the model code reads it, never ``hf_config``);
-    ``runner_type`` is "generate" or "pooling". ``max_logprobs`` caps the ``logprobs`` and
-    ``prompt_logprobs`` a request may ask (-1: the whole vocabulary), checked by the input
-    processor; ``scheduling_policy`` is "fcfs" (arrival order) or "priority" (a request's
-    ``priority``, lower first, then arrival), as vLLM's. ``deduplicate_requests`` computes
-    identical deterministic requests once (see :mod:`dfllm.engine.llm_engine`);
-    ``prefix_aware_scheduling`` admits waiting requests longest cached prefix first (see
-    :mod:`dfllm.engine.scheduler`).
+    ``args`` are :class:`dfllm.LLM`'s arguments as given (checked); the fields below are the
+    settings resolved against the model and the device, and any other argument reads through
+    unchanged (``config.max_num_seqs`` is ``config.args.max_num_seqs``), so each argument is
+    named once, in :class:`~dfllm.engine_args.EngineArgs`. ``model`` describes the checkpoint
+    (the model code reads it, never ``hf_config``); ``runner_type`` is "generate" or "pooling".
     """
 
+    args: EngineArgs
     model_path: Path
     tokenizer_path: Path  # the tokenizer's directory: the model's, or `tokenizer` resolved as `model` is
+    use_fast_tokenizer: bool  # vLLM's tokenizer_mode: "slow" asks transformers for use_fast=False
     hf_config: PretrainedConfig
     model: ModelSpec
     runner_type: str
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
-    max_num_seqs: int
     max_num_batched_tokens: int
-    block_size: int
-    enable_prefix_caching: bool
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    seed: int
-    attention_backend: str
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    max_logprobs: int
-    logprobs_mode: str  # vLLM's: what sampled logprobs hand back (dfllm.engine.sampler)
-    scheduling_policy: str
-    deduplicate_requests: bool
-    prefix_aware_scheduling: bool
-    quantization: str | None  # "int8": dynamic int8 linear layers (dfllm.models.quantization)
-    # CUDA graphs of decode steps (dfllm.engine.cuda_graphs): vLLM's enforce_eager turns them off;
-    # the batch-size buckets captured (vLLM's compilation_config.cudagraph_capture_sizes)
-    enforce_eager: bool
+    max_logprobs: int  # -1: the whole vocabulary (checked by the input processor)
+    # CUDA graphs of decode steps (dfllm.engine.cuda_graphs): the batch-size buckets captured
+    # (vLLM's compilation_config.cudagraph_capture_sizes; enforce_eager turns them off)
     cudagraph_capture_sizes: tuple[int, ...]
     # the KV cache's element type when it differs from the model's (vLLM's kv_cache_dtype)
     kv_cache_dtype: torch.dtype | None
-    # LoRA adapters (vLLM's enable_lora, max_loras, max_lora_rank, max_cpu_loras): see dfllm.lora
-    enable_lora: bool
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
+    max_cpu_loras: int  # LoRA adapters read in host memory (see dfllm.lora)
+    # the reasoning parser's name (the argument, else structured_outputs_config's) and whether
+    # structured outputs constrain the reasoning too (see dfllm.reasoning)
+    reasoning_parser: str | None
+    enable_in_reasoning: bool
     # vLLM's structured_outputs_config defaults for every request's StructuredOutputsParams
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool = False
+    disable_any_whitespace: bool | None
+    disable_additional_properties: bool
+
+    def __getattr__(self, name: str) -> Any:
+        """An argument the engine uses as given: ``args``' value."""
+        if name == "args" or name.startswith("__"):  # while unpickling, before ``args`` is set
+            raise AttributeError(name)
+        return getattr(self.args, name)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -101,25 +97,24 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         """The number of ranks the model is split over."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.args.tensor_parallel_size * self.args.pipeline_parallel_size
 
     @classmethod
     def create(cls, args: EngineArgs) -> EngineConfig:
-        """Resolve and check :class:`dfllm.LLM`'s engine arguments (:class:`dfllm.engine_args.EngineArgs`)
-        and the model they name, before anything is loaded but its ``config.json``: bad arguments, a model
-        that cannot be found, an architecture, quantization or sliding windows dfllm does not
-        support, and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"``
-        for an encoder too; ``NotImplementedError`` for a parallel pooling model).
+        """Check :class:`dfllm.LLM`'s engine arguments (:class:`dfllm.engine_args.EngineArgs`; each
+        value by :func:`~dfllm.engine_args.check_engine_args`) and resolve them against the model
+        they name, before anything is loaded but its ``config.json``: bad arguments, a model that
+        cannot be found, an architecture, quantization or sliding windows dfllm does not support,
+        and sizes the model cannot be split by raise ``ValueError`` (``runner="generate"`` for
+        an encoder too; ``NotImplementedError`` for a parallel pooling model).
         ``max_logprobs=None`` is vLLM's default, 20; ``quantization="int8"`` is
         :mod:`dfllm.models.quantization`; ``kv_cache_dtype="bfloat16"`` rounds each key and
         value once, when written."""
-        if args.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {args.runner!r}")
-        max_logprobs = _check_max_logprobs(args.max_logprobs)
-        if args.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {args.scheduling_policy!r}")
+        check_engine_args(**as_kwargs(args))
+        reasoning, enable_in_reasoning = reasoning_settings(args.reasoning_parser, args.structured_outputs_config)
+        if reasoning is not None and args.skip_tokenizer_init:
+            make_reasoning_parser(reasoning, None)  # ValueError: a parser reads text and needs the tokenizer
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-        check_engine_args(args.max_num_seqs, args.block_size, args.gpu_memory_utilization, tp, args.attention_backend)
         path = resolve_model(args.model)
         hf_config = adapt_seq_cls_config(apply_hf_overrides(load_config(path), args.hf_overrides), path)
         spec = ModelSpec.from_hf(hf_config)
@@ -130,61 +125,33 @@ class EngineConfig:
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = _default_token_budget(dev, args.max_num_seqs)
-        elif max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         resolved_dtype = resolve_dtype(args.dtype, spec, dev)
         _check_model(spec, runner_type, max_len)
         _check_quantization(args.quantization, dev, resolved_dtype, runner_type, tp, pp, spec)
-        if not isinstance(args.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {args.enforce_eager!r}")
-        if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
         kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
-        max_cpu_loras = _check_lora_args(
-            args.enable_lora,
-            args.max_loras,
-            args.max_lora_rank,
-            args.max_cpu_loras,
-            spec,
-            runner_type,
-            args.quantization,
-        )
+        max_cpu_loras = _check_lora_args(args, spec, runner_type)
         capture_sizes = parse_capture_sizes(args.compilation_config)
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(args.max_num_seqs)
         structured = args.structured_outputs_config or {}
         return cls(
+            args=args,
             model_path=path,
             tokenizer_path=path if args.tokenizer is None else resolve_model(args.tokenizer),
+            use_fast_tokenizer=args.tokenizer_mode != "slow",
             hf_config=hf_config,
+            model=spec,
+            runner_type=runner_type,
             dtype=resolved_dtype,
             device=dev,
             max_model_len=max_len,
-            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed,
-            attention_backend=args.attention_backend,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            model=spec,
-            runner_type=runner_type,
-            max_logprobs=max_logprobs,
-            logprobs_mode=args.logprobs_mode,
-            scheduling_policy=args.scheduling_policy,
-            deduplicate_requests=bool(args.deduplicate_requests),
-            prefix_aware_scheduling=bool(args.prefix_aware_scheduling),
-            quantization=args.quantization,
-            enforce_eager=args.enforce_eager,
+            max_logprobs=DEFAULTS["max_logprobs"] if args.max_logprobs is None else args.max_logprobs,
             cudagraph_capture_sizes=capture_sizes,
             kv_cache_dtype=None if kv_dtype == resolved_dtype else kv_dtype,
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            reasoning_parser=reasoning,
+            enable_in_reasoning=enable_in_reasoning,
             disable_any_whitespace=structured.get("disable_any_whitespace"),
             disable_additional_properties=bool(structured.get("disable_additional_properties", False)),
         )
@@ -203,8 +170,6 @@ def _check_quantization(
     encoder (BERT, RoBERTa, XLM-R, ColBERT; not a decoder used for pooling) on CPU, on one rank."""
     if quantization is None:
         return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     where = f"quantization={quantization!r}"
     if device.type != "cpu":
         raise ValueError(f"{where} runs on CPU only (device {device}); on GPU use quantization=None")
@@ -231,48 +196,26 @@ LORA_ARCHITECTURES = (
 )
 
 
-def _check_lora_args(
-    enable_lora: bool,
-    max_loras: int,
-    max_lora_rank: int,
-    max_cpu_loras: int | None,
-    spec: ModelSpec,
-    runner_type: str,
-    quantization: str | None,
-) -> int:
-    """vLLM's LoRA arguments checked; ``max_cpu_loras`` resolved (None: ``max_loras``, as vLLM)."""
-    if not isinstance(enable_lora, bool):
-        raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
-    for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if max_cpu_loras is None:
-        max_cpu_loras = max_loras
-    if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < max_loras:
-        raise ValueError(f"max_cpu_loras must be None or an int >= max_loras ({max_loras}), got {max_cpu_loras!r}")
-    if enable_lora:
+def _check_lora_args(args: EngineArgs, spec: ModelSpec, runner_type: str) -> int:
+    """vLLM's LoRA arguments against each other and the model (each value is checked by its
+    field); ``max_cpu_loras`` resolved (None: ``max_loras``, as vLLM)."""
+    max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    if max_cpu_loras < args.max_loras:
+        raise ValueError(f"max_cpu_loras must be None or an int >= max_loras ({args.max_loras}), got {max_cpu_loras!r}")
+    if args.enable_lora:
         if runner_type not in ("generate", "pooling"):
             raise ValueError(
                 f"enable_lora=True serves generating models and decoders run with runner='pooling', "
                 f"not runner={runner_type!r}"
             )
-        if quantization is not None:
-            raise ValueError(f"enable_lora=True runs quantization=None (got {quantization!r})")
+        if args.quantization is not None:
+            raise ValueError(f"enable_lora=True runs quantization=None (got {args.quantization!r})")
         if not set(spec.architectures) & set(LORA_ARCHITECTURES):
             raise ValueError(
                 f"enable_lora=True: LoRA adapters are served for {list(LORA_ARCHITECTURES)}, not "
                 f"{list(spec.architectures)}"
             )
     return max_cpu_loras
-
-
-def _check_max_logprobs(max_logprobs: int | None) -> int:
-    """vLLM's ``max_logprobs``: an int >= -1 (-1: no cap but the vocabulary); None is the default, 20."""
-    if max_logprobs is None:
-        return DEFAULT_MAX_LOGPROBS
-    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
-        raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {max_logprobs!r}")
-    return max_logprobs
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
@@ -335,27 +278,9 @@ def resolve_max_model_len(max_model_len: int | None, spec: ModelSpec) -> int:
         if limit is None:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
         return int(limit)
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
     if limit is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     return int(max_model_len)
-
-
-def check_engine_args(
-    max_num_seqs: int, block_size: int, gpu_memory_utilization: float, tensor_parallel_size: int, attention_backend: str
-) -> None:
-    """Reject bad constructor arguments before anything is loaded."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-    if attention_backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
 
 
 def _resolve_runner(runner: str, spec: ModelSpec, path: Path) -> str:

@@ -9,7 +9,8 @@ keyword check reads :data:`ENGINE_ARG_NAMES`, the command line's engine flags co
 vLLM's ``LLM(model, **kwargs)`` forwards its keyword arguments to ``EngineArgs``; offline
 examples commonly pass some that concern machinery dfllm does not have (swap space, Ray) or
 choices it does not offer (quantization, remote code). Each of those (:data:`VLLM_ARGS`) has
-an ``effect``, and :func:`check_vllm_args` decides each one in one place:
+an ``effect``, and its field's check decides each value (:func:`check_engine_args`, the one
+place every argument's value is checked):
 
 - **maps**: the value changes what dfllm does (``tokenizer_mode="slow"``, ``max_logprobs``,
   ``scheduling_policy``, ``enforce_eager``, ``skip_tokenizer_init``, ``reasoning_parser``);
@@ -31,9 +32,14 @@ from typing import Any
 
 import torch
 
+from dfllm.kernels.backend import check_attention_backend
+from dfllm.models.quantization import QUANTIZATIONS
 from dfllm.reasoning import check_reasoning_parser, reasoning_parser_names
 from dfllm.structured_outputs import check_backend
 
+RUNNERS = ("auto", "generate", "pooling")
+DATAFRAME_MAX_LORAS = 4  # max_loras of a dataframe job naming adapters (see the field)
+DATAFRAME_MAX_CPU_LORAS = 32  # at least: every adapter of a partition stays read
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}  # vLLM's kv_cache_dtype values dfllm serves
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's logprobs_mode
 MAX_CAPTURE_SIZE = 512  # vLLM's largest default capture size
@@ -121,6 +127,36 @@ def _number(minimum: float) -> Callable[[str, Any], None]:
     return check
 
 
+def _int(minimum: int) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _choice(allowed: tuple) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if not _is(value, allowed):
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+    return check
+
+
+def _power_of_two(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value!r}")
+
+
+def _fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def _attention_backend(name: str, value: Any) -> None:
+    check_attention_backend(value)
+
+
 def _optional_int(minimum: int) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
@@ -196,9 +232,10 @@ def _arg(
     check: Callable[[str, Any], None] | None = None,
     choices: tuple[str, ...] | None = None,
 ) -> Any:
-    """One engine argument: its default and help text; vLLM's compatibility arguments add what
-    dfllm does with them (``effect``: "maps", "no-op" or "refuses"; the help is the docs table's
-    cell) and a ``check`` raising ``ValueError`` for a value dfllm cannot honour."""
+    """One engine argument: its default, its help text and the ``check`` of a value (raising
+    ``ValueError`` naming the argument; :func:`check_engine_args` runs it, the one place a value
+    is checked); vLLM's compatibility arguments add what dfllm does with them (``effect``:
+    "maps", "no-op" or "refuses"; the help is the docs table's cell)."""
     return field(default=default, metadata={"help": help, "effect": effect, "check": check, "choices": choices})
 
 
@@ -221,25 +258,40 @@ class EngineArgs:
         "checkpoints), float32, float16 or bfloat16",
     )
     device: str | torch.device = _arg("auto", "auto (CUDA when available, else CPU), cpu or cuda")
-    max_model_len: int | None = _arg(None, "the engine's context length (default: the model's max_position_embeddings)")
-    max_num_seqs: int = _arg(256, "the most sequences in one step")
+    max_model_len: int | None = _arg(
+        None, "the engine's context length (default: the model's max_position_embeddings)", check=_optional_int(1)
+    )
+    max_num_seqs: int = _arg(256, "the most sequences in one step", check=_int(1))
     max_num_batched_tokens: int | None = _arg(
         None,
         "tokens per step (default 8192 on CUDA, 2048 on CPU, padded tokens for pooling; never below max_num_seqs)",
+        check=_optional_int(1),
     )
-    block_size: int = _arg(16, "tokens per KV cache block (a power of two)")
-    enable_prefix_caching: bool = _arg(True, "keep the KV cache blocks of prompts' shared prefixes for reuse")
-    kv_cache_memory_bytes: int | None = _arg(None, "the KV cache's size in bytes (default: from free memory)")
-    gpu_memory_utilization: float = _arg(0.9, "the share of the GPU's memory the engine may use, in (0, 1]")
+    block_size: int = _arg(16, "tokens per KV cache block (a power of two)", check=_power_of_two)
+    enable_prefix_caching: bool = _arg(
+        True, "keep the KV cache blocks of prompts' shared prefixes for reuse", check=_bool
+    )
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "the KV cache's size in bytes (default: from free memory)", check=_optional_int(1)
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9, "the share of the GPU's memory the engine may use, in (0, 1]", check=_fraction
+    )
     seed: int = _arg(0, "the engine's random seed")
-    tensor_parallel_size: int = _arg(1, "ranks each layer is split over (processes this one spawns)")
-    pipeline_parallel_size: int = _arg(1, "ranks the layers are split over (processes this one spawns)")
-    attention_backend: str = _arg("auto", "the attention kernels (auto: the fastest for the device)")
-    runner: str = _arg(
-        "auto", "auto, generate or pooling (auto: pooling for encoders and sentence-transformers directories)"
+    tensor_parallel_size: int = _arg(1, "ranks each layer is split over (processes this one spawns)", check=_int(1))
+    pipeline_parallel_size: int = _arg(1, "ranks the layers are split over (processes this one spawns)", check=_int(1))
+    attention_backend: str = _arg(
+        "auto", "the attention kernels (auto: the fastest for the device)", check=_attention_backend
     )
-    deduplicate_requests: bool = _arg(True, "compute identical deterministic requests once (dfllm's)")
-    prefix_aware_scheduling: bool = _arg(True, "admit waiting requests longest cached prefix first (dfllm's)")
+    runner: str = _arg(
+        "auto",
+        "auto, generate or pooling (auto: pooling for encoders and sentence-transformers directories)",
+        check=_choice(RUNNERS),
+    )
+    deduplicate_requests: bool = _arg(True, "compute identical deterministic requests once (dfllm's)", check=_bool)
+    prefix_aware_scheduling: bool = _arg(
+        True, "admit waiting requests longest cached prefix first (dfllm's)", check=_bool
+    )
     profiler_dir: str | Path = _arg("./dfllm_traces", "where start_profile() writes its traces")
     # vLLM engine arguments, with vLLM's defaults: the table of docs/from_vllm.md
     enforce_eager: bool = _arg(
@@ -341,8 +393,10 @@ class EngineArgs:
         "CPU, one rank; quantized checkpoints and other methods refused",
         "maps",
         _only(
-            (None, "int8"),
-            "dfllm quantizes float weights on CPU with quantization='int8' only (accepted: None, 'int8')",
+            (None, *QUANTIZATIONS),
+            "dfllm quantizes float weights on CPU only (accepted: "
+            + ", ".join(repr(q) for q in (None, *QUANTIZATIONS))
+            + ")",
         ),
     )
     cpu_offload_gb: float = _arg(
@@ -398,9 +452,15 @@ class EngineArgs:
         "maps",
         _bool,
     )
-    max_loras: int = _arg(1, "adapter slots: the most distinct adapters in one step", "maps", _optional_int(1))
+    max_loras: int = _arg(
+        1,
+        "adapter slots: the most distinct adapters in one step (the dataframe methods and `dfllm run` make it "
+        f"{DATAFRAME_MAX_LORAS} when a job names adapters: a partition's rows may name several)",
+        "maps",
+        _int(1),
+    )
     max_lora_rank: int = _arg(
-        16, "the largest adapter rank accepted (a higher one is refused by name)", "maps", _optional_int(1)
+        16, "the largest adapter rank accepted (a higher one is refused by name)", "maps", _int(1)
     )
     max_cpu_loras: int | None = _arg(
         None,
@@ -447,31 +507,30 @@ ENGINE_ARGS: tuple[Field, ...] = fields(EngineArgs)
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(a.name for a in ENGINE_ARGS if a.name != "model")
 #: vLLM's compatibility arguments: the fields with an effect, the table of docs/from_vllm.md
 VLLM_ARGS: tuple[Field, ...] = tuple(a for a in ENGINE_ARGS if a.metadata["effect"])
-BY_NAME: dict[str, Field] = {a.name: a for a in VLLM_ARGS}
 DEFAULTS: dict[str, Any] = {a.name: a.default for a in ENGINE_ARGS}
 
 
-def vllm_args(args: EngineArgs) -> dict[str, Any]:
-    """The values of vLLM's compatibility arguments (:data:`VLLM_ARGS`) in ``args``, by name."""
-    return {a.name: getattr(args, a.name) for a in VLLM_ARGS}
+BY_NAME: dict[str, Field] = {a.name: a for a in ENGINE_ARGS}
 
 
-def check_vllm_args(**kwargs: Any) -> dict[str, Any]:
-    """Check vLLM engine arguments by name; return what dfllm uses of them.
+def as_kwargs(args: EngineArgs) -> dict[str, Any]:
+    """Every argument of ``args``, by name."""
+    return {a.name: getattr(args, a.name) for a in ENGINE_ARGS}
 
-    An unknown name raises ``TypeError``; a value dfllm cannot honour raises ``ValueError``
-    naming the argument and the value. The result is ``{"use_fast": bool}`` (for the
-    tokenizer); ``max_logprobs``, ``scheduling_policy``, ``hf_overrides``, ``quantization``,
-    ``kv_cache_dtype``, ``enforce_eager``, ``compilation_config`` and the LoRA arguments go to
-    :meth:`dfllm.config.EngineConfig.create`;
-    everything else accepted is a no-op.
-    """
+
+def check_engine_args(**kwargs: Any) -> None:
+    """Check engine arguments by name, each by its field's check: the one place a value is
+    checked (:meth:`dfllm.config.EngineConfig.create` runs it on all of them; the jobs run it
+    on their flags before a cluster starts). An unknown name raises ``TypeError``, as in vLLM;
+    a value dfllm cannot honour raises ``ValueError`` naming the argument and the value.
+    What depends on the model or on several arguments at once is checked by ``create``."""
     unknown = sorted(set(kwargs) - set(BY_NAME))
     if unknown:
-        raise TypeError(f"unexpected vLLM engine argument(s) {unknown}")
+        raise TypeError(f"unexpected engine argument(s) {unknown}")
     for name, value in kwargs.items():
-        BY_NAME[name].metadata["check"](name, value)
-    return {"use_fast": kwargs.get("tokenizer_mode", "auto") != "slow"}
+        check = BY_NAME[name].metadata["check"]
+        if check is not None:
+            check(name, value)
 
 
 def _show(value: Any) -> str:

@@ -23,12 +23,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from dfllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_search
+from dfllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamStep, beam_search
 from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import NO_TOKENIZER, EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
 from dfllm.engine.pooling_engine import PoolingEngine
-from dfllm.engine_args import EngineArgs, check_vllm_args, vllm_args
+from dfllm.engine_args import EngineArgs
 from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import as_prompt_list
 from dfllm.llm_control import EngineControl
@@ -38,7 +38,6 @@ from dfllm.lora.request import LoRARequest, per_prompt
 from dfllm.models.pooler import load_pooler_config
 from dfllm.models.registry import is_pooling_only
 from dfllm.outputs import PoolingRequestOutput, RequestOutput, raise_for_errors
-from dfllm.reasoning import make_reasoning_parser, reasoning_settings
 from dfllm.sampling_params import SamplingParams
 
 init_logger()
@@ -189,19 +188,14 @@ class LLM:
         mm_processor_kwargs: dict[str, Any] | None = None,
     ):
         # the signature is EngineArgs' fields, one for one (tests/compat/vllm/test_engine_args.py)
-        args = EngineArgs(**{name: value for name, value in locals().items() if name != "self"})
-        vllm = check_vllm_args(**vllm_args(args))
-        reasoning, enable_in_reasoning = reasoning_settings(reasoning_parser, structured_outputs_config)
-        if reasoning is not None and skip_tokenizer_init:
-            make_reasoning_parser(reasoning, None)  # ValueError: a parser reads text and needs the tokenizer
-        self.config = EngineConfig.create(args)
+        self.config = EngineConfig.create(EngineArgs(**{k: v for k, v in locals().items() if k != "self"}))
         path = self.config.model_path
         self.runner_type = self.config.runner_type
         self.tokenizer: PreTrainedTokenizerBase | None = (
             None
             if skip_tokenizer_init
             else AutoTokenizer.from_pretrained(
-                self.config.tokenizer_path, trust_remote_code=False, use_fast=vllm["use_fast"]
+                self.config.tokenizer_path, trust_remote_code=False, use_fast=self.config.use_fast_tokenizer
             )
         )
         self.engine: LLMEngine | None = None
@@ -214,16 +208,8 @@ class LLM:
             self.pooling_engine = PoolingEngine(self.config, pooler, self.tokenizer)
             self._pooling = PoolingFrontend(self.pooling_engine, self._next_id)
         else:
-            self.engine = LLMEngine(
-                self.config,
-                self.tokenizer,
-                _eos_token_ids(path, self.tokenizer),
-                reasoning_parser=None if reasoning is None else make_reasoning_parser(reasoning, self.tokenizer),
-                enable_in_reasoning=enable_in_reasoning,
-                limit_mm_per_prompt=limit_mm_per_prompt,
-                mm_processor_kwargs=mm_processor_kwargs,
-            )
-        self._control = EngineControl(self.config, self.engine, self.pooling_engine, profiler_dir)
+            self.engine = LLMEngine(self.config, self.tokenizer, _eos_token_ids(path, self.tokenizer))
+        self._control = EngineControl(self.config, self.engine, self.pooling_engine)
         self._queued: list[tuple[int, list[str]]] = []  # (group, request ids) of enqueue calls not yet waited for
         self._outputs: dict[str, RequestOutput] = {}  # finished, not yet returned
 
@@ -315,9 +301,10 @@ class LLM:
         ``logprobs=2 * beam_width`` (so ``beam_width`` up to ``max_logprobs / 2``): the prefix cache
         shares the beams' common prefixes. ``concurrency_limit`` runs that many prompts at a time
         (None: all); ``lora_request`` is one adapter or one per prompt, as in :meth:`generate`.
+        ``params.structured_outputs`` constrains every beam's continuation (as vLLM's search does).
         Needs a tokenizer (its end-of-sequence token ends a beam)."""
         tokenizer = self.get_tokenizer()
-        self._engine("beam_search")
+        processor = self._engine("beam_search").input_processor
         items = as_prompt_list(prompts)
         ids = [
             p["prompt_token_ids"]
@@ -325,13 +312,18 @@ class LLM:
             else tokenizer.encode(p["prompt"] if isinstance(p, dict) else p)
             for p in items
         ]
-        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+        constraints = None
+        if params.structured_outputs is not None:  # compiled (and checked) once per prompt by the engine
+            constraints = [
+                processor.process({"prompt_token_ids": t}, params.check_params(), what=f"prompt {i}").grammar
+                for i, t in enumerate(ids)
+            ]
 
-        def step(beams: list[BeamSearchSequence]) -> list[dict]:
-            loras = [b.lora_request for b in beams]
+        def step(steps: list[BeamStep]) -> list[dict]:
+            loras = [s.beam.lora_request for s in steps]
             outs = self.generate(
-                [{"prompt_token_ids": b.tokens} for b in beams],
-                step_params,
+                [{"prompt_token_ids": s.beam.tokens} for s in steps],
+                [s.sampling_params() for s in steps],
                 use_tqdm=False,
                 lora_request=None if all(lora is None for lora in loras) else loras,
             )
@@ -346,6 +338,7 @@ class LLM:
             loras=None if lora_request is None else per_prompt(lora_request, len(ids)),
             concurrency_limit=concurrency_limit,
             use_tqdm=use_tqdm,
+            constraints=None if constraints is None else [g.allowed_after if g else None for g in constraints],
         )
         for beams in found:
             for beam in beams:

@@ -30,12 +30,11 @@ class EngineControl:
         cfg: EngineConfig,
         engine: LLMEngine | None,
         pooling_engine: PoolingEngine | None,
-        profiler_dir: str | Path,
     ):
         self.cfg = cfg
         self.engine = engine
         self.pooling_engine = pooling_engine
-        self.profiler_dir = Path(profiler_dir)
+        self.profiler_dir = Path(cfg.profiler_dir)
         self._profiler: torch.profiler.profile | None = None
         self._profile_prefix: str | None = None
         self._weight_backend: str | None = None

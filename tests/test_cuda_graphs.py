@@ -16,7 +16,7 @@ import torch
 from dfllm import LLM, SamplingParams
 from dfllm.config import EngineConfig
 from dfllm.engine.cuda_graphs import bucket_for, unsupported_reason
-from dfllm.engine_args import EngineArgs, check_vllm_args, default_capture_sizes, parse_capture_sizes
+from dfllm.engine_args import EngineArgs, check_engine_args, default_capture_sizes, parse_capture_sizes
 
 from helpers import build_tiny_model, random_prompts
 
@@ -69,7 +69,7 @@ def test_capture_sizes_from_compilation_config(tiny):
 )
 def test_bad_compilation_config_is_refused_by_name(value):
     with pytest.raises(ValueError, match="compilation_config") as info:
-        check_vllm_args(compilation_config=value)
+        check_engine_args(compilation_config=value)
     assert repr(value) in str(info.value)
 
 

@@ -77,3 +77,33 @@ def test_the_api_check_sees_what_the_pages_name():
     methods, args = named_api(ROOT / "docs/from_vllm.md")
     assert {"wake_up", "llm_engine", "get_tokenizer", "beam_search", "embed"} <= methods
     assert {"enforce_eager", "logprobs_mode", "structured_outputs_config", "skip_tokenizer_init"} <= args
+
+
+def named_files(text: str) -> set[str]:
+    """The files and folders of the repository a page names: ``dfllm/...`` paths, bare ``x.py``
+    (or ``x.cpp``) names and ``folder/`` names, without placeholders (``<family>``, ``*``)."""
+    names = set(re.findall(r"(?<![\w./<>*-])((?:[\w-]+/)*[\w-]+\.(?:py|cpp)|(?:[\w-]+/)+)(?![\w<>*])", text))
+    return {n for n in names if not n.startswith(("http", "www"))}
+
+
+def missing_files(text: str) -> list[str]:
+    """The names of :func:`named_files` that exist nowhere in the repository (a bare name may
+    stand in any folder of ``dfllm/``, ``tests/`` or ``benchmarks/``)."""
+    roots = [ROOT / "dfllm", ROOT / "tests", ROOT / "benchmarks"]
+    missing = []
+    for name in sorted(named_files(text)):
+        if (ROOT / name).exists() or any((r / name).exists() for r in roots):
+            continue
+        if not any(next(r.rglob(name.rstrip("/")), None) for r in roots):
+            missing.append(name)
+    return missing
+
+
+def test_architecture_names_only_files_that_exist():
+    """docs/architecture.md's tables and diagram name the files of one row's route: each exists."""
+    assert missing_files((ROOT / "docs" / "architecture.md").read_text()) == []
+    # the check itself: a planted name is found, a placeholder is not
+    assert missing_files("`dfllm/engine/no_such_step.py`, `gone.py` and `models/<family>.py`") == [
+        "dfllm/engine/no_such_step.py",
+        "gone.py",
+    ]

@@ -289,7 +289,7 @@ def test_integer_weights_are_unsupported(tiny_llama, tmp_path):
         (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
         (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
         (dict(tensor_parallel_size=3), ValueError, "tensor_parallel_size=3 does not divide"),
-        (dict(pipeline_parallel_size=0), ValueError, "pipeline_parallel_size must be an integer >= 1"),
+        (dict(pipeline_parallel_size=0), ValueError, "pipeline_parallel_size must be an int >= 1"),
         (dict(attention_backend="flash"), ValueError, "attention_backend"),
         (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings"),
         (dict(kv_cache_memory_bytes=1024), ValueError, "KV cache holds"),

@@ -4,7 +4,9 @@
 Partitions run wherever Dask schedules them; on a distributed cluster each worker process
 keeps one engine per model configuration (see :mod:`dfllm.worker.engine_cache`). Tasks
 are named ``llm-<task>`` in the dashboard's task stream. ``resources=`` keeps the engine
-work on workers declaring those resources (see :mod:`dfllm.accessors.placement`).
+work on workers declaring those resources (see :mod:`dfllm.accessors.placement`). A
+generative task's rows go to the engines by their prompts' shared prefixes (see
+:mod:`dfllm.accessors.prefix_placement`; Dask config ``dfllm.prefix-placement``, on by default).
 
 :func:`register` puts ``.llm`` there; ``import dfllm`` arranges for that on the first ``.llm``."""
 
@@ -16,6 +18,7 @@ from dask.dataframe.extensions import register_dataframe_accessor, register_seri
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
 from dfllm.accessors.partitions import PartitionFunction, output_meta
 from dfllm.accessors.placement import check_resources, model_check
+from dfllm.accessors.prefix_placement import JobPlacement, placement_settings
 from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.tasks.task import LLMTask
 
@@ -26,7 +29,10 @@ class DaskLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
 
     def _apply(self, task: LLMTask, resources: dict | None = None) -> dd.DataFrame:
         resources = check_resources(resources)
-        return self._obj.map_partitions(PartitionFunction(task, resources), meta=output_meta(self._obj._meta, task))
+        settings = placement_settings()
+        placement = JobPlacement(settings, self._obj.npartitions) if settings.enabled and task.spec.generative else None
+        func = PartitionFunction(task, resources, placement)
+        return self._obj.map_partitions(func, meta=output_meta(self._obj._meta, task))
 
 
 class DaskSeriesLLMAccessor(LLMSeriesMethods):

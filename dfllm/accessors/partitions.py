@@ -11,6 +11,7 @@ import dataclasses
 import pandas as pd
 
 from dfllm.accessors.placement import run_placed
+from dfllm.accessors.prefix_placement import JobPlacement, run_routed
 from dfllm.tasks.kinds import ENGINE_ARROW_TYPES
 from dfllm.tasks.schema import LLM_ERROR
 from dfllm.tasks.task import LLMTask
@@ -46,16 +47,23 @@ class WritableFunction:
     def arrow_types(self) -> dict:
         return {}
 
+    def without_placement(self) -> WritableFunction:
+        """The same function running each partition's rows where the partition runs (no
+        prefix-aware placement; a budgeted write uses it). The same outputs."""
+        return self
+
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         raise NotImplementedError
 
 
 class PartitionFunction(WritableFunction):
     """What a Dask ``.llm`` call maps over the partitions: ``run_task`` of ``task``, placed
-    on workers declaring ``resources``. Picklable, and named ``llm-<kind>`` for the dashboard."""
+    on workers declaring ``resources``; with ``placement`` (a generative task's prefix-aware
+    placement, :mod:`dfllm.accessors.prefix_placement`) each partition's rows run on their
+    prefix groups' engines. Picklable, and named ``llm-<kind>`` for the dashboard."""
 
-    def __init__(self, task: LLMTask, resources: dict | None = None):
-        self.task, self.resources = task, resources
+    def __init__(self, task: LLMTask, resources: dict | None = None, placement: JobPlacement | None = None):
+        self.task, self.resources, self.placement = task, resources, placement
         self.kind = task.kind
         self.__name__ = f"llm-{task.kind}"
 
@@ -74,11 +82,19 @@ class PartitionFunction(WritableFunction):
     def arrow_types(self) -> dict:
         return {c: ENGINE_ARROW_TYPES[c] for c in self.task.engine_columns if c in ENGINE_ARROW_TYPES}
 
+    def without_placement(self) -> PartitionFunction:
+        return self if self.placement is None else PartitionFunction(self.task, self.resources)
+
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        if self.placement is not None:  # the rows on their prefix groups' engines (placement decides no output)
+            out = run_routed(df, self.task, self.resources, self.placement)
+            if out is not None:
+                return out
         return run_placed(df, self.task, self.resources)
 
     def __dask_tokenize__(self):
-        return (type(self).__name__, self.task, sorted((self.resources or {}).items()))
+        placement = None if self.placement is None else self.placement.settings
+        return (type(self).__name__, self.task, sorted((self.resources or {}).items()), placement)
 
     def __repr__(self) -> str:
         return f"PartitionFunction({self.task!r}, resources={self.resources!r})"

@@ -58,12 +58,14 @@ earlier writes to the folder.
 **Budgets.** With ``budget=`` (a :class:`~dfllm.accessors.budget.Budget` of prompt and/or
 generated tokens), once the partitions this write computed have used a bound no new
 partition starts: the partitions already running finish and are written, the others are
-not started (see :mod:`dfllm.accessors.budget`). Such a write stops there: the end-of-write
-cleanup above is skipped (earlier parts, key records and set-aside parts stay, for the
-resumed write to keep or copy), every finished part is checked by its footer, and the
-summary says why it stopped (``stopped``) and how many partitions it did not write
-(``missing``). The folder then may hold earlier parts beside this write's, as after a
-failed write; ``resume=True`` finishes it, exact.
+not started (see :mod:`dfllm.accessors.budget`). A budgeted write runs without prefix-aware
+placement (:mod:`dfllm.accessors.prefix_placement`): a routed partition's task leaves its
+thread while its rows run, so more partitions would start before the budget is reached.
+Such a write stops there: the end-of-write cleanup above is skipped (earlier parts, key
+records and set-aside parts stay, for the resumed write to keep or copy), every finished
+part is checked by its footer, and the summary says why it stopped (``stopped``) and how
+many partitions it did not write (``missing``). The folder then may hold earlier parts
+beside this write's, as after a failed write; ``resume=True`` finishes it, exact.
 
 A write that fails part-way leaves a mix of old and new parts (a reader may then see some
 rows twice or not at all); run it again with ``resume=True`` to make the folder exact
@@ -174,14 +176,14 @@ def write_parquet(
     source, func = origin
     write_key = func.write_key  # before any work: a processor whose functions have no stable key raises
     resources = resources or func.resources  # the call's resources unless overridden here
-    fs, root = _filesystem(path, storage_options)
+    fs, root = folder_filesystem(path, storage_options)
     refuse_overlap(input_paths(source), path, storage_options)
-    ours = _survey(fs, root, path)
+    ours = survey_parts(fs, root, path)
     schema = decide_schema(result, source, func)
     fs.makedirs(root, exist_ok=True)
     fs.makedirs(f"{root}/{KEYS}", exist_ok=True)
     if not resume:
-        _remove(
+        remove_files(
             fs,
             ours
             + _listing(fs, f"{root}/{KEYS}", KEY_FILE)
@@ -192,6 +194,8 @@ def write_parquet(
     parts = source.to_delayed()
     run = uuid.uuid4().hex[:8]
     gate = Gate(budget, _client() is not None) if budget else None
+    if gate is not None:  # a routed partition leaves its thread while its rows run: more would start
+        func = func.without_placement()
     jobs = [
         dask.delayed(_write_partition, pure=False)(
             p,
@@ -214,7 +218,7 @@ def write_parquet(
         finally:
             gate.forget()
     else:
-        found, stopped = _compute(jobs, progress, resources, on_result=on_partition), None
+        found, stopped = compute_in_order(jobs, progress, resources, on_result=on_partition), None
     results = [r for r in found if r is not None and not r.get("stopped")]  # the partitions finished
     fs.invalidate_cache(root)  # listings cached before the workers wrote (s3fs, gcsfs...)
     missing = len(parts) - len(results)
@@ -238,7 +242,7 @@ def write_parquet(
     )
 
 
-def _compute(
+def compute_in_order(
     jobs,
     progress: bool,
     resources: dict | None = None,
@@ -365,7 +369,7 @@ def _source_types(frame, columns: list) -> dict:
     cols = [c for c in columns if c != INDEX]
     jobs = [dask.delayed(_partition_types, pure=True)(p, columns) for p in frame[cols].to_delayed()]
     totals: dict = {c: Counter() for c in columns}
-    for counts in _compute(jobs, progress=False, desc="llm schema"):
+    for counts in compute_in_order(jobs, progress=False, desc="llm schema"):
         for c, found in counts.items():
             totals[c].update(found)
     return {c: t for c, t in ((c, unify_counts(n)) for c, n in totals.items()) if t is not None}
@@ -404,7 +408,7 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
 
 
-def _filesystem(path: str, storage_options: dict | None) -> tuple:
+def folder_filesystem(path: str, storage_options: dict | None) -> tuple:
     """The fsspec filesystem and root folder of ``path``, with no listing cached from before."""
     fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
     root = root.rstrip("/")
@@ -412,11 +416,11 @@ def _filesystem(path: str, storage_options: dict | None) -> tuple:
     return fs, root
 
 
-def _part(root: str, i: int) -> str:
+def part_path(root: str, i: int) -> str:
     return f"{root}/part.{i:05d}.parquet"
 
 
-def _key_file(root: str, i: int) -> str:
+def key_path(root: str, i: int) -> str:
     return f"{root}/{KEYS}/part.{i:05d}.key"
 
 
@@ -447,7 +451,7 @@ def _write_partition(
     those rows can still copy it (``earlier``: key -> where an earlier write put it)."""
     if gate is not None and gate.closed():
         return {"stopped": True}
-    fs, root = _filesystem(path, storage_options)
+    fs, root = folder_filesystem(path, storage_options)
     key = partition_key(df, f"{write_key}\0models={model_key(func.model_sources())}")
     if resume:
         kept = _kept_part(fs, root, i, key, schema)
@@ -509,11 +513,11 @@ def _kept_part(fs, root: str, i: int, key: str, schema: pa.Schema) -> dict | Non
     """Part ``i``'s record if both its key record and its footer name ``key``, else None.
     A kept part of another schema is converted to ``schema`` in place (None if it cannot be)."""
     try:
-        with fs.open(_key_file(root, i), "r") as f:
+        with fs.open(key_path(root, i), "r") as f:
             recorded = json.load(f)
         if not isinstance(recorded, dict) or recorded.get("key") != key:
             return None
-        with fs.open(_part(root, i), "rb") as f:
+        with fs.open(part_path(root, i), "rb") as f:
             rows, record, found = _footer(f)
     except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
         return None
@@ -521,10 +525,10 @@ def _kept_part(fs, root: str, i: int, key: str, schema: pa.Schema) -> dict | Non
         return None
     record = {**record, "rows": rows}
     if not found.equals(schema):
-        data = _converted(fs.cat_file(_part(root, i)), schema, record)
+        data = _converted(fs.cat_file(part_path(root, i)), schema, record)
         if data is None:
             return None
-        _atomic_write(fs, _part(root, i), data)
+        _atomic_write(fs, part_path(root, i), data)
     return record
 
 
@@ -564,7 +568,7 @@ def _replace_part(fs, root: str, i: int, data: bytes, record: dict, set_aside: b
     """Move ``data`` into place as part ``i`` and record its key (both atomically). With
     ``set_aside`` an earlier part ``i`` of other rows is first moved under ``_dfllm_keys``
     (a move keeps the file in one place or the other at every moment)."""
-    part = _part(root, i)
+    part = part_path(root, i)
     if set_aside:
         try:
             with fs.open(part, "rb") as f:
@@ -575,7 +579,7 @@ def _replace_part(fs, root: str, i: int, data: bytes, record: dict, set_aside: b
             fs.makedirs(f"{root}/{SET_ASIDE}", exist_ok=True)
             _move(fs, part, _set_aside(root, old))
     _atomic_write(fs, part, data)
-    _atomic_write(fs, _key_file(root, i), json.dumps(record).encode())
+    _atomic_write(fs, key_path(root, i), json.dumps(record).encode())
 
 
 def _footer(f) -> tuple[int, dict, pa.Schema]:
@@ -616,7 +620,7 @@ def _earlier_parts(fs, root: str) -> dict[str, list[str]]:
             continue
         key = recorded.get("key") if isinstance(recorded, dict) else None
         if match and isinstance(key, str) and KEY_PATTERN.fullmatch(key):
-            found[key] = [_part(root, int(match.group(1))), _set_aside(root, key)]
+            found[key] = [part_path(root, int(match.group(1))), _set_aside(root, key)]
     return found
 
 
@@ -661,7 +665,7 @@ def _is_ours(fs, file: str) -> bool:
         return False
 
 
-def _survey(fs, root: str, path: str) -> list[str]:
+def survey_parts(fs, root: str, path: str) -> list[str]:
     """The parts dfllm wrote in the folder; raise ``ValueError`` if it holds any other file a
     reader would read (another tool's parts, a foreign ``_metadata``): they would be read back
     with the results, and dfllm deletes nothing it did not write."""
@@ -690,7 +694,7 @@ def _survey(fs, root: str, path: str) -> list[str]:
     return [f"{root}/{f}" for f in ours]
 
 
-def _remove(fs, files: list[str]) -> None:
+def remove_files(fs, files: list[str]) -> None:
     """Delete these files, each by its literal name (``fs.rm`` would expand a pattern)."""
     for file in files:
         try:
@@ -719,7 +723,7 @@ def _remove_leftovers(fs, root: str, partitions: int) -> None:
     stale += [f for f in _listing(fs, f"{root}/{KEYS}", KEY_FILE) if _number(KEY_FILE, f) >= partitions]
     stale += _listing(fs, root, TEMPORARY) + _listing(fs, f"{root}/{KEYS}", TEMPORARY)
     stale += _listing(fs, f"{root}/{SET_ASIDE}", SET_ASIDE_FILE)
-    _remove(fs, stale)
+    remove_files(fs, stale)
     try:
         fs.rmdir(f"{root}/{SET_ASIDE}")  # empty now (a no-op on object stores)
     except (FileNotFoundError, OSError):
@@ -740,7 +744,7 @@ def _check_written(fs, root: str, path: str, results: list[dict | None]) -> None
     the parts it finished: the folder may hold others until it is resumed."""
     complete = all(r is not None for r in results)
     done = [(i, r) for i, r in enumerate(results) if r is not None]
-    expected = [_part(root, i) for i, _ in done]
+    expected = [part_path(root, i) for i, _ in done]
     present = set(_listing(fs, root, PART))
     if not complete and not set(expected) <= present:
         raise RuntimeError(
@@ -802,7 +806,7 @@ def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None 
     if not inputs:
         return
     fs, out = fsspec.core.url_to_fs(output, **(storage_options or {}))
-    out = _normal(fs, out)
+    out = normal_path(fs, out)
     for given in inputs:
         try:
             ifs, where = fsspec.core.url_to_fs(given, **(storage_options or {}))
@@ -810,7 +814,7 @@ def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None 
             continue
         if type(ifs) is not type(fs):
             continue
-        where = _normal(ifs, _static_prefix(ifs, where))
+        where = normal_path(ifs, _static_prefix(ifs, where))
         inside = out == where or out.startswith(where + "/") and not ifs.isfile(where)
         if inside or where.startswith(out + "/"):
             raise ValueError(
@@ -819,7 +823,7 @@ def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None 
             )
 
 
-def _normal(fs, path: str) -> str:
+def normal_path(fs, path: str) -> str:
     """A path without protocol or trailing slash; a local one absolute, links resolved."""
     from fsspec.implementations.local import LocalFileSystem
 

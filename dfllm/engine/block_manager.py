@@ -5,7 +5,8 @@ an ordered block table; token ``i`` of the sequence lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``.
 
 Prefix caching: once a block is full and computed it is keyed by a hash chain
-``hash((parent_hash, tokens))``, so two sequences that share a prefix share its blocks
+``hash((parent_hash, tokens))`` (:mod:`dfllm.engine.prefix_hash`, the one definition), so
+two sequences that share a prefix share its blocks
 (reference counted). A block whose count drops to zero goes to the tail of the free list
 but keeps its contents and hash, so it can be revived until it is evicted, oldest first.
 
@@ -34,11 +35,14 @@ parent of the next block's hash.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 
+from dfllm.engine import prefix_hash
+from dfllm.engine.prefix_hash import block_hash, prefix_block_hashes
 from dfllm.engine.sequence import Sequence
 from dfllm.multimodal.inputs import block_tokens
+
+__all__ = ["FREED", "Block", "BlockManager", "block_hash", "chain_root"]
 
 FREED = -1  # block-table entry of a block released because it fell out of the sliding window
 
@@ -51,17 +55,12 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
-def block_hash(parent: Hashable, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block, chained to its parent's hash."""
-    return hash((parent, token_ids))
-
-
-def chain_root(seq: Sequence) -> Hashable:
-    """The parent of a sequence's first block hash: None for the base model, its LoRA
-    adapter's id otherwise, so that two adapters (or an adapter and the base model) never
+def chain_root(seq: Sequence) -> int:
+    """The parent of a sequence's first block hash (:func:`dfllm.engine.prefix_hash.chain_root`
+    of its LoRA adapter), so that two adapters (or an adapter and the base model) never
     share KV blocks."""
     lora = seq.request.lora_request
-    return None if lora is None else ("lora", lora.lora_int_id)
+    return prefix_hash.chain_root(None if lora is None else lora.lora_int_id)
 
 
 class BlockManager:
@@ -130,10 +129,18 @@ class BlockManager:
     def prompt_block_hashes(self, seq: Sequence) -> list[int]:
         """The hash chain of the full blocks ``match_prefix`` would look up for ``seq``
         (computed once per length and kept on the sequence)."""
-        bs, chain = self.block_size, seq.block_hashes
-        for i in range(len(chain), (seq.num_tokens - 1) // bs):
-            parent = chain[-1] if chain else chain_root(seq)
-            chain.append(block_hash(parent, block_tokens(seq.token_ids, seq.request.mm_inputs, i, bs)))
+        chain, lora = seq.block_hashes, seq.request.lora_request
+        chain.extend(
+            prefix_block_hashes(
+                seq.token_ids,
+                self.block_size,
+                lora_int_id=None if lora is None else lora.lora_int_id,
+                mm_inputs=seq.request.mm_inputs,
+                num_blocks=(seq.num_tokens - 1) // self.block_size,
+                start=len(chain),
+                parent=chain[-1] if chain else None,
+            )
+        )
         return chain
 
     def num_cached_prefix_blocks(self, seq: Sequence) -> int:
@@ -177,14 +184,14 @@ class BlockManager:
             return
         bs = self.block_size
         first = seq.num_hashed_blocks
-        parent: Hashable = self.blocks[seq.block_table[first - 1]].hash if first else chain_root(seq)
+        parent = self.blocks[seq.block_table[first - 1]].hash if first else chain_root(seq)
         if first and parent is None:  # the chain was reset under this sequence: never key it anew
             return
         for i in range(first, seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 tokens = block_tokens(seq.token_ids, seq.request.mm_inputs, i, bs)  # and its images' keys
-                block.hash = block_hash(parent, tokens)
+                block.hash = block_hash(parent, tokens)  # type: ignore[arg-type]  # None returned above
                 block.token_ids = tokens
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash

@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.config import EngineConfig
+from dfllm.engine.dedupe import dedupe_key
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.output_processor import OutputProcessor
@@ -53,7 +54,7 @@ from dfllm.models.registry import model_class
 from dfllm.models.sliding_window import uniform_window
 from dfllm.multimodal.processor import image_input_processor
 from dfllm.outputs import RequestMetrics, RequestOutput
-from dfllm.reasoning import ReasoningParser
+from dfllm.reasoning import make_reasoning_parser
 
 logger = logging.getLogger("dfllm")
 
@@ -68,17 +69,12 @@ class LLMEngine:
         cfg: EngineConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         eos_token_ids: set[int],
-        *,
-        reasoning_parser: str | ReasoningParser | None = None,
-        enable_in_reasoning: bool = False,
-        limit_mm_per_prompt: dict | None = None,
-        mm_processor_kwargs: dict | None = None,
     ):
         """``tokenizer`` is None under vLLM's ``skip_tokenizer_init=True``: prompts are token
         ids, outputs have empty text (see :class:`~dfllm.engine.input_processor.InputProcessor`).
-        ``reasoning_parser`` (a :mod:`dfllm.reasoning` parser or its name) splits every output's text into
-        reasoning and answer, and structured outputs then constrain the answer only, unless
-        ``enable_in_reasoning`` (see :mod:`dfllm.engine.structured`)."""
+        ``cfg.reasoning_parser`` (a :mod:`dfllm.reasoning` parser's name) splits every output's text
+        into reasoning and answer, and structured outputs then constrain the answer only, unless
+        ``cfg.enable_in_reasoning`` (see :mod:`dfllm.engine.structured`)."""
         self.cfg = cfg
         self.eos_token_ids = eos_token_ids
         self.runner = make_runner(cfg)
@@ -127,12 +123,17 @@ class LLMEngine:
             eos_token_ids,
             max_logprobs=cfg.max_logprobs,
             structured_defaults=(cfg.disable_any_whitespace, cfg.disable_additional_properties),
-            reasoning_parser=reasoning_parser,
+            reasoning_parser=None
+            if cfg.reasoning_parser is None
+            else make_reasoning_parser(cfg.reasoning_parser, tokenizer),
             mm=image_input_processor(
-                cfg.model_path, images, limit_per_prompt=limit_mm_per_prompt, processor_kwargs=mm_processor_kwargs
+                cfg.model_path,
+                images,
+                limit_per_prompt=cfg.limit_mm_per_prompt,
+                processor_kwargs=cfg.mm_processor_kwargs,
             ),
         )
-        self.enable_in_reasoning = enable_in_reasoning
+        self.enable_in_reasoning = cfg.enable_in_reasoning
         self.metrics = EngineMetrics(cfg.model_path.name)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
         self.sampler = Sampler(eos_token_ids, cfg.seed, cfg.logprobs_mode)
@@ -181,7 +182,7 @@ class LLMEngine:
             lora_request=lora_request,
         )
         req.mm_inputs = request.mm_inputs
-        key = _dedupe_key(req) if self.deduplicate else None
+        key = dedupe_key(req) if self.deduplicate else None
         leader = self.leaders.get(key) if key is not None else None
         if leader is not None:
             self.followers.setdefault(leader, []).append(req)
@@ -542,20 +543,3 @@ class LLMEngine:
             return False
         self.scheduler.reset_prefix_cache()
         return True
-
-
-def _dedupe_key(req: Request) -> Hashable | None:
-    """What identical deterministic requests share (prompt tokens, every sampling parameter,
-    banned words, how their text is split into reasoning and answer, their images); None for a request
-    whose output may differ from an identical one's."""
-    params = req.params
-    if not (params.is_greedy or params.seed is not None):
-        return None
-    return (
-        tuple(req.prompt_token_ids),
-        repr(params),
-        req.bad_words_ids,
-        None if req.reasoning is None else req.reasoning.key,
-        None if req.mm_inputs is None else req.mm_inputs.keys,
-        None if req.lora_request is None else ("lora", req.lora_request.lora_int_id),
-    )

@@ -35,7 +35,7 @@ import torch
 from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.structured import apply_masks
-from dfllm.kernels._cpu import argmax_rows_cpu
+from dfllm.kernels.backend import argmax_rows
 from dfllm.outputs import token_first
 from dfllm.sampling_params import SamplingParams
 
@@ -153,7 +153,7 @@ class Sampler:
         greedy row's as given, a sampled row's after temperature, top-k, top-p and min-p)."""
         rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if not rows:
-            return argmax_rows_cpu(logits), logits if keep_processed else None
+            return argmax_rows(logits), logits if keep_processed else None
         scaled, probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
         noise = race_noise(
             probs,
@@ -161,14 +161,14 @@ class Sampler:
             self.generator(logits.device),
             one_launch=logits.device.type != "cpu",
         )
-        drawn = argmax_rows_cpu(probs / noise)
+        drawn = argmax_rows(probs / noise)
         processed = None
         if keep_processed:
             processed = logits.clone()
             processed[_index(rows, logits.device)] = scaled
         if len(rows) == len(seqs):
             return drawn, processed
-        chosen = argmax_rows_cpu(logits)  # the greedy rows'
+        chosen = argmax_rows(logits)  # the greedy rows'
         chosen[_index(rows, logits.device)] = drawn
         return chosen, processed
 

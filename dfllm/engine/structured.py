@@ -109,6 +109,22 @@ class Grammar:
             prompt_token_ids,
         )
 
+    def allowed_after(self, token_ids: list[int]) -> list[int] | None:
+        """The tokens this constraint allows after ``token_ids`` (a continuation, from its first
+        generated token), for beam search (:mod:`dfllm.beam_search`): None when the grammar
+        rejects them or has terminated (nothing may follow)."""
+        matcher = self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids)
+        for token in token_ids:
+            if not matcher.accept_token(token):
+                return None
+        if matcher.is_terminated():
+            return None
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        ids = torch.arange(self.vocab_size)
+        allowed = (bitmask[0][ids >> 5] >> (ids & 31)) & 1
+        return ids[allowed.bool()].tolist()
+
 
 class SequenceGrammar:
     """The grammar state of one sequence: which tokens may come next, and whether it is done.

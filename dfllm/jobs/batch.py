@@ -32,6 +32,14 @@ structured output still constrains only what follows the reasoning (:class:`Whol
 With a response cache (:class:`Engines`' ``cache``), the generative lines' requests go
 through :func:`dfllm.tasks.response_cache.generate_cached`: a deterministic request
 (greedy, or seeded) asked before on the same engine is answered from the cache, not the engine.
+
+A beam search line (``use_beam_search: true``, see :mod:`dfllm.jobs.openai_requests`) is checked
+by the same input processor, then searched (:func:`dfllm.beam_search.search_requests`) together
+with every other beam search line of the call, while the sampled lines generate: each step of
+the search is one call of the driver over every live beam of every such line, in the engine's
+shared batches (the response cache is not used for the steps). Its ``n`` choices are the best
+beams, best first (:func:`dfllm.beam_search.beam_outputs`). A failure is isolated to its lines
+as above.
 """
 
 from __future__ import annotations
@@ -41,9 +49,11 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dfllm.beam_search import BeamSearchParams, beam_outputs, search_requests
 from dfllm.errors import InvalidRequestError
 from dfllm.jobs.openai_batch import BatchRequestInput
 from dfllm.jobs.openai_requests import (
@@ -55,6 +65,7 @@ from dfllm.jobs.openai_requests import (
     ScoreRequest,
 )
 from dfllm.jobs.openai_responses import chat_completion, completion, embeddings, rerank, scores
+from dfllm.outputs import RequestOutput
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import ReasoningParser
 from dfllm.tasks.response_cache import ResponseCache, generate_cached
@@ -146,6 +157,11 @@ class Generation:
     lock: threading.Lock
     generate: Callable[[list], list]
     decode: Callable[[list[int]], str]
+    # beam search lines: the driver's generation without the response cache (their steps), the
+    # engine's context length and end-of-sequence token
+    run: Callable[[list], list] | None = None
+    max_model_len: int = 0
+    eos_token_id: int | None = None
 
     @property
     def reasoning(self) -> bool:
@@ -212,11 +228,15 @@ class Engines:
 
         config, engine_kwargs, cache = entry.llm.config, self.options.engine_kwargs, self.cache
 
+        def run(requests: list) -> list:
+            return driver().generate(engine, lock, requests)
+
         def generate(requests: list) -> list:
-            run = lambda reqs: driver().generate(engine, lock, reqs)  # noqa: E731
             return generate_cached(cache, config, engine_kwargs, requests, run)[0]
 
-        return Generation(engine.input_processor, lock, generate, decode)
+        tokenizer = engine.input_processor.tokenizer
+        eos = None if tokenizer is None else tokenizer.eos_token_id
+        return Generation(engine.input_processor, lock, generate, decode, run, int(config.max_model_len), eos)
 
     def pooling(self, endpoint: str) -> PoolingModel:
         """The pooling model of ``endpoint``; :class:`UnsupportedEndpoint` if the model is
@@ -283,9 +303,10 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
         return [LineResult.failed(exc)] * len(lines)
     results: list[LineResult | None] = [None] * len(lines)
     planned: list[tuple[int, list]] = []
+    beams: list[tuple[int, list]] = []  # the beam search lines
     for i, line in enumerate(lines):
         try:
-            planned.append((i, engine_requests(line.request, gen)))
+            (planned if line.request.beam is None else beams).append((i, engine_requests(line.request, gen)))
         except Exception as exc:  # noqa: BLE001  (whatever a line's checks raise stays with the line)
             results[i] = LineResult.failed(as_line_error(exc))
 
@@ -297,12 +318,52 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
             at += len(reqs)
         return split
 
-    for (i, _), outs in zip(planned, _isolating(planned, run) if planned else []):
+    def search(groups: list[tuple[int, list]]) -> list[list]:
+        return _beam_search([(lines[i].request, reqs) for i, reqs in groups], gen)
+
+    with ThreadPoolExecutor(1) as pool:  # the beam search lines search while the others generate
+        searched = pool.submit(_isolating, beams, search) if beams else None
+        answered = list(zip(planned, _isolating(planned, run) if planned else []))
+        answered += zip(beams, searched.result() if searched is not None else [])
+    for (i, _), outs in answered:
         if isinstance(outs, Exception):
             results[i] = LineResult.failed(as_line_error(outs))
         else:
             results[i] = _generative_result(endpoint, lines[i], outs, engines.options, gen)
     return [r for r in results if r is not None]
+
+
+def _beam_search(lines: list[tuple[Any, list]], gen: Generation) -> list[list[RequestOutput]]:
+    """The outputs of beam search lines (each its request and its checked engine requests, one
+    per prompt), one list per line with one output per prompt: every prompt searched together
+    (:func:`dfllm.beam_search.search_requests`), its ``n`` completions the best beams."""
+    assert gen.run is not None  # a generative engine's Generation (Engines.generation)
+    flat = [(request, r) for request, reqs in lines for r in reqs]
+    params = [_beam_params(request, r, gen.max_model_len) for request, r in flat]
+    found = search_requests([r for _, r in flat], params, gen.run, gen.eos_token_id, gen.max_model_len)
+    outputs = []
+    for (request, r), p, best in zip(flat, params, found):
+        skip = request.params.skip_special_tokens
+
+        def decode(ids: list[int], skip: bool = skip) -> str:
+            with gen.lock:
+                tokenizer = gen.processor.tokenizer
+                return str(tokenizer.decode(ids, skip_special_tokens=skip)) if tokenizer is not None else ""
+
+        completions = beam_outputs(best, len(r.prompt_token_ids), p, gen.eos_token_id, decode)
+        outputs.append(RequestOutput("beam-search", r.prompt, list(r.prompt_token_ids), completions, True))
+    split, at = [], 0
+    for _, reqs in lines:
+        split.append(outputs[at : at + len(reqs)])
+        at += len(reqs)
+    return split
+
+
+def _beam_params(request, checked, max_model_len: int) -> BeamSearchParams:
+    """A beam search line's params for one of its checked prompts: at most its ``max_tokens``
+    (a chat line without one: up to the context length), within the context left."""
+    room = max(1, max_model_len - len(checked.prompt_token_ids))
+    return dataclasses.replace(request.beam, max_tokens=min(request.params.max_tokens or room, room))
 
 
 def engine_requests(request, gen: Generation) -> list:

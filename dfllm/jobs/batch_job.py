@@ -314,9 +314,9 @@ class _Assembler:
     COLUMNS = ["line", "key", "custom_id", "status_code", "body", "error_code", "error_message", "error_param"]
 
     def __init__(self, staging: str, storage_options: dict | None, output: _Sink, errors: _Sink | None, ordered: bool):
-        from dfllm.accessors.writer import _filesystem
+        from dfllm.accessors.writer import folder_filesystem
 
-        self.fs, self.root = _filesystem(staging, storage_options)
+        self.fs, self.root = folder_filesystem(staging, storage_options)
         self.output, self.errors, self.ordered = output, errors, ordered
         self.records: dict[int, dict] = {}
         self.prefix = 0  # parts 0..prefix-1 are done and fully written
@@ -335,9 +335,9 @@ class _Assembler:
             self.prefix += 1
 
     def _stream(self, i: int, successes: bool, failures: bool, offset: int | None) -> None:
-        from dfllm.accessors.writer import FOOTER_KEY, _part
+        from dfllm.accessors.writer import FOOTER_KEY, part_path
 
-        with self.fs.open(_part(self.root, i), "rb") as f:
+        with self.fs.open(part_path(self.root, i), "rb") as f:
             part = pq.ParquetFile(f)
             record = json.loads((part.metadata.metadata or {}).get(FOOTER_KEY, b"{}"))
             if record.get("key") != self.records[i]["key"]:
@@ -658,13 +658,13 @@ def check_options(
 ) -> BatchOptions:
     """The job's :class:`~dfllm.jobs.batch.BatchOptions`, checked before any work: engine
     argument names and vLLM values, a model that can be checked here, the role."""
-    from dfllm.engine_args import BY_NAME, ENGINE_ARG_NAMES, check_vllm_args
+    from dfllm.engine_args import ENGINE_ARG_NAMES, check_engine_args
 
     known = set(ENGINE_ARG_NAMES)
     unknown = sorted(set(engine_kwargs) - known)
     if unknown:
         raise ValueError(f"unknown engine argument(s) {unknown}: they go to dfllm.LLM, which takes {sorted(known)}")
-    check_vllm_args(**{k: v for k, v in engine_kwargs.items() if k in BY_NAME})
+    check_engine_args(**engine_kwargs)
     if not isinstance(response_role, str) or not response_role:
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
     if model is not None:
@@ -687,18 +687,18 @@ def check_paths(
     (:func:`check_staging`): it is the job's own, and the job removes its files at the end."""
     import fsspec
 
-    from dfllm.accessors.writer import _normal
+    from dfllm.accessors.writer import normal_path
 
     fs, where = check_input(input_file, storage_options)
     staging = output_file.rstrip("/") + STAGING_SUFFIX
     sfs, s = fsspec.core.url_to_fs(staging, **(storage_options or {}))
-    s = _normal(sfs, s)
-    seen = {("input file", _normal(fs, where))}
+    s = normal_path(sfs, s)
+    seen = {("input file", normal_path(fs, where))}
     for what, path in (("output file", output_file), ("error file", error_file), ("staging folder", staging)):
         if path is None:
             continue
         pfs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
-        p = _normal(pfs, p)
+        p = normal_path(pfs, p)
         clash = next((other for other, q in seen if q == p), None)
         if clash is not None:
             raise ValueError(f"the {what} {path} is the {clash}: give each its own path")
@@ -751,9 +751,9 @@ def check_staging(staging: str, storage_options: dict | None = None) -> None:
     batch job did not write there (the job removes its files from it when done, so the
     folder must be the job's own); a folder of an earlier, killed run of a job is fine
     (``resume=True`` keeps its parts, a run without it replaces them)."""
-    from dfllm.accessors.writer import _filesystem
+    from dfllm.accessors.writer import folder_filesystem
 
-    fs, root = _filesystem(staging, storage_options)
+    fs, root = folder_filesystem(staging, storage_options)
     if not fs.exists(root):
         return
     if not fs.isdir(root):
@@ -783,16 +783,24 @@ def _remove_staging(staging: str, storage_options: dict | None, partitions: int)
     key records, the schema file, temporary files of dfllm's names), each by its literal
     name, then the folder if nothing else is left in it: a file someone put there meanwhile
     stays, and so does the folder holding it."""
-    from dfllm.accessors.writer import COMMON_METADATA, KEYS, SET_ASIDE, _filesystem, _key_file, _part, _remove
+    from dfllm.accessors.writer import (
+        COMMON_METADATA,
+        KEYS,
+        SET_ASIDE,
+        folder_filesystem,
+        key_path,
+        part_path,
+        remove_files,
+    )
 
-    fs, root = _filesystem(staging, storage_options)
+    fs, root = folder_filesystem(staging, storage_options)
     if not fs.exists(root):
         return
-    recorded = [_part(root, i) for i in range(partitions)] + [_key_file(root, i) for i in range(partitions)]
+    recorded = [part_path(root, i) for i in range(partitions)] + [key_path(root, i) for i in range(partitions)]
     recorded.append(f"{root}/{COMMON_METADATA}")
     listed = _staging_files(fs, root)[0]
     recorded += [f"{root}/{f}" for f in listed if ".tmp-" in f]  # a killed run's temporary files
-    _remove(fs, recorded)
+    remove_files(fs, recorded)
     for folder in (f"{root}/{SET_ASIDE}", f"{root}/{KEYS}", root):
         try:
             fs.rmdir(folder)  # only if empty (a no-op on object stores, which have no folders)

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dfllm.engine_args import DEFAULTS, add_cli_args
+from dfllm.engine_args import DATAFRAME_MAX_LORAS, DEFAULTS, add_cli_args
 from dfllm.jobs.cli_options import (
     DEFAULT_MAX_ERROR_RATE,
     EXIT_TOO_MANY_ERRORS,
@@ -110,8 +110,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     add_cli_args(
         p,
         ("max_loras", "max_lora_rank"),
-        max_loras="LoRA: the most distinct adapters in one step (default 4)",
-        max_lora_rank="LoRA: the largest adapter rank accepted (default 16)",
+        max_loras=f"LoRA: the most distinct adapters in one step (default {DATAFRAME_MAX_LORAS})",
+        max_lora_rank=f"LoRA: the largest adapter rank accepted (default {DEFAULTS['max_lora_rank']})",
     )
     p.add_argument("--model", help="model directory or bundled alias (default per task; see `dfllm models`)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -170,6 +170,12 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="read and check the input and options, tokenize every row on the cluster and print what "
         "the job would do (rows refused, prompt tokens, prefix sharing, an estimate of its time from a "
         "short calibration run); nothing is written (docs/dry_run.md)",
+    )
+    p.add_argument(
+        "--no-prefix-placement",
+        action="store_true",
+        help="generate/chat: leave rows where Dask puts their partitions, rather than sending the rows "
+        "that share a prompt prefix to one engine (Dask config dfllm.prefix-placement; docs/prefix_cache.md)",
     )
     p.add_argument(
         "--calibration-seconds",
@@ -314,6 +320,8 @@ def _default_input(task: str, columns) -> str:
 
 
 def run(args) -> int:
+    import dask
+
     from dfllm.accessors.writer import refuse_overlap, write_parquet
     from dfllm.dashboard import page_link
     from dfllm.jobs.cluster import connect
@@ -331,7 +339,8 @@ def run(args) -> int:
     ):
         # built with the client current, so that a model directory only the workers have is
         # checked on a worker, and with --gpu's resources on the llm tasks themselves
-        job = build_job(args, resources)
+        with dask.config.set({"dfllm.prefix-placement": not getattr(args, "no_prefix_placement", False)}):
+            job = build_job(args, resources)
         page = page_link(client)
         say(
             f"dfllm: {args.task} on {describe_client(client)}; dashboard {client.dashboard_link}"
@@ -468,11 +477,11 @@ def format_summary(s, deduplicated: int = 0, cache: dict[str, int] | None = None
 
 # ---- dfllm models ------------------------------------------------------------------------------------
 def models(args) -> int:
-    from dfllm.models.bundled import BUNDLED_MODELS, DEFAULT_CHAT_MODEL, _package_file, bundled_model_dir
+    from dfllm.models.bundled import BUNDLED_MODELS, DEFAULT_CHAT_MODEL, bundled_model_dir, package_file
 
     print(f"{'alias':24} {'package':22} {'status':14} location")
     for alias, m in BUNDLED_MODELS.items():
-        source = _package_file(m)
+        source = package_file(m)
         where: object = bundled_model_dir(alias) if m.format == "gguf" else source
         if source is None:
             status, where = "not installed", m.install_hint

@@ -90,9 +90,9 @@ def connect(
         )
         task_res = task_resources(gpus_per_engine, threads)
     else:
-        from dfllm.kernels import _cpu
+        from dfllm.kernels.backend import build_cpu_kernels
 
-        _cpu.load()  # compiled here, once, saying so, rather than silently on the workers (they load the build)
+        build_cpu_kernels()  # compiled here, once, saying so, rather than silently on the workers (they load the build)
         n = workers or 1  # engines on one machine split its cores instead of each taking them all
         cluster = LocalCluster(
             n_workers=n,

@@ -22,6 +22,13 @@ input processor and sampling params), and
   ``add_generation_prompt``, ``continue_final_message``...
 - ``completions``: ``prompt`` (text, token ids, or a list of either), ``max_tokens``
   (default 16), ``echo``, ``logprobs`` (an int), and the sampling fields above.
+- beam search (both, vLLM's server fields): ``use_beam_search: true`` makes the line a beam
+  search (:func:`_beam`) of width ``n`` (``best_of`` ignored), with ``length_penalty``,
+  ``max_tokens``, ``temperature`` (default 1, vLLM's), ``ignore_eos``,
+  ``include_stop_str_in_output``, ``skip_special_tokens``, ``truncate_prompt_tokens``, an
+  output constraint (each beam's continuation constrained) and ``logprobs``; the fields beam
+  search cannot honour (:data:`BEAM_REFUSED`) are refused by name when set to anything but
+  their neutral value.
 - ``embeddings``: ``input`` (text, token ids, or a list of either), ``encoding_format``
   (``float`` or ``base64``), ``dimensions`` (only the model's own).
 - ``score`` (vLLM): ``text_1`` and ``text_2``, each a text or a list (1 to 1, 1 to N, N to N).
@@ -31,10 +38,12 @@ input processor and sampling params), and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dfllm.beam_search import BeamSearchParams
 from dfllm.errors import InvalidRequestError
 from dfllm.inputs import VALID_ROLES
 from dfllm.pooling_params import PoolingParams
@@ -97,7 +106,29 @@ SAMPLING = (
     "logit_bias",
     *CONSTRAINTS,
     "stream",
+    "use_beam_search",
+    "length_penalty",
 ) + VLLM_SAMPLING
+#: The sampling fields a beam search (``use_beam_search: true``) cannot honour, with the values
+#: that leave sampling as it is (accepted): any other value is refused by name. vLLM's server
+#: ignores them silently; dfllm says so.
+BEAM_REFUSED: dict[str, tuple] = {
+    "top_p": (1, 1.0),
+    "top_k": (0, -1),
+    "min_p": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "stop": ("", []),
+    "stop_token_ids": ([],),
+    "seed": (),
+    "min_tokens": (0,),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+}
+#: vLLM's server's default beam search temperature (its sampling default).
+BEAM_TEMPERATURE = 1.0
 #: OpenAI fields for what dfllm does not run: refused unless empty, null or false.
 UNSUPPORTED = {
     "tools": "tool calling",
@@ -106,7 +137,6 @@ UNSUPPORTED = {
     "prediction": "predicted outputs",
     "web_search_options": "web search",
     "suffix": "suffix (insertion)",
-    "use_beam_search": "beam search",
 }
 STREAM_REFUSED = "Request must not be sent in stream mode"
 #: The arguments transformers' ``apply_chat_template`` and its template rendering take
@@ -398,6 +428,66 @@ def _culprit(values: dict[str, Any]) -> str | None:
     return None
 
 
+def _beam(body: dict, max_tokens: int | None, limit_field: str) -> tuple[BeamSearchParams, SamplingParams] | None:
+    """The line's beam search, as vLLM's server maps a body onto ``BeamSearchParams`` (``n`` the
+    width, ``best_of`` ignored, ``temperature`` default 1), and the SamplingParams its prompt is
+    checked with (:meth:`~dfllm.BeamSearchParams.check_params`, with the line's limit,
+    truncation and special-token decoding); None without ``use_beam_search``. The
+    ``BeamSearchParams``' ``max_tokens`` is the line's limit, or 1 when it has none (a chat
+    line: the context left, set when it runs)."""
+    if not _bool(body, "use_beam_search", False):
+        penalty = body.get("length_penalty")
+        if penalty is not None and penalty != 1:
+            raise LineError(
+                "body.length_penalty applies to beam search only; set body.use_beam_search to true",
+                param="body.length_penalty",
+            )
+        return None
+    if body.get("stream"):
+        raise LineError(
+            STREAM_REFUSED + " (body.stream: a batch line gets one answer; set it to false)", param="body.stream"
+        )
+    for name, neutral in BEAM_REFUSED.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            raise LineError(
+                f"body.{name}: beam search (body.use_beam_search) does not take {name} (got "
+                f"{json.dumps(value)[:60]}); it takes n (the beam width), max_tokens, temperature, "
+                "length_penalty, ignore_eos, include_stop_str_in_output, logprobs and an output constraint",
+                param=f"body.{name}",
+            )
+    values: dict[str, Any] = {
+        "beam_width": _int(body, "n", 1, low=1),
+        "max_tokens": max_tokens or 1,
+        "ignore_eos": _bool(body, "ignore_eos", False),
+        "temperature": BEAM_TEMPERATURE if body.get("temperature") is None else body["temperature"],
+        "length_penalty": 1.0 if body.get("length_penalty") is None else body["length_penalty"],
+        "include_stop_str_in_output": _bool(body, "include_stop_str_in_output", False),
+        "structured_outputs": _structured(body),
+    }
+    if max_tokens is not None and max_tokens < 1:
+        raise LineError(f"body.{limit_field} must be at least 1, got {max_tokens}", param=f"body.{limit_field}")
+    try:
+        beam = BeamSearchParams(**values)
+    except ValueError as exc:  # its message starts with the field's name
+        names = ("temperature", "length_penalty", "beam_width", "max_tokens")
+        culprit = next((k for k in names if str(exc).startswith(k)), None)
+        where = {"beam_width": "n", "max_tokens": limit_field}.get(culprit or "", culprit)
+        raise LineError(
+            f"body.{where}: {exc}" if where else str(exc), param=f"body.{where}" if where else None
+        ) from None
+    try:
+        check = dataclasses.replace(
+            beam.check_params(),
+            max_tokens=max_tokens,
+            truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+            skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        )
+    except (ValueError, TypeError) as exc:
+        raise LineError(f"body.truncate_prompt_tokens: {exc}", param="body.truncate_prompt_tokens") from None
+    return beam, check
+
+
 # ---- the requests ---------------------------------------------------------------------------------------
 @dataclass
 class ChatCompletionRequest:
@@ -415,6 +505,7 @@ class ChatCompletionRequest:
     continue_final_message: bool = False
     model: str | None = None
     body: dict = field(default_factory=dict, repr=False)
+    beam: BeamSearchParams | None = None  # use_beam_search: the line's beam search (see _beam)
 
     FIELDS = (
         "messages",
@@ -454,11 +545,16 @@ class ChatCompletionRequest:
         top = _int(body, "top_logprobs", None, low=0)
         if top is not None and not logprobs:
             raise LineError("body.top_logprobs needs body.logprobs set to true", param="body.top_logprobs")
-        params = _sampling(
-            body,
-            _int(body, limit_name),
-            (top or 0) if logprobs else None,
-            {"max_tokens": limit_name, "logprobs": "top_logprobs"},
+        beam = _beam(body, _int(body, limit_name), limit_name)
+        params = (
+            beam[1]
+            if beam is not None
+            else _sampling(
+                body,
+                _int(body, limit_name),
+                (top or 0) if logprobs else None,
+                {"max_tokens": limit_name, "logprobs": "top_logprobs"},
+            )
         )
         template_kwargs = _dict(body, "chat_template_kwargs")
         for name in template_kwargs or {}:
@@ -488,10 +584,12 @@ class ChatCompletionRequest:
             cont,
             body.get("model"),
             body,
+            None if beam is None else beam[0],
         )
 
     def sampling_params(self) -> SamplingParams:
-        """The request's sampling params, for :meth:`dfllm.LLM.chat`."""
+        """The request's sampling params, for :meth:`dfllm.LLM.chat` (a beam search line's:
+        what its prompt is checked with)."""
         return self.params
 
     def param_fields(self) -> dict[str, str]:
@@ -502,6 +600,8 @@ class ChatCompletionRequest:
         constraint = constraint_field(self.body)
         if constraint is not None:
             fields["structured_outputs"] = constraint
+        if self.beam is not None:  # a beam search asks its steps for 2 * n logprobs
+            fields["logprobs"] = "n"
         return fields
 
     def chat_kwargs(self) -> dict:
@@ -526,6 +626,7 @@ class CompletionRequest:
     logprobs: int | None = None
     model: str | None = None
     body: dict = field(default_factory=dict, repr=False)
+    beam: BeamSearchParams | None = None  # use_beam_search: the line's beam search (see _beam)
 
     FIELDS = ("prompt", "max_tokens", "echo", "logprobs", "best_of") + SAMPLING
 
@@ -535,7 +636,8 @@ class CompletionRequest:
         prompts = _texts_or_ids(body.get("prompt"), "prompt")
         logprobs = _int(body, "logprobs", None, low=0)
         best_of = _int(body, "best_of", None, low=1)
-        if best_of is not None and best_of != _int(body, "n", 1):
+        beam = _beam(body, _int(body, "max_tokens", 16), "max_tokens")
+        if best_of is not None and beam is None and best_of != _int(body, "n", 1):  # beam search ignores it
             raise LineError(
                 f"body.best_of={best_of}: dfllm returns the n completions it samples, with no best-of "
                 "selection; leave best_of out or equal to n",
@@ -546,8 +648,8 @@ class CompletionRequest:
             raise LineError(
                 "body.echo with body.logprobs is not supported (prompt log-probabilities)", param="body.echo"
             )
-        params = _sampling(body, _int(body, "max_tokens", 16), logprobs, {})
-        return cls(prompts, params, echo, logprobs, body.get("model"), body)
+        params = beam[1] if beam is not None else _sampling(body, _int(body, "max_tokens", 16), logprobs, {})
+        return cls(prompts, params, echo, logprobs, body.get("model"), body, None if beam is None else beam[0])
 
     def sampling_params(self) -> SamplingParams:
         """The request's sampling params, for :meth:`dfllm.LLM.generate`."""
@@ -556,7 +658,10 @@ class CompletionRequest:
     def param_fields(self) -> dict[str, str]:
         """The body field of each sampling param whose name differs (for the engine's errors)."""
         constraint = constraint_field(self.body)
-        return {} if constraint is None else {"structured_outputs": constraint}
+        fields = {} if constraint is None else {"structured_outputs": constraint}
+        if self.beam is not None:  # a beam search asks its steps for 2 * n logprobs
+            fields["logprobs"] = "n"
+        return fields
 
 
 @dataclass

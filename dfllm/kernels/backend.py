@@ -46,6 +46,12 @@ TORCH_OPS = KernelOps(
 )
 
 
+def check_attention_backend(attention_backend: str) -> None:
+    """``ValueError`` unless ``attention_backend`` is one of :data:`BACKENDS`."""
+    if attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+
+
 def select_ops(attention_backend: str, device: torch.device) -> KernelOps:
     """The kernels for ``attention_backend`` ("auto", "torch", "cpu" or "triton") on ``device``.
 
@@ -54,8 +60,7 @@ def select_ops(attention_backend: str, device: torch.device) -> KernelOps:
     on a CPU runs the Triton kernels through Triton's interpreter (``TRITON_INTERPRET=1``):
     slow, but exact.
     """
-    if attention_backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+    check_attention_backend(attention_backend)
     device = torch.device(device)
     if attention_backend in ("auto", "cpu") and device.type == "cpu":
         ops = cpu_ops()
@@ -154,3 +159,20 @@ def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.T
 
         return _cpu.exact_top_logits_cpu(logits, hidden, weight)
     return exact_top_logits_torch(logits, hidden, weight)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D ``x``, through the compiled CPU kernel where it applies
+    (float32 rows on a CPU where the kernels are loaded), ``torch.argmax`` elsewhere."""
+    from dfllm.kernels import _cpu
+
+    return _cpu.argmax_rows_cpu(x)
+
+
+def build_cpu_kernels() -> bool:
+    """Build (or load from the cache) dfllm's compiled CPU kernels in this process, saying so;
+    whether they are available. A parent process calls it before starting workers, which then
+    load the build instead of each compiling it silently."""
+    from dfllm.kernels import _cpu
+
+    return _cpu.load() is not None

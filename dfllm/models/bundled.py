@@ -161,7 +161,7 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
 
 def _resolve_bundled(entry: BundledModel) -> Path:
     """Return the usable directory of a bundled model, converting if needed."""
-    source = _package_file(entry)
+    source = package_file(entry)
     if entry.format == "hf":
         if source is None:
             raise _not_installed(entry)
@@ -176,7 +176,7 @@ def _resolve_bundled(entry: BundledModel) -> Path:
     return target
 
 
-def _package_file(entry: BundledModel) -> Path | None:
+def package_file(entry: BundledModel) -> Path | None:
     """Locate ``entry.path`` inside its installed package without importing it."""
     try:
         spec = importlib.util.find_spec(entry.module)

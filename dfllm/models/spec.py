@@ -174,10 +174,8 @@ class ModelSpec:
 
 
 def check_parallel_config(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Reject sizes the model cannot be split by, naming the count that does not divide."""
-    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    """Reject sizes the model cannot be split by (each an int >= 1, checked with the engine's
+    arguments), naming the count that does not divide."""
     if tp == 1 and pp == 1:
         return
     for what, n in (

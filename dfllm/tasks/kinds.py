@@ -21,6 +21,8 @@ import pandas as pd
 import pyarrow as pa
 
 from dfllm.tasks.schema import (
+    BEAMS,
+    BEAMS_DTYPE,
     FINISH_REASON,
     FLOAT,
     INT,
@@ -54,7 +56,12 @@ class TaskKind:
     engine_columns: tuple[str, ...] = ()  # the ENGINE_COLUMNS a task of this kind may ask for
 
     def output_dtypes(
-        self, output_column: str, structured: tuple = (), engine_columns: tuple[str, ...] = (), reasoning: bool = False
+        self,
+        output_column: str,
+        structured: tuple = (),
+        engine_columns: tuple[str, ...] = (),
+        reasoning: bool = False,
+        beams: bool = False,
     ) -> dict[str, pd.api.extensions.ExtensionDtype | str]:
         """Columns the task adds, in order, with their dtypes (``llm_error`` always last).
 
@@ -62,9 +69,11 @@ class TaskKind:
         constrained generation (its main column is typed from it), else empty.
         ``engine_columns`` (of this kind's) are added before ``llm_error``, and then, for a
         generative kind whose engine has a reasoning parser (``reasoning``), the string column
-        ``reasoning_content`` (:mod:`dfllm.reasoning`)."""
+        ``reasoning_content`` (:mod:`dfllm.reasoning`). A generative task that runs a beam search
+        (``beams``) adds the list column ``beams`` after the kind's own (:data:`BEAMS_DTYPE`)."""
         main = structured_dtype(structured) if structured else self.output_dtype
-        extra = {name: engine_dtype(self.name, name) for name in engine_columns}
+        extra = {BEAMS: BEAMS_DTYPE} if beams and self.generative else {}
+        extra.update({name: engine_dtype(self.name, name) for name in engine_columns})
         if reasoning and self.generative:
             extra[REASONING_CONTENT] = STRING
         return {output_column: main, **dict(self.other_columns), **extra, LLM_ERROR: STRING}

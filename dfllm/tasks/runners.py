@@ -22,6 +22,14 @@ them filled by its runner from the engine's outputs, on the rows that got throug
 ``reasoning_content``, the reasoning a generative task's engine split off the answer when it
 has a reasoning parser (``reasoning_parser=``, :mod:`dfllm.reasoning`).
 
+A generative task given ``sampling_params=BeamSearchParams(...)`` (``LLMTask.beam_search``) runs
+a beam search per row instead (:func:`dfllm.beam_search.search_requests`: every row of the
+partition searched together, each step one driver call over all their live beams, in the shared
+batches): the output column holds the best beam's continuation (typed as usual, ``json_schema``/
+``choice`` constraining every beam), ``beams`` every beam best first (text, score, cumulative
+log-probability, finish reason), ``num_generated_tokens`` and ``finish_reason`` the best beam's.
+Its rows bypass the response cache (``from_cache`` false).
+
 A generative task with sort keys (``LLMTask.sort_by``) hands its requests to the engine in
 that order (:func:`request_order`: by a column, or by the rendered prompt so that rows
 sharing a prefix run one after another while its blocks are in the prefix cache); each
@@ -38,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from dfllm.beam_search import BeamSearchParams, beam_outputs, beam_search_score, search_requests
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
 from dfllm.llm import LLM
 from dfllm.outputs import RequestOutput
@@ -54,6 +63,7 @@ from dfllm.tasks.rows import (
     token_id_prompts,
 )
 from dfllm.tasks.schema import (
+    BEAMS,
     FINISH_REASON,
     LLM_ERROR,
     NUM_GENERATED_TOKENS,
@@ -81,6 +91,9 @@ class Generation:
     generate: Callable[[list[EngineRequest]], list[RequestOutput]]  # outputs in order, batched with other tasks
     config: EngineConfig | None = None  # the engine's resolved settings (the response cache's key reads them)
     check_lora: Callable[[Any], None] | None = None  # LoRA: the engine's check of an adapter (call holding ``lock``)
+    # set: the runner stops before generating and puts its requests there, by row position
+    # (:func:`prompt_requests`)
+    collect: dict[int, EngineRequest] | None = None
 
 
 class Pooling:
@@ -124,7 +137,9 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
                         f"{task.kind}: {entry.llm.config.model_path.name} is loaded as a pooling "
                         "model; use embed, classify, score or encode"
                     )
-                generate = lambda requests: driver().generate(engine, entry.lock, requests, progress)  # noqa: E731
+                # a beam search calls the engine once per step: no bar for each of them
+                bar = progress and not task.beam_search
+                generate = lambda requests: driver().generate(engine, entry.lock, requests, bar)  # noqa: E731
                 RUNNERS[spec.runner](
                     df,
                     task,
@@ -135,6 +150,30 @@ def run_task(df: pd.DataFrame, task: LLMTask, progress: bool = False) -> pd.Data
                 )
     cols = {c: pd.Series(v, index=df.index, dtype=dtypes[c]) for c, v in out.items()}
     return pd.concat([df, pd.DataFrame(cols, index=df.index)], axis=1)
+
+
+def prompt_requests(df: pd.DataFrame, task: LLMTask) -> tuple[dict[int, EngineRequest], int]:
+    """The engine requests a generative task's runner makes of ``df``'s rows (rendered,
+    tokenized and checked by this process's engine for the task, exactly as :func:`run_task`
+    makes them; with their LoRA adapters), by row position, without generating, and the
+    engine's KV block size. Rows the runner refuses are left out. The first pass of
+    prefix-aware placement (:mod:`dfllm.tasks.prefix_keys`)."""
+    spec = task.spec
+    if not spec.generative:
+        raise ValueError(f"prompt_requests: {task.kind} is not a generative task")
+    collected: dict[int, EngineRequest] = {}
+    if not len(df):
+        return collected, 1
+    out: dict[str, list] = {c: [None] * len(df) for c in task.output_dtypes()}
+    with lease(task.model, dict(task.engine_kwargs)) as entry:
+        engine = entry.llm.engine
+        if engine is None:
+            raise ValueError(f"{task.kind}: {entry.llm.config.model_path.name} is loaded as a pooling model")
+        gen = Generation(
+            engine.input_processor, entry.lock, lambda r: [], entry.llm.config, engine.check_lora, collected
+        )
+        RUNNERS[spec.runner](df, task, out, gen)
+        return collected, int(entry.llm.config.block_size)
 
 
 # ---- generate and chat ------------------------------------------------------------------------------------
@@ -228,10 +267,13 @@ def _generate(
     columns the task asks for); rows the input processor refuses get its message."""
     params = row_params(df, task, list(prompts), out)
     so = task.structured_params()
+    beam = task.beam_params()
     rows, requests = [], []
     for i in sorted(params):
         # the accessor's constraint replaces any a row's own sampling_params carry
         sp = params[i] if so is None else dataclasses.replace(params[i], structured_outputs=so)
+        if beam is not None:  # a beam search: its prompt checked with its steps' params
+            sp = beam.check_params()
         try:
             with gen.lock:
                 own = {"images": images[i]} if images and images.get(i) else {}
@@ -242,6 +284,9 @@ def _generate(
         rows.append(i)
     if task.lora or task.lora_column:  # each row's LoRA adapter, resolved and checked here
         rows, requests = _with_loras(df, task, out, gen, rows, requests)
+    if gen.collect is not None:  # prompt_requests: the requests, not their outputs
+        gen.collect.update(zip(rows, requests))
+        return
     if not rows:
         return
     if task.sort_by:
@@ -249,7 +294,10 @@ def _generate(
         rows, requests = [rows[k] for k in order], [requests[k] for k in order]
     dtype = task.output_dtypes()[task.output_column] if task.structured else None
     start = time.perf_counter()
-    outputs, cached = generate_cached(task.cache, gen.config, task.engine_kwargs, requests, gen.generate)
+    if beam is not None:
+        outputs, cached = _beam_search(gen, beam, requests), [False] * len(requests)
+    else:
+        outputs, cached = generate_cached(task.cache, gen.config, task.engine_kwargs, requests, gen.generate)
     took = time.perf_counter() - start
     for i, req, r, hit in zip(rows, requests, outputs, cached):
         c = r.outputs[0]
@@ -260,6 +308,8 @@ def _generate(
             row_error(task, out, i, c.error or "generation failed")
             continue
         _engine_columns(task, out, i, gen, req, r, 0.0 if hit else took, hit)
+        if isinstance(r, _Beams):
+            out[BEAMS][i] = r.beams
         if REASONING_CONTENT in out:  # the engine's reasoning parser split the text (dfllm.reasoning)
             out[REASONING_CONTENT][i] = c.reasoning_content
         if not task.structured:
@@ -269,6 +319,43 @@ def _generate(
             out[task.output_column][i] = structured_value(task.structured, c, dtype)
         except ValueError as exc:
             row_error(task, out, i, str(exc))
+
+
+def _beam_search(gen: Generation, params: BeamSearchParams, requests: list[EngineRequest]) -> list[RequestOutput]:
+    """Each request's beam search, all searched together: an output per request whose
+    completions are its beams, best first (:func:`dfllm.beam_search.beam_outputs`), carrying
+    the ``beams`` column's value."""
+    with gen.lock:
+        tokenizer = gen.processor.tokenizer
+        eos = None if tokenizer is None else tokenizer.eos_token_id
+        max_model_len = gen.processor.max_model_len
+
+    def decode(ids: list[int]) -> str:
+        with gen.lock:
+            return "" if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    found = search_requests(requests, [params] * len(requests), gen.generate, eos, max_model_len)
+    outputs: list[RequestOutput] = []
+    for req, best in zip(requests, found):
+        completions = beam_outputs(best, len(req.prompt_token_ids), params, eos, decode)
+        beams = [
+            {
+                "text": c.text,
+                "score": beam_search_score(b.tokens, b.cum_logprob, eos, params.length_penalty),
+                "cumulative_logprob": b.cum_logprob,
+                "finish_reason": c.finish_reason,
+            }
+            for b, c in zip(best, completions)
+        ]
+        outputs.append(_Beams("beam-search", req.prompt, list(req.prompt_token_ids), completions, True, beams=beams))
+    return outputs
+
+
+@dataclasses.dataclass
+class _Beams(RequestOutput):
+    """A beam search's output: its completions (best first) and the ``beams`` column's value."""
+
+    beams: list[dict] = dataclasses.field(default_factory=list)
 
 
 def _with_loras(

@@ -26,6 +26,20 @@ FINISH_REASON = "finish_reason"
 PROBS = "probs"
 #: generate's and chat's reasoning, when the engine has a reasoning parser (``reasoning_parser=``)
 REASONING_CONTENT = "reasoning_content"
+#: generate's and chat's beams, with ``sampling_params=BeamSearchParams(...)``: every beam of the
+#: row's search, best first (the output column holds the first one's text)
+BEAMS = "beams"
+#: One beam: its text (the continuation, without the end-of-sequence token), vLLM's
+#: length-penalised score, its cumulative log-probability and finish reason.
+BEAM_TYPE = pa.struct(
+    [
+        ("text", pa.string()),
+        ("score", pa.float64()),
+        ("cumulative_logprob", pa.float64()),
+        ("finish_reason", pa.string()),
+    ]
+)
+BEAMS_DTYPE = pd.ArrowDtype(pa.list_(BEAM_TYPE))
 #: ``sort_by``'s name for a row's rendered prompt (its token ids) as a sort key (see
 #: :func:`dfllm.tasks.runners.request_order`)
 SORT_BY_PROMPT = "prompt"

@@ -7,10 +7,12 @@ their output columns are in :mod:`dfllm.tasks.kinds`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dfllm.engine_args import ENGINE_ARG_NAMES
+from dfllm.beam_search import BeamSearchParams
+from dfllm.engine_args import DATAFRAME_MAX_CPU_LORAS, DATAFRAME_MAX_LORAS, ENGINE_ARG_NAMES
 from dfllm.inputs import check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import reasoning_parser_of
@@ -18,7 +20,7 @@ from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.kinds import KINDS, TaskKind, task_kind
 from dfllm.tasks.response_cache import ResponseCache, as_cache
-from dfllm.tasks.schema import LLM_ERROR, REASONING_CONTENT, SORT_BY_PROMPT
+from dfllm.tasks.schema import BEAMS, LLM_ERROR, REASONING_CONTENT, SORT_BY_PROMPT
 from dfllm.tasks.templates import is_template, template_fields
 
 ON_ERROR = ("null", "raise")
@@ -62,6 +64,9 @@ class LLMTask:
     lora: str | None = None
     lora_column: str | None = None
     lora_root: str | None = None
+    # generate, chat: ``sampling_params=BeamSearchParams(...)``: its fields as sorted (key, value)
+    # pairs; each row is a beam search (the best beam in the output column, all in ``beams``)
+    beam_search: tuple = ()
 
     @property
     def spec(self) -> TaskKind:
@@ -92,7 +97,18 @@ class LLMTask:
 
     def output_dtypes(self) -> dict:
         """The columns the task adds, in order, with their dtypes (``llm_error`` last)."""
-        return self.spec.output_dtypes(self.output_column, self.structured, self.engine_columns, self.reasoning)
+        return self.spec.output_dtypes(
+            self.output_column, self.structured, self.engine_columns, self.reasoning, bool(self.beam_search)
+        )
+
+    def beam_params(self) -> BeamSearchParams | None:
+        """The task's beam search (None: it samples), with its ``json_schema``/``choice``
+        constraint as the beams' structured outputs."""
+        if not self.beam_search:
+            return None
+        params = BeamSearchParams(**dict(self.beam_search))
+        so = self.structured_params()
+        return params if so is None else dataclasses.replace(params, structured_outputs=so)
 
     def pooling_params(self) -> PoolingParams:
         """The task's PoolingParams (a row's own replace them, with a pooling column)."""
@@ -157,8 +173,9 @@ def make_task(
         if not isinstance(i, str):
             raise ValueError(f"{kind}: expected a column name or a template string, got {type(i).__name__}")
         check_unicode(i, f"{kind}: the template or column name {i!r}")
-    sampling, sampling_column = _sampling(sampling_params, columns, kind)
-    structured = _structured(json_schema, choice, kind, sampling)
+    beam = _beam_search(sampling_params, kind, images)
+    sampling, sampling_column = _sampling(None if beam else sampling_params, columns, kind)
+    structured = _structured(json_schema, choice, kind, sampling if not beam else beam)
     pooling, pooling_column = _pooling(pooling_params, columns, kind)
     ctk, ctk_column = _chat_template_kwargs(chat_template_kwargs, columns, kind)
     engine_columns = _names(engine_columns, "engine_columns", kind)
@@ -199,6 +216,7 @@ def make_task(
         lora=lora_one,
         lora_column=lora_column,
         lora_root=lora_root,
+        beam_search=beam,
     )
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
@@ -209,7 +227,15 @@ def make_task(
         reasoning = [REASONING_CONTENT] if task.reasoning else []
     except ValueError as exc:
         raise ValueError(f"{kind}: {exc}") from None
-    own = [output_column, *(name for name, _ in spec.other_columns), *task.engine_columns, *reasoning, LLM_ERROR]
+    beams = [BEAMS] if beam else []
+    own = [
+        output_column,
+        *(name for name, _ in spec.other_columns),
+        *beams,
+        *task.engine_columns,
+        *reasoning,
+        LLM_ERROR,
+    ]
     if own.count(output_column) > 1:
         raise ValueError(
             f"{kind}: output_column {output_column!r} is one of the columns {kind} itself writes "
@@ -226,7 +252,7 @@ def make_task(
 def _lora(lora, root, columns, kind: str, engine_kwargs: dict | None) -> tuple[str | None, str | None, dict]:
     """``lora=``: None, a column of the dataframe (each row's adapter), or an adapter for every
     row (a path or URL, checked on the workers); ``(adapter, column, engine_kwargs)`` with
-    ``enable_lora`` (and ``max_loras=4``) added unless given."""
+    ``enable_lora`` (and the dataframe jobs' ``max_loras``, see the field) added unless given."""
     kwargs = dict(engine_kwargs or {})
     if lora is None:
         if root is not None:
@@ -239,9 +265,9 @@ def _lora(lora, root, columns, kind: str, engine_kwargs: dict | None) -> tuple[s
     if root is not None and not isinstance(root, str):
         raise ValueError(f"{kind}: lora_root must be a folder path or URL, got {root!r}")
     kwargs.setdefault("enable_lora", True)
-    kwargs.setdefault("max_loras", 4)
+    kwargs.setdefault("max_loras", DATAFRAME_MAX_LORAS)
     if isinstance(kwargs["max_loras"], int):  # every adapter of a partition stays read
-        kwargs.setdefault("max_cpu_loras", max(32, kwargs["max_loras"]))
+        kwargs.setdefault("max_cpu_loras", max(DATAFRAME_MAX_CPU_LORAS, kwargs["max_loras"]))
     if lora in list(map(str, columns)):
         return None, lora, kwargs
     return lora, None, kwargs
@@ -320,13 +346,27 @@ def _sampling(sampling_params, columns, kind: str) -> tuple[tuple, str | None]:
     if isinstance(sampling_params, dict):
         sampling_params = SamplingParams.from_dict(sampling_params)
     if not isinstance(sampling_params, SamplingParams):
-        raise ValueError("sampling_params must be a SamplingParams, a dict, or the name of a column of dicts")
+        raise ValueError(
+            "sampling_params must be a SamplingParams, a BeamSearchParams, a dict, or the name of a column of dicts"
+        )
     if not KINDS[kind].generative:
         raise ValueError(f"{kind} takes no sampling_params")
     if sampling_params.n != 1:
         raise ValueError("sampling_params.n must be 1 in a dataframe (one output per row)")
     fields = {k: v for k, v in vars(sampling_params).items() if not k.startswith("_")}
     return tuple(sorted((k, _hashable(v)) for k, v in fields.items())), None
+
+
+def _beam_search(sampling_params, kind: str, images) -> tuple:
+    """``sampling_params=BeamSearchParams(...)`` as the task's hashable beam search fields (empty
+    for anything else); only generate and chat search, and not with images."""
+    if not isinstance(sampling_params, BeamSearchParams):
+        return ()
+    if not KINDS[kind].generative:
+        raise ValueError(f"{kind} takes no sampling_params")
+    if images is not None:
+        raise ValueError(f"{kind}: beam search (BeamSearchParams) does not take images")
+    return tuple(sorted(vars(sampling_params).items()))
 
 
 def _pooling(pooling_params, columns, kind: str) -> tuple[tuple, str | None]:

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from dfllm.accessors.semantic.frames import SemanticFunction, prompted_task, task_columns
 from dfllm.accessors.semantic.prompts import instruction_fields
+from dfllm.engine_args import DEFAULTS
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
@@ -35,7 +36,7 @@ ANSWER = "Is the claim true for this record? Answer True or False."
 EXPLAINED_ANSWER = (
     "Is the claim true for this record? Answer True or False, then a colon and a one-sentence explanation."
 )
-DEFAULT_MAX_LOGPROBS = 20  # the engine's max_logprobs unless told otherwise
+DEFAULT_MAX_LOGPROBS = DEFAULTS["max_logprobs"]  # the engine's max_logprobs unless told otherwise
 TEXT = "__dfllm_sem_text__"  # the task's own output column (private, so that it clashes with no input)
 
 

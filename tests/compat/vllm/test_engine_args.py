@@ -16,10 +16,10 @@ from dfllm.engine_args import (
     VLLM_ARGS,
     EngineArgs,
     add_cli_args,
-    check_vllm_args,
+    as_kwargs,
+    check_engine_args,
     cli_kwargs,
     markdown_table,
-    vllm_args,
 )
 
 from helpers import build_tiny_model  # noqa: F401  (tests/ is on sys.path in this subfolder too)
@@ -99,10 +99,24 @@ def test_signature_is_the_engine_args_fields():
 
 def test_table_arguments_are_checked_by_effect():
     assert {a.metadata["effect"] for a in VLLM_ARGS} == {"maps", "no-op", "refuses"}
-    assert check_vllm_args(**vllm_args(EngineArgs())) == {"use_fast": True}
-    assert check_vllm_args(**ACCEPTED) == {"use_fast": True}
-    assert check_vllm_args(scheduling_policy="priority", max_logprobs=5) == {"use_fast": True}
-    assert check_vllm_args(tokenizer_mode="slow") == {"use_fast": False}
+    check_engine_args(**as_kwargs(EngineArgs()))
+    check_engine_args(**ACCEPTED)
+    check_engine_args(scheduling_policy="priority", max_logprobs=5, tokenizer_mode="slow")
+
+
+def test_every_argument_with_a_check_is_checked_once_by_name():
+    """Each argument's value is checked by its field (one place): a wrong type names the
+    argument and the value, before a model is looked for."""
+    checked = [a for a in ENGINE_ARGS if a.metadata["check"] is not None]
+    assert len(checked) >= 40
+    for arg in checked:
+        if arg.name in ("attention_config", "compilation_config"):
+            continue  # any object: vLLM passes its config objects, whose attributes are read
+        with pytest.raises(ValueError) as info:
+            check_engine_args(**{arg.name: object()})
+        assert arg.name in str(info.value), arg.name
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        LLM("/nonexistent/model", block_size=24)
 
 
 def test_cli_flags_come_from_the_fields():
@@ -145,7 +159,7 @@ def test_cli_flags_come_from_the_fields():
 @pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])
 def test_refused_value_raises_value_error_naming_it(name, value):
     with pytest.raises(ValueError) as info:
-        check_vllm_args(**{name: value})
+        check_engine_args(**{name: value})
     assert name in str(info.value) and repr(value) in str(info.value)
 
 
@@ -163,7 +177,7 @@ def test_unknown_kwarg_raises_type_error():
     with pytest.raises(TypeError):
         LLM("/nonexistent/model", enforce_eagre=True)
     with pytest.raises(TypeError, match="not_an_arg"):
-        check_vllm_args(not_an_arg=1)
+        check_engine_args(not_an_arg=1)
 
 
 def test_accepted_arguments_change_no_output(tiny_llama):

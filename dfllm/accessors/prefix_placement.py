@@ -1,0 +1,176 @@
+"""Prefix-aware placement: a job's rows that share a prompt prefix go to one engine.
+
+Dask places a job's partitions on workers with no regard to what their prompts share, so a
+document whose questions sit in four partitions would have its prefix computed by every
+engine that got one of them. With placement on (the default for a Dask ``.llm`` call of a
+generative task, and so for ``dfllm run``), each ``llm-<kind>`` partition task, on a
+distributed cluster of two engines or more:
+
+1. **keys** its rows: renders and tokenizes them with its worker's engine for the task and
+   hashes each prompt's full blocks with the engine's own prefix-cache hash chain
+   (:func:`dfllm.tasks.prefix_keys.prefix_keys`; per model, LoRA adapter and images). This
+   runs on the workers, one partition at a time, never on the client (a task on a worker
+   without the job's ``resources`` keys its rows on one that has them);
+2. **places** them: under a Dask ``Lock``, reads the job's :class:`PrefixDirectory` from
+   the scheduler's metadata, places the rows (each with its prefix group's engine, within
+   the balance bound; see :mod:`dfllm.accessors.prefix_directory`) and writes it back;
+3. **shuffles** them: the rows bound for each engine go there as a Dask task of their own
+   (``llm-<kind>-routed-*``, restricted to that worker, with the job's resources), which
+   runs the ordinary :func:`dfllm.tasks.runners.run_task`; the partition task waits for
+   them without holding a thread (``worker_client`` secedes), then puts its rows back in
+   their order. A routed task whose worker left the cluster is sent again to a live one.
+
+So the result has the input's partitions and row order, and each row the output it gets
+unrouted (a row's output does not depend on the rows batched with it); resumable writes
+(:func:`dfllm.write_parquet`), budgets and ``resources=`` are unchanged: placement is inside
+the partition's task. The cost is a second tokenization of each row (keying, then running)
+and moving rows to their engines and back.
+
+**The switch** is Dask's configuration key ``dfllm.prefix-placement`` (True by default;
+``dask.config.set({"dfllm.prefix-placement": False})``, or the environment variable
+``DASK_DFLLM__PREFIX_PLACEMENT=false``, or ``dfllm run --no-prefix-placement``), read when
+the ``.llm`` call is made. ``dfllm.prefix-placement-balance`` (0.2) is the bound above the
+mean work per engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from dfllm.accessors.prefix_directory import PlacementSettings, PrefixDirectory
+from dfllm.tasks.prefix_keys import prefix_keys
+from dfllm.tasks.task import LLMTask
+
+logger = logging.getLogger("dfllm.prefix_placement")
+
+CONFIG_KEY = "dfllm.prefix-placement"
+BALANCE_KEY = "dfllm.prefix-placement-balance"
+LIVENESS_CHECK_S = 2.0  # how often a partition task checks that its routed tasks' workers are alive
+
+
+def placement_settings() -> PlacementSettings:
+    """Prefix-aware placement's settings from Dask's configuration (see the module's docstring)."""
+    import dask
+
+    enabled = dask.config.get(CONFIG_KEY, True)
+    if isinstance(enabled, str):
+        enabled = enabled.strip().lower() not in ("0", "false", "no", "off")
+    return PlacementSettings(enabled=bool(enabled), balance=float(dask.config.get(BALANCE_KEY, 0.2)))
+
+
+@dataclass(frozen=True)
+class JobPlacement:
+    """One ``.llm`` call's placement: its settings, a name for its directory on the
+    scheduler, and its number of partitions (for the balance estimate)."""
+
+    settings: PlacementSettings
+    npartitions: int
+    name: str = field(default_factory=lambda: f"dfllm-prefix-{uuid.uuid4().hex}")
+
+
+def engines(client, resources: dict | None) -> list[str]:
+    """The addresses of the cluster's workers that can run the job (those declaring
+    ``resources``), sorted."""
+    # asked of the scheduler now (a worker's client may not have its scheduler info yet)
+    workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    return sorted(
+        addr
+        for addr, info in workers.items()
+        if all((info.get("resources") or {}).get(k, 0) >= v for k, v in (resources or {}).items())
+    )
+
+
+def directory_report(client, job: JobPlacement) -> dict | None:
+    """What a job's placement did so far (its engines' work, rows split off their group's
+    engine), read from the scheduler; None before its first partition."""
+    blob = client.get_metadata([job.name], default=None)
+    if blob is None:
+        return None
+    d: PrefixDirectory = pickle.loads(blob)
+    return {"work": dict(d.loads), "split_rows": d.split, "partitions": d.partitions}
+
+
+def run_routed(df: pd.DataFrame, task: LLMTask, resources: dict | None, job: JobPlacement) -> pd.DataFrame | None:
+    """``run_task(df, task)`` with the rows sent to their prefix groups' engines (see the
+    module's docstring), or None where there is nothing to route (not on a Dask worker, an
+    empty partition, fewer than two engines): the caller then runs the partition as usual."""
+    from dfllm.accessors.placement import _worker, worker_has
+
+    if not len(df) or not task.spec.generative or _worker() is None:
+        return None
+    from distributed import Lock, worker_client
+
+    with worker_client() as client:
+        addresses = engines(client, resources)
+        if len(addresses) < 2:
+            return None
+        if resources is None or worker_has(resources):
+            keys = prefix_keys(df, task)
+        else:
+            keys = client.submit(
+                prefix_keys, df, task, resources=resources, pure=False, key=_key(task, "keys")
+            ).result()
+        with Lock(f"{job.name}-lock"):
+            blob = client.get_metadata([job.name], default=None)
+            directory = PrefixDirectory(job.npartitions, job.settings) if blob is None else pickle.loads(blob)
+            directory.sync(addresses)
+            placement = directory.place(keys)
+            client.set_metadata([job.name], pickle.dumps(directory))
+        if placement.split:
+            logger.info(
+                "prefix placement: %d row(s) of this partition placed away from their prefix group's engine "
+                "to keep each engine's work within %.0f%% of the mean (the group is split across engines)",
+                placement.split,
+                100 * job.settings.balance,
+            )
+        by_engine: dict[str, list[int]] = {}
+        for i, addr in enumerate(placement.engines):
+            by_engine.setdefault(addr, []).append(i)
+        return _gather(client, df, task, resources, by_engine)
+
+
+def _key(task: LLMTask, what: str) -> str:
+    return f"llm-{task.kind}-{what}-{uuid.uuid4().hex[:12]}"
+
+
+def _submit(client, df: pd.DataFrame, task: LLMTask, resources: dict | None, addr: str):
+    from dfllm.accessors.placement import run_placed  # there: run_task, and the worker's dashboard page
+
+    return client.submit(
+        run_placed, df, task, resources, workers=[addr], resources=resources, pure=False, key=_key(task, "routed")
+    )
+
+
+def _gather(client, df: pd.DataFrame, task: LLMTask, resources, by_engine: dict[str, list[int]]) -> pd.DataFrame:
+    """Run each engine's rows there, and the partition's rows back in order. A routed task
+    whose worker left is sent to a live engine (its rows' outputs do not depend on where)."""
+    from distributed import wait
+
+    pending = {_submit(client, df.iloc[rows], task, resources, addr): (addr, rows) for addr, rows in by_engine.items()}
+    parts: list[tuple[list[int], pd.DataFrame]] = []
+    while pending:
+        try:
+            done, _ = wait(list(pending), timeout=LIVENESS_CHECK_S, return_when="FIRST_COMPLETED")
+        except TimeoutError:  # none finished meanwhile: are their workers still there?
+            done = set()
+        for future in done:
+            _, rows = pending.pop(future)
+            parts.append((rows, future.result()))
+        if not pending or done:
+            continue
+        alive = engines(client, resources)
+        for future, (addr, rows) in list(pending.items()):
+            if addr not in alive and alive:
+                future.cancel()
+                del pending[future]
+                target = alive[len(rows) % len(alive)]
+                pending[_submit(client, df.iloc[rows], task, resources, target)] = (target, rows)
+    positions = np.concatenate([np.asarray(rows, dtype=np.int64) for rows, _ in parts])
+    out = pd.concat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
+    return out.iloc[np.argsort(positions, kind="stable")]
