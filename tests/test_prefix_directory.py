@@ -31,7 +31,10 @@ def test_block_manager_keys_its_cache_with_the_public_chain():
     assert prefix_block_hashes(tokens, 4, start=2, parent=full[1]) == full[2:]
     # another adapter (or the base model) never shares a block
     assert prefix_block_hashes(tokens, 4, lora_int_id=7)[0] != full[0]
-    assert chain_root(None) != chain_root(1) != chain_root(2)
+    # no two adapters share a chain (Python hashes -1 and -2 alike: roots must not collide so)
+    firsts = {prefix_block_hashes(tokens, 4, lora_int_id=i)[0] for i in [None, *range(1, 200)]}
+    assert len(firsts) == 200
+    assert len({chain_root(i) for i in [None, *range(1, 200)]}) == 200
 
 
 def test_the_chain_is_the_same_in_every_process():
@@ -56,7 +59,15 @@ def test_the_chain_is_the_same_in_every_process():
 def test_row_keys_sample_the_chain():
     assert sampled_depths(0) == [] and sampled_depths(1) == [1] and sampled_depths(9) == [1, 2, 4, 8, 9]
     r = row_keys(list(range(100)), 16, 8)
-    assert [t for _, t in r.keys] == [16, 32, 64, 96] and r.prompt_tokens == 100 and r.work == 108
+    assert [t for _, t in r.keys] == [16, 32, 64, 96, 100] and r.prompt_tokens == 100 and r.work == 108
+    assert r.keys[-2][0] == prefix_block_hashes(list(range(100)), 16)[5]
+    # the whole prompt's key: equal prompts only, whatever their length against the block size
+    for n in (1, 15, 16, 17, 32, 33):
+        keys = {row_keys(list(range(n)), 16, 8).keys[-1][0], row_keys(list(range(n)), 16, 1).keys[-1][0]}
+        assert len(keys) == 1
+        assert row_keys([*range(n - 1), 7], 16, 8).keys[-1][0] not in keys or n == 8
+        assert row_keys(list(range(n)), 16, 8, lora_int_id=2).keys[-1][0] not in keys
+    assert row_keys(list(range(16)), 16, 8).keys[-1][0] not in prefix_block_hashes(list(range(17)), 16)
 
 
 # ---- placement ----------------------------------------------------------------------------------
@@ -81,7 +92,16 @@ def test_every_row_is_placed_once_on_an_engine(partitions, n):
     for p, placement in zip(rows, placements):
         assert len(placement.engines) == len(p)
         assert set(placement.engines) <= set(ENGINES[:n])
-    assert sum(d.loads.values()) == sum(1 if r is None else r.work for p in rows for r in p)
+    # each row costs its engine at most its work, and a group's prefix is computed once per engine
+    full = sum(1 if r is None else r.work for p in rows for r in p)
+    groups = {g for p in partitions for g in p if g is not None}
+    assert sum(d.loads.values()) <= full
+    assert sum(d.loads.values()) >= full - 100 * (sum(g is not None for p in partitions for g in p) - len(groups))
+    # the directory is plain data: it travels as JSON and places on from there the same
+    again = PrefixDirectory.from_json(d.to_json(), d.npartitions, d.settings)
+    assert again.to_json() == d.to_json()
+    probe = [_row(g) for g in range(14)]
+    assert again.place(probe) == d.place(probe)
 
 
 @settings(max_examples=60, deadline=None)
@@ -129,7 +149,7 @@ def test_a_dominant_group_is_split_and_said_so():
 
 def test_documents_asked_in_question_order_stay_on_one_engine():
     """24 documents x 4 questions, in question order, 8 partitions, 2 engines: each
-    document's rows on one engine, the engines' work equal."""
+    document's rows on one engine, its prefix computed once, the engines' work equal."""
     rows = [_row(doc) for q in range(4) for doc in range(24)]
     parts = [rows[i * 12 : (i + 1) * 12] for i in range(8)]
     d, placements = _place(parts, ENGINES[:2])
@@ -139,6 +159,32 @@ def test_documents_asked_in_question_order_stay_on_one_engine():
             where.setdefault(r.keys[0][0], set()).add(e)
     assert all(len(es) == 1 for es in where.values()) and d.split == 0
     assert len(set(d.loads.values())) == 1
+    assert sum(d.loads.values()) == 24 * 120 + 3 * 24 * 20  # each prefix once, then 20 tokens a row
+
+
+def test_rows_with_one_prompt_meet_on_one_engine():
+    """Identical prompts (shorter than a block: no shared block at all) go to one engine,
+    which computes them once; a row of another prompt goes where the work is least."""
+    same = row_keys([5, 6, 7], 16, 4, dedupe=1234)
+    other = row_keys([8, 9], 16, 4, dedupe=5678)
+    d, (placement,) = _place([[same, other, same, same]], ENGINES[:2])
+    engines = placement.engines
+    assert engines[0] == engines[2] == engines[3] != engines[1] and placement.split == 0
+    assert d.loads[engines[0]] == 7 + 1 + 1  # computed once: the others cost a token each
+    # without a dedupe digest (sampled rows), an equal prompt is spared its prompt only
+    sampled = row_keys([5, 6, 7], 16, 4)
+    d, (placement,) = _place([[sampled, sampled]], ENGINES[:2], balance=1.0)
+    assert len(set(placement.engines)) == 1 and sum(d.loads.values()) == 7 + 4
+
+
+def test_a_group_too_large_for_one_engine_is_cached_on_two():
+    """One document asked 40 questions, 2 engines: the group is split once, to the second
+    engine, which from then on holds the prefix too (its rows cost their questions only)."""
+    rows = [RowKeys(((hash("doc"), 96), (hash(("q", i)), 100)), 100, 110) for i in range(40)]
+    d, (placement,) = _place([rows], ENGINES[:2], balance=0.2)
+    assert placement.split == 1 and set(placement.engines) == set(ENGINES[:2])
+    assert sum(d.loads.values()) == 2 * 110 + 38 * 14
+    assert max(d.loads.values()) <= d.bound(110)
 
 
 def test_engines_that_join_or_leave():

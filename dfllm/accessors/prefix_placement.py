@@ -12,7 +12,7 @@ distributed cluster of two engines or more:
    runs on the workers, one partition at a time, never on the client (a task on a worker
    without the job's ``resources`` keys its rows on one that has them);
 2. **places** them: under a Dask ``Lock``, reads the job's :class:`PrefixDirectory` from
-   the scheduler's metadata, places the rows (each with its prefix group's engine, within
+   the scheduler's metadata (plain JSON, never pickled), places the rows (each with its prefix group's engine, within
    the balance bound; see :mod:`dfllm.accessors.prefix_directory`) and writes it back;
 3. **shuffles** them: the rows bound for each engine go there as a Dask task of their own
    (``llm-<kind>-routed-*``, restricted to that worker, with the job's resources), which
@@ -36,7 +36,6 @@ mean work per engine.
 from __future__ import annotations
 
 import logging
-import pickle
 import uuid
 from dataclasses import dataclass, field
 
@@ -89,10 +88,10 @@ def engines(client, resources: dict | None) -> list[str]:
 def directory_report(client, job: JobPlacement) -> dict | None:
     """What a job's placement did so far (its engines' work, rows split off their group's
     engine), read from the scheduler; None before its first partition."""
-    blob = client.get_metadata([job.name], default=None)
-    if blob is None:
+    text = client.get_metadata([job.name], default=None)
+    if text is None:
         return None
-    d: PrefixDirectory = pickle.loads(blob)
+    d = PrefixDirectory.from_json(text, job.npartitions, job.settings)
     return {"work": dict(d.loads), "split_rows": d.split, "partitions": d.partitions}
 
 
@@ -101,9 +100,11 @@ def run_routed(df: pd.DataFrame, task: LLMTask, resources: dict | None, job: Job
     module's docstring), or None where there is nothing to route (not on a Dask worker, an
     empty partition, fewer than two engines): the caller then runs the partition as usual."""
     from dfllm.accessors.placement import _worker, worker_has
+    from dfllm.dashboard import ensure_installed
 
     if not len(df) or not task.spec.generative or _worker() is None:
         return None
+    ensure_installed()  # the dashboard page from the job's first partition, as unrouted
     from distributed import Lock, worker_client
 
     with worker_client() as client:
@@ -117,11 +118,14 @@ def run_routed(df: pd.DataFrame, task: LLMTask, resources: dict | None, job: Job
                 prefix_keys, df, task, resources=resources, pure=False, key=_key(task, "keys")
             ).result()
         with Lock(f"{job.name}-lock"):
-            blob = client.get_metadata([job.name], default=None)
-            directory = PrefixDirectory(job.npartitions, job.settings) if blob is None else pickle.loads(blob)
+            text = client.get_metadata([job.name], default=None)
+            if text is None:
+                directory = PrefixDirectory(job.npartitions, job.settings)
+            else:
+                directory = PrefixDirectory.from_json(text, job.npartitions, job.settings)
             directory.sync(addresses)
             placement = directory.place(keys)
-            client.set_metadata([job.name], pickle.dumps(directory))
+            client.set_metadata([job.name], directory.to_json())
         if placement.split:
             logger.info(
                 "prefix placement: %d row(s) of this partition placed away from their prefix group's engine "

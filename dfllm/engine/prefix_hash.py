@@ -31,8 +31,11 @@ BASE_ROOT = 0  # the parent of the base model's first block hash
 
 def chain_root(lora_int_id: int | None) -> int:
     """The parent of a prompt's first block hash: :data:`BASE_ROOT` for the base model, and
-    ``-lora_int_id`` (adapters' ids are >= 1) for a LoRA adapter."""
-    return BASE_ROOT if lora_int_id is None else -int(lora_int_id)
+    the adapter's ``lora_int_id`` (ids are >= 1) for a LoRA adapter.
+
+    Roots are non-negative because Python hashes ``-1`` as ``-2``: negative roots ``-1`` and
+    ``-2`` would give adapters 1 and 2 the same chain, and so each other's KV blocks."""
+    return BASE_ROOT if lora_int_id is None else int(lora_int_id)
 
 
 def block_hash(parent: int, key: tuple[int, ...]) -> int:
