@@ -19,7 +19,6 @@ from dfllm import namespaces
 from dfllm.namespaces import missing_package
 
 if TYPE_CHECKING:  # what the names are, for type checkers; at run time __getattr__ imports them
-    from dfllm.accessors.semantic.cascade import Cascade, CascadeStats
     from dfllm.accessors.writer import WriteSummary, write_parquet
     from dfllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from dfllm.errors import InvalidRequestError, VLLMValidationError
@@ -53,6 +52,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; at run time __getatt
     )
     from dfllm.pooling_params import PoolingParams
     from dfllm.sampling_params import SamplingParams
+    from dfllm.semantic.cascade import Cascade, CascadeStats
     from dfllm.structured_outputs import StructuredOutputsParams
     from dfllm.tasks.response_cache import ResponseCache
     from dfllm.worker.engine_cache import release_engines
@@ -104,8 +104,8 @@ __version__ = version("dfllm")  # pyproject.toml's
 
 #: The module each public name is imported from, on first use.
 _MODULES: dict[str, str] = {
-    "Cascade": "dfllm.accessors.semantic.cascade",
-    "CascadeStats": "dfllm.accessors.semantic.cascade",
+    "Cascade": "dfllm.semantic.cascade",
+    "CascadeStats": "dfllm.semantic.cascade",
     "WriteSummary": "dfllm.accessors.writer",
     "write_parquet": "dfllm.accessors.writer",
     **dict.fromkeys(("BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence"), "dfllm.beam_search"),

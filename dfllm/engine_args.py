@@ -551,13 +551,13 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
 
 
-def add_cli_args(parser: Any, names: Iterable[str] = ENGINE_ARG_NAMES, prefix: str = "", **helps: str) -> None:
-    """One flag per engine argument of ``names`` (in the fields' order), in vLLM's spelling (``max_model_len`` ->
-    ``--max-model-len``), stored as ``prefix + name``, helped by the field's text (or ``helps[name]``):
-    a bool takes ``--x``/``--no-x``, an int, float or str its value (one of the field's choices,
-    if it has them), anything else JSON. Each defaults to None: unset, ``LLM``'s default."""
-    wanted = set(names)
-    for arg in (a for a in ENGINE_ARGS if a.name in wanted):
+def add_cli_args(parser: Any, prefix: str = "", **helps: str) -> None:
+    """One flag per engine argument (:data:`ENGINE_ARG_NAMES`, in the fields' order: ``dfllm run``'s and
+    ``dfllm run-batch``'s), in vLLM's spelling (``max_model_len`` -> ``--max-model-len``), stored as
+    ``prefix + name``, helped by the field's text (or ``helps[name]``): a bool takes ``--x``/``--no-x``,
+    an int, float or str its value (one of the field's choices, if it has them), anything else JSON.
+    Each defaults to None: unset, ``LLM``'s default."""
+    for arg in (a for a in ENGINE_ARGS if a.name in ENGINE_ARG_NAMES):
         kind = str(arg.type).replace(" ", "")
         options: dict[str, Any] = {
             "default": None,

@@ -3,10 +3,11 @@
 On a library already imported, a stand-in goes on its classes right away; on one imported later,
 as soon as it has been (a ``sys.meta_path`` finder watches for it). The first ``.llm`` access
 imports dfllm's module for that library (``dfllm/accessors/<library>_ext.py``), whose
-``register()`` puts the real namespace in the stand-in's place. So ``import dfllm`` loads none
-of the dataframe stack, and the engine (``from dfllm import LLM``) runs where none of it is
-installed. With pandas comes the parser of the nested Arrow dtype names dfllm's parquet files
-record (:mod:`dfllm.accessors.arrow_dtypes`).
+``register()`` puts the real namespace in the stand-in's place, and the semantic operators
+(:mod:`dfllm.semantic`, a floor above the accessors), which add their methods to it. So
+``import dfllm`` loads none of the dataframe stack, and the engine (``from dfllm import LLM``)
+runs where none of it is installed. With pandas comes the parser of the nested Arrow dtype
+names dfllm's parquet files record (:mod:`dfllm.accessors.arrow_dtypes`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def _register(library: str) -> None:
             return
         _registering.library = library
         try:
+            import dfllm.semantic  # noqa: F401  (adds the semantic operators to every frame's .llm)
+
             importlib.import_module(_NAMESPACES[library][1]).register()
         except ImportError as exc:
             raise missing_package(exc, f"{library}'s .llm") from exc

@@ -9,10 +9,10 @@ import json
 import pandas as pd
 
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
-from dfllm.accessors.semantic.extract import ANSWER as EXTRACT_ANSWER
-from dfllm.accessors.semantic.extract import EXTRACT_PREAMBLE, as_json_schema, fields_text
-from dfllm.accessors.semantic.filter import ANSWER, EXPLAINED_ANSWER, JUDGE_PREAMBLE, verdict_probability
-from dfllm.accessors.semantic.prompts import semantic_prompt
+from dfllm.semantic.extract import ANSWER as EXTRACT_ANSWER
+from dfllm.semantic.extract import EXTRACT_PREAMBLE, as_json_schema, fields_text
+from dfllm.semantic.filter import ANSWER, EXPLAINED_ANSWER, JUDGE_PREAMBLE, verdict_probability
+from dfllm.semantic.prompts import semantic_prompt
 
 REVIEWS = [
     ("My parcel arrived two weeks late and the box was crushed.", "shipping"),

@@ -108,3 +108,27 @@ def test_reuse_first_keeps_the_touched_set_small():
         fresh_first.free_seq(other)
         fresh_first.allocate(make_seq([9] * 8), 8)
     assert fresh_first.next_fresh > 4
+
+
+def test_reuse_first_keeps_cached_prefixes_while_untouched_blocks_remain():
+    """On CPU a cached prefix is evicted only once no block is left untouched: rows of one
+    document that arrive later, after unrelated rows, still hit it (then least recently
+    freed first)."""
+    bm = BlockManager(16, 4, reuse_first=True)
+    doc = list(range(100, 112))  # 3 full blocks
+    first = make_seq(doc + [1])
+    admit(bm, first)
+    bm.free_seq(first)
+    for k in range(3):  # unrelated rows, 3 blocks each, cached in turn
+        other = make_seq([50 + k] * 12 + [2])
+        admit(bm, other)
+        bm.free_seq(other)
+    assert bm.next_fresh == 13  # 4 x 3 cached blocks, and one last block reused by each row
+    late = make_seq([90] * 12 + [4])
+    admit(bm, late)
+    bm.free_seq(late)
+    assert bm.next_fresh == 16  # every block touched now, none cached evicted yet
+    assert len(bm.match_prefix(make_seq(doc + [3]))) == 3
+    later = make_seq([91] * 12 + [4])  # one more: the least recently freed (the document's) go
+    admit(bm, later)
+    assert len(bm.match_prefix(make_seq(doc + [3]))) < 3

@@ -9,6 +9,8 @@ prefixes is spread evenly; the switch turns it off; a resumable write keeps its 
 
 from __future__ import annotations
 
+import time
+
 import dask
 import dask.dataframe as dd
 import pandas as pd
@@ -16,7 +18,7 @@ import pytest
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm.accessors.partitions import llm_origin
-from dfllm.accessors.prefix_placement import directory_report
+from dfllm.accessors.prefix_placement import METADATA_ROOT, STALE_S, directory_report
 
 from helpers import local_client
 
@@ -107,10 +109,16 @@ def test_documents_are_computed_once_across_the_cluster(client, kw):
 
 
 def test_a_job_without_shared_prefixes_is_spread_evenly(client, kw):
+    """... and a new job drops the directories of jobs idle for STALE_S, keeping live ones."""
     frame = pd.DataFrame(
         {"prompt": [f"item {i}: " + " ".join(f"w{i}x{k}" for k in range(i % 7 + 3)) for i in range(24)]}
     )
+    now = time.time()
+    client.set_metadata([METADATA_ROOT, "old-job"], {"updated": now - STALE_S - 60, "directory": "{}"})
+    client.set_metadata([METADATA_ROOT, "live-job"], {"updated": now - 60, "directory": "{}"})
     result, out, _ = run(client, kw, frame, on=True)
+    assert client.get_metadata([METADATA_ROOT, "old-job"]) is None
+    assert client.get_metadata([METADATA_ROOT, "live-job"])["directory"] == "{}"
     work = list(directory_report(client, llm_origin(result)[1].placement)["work"].values())
     mean = sum(work) / len(work)
     assert all(abs(w - mean) <= 0.2 * mean for w in work)
@@ -132,3 +140,72 @@ def test_resume_keeps_the_key_of_the_unrouted_job(client, kw, tmp_path):
     assert resumed.skipped == PARTS and resumed.written == 0
     back = pd.read_parquet(tmp_path / "o")
     assert back.index.tolist() == frame.index.tolist() and back.generated_text.notna().all()
+
+
+# ---- run-batch ----------------------------------------------------------------------------------
+def all_computed(client) -> int:
+    """Prompt tokens computed by every generative engine of the cluster's workers."""
+
+    def read():
+        from dfllm.worker import engine_cache
+
+        stats = [e.llm_engine.stats() for e in engine_cache.engines() if e.llm_engine is not None]
+        return sum(s.prefix_cache_queries - s.prefix_cache_hits for s in stats)
+
+    return sum(client.run(read).values())
+
+
+def test_run_batch_routes_lines_by_prefix(client, kw, tmp_path):
+    """A batch file of documents x questions in question order, with a bad line and an
+    embeddings line among them: with placement each document's prefix is computed about once
+    across the cluster, and every line's answer is the one it gets unrouted."""
+    import json
+
+    frame = question_order()
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "m", "prompt": p, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+            }
+        )
+        for i, p in enumerate(frame["prompt"])
+    ]
+    lines.insert(5, "{not json")
+    lines.insert(9, json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    engine = {k: v for k, v in kw.items() if k != "model"}
+    answers = {}
+    computed = {}
+    for on in (False, True):
+        with dask.config.set({"dfllm.prefix-placement": on}):
+            client.run(lambda: __import__("dfllm.worker.engine_cache").worker.engine_cache.release_engines())
+            before = all_computed(client)
+            out = tmp_path / f"out-{on}.jsonl"
+            dfllm.run_batch(
+                str(tmp_path / "in.jsonl"), str(out), model=kw["model"], partition_bytes=1500, progress=False, **engine
+            )
+            computed[on] = all_computed(client) - before
+        answers[on] = [json.loads(t) for t in out.read_text().splitlines()]
+    ids = [a["custom_id"] for a in answers[True]]
+    assert ids == [a["custom_id"] for a in answers[False]] and len(ids) == len(lines)
+    strip = [
+        (a["custom_id"], a["response"] and a["response"]["status_code"], a["error"] and a["error"]["code"])
+        for a in answers[True]
+    ]
+    assert strip == [
+        (a["custom_id"], a["response"] and a["response"]["status_code"], a["error"] and a["error"]["code"])
+        for a in answers[False]
+    ]
+    texts = {
+        on: [a["response"]["body"]["choices"][0]["text"] for a in answers[on] if (a["custom_id"] or "").startswith("r")]
+        for on in answers
+    }
+    assert texts[True] == texts[False] and len(texts[True]) == len(frame)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kw["model"])
+    best = ideal(tok(list(frame["prompt"]))["input_ids"])
+    assert best / computed[True] >= 0.85 and computed[True] < computed[False], (best, computed)

@@ -16,7 +16,7 @@ import pytest
 from semantic_data import ENGINE, INSTRUCTION, reviews
 
 import dfllm
-from dfllm.accessors.semantic.cascade import Cascade, run_cascade
+from dfllm.semantic.cascade import Cascade, run_cascade
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,9 +13,9 @@ from semantic_data import reviews
 
 import dfllm  # noqa: F401  (registers .llm)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
-from dfllm.accessors.semantic.agg import AGG_PREAMBLE, FOLD_PREAMBLE
-from dfllm.accessors.semantic.dedup import DEDUP_PREAMBLE, DEFAULT_CONFIRM
-from dfllm.accessors.semantic.prompts import semantic_prompt
+from dfllm.semantic.agg import AGG_PREAMBLE, FOLD_PREAMBLE
+from dfllm.semantic.dedup import DEDUP_PREAMBLE, DEFAULT_CONFIRM
+from dfllm.semantic.prompts import semantic_prompt
 
 ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 2**24}
 TEXTS = [
@@ -165,7 +165,7 @@ def test_agg_folds_within_max_model_len(tiny_llama):
 
 
 def test_candidate_links_blockwise_equal_the_full_matrix():
-    from dfllm.accessors.semantic.dedup import candidate_links
+    from dfllm.semantic.dedup import candidate_links
 
     rng = np.random.default_rng(0)
     vecs = rng.normal(size=(50, 4)).astype(np.float32)

@@ -18,7 +18,7 @@ import pydantic
 import pytest
 from semantic_data import ENGINE, direct_extract, reviews
 
-from dfllm.accessors.semantic.extract import as_json_schema
+from dfllm.semantic.extract import as_json_schema
 
 pytestmark = pytest.mark.timeout(300)
 

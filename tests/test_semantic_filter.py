@@ -21,8 +21,8 @@ import pytest
 from semantic_data import ENGINE, INSTRUCTION, direct_judge, reviews
 
 import dfllm
-from dfllm.accessors.semantic.filter import verdict_probability
-from dfllm.accessors.semantic.prompts import semantic_prompt
+from dfllm.semantic.filter import verdict_probability
+from dfllm.semantic.prompts import semantic_prompt
 
 from helpers import local_client
 

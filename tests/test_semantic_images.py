@@ -25,7 +25,7 @@ from test_image_embeddings import build_tiny_clip, png_bytes
 import dfllm.accessors.pandas_ext  # noqa: F401  (registers .llm)
 import dfllm.accessors.polars_ext  # noqa: F401
 from dfllm import LLM
-from dfllm.accessors.semantic.join import Embedder
+from dfllm.semantic.join import Embedder
 from dfllm.tasks.task import make_task
 
 from helpers import local_client

@@ -17,8 +17,8 @@ from semantic_data import reviews, two_answer_model
 
 import dfllm  # noqa: F401  (registers .llm)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
-from dfllm.accessors.semantic.join import JOIN_PREAMBLE
-from dfllm.accessors.semantic.prompts import semantic_prompt
+from dfllm.semantic.join import JOIN_PREAMBLE
+from dfllm.semantic.prompts import semantic_prompt
 
 ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 2**24}
 INSTRUCTION = "{review} is about {topic}"

@@ -22,9 +22,9 @@ from semantic_data import two_answer_model
 
 import dfllm  # noqa: F401  (registers .llm)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
-from dfllm.accessors.semantic.join import first_choice_probability
-from dfllm.accessors.semantic.prompts import semantic_prompt
-from dfllm.accessors.semantic.topk import AB, TOPK_ANSWER, TOPK_PREAMBLE
+from dfllm.semantic.join import first_choice_probability
+from dfllm.semantic.prompts import semantic_prompt
+from dfllm.semantic.topk import AB, TOPK_ANSWER, TOPK_PREAMBLE
 
 from helpers import build_tiny_model
 

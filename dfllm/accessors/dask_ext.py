@@ -19,11 +19,10 @@ from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMet
 from dfllm.accessors.partitions import PartitionFunction, output_meta
 from dfllm.accessors.placement import check_resources, model_check
 from dfllm.accessors.prefix_placement import JobPlacement, placement_settings
-from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.tasks.task import LLMTask
 
 
-class DaskLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
+class DaskLLMAccessor(LLMFrameMethods):
     def _model_check(self, resources: dict | None):
         return model_check(check_resources(resources))
 

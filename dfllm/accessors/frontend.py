@@ -9,6 +9,7 @@ needs a ``model``.
 
 from __future__ import annotations
 
+from dfllm.accessors.adapter import FrameAdapter
 from dfllm.tasks.kinds import KINDS
 from dfllm.tasks.task import LLMTask, make_task
 
@@ -21,8 +22,17 @@ class LLMFrameMethods:
     def __init__(self, obj):
         self._obj = obj
 
+    @classmethod
+    def add_methods(cls, methods: type) -> None:
+        """Puts ``methods``' public functions on every library's ``df.llm``: how a floor above
+        the accessors (the semantic operators, ``dfllm.semantic``) adds its methods without an
+        import from here. They reach the frame through :class:`~dfllm.accessors.adapter.FrameAdapter`."""
+        for name, value in vars(methods).items():
+            if not name.startswith("_"):
+                setattr(cls, name, value)
+
     def _columns(self) -> list[str]:
-        return list(self._obj.columns)
+        return FrameAdapter(self._obj).columns
 
     def _apply(self, task: LLMTask, resources: dict | None = None):
         raise NotImplementedError

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pandas as pd
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods, LLMSeriesMethods
-from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.task import LLMTask
 
 
-class PandasLLMAccessor(SemanticFrameMethods, LLMFrameMethods):
+class PandasLLMAccessor(LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pd.DataFrame:
         return run_task(self._obj, task, progress=True)
 

@@ -13,6 +13,7 @@ import pandas as pd
 from dfllm.accessors.placement import run_placed
 from dfllm.accessors.prefix_placement import JobPlacement, run_routed
 from dfllm.tasks.kinds import ENGINE_ARROW_TYPES
+from dfllm.tasks.prefix_keys import RowKeys, prefix_keys
 from dfllm.tasks.schema import LLM_ERROR
 from dfllm.tasks.task import LLMTask
 from dfllm.tasks.write_key import AdapterSource, canonical
@@ -31,11 +32,16 @@ class WritableFunction:
     - ``model_sources()``: the models whose files' identity enters each partition's key
       (computed on the worker that writes it; see :func:`dfllm.tasks.write_key.model_key`);
     - ``arrow_types()``: the Arrow types of output columns that ``meta`` holds as ``object``.
+
+    With a ``placement`` (:mod:`dfllm.accessors.prefix_placement`), each partition's rows
+    run on their prefix groups' engines: ``prefix_keys(df)`` keys them (on a worker), and
+    ``without_placement()`` runs each engine's share.
     """
 
     kind: str
     resources: dict | None = None
     error_column: str | None = LLM_ERROR
+    placement: JobPlacement | None = None
 
     @property
     def write_key(self) -> str:
@@ -52,7 +58,19 @@ class WritableFunction:
         prefix-aware placement; a budgeted write uses it). The same outputs."""
         return self
 
+    def prefix_keys(self, df: pd.DataFrame) -> list[RowKeys | None]:
+        """Per row of ``df``, its prefix keys (:mod:`dfllm.tasks.prefix_keys`), or None."""
+        return [None] * len(df)
+
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+        if self.placement is not None:  # the rows on their prefix groups' engines (placement decides no output)
+            out = run_routed(df, self)
+            if out is not None:
+                return out
+        return self.run(df)
+
+    def run(self, df: pd.DataFrame) -> pd.DataFrame:
+        """One partition's output, computed here (or where its resources are)."""
         raise NotImplementedError
 
 
@@ -85,11 +103,10 @@ class PartitionFunction(WritableFunction):
     def without_placement(self) -> PartitionFunction:
         return self if self.placement is None else PartitionFunction(self.task, self.resources)
 
-    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
-        if self.placement is not None:  # the rows on their prefix groups' engines (placement decides no output)
-            out = run_routed(df, self.task, self.resources, self.placement)
-            if out is not None:
-                return out
+    def prefix_keys(self, df: pd.DataFrame) -> list[RowKeys | None]:
+        return prefix_keys(df, self.task)
+
+    def run(self, df: pd.DataFrame) -> pd.DataFrame:
         return run_placed(df, self.task, self.resources)
 
     def __dask_tokenize__(self):

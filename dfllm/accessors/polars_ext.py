@@ -19,7 +19,6 @@ import polars as pl
 import pyarrow as pa
 
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
-from dfllm.accessors.semantic.methods import SemanticFrameMethods
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.task import LLMTask, make_task
@@ -73,15 +72,12 @@ def _polars_schema(task: LLMTask) -> dict:
     return {c: _polars_dtype(d, c) for c, d in task.output_dtypes().items()}
 
 
-class PolarsLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
+class PolarsLLMNamespace(LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.DataFrame:
         return _run(self._obj, task)
 
 
-class PolarsLazyLLMNamespace(SemanticFrameMethods, LLMFrameMethods):
-    def _columns(self) -> list[str]:
-        return list(self._obj.collect_schema().names())
-
+class PolarsLazyLLMNamespace(LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.LazyFrame:
         schema = {**self._obj.collect_schema(), **_polars_schema(task)}
         return self._obj.map_batches(lambda df: _run(df, task), schema=schema)

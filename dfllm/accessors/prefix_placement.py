@@ -12,7 +12,8 @@ distributed cluster of two engines or more:
    runs on the workers, one partition at a time, never on the client (a task on a worker
    without the job's ``resources`` keys its rows on one that has them);
 2. **places** them: under a Dask ``Lock``, reads the job's :class:`PrefixDirectory` from
-   the scheduler's metadata (plain JSON, never pickled), places the rows (each with its prefix group's engine, within
+   the scheduler's metadata (plain JSON, never pickled; a job's directory is dropped after
+   :data:`STALE_S` without a partition), places the rows (each with its prefix group's engine, within
    the balance bound; see :mod:`dfllm.accessors.prefix_directory`) and writes it back;
 3. **shuffles** them: the rows bound for each engine go there as a Dask task of their own
    (``llm-<kind>-routed-*``, restricted to that worker, with the job's resources), which
@@ -36,6 +37,7 @@ mean work per engine.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -43,14 +45,14 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.prefix_directory import PlacementSettings, PrefixDirectory
-from dfllm.tasks.prefix_keys import prefix_keys
-from dfllm.tasks.task import LLMTask
 
 logger = logging.getLogger("dfllm.prefix_placement")
 
 CONFIG_KEY = "dfllm.prefix-placement"
 BALANCE_KEY = "dfllm.prefix-placement-balance"
 LIVENESS_CHECK_S = 2.0  # how often a partition task checks that its routed tasks' workers are alive
+METADATA_ROOT = "dfllm-prefix-placement"  # the scheduler metadata holding each job's directory
+STALE_S = 6 * 3600.0  # a job's directory is dropped once it placed no partition for this long
 
 
 def placement_settings() -> PlacementSettings:
@@ -88,44 +90,64 @@ def engines(client, resources: dict | None) -> list[str]:
 def directory_report(client, job: JobPlacement) -> dict | None:
     """What a job's placement did so far (its engines' work, rows split off their group's
     engine), read from the scheduler; None before its first partition."""
-    text = client.get_metadata([job.name], default=None)
-    if text is None:
+    d = _read(client, job)
+    if d is None:
         return None
-    d = PrefixDirectory.from_json(text, job.npartitions, job.settings)
     return {"work": dict(d.loads), "split_rows": d.split, "partitions": d.partitions}
 
 
-def run_routed(df: pd.DataFrame, task: LLMTask, resources: dict | None, job: JobPlacement) -> pd.DataFrame | None:
-    """``run_task(df, task)`` with the rows sent to their prefix groups' engines (see the
-    module's docstring), or None where there is nothing to route (not on a Dask worker, an
-    empty partition, fewer than two engines): the caller then runs the partition as usual."""
-    from dfllm.accessors.placement import _worker, worker_has
-    from dfllm.dashboard import ensure_installed
-
-    if not len(df) or not task.spec.generative or _worker() is None:
+def _read(client, job: JobPlacement) -> PrefixDirectory | None:
+    entry = client.get_metadata([METADATA_ROOT, job.name], default=None)
+    if not entry:
         return None
-    ensure_installed()  # the dashboard page from the job's first partition, as unrouted
+    return PrefixDirectory.from_json(entry["directory"], job.npartitions, job.settings)
+
+
+def _forget_stale(client) -> None:
+    """Drop the directories of jobs that placed no partition for :data:`STALE_S` (the
+    scheduler's metadata would otherwise keep every finished job's)."""
+    now = time.time()
+    for name, entry in (client.get_metadata([METADATA_ROOT], default=None) or {}).items():
+        if entry and now - float(entry.get("updated", 0)) > STALE_S:
+            client.set_metadata([METADATA_ROOT, name], None)
+
+
+def run_routed(df: pd.DataFrame, fn) -> pd.DataFrame | None:
+    """``fn(df)`` with the rows sent to their prefix groups' engines (see the module's
+    docstring), or None where there is nothing to route (not on a Dask worker, an empty
+    partition, no row with keys, fewer than two engines): the caller then runs the
+    partition as usual. ``fn`` is a :class:`~dfllm.accessors.partitions.WritableFunction`
+    with a ``placement``: its ``prefix_keys(df)`` keys the rows on this worker, and its
+    ``without_placement()`` runs each engine's rows there."""
+    from dfllm.accessors.placement import _worker, worker_has
+
+    job: JobPlacement = fn.placement
+    if not len(df) or _worker() is None:
+        return None
     from distributed import Lock, worker_client
 
+    from dfllm.dashboard import ensure_installed
+
+    ensure_installed()  # the dashboard page from the job's first partition, as unrouted
+    resources = fn.resources
     with worker_client() as client:
         addresses = engines(client, resources)
         if len(addresses) < 2:
             return None
         if resources is None or worker_has(resources):
-            keys = prefix_keys(df, task)
+            keys = fn.prefix_keys(df)
         else:
-            keys = client.submit(
-                prefix_keys, df, task, resources=resources, pure=False, key=_key(task, "keys")
-            ).result()
+            keys = client.submit(fn.prefix_keys, df, resources=resources, pure=False, key=_key(fn, "keys")).result()
+        if all(k is None for k in keys):
+            return None
         with Lock(f"{job.name}-lock"):
-            text = client.get_metadata([job.name], default=None)
-            if text is None:
+            directory = _read(client, job)
+            if directory is None:  # the job's first partition
+                _forget_stale(client)
                 directory = PrefixDirectory(job.npartitions, job.settings)
-            else:
-                directory = PrefixDirectory.from_json(text, job.npartitions, job.settings)
             directory.sync(addresses)
             placement = directory.place(keys)
-            client.set_metadata([job.name], directory.to_json())
+            client.set_metadata([METADATA_ROOT, job.name], {"updated": time.time(), "directory": directory.to_json()})
         if placement.split:
             logger.info(
                 "prefix placement: %d row(s) of this partition placed away from their prefix group's engine "
@@ -133,30 +155,28 @@ def run_routed(df: pd.DataFrame, task: LLMTask, resources: dict | None, job: Job
                 placement.split,
                 100 * job.settings.balance,
             )
+
         by_engine: dict[str, list[int]] = {}
         for i, addr in enumerate(placement.engines):
             by_engine.setdefault(addr, []).append(i)
-        return _gather(client, df, task, resources, by_engine)
+        return _gather(client, df, fn.without_placement(), by_engine)
 
 
-def _key(task: LLMTask, what: str) -> str:
-    return f"llm-{task.kind}-{what}-{uuid.uuid4().hex[:12]}"
+def _key(fn, what: str) -> str:
+    return f"{fn.__name__}-{what}-{uuid.uuid4().hex[:12]}"
 
 
-def _submit(client, df: pd.DataFrame, task: LLMTask, resources: dict | None, addr: str):
-    from dfllm.accessors.placement import run_placed  # there: run_task, and the worker's dashboard page
-
-    return client.submit(
-        run_placed, df, task, resources, workers=[addr], resources=resources, pure=False, key=_key(task, "routed")
-    )
+def _submit(client, df: pd.DataFrame, fn, addr: str):
+    return client.submit(fn, df, workers=[addr], resources=fn.resources, pure=False, key=_key(fn, "routed"))
 
 
-def _gather(client, df: pd.DataFrame, task: LLMTask, resources, by_engine: dict[str, list[int]]) -> pd.DataFrame:
-    """Run each engine's rows there, and the partition's rows back in order. A routed task
-    whose worker left is sent to a live engine (its rows' outputs do not depend on where)."""
+def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]]) -> pd.DataFrame:
+    """Run each engine's rows there (``fn``, unrouted), and the partition's rows back in
+    order. A routed task whose worker left is sent to a live engine (its rows' outputs do not
+    depend on where)."""
     from distributed import wait
 
-    pending = {_submit(client, df.iloc[rows], task, resources, addr): (addr, rows) for addr, rows in by_engine.items()}
+    pending = {_submit(client, df.iloc[rows], fn, addr): (addr, rows) for addr, rows in by_engine.items()}
     parts: list[tuple[list[int], pd.DataFrame]] = []
     while pending:
         try:
@@ -168,13 +188,13 @@ def _gather(client, df: pd.DataFrame, task: LLMTask, resources, by_engine: dict[
             parts.append((rows, future.result()))
         if not pending or done:
             continue
-        alive = engines(client, resources)
+        alive = engines(client, fn.resources)
         for future, (addr, rows) in list(pending.items()):
             if addr not in alive and alive:
                 future.cancel()
                 del pending[future]
                 target = alive[len(rows) % len(alive)]
-                pending[_submit(client, df.iloc[rows], task, resources, target)] = (target, rows)
+                pending[_submit(client, df.iloc[rows], fn, target)] = (target, rows)
     positions = np.concatenate([np.asarray(rows, dtype=np.int64) for rows, _ in parts])
     out = pd.concat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
     return out.iloc[np.argsort(positions, kind="stable")]

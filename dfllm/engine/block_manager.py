@@ -20,8 +20,13 @@ every later step).
 
 Blocks never handed out yet wait apart. On a GPU the whole cache is resident anyway, so
 they are used before any cached block is evicted; on a CPU their memory is not touched
-until first use, so ``reuse_first=True`` evicts free blocks before touching new ones and
-keeps the process's memory at the working set instead of growing to the whole cache.
+until first use, so ``reuse_first=True`` reuses freed blocks that hold no cached prefix
+before touching new ones: the process's memory grows with the running sequences and the
+prefixes cached for later ones (up to the whole cache, which on a CPU is sized to be held
+in RAM, see :func:`dfllm.engine.kv_memory.cpu_kv_budget`), not with blocks of no further use.
+(Reusing every freed block first, cached or not, kept memory lower but evicted a
+document's prefix as soon as the next rows needed blocks, so rows of one document that
+arrived a few steps apart computed it again.)
 
 Sliding window (a model whose every layer attends within ``sliding_window`` keys, Mistral):
 once a sequence's next query is at position ``p``, no later query sees a key before
@@ -212,14 +217,20 @@ class BlockManager:
             i -= 1
 
     def _release(self, block_id: int) -> None:
-        """Drop one reference to a block; unreferenced, it joins the free list (a block with no
-        hash first in line for eviction, a cached one last)."""
+        """Drop one reference to a block; unreferenced, it joins the free list (a block that
+        serves no cached prefix first in line for eviction, a cached one last)."""
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free[block_id] = None
-            if block.hash is None or not self.enable_prefix_caching:
+            if not self._serves(block_id):
                 self.free.move_to_end(block_id, last=False)
+
+    def _serves(self, block_id: int) -> bool:
+        """Whether a block is the prefix cache's copy of its hash (a later match would use it;
+        a block keyed like an earlier one is of no further use once free)."""
+        h = self.blocks[block_id].hash
+        return self.enable_prefix_caching and h is not None and self.hash_to_block.get(h) == block_id
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (blocks in use keep their contents)."""
@@ -234,8 +245,13 @@ class BlockManager:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     def _take_free_block(self) -> int:
-        if self.free and (self.reuse_first or not self.num_fresh_blocks):
-            return self.free.popitem(last=False)[0]
+        """A free block to hand out: with ``reuse_first``, a freed block holding no cached
+        prefix before a never-touched one; a cached block only once none is left untouched
+        (then the least recently freed)."""
+        if self.free:
+            first = next(iter(self.free))  # blocks holding no cached prefix are first in line
+            if not self.num_fresh_blocks or (self.reuse_first and not self._serves(first)):
+                return self.free.popitem(last=False)[0]
         self.next_fresh += 1
         return self.next_fresh - 1
 

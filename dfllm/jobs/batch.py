@@ -162,6 +162,7 @@ class Generation:
     run: Callable[[list], list] | None = None
     max_model_len: int = 0
     eos_token_id: int | None = None
+    block_size: int = 16  # the engine's KV block (prefix-aware placement keys prompts by its blocks)
 
     @property
     def reasoning(self) -> bool:
@@ -236,7 +237,9 @@ class Engines:
 
         tokenizer = engine.input_processor.tokenizer
         eos = None if tokenizer is None else tokenizer.eos_token_id
-        return Generation(engine.input_processor, lock, generate, decode, run, int(config.max_model_len), eos)
+        return Generation(
+            engine.input_processor, lock, generate, decode, run, int(config.max_model_len), eos, int(config.block_size)
+        )
 
     def pooling(self, endpoint: str) -> PoolingModel:
         """The pooling model of ``endpoint``; :class:`UnsupportedEndpoint` if the model is

@@ -9,11 +9,11 @@ answers every line of an OpenAI batch input file (see :mod:`dfllm.jobs.batch_job
 nothing for a file (``--port``, ``--enable-metrics``, ``--output-tmp-dir``...) are accepted
 and change nothing, so a ``vllm run-batch`` command line runs unchanged. dfllm's own:
 ``--error-file`` (OpenAI's style: failed lines in a file of their own), ``--unordered``,
-``--resume``, ``--max-error-rate``, ``--partition-bytes``, ``--storage-options``, the
-response cache's (``--cache``, ``--cache-max-bytes``, ``--cache-storage-options``),
-``--dry-run`` (with ``--calibration-seconds``) and the cluster's (``--scheduler``,
-``--workers``, ``--threads``, ``--gpu``). ``--reasoning-parser`` is vLLM's: chat answers
-carry the reasoning in ``message.reasoning_content``.
+``--partition-bytes``, ``--keep-parts``, and those ``dfllm run`` takes too, declared once for
+both (:func:`dfllm.jobs.cli_options.add_job_options`: the engine arguments, ``--resume``,
+``--max-error-rate``, ``--storage-options``, the response cache's, ``--dry-run`` with
+``--calibration-seconds``, ``--no-prefix-placement`` and the cluster's). ``--reasoning-parser``
+is vLLM's: chat answers carry the reasoning in ``message.reasoning_content``.
 
 Exit statuses are ``dfllm run``'s (see :mod:`dfllm.jobs.cli`): 0 done; 1 an error (a missing
 input, a bad option value, an unusable model, a failed cluster); 2 bad options; 3 the
@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import argparse
 
-from dfllm.engine_args import add_cli_args, cli_kwargs
+from dfllm.engine_args import cli_kwargs
 from dfllm.jobs.batch_job import DEFAULT_PARTITION_BYTES
 from dfllm.jobs.cli_options import (
-    DEFAULT_MAX_ERROR_RATE,
+    ENGINE,
     EXIT_TOO_MANY_ERRORS,
-    add_cache_options,
+    add_job_options,
     byte_size,
     cache_of,
+    check_job_options,
     describe_client,
-    json_object,
+    job_cluster,
     say,
-    unit_rate,
 )
 
-ENGINE = "engine_"  # where the engine flags are stored: args.engine_max_model_len...
 #: vLLM's run-batch and server flags that mean nothing for a file here: accepted, no effect.
 VLLM_NO_OPS = {
     "--output-tmp-dir": str,
@@ -57,8 +56,6 @@ VLLM_NO_OPS = {
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``run-batch`` to the ``dfllm`` command's subparsers."""
-    from dfllm.reasoning import reasoning_parser_names
-
     p = sub.add_parser(
         "run-batch",
         help="answer an OpenAI batch file (JSON Lines of requests) on a Dask cluster, as vllm run-batch does",
@@ -75,11 +72,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write failed lines here instead of to the output (OpenAI's output and error "
         "files); default: every line to the output, as vLLM does",
     )
-    p.add_argument(
-        "--model",
-        help="model directory or bundled alias for every line (default: the bundled chat model "
-        "for chat and completions, MiniLM for embeddings, score and rerank); body.model is not read",
-    )
     p.add_argument("--served-model-name", help="the model name the responses give (default: --model as given)")
     p.add_argument(
         "--response-role", default="assistant", help="the role of generated chat messages (default assistant)"
@@ -90,20 +82,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write answers as partitions finish instead of in input order (join on custom_id)",
     )
     p.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep the partitions an earlier, killed run of this job "
-        "finished (in <output>.parts/); every line is still answered exactly once",
-    )
-    p.add_argument(
-        "--max-error-rate",
-        type=unit_rate,
-        default=DEFAULT_MAX_ERROR_RATE,
-        metavar="RATE",
-        help="exit with status 3 (after writing the output) if more than this share of the lines failed "
-        f"(0 to 1; default {DEFAULT_MAX_ERROR_RATE})",
-    )
-    p.add_argument(
         "--partition-bytes",
         type=byte_size,
         default=DEFAULT_PARTITION_BYTES,
@@ -111,40 +89,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="input bytes per partition: the unit of work and of resume (default 1MiB; e.g. 4MiB)",
     )
     p.add_argument("--keep-parts", action="store_true", help="keep <output>.parts/ after the output is written")
-    p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options as JSON")
-    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
-    p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
-    p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
-    p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_cache_options(
-        p,
-        "a response cache (local folder or fsspec URL) shared across jobs: deterministic chat "
-        "and completions lines (greedy, or seeded) asked before with the same model, engine "
-        "arguments, prompt and sampling params are answered from it without the engine (docs/cache.md)",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="read and check every line, tokenize the chat and completions lines on the cluster and "
-        "print what the job would do (lines refused and why, prompt tokens, an estimate of its time "
-        "from a short calibration run); nothing is written (docs/dry_run.md)",
-    )
-    p.add_argument(
-        "--calibration-seconds",
-        type=float,
-        default=None,
-        metavar="S",
-        help="--dry-run: the most the calibration run may take (default 30)",
-    )
-    engine = p.add_argument_group("engine arguments (dfllm.LLM's, vLLM's spelling)")
-    add_cli_args(
-        engine,
-        prefix=ENGINE,
-        reasoning_parser="a thinking model's parser: chat answers carry the "
-        "reasoning in message.reasoning_content and the answer alone in message.content; completions text "
-        f"stays whole, as in vLLM ({', '.join(reasoning_parser_names())})",
-    )
+    add_job_options(p)  # the options dfllm run takes too, every engine argument included
     vllm = p.add_argument_group("vLLM server flags (accepted; no effect on a batch file)")
     for flag, kind in VLLM_NO_OPS.items():
         if kind is None:
@@ -157,19 +102,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run_batch_command(args: argparse.Namespace) -> int:
     """``dfllm run-batch``: the job on its cluster, then the summary; the exit status."""
     from dfllm.jobs.batch_job import check_options, check_paths, run_batch
-    from dfllm.jobs.cluster import connect
 
     engine_kwargs = cli_kwargs(args, ENGINE)
     cache = cache_of(args)
-    if args.calibration_seconds is not None and not (args.dry_run and args.calibration_seconds > 0):
-        raise ValueError("--calibration-seconds applies to --dry-run and must be positive")
+    check_job_options(args)
     check_options(args.model, engine_kwargs, args.response_role, args.served_model_name)  # before a cluster starts
     check_paths(args.input_file, args.output_file, args.error_file, args.storage_options)
-    gpus = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
-    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu, gpus_per_engine=gpus) as (
-        client,
-        resources,
-    ):
+    with job_cluster(args, engine_kwargs) as (client, resources):  # --no-prefix-placement's config set
         say(
             f"dfllm: run-batch{' --dry-run' if args.dry_run else ''} on {describe_client(client)}; dashboard "
             f"{getattr(client, 'dashboard_link', None)}"

@@ -55,8 +55,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.partitions import WritableFunction
-from dfllm.jobs.batch import BatchOptions, Engines, answer
+from dfllm.accessors.prefix_placement import JobPlacement, placement_settings
+from dfllm.jobs.batch import GENERATIVE, BatchOptions, Engines, answer, engine_requests
 from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line, printable
+from dfllm.tasks.prefix_keys import RowKeys, request_keys
 from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.write_key import canonical
@@ -118,8 +120,14 @@ class BatchFunction(WritableFunction):
     kind = "batch"
     error_column = "error_code"
 
-    def __init__(self, options: BatchOptions, resources: dict | None = None, cache: ResponseCache | None = None):
-        self.options, self.resources, self.cache = options, resources, cache
+    def __init__(
+        self,
+        options: BatchOptions,
+        resources: dict | None = None,
+        cache: ResponseCache | None = None,
+        placement: JobPlacement | None = None,
+    ):
+        self.options, self.resources, self.cache, self.placement = options, resources, cache, placement
         self.__name__ = "llm-batch"
 
     @property
@@ -132,8 +140,27 @@ class BatchFunction(WritableFunction):
     def arrow_types(self) -> dict:
         return {c: d.pyarrow_dtype for c, d in PART_COLUMNS.items()}
 
-    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+    def run(self, df: pd.DataFrame) -> pd.DataFrame:
         return answer_partition(df, self.options, self.cache)
+
+    def without_placement(self) -> BatchFunction:
+        return self if self.placement is None else BatchFunction(self.options, self.resources, self.cache)
+
+    def prefix_keys(self, df: pd.DataFrame) -> list[RowKeys | None]:
+        """Each chat or completions line's prefix keys (its first prompt's, rendered and
+        tokenized as :func:`answer_partition` does), None for other lines and for lines
+        that fail (their error comes from their run)."""
+        keys: list[RowKeys | None] = [None] * len(df)
+        with Engines(self.options) as engines:
+            for pos, (text, ok) in enumerate(zip(df["text"].tolist(), df["utf8"].tolist())):
+                try:
+                    line = parse_row(text, ok) if text.strip() else None
+                    if line is not None and line.endpoint in GENERATIVE:
+                        gen = engines.generation(line.endpoint)
+                        keys[pos] = request_keys(engine_requests(line.request, gen)[0], gen.block_size)
+                except Exception:  # noqa: BLE001  (keyed nowhere: the line's own run answers its error)
+                    continue
+        return keys
 
     def __dask_tokenize__(self):
         return (
@@ -141,6 +168,7 @@ class BatchFunction(WritableFunction):
             canonical(self.options),
             sorted((self.resources or {}).items()),
             None if self.cache is None else (self.cache.url, self.cache.max_bytes),
+            None if self.placement is None else self.placement.settings,
         )
 
 
@@ -437,8 +465,10 @@ def run_batch(
         else:
             from dfllm.accessors.writer import write_parquet
 
+            settings = placement_settings()  # prefix-aware placement (Dask config dfllm.prefix-placement)
+            placement = JobPlacement(settings, lines.npartitions) if settings.enabled else None
             job = lines.map_partitions(
-                BatchFunction(options, resources, cache),
+                BatchFunction(options, resources, cache, placement),
                 meta=pd.DataFrame({c: pd.Series([], dtype=d) for c, d in PART_COLUMNS.items()}),
             )
             assembler = _Assembler(staging, storage_options, output, errors, ordered=not unordered)

@@ -33,20 +33,18 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dfllm.engine_args import DATAFRAME_MAX_LORAS, DEFAULTS, add_cli_args
+from dfllm.engine_args import check_engine_args, cli_kwargs
 from dfllm.jobs.cli_options import (
-    DEFAULT_MAX_ERROR_RATE,
+    ENGINE,
     EXIT_TOO_MANY_ERRORS,
-    add_cache_options,
+    add_job_options,
     cache_of,
+    check_job_options,
     describe_client,
-    json_object,
-    positive_float,
+    job_cluster,
     positive_int,
     say,
-    unit_rate,
 )
-from dfllm.reasoning import reasoning_parser_names
 from dfllm.tasks.kinds import KINDS
 
 if TYPE_CHECKING:
@@ -68,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one task over a dataset and write parquet")
     run.add_argument("input", help="parquet, CSV or JSON Lines: a file, folder or glob (any fsspec URL)")
     run.add_argument("output", help="output folder for the parquet dataset (any fsspec URL)")
-    _add_job_options(run)
+    _add_run_options(run)
+    add_job_options(run)  # the options run-batch takes too, every engine argument included
     sub.add_parser(
         "models",
         help="list the bundled models, where they are cached, and the supported architectures with their tasks",
@@ -83,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_job_options(p: argparse.ArgumentParser) -> None:
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """``dfllm run``'s own options (those it shares with run-batch: :func:`add_job_options`)."""
     p.add_argument("--task", choices=TASKS, default="generate")
     p.add_argument(
         "--prompt",
@@ -107,17 +107,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-root", metavar="PATH", help="generate/chat: the folder (or URL) of the adapters --lora-column names"
     )
-    add_cli_args(
-        p,
-        ("max_loras", "max_lora_rank"),
-        max_loras=f"LoRA: the most distinct adapters in one step (default {DATAFRAME_MAX_LORAS})",
-        max_lora_rank=f"LoRA: the largest adapter rank accepted (default {DEFAULTS['max_lora_rank']})",
-    )
-    p.add_argument("--model", help="model directory or bundled alias (default per task; see `dfllm models`)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, help="per-row sampling seed (reproducible sampled text)")
     p.add_argument(
         "--json-schema",
         help="generate/chat: constrain output to a JSON schema (JSON text or a "
@@ -126,64 +118,11 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--choice", help="generate/chat: constrain output to one of these comma-separated values (a categorical column)"
     )
-    add_cli_args(
-        p,
-        ("max_model_len", "max_num_seqs", "reasoning_parser"),
-        reasoning_parser="generate/chat with a thinking "
-        "model: put the reasoning (<think>...</think>) in a reasoning_content column and only the answer "
-        f"in the output column ({', '.join(reasoning_parser_names())})",
-    )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--partition-size", type=int, help="rows per partition (one task and one output file each)")
     size.add_argument("--npartitions", type=int, help="number of partitions")
     p.add_argument("--format", choices=("parquet", "csv", "json"), help="input format (default: from extensions)")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep what an earlier run wrote for the same rows and task; the output stays exact",
-    )
     p.add_argument("--on-error", choices=("null", "raise"), default="null")
-    p.add_argument(
-        "--max-error-rate",
-        type=unit_rate,
-        default=DEFAULT_MAX_ERROR_RATE,
-        metavar="RATE",
-        help="exit with status 3 (after writing the output) if more than this share of the rows "
-        f"have an llm_error (0 to 1; default {DEFAULT_MAX_ERROR_RATE}; 1 never fails)",
-    )
-    p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options as JSON")
-    add_cache_options(
-        p,
-        "generate/chat: a response cache (local folder or fsspec URL) shared across jobs: "
-        "deterministic rows (greedy, or --seed) asked before with the same model, prompt and "
-        "sampling params are answered from it without the engine (docs/cache.md)",
-    )
-    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: start a local cluster)")
-    p.add_argument("--workers", type=int, help="local CPU worker processes (default 1)")
-    p.add_argument("--threads", type=int, help="partitions each worker runs at once, sharing its engine (default 4)")
-    p.add_argument("--gpu", action="store_true", help="one worker per GPU (or per --tensor-parallel-size GPUs)")
-    add_cli_args(p, ("tensor_parallel_size", "pipeline_parallel_size"))
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="read and check the input and options, tokenize every row on the cluster and print what "
-        "the job would do (rows refused, prompt tokens, prefix sharing, an estimate of its time from a "
-        "short calibration run); nothing is written (docs/dry_run.md)",
-    )
-    p.add_argument(
-        "--no-prefix-placement",
-        action="store_true",
-        help="generate/chat: leave rows where Dask puts their partitions, rather than sending the rows "
-        "that share a prompt prefix to one engine (Dask config dfllm.prefix-placement; docs/prefix_cache.md)",
-    )
-    p.add_argument(
-        "--calibration-seconds",
-        type=positive_float,
-        default=None,
-        metavar="S",
-        help="--dry-run: the most the calibration run may take (default 30)",
-    )
     p.add_argument(
         "--max-prompt-tokens",
         type=positive_int,
@@ -207,47 +146,38 @@ def sampling_from(args) -> dict | None:
     from dfllm.sampling_params import SamplingParams
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
-    if args.seed is not None:
-        params["seed"] = args.seed
+    if (seed := getattr(args, ENGINE + "seed")) is not None:  # --seed: the engine's, and every row's
+        params["seed"] = seed
     SamplingParams(**params)  # raises ValueError naming a bad value before any work
     return params
 
 
 def engine_kwargs_from(args) -> dict:
-    """The engine flags given, but LoRA's (:func:`lora_from`), as the task's keyword arguments."""
-    kwargs = {
-        k: v
-        for k in ("max_model_len", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size")
-        if (v := getattr(args, k)) not in (None, DEFAULTS[k])
-    }
-    if getattr(args, "reasoning_parser", None):
-        if not KINDS[args.task].generative:
-            raise ValueError("--reasoning-parser applies to --task generate or chat")
-        kwargs["reasoning_parser"] = args.reasoning_parser
+    """The engine flags given, as the task's keyword arguments (run-batch's, read by
+    :func:`~dfllm.engine_args.cli_kwargs`), their values checked before any work."""
+    kwargs = cli_kwargs(args, ENGINE)
+    check_engine_args(**kwargs)
+    if kwargs.get("reasoning_parser") and not KINDS[args.task].generative:
+        raise ValueError("--reasoning-parser applies to --task generate or chat")
     return kwargs
 
 
 def lora_from(args) -> dict:
-    """``--lora-column``/``--lora-root``/``--max-loras``/``--max-lora-rank`` as the task's
-    keyword arguments (generate and chat only)."""
-    column = getattr(args, "lora_column", None)
-    extra = {k: getattr(args, k, None) for k in ("max_loras", "max_lora_rank")}
-    if column is None:
-        given = [
-            f"--{k.replace('_', '-')}"
-            for k, v in {**extra, "lora_root": getattr(args, "lora_root", None)}.items()
-            if v is not None
-        ]
+    """``--lora-column``/``--lora-root`` as the task's keyword arguments (generate and chat
+    only); they and the engine flags ``--max-loras``/``--max-lora-rank`` apply together."""
+    if args.lora_column is None:
+        extra = {
+            "--max-loras": ENGINE + "max_loras",
+            "--max-lora-rank": ENGINE + "max_lora_rank",
+            "--lora-root": "lora_root",
+        }
+        given = [flag for flag, dest in extra.items() if getattr(args, dest) is not None]
         if given:
             raise ValueError(f"{', '.join(given)} apply with --lora-column")
         return {}
     if not KINDS[args.task].generative:
         raise ValueError("--lora-column applies to --task generate or chat")
-    return {
-        "lora": column,
-        "lora_root": getattr(args, "lora_root", None),
-        **{k: v for k, v in extra.items() if v is not None},
-    }
+    return {"lora": args.lora_column, "lora_root": args.lora_root}
 
 
 def build_job(args, resources: dict | None = None):
@@ -320,27 +250,18 @@ def _default_input(task: str, columns) -> str:
 
 
 def run(args) -> int:
-    import dask
-
     from dfllm.accessors.writer import refuse_overlap, write_parquet
     from dfllm.dashboard import page_link
-    from dfllm.jobs.cluster import connect
 
     refuse_overlap([args.input], args.output, args.storage_options)  # before the input is even read
     budget = budget_from(args)
-    if args.calibration_seconds is not None and not args.dry_run:
-        raise ValueError("--calibration-seconds applies to --dry-run")
+    check_job_options(args)
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
         build_job(args)
-    gpus = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
-    with connect(args.scheduler, workers=args.workers, threads=args.threads, gpu=args.gpu, gpus_per_engine=gpus) as (
-        client,
-        resources,
-    ):
+    with job_cluster(args, cli_kwargs(args, ENGINE)) as (client, resources):
         # built with the client current, so that a model directory only the workers have is
         # checked on a worker, and with --gpu's resources on the llm tasks themselves
-        with dask.config.set({"dfllm.prefix-placement": not getattr(args, "no_prefix_placement", False)}):
-            job = build_job(args, resources)
+        job = build_job(args, resources)
         page = page_link(client)
         say(
             f"dfllm: {args.task} on {describe_client(client)}; dashboard {client.dashboard_link}"

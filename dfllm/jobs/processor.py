@@ -99,7 +99,7 @@ class ProcessorFunction(WritableFunction):
         self.__name__ = "llm-processor"
         self._token = uuid.uuid4().hex  # Dask's name for this call (the functions need not pickle the same twice)
 
-    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
+    def run(self, df: pd.DataFrame) -> pd.DataFrame:
         return self.processor.process_partition(df, self.schema)
 
     def __dask_tokenize__(self):

@@ -7,10 +7,10 @@ prompt's full blocks with the engine's prefix-cache hash chain
 (:func:`dfllm.engine.prefix_hash.prefix_block_hashes`). It keeps the chain's hashes at the
 depths 1, 2, 4, 8... blocks and at the last full block, so that a directory of the job's
 prefixes stays small (a few keys per row) while its longest match is within half of the
-true shared prefix; and a key of the whole prompt, so that rows
-with the same prompt meet in one engine, which computes them once where it may (see
-:mod:`dfllm.engine.dedupe`: a deterministic row also has its dedupe digest as a key). A row's work is its prompt tokens plus the tokens it may
-generate (``max_tokens``).
+true shared prefix; and a key of the whole prompt, so that rows with the same prompt meet
+in one engine, and a deterministic row's dedupe digest, so that identical requests meet where
+the engine computes them once (:mod:`dfllm.engine.dedupe`). A row's work is its prompt
+tokens plus the tokens it may generate (``max_tokens``).
 """
 
 from __future__ import annotations
@@ -72,19 +72,25 @@ def row_keys(
     return RowKeys(tuple(keys), len(tokens), work)
 
 
+def request_keys(req, block_size: int) -> RowKeys:
+    """The :class:`RowKeys` of one engine request (its prompt's token ids, LoRA adapter,
+    images, ``max_tokens`` and dedupe digest), for an engine of KV blocks of ``block_size``."""
+    lora = req.lora_request
+    return row_keys(
+        req.prompt_token_ids,
+        block_size,
+        req.params.max_tokens,
+        None if lora is None else lora.lora_int_id,
+        req.mm_inputs,
+        dedupe_digest(req),
+    )
+
+
 def prefix_keys(df: pd.DataFrame, task: LLMTask) -> list[RowKeys | None]:
     """Per row of ``df`` (a generative task's partition), its :class:`RowKeys`, or None for a
     row the runner refuses (its error is computed where it runs)."""
     requests, block_size = prompt_requests(df, task)
     keys: list[RowKeys | None] = [None] * len(df)
     for i, req in requests.items():
-        lora = req.lora_request
-        keys[i] = row_keys(
-            req.prompt_token_ids,
-            block_size,
-            req.params.max_tokens,
-            None if lora is None else lora.lora_int_id,
-            req.mm_inputs,
-            dedupe_digest(req),
-        )
+        keys[i] = request_keys(req, block_size)
     return keys

@@ -7,7 +7,8 @@ rows...). :class:`SemanticFunction` is the two together: picklable, mapped over 
 frame's partitions in one task each (lazy, with ``meta`` from running the step on the
 task's empty output), and a :class:`~dfllm.accessors.partitions.WritableFunction`, so that
 :func:`dfllm.write_parquet` writes it resumably as it writes any ``.llm`` task.
-:func:`run_step` runs one on a pandas, Dask or Polars (eager or lazy) frame.
+:func:`run_step` runs one on a pandas, Dask or Polars (eager or lazy) frame (a
+:class:`~dfllm.accessors.adapter.FrameAdapter`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from dfllm.accessors.adapter import FrameAdapter
 from dfllm.accessors.partitions import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
 from dfllm.tasks.schema import LLM_ERROR, STRING
@@ -130,7 +132,14 @@ def shadowed(
 
 
 def make_llm_task(
-    accessor, kind: str, inputs: tuple[str, ...], resources: dict | None, *, model=None, columns=None, **kwargs
+    frame: FrameAdapter,
+    kind: str,
+    inputs: tuple[str, ...],
+    resources: dict | None,
+    *,
+    model=None,
+    columns=None,
+    **kwargs,
 ) -> LLMTask:
     """An ``.llm`` task of ``kind`` checked against the accessor's frame (or ``columns``), as
     the accessor's own methods check theirs (its model check), without running it."""
@@ -142,15 +151,15 @@ def make_llm_task(
     return make_task(
         kind,
         inputs,
-        accessor._columns() if columns is None else columns,
+        frame.columns if columns is None else columns,
         model=model,
-        model_check=accessor._model_check(resources),
+        model_check=frame.model_check(resources),
         **kwargs,
     )
 
 
 def prompted_task(
-    accessor,
+    frame: FrameAdapter,
     preamble: str,
     instruction: str,
     fields: list[str],
@@ -165,10 +174,10 @@ def prompted_task(
 ) -> tuple[LLMTask, tuple[str, ...]]:
     """``(task, shadow)``: the ``.llm.chat`` (without ``chat``, ``.llm.generate``) task asking
     ``instruction`` (which reads ``fields``) of each row of a frame with ``columns``, in the
-    prompt :func:`~dfllm.accessors.semantic.prompts.semantic_prompt` makes of ``preamble`` and
+    prompt :func:`~dfllm.semantic.prompts.semantic_prompt` makes of ``preamble`` and
     ``answer``; ``shadow`` as :func:`shadowed` returns it, ``kwargs`` as :func:`make_llm_task`
     takes them."""
-    from dfllm.accessors.semantic.prompts import semantic_prompt
+    from dfllm.semantic.prompts import semantic_prompt
 
     kind = "chat" if chat else "generate"
     shadow, seen = shadowed(columns, kind, output_column, engine_columns, fields)
@@ -176,7 +185,7 @@ def prompted_task(
     if chat:
         kwargs["system"] = prompt.system
     task = make_llm_task(
-        accessor,
+        frame,
         kind,
         (prompt.template,),
         resources,
@@ -188,51 +197,11 @@ def prompted_task(
     return task, shadow
 
 
-def run_step(obj, step: SemanticFunction):
-    """``step`` on a pandas, Dask or Polars frame: eager for pandas and a Polars DataFrame,
-    lazy for Dask (one task per partition, exact ``meta``) and a Polars LazyFrame."""
-    if isinstance(obj, pd.DataFrame):
-        return _pandas(obj, step)
-    import dask.dataframe as dd
-
-    if isinstance(obj, dd.DataFrame):
-        if step.resources is not None:
-            from dfllm.accessors.placement import check_resources
-
-            check_resources(step.resources)
-        return obj.map_partitions(step, meta=step.meta(obj._meta))
-    import polars as pl
-
-    if isinstance(obj, pl.DataFrame):
-        return _polars(obj, step)
-    if isinstance(obj, pl.LazyFrame):
-        given = obj.collect_schema()
-        empty = pl.DataFrame(schema=given).to_pandas(use_pyarrow_extension_array=True)
-        schema = to_polars(step.meta(empty), given).schema
-        return obj.map_batches(lambda df: _polars(df, step), schema=schema)
-    raise TypeError(f"semantic operators run on pandas, Dask and Polars frames, not {type(obj).__name__}")
-
-
-def _pandas(df: pd.DataFrame, step: SemanticFunction) -> pd.DataFrame:
+def run_step(frame: FrameAdapter, step: SemanticFunction):
+    """``step`` on the frame: eager for pandas and a Polars DataFrame, lazy for Dask (one task
+    per partition, exact ``meta``) and a Polars LazyFrame."""
     from dfllm.tasks.runners import run_task
 
-    return step.apply(df, lambda frame, task: run_task(frame, task, progress=True))
-
-
-def _polars(df, step: SemanticFunction):
-    return to_polars(_pandas(df.to_pandas(use_pyarrow_extension_array=True), step), df.schema)
-
-
-def to_polars(df: pd.DataFrame, schema=None):
-    """A pandas frame (Arrow-backed where the operators make it so) as a Polars frame. With
-    ``schema`` (the Polars input's), the input's columns get their own dtypes back where the
-    trip through pandas changed them (an ``Enum`` comes back from pandas as ``Categorical``);
-    not ``llm_error``, which the operators write (an earlier one's errors with theirs)."""
-    import polars as pl
-
-    out = pl.from_pandas(df.reset_index(drop=True))
-    if schema is not None:
-        differ = {c: t for c, t in schema.items() if c in out.columns and c != LLM_ERROR and out.schema[c] != t}
-        if differ:
-            out = out.cast(differ)
-    return out
+    return frame.map_pandas(
+        lambda df: step.apply(df, lambda f, task: run_task(f, task, progress=True)), step, step.meta
+    )

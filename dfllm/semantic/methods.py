@@ -1,27 +1,27 @@
 """The semantic operators' methods on ``.llm`` (pandas, Dask, Polars eager and lazy).
 
-:class:`SemanticFrameMethods` is mixed into each library's ``.llm`` frame accessor next to
-:class:`~dfllm.accessors.frontend.LLMFrameMethods`, whose ``_columns``, ``_model_check`` and
-``_obj`` it uses. Each method checks its arguments now (``ValueError`` naming the field)
-and builds on the ``.llm`` tasks and the engine's public API only; the work is in the
-operator's module (``filter.py``, ``extract.py``, ``cascade.py``...). User docs:
-docs/semantic.md.
+:class:`SemanticFrameMethods` holds them; :mod:`dfllm.semantic` adds them to every library's
+``.llm`` frame accessor (:meth:`~dfllm.accessors.frontend.LLMFrameMethods.add_methods`), and
+they see the accessor's frame through :class:`~dfllm.accessors.adapter.FrameAdapter` only.
+Each method checks its arguments now (``ValueError`` naming the field) and builds on the
+``.llm`` tasks and the engine's public API only; the work is in the operator's module
+(``filter.py``, ``extract.py``, ``cascade.py``...). User docs: docs/semantic.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dfllm.accessors.adapter import FrameAdapter
 
 if TYPE_CHECKING:
-    from dfllm.accessors.semantic.filter import Judgment
+    from dfllm.semantic.filter import Judgment
 
 DEFAULT_LOGPROBS = 20  # top log-probabilities read per verdict token (filter, judge)
 
 
 class SemanticFrameMethods:
     """``df.llm.filter``, ``judge``, ``extract``, ``topk``, ``join``, ``sim_join``, ``dedup``, ``agg``."""
-
-    _obj: Any
 
     def judge(
         self,
@@ -57,7 +57,7 @@ class SemanticFrameMethods:
         then returns ``(frame, CascadeStats)``. ``chat=False`` prompts with ``.llm.generate``
         instead of ``.llm.chat``. ``model``, ``resources``, ``cache`` and engine arguments as in
         ``.llm.generate``. See docs/semantic.md."""
-        from dfllm.accessors.semantic.filter import Judgment
+        from dfllm.semantic.filter import Judgment
 
         judgment = Judgment(
             keep=True,
@@ -75,7 +75,7 @@ class SemanticFrameMethods:
             engine_kwargs=engine_kwargs,
             what="judge",
         )
-        return semantic_judge(self, instruction, judgment, cascade, return_stats)
+        return semantic_judge(FrameAdapter.of(self), instruction, judgment, cascade, return_stats)
 
     def filter(
         self,
@@ -99,7 +99,7 @@ class SemanticFrameMethods:
         ``explanation`` (with ``return_explanations``) and ``llm_error``. A row whose judgment
         failed is kept, with its message in ``llm_error`` (nothing is dropped silently);
         drop them with ``df[df.llm_error.isna()]``. Arguments as in :meth:`judge`."""
-        from dfllm.accessors.semantic.filter import Judgment
+        from dfllm.semantic.filter import Judgment
 
         judgment = Judgment(
             keep=False,
@@ -118,7 +118,7 @@ class SemanticFrameMethods:
             engine_kwargs=engine_kwargs,
             what="filter",
         )
-        return semantic_judge(self, instruction, judgment, cascade, return_stats)
+        return semantic_judge(FrameAdapter.of(self), instruction, judgment, cascade, return_stats)
 
     def extract(
         self,
@@ -141,10 +141,10 @@ class SemanticFrameMethods:
         ``int``, ``float``, ``bool``, ``list[str]``...). With ``expand`` (default) one typed
         column per field, else one Arrow struct column ``output_column``; then ``llm_error``.
         Greedy unless ``sampling_params`` say otherwise. See docs/semantic.md."""
-        from dfllm.accessors.semantic.extract import semantic_extract
+        from dfllm.semantic.extract import semantic_extract
 
         return semantic_extract(
-            self,
+            FrameAdapter.of(self),
             instruction,
             schema,
             model=model,
@@ -195,14 +195,14 @@ class SemanticFrameMethods:
         On Dask: each partition's top k, then one merge task (one partition out).
         ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
         ``counts["comparisons"]``. See docs/semantic.md."""
-        from dfllm.accessors.semantic.join import LLMArgs
-        from dfllm.accessors.semantic.topk import semantic_topk
+        from dfllm.semantic.join import LLMArgs
+        from dfllm.semantic.topk import semantic_topk
 
         llm = LLMArgs(
             model=model, chat=chat, on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs
         )
         return semantic_topk(
-            self,
+            FrameAdapter.of(self),
             instruction,
             k,
             llm,
@@ -254,7 +254,7 @@ class SemanticFrameMethods:
         ``.llm.judge(..., cascade=)``: a proxy decides the pairs it is sure about, ``model`` the
         rest; the result adds ``decided_by`` and the cost carries ``cascade`` (its
         ``CascadeStats``) and ``counts["large_model_pairs"]``. See docs/semantic.md."""
-        from dfllm.accessors.semantic.join import LLMArgs, semantic_join
+        from dfllm.semantic.join import LLMArgs, semantic_join
 
         llm = LLMArgs(
             model=model,
@@ -266,7 +266,7 @@ class SemanticFrameMethods:
             sampling_params=sampling_params,
         )
         return semantic_join(
-            self,
+            FrameAdapter.of(self),
             other,
             instruction,
             llm,
@@ -309,10 +309,10 @@ class SemanticFrameMethods:
         search with ``right_images=True``, image-to-image with both. A text-only model is
         refused at call time (on Dask, when only the workers have it: each row's error); an
         unreadable image is its row's error. See docs/semantic.md."""
-        from dfllm.accessors.semantic.join import semantic_sim_join
+        from dfllm.semantic.join import semantic_sim_join
 
         return semantic_sim_join(
-            self,
+            FrameAdapter.of(self),
             other,
             left_on,
             right_on,
@@ -360,14 +360,14 @@ class SemanticFrameMethods:
         them; decoded on the workers), clustered by their embeddings under an image-text
         ``embed_model`` (CLIP, SigLIP; a text-only model is refused); ``confirm`` is refused
         with it. An unreadable image is its row's error (null labels). See docs/semantic.md."""
-        from dfllm.accessors.semantic.dedup import semantic_dedup
-        from dfllm.accessors.semantic.join import LLMArgs
+        from dfllm.semantic.dedup import semantic_dedup
+        from dfllm.semantic.join import LLMArgs
 
         llm = LLMArgs(
             model=model, chat=chat, on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs
         )
         return semantic_dedup(
-            self,
+            FrameAdapter.of(self),
             column,
             llm,
             threshold=threshold,
@@ -403,10 +403,10 @@ class SemanticFrameMethods:
         Dask a tree reduction: one summary per partition and group, folded ``split_every`` at a
         time. A row with a null field is left out and named in its group's ``llm_error``.
         See docs/semantic.md."""
-        from dfllm.accessors.semantic.agg import semantic_agg
+        from dfllm.semantic.agg import semantic_agg
 
         return semantic_agg(
-            self,
+            FrameAdapter.of(self),
             instruction,
             by=by,
             model=model,
@@ -422,22 +422,22 @@ class SemanticFrameMethods:
         )
 
 
-def semantic_judge(accessor, instruction: str, j: Judgment, cascade, return_stats: bool):
+def semantic_judge(frame: FrameAdapter, instruction: str, j: Judgment, cascade, return_stats: bool):
     """``.llm.judge`` (``j.keep``) and ``.llm.filter``: see their docstrings."""
-    from dfllm.accessors.semantic.cascade import cascade_judge
-    from dfllm.accessors.semantic.filter import judge_step
-    from dfllm.accessors.semantic.frames import run_step
+    from dfllm.semantic.cascade import cascade_judge
+    from dfllm.semantic.filter import judge_step
+    from dfllm.semantic.frames import run_step
 
     new = j.output_columns
     if len(set(new)) != len(new):
         raise ValueError(f"{j.what}: the output columns {new} must differ")
-    clash = sorted(set(new) & set(accessor._columns())) if j.keep else []
-    if j.return_explanations and not j.keep and j.explanation_column in accessor._columns():
+    clash = sorted(set(new) & set(frame.columns)) if j.keep else []
+    if j.return_explanations and not j.keep and j.explanation_column in frame.columns:
         clash = [j.explanation_column]
     if clash:
         raise ValueError(f"{j.what}: output column(s) {clash} already exist; choose other names")
     if cascade is not None:
-        return cascade_judge(accessor, instruction, cascade, j, return_stats)
+        return cascade_judge(frame, instruction, cascade, j, return_stats)
     if return_stats:
         raise ValueError(f"{j.what}: return_stats reports a cascade's figures; pass cascade= as well")
-    return run_step(accessor._obj, judge_step(accessor, instruction, j))
+    return run_step(frame, judge_step(frame, instruction, j))

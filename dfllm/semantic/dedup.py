@@ -18,21 +18,19 @@ import logging
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.semantic.join import (
+from dfllm.accessors.adapter import FrameAdapter
+from dfllm.semantic.join import (
     TRUE_FALSE,
     Embedder,
     LLMArgs,
     PairJudge,
     Placed,
     SemanticCost,
-    back,
     columns_of,
-    frame_kind,
     make_embedder,
     make_judge,
     operator_resources,
     rename_columns,
-    to_pandas,
 )
 from dfllm.tasks.schema import LLM_ERROR
 
@@ -228,7 +226,7 @@ class Attach:
 
 
 def semantic_dedup(
-    accessor,
+    frame: FrameAdapter,
     column: str,
     llm: LLMArgs,
     *,
@@ -241,7 +239,7 @@ def semantic_dedup(
     images: bool = False,
 ):
     """``df.llm.dedup``: see :meth:`SemanticFrameMethods.dedup`."""
-    columns = columns_of(accessor._obj)
+    columns = columns_of(frame)
     if column not in columns:
         raise ValueError(f"dedup: column {column!r} is not in the frame (columns: {columns})")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
@@ -259,7 +257,7 @@ def semantic_dedup(
             "clusters come from the image embeddings alone (leave confirm off)"
         )
     embedder = make_embedder(
-        accessor,
+        frame,
         "{__text}",
         ["__text"],
         model=embed_model,
@@ -274,7 +272,7 @@ def semantic_dedup(
         if not isinstance(statement, str):
             raise ValueError(f"dedup: confirm is True or a statement about records A and B, got {confirm!r}")
         judge = make_judge(
-            accessor,
+            frame,
             ["__a_text", "__b_text"],
             statement.replace("{", "{{").replace("}", "}}"),
             DEDUP_PREAMBLE,
@@ -292,20 +290,19 @@ def semantic_dedup(
         judge,
         cluster_column,
         representative_column,
-        operator_resources(accessor, llm.resources),
+        operator_resources(frame, llm.resources),
         bool(images),
     )
-    obj = accessor._obj
-    if frame_kind(obj) == "dask":
+    if frame.kind == "dask":
         if return_stats:
             raise ValueError("dedup: return_stats=True needs an eager frame (pandas or Polars)")
-        meta = _labelled(obj._meta, [], [], spec)
-        stage1 = obj.map_partitions(Placed(EmbedRows(spec), spec.resources, "embed"), meta=EmbedRows(spec)(obj._meta))
+        obj, empty = frame.obj, frame.empty()
+        meta = _labelled(empty, [], [], spec)
+        stage1 = obj.map_partitions(Placed(EmbedRows(spec), spec.resources, "embed"), meta=EmbedRows(spec)(empty))
         labels = stage1.repartition(npartitions=1).map_partitions(
             Placed(ClusterAll(spec), spec.resources, "dedup"), meta=ClusterAll(spec)(stage1._meta)
         )
         return obj.map_partitions(Attach(spec), labels, meta=meta, align_dataframes=False)
     cost = SemanticCost()
-    out = dedup_frame(to_pandas(obj), spec, cost)
-    result = back(obj, out)
+    result = frame.back(dedup_frame(frame.to_pandas(), spec, cost))
     return (result, cost) if return_stats else result

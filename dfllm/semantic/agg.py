@@ -20,16 +20,9 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from dfllm.accessors.semantic.join import (
-    Placed,
-    SemanticCost,
-    back,
-    columns_of,
-    frame_kind,
-    operator_resources,
-    to_pandas,
-)
-from dfllm.accessors.semantic.prompts import instruction_fields, record_template, semantic_prompt
+from dfllm.accessors.adapter import FrameAdapter
+from dfllm.semantic.join import Placed, SemanticCost, columns_of, operator_resources
+from dfllm.semantic.prompts import instruction_fields, record_template, semantic_prompt
 from dfllm.tasks.schema import LLM_ERROR
 from dfllm.tasks.task import LLMTask, make_task
 
@@ -282,7 +275,7 @@ class AggCombine:
 
 
 def semantic_agg(
-    accessor,
+    frame: FrameAdapter,
     instruction: str,
     *,
     by,
@@ -300,7 +293,7 @@ def semantic_agg(
     """``df.llm.agg``: see :meth:`SemanticFrameMethods.agg`."""
     from dfllm.models.bundled import DEFAULT_CHAT_MODEL
 
-    columns = columns_of(accessor._obj)
+    columns = columns_of(frame)
     try:
         fields = instruction_fields(instruction)
     except ValueError as exc:
@@ -331,7 +324,7 @@ def semantic_agg(
                 on_error=on_error,
                 engine_kwargs=engine_kwargs,
                 cache=cache,
-                model_check=accessor._model_check(resources),
+                model_check=frame.model_check(resources),
             )
         except ValueError as exc:
             raise ValueError(f"agg: {exc}") from None
@@ -363,14 +356,13 @@ def semantic_agg(
         budgets[1],
         output_column,
         split_every,
-        operator_resources(accessor, resources),
+        operator_resources(frame, resources),
     )
-    obj = accessor._obj
-    if frame_kind(obj) == "dask":
+    if frame.kind == "dask":
         if return_stats:
             raise ValueError("agg: return_stats=True needs an eager frame (pandas or Polars)")
-        meta = _frame([], [], [], spec, obj._meta, True)
-        return obj.reduction(
+        meta = _frame([], [], [], spec, frame.empty(), True)
+        return frame.obj.reduction(
             Placed(AggChunk(spec), spec.resources, "agg"),
             aggregate=Placed(AggCombine(spec, final=True), spec.resources, "agg"),
             combine=Placed(AggCombine(spec), spec.resources, "agg"),
@@ -378,6 +370,5 @@ def semantic_agg(
             meta=meta,
         )
     cost = SemanticCost()
-    out = agg_frame(to_pandas(obj), spec, cost)
-    result = back(obj, out)
+    result = frame.back(agg_frame(frame.to_pandas(), spec, cost))
     return (result, cost) if return_stats else result

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.semantic.prompts import record_template, semantic_prompt
+from dfllm.accessors.adapter import FrameAdapter
+from dfllm.semantic.prompts import record_template, semantic_prompt
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.task import LLMTask, make_task
@@ -150,7 +151,7 @@ class LLMArgs:
 
 
 def make_judge(
-    accessor,
+    frame: FrameAdapter,
     template_columns: Sequence[str],
     instruction: str,
     preamble: str,
@@ -192,7 +193,7 @@ def make_judge(
             on_error=llm.on_error,
             engine_kwargs=llm.engine_kwargs,
             choice=list(choices),
-            model_check=accessor._model_check(llm.resources),
+            model_check=frame.model_check(llm.resources),
             cache=llm.cache,
             engine_columns=("logprobs",) if logprobs is not None else (),
         )
@@ -232,7 +233,7 @@ class Embedder:
 
 
 def make_embedder(
-    accessor,
+    frame: FrameAdapter,
     template: str,
     columns: Sequence[str],
     *,
@@ -250,7 +251,7 @@ def make_embedder(
     from dfllm.tasks.kinds import DEFAULT_EMBED_MODEL
     from dfllm.tasks.task import check_model
 
-    base = accessor._model_check(resources)
+    base = frame.model_check(resources)
 
     def check(task: LLMTask) -> None:
         (base or check_model)(task)
@@ -341,69 +342,9 @@ def _on_worker() -> bool:
         return False
 
 
-def dask_resources(resources: dict | None) -> dict | None:
-    """``resources`` checked for a Dask call (``ValueError`` for a malformed dict)."""
-    from dfllm.accessors.placement import check_resources
-
-    return check_resources(resources)
-
-
-# --- frames ---------------------------------------------------------------------------------------------
-def frame_kind(obj) -> str:
-    """``"pandas"``, ``"dask"``, ``"polars"`` or ``"lazy"`` (a Polars LazyFrame)."""
-    if isinstance(obj, pd.DataFrame):
-        return "pandas"
-    import dask.dataframe as dd
-
-    if isinstance(obj, dd.DataFrame):
-        return "dask"
-    import polars as pl
-
-    if isinstance(obj, pl.DataFrame):
-        return "polars"
-    if isinstance(obj, pl.LazyFrame):
-        return "lazy"
-    raise TypeError(f"semantic operators run on pandas, Dask and Polars frames, not {type(obj).__name__}")
-
-
-def to_pandas(obj) -> pd.DataFrame:
-    """A pandas or Polars (eager or lazy) frame as pandas (Polars through Arrow)."""
-    kind = frame_kind(obj)
-    if kind == "pandas":
-        return obj
-    if kind == "lazy":
-        obj = obj.collect()
-    if kind in ("polars", "lazy"):
-        return obj.to_pandas(use_pyarrow_extension_array=True)
-    raise TypeError("expected an eager frame")
-
-
-def back(obj, df: pd.DataFrame):
-    """``df`` as the kind of frame ``obj`` is (pandas as is; Polars eager or lazy)."""
-    kind = frame_kind(obj)
-    if kind in ("polars", "lazy"):
-        from dfllm.accessors.semantic.frames import to_polars
-
-        out = to_polars(df, obj.collect_schema() if kind == "lazy" else obj.schema)  # the left's dtypes back
-        return out.lazy() if kind == "lazy" else out
-    return df
-
-
-def columns_of(obj) -> list[str]:
-    kind = frame_kind(obj)
-    if kind == "lazy":
-        return list(obj.collect_schema().names())
-    return [str(c) for c in obj.columns]
-
-
-def empty_of(obj) -> pd.DataFrame:
-    """An empty pandas frame with ``obj``'s columns and dtypes (Dask's ``meta``)."""
-    kind = frame_kind(obj)
-    if kind == "dask":
-        return obj._meta
-    if kind == "pandas":
-        return obj.iloc[:0]
-    return to_pandas(obj.head(0) if kind == "polars" else obj.limit(0))
+def columns_of(frame: FrameAdapter) -> list[str]:
+    """The frame's column names, as strings (the pairwise operators' fields name them)."""
+    return [str(c) for c in frame.columns]
 
 
 # --- join -----------------------------------------------------------------------------------------------
@@ -682,7 +623,7 @@ def join_frames(
             out_e.append(f"right index {ridx[j]!r}: {rerr[j]}")
     out = _assemble(left, right, out_l, out_r, out_s if spec.similarity_column else None, out_e, spec)
     if spec.cascade is not None:
-        from dfllm.accessors.semantic.cascade import SOURCE
+        from dfllm.semantic.cascade import SOURCE
 
         src = out_src + [None] * (len(out) - len(out_src))
         out.insert(len(out.columns) - 1, SOURCE, pd.Series(src, index=out.index, dtype="string[pyarrow]"))
@@ -692,7 +633,7 @@ def join_frames(
 def _cascade_pairs(pairs: pd.DataFrame, spec: JoinSpec, cost: SemanticCost) -> tuple[list, list, list]:
     """The pairs judged by ``.llm.judge`` with the spec's cascade (on readable column names):
     answers, errors and which model decided each pair."""
-    from dfllm.accessors.semantic.cascade import SOURCE
+    from dfllm.semantic.cascade import SOURCE
 
     readable = pairs.rename(columns=dict(spec.readable))
     kwargs = dict(spec.judge_kwargs)
@@ -733,31 +674,30 @@ class EmbedPartition:
         return embed_side(df, self.embedder, self.fields)
 
 
-def run_join(accessor, other, spec: JoinSpec, return_stats: bool):
+def run_join(frame: FrameAdapter, other, spec: JoinSpec, return_stats: bool):
     """``spec`` over the accessor's frame and ``other`` (the same library's frame, or pandas)."""
-    obj = accessor._obj
-    kind = frame_kind(obj)
-    if kind == "dask":
+    right_frame = FrameAdapter(other)
+    if frame.kind == "dask":
         import dask.dataframe as dd
 
-        right = other if isinstance(other, dd.DataFrame) else dd.from_pandas(to_pandas(other), npartitions=1)
+        right = other if right_frame.kind == "dask" else dd.from_pandas(right_frame.to_pandas(), npartitions=1)
         if spec.right_embedder is not None:
             meta_r = right._meta.assign(**{_EMB: pd.Series([], dtype=object), _ERR: pd.Series([], dtype=object)})
             right = right.map_partitions(
                 Placed(EmbedPartition(spec.right_embedder, spec.right_fields), spec.resources, "embed"), meta=meta_r
             )
         right = right.repartition(npartitions=1)
-        meta = _assemble(obj._meta, right._meta, [], [], [], [], spec)
+        meta = _assemble(frame.empty(), right._meta, [], [], [], [], spec)
         if return_stats:
             raise ValueError(
                 "return_stats=True needs an eager frame (pandas or Polars); on Dask, the pairs "
                 "judged are logged by each task"
             )
-        return obj.map_partitions(
+        return frame.obj.map_partitions(
             Placed(JoinPartition(spec), spec.resources, "join"), right, meta=meta, align_dataframes=False
         )
     cost = SemanticCost()
-    out = join_frames(to_pandas(obj), to_pandas(other), spec, cost)
+    out = join_frames(frame.to_pandas(), right_frame.to_pandas(), spec, cost)
     logger.info(
         "%s: %d of %d pairs judged (%d engine calls, %d prompt tokens)",
         "join" if spec.judge else "sim_join",
@@ -766,12 +706,12 @@ def run_join(accessor, other, spec: JoinSpec, return_stats: bool):
         cost.engine_calls,
         cost.input_tokens,
     )
-    result = back(obj, out)
+    result = frame.back(out)
     return (result, cost) if return_stats else result
 
 
 def semantic_join(
-    accessor,
+    frame: FrameAdapter,
     other,
     instruction: str,
     llm: LLMArgs,
@@ -785,12 +725,12 @@ def semantic_join(
     cascade=None,
 ):
     """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
-    left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "join")
+    left_cols, right_cols = _data_columns(frame), _other_columns(frame, other, "join")
     template, lf, rf, names = parse_join_instruction(instruction, left_cols, right_cols)
     _check_block(block_k, min_similarity, "join")
     blocked = block_k is not None or min_similarity is not None
     judge = make_judge(
-        accessor,
+        frame,
         [c for c, _ in lf + rf],
         template,
         JOIN_PREAMBLE,
@@ -805,7 +745,7 @@ def semantic_join(
         for side, fields in (("left", lf), ("right", rf)):
             labels = {names[c]: c for c, _ in fields}
             embed[side] = make_embedder(
-                accessor,
+                frame,
                 record_template(labels),
                 [c for c, _ in fields],
                 model=embed_model,
@@ -824,31 +764,31 @@ def semantic_join(
         min_similarity,
         tuple(rnames.items()),
         similarity_column if blocked else None,
-        operator_resources(accessor, llm.resources),
+        operator_resources(frame, llm.resources),
     )
     if cascade is not None:
-        spec = _with_cascade(accessor, spec, cascade, template, names, llm)
-    return run_join(accessor, other, spec, return_stats)
+        spec = _with_cascade(frame, spec, cascade, template, names, llm)
+    return run_join(frame, other, spec, return_stats)
 
 
-def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict, llm: LLMArgs) -> JoinSpec:
+def _with_cascade(frame: FrameAdapter, spec: JoinSpec, cascade, template: str, names: dict, llm: LLMArgs) -> JoinSpec:
     """``spec`` judging its pairs through ``.llm.judge(..., cascade=cascade)`` (pandas and
     Polars frames): the pair columns renamed as the prompt shows them (``review``, or
     ``left_title``/``right_title`` for a column both frames have)."""
-    from dfllm.accessors.semantic.cascade import Cascade
+    from dfllm.semantic.cascade import Cascade
 
     if not isinstance(cascade, Cascade):
         raise ValueError(f"join: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
-    if frame_kind(accessor._obj) == "dask":
+    if frame.kind == "dask":
         raise ValueError(
             "join: cascade= learns its thresholds on a sample of every pair; it runs on pandas and "
             "Polars frames (compute the Dask frames first, or join without cascade=)"
         )
     if llm.on_error != "null":
         raise ValueError("join: a cascade keeps failed pairs with their llm_error; on_error must be 'null'")
-    from dfllm.accessors.semantic.cascade import SOURCE
+    from dfllm.semantic.cascade import SOURCE
 
-    if SOURCE in _data_columns(accessor._obj) or SOURCE in dict(spec.right_names).values():
+    if SOURCE in _data_columns(frame) or SOURCE in dict(spec.right_names).values():
         raise ValueError(f"join: a cascade adds the column {SOURCE!r}, which a frame already has; rename it")
     readable = {col: label.replace(".", "_") for col, label in names.items()}
     if len(set(readable.values())) != len(readable):
@@ -868,7 +808,7 @@ def _with_cascade(accessor, spec: JoinSpec, cascade, template: str, names: dict,
 
 
 def semantic_sim_join(
-    accessor,
+    frame: FrameAdapter,
     other,
     left_on: str,
     right_on: str,
@@ -885,7 +825,7 @@ def semantic_sim_join(
     right_images: bool = False,
 ):
     """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
-    left_cols, right_cols = _data_columns(accessor._obj), _other_columns(accessor._obj, other, "sim_join")
+    left_cols, right_cols = _data_columns(frame), _other_columns(frame, other, "sim_join")
     if left_on not in left_cols:
         raise ValueError(f"sim_join: left_on {left_on!r} is not a column of the frame (columns: {left_cols})")
     if right_on not in right_cols:
@@ -899,7 +839,7 @@ def semantic_sim_join(
     lf, rf = (("__l_text", left_on),), (("__r_text", right_on),)
     le, re_ = (
         make_embedder(
-            accessor,
+            frame,
             "{" + col + "}",
             [col],
             model=embed_model,
@@ -921,39 +861,40 @@ def semantic_sim_join(
         min_similarity,
         tuple(rnames.items()),
         similarity_column,
-        operator_resources(accessor, resources),
+        operator_resources(frame, resources),
     )
-    return run_join(accessor, other, spec, return_stats)
+    return run_join(frame, other, spec, return_stats)
 
 
-def _other_columns(obj, other, what: str) -> list[str]:
-    kind = frame_kind(obj)
-    okind = frame_kind(other)
+def _other_columns(frame: FrameAdapter, other, what: str) -> list[str]:
+    kind, right = frame.kind, FrameAdapter(other)
     allowed = {
         "pandas": ("pandas",),
         "dask": ("dask", "pandas"),
         "polars": ("polars", "lazy", "pandas"),
         "lazy": ("polars", "lazy", "pandas"),
     }[kind]
-    if okind not in allowed:
+    if right.kind not in allowed:
         raise ValueError(
             f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} frames"
         )
-    return _data_columns(other)
+    return _data_columns(right)
 
 
-def operator_resources(accessor, resources: dict | None) -> dict | None:
+def operator_resources(frame: FrameAdapter, resources: dict | None) -> dict | None:
     """``resources`` for a Dask frame's tasks; for a pandas or Polars frame the accessor's own
     check refuses them (they run in this process)."""
-    if frame_kind(accessor._obj) == "dask":
-        return dask_resources(resources)
-    accessor._model_check(resources)
+    if frame.kind == "dask":
+        from dfllm.accessors.placement import check_resources
+
+        return check_resources(resources)
+    frame.model_check(resources)
     return None
 
 
-def _data_columns(obj) -> list[str]:
+def _data_columns(frame: FrameAdapter) -> list[str]:
     """A frame's columns but an earlier operator's ``llm_error`` (its rows are reported, not paired)."""
-    return [c for c in columns_of(obj) if c != LLM_ERROR]
+    return [c for c in columns_of(frame) if c != LLM_ERROR]
 
 
 def _check_block(k, min_similarity, what: str) -> None:

@@ -22,20 +22,19 @@ import logging
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.semantic.join import (
+from dfllm.accessors.adapter import FrameAdapter
+from dfllm.semantic.join import (
     Embedder,
     LLMArgs,
     PairJudge,
     Placed,
     SemanticCost,
-    back,
-    frame_kind,
+    columns_of,
     make_embedder,
     make_judge,
     operator_resources,
-    to_pandas,
 )
-from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
+from dfllm.semantic.prompts import instruction_fields, record_template, render_instruction
 from dfllm.tasks.schema import LLM_ERROR
 
 logger = logging.getLogger("dfllm")
@@ -265,7 +264,7 @@ class TopKPartition:
 
 
 def semantic_topk(
-    accessor,
+    frame: FrameAdapter,
     instruction: str,
     k: int,
     llm: LLMArgs,
@@ -279,9 +278,7 @@ def semantic_topk(
     logprobs: int = 20,
 ):
     """``df.llm.topk``: see :meth:`SemanticFrameMethods.topk`."""
-    from dfllm.accessors.semantic.join import columns_of
-
-    columns = columns_of(accessor._obj)
+    columns = columns_of(frame)
     try:
         fields = instruction_fields(instruction)
     except ValueError as exc:
@@ -301,7 +298,7 @@ def semantic_topk(
     for side in AB:
         record.update({f"{side}.{f}": f"__{side.lower()}_{f}" for f in fields})
     judge = make_judge(
-        accessor,
+        frame,
         list(record.values()),
         instruction,
         TOPK_PREAMBLE,
@@ -316,7 +313,7 @@ def semantic_topk(
     embedder = query = None
     if seed_embeddings:
         embedder = make_embedder(
-            accessor,
+            frame,
             record_template(fields),
             fields,
             model=embed_model,
@@ -325,7 +322,7 @@ def semantic_topk(
             what="topk",
         )
         query = make_embedder(
-            accessor, "{__q}", ["__q"], model=embed_model, resources=llm.resources, engine_kwargs=None, what="topk"
+            frame, "{__q}", ["__q"], model=embed_model, resources=llm.resources, engine_kwargs=None, what="topk"
         )
     spec = TopKSpec(
         judge,
@@ -336,18 +333,17 @@ def semantic_topk(
         embedder,
         query,
         render_instruction(instruction),
-        operator_resources(accessor, llm.resources),
+        operator_resources(frame, llm.resources),
         bool(both_orders),
     )
-    obj = accessor._obj
-    kind = frame_kind(obj)
-    if kind == "dask":
+    obj = frame.obj
+    if frame.kind == "dask":
         if return_stats:
             raise ValueError(
                 "topk: return_stats=True needs an eager frame (pandas or Polars); on Dask each task "
                 "logs its comparisons"
             )
-        meta = topk_frame(obj._meta, spec, SemanticCost())
+        meta = topk_frame(frame.empty(), spec, SemanticCost())
         if obj.npartitions == 1:
             return obj.map_partitions(Placed(TopKPartition(spec), spec.resources, "topk"), meta=meta)
         local = obj.map_partitions(Placed(TopKPartition(spec, in_frame_order=True), spec.resources, "topk"), meta=meta)
@@ -355,6 +351,5 @@ def semantic_topk(
             Placed(TopKPartition(spec), spec.resources, "topk"), meta=meta
         )
     cost = SemanticCost()
-    out = topk_frame(to_pandas(obj), spec, cost)
-    result = back(obj, out)
+    result = frame.back(topk_frame(frame.to_pandas(), spec, cost))
     return (result, cost) if return_stats else result

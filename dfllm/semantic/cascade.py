@@ -47,9 +47,10 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from dfllm.accessors.semantic.filter import BOOL, Judgment, judge_step
-from dfllm.accessors.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed
-from dfllm.accessors.semantic.prompts import instruction_fields, record_template, render_instruction
+from dfllm.accessors.adapter import FrameAdapter
+from dfllm.semantic.filter import BOOL, Judgment, judge_step
+from dfllm.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed
+from dfllm.semantic.prompts import instruction_fields, record_template, render_instruction
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
 
 logger = logging.getLogger("dfllm")
@@ -335,7 +336,7 @@ class Chain:
 
 
 def proxy_step(
-    accessor, instruction: str, cascade: Cascade, columns: list[str], j: Judgment
+    frame: FrameAdapter, instruction: str, cascade: Cascade, columns: list[str], j: Judgment
 ) -> tuple[SemanticFunction, Callable]:
     """``(step, finish)``: the proxy's pass (its score in ``SCORE``, its errors in ``llm_error``)
     for the judgment ``j`` (its ``chat``, ``logprobs`` and ``resources``)."""
@@ -356,12 +357,12 @@ def proxy_step(
             engine_kwargs=kwargs,
             what="cascade proxy",
         )
-        return judge_step(accessor, instruction, proxy, columns), ModelScore()
+        return judge_step(frame, instruction, proxy, columns), ModelScore()
     fields = instruction_fields(instruction)
     shadow, seen = shadowed(columns, "embed", EMBEDDING, (), fields)
     model = cascade.proxy_model
     task = make_llm_task(
-        accessor,
+        frame,
         "embed",
         (record_template(fields),),
         resources,
@@ -459,40 +460,33 @@ class CascadeFinish:
         return out
 
 
-def cascade_judge(accessor, instruction: str, cascade: Cascade, j: Judgment, return_stats: bool):
+def cascade_judge(frame: FrameAdapter, instruction: str, cascade: Cascade, j: Judgment, return_stats: bool):
     """``.llm.judge``/``.llm.filter`` with ``cascade=``: see the module's docstring."""
     if not isinstance(cascade, Cascade):
         raise ValueError(f"{j.what}: cascade must be a dfllm.Cascade, got {type(cascade).__name__}")
     if j.on_error != "null":
         raise ValueError(f"{j.what}: a cascade keeps failed rows with their llm_error; on_error must be 'null'")
-    if SOURCE in accessor._columns():
+    if SOURCE in frame.columns:
         raise ValueError(f"{j.what}: a cascade adds the column {SOURCE!r}, which the dataframe already has; rename it")
-    obj = accessor._obj
-    lazy_polars = _is_polars_lazy(obj)
-    polars = lazy_polars or _is_polars(obj)
-    schema = None
-    if polars:
-        obj = obj.collect() if lazy_polars else obj
-        schema = obj.schema
-        obj = obj.to_pandas(use_pyarrow_extension_array=True)
-    columns = [PRIOR if c == LLM_ERROR else c for c in accessor._columns()]
+    dask = frame.kind == "dask"
+    columns = [PRIOR if c == LLM_ERROR else c for c in frame.columns]
     prior = PRIOR in columns
     inputs = [*columns]
-    frame = obj.rename(columns={LLM_ERROR: PRIOR}) if prior else obj
-    dask = not isinstance(frame, pd.DataFrame)
+    data = frame.obj if dask else frame.to_pandas()
+    data = data.rename(columns={LLM_ERROR: PRIOR}) if prior else data
     if dask:
-        ones = frame.assign(**{POS: 1})[POS]
-        frame = frame.assign(**{POS: ones.cumsum() - 1})
+        ones = data.assign(**{POS: 1})[POS]
+        data = data.assign(**{POS: ones.cumsum() - 1})
     else:
-        frame = frame.assign(**{POS: np.arange(len(frame), dtype=np.int64)})
+        data = data.assign(**{POS: np.arange(len(data), dtype=np.int64)})
     # the oracle keeps every row: CascadeFinish drops filter's
-    oracle = judge_step(accessor, instruction, dataclasses.replace(j, keep=True, on_error="null"), inputs)
-    step, finish = proxy_step(accessor, instruction, cascade, [*inputs, POS], j)
+    oracle = judge_step(frame, instruction, dataclasses.replace(j, keep=True, on_error="null"), inputs)
+    step, finish = proxy_step(frame, instruction, cascade, [*inputs, POS], j)
     scored_step = SemanticFunction(step.name, step.task, Chain(step.post, finish), step.resources, step.shadow)
-    scored = run_step(frame, scored_step)
+    scored = run_step(FrameAdapter(data), scored_step)
     if dask:
         scored = scored.persist()
-    table = _compute(scored[[POS, SCORE]]).sort_values(POS)
+    table = (scored[[POS, SCORE]].compute() if dask else scored[[POS, SCORE]]).sort_values(POS)
     scores = table[SCORE].astype(float).to_numpy()
     known: list[pd.DataFrame] = []
 
@@ -530,11 +524,7 @@ def cascade_judge(accessor, instruction: str, cascade: Cascade, j: Judgment, ret
     else:
         result = fin(scored)
         result.attrs["dfllm_cascade"] = stats.as_dict()
-    if polars:
-        from dfllm.accessors.semantic.frames import to_polars
-
-        result = to_polars(result, schema)
-        result = result.lazy() if lazy_polars else result
+        result = frame.back(result)
     return (result, stats) if return_stats else result
 
 
@@ -558,15 +548,3 @@ class _keeping:
         out = self.step(df.drop(columns=[self.column]))
         out[self.column] = df[self.column]
         return out
-
-
-def _compute(frame):
-    return frame if isinstance(frame, pd.DataFrame) else frame.compute()
-
-
-def _is_polars(obj) -> bool:
-    return type(obj).__module__.startswith("polars") and type(obj).__name__ == "DataFrame"
-
-
-def _is_polars_lazy(obj) -> bool:
-    return type(obj).__module__.startswith("polars") and type(obj).__name__ == "LazyFrame"

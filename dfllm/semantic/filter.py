@@ -19,10 +19,11 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.accessors.semantic.frames import SemanticFunction, prompted_task, task_columns
-from dfllm.accessors.semantic.prompts import instruction_fields
+from dfllm.accessors.adapter import FrameAdapter
 from dfllm.engine_args import DEFAULTS
 from dfllm.sampling_params import SamplingParams
+from dfllm.semantic.frames import SemanticFunction, prompted_task, task_columns
+from dfllm.semantic.prompts import instruction_fields
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
 
@@ -130,10 +131,12 @@ class Judgment:
         return [self.output_column, self.probability_column, *explanations]
 
 
-def judge_step(accessor, instruction: str, j: Judgment, columns: list[str] | None = None) -> SemanticFunction:
+def judge_step(
+    frame: FrameAdapter, instruction: str, j: Judgment, columns: list[str] | None = None
+) -> SemanticFunction:
     """The operator (judge or filter) judging ``instruction`` on the accessor's frame (whose
     columns are ``columns``, if given)."""
-    columns = accessor._columns() if columns is None else columns
+    columns = frame.columns if columns is None else columns
     fields = instruction_fields(instruction)
     missing = [f for f in fields if f not in columns]
     if missing:
@@ -157,7 +160,7 @@ def judge_step(accessor, instruction: str, j: Judgment, columns: list[str] | Non
         sampling = SamplingParams(temperature=0.0, logprobs=logprobs, max_tokens=8)
         choice = list(ANSWERS)
     task, shadow = prompted_task(
-        accessor,
+        frame,
         JUDGE_PREAMBLE,
         instruction,
         fields,

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dfllm.accessors.semantic.frames import SemanticFunction, prompted_task, run_step, task_columns
-from dfllm.accessors.semantic.prompts import instruction_fields
+from dfllm.accessors.adapter import FrameAdapter
 from dfllm.sampling_params import SamplingParams
+from dfllm.semantic.frames import SemanticFunction, prompted_task, run_step, task_columns
+from dfllm.semantic.prompts import instruction_fields
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import LLM_ERROR, structured_dtype
 
@@ -119,7 +120,7 @@ class ExtractStep:
 
 
 def semantic_extract(
-    accessor,
+    frame: FrameAdapter,
     instruction: str,
     schema,
     *,
@@ -135,7 +136,7 @@ def semantic_extract(
 ):
     """``.llm.extract``: see its docstring."""
     fields = instruction_fields(instruction)
-    columns = accessor._columns()
+    columns = frame.columns
     missing = [f for f in fields if f not in columns]
     if missing:
         raise ValueError(
@@ -157,7 +158,7 @@ def semantic_extract(
     if sampling_params is None:
         sampling_params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS)
     task, shadow = prompted_task(
-        accessor,
+        frame,
         EXTRACT_PREAMBLE.format(fields=fields_text(json_schema)),
         instruction,
         fields,
@@ -174,4 +175,4 @@ def semantic_extract(
         cache=cache,
     )
     post = ExtractStep(output_column, names, tuple(task_columns(task.kind, TEXT)))
-    return run_step(accessor._obj, SemanticFunction("extract", task, post, resources, shadow))
+    return run_step(frame, SemanticFunction("extract", task, post, resources, shadow))

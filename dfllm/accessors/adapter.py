@@ -1,0 +1,102 @@
+"""The accessors' public face for the floors above them (the semantic operators,
+:mod:`dfllm.semantic`): :class:`FrameAdapter`, all they know of a ``.llm`` accessor's frame,
+and the one place that tells pandas, Dask and Polars (eager or lazy) frames apart."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+from dfllm.tasks.schema import LLM_ERROR
+
+#: What :func:`frame_kind` answers: a Polars LazyFrame is ``"lazy"``.
+FRAME_KINDS = ("pandas", "dask", "polars", "lazy")
+
+
+def frame_kind(obj: Any) -> str:
+    """One of :data:`FRAME_KINDS`, or ``TypeError``. It imports no library: a frame of one
+    that is not imported cannot exist."""
+    dd, pl = sys.modules.get("dask.dataframe"), sys.modules.get("polars")
+    if isinstance(obj, pd.DataFrame):
+        return "pandas"
+    if dd is not None and isinstance(obj, dd.DataFrame):
+        return "dask"
+    if pl is not None and isinstance(obj, (pl.DataFrame, pl.LazyFrame)):
+        return "polars" if isinstance(obj, pl.DataFrame) else "lazy"
+    raise TypeError(f"semantic operators run on pandas, Dask and Polars frames, not {type(obj).__name__}")
+
+
+class FrameAdapter:
+    """A pandas, Dask or Polars frame: ``obj`` (the frame itself), ``kind`` (:func:`frame_kind`),
+    ``columns``, the frame as pandas and back (:meth:`to_pandas`, :meth:`back`, :meth:`empty`),
+    a pandas function mapped over it (:meth:`map_pandas`) and, for a ``.llm`` accessor's
+    frame (:meth:`of`), the accessor's model check (:meth:`model_check`)."""
+
+    def __init__(self, obj: Any, accessor: Any = None):
+        self.obj, self.kind, self._accessor = obj, frame_kind(obj), accessor
+
+    @classmethod
+    def of(cls, accessor: Any) -> FrameAdapter:
+        """The frame of a ``.llm`` frame accessor (``df.llm``)."""
+        return cls(accessor._obj, accessor)
+
+    @property
+    def columns(self) -> list:
+        """The column names, as ``.llm``'s methods check them (a LazyFrame's from its schema)."""
+        return list(self.obj.collect_schema().names() if self.kind == "lazy" else self.obj.columns)
+
+    def model_check(self, resources: dict | None) -> Callable | None:
+        """A task's ``model_check`` (:func:`~dfllm.tasks.task.make_task`), as the accessor's own
+        methods check theirs: None (here, now) for an eager frame, which refuses ``resources``;
+        on Dask, on a worker declaring ``resources`` when only the workers have the model."""
+        return self._accessor._model_check(resources)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """An eager frame as pandas: itself, or Polars through Arrow (a LazyFrame collected)."""
+        if self.kind == "dask":
+            raise TypeError("expected an eager frame")
+        obj = self.obj.collect() if self.kind == "lazy" else self.obj
+        return obj if self.kind == "pandas" else obj.to_pandas(use_pyarrow_extension_array=True)
+
+    def empty(self) -> pd.DataFrame:
+        """An empty pandas frame with the frame's columns and dtypes (a Dask frame's ``meta``)."""
+        if self.kind in ("pandas", "dask"):
+            return self.obj._meta if self.kind == "dask" else self.obj.iloc[:0]
+        import polars as pl
+
+        return pl.DataFrame(schema=self.obj.collect_schema()).to_pandas(use_pyarrow_extension_array=True)
+
+    def back(self, df: pd.DataFrame) -> Any:
+        """``df`` (pandas) as the frame's kind: as it is but for Polars, where the frame's columns
+        get their own dtypes back where the trip through pandas changed them (an ``Enum`` comes
+        back as ``Categorical``; not ``llm_error``, which the operators write), and a LazyFrame's
+        lazy again."""
+        if self.kind not in ("polars", "lazy"):
+            return df
+        import polars as pl
+
+        out = pl.from_pandas(df.reset_index(drop=True))
+        schema = self.obj.collect_schema()
+        differ = {c: t for c, t in schema.items() if c in out.columns and c != LLM_ERROR and out.schema[c] != t}
+        out = out.cast(differ) if differ else out
+        return out.lazy() if self.kind == "lazy" else out
+
+    def map_pandas(
+        self,
+        here: Callable[[pd.DataFrame], pd.DataFrame],
+        partition: Callable[[pd.DataFrame], pd.DataFrame],
+        meta: Callable[[pd.DataFrame], pd.DataFrame],
+    ) -> Any:
+        """``here`` (a pandas frame to a pandas frame) over the frame: now on pandas and on a
+        Polars DataFrame (through :meth:`to_pandas` and :meth:`back`), on a LazyFrame batch by
+        batch when it is collected, and on Dask ``partition`` (picklable) lazily, one task per
+        partition. ``meta(empty)`` is the output for an empty input: the lazy results' schema."""
+        if self.kind == "dask":
+            return self.obj.map_partitions(partition, meta=meta(self.obj._meta))
+        if self.kind == "lazy":
+            schema = self.back(meta(self.empty())).collect_schema()
+            return self.obj.map_batches(lambda df: FrameAdapter(df).map_pandas(here, partition, meta), schema=schema)
+        return self.back(here(self.to_pandas()))
