@@ -213,3 +213,19 @@ def test_the_switch_is_dask_config_and_a_cli_flag():
     args = build_parser().parse_args(["run", "in.parquet", "out/", "--no-prefix-placement"])
     assert args.no_prefix_placement
     assert not build_parser().parse_args(["run", "in.parquet", "out/"]).no_prefix_placement
+
+
+def test_a_worker_routes_no_more_than_a_batch_of_rows_at_once():
+    """Routed partitions leave their threads while they wait: a worker routes them while
+    their rows are fewer than the engine's batch (one partition at least), and runs the
+    others where they are, so it holds no more partitions than without placement."""
+    from dfllm.accessors.prefix_placement import _routing_slot
+
+    with _routing_slot(300, 256) as first:  # one partition always, even above the batch
+        assert first
+        with _routing_slot(1, 256) as second:
+            assert not second
+    with _routing_slot(100, 256) as a, _routing_slot(100, 256) as b, _routing_slot(100, 256) as c:
+        assert a and b and not c
+    with _routing_slot(256, 256) as again:  # every slot given back
+        assert again

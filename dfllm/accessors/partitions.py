@@ -62,6 +62,11 @@ class WritableFunction:
         """Per row of ``df``, its prefix keys (:mod:`dfllm.tasks.prefix_keys`), or None."""
         return [None] * len(df)
 
+    @property
+    def engine_kwargs(self) -> dict:
+        """The engine arguments the partitions run with."""
+        return {}
+
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         if self.placement is not None:  # the rows on their prefix groups' engines (placement decides no output)
             out = run_routed(df, self)
@@ -105,6 +110,10 @@ class PartitionFunction(WritableFunction):
 
     def prefix_keys(self, df: pd.DataFrame) -> list[RowKeys | None]:
         return prefix_keys(df, self.task)
+
+    @property
+    def engine_kwargs(self) -> dict:
+        return dict(self.task.engine_kwargs)
 
     def run(self, df: pd.DataFrame) -> pd.DataFrame:
         return run_placed(df, self.task, self.resources)

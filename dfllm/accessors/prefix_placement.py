@@ -36,7 +36,9 @@ mean work per engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.prefix_directory import PlacementSettings, PrefixDirectory
+from dfllm.engine_args import DEFAULTS
 
 logger = logging.getLogger("dfllm.prefix_placement")
 
@@ -119,16 +122,51 @@ def run_routed(df: pd.DataFrame, fn) -> pd.DataFrame | None:
     partition as usual. ``fn`` is a :class:`~dfllm.accessors.partitions.WritableFunction`
     with a ``placement``: its ``prefix_keys(df)`` keys the rows on this worker, and its
     ``without_placement()`` runs each engine's rows there."""
-    from dfllm.accessors.placement import _worker, worker_has
+    from dfllm.accessors.placement import _worker
 
     job: JobPlacement = fn.placement
-    if not len(df) or _worker() is None:
+    worker = _worker()
+    if not len(df) or worker is None:
         return None
-    from distributed import Lock, worker_client
-
     from dfllm.dashboard import ensure_installed
 
     ensure_installed()  # the dashboard page from the job's first partition, as unrouted
+    limit = int(fn.engine_kwargs.get("max_num_seqs") or DEFAULTS["max_num_seqs"])
+    with _routing_slot(len(df), limit) as slot:
+        if not slot:  # a full batch of routed rows waits here already: this partition runs here
+            return None
+        return _route(df, fn, job)
+
+
+@contextlib.contextmanager
+def _routing_slot(rows: int, limit: int):
+    """Whether a partition of ``rows`` may be routed. A routed partition's task leaves its
+    thread while its rows run, so the worker starts another partition; as the engine's own
+    backpressure does (:mod:`dfllm.worker.driver`), a worker routes partitions while the
+    rows of its routed partitions are fewer than a batch (``limit``, the engine's
+    ``max_num_seqs``; one partition at least), and runs the partitions beyond them where Dask
+    put them, their thread held, so it holds no more partitions than without placement."""
+    global _routing
+    with _routing_lock:
+        slot = not _routing or _routing + rows <= limit
+        taken = rows if slot else 0
+        _routing += taken
+    try:
+        yield slot
+    finally:
+        with _routing_lock:
+            _routing -= taken
+
+
+_routing = 0  # rows of the routed partitions waiting in this process
+_routing_lock = threading.Lock()
+
+
+def _route(df: pd.DataFrame, fn, job: JobPlacement) -> pd.DataFrame | None:
+    from distributed import Lock, worker_client
+
+    from dfllm.accessors.placement import worker_has
+
     resources = fn.resources
     with worker_client() as client:
         addresses = engines(client, resources)

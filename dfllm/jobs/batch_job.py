@@ -146,6 +146,10 @@ class BatchFunction(WritableFunction):
     def without_placement(self) -> BatchFunction:
         return self if self.placement is None else BatchFunction(self.options, self.resources, self.cache)
 
+    @property
+    def engine_kwargs(self) -> dict:
+        return dict(self.options.engine_kwargs)
+
     def prefix_keys(self, df: pd.DataFrame) -> list[RowKeys | None]:
         """Each chat or completions line's prefix keys (its first prompt's, rendered and
         tokenized as :func:`answer_partition` does), None for other lines and for lines
