@@ -191,7 +191,9 @@ def test_job_survives_killed_workers(tiny_llama, tmp_path):
         assert job.returncode == 0, stderr[-2000:]
         assert len(parts(out)) <= 8
         cluster.wait_for_worker_pids(2, gone=killed, timeout=60)  # two workers serve, none of the killed
-        assert "rows:        16 (0 with llm_error)" in stdout
+        # (a killed partition's routed rows may still finish on the live engine beside their
+        # rerun, which the engine then computes once: "answered from an identical row")
+        assert "rows:        16 (0 with llm_error" in stdout
         check_complete(out, n)
     finally:
         cluster.close()

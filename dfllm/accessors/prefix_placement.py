@@ -55,6 +55,7 @@ CONFIG_KEY = "dfllm.prefix-placement"
 BALANCE_KEY = "dfllm.prefix-placement-balance"
 LIVENESS_CHECK_S = 2.0  # how often a partition task checks that its routed tasks' workers are alive
 METADATA_ROOT = "dfllm-prefix-placement"  # the scheduler metadata holding each job's directory
+STALL_S_ROUTED = 60.0  # after the workers changed: how long routed shares may make no progress
 STALE_S = 6 * 3600.0  # a job's directory is dropped once it placed no partition for this long
 
 
@@ -211,11 +212,14 @@ def _submit(client, df: pd.DataFrame, fn, addr: str):
 def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]]) -> pd.DataFrame:
     """Run each engine's rows there (``fn``, unrouted), and the partition's rows back in
     order. A routed task whose worker left is sent to a live engine (its rows' outputs do not
-    depend on where)."""
+    depend on where); if the cluster's workers changed and no routed task has finished for
+    :data:`STALL_S`, the rows still pending run here, in this task."""
     from distributed import wait
 
     pending = {_submit(client, df.iloc[rows], fn, addr): (addr, rows) for addr, rows in by_engine.items()}
+    members = set(engines(client, fn.resources))
     parts: list[tuple[list[int], pd.DataFrame]] = []
+    progress = time.monotonic()
     while pending:
         try:
             done, _ = wait(list(pending), timeout=LIVENESS_CHECK_S, return_when="FIRST_COMPLETED")
@@ -224,9 +228,21 @@ def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]]) -> pd
         for future in done:
             _, rows = pending.pop(future)
             parts.append((rows, future.result()))
+            progress = time.monotonic()
         if not pending or done:
             continue
         alive = engines(client, fn.resources)
+        if set(alive) != members and time.monotonic() - progress > STALL_S_ROUTED:
+            logger.warning(
+                "prefix placement: the cluster's workers changed and %d routed share(s) made no progress "
+                "for %.0f s; running their rows here",
+                len(pending),
+                STALL_S_ROUTED,
+            )
+            for future, (_, rows) in pending.items():
+                future.cancel()
+                parts.append((rows, fn(df.iloc[rows])))
+            break
         for future, (addr, rows) in list(pending.items()):
             if addr not in alive and alive:
                 future.cancel()
