@@ -198,7 +198,7 @@ def _route(df: pd.DataFrame, fn, job: JobPlacement) -> pd.DataFrame | None:
         by_engine: dict[str, list[int]] = {}
         for i, addr in enumerate(placement.engines):
             by_engine.setdefault(addr, []).append(i)
-        return _gather(client, df, fn.without_placement(), by_engine)
+        return _gather(client, df, fn.without_placement(), by_engine, set(addresses))
 
 
 def _key(fn, what: str) -> str:
@@ -209,15 +209,15 @@ def _submit(client, df: pd.DataFrame, fn, addr: str):
     return client.submit(fn, df, workers=[addr], resources=fn.resources, pure=False, key=_key(fn, "routed"))
 
 
-def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]]) -> pd.DataFrame:
+def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]], members: set[str]) -> pd.DataFrame:
     """Run each engine's rows there (``fn``, unrouted), and the partition's rows back in
     order. A routed task whose worker left is sent to a live engine (its rows' outputs do not
-    depend on where); if the cluster's workers changed and no routed task has finished for
-    :data:`STALL_S`, the rows still pending run here, in this task."""
+    depend on where); if the cluster's workers changed from ``members`` (those placed on)
+    and no routed task has finished for :data:`STALL_S_ROUTED`, the rows still pending run
+    here, in this task."""
     from distributed import wait
 
     pending = {_submit(client, df.iloc[rows], fn, addr): (addr, rows) for addr, rows in by_engine.items()}
-    members = set(engines(client, fn.resources))
     parts: list[tuple[list[int], pd.DataFrame]] = []
     progress = time.monotonic()
     while pending:
