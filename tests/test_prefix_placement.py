@@ -9,12 +9,15 @@ prefixes is spread evenly; the switch turns it off; a resumable write keeps its 
 
 from __future__ import annotations
 
+import json
 import time
 
 import dask
 import dask.dataframe as dd
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm.accessors.partitions import llm_origin
@@ -209,3 +212,48 @@ def test_run_batch_routes_lines_by_prefix(client, kw, tmp_path):
     tok = AutoTokenizer.from_pretrained(kw["model"])
     best = ideal(tok(list(frame["prompt"]))["input_ids"])
     assert best / computed[True] >= 0.85 and computed[True] < computed[False], (best, computed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.text(),  # odd Unicode, lone surrogates, not JSON
+            st.sampled_from(["\ufeff{}", "{}", "[]", "null", "1e999", "9" * 5000, "   "]),
+            st.builds(
+                lambda url, body: json.dumps({"custom_id": "x", "method": "POST", "url": url, "body": body}),
+                st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/nope", 7]),
+                st.one_of(
+                    st.fixed_dictionaries({"prompt": st.one_of(st.text(), st.integers(), st.lists(st.integers()))}),
+                    st.fixed_dictionaries(
+                        {"messages": st.one_of(st.text(), st.lists(st.dictionaries(st.text(), st.text())))}
+                    ),
+                    st.fixed_dictionaries(
+                        {"prompt": st.just("hi"), "max_tokens": st.one_of(st.integers(), st.text(), st.floats())}
+                    ),
+                ),
+            ),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_run_batch_keying_takes_hostile_lines(batch_fn, lines):
+    """Keying a partition of run-batch lines (before they are routed) never fails: a line it
+    cannot key is None, left to its own run to answer with its error; one entry per line."""
+    df = pd.DataFrame(
+        {
+            "text": [t.encode("utf-8", "surrogatepass").decode("utf-8", "replace") for t in lines],
+            "utf8": [not any(0xD800 <= ord(c) <= 0xDFFF for c in t) for t in lines],
+        }
+    )
+    keys = batch_fn.prefix_keys(df)
+    assert len(keys) == len(df)
+    assert all(k is None or (k.keys and k.prompt_tokens >= 1) for k in keys)
+
+
+@pytest.fixture(scope="module")
+def batch_fn(kw):
+    from dfllm.jobs.batch_job import BatchFunction, check_options
+
+    return BatchFunction(check_options(kw["model"], {k: v for k, v in kw.items() if k != "model"}))
