@@ -120,8 +120,11 @@ class CLICluster:
     def __init__(self, workers: int = 2, threads: int = 1, resources: str | list | None = None):
         import subprocess
         import sys
+        import tempfile
 
         self.port = free_port()
+        # the processes' logs, for :meth:`diagnose` when a test using the cluster times out
+        self.log_dir = Path(tempfile.mkdtemp(prefix="dfllm-cli-cluster-"))
         self.address = f"tcp://127.0.0.1:{self.port}"
         env = {**os.environ, "DFLLM_NUM_THREADS": "1"}
         dask = [sys.executable, "-m", "dask"]
@@ -131,11 +134,11 @@ class CLICluster:
                 env=env,
                 start_new_session=True,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=open(self.log_dir / "scheduler.log", "w"),
             )
         ]
         per_worker = resources if isinstance(resources, list) else [resources] * workers
-        for res in per_worker:
+        for i, res in enumerate(per_worker):
             cmd = dask + [
                 "worker",
                 self.address,
@@ -151,7 +154,11 @@ class CLICluster:
                 cmd += ["--resources", res]
             self.procs.append(
                 subprocess.Popen(
-                    cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                    cmd,
+                    env=env,
+                    start_new_session=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(self.log_dir / f"worker-{i}.log", "w"),
                 )
             )
         self.client().wait_for_workers(workers, timeout=120)
@@ -191,6 +198,41 @@ class CLICluster:
             time.sleep(0.1)
         raise TimeoutError(f"no {n} workers without pids {list(gone)} after {timeout} s (last: {last!r})")
 
+    def diagnose(self, tail: int = 6000) -> str:
+        """What the cluster is doing, for a test that timed out: the scheduler's tasks not in
+        memory (key, state, worker), every thread's stack on every worker, and the tails of
+        the processes' logs."""
+        import traceback
+
+        def stacks() -> str:
+            import sys
+            import threading
+
+            names = {t.ident: t.name for t in threading.enumerate()}
+            return "\n".join(
+                f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                for ident, frame in sys._current_frames().items()
+            )
+
+        def tasks(dask_scheduler) -> list:
+            return [
+                (str(k), ts.state, getattr(ts.processing_on, "address", None), [w.address for w in ts.who_has or ()])
+                for k, ts in dask_scheduler.tasks.items()
+                if ts.state not in ("memory", "released", "forgotten")
+            ]
+
+        out = []
+        try:
+            client = self.client()
+            out.append(f"scheduler tasks: {client.run_on_scheduler(tasks)!r}")
+            for addr, text in client.run(stacks).items():
+                out.append(f"==== worker {addr} stacks\n{text[-tail:]}")
+        except Exception:
+            out.append(f"(cluster state unavailable: {traceback.format_exc()})")
+        for log in sorted(self.log_dir.glob("*.log")):
+            out.append(f"==== {log.name}\n{log.read_text(errors='replace')[-tail:]}")
+        return "\n".join(out)
+
     def close(self) -> None:
         import signal
 
@@ -206,6 +248,7 @@ class CLICluster:
                 p.wait(timeout=20)
             except Exception:
                 os.killpg(p.pid, signal.SIGKILL)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def make_seq(tokens: list[int]) -> Sequence:

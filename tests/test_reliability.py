@@ -187,7 +187,13 @@ def test_job_survives_killed_workers(tiny_llama, tmp_path):
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
             cluster.wait_for_worker_pids(2, gone=killed)  # the nanny's new worker process answers
-        stdout, stderr = job.communicate(timeout=400)
+        try:
+            stdout, stderr = job.communicate(timeout=400)
+        except subprocess.TimeoutExpired:  # say where it stands before the job goes
+            state = cluster.diagnose()
+            job.kill()
+            _, stderr = job.communicate()
+            raise AssertionError(f"the job did not finish in 400 s\n{stderr[-6000:]}\n{state}") from None
         assert job.returncode == 0, stderr[-2000:]
         assert len(parts(out)) <= 8
         cluster.wait_for_worker_pids(2, gone=killed, timeout=60)  # two workers serve, none of the killed
