@@ -24,7 +24,7 @@ from dfllm.kernels.backend import TORCH_OPS, select_ops
 from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# the largest error, relative to the largest reference value, that passes (tests/test_kernels.py's, with margin)
+# the largest error, relative to the largest reference value, that passes (tests/kernels/test_kernels.py's, with margin)
 TOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
 
 

@@ -159,10 +159,9 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    from test_image_dataframes import build_tiny_llava
-    from test_image_embeddings import build_tiny_clip
-
     from dfllm.models.bundled import resolve_model
+
+    from image_data import build_tiny_clip, build_tiny_llava
 
     root = Path(tempfile.mkdtemp(prefix="bench_images_"))
     llava = build_tiny_llava(root, resolve_model("smollm2-135m-instruct"))

@@ -41,7 +41,7 @@ from dfllm.kernels.fused_moe import route_topk
 from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# relative error bound: max |triton - torch| / max |torch| (tests/test_kernels.py's, fp32 with margin)
+# relative error bound: max |triton - torch| / max |torch| (tests/kernels/test_kernels.py's, fp32 with margin)
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
@@ -103,7 +103,7 @@ def gpu_sizes(rng: Rng) -> Sizes:
 
 
 def cpu_sizes(rng: Rng) -> Sizes:
-    # tests/test_kernels.py's mixed batch: a fresh prefill, a chunk over a cached prefix, decodes
+    # tests/kernels/test_kernels.py's mixed batch: a fresh prefill, a chunk over a cached prefix, decodes
     return Sizes(
         heads=4,
         kv_heads=2,

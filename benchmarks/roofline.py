@@ -2,7 +2,7 @@
 
 Two measurements of the device (``matmul_rate``, ``copy_bandwidth``), and pure arithmetic
 that prices a workload against them (``ModelShape``, ``decode_steps``, ``roofline``): no GPU
-is needed to check the arithmetic (``tests/test_bench_roofline.py``).
+is needed to check the arithmetic (``tests/system/test_bench_roofline.py``).
 
 The model of a run (``roofline``)
 ---------------------------------

@@ -58,3 +58,20 @@ def cli_cluster():
     cluster = CLICluster()
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random LLaVA-1.5 (:func:`image_data.build_tiny_llava`)."""
+    from image_data import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory, smollm2_dir) -> Path:
+    """The bigram Qwen3 with a thinking tokenizer, saved as a Hugging Face directory
+    (:func:`reasoning_data.build_thinker`)."""
+    from reasoning_data import build_thinker
+
+    return build_thinker(tmp_path_factory.mktemp("reasoning"), smollm2_dir)

@@ -282,3 +282,50 @@ def build_tiny_classifier(root: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(resolve_model("all-minilm-l6-v2") / name, path / name)
     return path
+
+
+# ---- LoRA adapters and small classifiers ------------------------------------------------------------
+def make_adapter(
+    base: Path, out: Path, seed: int, r: int, targets: list[str], alpha: int = 16, rslora: bool = False
+) -> Path:
+    """A random (non-zero) PEFT LoRA adapter of ``base``, saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.1, init_lora_weights=False
+    )
+    peft = get_peft_model(model, cfg)
+    with torch.no_grad():  # PEFT's random init leaves B small: make every adapter change the greedy output
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    peft.save_pretrained(out)
+    return out
+
+
+def tiny_bert(tmp_path: Path, minilm_dir: Path, num_labels: int):
+    """A small random BERT sequence classifier with ``num_labels`` labels and the MiniLM
+    tokenizer, saved in ``tmp_path``; returns its path and the transformers model."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=num_labels,
+        id2label={i: f"label_{i}" for i in range(num_labels)},
+        label2id={f"label_{i}": i for i in range(num_labels)},
+        architectures=["BertForSequenceClassification"],
+    )
+    torch.manual_seed(num_labels)
+    model = AutoModelForSequenceClassification.from_config(cfg).eval()
+    path = tmp_path / f"bert-{num_labels}"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, path / name)
+    return path, model

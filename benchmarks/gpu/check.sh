@@ -143,7 +143,7 @@ if ((CPU)); then
     step nano 90 "$PY" benchmarks/bench_generate.py --device cpu --model "$BIG" --workload nano-vllm \
         --num-prompts 2 --length-scale 0.02 --skip-hf --skip-llama-cpp --skip-breakdown --json "$LOGS/nano.json"
     note tp skipped 0 "skipped: --cpu dry run"
-    TEST_ARGS=(tests/test_kernels.py -k "test_rms_norm and dtype0")
+    TEST_ARGS=(tests/kernels/test_kernels.py -k "test_rms_norm and dtype0")
     [[ -n ${TESTS:-} ]] && read -ra TEST_ARGS <<< "$TESTS"
     step tests 120 "$PY" -m pytest -q -rf -p no:cacheprovider --timeout 120 "${TEST_ARGS[@]}"
 else
@@ -159,8 +159,8 @@ else
         --workload nano-vllm --skip-hf --skip-llama-cpp --skip-breakdown --json "$LOGS/nano.json"
     if ((GPUS > 1)); then step tp 90 "$PY" "$HERE/tp_check.py" "$LOGS" cuda
     else wanted tp && note tp skipped 0 "skipped: $GPUS GPU"; fi
-    TEST_ARGS=(tests/test_kernels.py tests/test_triton_engine.py tests/test_sampler_device.py tests/test_cuda_graphs.py
-               tests/models/test_moe.py)
+    TEST_ARGS=(tests/kernels/test_kernels.py tests/engine/test_triton_engine.py tests/engine/test_sampler_device.py
+               tests/engine/test_cuda_graphs.py tests/models/test_moe.py)
     [[ -n ${TESTS:-} ]] && read -ra TEST_ARGS <<< "$TESTS"
     step tests 240 "$PY" -m pytest -q -rf -p no:cacheprovider --timeout 90 "${TEST_ARGS[@]}"
 fi

@@ -23,7 +23,7 @@ targets that hold with a stated probability (LOTUS's cascade, after SUPG).
    normal quantile of ``failure_probability / 2`` (one half per target), so that both
    targets hold together with probability about ``1 - failure_probability``. The guarantee
    is the normal approximation's, and the thresholds are picked among many candidates:
-   tests/test_semantic_cascade.py measures the rate at which the targets are met over
+   tests/semantic/test_semantic_cascade.py measures the rate at which the targets are met over
    repeated runs (above the stated rate).
 4. Sampled rows keep the oracle's verdicts; the others get the proxy's or the oracle's.
 

@@ -96,6 +96,7 @@ def test_greedy_matches_transformers(tmp_path, smollm2_dir):
     assert attn.k_cache.shape[-1] == LATENT_WIDTH and attn.v_cache is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "version,extra",
     [
@@ -134,6 +135,7 @@ MOE = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "version,extra",
     [
@@ -156,6 +158,7 @@ def test_moe_layers_match_transformers(tmp_path, smollm2_dir, version, extra):
     )
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_prefix_caching(deepseek_v2, workload):
     """A 16-token budget chunks every prompt beside running decodes (later chunks read their
     prefix's latents from the cache), log-prob close to transformers; the shared prefix is then

@@ -21,6 +21,8 @@ from transformers import (
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 SP = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
 FAMILIES = {
     "qwen3": (Qwen3Config, dict(head_dim=24)),

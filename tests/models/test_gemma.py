@@ -73,6 +73,7 @@ def _engine(path: Path, **kwargs) -> LLM:
     return LLM(path, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=128, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gemma2", "gemma3"])
 def test_greedy_matches_transformers_past_the_window(request, model, prompts):
     path = request.getfixturevalue(model)
@@ -147,6 +148,7 @@ def test_gemma3_head_dim_256(tmp_path, smollm2_dir, prompts):
     )
 
 
+@pytest.mark.slow
 def test_gemma2_triton_backend(gemma2, prompts):
     """The Triton kernels (the interpreter on a CPU): windowed and soft-capped layers in one launch;
     decode steps stay eager, the class declaring no CUDA-graph support."""
@@ -161,6 +163,7 @@ def test_gemma2_triton_backend(gemma2, prompts):
     assert "supports_cuda_graphs" in unsupported_reason(llm.engine.runner.model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gemma2", "gemma3"])
 def test_preemption_keeps_outputs(request, model, prompts):
     """A KV cache of 16 four-token blocks cannot hold the batch: sequences are preempted and
@@ -182,6 +185,7 @@ def test_preemption_keeps_outputs(request, model, prompts):
     assert llm.engine.stats().num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_gemma2_tensor_parallel_matches_one_rank(gemma2, prompts):
     """Two ranks, each with half of the query and key/value heads and of the MLP columns, give
     exactly one rank's tokens."""

@@ -104,6 +104,7 @@ PLANS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_transformers(models, prompts, references, family):
     """Each family's dense and sparse layers and routing normalisation; a 16-token budget
@@ -119,6 +120,7 @@ def test_greedy_matches_transformers(models, prompts, references, family):
     assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == got[1].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_preemption_keeps_outputs(models, prompts, references, family):
     """A KV cache of 16 four-token blocks cannot hold the batch: sequences are preempted and
@@ -223,6 +225,7 @@ def test_bad_moe_config_names_the_field(models, field, value, match):
         MixtralForCausalLM(spec, TORCH_OPS, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
     reason="needs a GPU or Triton's interpreter",
@@ -238,6 +241,7 @@ def test_triton_backend_matches_transformers(models, prompts, references):
     )
 
 
+@pytest.mark.slow
 def test_tensor_parallel_matches_one_rank(models, prompts):
     """Two ranks, each with half of every expert's (and the shared expert's) intermediate
     features, give exactly one rank's tokens."""

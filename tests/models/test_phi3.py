@@ -80,6 +80,7 @@ def engine_outputs(models):
     }
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_fused_tensors(models):
     from safetensors import safe_open
 
@@ -88,6 +89,7 @@ def test_checkpoint_holds_fused_tensors(models):
     assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["default", "longrope"])
 @pytest.mark.parametrize(
     "kwargs",
@@ -139,6 +141,7 @@ def test_longrope_factors_follow_max_model_len(models, max_model_len, factors):
     torch.testing.assert_close(rotary.sin, (pos * inv_freq).sin() * scale)
 
 
+@pytest.mark.slow
 def test_phi3_prefix_caching_and_preemption(models, references):
     """A 16-block cache forces preemption (outputs equal the roomy engine's); a second pass
     over a prompt reads its blocks from the prefix cache and gives the same tokens, log-prob
@@ -158,6 +161,7 @@ def test_phi3_prefix_caching_and_preemption(models, references):
     check_logprobs_close(from_outputs([first]), references["default"][2:3], "dfllm", "transformers")
 
 
+@pytest.mark.slow
 def test_phi3_tensor_parallel_matches_one_rank(models, engine_outputs):
     """Two ranks: each takes its slice of q, k and v (one kv head each) and of gate and up;
     the tokens are exactly one rank's."""

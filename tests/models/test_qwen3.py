@@ -48,6 +48,7 @@ def test_qwen3_has_its_norms_and_no_bias(qwen3):
     assert attn.qkv_proj.bias is None and attn.o_proj.bias is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -80,6 +81,7 @@ def test_qwen3_prefix_cache_hits(qwen3):
     )
 
 
+@pytest.mark.slow
 def test_qwen3_preemption(qwen3):
     """A KV cache of 16 four-token blocks is too small for the batch: a sequence is preempted
     and recomputed, and every output equals exactly the roomy engine's."""
@@ -92,6 +94,7 @@ def test_qwen3_preemption(qwen3):
     assert llm.engine.stats().num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_qwen3_attention_bias_matches_transformers(tmp_path, smollm2_dir):
     path = build_decoder(
         tmp_path,
@@ -114,6 +117,7 @@ def test_qwen3_attention_bias_matches_transformers(tmp_path, smollm2_dir):
     )
 
 
+@pytest.mark.slow
 def test_qwen3_tensor_parallel_matches_one_rank(qwen3, prompts, reference):
     llm = LLM(qwen3, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=32)
     try:

@@ -81,6 +81,7 @@ def hf_yes_probability(path, texts: list[str]) -> list[float]:
     return out
 
 
+@pytest.mark.slow
 def test_original_qwen3_reranker_scores_as_vllm(causal):
     llm = LLM(causal, runner="pooling", hf_overrides=RERANKER)
     outs = llm.score(QUERIES, DOCUMENTS, use_tqdm=False)
@@ -96,6 +97,7 @@ def test_original_qwen3_reranker_scores_as_vllm(causal):
     assert one[0].prompt_token_ids == AutoTokenizer.from_pretrained(causal)(QUERIES[0] + DOCUMENTS[0]).input_ids
 
 
+@pytest.mark.slow
 def test_reranker_through_the_dataframe_accessor(root, smollm2_dir):
     path = build_decoder(
         root, smollm2_dir, Qwen3Config, "qwen3-frame", hidden=32, heads=4, kv_heads=2, head_dim=16, seed=4
@@ -113,6 +115,7 @@ def test_reranker_overrides_are_checked(causal):
         LLM(causal, runner="pooling", hf_overrides={**RERANKER, "classifier_from_token": ["no", "zz-not-a-token"]})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config_cls", [Qwen3Config, Qwen2Config, LlamaConfig])
 def test_plain_sequence_classification_checkpoint(root, smollm2_dir, config_cls):
     """A ``*ForSequenceClassification`` checkpoint (``score.weight``, 3 labels): its class
@@ -145,6 +148,7 @@ def test_plain_sequence_classification_checkpoint(root, smollm2_dir, config_cls)
         assert g == pytest.approx(w, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bare", [False, True], ids=["causal-lm", "bare-model"])
 def test_qwen3_embedding_last_token_normalised(root, smollm2_dir, bare):
     """Qwen3-Embedding style: last-token pooling, normalised; also a checkpoint saved from the

@@ -12,12 +12,12 @@ import pytest
 import torch
 from decoder_builders import build_decoder
 from fidelity import check_logprobs_close, dfllm_greedy_logprobs, hf_greedy_logprobs
-from test_kernels import _attention_batch, rel_err
 from transformers import MistralConfig
 
 from dfllm import LLM
 from dfllm.kernels.backend import TORCH_OPS, select_ops
 
+from attention_data import attention_batch, rel_err
 from helpers import random_prompts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,7 +51,7 @@ def dense_reference(q, kc, vc, meta, scale, window, softcap):
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (8, None), (1, None), (None, 5.0), (13, 2.0)])
 def test_reference_matches_dense_attention(window, softcap):
-    q, k, v, kc, vc, meta = _attention_batch(MIXED, 2, 3, 16, 4, torch.float32, "cpu", seed=3)
+    q, k, v, kc, vc, meta = attention_batch(MIXED, 2, 3, 16, 4, torch.float32, "cpu", seed=3)
     q = q * 3  # large scores, so that the cap matters
     got = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.25, sliding_window=window, softcap=softcap)
     assert rel_err(got, dense_reference(q, kc, vc, meta, 0.25, window, softcap)) < 1e-5
@@ -60,6 +60,7 @@ def test_reference_matches_dense_attention(window, softcap):
         assert torch.equal(TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.25, softcap=softcap), got)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize(
     "window,softcap,num_segments",
@@ -77,7 +78,7 @@ def test_triton_matches_reference(window, softcap, num_segments):
 
     select_ops("triton", torch.device(DEVICE))  # the interpreter on a CPU
     seqs = MIXED + [(20, 52)]  # and a chunk long enough for the 64-row query tiles
-    q, k, v, kc, vc, meta = _attention_batch(seqs, 2, 3, 16, 4, torch.float32, DEVICE, seed=5)
+    q, k, v, kc, vc, meta = attention_batch(seqs, 2, 3, 16, 4, torch.float32, DEVICE, seed=5)
     q = q * 3
     want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, 0.25, sliding_window=window, softcap=softcap)
     got = paged_attention_launch(
@@ -86,11 +87,12 @@ def test_triton_matches_reference(window, softcap, num_segments):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_blocks_before_the_window_are_never_read():
     """Blocks wholly before the window of a sequence's first query may be freed and reused:
     both kernels must give the same output with NaN there (0 * NaN would show)."""
     window, bs = 8, 4
-    q, k, v, kc, vc, meta = _attention_batch(MIXED, 2, 3, 16, bs, torch.float32, "cpu", seed=9)
+    q, k, v, kc, vc, meta = attention_batch(MIXED, 2, 3, 16, bs, torch.float32, "cpu", seed=9)
     group = meta.decode_groups[0]
     for row, n in enumerate(group.mask.sum(1).tolist()):  # pad with the row's own last block, as the engine
         real = -(-n // bs)
@@ -112,7 +114,7 @@ def test_blocks_before_the_window_are_never_read():
 
         select_ops("triton", torch.device(DEVICE))
         args = [x.to(DEVICE) for x in (q, kc, vc)]
-        meta = _attention_batch(MIXED, 2, 3, 16, bs, torch.float32, DEVICE, seed=9)[-1]
+        meta = attention_batch(MIXED, 2, 3, 16, bs, torch.float32, DEVICE, seed=9)[-1]
         for segments in (1, 4):
             got = paged_attention_launch(*args, meta, 0.25, num_segments=segments, sliding_window=window)
             assert rel_err(got, want) < 1e-5
@@ -126,6 +128,7 @@ def tiny_mistral(tmp_path_factory, smollm2_dir) -> Path:
     return build_decoder(tmp_path_factory.mktemp("models"), smollm2_dir, MistralConfig, "mistral-w8", sliding_window=8)
 
 
+@pytest.mark.slow
 def test_mistral_window_shorter_than_prompts_matches_transformers(tiny_mistral):
     prompts = random_prompts(4, 9, 30, seed=11)
     max_tokens = [12, 5, 9, 16]
@@ -170,6 +173,7 @@ def test_block_manager_releases_blocks_out_of_the_window():
     assert bm.match_prefix(other) == []
 
 
+@pytest.mark.slow
 def test_mistral_releasing_blocks_keeps_outputs(tiny_mistral):
     prompts = random_prompts(4, 25, 33, seed=12)
     max_tokens = [20, 14, 17, 9]

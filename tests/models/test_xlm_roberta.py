@@ -173,6 +173,7 @@ def client():
         yield c
 
 
+@pytest.mark.slow
 def test_accessors_and_cli_embed(bge_like, bge_llm, client, tmp_path):
     path = str(bge_like[0])
     frame = pd.DataFrame({"t": [TEXTS[0], None, TEXTS[1], TEXTS[2]]})

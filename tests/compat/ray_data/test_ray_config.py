@@ -59,6 +59,7 @@ def expected(tiny_llama):
     return [o.outputs[0].text for o in outs]
 
 
+@pytest.mark.slow
 def test_ray_quickstart_script_on_dask(tiny_llama, items, expected):
     processor = build_processor(ray_config(tiny_llama), preprocess=preprocess, postprocess=postprocess)
     lazy = processor(dd.from_pandas(items, npartitions=2))
@@ -258,6 +259,7 @@ def test_bad_values_raise(fields, match):
         vLLMEngineProcessorConfig(model_source="x", **fields)
 
 
+@pytest.mark.slow
 def test_accelerator_type_places_the_engine_on_workers_declaring_it(tiny_llama, items, expected):
     """Ray's ``accelerator_type`` on a mixed Dask cluster: only the worker declaring
     ``accelerator_type:H100`` loads the model, whatever worker a partition started on."""

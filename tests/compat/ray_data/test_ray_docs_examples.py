@@ -59,6 +59,7 @@ def test_minimal_quickstart(tiny_llama, llm):
         assert result["response"] == ref.outputs[0].text
 
 
+@pytest.mark.slow
 def test_embedding_example(tmp_path):
     """``embedding_example.py`` (and the embedding config of ``basic_llm_example.py``):
     the older ``build_llm_processor``, stages off, ``row["embeddings"]`` read."""
@@ -172,6 +173,7 @@ def test_tokenization_examples(tiny_llama, llm, disaggregated):
     assert ds["resp"].tolist() == [ref.outputs[0].text] and ref.outputs[0].text
 
 
+@pytest.mark.slow
 def test_custom_tokenizer_pipeline(tiny_llama, llm):
     """``custom_tokenizer_example.py``: the built-in stages off, chat template and
     tokenization done by the user's own batch functions before the processor (rows carry
@@ -259,6 +261,7 @@ def test_custom_tokenizer_pipeline(tiny_llama, llm):
         assert row["num_input_tokens"] == len(ref.prompt_token_ids)
 
 
+@pytest.mark.slow
 def test_scaling_and_tuning_configs(tiny_llama, llm):
     """The configs of "Scaling", "Per-stage configuration", "Tuning concurrent batch
     processing" and "GPU memory and CUDA OOM" (``basic_llm_example.py``): accepted as

@@ -226,6 +226,7 @@ def test_bad_row_chat_template_kwargs_is_that_rows_error(tiny_llama):
         build_processor(config(tiny_llama), processor.preprocess)(frame)
 
 
+@pytest.mark.slow
 def test_pooling_params_per_row():
     """Ray lets preprocess return ``pooling_params``: each row's own reach the model."""
     texts = ["a cat sat on the mat today", "a dog", "a fish swam in the sea", "bad"]
@@ -251,6 +252,7 @@ def test_pooling_params_per_row():
     assert abs(norms[0] - 1) < 1e-4 and abs(norms[1] - 1) > 1e-3 and abs(norms[2] - 1) < 1e-4
 
 
+@pytest.mark.slow
 def test_pooling_params_per_row_classify_and_score(tmp_path):
     from helpers import build_tiny_classifier
 
@@ -294,6 +296,7 @@ def test_pooling_params_per_row_classify_and_score(tmp_path):
     assert scores[0] != pytest.approx(scores[1])
 
 
+@pytest.mark.slow
 def test_guided_decoding_in_sampling_params(tiny_llama):
     """Ray's structured outputs: ``sampling_params={"guided_decoding": {...}}`` (Ray builds
     vLLM's structured outputs params from it), or dfllm/vLLM's ``structured_outputs``."""

@@ -36,6 +36,7 @@ def items():
     return pd.DataFrame({"item": ITEMS})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat", [True, False])
 def test_generation_columns_as_in_ray(tiny_llama, items, chat):
     def preprocess(row):
@@ -112,7 +113,8 @@ def test_score_default_model_embeddings_is_the_score():
 
 def test_classify_embeddings_are_the_probabilities(tmp_path, items):
     from dfllm.models.bundled import resolve_model
-    from tests.test_pooling import tiny_bert
+
+    from helpers import tiny_bert
 
     path, _ = tiny_bert(tmp_path, resolve_model("all-minilm-l6-v2"), 3)
     config = vLLMEngineProcessorConfig(model_source=str(path), task_type="classify")
@@ -130,6 +132,7 @@ def test_classify_without_a_model_is_refused():
         vLLMEngineProcessorConfig(model_source=None, task_type="classify")
 
 
+@pytest.mark.slow
 def test_generate_default_model_is_the_bundled_chat_model():
     """``model_source=None`` for generate: dfllm's bundled chat model, its template rendered."""
     config = vLLMEngineProcessorConfig(model_source=None, engine_kwargs={"max_model_len": 256})

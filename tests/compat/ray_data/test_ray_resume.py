@@ -27,7 +27,7 @@ from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 
 from helpers import local_client
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 N = 6
 FAILS = 4  # the id whose preprocess fails

@@ -50,6 +50,7 @@ def reference(hf, prompt: list[int], width: int, max_tokens: int, eos: int, pena
     return sorted(done + beams, key=lambda b: score(*b), reverse=True)[:width]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width,max_tokens,penalty", [(1, 5, 1.0), (3, 6, 1.0), (4, 5, 0.5)])
 def test_beams_equal_the_brute_force_search(llm, hf, width, max_tokens, penalty):
     params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty)

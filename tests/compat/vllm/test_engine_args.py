@@ -180,6 +180,7 @@ def test_unknown_kwarg_raises_type_error():
         check_engine_args(not_an_arg=1)
 
 
+@pytest.mark.slow
 def test_accepted_arguments_change_no_output(tiny_llama):
     plain = LLM(tiny_llama, **SMALL).generate(PROMPTS, GREEDY, use_tqdm=False)
     vllm_style = LLM(tiny_llama, **SMALL, **ACCEPTED).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -202,6 +203,7 @@ def test_docs_table_is_the_engine_args_table():
     assert markdown_table() in FROM_VLLM.read_text()
 
 
+@pytest.mark.slow
 def test_hf_overrides_change_the_config_dfllm_reads(tiny_llama):
     """vLLM's hf_overrides: a dict of config.json fields, or a callable; applied before dfllm
     describes the model, so the engine is built from the overridden config."""

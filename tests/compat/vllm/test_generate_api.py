@@ -34,6 +34,7 @@ def gen(llm, prompts, params=None, **kw):
 # ---- tests/entrypoints/llm/test_generate.py ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_multiple_sampling_params(llm):
     params = [SamplingParams(temperature=t, top_p=0.95, **SHORT) for t in (0.01, 0.3, 0.7, 0.99)]
     assert len(gen(llm, PROMPTS, params)) == len(PROMPTS)

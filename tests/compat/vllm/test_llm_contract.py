@@ -47,6 +47,7 @@ def nothing_queued(llm) -> bool:
 
 
 # ---- 1. wake_up answers whether the engine is fully awake ---------------------------------------
+@pytest.mark.slow
 def test_wake_up_returns_whether_fully_awake(tiny_llama):
     llm = LLM(tiny_llama, **ENGINE)
     want = token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))

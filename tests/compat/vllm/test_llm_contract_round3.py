@@ -32,6 +32,7 @@ def logits(tiny_llama):
 
 
 # ---- 1. the sampled token first, then the top-k by rank --------------------------------------
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 6))
 def test_sampled_token_first_then_top_k_by_rank(llm, seed, k):
@@ -71,6 +72,7 @@ def first_step(tiny_llama, mode: str, sp: SamplingParams) -> dict:
     return engine.generate({"prompt_token_ids": PROMPT}, sp, use_tqdm=False)[0].outputs[0].logprobs[0]
 
 
+@pytest.mark.slow
 def test_raw_modes_are_the_models_logits_and_logprobs(tiny_llama, logits):
     sp = SamplingParams(temperature=0.7, top_k=3, seed=1, max_tokens=1, logprobs=6, logit_bias={5: 30.0})
     for mode, expected in (("raw_logits", logits), ("raw_logprobs", torch.log_softmax(logits, -1))):
@@ -80,6 +82,7 @@ def test_raw_modes_are_the_models_logits_and_logprobs(tiny_llama, logits):
     assert LLM(tiny_llama, **ENGINE).llm_engine.sampler.logprobs_mode == "raw_logprobs"  # vLLM's default
 
 
+@pytest.mark.slow
 def test_processed_modes_follow_temperature_top_k_and_bias(tiny_llama, logits):
     """processed: after the processors (logit bias) and, for a sampled row, temperature and top-k:
     tokens outside the top-k are -inf, in logits and logprobs alike."""
@@ -121,6 +124,7 @@ def test_a_too_long_chat_gets_vllms_context_length_words(llm):
     )
 
 
+@pytest.mark.slow
 def test_dataframe_rows_at_the_boundary_are_their_rows_errors(tiny_llama):
     text = "one two three four five six seven"
     n = len(AutoTokenizer.from_pretrained(tiny_llama).encode(text))
@@ -188,6 +192,7 @@ def constraint(engine: LLM, so: StructuredOutputsParams) -> StructuredOutputsPar
     return request.params.structured_outputs
 
 
+@pytest.mark.slow
 def test_structured_outputs_config_sets_each_requests_defaults(tiny_llama):
     loose = LLM(
         tiny_llama,

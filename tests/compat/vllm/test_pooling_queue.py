@@ -1,7 +1,7 @@
 """``LLM.enqueue``/``wait_for_completion`` on pooling models (vLLM's queue APIs take pooling
 requests too): checked at enqueue time, run batched, returned in enqueue order, each once,
 with the generative queue's error contract. The bundled MiniLM embedder and a tiny random
-BERT classifier; a fault is injected by wrapping the real encoder, as tests/test_isolation.py
+BERT classifier; a fault is injected by wrapping the real encoder, as tests/tasks/test_isolation.py
 wraps the real detokenizer.
 """
 

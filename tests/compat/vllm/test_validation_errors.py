@@ -160,6 +160,7 @@ def test_max_logprobs_default_is_vllms(llm, vocab):
     assert llm.engine.get_num_unfinished_requests() == 0
 
 
+@pytest.mark.slow
 def test_max_logprobs_set_and_unlimited(tiny_llama, vocab):
     five = LLM(tiny_llama, max_logprobs=5, **ENGINE)
     assert five.generate("ok", SamplingParams(logprobs=5, **SP), use_tqdm=False)[0].outputs[0].logprobs
@@ -216,6 +217,7 @@ def test_generative_methods_on_the_wrong_model(llm):
 
 
 # ---- the dataframe accessors: the same messages per row --------------------------------------
+@pytest.mark.slow
 def test_dataframe_rows_carry_vllms_phrases(tiny_llama):
     df = pd.DataFrame({"q": ["fine", "word " * 200]})
     out = df.llm.generate("q", model=str(tiny_llama), sampling_params=SP, **ENGINE)
