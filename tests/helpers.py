@@ -209,10 +209,11 @@ class CLICluster:
             import threading
 
             names = {t.ident: t.name for t in threading.enumerate()}
-            return "\n".join(
-                f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+            threads = [
+                f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)[-14:])
                 for ident, frame in sys._current_frames().items()
-            )
+            ]
+            return "\n".join(sorted(threads, key=lambda t: "dfllm" not in t))  # the tasks' threads first
 
         def tasks(dask_scheduler) -> list:
             return [
@@ -226,7 +227,7 @@ class CLICluster:
             client = self.client()
             out.append(f"scheduler tasks: {client.run_on_scheduler(tasks)!r}")
             for addr, text in client.run(stacks).items():
-                out.append(f"==== worker {addr} stacks\n{text[-tail:]}")
+                out.append(f"==== worker {addr} stacks\n{text[:tail]}")
         except Exception:
             out.append(f"(cluster state unavailable: {traceback.format_exc()})")
         for log in sorted(self.log_dir.glob("*.log")):

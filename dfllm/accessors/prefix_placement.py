@@ -19,7 +19,8 @@ distributed cluster of two engines or more:
    (``llm-<kind>-routed-*``, restricted to that worker, with the job's resources), which
    runs the ordinary :func:`dfllm.tasks.runners.run_task`; the partition task waits for
    them without holding a thread (``worker_client`` secedes), then puts its rows back in
-   their order. A routed task whose worker left the cluster is sent again to a live one.
+   their order. A routed task whose worker left the cluster, before it ran or holding its
+   finished rows, is sent again to a live one.
 
 So the result has the input's partitions and row order, and each row the output it gets
 unrouted (a row's output does not depend on the rows batched with it); resumable writes
@@ -205,19 +206,26 @@ def _key(fn, what: str) -> str:
     return f"{fn.__name__}-{what}-{uuid.uuid4().hex[:12]}"
 
 
-def _submit(client, df: pd.DataFrame, fn, addr: str):
-    return client.submit(fn, df, workers=[addr], resources=fn.resources, pure=False, key=_key(fn, "routed"))
+def _submit(client, df: pd.DataFrame, fn, addr: str | None):
+    workers = [addr] if addr else None
+    return client.submit(fn, df, workers=workers, resources=fn.resources, pure=False, key=_key(fn, "routed"))
 
 
 def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]], members: set[str]) -> pd.DataFrame:
     """Run each engine's rows there (``fn``, unrouted), and the partition's rows back in
-    order. A routed task whose worker left is sent to a live engine (its rows' outputs do not
-    depend on where); if the cluster's workers changed from ``members`` (those placed on)
-    and no routed task has finished for :data:`STALL_S_ROUTED`, the rows still pending run
-    here, in this task."""
+    order (:func:`_collect`)."""
+    pending = {_submit(client, df.iloc[rows], fn, addr): (addr, rows) for addr, rows in by_engine.items()}
+    return _collect(client, df, fn, pending, members)
+
+
+def _collect(client, df: pd.DataFrame, fn, pending: dict, members: set[str]) -> pd.DataFrame:
+    """Wait for the routed shares ``pending`` (future: (worker, rows)) and put ``df``'s rows
+    back in order. A share whose worker left, before it ran or holding its rows
+    (:func:`_fetch`), is sent to a live engine (its rows' outputs do not depend on where); if
+    the cluster's workers changed from ``members`` (those placed on) and no share has
+    finished for :data:`STALL_S_ROUTED`, the rows still pending run here, in this task."""
     from distributed import wait
 
-    pending = {_submit(client, df.iloc[rows], fn, addr): (addr, rows) for addr, rows in by_engine.items()}
     parts: list[tuple[list[int], pd.DataFrame]] = []
     progress = time.monotonic()
     while pending:
@@ -225,11 +233,16 @@ def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]], membe
             done, _ = wait(list(pending), timeout=LIVENESS_CHECK_S, return_when="FIRST_COMPLETED")
         except TimeoutError:  # none finished meanwhile: are their workers still there?
             done = set()
+        lost = False
         for future in done:
+            part = _fetch(future)
+            if part is None:  # its worker died holding its rows: sent again below
+                lost = True
+                continue
             _, rows = pending.pop(future)
-            parts.append((rows, future.result()))
+            parts.append((rows, part))
             progress = time.monotonic()
-        if not pending or done:
+        if not pending or (done and not lost):
             continue
         alive = engines(client, fn.resources)
         if set(alive) != members and time.monotonic() - progress > STALL_S_ROUTED:
@@ -244,11 +257,42 @@ def _gather(client, df: pd.DataFrame, fn, by_engine: dict[str, list[int]], membe
                 parts.append((rows, fn(df.iloc[rows])))
             break
         for future, (addr, rows) in list(pending.items()):
-            if addr not in alive and alive:
+            if future.cancelled() or (addr not in alive and alive):
                 future.cancel()
                 del pending[future]
-                target = alive[len(rows) % len(alive)]
+                # to a live engine; with none, to whichever worker with the job's resources joins
+                target = alive[len(rows) % len(alive)] if alive else None
                 pending[_submit(client, df.iloc[rows], fn, target)] = (target, rows)
     positions = np.concatenate([np.asarray(rows, dtype=np.int64) for rows, _ in parts])
     out = pd.concat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
     return out.iloc[np.argsort(positions, kind="stable")]
+
+
+def _fetch(future) -> pd.DataFrame | None:
+    """A finished routed share's rows, or None where they were lost with the worker holding
+    them. Dask then marks the share lost (or, after a failed fetch, pending again), and a
+    share restricted to a worker that left can never run again: ``future.result()`` alone
+    would wait for it forever. A watcher cancels the wait once the share is no longer
+    finished; the caller sends its rows again."""
+    from concurrent.futures import CancelledError
+
+    fetched = threading.Event()
+    gave_up = threading.Event()
+
+    def watch() -> None:
+        while not fetched.wait(LIVENESS_CHECK_S):
+            if future.status in ("lost", "pending"):
+                gave_up.set()
+                future.cancel()
+                return
+
+    watcher = threading.Thread(target=watch, name="dfllm-routed-fetch", daemon=True)
+    watcher.start()
+    try:
+        return future.result()
+    except CancelledError:
+        if gave_up.is_set():
+            return None
+        raise
+    finally:
+        fetched.set()
