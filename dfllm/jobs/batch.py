@@ -132,18 +132,14 @@ def unsupported_endpoint(endpoint: str, options: BatchOptions) -> UnsupportedEnd
     endpoint on a pooling model, or a pooling endpoint on a generative one)."""
     model = options.model_name(endpoint)
     if endpoint in GENERATIVE:
-        return UnsupportedEndpoint(
-            f"Model does not support endpoint {URLS[endpoint]}: {model} is a pooling model "
-            "(embeddings, score, rerank); chat and completions need a generative model",
-            code="model_not_supported",
-            param="body.model",
+        why = f"{model} is a pooling model (embeddings, score, rerank); chat and completions need a generative model"
+    else:
+        why = (
+            f"{model} is a generative model; embeddings, score and rerank need an embedding model or a "
+            "cross-encoder (run them in a job of their own, with such a --model or none)"
         )
     return UnsupportedEndpoint(
-        f"Model does not support endpoint {URLS[endpoint]}: {model} is a generative model; "
-        "embeddings, score and rerank need an embedding model or a cross-encoder (run them "
-        "in a job of their own, with such a --model or none)",
-        code="model_not_supported",
-        param="body.model",
+        f"Model does not support endpoint {URLS[endpoint]}: {why}", code="model_not_supported", param="body.model"
     )
 
 
@@ -259,7 +255,11 @@ def answer(lines: Sequence[BatchRequestInput], engines: Engines) -> list[LineRes
         by_endpoint.setdefault(line.endpoint, []).append(i)
     for endpoint, idx in by_endpoint.items():
         run = _generative if endpoint in GENERATIVE else _pooling
-        for i, r in zip(idx, run(endpoint, [lines[i] for i in idx], engines)):
+        try:
+            answered = run(endpoint, [lines[i] for i in idx], engines)
+        except UnsupportedEndpoint as exc:  # the job's model does not serve the endpoint: every line's error
+            answered = [LineResult.failed(exc)] * len(idx)
+        for i, r in zip(idx, answered):
             results[i] = r
     return [
         r if r is not None else LineResult.failed(LineError("not answered", status=500, code="engine_error"))
@@ -300,10 +300,7 @@ def as_line_error(exc: BaseException, pooling: bool = False) -> LineError:
 
 # ---- chat and completions ---------------------------------------------------------------------------------
 def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines) -> list[LineResult]:
-    try:
-        gen = engines.generation(endpoint)
-    except UnsupportedEndpoint as exc:
-        return [LineResult.failed(exc)] * len(lines)
+    gen = engines.generation(endpoint)
     results: list[LineResult | None] = [None] * len(lines)
     planned: list[tuple[int, list]] = []
     beams: list[tuple[int, list]] = []  # the beam search lines
@@ -314,12 +311,7 @@ def _generative(endpoint: str, lines: list[BatchRequestInput], engines: Engines)
             results[i] = LineResult.failed(as_line_error(exc))
 
     def run(groups: list[tuple[int, list]]) -> list[list]:
-        outputs = gen.generate([r for _, reqs in groups for r in reqs])
-        split, at = [], 0
-        for _, reqs in groups:
-            split.append(outputs[at : at + len(reqs)])
-            at += len(reqs)
-        return split
+        return _split(gen.generate([r for _, reqs in groups for r in reqs]), [len(reqs) for _, reqs in groups])
 
     def search(groups: list[tuple[int, list]]) -> list[list]:
         return _beam_search([(lines[i].request, reqs) for i, reqs in groups], gen)
@@ -355,11 +347,7 @@ def _beam_search(lines: list[tuple[Any, list]], gen: Generation) -> list[list[Re
 
         completions = beam_outputs(best, len(r.prompt_token_ids), p, gen.eos_token_id, decode)
         outputs.append(RequestOutput("beam-search", r.prompt, list(r.prompt_token_ids), completions, True))
-    split, at = [], 0
-    for _, reqs in lines:
-        split.append(outputs[at : at + len(reqs)])
-        at += len(reqs)
-    return split
+    return _split(outputs, [len(reqs) for _, reqs in lines])
 
 
 def _beam_params(request, checked, max_model_len: int) -> BeamSearchParams:
@@ -505,12 +493,8 @@ def _generative_result(
 
 # ---- embeddings, score and rerank ----------------------------------------------------------------------------
 def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) -> list[LineResult]:
-    try:
-        model = engines.pooling(endpoint)
-    except UnsupportedEndpoint as exc:
-        return [LineResult.failed(exc)] * len(lines)
-    options = engines.options
-    name = options.model_name(endpoint)
+    model = engines.pooling(endpoint)
+    name = engines.options.model_name(endpoint)
     groups = list(range(len(lines)))
 
     if endpoint == "embeddings":
@@ -541,12 +525,11 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
 
     results = []
     for i, outs in zip(groups, _isolating(groups, run)):
-        line = lines[i]
         if isinstance(outs, Exception):
             results.append(LineResult.failed(as_line_error(outs, pooling=True)))
             continue
         try:
-            body = _pooling_body(endpoint, line, outs, name)
+            body = _pooling_body(endpoint, lines[i], outs, name)
         except LineError as exc:
             results.append(LineResult.failed(exc))
             continue
@@ -561,6 +544,7 @@ def _pairs(request: ScoreRequest | RerankRequest) -> list[tuple[str, str]]:
 
 
 def _split(outs: list, sizes: list[int]) -> list[list]:
+    """``outs`` cut into consecutive lists of ``sizes`` (each group's own outputs)."""
     out, at = [], 0
     for n in sizes:
         out.append(outs[at : at + n])

@@ -101,7 +101,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run_batch_command(args: argparse.Namespace) -> int:
     """``dfllm run-batch``: the job on its cluster, then the summary; the exit status."""
-    from dfllm.jobs.batch_job import check_options, check_paths, run_batch
+    from dfllm.jobs.batch_job import check_options, check_paths, dry_run_batch, run_batch
 
     engine_kwargs = cli_kwargs(args, ENGINE)
     cache = cache_of(args)
@@ -126,8 +126,6 @@ def run_batch_command(args: argparse.Namespace) -> int:
             **engine_kwargs,
         )
         if args.dry_run:
-            from dfllm.jobs.batch_job import dry_run_batch
-
             report = dry_run_batch(
                 args.input_file, output_file=args.output_file, calibration_seconds=args.calibration_seconds, **job
             )

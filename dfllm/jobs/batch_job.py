@@ -48,23 +48,30 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import fsspec
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dfllm.accessors import writer
 from dfllm.accessors.partitions import WritableFunction
 from dfllm.accessors.prefix_placement import JobPlacement, placement_settings
 from dfllm.jobs.batch import GENERATIVE, BatchOptions, Engines, answer, engine_requests
+from dfllm.jobs.dry_run import (
+    DEFAULT_CALIBRATION_SECONDS,
+    DEFAULT_SAMPLE_ROWS,
+    DryRunReport,
+    build_report,
+    cached_requests,
+    cluster_shape,
+    dry_run_source,
+)
 from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line, printable
 from dfllm.tasks.prefix_keys import RowKeys, request_keys
 from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.write_key import canonical
-
-if TYPE_CHECKING:
-    from dfllm.jobs.dry_run import DryRunReport
 
 DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress
 STAGING_SUFFIX = ".parts"
@@ -83,14 +90,6 @@ PART_COLUMNS = {
     NUM_INPUT_TOKENS: _INT,
     NUM_GENERATED_TOKENS: _INT,
 }
-_INPUT_META = pd.DataFrame(
-    {
-        "block": pd.Series([], dtype="int64"),
-        "line": pd.Series([], dtype="int64"),
-        "text": pd.Series([], dtype=_STR),
-        "utf8": pd.Series([], dtype="bool"),
-    }
-)
 
 
 @dataclass
@@ -264,6 +263,9 @@ def _block_lines(data: bytes, block: int) -> pd.DataFrame:
     )
 
 
+_INPUT_META = _block_lines(b"", 0)  # the input's columns, no line
+
+
 def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storage_options: dict | None = None):
     """The input file as a lazy Dask frame of its lines, one partition per block of about
     ``partition_bytes`` (a compressed file is one partition); None for an empty file."""
@@ -294,7 +296,6 @@ class _Sink:
     local disk, straight to its place elsewhere (an object appears when its upload completes)."""
 
     def __init__(self, path: str, storage_options: dict | None):
-        import fsspec
         from fsspec.implementations.local import LocalFileSystem
 
         self.path = path
@@ -346,9 +347,7 @@ class _Assembler:
     COLUMNS = ["line", "key", "custom_id", "status_code", "body", "error_code", "error_message", "error_param"]
 
     def __init__(self, staging: str, storage_options: dict | None, output: _Sink, errors: _Sink | None, ordered: bool):
-        from dfllm.accessors.writer import folder_filesystem
-
-        self.fs, self.root = folder_filesystem(staging, storage_options)
+        self.fs, self.root = writer.folder_filesystem(staging, storage_options)
         self.output, self.errors, self.ordered = output, errors, ordered
         self.records: dict[int, dict] = {}
         self.prefix = 0  # parts 0..prefix-1 are done and fully written
@@ -367,11 +366,9 @@ class _Assembler:
             self.prefix += 1
 
     def _stream(self, i: int, successes: bool, failures: bool, offset: int | None) -> None:
-        from dfllm.accessors.writer import FOOTER_KEY, part_path
-
-        with self.fs.open(part_path(self.root, i), "rb") as f:
+        with self.fs.open(writer.part_path(self.root, i), "rb") as f:
             part = pq.ParquetFile(f)
-            record = json.loads((part.metadata.metadata or {}).get(FOOTER_KEY, b"{}"))
+            record = json.loads((part.metadata.metadata or {}).get(writer.FOOTER_KEY, b"{}"))
             if record.get("key") != self.records[i]["key"]:
                 raise RuntimeError(f"staged part {i} changed while the job ran; is another job writing to {self.root}?")
             for batch in part.iter_batches(batch_size=4096, columns=self.COLUMNS):
@@ -461,14 +458,13 @@ def run_batch(
     lines = read_lines(input_file, partition_bytes, storage_options)
     output = _Sink(output_file, storage_options)
     errors = _Sink(error_file, storage_options) if error_file else None
+    sinks = [output] if errors is None else [output, errors]
     cache_before = cache_counts() if cache is not None else None
     try:
         if lines is None:  # an empty input: empty outputs
             written = skipped = partitions = tokens_in = tokens_out = 0
             assembler = None
         else:
-            from dfllm.accessors.writer import write_parquet
-
             settings = placement_settings()  # prefix-aware placement (Dask config dfllm.prefix-placement)
             placement = JobPlacement(settings, lines.npartitions) if settings.enabled else None
             job = lines.map_partitions(
@@ -476,7 +472,7 @@ def run_batch(
                 meta=pd.DataFrame({c: pd.Series([], dtype=d) for c, d in PART_COLUMNS.items()}),
             )
             assembler = _Assembler(staging, storage_options, output, errors, ordered=not unordered)
-            s = write_parquet(
+            s = writer.write_parquet(
                 job,
                 staging,
                 resume=resume,
@@ -487,13 +483,11 @@ def run_batch(
             assert assembler.prefix == s.partitions, "every part was streamed"
             written, skipped, partitions = s.written, s.skipped, s.partitions
             tokens_in, tokens_out = s.input_tokens, s.output_tokens
-        output.commit()
-        if errors is not None:
-            errors.commit()
+        for sink in sinks:
+            sink.commit()
     except BaseException:
-        output.discard()
-        if errors is not None:
-            errors.discard()
+        for sink in sinks:
+            sink.discard()
         raise
     if not keep_parts and lines is not None:
         _remove_staging(staging, storage_options, partitions)
@@ -515,17 +509,19 @@ def run_batch(
     )
 
 
-def cache_counts() -> dict[str, int]:
+def cache_counts(client=None) -> dict[str, int]:
     """The response cache counts (:func:`dfllm.tasks.response_cache.counts`) of every
-    worker of the current Dask client's cluster, summed; of this process without one."""
+    worker of ``client``'s cluster (default: the current Dask client's), summed; of this
+    process without a client. A worker that died meanwhile is left out."""
     from dfllm.tasks.response_cache import counts
 
-    try:
-        from distributed import default_client
+    if client is None:
+        try:
+            from distributed import default_client
 
-        client = default_client()
-    except (ImportError, ValueError):
-        return counts()
+            client = default_client()
+        except (ImportError, ValueError):
+            return counts()
     total: dict[str, int] = {}
     for worker in client.run(counts, on_error="ignore").values():
         for name, n in worker.items():
@@ -590,8 +586,6 @@ class BatchRequests:
     def cache_hits(self, requests: list, config) -> list[bool] | None:
         if self.cache is None:
             return None
-        from dfllm.jobs.dry_run import cached_requests
-
         return cached_requests(self.cache, config, self.options.engine_kwargs, requests)
 
 
@@ -641,14 +635,6 @@ def dry_run_batch(
     are the non-blank lines and whose "would run" counts the engine's requests (a
     completions line with several prompts is several); embeddings, score and rerank lines
     are not estimated (see :class:`BatchRequests`)."""
-    from dfllm.jobs.dry_run import (
-        DEFAULT_CALIBRATION_SECONDS,
-        DEFAULT_SAMPLE_ROWS,
-        build_report,
-        cluster_shape,
-        dry_run_source,
-    )
-
     start = time.perf_counter()
     cache, options = _job_options(
         model, engine_kwargs, response_role, served_model_name, partition_bytes, reasoning_parser, cache
@@ -673,8 +659,6 @@ def dry_run_batch(
             what=f"run-batch of {input_file} ({lines.npartitions:,} partition(s))",
         )
     if output_file is not None:
-        import fsspec
-
         fs, where = fsspec.core.url_to_fs(output_file, **(storage_options or {}))
         staging = output_file.rstrip("/") + STAGING_SUFFIX
         sfs, swhere = fsspec.core.url_to_fs(staging, **(storage_options or {}))
@@ -719,26 +703,21 @@ def check_paths(
     staging folder (``<output>.parts``) are paths of their own, none of the files inside the
     staging folder, and the staging folder holds nothing but what batch jobs write there
     (:func:`check_staging`): it is the job's own, and the job removes its files at the end."""
-    import fsspec
-
-    from dfllm.accessors.writer import normal_path
-
     fs, where = check_input(input_file, storage_options)
     staging = output_file.rstrip("/") + STAGING_SUFFIX
-    sfs, s = fsspec.core.url_to_fs(staging, **(storage_options or {}))
-    s = normal_path(sfs, s)
-    seen = {("input file", normal_path(fs, where))}
+    seen = {("input file", writer.normal_path(fs, where))}
     for what, path in (("output file", output_file), ("error file", error_file), ("staging folder", staging)):
         if path is None:
             continue
         pfs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
-        p = normal_path(pfs, p)
+        p = writer.normal_path(pfs, p)
         clash = next((other for other, q in seen if q == p), None)
         if clash is not None:
             raise ValueError(f"the {what} {path} is the {clash}: give each its own path")
         if what != "staging folder" and pfs.isdir(p):
             raise ValueError(f"the {what} {path} is a folder; give a file path")
         seen.add((what, p))
+    s = next(p for what, p in seen if what == "staging folder")
     for what, p in seen:
         if p.startswith(s + "/"):
             raise ValueError(
@@ -751,7 +730,6 @@ def check_paths(
 def _staging_files(fs, root: str) -> tuple[list[str], list[str]]:
     """The files under a staging folder (relative to it): those batch jobs write there (their
     parts, key records, set-aside parts, schema and temporary files) and the others."""
-    from dfllm.accessors.writer import COMMON_METADATA, FOOTER_KEY, KEY_FILE, PART, SET_ASIDE_FILE, TEMPORARY
 
     def batch_parquet(name: str) -> bool:  # written by dfllm (its record in the footer), with a batch part's columns
         try:
@@ -760,17 +738,17 @@ def _staging_files(fs, root: str) -> tuple[list[str], list[str]]:
             names = set(meta.schema.to_arrow_schema().names)
         except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
             return False
-        return FOOTER_KEY in (meta.metadata or {}) and set(PART_COLUMNS) <= names
+        return writer.FOOTER_KEY in (meta.metadata or {}) and set(PART_COLUMNS) <= names
 
     ours: list[str] = []
     foreign: list[str] = []
     for name in sorted(f[len(root) + 1 :] for f in fs.find(root) if f.startswith(root + "/")):
         folder, _, base = name.rpartition("/")
         mine = (
-            (folder == "" and (PART.fullmatch(base) or base == COMMON_METADATA) and batch_parquet(name))
-            or (folder == "_dfllm_keys" and KEY_FILE.fullmatch(base))
-            or (folder == "_dfllm_keys/set-aside" and SET_ASIDE_FILE.fullmatch(base) and batch_parquet(name))
-            or (folder in ("", "_dfllm_keys") and TEMPORARY.fullmatch(base))
+            (folder == "" and (writer.PART.fullmatch(base) or base == writer.COMMON_METADATA) and batch_parquet(name))
+            or (folder == "_dfllm_keys" and writer.KEY_FILE.fullmatch(base))
+            or (folder == "_dfllm_keys/set-aside" and writer.SET_ASIDE_FILE.fullmatch(base) and batch_parquet(name))
+            or (folder in ("", "_dfllm_keys") and writer.TEMPORARY.fullmatch(base))
             or (folder == "" and _COMMON_METADATA_TEMPORARY.fullmatch(base))
         )
         (ours if mine else foreign).append(name)
@@ -785,9 +763,7 @@ def check_staging(staging: str, storage_options: dict | None = None) -> None:
     batch job did not write there (the job removes its files from it when done, so the
     folder must be the job's own); a folder of an earlier, killed run of a job is fine
     (``resume=True`` keeps its parts, a run without it replaces them)."""
-    from dfllm.accessors.writer import folder_filesystem
-
-    fs, root = folder_filesystem(staging, storage_options)
+    fs, root = writer.folder_filesystem(staging, storage_options)
     if not fs.exists(root):
         return
     if not fs.isdir(root):
@@ -804,8 +780,6 @@ def check_staging(staging: str, storage_options: dict | None = None) -> None:
 
 def check_input(input_file: str, storage_options: dict | None = None) -> tuple:
     """``(filesystem, path)`` of the input; ``ValueError`` unless it is a file."""
-    import fsspec
-
     fs, where = fsspec.core.url_to_fs(input_file, **(storage_options or {}))
     if not fs.isfile(where):
         raise ValueError(f"the input file {input_file} does not exist (or is not a file)")
@@ -817,25 +791,15 @@ def _remove_staging(staging: str, storage_options: dict | None, partitions: int)
     key records, the schema file, temporary files of dfllm's names), each by its literal
     name, then the folder if nothing else is left in it: a file someone put there meanwhile
     stays, and so does the folder holding it."""
-    from dfllm.accessors.writer import (
-        COMMON_METADATA,
-        KEYS,
-        SET_ASIDE,
-        folder_filesystem,
-        key_path,
-        part_path,
-        remove_files,
-    )
-
-    fs, root = folder_filesystem(staging, storage_options)
+    fs, root = writer.folder_filesystem(staging, storage_options)
     if not fs.exists(root):
         return
-    recorded = [part_path(root, i) for i in range(partitions)] + [key_path(root, i) for i in range(partitions)]
-    recorded.append(f"{root}/{COMMON_METADATA}")
+    recorded = [path(root, i) for path in (writer.part_path, writer.key_path) for i in range(partitions)]
+    recorded.append(f"{root}/{writer.COMMON_METADATA}")
     listed = _staging_files(fs, root)[0]
     recorded += [f"{root}/{f}" for f in listed if ".tmp-" in f]  # a killed run's temporary files
-    remove_files(fs, recorded)
-    for folder in (f"{root}/{SET_ASIDE}", f"{root}/{KEYS}", root):
+    writer.remove_files(fs, recorded)
+    for folder in (f"{root}/{writer.SET_ASIDE}", f"{root}/{writer.KEYS}", root):
         try:
             fs.rmdir(folder)  # only if empty (a no-op on object stores, which have no folders)
         except (FileNotFoundError, OSError):

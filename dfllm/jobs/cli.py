@@ -342,13 +342,9 @@ def deduplicated_requests(client) -> int:
 
 def cache_counts(client) -> dict[str, int]:
     """The response cache counts of every worker (:func:`dfllm.tasks.response_cache.counts`), summed."""
-    from dfllm.tasks.response_cache import counts
+    from dfllm.jobs import batch_job
 
-    total: dict[str, int] = {}
-    for worker in client.run(counts, on_error="ignore").values():
-        for name, n in worker.items():
-            total[name] = total.get(name, 0) + n
-    return total
+    return batch_job.cache_counts(client)
 
 
 def _engine_deduplicated() -> int:

@@ -15,10 +15,8 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from distributed import Client
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 DEFAULT_THREADS = 4
 
@@ -30,8 +28,6 @@ def task_resources(gpus_per_engine: int, threads: int) -> dict:
 
 def gpu_worker_specs(num_gpus: int, gpus_per_engine: int, threads: int) -> dict:
     """``SpecCluster`` worker specs: one nanny per group of ``gpus_per_engine`` GPUs."""
-    from distributed import Nanny
-
     specs = {}
     for w in range(num_gpus // gpus_per_engine):
         devices = ",".join(str(d) for d in range(w * gpus_per_engine, (w + 1) * gpus_per_engine))
@@ -64,8 +60,6 @@ def connect(
     ``threads`` (default 4) is the number of partitions each worker runs at once.
     Either way the scheduler gets dfllm's dashboard page (:func:`install_dashboard`).
     """
-    from distributed import Client, LocalCluster, Scheduler, SpecCluster
-
     logging.getLogger("distributed").setLevel(logging.ERROR)
     threads = threads or DEFAULT_THREADS
     if threads < 1 or (workers is not None and workers < 1):
@@ -117,8 +111,6 @@ def install_dashboard(client) -> str | None:
 
 
 def _client_for(address: str):
-    from distributed import Client
-
     try:
         return Client(address, timeout=float(os.environ.get("DFLLM_CONNECT_TIMEOUT", "15")))
     except (OSError, TimeoutError) as exc:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,7 @@ UNSUPPORTED = {
     "suffix": "suffix (insertion)",
 }
 STREAM_REFUSED = "Request must not be sent in stream mode"
+_STREAM_ERROR = STREAM_REFUSED + " (body.stream: a batch line gets one answer; set it to false)"
 #: The arguments transformers' ``apply_chat_template`` and its template rendering take
 #: themselves: not template variables a line may set through ``chat_template_kwargs``.
 TEMPLATE_ARGUMENTS = frozenset(
@@ -188,8 +190,7 @@ def _rebuild(message: str, status: int, code: str, param: str | None) -> LineErr
 def _check_fields(body: dict, known: tuple[str, ...], url: str) -> None:
     for name in body:
         if name in UNSUPPORTED:
-            value = body[name]
-            if value in (None, False, "", [], {}):
+            if body[name] in (None, False, "", [], {}):
                 continue
             raise LineError(f"body.{name}: {UNSUPPORTED[name]} is not supported by dfllm", param=f"body.{name}")
         if name not in known and name not in IGNORED:
@@ -203,44 +204,37 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(body: dict, name: str, default: int | None = None, low: int | None = None) -> int | None:
+def _typed(body: dict, name: str, ok: Callable[[Any], bool], what: str) -> Any:
+    """``body[name]``, None when absent or null; ``LineError`` saying it must be ``what`` unless ``ok(value)``."""
     v = body.get(name)
+    if v is not None and not ok(v):
+        raise LineError(f"body.{name} must be {what}, got {json.dumps(v)}", param=f"body.{name}")
+    return v
+
+
+def _int(body: dict, name: str, default: int | None = None, low: int | None = None) -> int | None:
+    v = _typed(body, name, _is_int, "an integer")
     if v is None:
         return default
-    if not _is_int(v):
-        raise LineError(f"body.{name} must be an integer, got {json.dumps(v)}", param=f"body.{name}")
     if low is not None and v < low:
         raise LineError(f"body.{name} must be at least {low}, got {v}", param=f"body.{name}")
     return v
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise LineError(f"body.{name} must be true or false, got {json.dumps(v)}", param=f"body.{name}")
-    return v
+    v = _typed(body, name, lambda v: isinstance(v, bool), "true or false")
+    return default if v is None else v
 
 
 def _str(body: dict, name: str, required: bool = False) -> str | None:
-    v = body.get(name)
-    if v is None and not required:
-        return None
-    if not isinstance(v, str):
-        raise LineError(
-            f"body.{name} must be a string, got {'nothing' if v is None else json.dumps(v)}", param=f"body.{name}"
-        )
+    v = _typed(body, name, lambda v: isinstance(v, str), "a string")
+    if v is None and required:
+        raise LineError(f"body.{name} must be a string, got nothing", param=f"body.{name}")
     return v
 
 
 def _dict(body: dict, name: str) -> dict | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise LineError(f"body.{name} must be a JSON object, got {json.dumps(v)}", param=f"body.{name}")
-    return v
+    return _typed(body, name, lambda v: isinstance(v, dict), "a JSON object")
 
 
 def _texts_or_ids(value: Any, name: str) -> list:
@@ -328,7 +322,6 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
     ``guided_*`` fields (at most one of them), checked: a grammar that does not compile is
     refused here, naming the field that held it (the engine checks it again)."""
     given = _constraints(body)
-    fmt = body.get("response_format")
     if len(given) > 1:
         raise LineError(
             f"give one output constraint, not {' and '.join('body.' + g for g in given)}", param=f"body.{given[1]}"
@@ -338,7 +331,7 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
     name = given[0]
     try:
         if name == "response_format":
-            params = _response_format(fmt)
+            params = _response_format(body["response_format"])
         elif name == "structured_outputs":
             params = StructuredOutputsParams.from_dict(_dict(body, name) or {})
         else:
@@ -349,7 +342,7 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
     except LineError:
         raise
     except (ValueError, TypeError) as exc:
-        raise LineError(f"body.{name}: {exc}", param=f"body.{name}") from None
+        raise _field_error(name, exc) from None
 
 
 def _response_format(fmt: Any) -> StructuredOutputsParams | None:
@@ -380,9 +373,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, aliases:
     """The body's :class:`~dfllm.SamplingParams` (OpenAI's defaults: temperature 1, top_p 1);
     a refused value names the body field (``aliases``: SamplingParams field -> body field)."""
     if body.get("stream"):
-        raise LineError(
-            STREAM_REFUSED + " (body.stream: a batch line gets one answer; set it to false)", param="body.stream"
-        )
+        raise LineError(_STREAM_ERROR, param="body.stream")
     values: dict[str, Any] = {
         "max_tokens": max_tokens,
         "logprobs": logprobs,
@@ -404,16 +395,17 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, aliases:
     try:
         return SamplingParams(**values)
     except InvalidRequestError as exc:
-        field_name = aliases.get(exc.parameter or "", exc.parameter) or _culprit(values)
-        raise LineError(
-            f"body.{field_name}: {exc}" if field_name else str(exc), param=f"body.{field_name}" if field_name else None
-        ) from None
+        raise _field_error(aliases.get(exc.parameter or "", exc.parameter) or _culprit(values), exc) from None
     except (ValueError, TypeError, OverflowError) as exc:
-        field_name = _culprit(values)
-        field_name = aliases.get(field_name or "", field_name)
-        raise LineError(
-            f"body.{field_name}: {exc}" if field_name else str(exc), param=f"body.{field_name}" if field_name else None
-        ) from None
+        culprit = _culprit(values)
+        raise _field_error(aliases.get(culprit or "", culprit), exc) from None
+
+
+def _field_error(name: str | None, exc: Exception) -> LineError:
+    """``exc`` as the line's error, naming the body field ``name`` (when known)."""
+    if not name:
+        return LineError(str(exc))
+    return LineError(f"body.{name}: {exc}", param=f"body.{name}")
 
 
 def _culprit(values: dict[str, Any]) -> str | None:
@@ -444,9 +436,7 @@ def _beam(body: dict, max_tokens: int | None, limit_field: str) -> tuple[BeamSea
             )
         return None
     if body.get("stream"):
-        raise LineError(
-            STREAM_REFUSED + " (body.stream: a batch line gets one answer; set it to false)", param="body.stream"
-        )
+        raise LineError(_STREAM_ERROR, param="body.stream")
     for name, neutral in BEAM_REFUSED.items():
         value = body.get(name)
         if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
@@ -472,10 +462,7 @@ def _beam(body: dict, max_tokens: int | None, limit_field: str) -> tuple[BeamSea
     except ValueError as exc:  # its message starts with the field's name
         names = ("temperature", "length_penalty", "beam_width", "max_tokens")
         culprit = next((k for k in names if str(exc).startswith(k)), None)
-        where = {"beam_width": "n", "max_tokens": limit_field}.get(culprit or "", culprit)
-        raise LineError(
-            f"body.{where}: {exc}" if where else str(exc), param=f"body.{where}" if where else None
-        ) from None
+        raise _field_error({"beam_width": "n", "max_tokens": limit_field}.get(culprit or "", culprit), exc) from None
     try:
         check = dataclasses.replace(
             beam.check_params(),
@@ -484,7 +471,7 @@ def _beam(body: dict, max_tokens: int | None, limit_field: str) -> tuple[BeamSea
             skip_special_tokens=_bool(body, "skip_special_tokens", True),
         )
     except (ValueError, TypeError) as exc:
-        raise LineError(f"body.truncate_prompt_tokens: {exc}", param="body.truncate_prompt_tokens") from None
+        raise _field_error("truncate_prompt_tokens", exc) from None
     return beam, check
 
 
@@ -527,12 +514,9 @@ class ChatCompletionRequest:
     def from_body(cls, body: dict, url: str = "/v1/chat/completions") -> ChatCompletionRequest:
         _check_fields(body, cls.FIELDS, url)
         messages = _check_messages(body.get("messages"))
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            raise LineError("body.tool_choice: tool calling is not supported by dfllm", param="body.tool_choice")
-        if body.get("function_call") not in (None, "none", "auto"):
-            raise LineError(
-                "body.function_call: function calling is not supported by dfllm", param="body.function_call"
-            )
+        for name, what in (("tool_choice", "tool calling"), ("function_call", "function calling")):
+            if body.get(name) not in (None, "none", "auto"):
+                raise LineError(f"body.{name}: {what} is not supported by dfllm", param=f"body.{name}")
         modalities = body.get("modalities")
         if modalities not in (None, ["text"]):
             raise LineError(
@@ -545,17 +529,10 @@ class ChatCompletionRequest:
         top = _int(body, "top_logprobs", None, low=0)
         if top is not None and not logprobs:
             raise LineError("body.top_logprobs needs body.logprobs set to true", param="body.top_logprobs")
-        beam = _beam(body, _int(body, limit_name), limit_name)
-        params = (
-            beam[1]
-            if beam is not None
-            else _sampling(
-                body,
-                _int(body, limit_name),
-                (top or 0) if logprobs else None,
-                {"max_tokens": limit_name, "logprobs": "top_logprobs"},
-            )
-        )
+        limit = _int(body, limit_name)
+        beam = _beam(body, limit, limit_name)
+        aliases = {"max_tokens": limit_name, "logprobs": "top_logprobs"}
+        params = beam[1] if beam is not None else _sampling(body, limit, (top or 0) if logprobs else None, aliases)
         template_kwargs = _dict(body, "chat_template_kwargs")
         for name in template_kwargs or {}:
             if name in TEMPLATE_ARGUMENTS:
@@ -636,7 +613,8 @@ class CompletionRequest:
         prompts = _texts_or_ids(body.get("prompt"), "prompt")
         logprobs = _int(body, "logprobs", None, low=0)
         best_of = _int(body, "best_of", None, low=1)
-        beam = _beam(body, _int(body, "max_tokens", 16), "max_tokens")
+        limit = _int(body, "max_tokens", 16)
+        beam = _beam(body, limit, "max_tokens")
         if best_of is not None and beam is None and best_of != _int(body, "n", 1):  # beam search ignores it
             raise LineError(
                 f"body.best_of={best_of}: dfllm returns the n completions it samples, with no best-of "
@@ -648,7 +626,7 @@ class CompletionRequest:
             raise LineError(
                 "body.echo with body.logprobs is not supported (prompt log-probabilities)", param="body.echo"
             )
-        params = beam[1] if beam is not None else _sampling(body, _int(body, "max_tokens", 16), logprobs, {})
+        params = beam[1] if beam is not None else _sampling(body, limit, logprobs, {})
         return cls(prompts, params, echo, logprobs, body.get("model"), body, None if beam is None else beam[0])
 
     def sampling_params(self) -> SamplingParams:
@@ -691,7 +669,7 @@ class EmbeddingRequest:
         try:
             PoolingParams(truncate_prompt_tokens=truncate)
         except ValueError as exc:
-            raise LineError(f"body.truncate_prompt_tokens: {exc}", param="body.truncate_prompt_tokens") from None
+            raise _field_error("truncate_prompt_tokens", exc) from None
         return cls(inputs, fmt, _int(body, "dimensions", None, low=1), truncate, body.get("model"))
 
 

@@ -276,21 +276,16 @@ class vLLMEngineProcessorConfig:  # noqa: N801  (Ray Data LLM's name)
                 f"chat_template_kwargs must map template variable names (strings) to values, "
                 f"got {self.chat_template_kwargs!r}"
             )
-        _stage("tokenize_stage", self.tokenize_stage, _STAGE_KEYS)
-        _stage("detokenize_stage", self.detokenize_stage, _STAGE_KEYS)
-        for name in ("prepare_multimodal_stage", "prepare_image_stage"):  # images: read from messages either way
+        # the other stages: checked, on or off (images are read from messages either way)
+        for name in ("tokenize_stage", "detokenize_stage", "prepare_multimodal_stage", "prepare_image_stage"):
             _stage(name, getattr(self, name), _STAGE_KEYS)
-        if self.dynamic_lora_loading_path is not None and (
-            not isinstance(self.dynamic_lora_loading_path, str) or not self.dynamic_lora_loading_path
+        for name, what in (
+            ("dynamic_lora_loading_path", "a folder path or URL (of LoRA adapter folders)"),
+            ("accelerator_type", "a non-empty string like 'H100'"),
         ):
-            raise ValueError(
-                "dynamic_lora_loading_path must be a folder path or URL (of LoRA adapter folders), "
-                f"got {self.dynamic_lora_loading_path!r}"
-            )
-        if self.accelerator_type is not None and (
-            not isinstance(self.accelerator_type, str) or not self.accelerator_type
-        ):
-            raise ValueError(f"accelerator_type must be a non-empty string like 'H100', got {self.accelerator_type!r}")
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
         self.resources = check_resources(self.resources)
         self.cache = as_cache(self.cache, "cache")
         if self.cache is not None and not KINDS[self.task_type].generative:

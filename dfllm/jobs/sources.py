@@ -38,11 +38,14 @@ import math
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import dask
 import dask.dataframe as dd
 import fsspec
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dfllm.accessors.arrow_schema import settled, unify_counts, value_types
 
 FORMATS = {
     ".parquet": "parquet",
@@ -125,7 +128,7 @@ def _read_parquet(fs, files: list[str], urls: list[str], path: str) -> dd.DataFr
             footers = list(pool.map(footer, files))
     except Exception as exc:  # noqa: BLE001  (a file that is no parquet: name the problem, no traceback)
         raise InputError(f"cannot read {path} as parquet: {type(exc).__name__}: {exc}") from None
-    schemas = [_without_pandas(m.schema.to_arrow_schema()) for m in footers]
+    schemas = [m.schema.to_arrow_schema().remove_metadata() for m in footers]  # pandas' metadata left out
     for file, schema in zip(files, schemas):
         twice = sorted({n for n in schema.names if schema.names.count(n) > 1})
         if twice:
@@ -144,10 +147,6 @@ def _read_parquet(fs, files: list[str], urls: list[str], path: str) -> dd.DataFr
         pieces.append((url, tuple(run)))
     reader = ParquetPieces(schema, fs, path)
     return dd.from_map(reader, pieces, meta=reader.empty(), enforce_metadata=False)
-
-
-def _without_pandas(schema: pa.Schema) -> pa.Schema:
-    return schema.remove_metadata()
 
 
 def unified(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
@@ -206,14 +205,7 @@ def _frame(table: pa.Table) -> pd.DataFrame:
 def _read_csv(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
     """Each file read once up front (on the cluster, if there is one) for its columns' types,
     unified over all files (see :func:`csv_types`); one partition per file."""
-    import dask
-
-    surveys = _cached_surveys(
-        fs, files, "csv", lambda: dask.compute(*[dask.delayed(_survey_csv)(fs, f) for f in files])
-    )
-    for file, found in zip(files, surveys):
-        if isinstance(found, str):
-            raise InputError(f"cannot read {file} as CSV: {found}")
+    surveys = _cached_surveys(fs, files, _survey_csv, "CSV")
     reader = CsvFiles(csv_types(surveys), fs, path)
     with dask.config.set({"dataframe.convert-string": False}):  # the reader gives its own string columns
         return dd.from_map(reader, urls, meta=reader.empty(), enforce_metadata=False)
@@ -294,33 +286,29 @@ def _csv_dtype(t: str):
     return pd.StringDtype("pyarrow") if t == "text" else t
 
 
-def _cached_surveys(fs, files: list[str], kind: str, survey) -> tuple:
-    """``survey()``, or its result for the same files (names, sizes, times) the last time:
-    the command line builds its job twice (checked before its cluster starts, then on it)."""
+def _cached_surveys(fs, files: list[str], survey, kind: str) -> tuple:
+    """``survey(fs, file)`` of every file, run on the cluster if there is one, or their result
+    for the same files (names, sizes, times) the last time: the command line builds its job
+    twice (checked before its cluster starts, then on it). ``InputError`` naming a file that
+    cannot be read as ``kind`` (its survey says what is wrong)."""
     stamp = (kind,) + tuple(
         (f, info.get("size"), str(info.get("mtime", info.get("LastModified", info.get("ETag")))))
         for f, info in ((f, fs.info(f)) for f in files)
     )
     surveys = _SURVEYS.get(stamp)
     if surveys is None:
-        surveys = survey()
+        surveys = dask.compute(*[dask.delayed(survey)(fs, f) for f in files])
         _SURVEYS.clear()
         _SURVEYS[stamp] = surveys
+    for file, found in zip(files, surveys):
+        if isinstance(found, str):
+            raise InputError(f"cannot read {file} as {kind}: {found}")
     return surveys
 
 
 # ---- JSON Lines -----------------------------------------------------------------------------------------
 def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
-    import dask
-
-    from dfllm.accessors.arrow_schema import unify_counts
-
-    surveys = _cached_surveys(
-        fs, files, "json", lambda: dask.compute(*[dask.delayed(_survey_jsonl)(fs, f) for f in files])
-    )
-    for file, found in zip(files, surveys):
-        if isinstance(found, str):
-            raise InputError(f"cannot read {file} as JSON Lines: {found}")
+    surveys = _cached_surveys(fs, files, _survey_jsonl, "JSON Lines")
     columns: dict[str, Counter] = {}
     as_text: set[str] = set()
     for found in surveys:
@@ -337,7 +325,7 @@ def _read_jsonl(fs, files: list[str], urls: list[str], path: str) -> dd.DataFram
             continue
         t = unify_counts(counts)
         fits = t is not None and all(_merges(t, other) for other in counts)
-        types[name] = _settled(t) if fits else None  # None: mixed kinds, an object column
+        types[name] = settled(t) if fits else None  # None: mixed kinds, an object column
     reader = JsonLines(types, fs, path)
     with dask.config.set({"dataframe.convert-string": False}):  # nested values stay Python objects
         return dd.from_map(reader, urls, meta=reader.empty(), enforce_metadata=False)
@@ -348,8 +336,6 @@ _SURVEYS: dict[tuple, tuple] = {}  # the last input's surveys, by its files' nam
 
 def _survey_jsonl(fs, file: str) -> dict | str:
     """Each field's value types with counts, in order of first appearance; or what is wrong."""
-    from dfllm.accessors.arrow_schema import value_types
-
     try:
         rows = _rows(fs, file)
     except ValueError as exc:
@@ -372,14 +358,12 @@ def _fit(values: list, counts) -> bool:
     """Whether ``values`` convert to the type their counts unify to (every value of a kind
     that merges into it; values of other kinds are the writer's to refuse, see the module's
     docstring)."""
-    from dfllm.accessors.arrow_schema import unify_counts, value_types
-
     t = unify_counts(counts)
     if t is None or pa.types.is_null(t):
         return all(v is None for v in values)  # e.g. an integer too large for any Arrow type
     present = [v for v in values if v is not None]
     try:
-        pa.array(present, type=_settled(t))
+        pa.array(present, type=settled(t))
         return True
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         pass
@@ -393,7 +377,7 @@ def _fit(values: list, counts) -> bool:
         if not all(_merges(t, other) for other in counts_v):
             continue
         try:
-            pa.array([v], type=_settled(t))
+            pa.array([v], type=settled(t))
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
             return False
     return True
@@ -447,12 +431,6 @@ def _merges(t: pa.DataType, other: pa.DataType) -> bool:
         )
     except (pa.ArrowException, TypeError):
         return False
-
-
-def _settled(t):
-    from dfllm.accessors.arrow_schema import settled
-
-    return settled(t)
 
 
 class JsonLines:

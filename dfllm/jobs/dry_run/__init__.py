@@ -36,11 +36,14 @@ embeddings, score and rerank lines run on another engine and are counted as not 
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
 import dask
 
+from dfllm.accessors.partitions import PartitionFunction, llm_origin
+from dfllm.accessors.writer import compute_in_order, folder_filesystem, input_paths, refuse_overlap, survey_parts
 from dfllm.jobs.dry_run.calibration import (
     DEFAULT_CALIBRATION_SECONDS,
     DEFAULT_SAMPLE_ROWS,
@@ -89,8 +92,6 @@ def dry_run(
     :func:`dfllm.write_parquet` would check it (not the input, only dfllm's files), read only;
     ``budget`` (a :class:`~dfllm.accessors.budget.Budget`) is compared with the job's tokens;
     ``sample_rows=0`` skips the calibration (and the estimate)."""
-    from dfllm.accessors.partitions import PartitionFunction, llm_origin
-
     origin = llm_origin(job)
     if origin is None or not isinstance(origin[1], PartitionFunction):
         raise ValueError(
@@ -128,8 +129,6 @@ def dry_run_source(
 ) -> DryRunReport:
     """A dry run of the rows of ``source`` (a Dask DataFrame) as ``requests`` turns them into
     engine requests (see :func:`dry_run`); the tasks ask for ``resources``."""
-    from dfllm.accessors.writer import compute_in_order
-
     if isinstance(sample_rows, bool) or not isinstance(sample_rows, int) or sample_rows < 0:
         raise ValueError(f"dry run: sample_rows must be a non-negative integer, got {sample_rows!r}")
     if not calibration_seconds > 0:
@@ -173,8 +172,6 @@ def _describe(requests: RequestSource, partitions: int) -> str:
 def check_output(source, output: str, storage_options: dict | None) -> str:
     """What ``dfllm.write_parquet`` would find at ``output`` (read only): ``ValueError`` for an
     output overlapping the input or holding files dfllm did not write, as the real run."""
-    from dfllm.accessors.writer import folder_filesystem, input_paths, refuse_overlap, survey_parts
-
     refuse_overlap(input_paths(source), output, storage_options)
     fs, root = folder_filesystem(output, storage_options)
     ours = survey_parts(fs, root, output)
@@ -197,8 +194,6 @@ def cluster_shape(resources: dict | None) -> tuple[int, int]:
 
         client = default_client()
     except (ImportError, ValueError):
-        import os
-
         return 1, int(dask.config.get("num_workers", None) or os.cpu_count() or 1)
     slots = []
     for w in client.scheduler_info(n_workers=-1)["workers"].values():
