@@ -14,6 +14,7 @@ from dfllm.tasks.kinds import KINDS
 from dfllm.tasks.task import LLMTask, make_task
 
 _COLUMN = {name: kind.output_column for name, kind in KINDS.items()}  # each method's main output column
+_NOT_TASK_ARGUMENTS = ("self", "prompt", "messages", "text", "left", "right")  # the methods' inputs
 
 
 class LLMFrameMethods:
@@ -57,6 +58,12 @@ class LLMFrameMethods:
         return self._apply(
             make_task(kind, inputs, self._columns(), model=model, model_check=check, **kwargs), resources
         )
+
+    def _forward(self, kind: str, inputs: tuple, args: dict):
+        """:meth:`_call` from a method's arguments ``args`` (its ``locals()``): ``resources``,
+        and each other one but the inputs the :func:`make_task` keyword of the same name."""
+        kwargs = {k: v for k, v in args.items() if k not in _NOT_TASK_ARGUMENTS}
+        return self._call(kind, inputs, kwargs.pop("resources"), **kwargs)
 
     def generate(
         self,
@@ -126,24 +133,7 @@ class LLMFrameMethods:
         the model gets its ``llm_error``. It turns on ``enable_lora`` (with ``max_loras=4``
         unless given).
         """
-        return self._call(
-            "generate",
-            (prompt,),
-            resources,
-            output_column=output_column,
-            model=model,
-            sampling_params=sampling_params,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
-            json_schema=json_schema,
-            choice=choice,
-            engine_columns=engine_columns,
-            sort_by=sort_by,
-            cache=cache,
-            images=images,
-            lora=lora,
-            lora_root=lora_root,
-        )
+        return self._forward("generate", (prompt,), locals())
 
     def chat(
         self,
@@ -172,26 +162,7 @@ class LLMFrameMethods:
         renders it); ``chat_template`` (Jinja text) replaces the tokenizer's template; ``images``
         as in ``generate``, each row's images going first into its last user turn; ``lora`` and
         ``lora_root`` as in ``generate``."""
-        return self._call(
-            "chat",
-            (messages,),
-            resources,
-            output_column=output_column,
-            model=model,
-            sampling_params=sampling_params,
-            system=system,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
-            json_schema=json_schema,
-            choice=choice,
-            chat_template=chat_template,
-            engine_columns=engine_columns,
-            sort_by=sort_by,
-            cache=cache,
-            images=images,
-            lora=lora,
-            lora_root=lora_root,
-        )
+        return self._forward("chat", (messages,), locals())
 
     def embed(
         self,
@@ -207,16 +178,7 @@ class LLMFrameMethods:
         """Embed ``text`` (a column or template), or with ``images`` (instead of text) each row's
         image (a column as in ``generate``; an image-text model such as CLIP or SigLIP):
         a ``list<float32>`` column."""
-        return self._call(
-            "embed",
-            () if text is None else (text,),
-            resources,
-            output_column=output_column,
-            model=model,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
-            images=images,
-        )
+        return self._forward("embed", () if text is None else (text,), locals())
 
     def score(
         self,
@@ -230,15 +192,7 @@ class LLMFrameMethods:
         **engine_kwargs,
     ):
         """Score each row's ``left`` text against its ``right`` text: one float per row."""
-        return self._call(
-            "score",
-            (left, right),
-            resources,
-            output_column=output_column,
-            model=model,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
-        )
+        return self._forward("score", (left, right), locals())
 
     def classify(
         self,
@@ -251,15 +205,7 @@ class LLMFrameMethods:
         **engine_kwargs,
     ):
         """Classify ``text``: the top label's name and a ``probs`` column."""
-        return self._call(
-            "classify",
-            (text,),
-            resources,
-            output_column=output_column,
-            model=model,
-            on_error=on_error,
-            engine_kwargs=engine_kwargs,
-        )
+        return self._forward("classify", (text,), locals())
 
 
 SERIES_INPUT = "__dfllm_input__"

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
-from dfllm.semantic.join import Placed, SemanticCost, columns_of, operator_resources
+from dfllm.semantic.join import LLMArgs, Placed, SemanticCost, columns_of, operator_resources
 from dfllm.semantic.prompts import instruction_fields, record_template, semantic_prompt
 from dfllm.tasks.schema import LLM_ERROR
 from dfllm.tasks.task import LLMTask, make_task
@@ -121,12 +121,9 @@ def reduce_groups(groups: list[list[str]], spec: AggSpec, cost: SemanticCost, le
     tok = _tokenizer(spec.model)
     current = [list(g) for g in groups]
     results: list = [None] * len(groups)
-    errors: list = [None] * len(groups)
+    errors: list = [None if g else "agg: no rows to summarise" for g in current]
     notes: list[list[str]] = [[] for _ in groups]
     active = [n for n, g in enumerate(current) if g]
-    for n, g in enumerate(current):
-        if not g:
-            errors[n] = "agg: no rows to summarise"
     level = 0
     while active:
         task = spec.leaf if (leaf and level == 0) else spec.fold
@@ -148,22 +145,18 @@ def reduce_groups(groups: list[list[str]], spec: AggSpec, cost: SemanticCost, le
                 errors[n] = f"agg: a summary failed: {err or 'no text'}"
             else:
                 nxt[n].append(text)
-        still = []
         for n in active:
-            if n in failed:
-                continue
-            if len(nxt[n]) == 1:
+            if n not in failed and len(nxt[n]) == 1:
                 results[n] = nxt[n][0]
-            else:
-                current[n] = nxt[n]
-                still.append(n)
-        active = still
+            current[n] = nxt[n]
+        active = [n for n in active if n not in failed and len(nxt[n]) > 1]
         level += 1
-    for n in range(len(groups)):
-        if notes[n]:
-            msg = "agg: " + "; ".join(notes[n])
-            errors[n] = msg if errors[n] is None else f"{errors[n]}; {msg}"
-    return results, errors
+    return results, _with_notes(errors, [["agg: " + "; ".join(n)] if n else [] for n in notes])
+
+
+def _with_notes(errors: list, notes: list[list[str]]) -> list:
+    """Each group's error followed by its notes (``"; "``-joined, each once)."""
+    return [e if not n else "; ".join(dict.fromkeys([*([e] if e else []), *n])) for e, n in zip(errors, notes)]
 
 
 def fold_summaries(summaries: Sequence[str], spec: AggSpec, cost: SemanticCost | None = None) -> tuple:
@@ -225,8 +218,7 @@ def agg_frame(df: pd.DataFrame, spec: AggSpec, cost: SemanticCost, final: bool =
     summaries, errors = reduce_groups(groups, spec, cost)
     if not final:  # a partial without rows: the final fold says so if no partial has any
         errors = [None if not g else e for g, e in zip(groups, errors)]
-    errors = [e if not n else "; ".join(dict.fromkeys([*([e] if e else []), *n])) for e, n in zip(errors, notes)]
-    return _frame(keys, summaries, errors, spec, df.iloc[:0], final)
+    return _frame(keys, summaries, _with_notes(errors, notes), spec, df.iloc[:0], final)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,47 +240,32 @@ class AggCombine:
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
         keys, groups, notes = [], [], []
-        items = (
-            [((), df)] if not self.spec.by else df.groupby(list(self.spec.by), sort=True, dropna=False, observed=True)
-        )
-        for key, g in items:
+        for key, g in _group_items(df, self.spec):
             if not len(g):
                 continue
             keys.append(key if isinstance(key, tuple) else (key,))
             groups.append([s for s in g[_SUMMARY] if s is not None and not pd.isna(s)])
             notes.append([e for e in g[_ERR] if e is not None and not pd.isna(e)])
-        texts: list = [None] * len(groups)
-        errors: list = [None] * len(groups)
+        texts: list = [g[0] if len(g) == 1 else None for g in groups]
+        errors: list = [None if g else "agg: no rows to summarise" for g in groups]
         multi = [n for n, g in enumerate(groups) if len(g) > 1]
-        for n, g in enumerate(groups):
-            if len(g) == 1:
-                texts[n] = g[0]
         if multi:
             folded, errs = reduce_groups([groups[n] for n in multi], self.spec, SemanticCost(), leaf=False)
             for n, t, e in zip(multi, folded, errs):
                 texts[n], errors[n] = t, e
-        for n, g in enumerate(groups):
-            if not g and errors[n] is None:
-                errors[n] = "agg: no rows to summarise"
-        errors = [e if not nt else "; ".join(dict.fromkeys([*([e] if e else []), *nt])) for e, nt in zip(errors, notes)]
-        return _frame(keys, texts, errors, self.spec, df.iloc[:0], self.final)
+        return _frame(keys, texts, _with_notes(errors, notes), self.spec, df.iloc[:0], self.final)
 
 
 def semantic_agg(
     frame: FrameAdapter,
     instruction: str,
+    llm: LLMArgs,
     *,
     by,
-    model,
     output_column: str,
     max_tokens: int,
-    chat: bool,
     split_every: int,
-    on_error: str,
-    resources: dict | None,
-    cache,
     return_stats: bool,
-    engine_kwargs: dict,
 ):
     """``df.llm.agg``: see :meth:`SemanticFrameMethods.agg`."""
     from dfllm.models.bundled import DEFAULT_CHAT_MODEL
@@ -308,38 +285,37 @@ def semantic_agg(
         raise ValueError(f"agg: max_tokens must be a positive integer, got {max_tokens!r}")
     if not isinstance(split_every, int) or split_every < 2:
         raise ValueError(f"agg: split_every must be an integer >= 2, got {split_every!r}")
-    model_name = str(model or DEFAULT_CHAT_MODEL)
+    model_name = str(llm.model or DEFAULT_CHAT_MODEL)
     tasks, budgets = [], []
     for preamble, label in ((AGG_PREAMBLE, "records"), (FOLD_PREAMBLE, "partial summaries")):
-        prompt = semantic_prompt(preamble, instruction, {label: _BODY}, chat=chat)
+        prompt = semantic_prompt(preamble, instruction, {label: _BODY}, chat=llm.chat)
         try:
             task = make_task(
-                "chat" if chat else "generate",
+                "chat" if llm.chat else "generate",
                 (prompt.template,),
                 [_BODY],
                 output_column="__out",
-                model=model,
+                model=llm.model,
                 sampling_params={"temperature": 0.0, "max_tokens": max_tokens},
                 system=prompt.system,
-                on_error=on_error,
-                engine_kwargs=engine_kwargs,
-                cache=cache,
-                model_check=frame.model_check(resources),
+                on_error=llm.on_error,
+                engine_kwargs=llm.engine_kwargs,
+                cache=llm.cache,
+                model_check=frame.model_check(llm.resources),
             )
         except ValueError as exc:
             raise ValueError(f"agg: {exc}") from None
         tasks.append(task)
         tok = _tokenizer(model_name)
-        fixed = prompt.text({_BODY: ""})
-        if chat and getattr(tok, "chat_template", None):
+        if llm.chat and getattr(tok, "chat_template", None):
             msgs = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
                 {"role": "user", "content": prompt.template.format(**{_BODY: ""})}
             ]
             rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             n_fixed = len(tok.encode(rendered, add_special_tokens=False))
         else:
-            n_fixed = len(tok.encode(fixed))
-        budget = _model_len(model_name, engine_kwargs) - max_tokens - n_fixed - 8
+            n_fixed = len(tok.encode(prompt.text({_BODY: ""})))
+        budget = _model_len(model_name, llm.engine_kwargs) - max_tokens - n_fixed - 8
         if budget < 16:
             raise ValueError(
                 f"agg: max_model_len leaves {budget} tokens for records after the prompt's "
@@ -356,7 +332,7 @@ def semantic_agg(
         budgets[1],
         output_column,
         split_every,
-        operator_resources(frame, resources),
+        operator_resources(frame, llm.resources),
     )
     if frame.kind == "dask":
         if return_stats:

@@ -49,7 +49,7 @@ import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
 from dfllm.semantic.filter import BOOL, Judgment, judge_step
-from dfllm.semantic.frames import SemanticFunction, make_llm_task, run_step, shadowed
+from dfllm.semantic.frames import SemanticFunction, make_llm_task, merge_errors, run_step, shadowed
 from dfllm.semantic.prompts import instruction_fields, record_template, render_instruction
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
 
@@ -337,11 +337,10 @@ class Chain:
 
 def proxy_step(
     frame: FrameAdapter, instruction: str, cascade: Cascade, columns: list[str], j: Judgment
-) -> tuple[SemanticFunction, Callable]:
-    """``(step, finish)``: the proxy's pass (its score in ``SCORE``, its errors in ``llm_error``)
-    for the judgment ``j`` (its ``chat``, ``logprobs`` and ``resources``)."""
+) -> SemanticFunction:
+    """The proxy's pass (its score in ``SCORE``, its errors in ``llm_error``) for the judgment
+    ``j`` (its ``chat``, ``logprobs`` and ``resources``)."""
     kwargs = dict(cascade.proxy_kwargs)
-    resources = j.resources
     if cascade.proxy == "model":
         proxy = dataclasses.replace(
             j,
@@ -357,16 +356,16 @@ def proxy_step(
             engine_kwargs=kwargs,
             what="cascade proxy",
         )
-        return judge_step(frame, instruction, proxy, columns), ModelScore()
+        step = judge_step(frame, instruction, proxy, columns)
+        return SemanticFunction(step.name, step.task, Chain(step.post, ModelScore()), step.resources, step.shadow)
     fields = instruction_fields(instruction)
     shadow, seen = shadowed(columns, "embed", EMBEDDING, (), fields)
-    model = cascade.proxy_model
     task = make_llm_task(
         frame,
         "embed",
         (record_template(fields),),
-        resources,
-        model=model,
+        j.resources,
+        model=cascade.proxy_model,
         columns=seen,
         output_column=EMBEDDING,
         engine_kwargs=kwargs,
@@ -375,15 +374,7 @@ def proxy_step(
     if query[LLM_ERROR].notna().any():
         raise ValueError(f"cascade: the instruction could not be embedded: {query[LLM_ERROR].iloc[0]}")
     post = EmbeddingScore(tuple(float(x) for x in query["embedding"].iloc[0]))
-    return SemanticFunction("proxy", task, post, resources, shadow), Identity()
-
-
-@dataclass(frozen=True)
-class Identity:
-    """The pandas step that changes nothing."""
-
-    def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
-        return df
+    return SemanticFunction("proxy", task, post, j.resources, shadow)
 
 
 class CascadeFinish:
@@ -414,9 +405,8 @@ class CascadeFinish:
         pos = part[POS].to_numpy(dtype=np.int64)
         score = part[SCORE].astype(float).to_numpy()
         n = len(part)
-        verdict = np.array([bool(self.decisions[p]) for p in pos], dtype=object) if n else np.array([], dtype=object)
-        prob = np.where(verdict.astype(bool), score, 1 - score) if n else np.array([], dtype=float)
-        prob = prob.astype(object)
+        verdict = np.array([bool(self.decisions[p]) for p in pos], dtype=object)
+        prob = np.where(verdict.astype(bool), score, 1 - score).astype(object)
         source = np.array(["proxy"] * n, dtype=object)
         note = np.array([None] * n, dtype=object)
         error = np.array([None] * n, dtype=object)
@@ -426,8 +416,7 @@ class CascadeFinish:
         if sampled.any():
             frames.append((sampled, self.known.loc[pos[sampled]].reset_index(drop=True)))
         if band.any():
-            judged = self.oracle(part.loc[band, self.inputs]).reset_index(drop=True)
-            frames.append((band, judged))
+            frames.append((band, self.oracle(part.loc[band, self.inputs]).reset_index(drop=True)))
         for mask, judged in frames:
             verdict[mask] = judged[self.output_column].astype(object).to_numpy()
             prob[mask] = judged[self.probability_column].astype(object).to_numpy()
@@ -436,24 +425,13 @@ class CascadeFinish:
             if self.explanation_column is not None:
                 note[mask] = judged[self.explanation_column].astype(object).to_numpy()
         out = part[self.inputs].copy()
-        out[self.output_column] = pd.Series([None if v is pd.NA else v for v in verdict], index=part.index, dtype=BOOL)
-        out[self.probability_column] = pd.Series(
-            [None if v is pd.NA else v for v in prob], index=part.index, dtype=FLOAT
-        )
+        columns = [(self.output_column, verdict, BOOL), (self.probability_column, prob, FLOAT)]
         if self.explanation_column is not None:
-            out[self.explanation_column] = pd.Series(
-                [None if v is pd.NA else v for v in note], index=part.index, dtype=STRING
-            )
-        out[SOURCE] = pd.Series(source, index=part.index, dtype=STRING)
-        new = pd.Series([None if v is pd.NA else v for v in error], index=part.index, dtype=STRING)
+            columns.append((self.explanation_column, note, STRING))
+        for name, values, dtype in [*columns, (SOURCE, source, STRING), (LLM_ERROR, error, STRING)]:
+            out[name] = pd.Series([None if v is pd.NA else v for v in values], index=part.index, dtype=dtype)
         if self.prior:
-            earlier = out.pop(PRIOR)
-            both = earlier.notna() & new.notna()
-            merged = earlier.where(earlier.notna(), new)
-            if both.any():
-                merged = merged.where(~both, earlier.astype(str) + "; " + new.astype(str))
-            new = merged.astype(STRING)
-        out[LLM_ERROR] = new
+            out[LLM_ERROR] = merge_errors(out.pop(PRIOR), out[LLM_ERROR])
         if not self.keep:
             keep = out[self.output_column].fillna(False).astype(bool) | out[LLM_ERROR].notna()
             out = out[keep.to_numpy()].drop(columns=[self.output_column, self.probability_column])
@@ -469,9 +447,8 @@ def cascade_judge(frame: FrameAdapter, instruction: str, cascade: Cascade, j: Ju
     if SOURCE in frame.columns:
         raise ValueError(f"{j.what}: a cascade adds the column {SOURCE!r}, which the dataframe already has; rename it")
     dask = frame.kind == "dask"
-    columns = [PRIOR if c == LLM_ERROR else c for c in frame.columns]
-    prior = PRIOR in columns
-    inputs = [*columns]
+    inputs = [PRIOR if c == LLM_ERROR else c for c in frame.columns]
+    prior = PRIOR in inputs
     data = frame.obj if dask else frame.to_pandas()
     data = data.rename(columns={LLM_ERROR: PRIOR}) if prior else data
     if dask:
@@ -481,9 +458,7 @@ def cascade_judge(frame: FrameAdapter, instruction: str, cascade: Cascade, j: Ju
         data = data.assign(**{POS: np.arange(len(data), dtype=np.int64)})
     # the oracle keeps every row: CascadeFinish drops filter's
     oracle = judge_step(frame, instruction, dataclasses.replace(j, keep=True, on_error="null"), inputs)
-    step, finish = proxy_step(frame, instruction, cascade, [*inputs, POS], j)
-    scored_step = SemanticFunction(step.name, step.task, Chain(step.post, finish), step.resources, step.shadow)
-    scored = run_step(FrameAdapter(data), scored_step)
+    scored = run_step(FrameAdapter(data), proxy_step(frame, instruction, cascade, [*inputs, POS], j))
     if dask:
         scored = scored.persist()
     table = (scored[[POS, SCORE]].compute() if dask else scored[[POS, SCORE]]).sort_values(POS)

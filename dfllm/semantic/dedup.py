@@ -134,13 +134,16 @@ def _embed(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> tuple[np.nd
     return vecs, [p if p is not None else e for p, e in zip(prior, errors)]
 
 
-def _labelled(df: pd.DataFrame, ids: list, errors: list, spec: DedupSpec, offset: int = 0) -> pd.DataFrame:
+def _representatives(ids: list) -> list:
+    """Whether each row is its cluster's first (None where it has no cluster)."""
+    return [None if c is None else c == n for n, c in enumerate(ids)]
+
+
+def _labelled(df: pd.DataFrame, ids: list, reps: list, errors: list, spec: DedupSpec) -> pd.DataFrame:
+    """``df`` with its rows' cluster ids, representative flags and errors."""
     out = df.drop(columns=[LLM_ERROR], errors="ignore").copy()
-    out[spec.cluster_column] = pd.Series(
-        [None if c is None else c + offset for c in ids], index=df.index, dtype="int64[pyarrow]"
-    )
-    rep = [None if c is None else c == n for n, c in enumerate(ids)]
-    out[spec.representative_column] = pd.Series(rep, index=df.index, dtype="bool[pyarrow]")
+    out[spec.cluster_column] = pd.Series(ids, index=df.index, dtype="int64[pyarrow]")
+    out[spec.representative_column] = pd.Series(reps, index=df.index, dtype="bool[pyarrow]")
     out[LLM_ERROR] = pd.Series(errors, index=df.index, dtype="string[pyarrow]")
     return out
 
@@ -156,7 +159,7 @@ def dedup_frame(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> pd.Dat
             cost.counts.get("candidate_pairs", 0),
             len({c for c in ids if c is not None}),
         )
-    return _labelled(df, ids, errors, spec)
+    return _labelled(df, ids, _representatives(ids), errors, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +201,7 @@ class ClusterAll:
                 _PART: df[_PART],
                 _POS: df[_POS],
                 "__cluster": pd.Series(ids, dtype="Int64"),
-                "__rep": pd.Series([None if c is None else c == n for n, c in enumerate(ids)], dtype="boolean"),
+                "__rep": pd.Series(_representatives(ids), dtype="boolean"),
                 _ERR: pd.Series(errors, dtype=object),
             }
         )
@@ -216,13 +219,8 @@ class Attach:
         if len(mine) != len(df):
             raise RuntimeError(f"dedup: partition {number} has {len(df)} rows but {len(mine)} labels")
         ids = [None if pd.isna(c) else int(c) for c in mine["__cluster"]]
-        out = df.drop(columns=[LLM_ERROR], errors="ignore").copy()
-        out[self.spec.cluster_column] = pd.Series(ids, index=df.index, dtype="int64[pyarrow]")
-        out[self.spec.representative_column] = pd.Series(
-            [None if pd.isna(r) else bool(r) for r in mine["__rep"]], index=df.index, dtype="bool[pyarrow]"
-        )
-        out[LLM_ERROR] = pd.Series(list(mine[_ERR]), index=df.index, dtype="string[pyarrow]")
-        return out
+        reps = [None if pd.isna(r) else bool(r) for r in mine["__rep"]]
+        return _labelled(df, ids, reps, list(mine[_ERR]), self.spec)
 
 
 def semantic_dedup(
@@ -262,7 +260,6 @@ def semantic_dedup(
         ["__text"],
         model=embed_model,
         resources=llm.resources,
-        engine_kwargs=None,
         what="dedup",
         images="images=True" if images else None,
     )
@@ -297,7 +294,7 @@ def semantic_dedup(
         if return_stats:
             raise ValueError("dedup: return_stats=True needs an eager frame (pandas or Polars)")
         obj, empty = frame.obj, frame.empty()
-        meta = _labelled(empty, [], [], spec)
+        meta = _labelled(empty, [], [], [], spec)
         stage1 = obj.map_partitions(Placed(EmbedRows(spec), spec.resources, "embed"), meta=EmbedRows(spec)(empty))
         labels = stage1.repartition(npartitions=1).map_partitions(
             Placed(ClusterAll(spec), spec.resources, "dedup"), meta=ClusterAll(spec)(stage1._meta)

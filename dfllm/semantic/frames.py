@@ -78,15 +78,7 @@ class SemanticFunction(WritableFunction):
             return out
         if LLM_ERROR in self.shadow:
             earlier = out.pop(SHADOW + LLM_ERROR)
-            if LLM_ERROR in out:
-                new = out[LLM_ERROR]
-                both = earlier.notna() & new.notna()
-                merged = earlier.where(earlier.notna(), new)
-                if both.any():
-                    merged = merged.where(~both, earlier.astype(object).astype(str) + "; " + new.astype(str))
-                out[LLM_ERROR] = merged.astype(STRING)
-            else:
-                out[LLM_ERROR] = earlier
+            out[LLM_ERROR] = merge_errors(earlier, out[LLM_ERROR]) if LLM_ERROR in out else earlier
         return out.rename(columns={SHADOW + c: c for c in self.shadow})
 
     def __call__(self, df: pd.DataFrame) -> pd.DataFrame:
@@ -104,6 +96,15 @@ class SemanticFunction(WritableFunction):
 
     def __repr__(self) -> str:
         return f"SemanticFunction({self.name!r}, {self.task!r}, {self.post!r}, resources={self.resources!r})"
+
+
+def merge_errors(earlier: pd.Series, new: pd.Series) -> pd.Series:
+    """Each row's ``llm_error``: its earlier one, its new one, or both (``"<earlier>; <new>"``)."""
+    both = earlier.notna() & new.notna()
+    merged = earlier.where(earlier.notna(), new)
+    if both.any():
+        merged = merged.where(~both, earlier.astype(object).astype(str) + "; " + new.astype(str))
+    return merged.astype(STRING)
 
 
 def task_columns(kind: str, output_column: str, engine_columns: tuple[str, ...] = ()) -> list[str]:

@@ -99,10 +99,7 @@ class PairJudge:
         if cost is not None:
             cost.add(out, generative=True)
         answers = [None if pd.isna(v) else str(v) for v in out[self.task.output_column]]
-        errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
-        for i, (a, e) in enumerate(zip(answers, errors)):
-            if a is None and e is None:  # never silently: an answer that is missing is an error
-                errors[i] = "the judgment gave no answer"
+        errors = answer_errors(answers, out)
         choices = tuple(self.task.structured[1]) if self.task.structured[:1] == ("choice",) else ()
         if "logprobs" in out.columns and len(choices) == 2:
             first = [
@@ -112,6 +109,12 @@ class PairJudge:
         else:
             first = [None] * len(out)
         return answers, errors, first
+
+
+def answer_errors(answers: list, out: pd.DataFrame) -> list:
+    """Each judgment's ``llm_error``; never silently none: an answer that is missing is an error."""
+    errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
+    return ["the judgment gave no answer" if a is None and e is None else e for a, e in zip(answers, errors)]
 
 
 def first_choice_probability(first_token: dict | None, one: str, other: str) -> float | None:
@@ -239,8 +242,8 @@ def make_embedder(
     *,
     model,
     resources: dict | None,
-    engine_kwargs: dict | None,
     what: str,
+    engine_kwargs: dict | None = None,
     images: str | None = None,
 ) -> Embedder:
     """An :class:`Embedder` of ``template`` (default model: the bundled MiniLM), checked now.
@@ -398,12 +401,10 @@ def parse_join_instruction(instruction: str, left: list[str], right: list[str]) 
         )
         if side is None:
             where = "both frames" if name in left else "neither frame"
+            hint = f"; write {{{name}:left}} or {{{name}:right}}" if name in left else ""
             raise ValueError(
                 f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
-                f"columns: {right}); write {{{name}:left}} or {{{name}:right}}"
-                if name in left
-                else f"join: the instruction's field {{{name}}} is in {where} (left columns: {left}; right "
-                f"columns: {right})"
+                f"columns: {right}){hint}"
             )
         if name not in (left if side == "left" else right):
             raise ValueError(f"join: {{{name}:{side}}}: no column {name!r} in the {side} frame")
@@ -478,10 +479,8 @@ def candidate_pairs(
     usable left row its ``k`` most similar usable right rows (all of them when ``k`` is None),
     those below ``min_similarity`` left out; ordered by left row, then similarity (highest
     first), ties by right position."""
-    li_all, ri_all, s_all = [], [], []
+    li_all, ri_all, s_all = [np.zeros(0, int)], [np.zeros(0, int)], [np.zeros(0, float)]
     rpos = np.flatnonzero(rok)
-    if not len(rpos):
-        return np.zeros(0, int), np.zeros(0, int), np.zeros(0, float)
     sims = lv[np.flatnonzero(lok)] @ rv[rpos].T if lv.size and rv.size else np.zeros((int(lok.sum()), len(rpos)))
     for row, i in enumerate(np.flatnonzero(lok)):
         s = sims[row].astype(np.float64)
@@ -493,8 +492,6 @@ def candidate_pairs(
         li_all.append(np.full(len(order), i))
         ri_all.append(rpos[order])
         s_all.append(s[order])
-    if not li_all:
-        return np.zeros(0, int), np.zeros(0, int), np.zeros(0, float)
     return np.concatenate(li_all), np.concatenate(ri_all), np.concatenate(s_all)
 
 
@@ -517,25 +514,15 @@ def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: li
     return errors
 
 
-def _assemble(
-    left: pd.DataFrame, right: pd.DataFrame, li: list, ri: list, sims: list | None, errors: list, spec: JoinSpec
-) -> pd.DataFrame:
-    """Result rows: left row ``li[n]`` beside right row ``ri[n]`` (None: that side null)."""
+def _assemble(left: pd.DataFrame, right: pd.DataFrame, rows: list[tuple], spec: JoinSpec) -> pd.DataFrame:
+    """The result of ``rows`` ``(left position, right position, similarity, error)``: the left
+    row beside the right row (a None position: that side null)."""
+    li, ri, sims, errors = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
     lcols = [c for c in left.columns if c not in (_EMB, _ERR, LLM_ERROR)]
     rcols = [c for c in right.columns if c not in (_EMB, _ERR, LLM_ERROR)]
-    lpart = _take(left[lcols], li)
-    rpart = _take(right[rcols], ri).rename(columns=dict(spec.right_names))
-    parts = [lpart, rpart]
+    parts = [_take(left[lcols], li), _take(right[rcols], ri).rename(columns=dict(spec.right_names))]
     if spec.similarity_column:
-        parts.append(
-            pd.DataFrame(
-                {
-                    spec.similarity_column: pd.Series(
-                        sims if sims is not None else [None] * len(li), dtype="double[pyarrow]"
-                    )
-                }
-            )
-        )
+        parts.append(pd.DataFrame({spec.similarity_column: pd.Series(sims, dtype="double[pyarrow]")}))
     parts.append(pd.DataFrame({LLM_ERROR: pd.Series(errors, dtype="string[pyarrow]")}))
     return pd.concat(parts, axis=1)
 
@@ -576,11 +563,9 @@ def join_frames(
         li, ri = (a.ravel() for a in np.meshgrid(np.flatnonzero(lok), np.flatnonzero(rok), indexing="ij"))
         sims = None
     cost.count("cross_product", len(left) * len(right))
-    out_l: list = []
-    out_r: list = []
-    out_s: list = []
-    out_e: list = []
-    sources: list | None = None
+    answers: list = [TRUE_FALSE[0]] * len(li)  # sim_join: every pair matches
+    errors: list = [None] * len(li)
+    sources: list = []
     if spec.judge is not None:
         pairs = pd.concat(
             [_fields_frame(left.iloc[li], spec.left_fields), _fields_frame(right.iloc[ri], spec.right_fields)], axis=1
@@ -590,42 +575,27 @@ def join_frames(
         else:
             answers, errors = spec.judge(pairs, cost)
         cost.count("pairs_judged", len(pairs))
-        out_src: list = []
-        for n, (a, e) in enumerate(zip(answers, errors)):
-            if e is not None or a == TRUE_FALSE[0]:
-                out_src.append(None if sources is None else sources[n])
-                out_l.append(int(li[n]))
-                out_r.append(int(ri[n]))
-                out_s.append(None if sims is None else float(sims[n]))
-                out_e.append(
-                    None
-                    if e is None
-                    else f"join: the pair (left index {lidx[li[n]]!r}, right index "
-                    f"{ridx[ri[n]]!r}) could not be judged: "
-                    f"{rename_columns(e, spec.left_fields + spec.right_fields)}"
-                )
-    else:
-        for n in range(len(li)):
-            out_l.append(int(li[n]))
-            out_r.append(int(ri[n]))
-            out_s.append(None if sims is None else float(sims[n]))
-            out_e.append(None)
-    for i in np.flatnonzero(~lok):
-        out_l.append(int(i))
-        out_r.append(None)
-        out_s.append(None)
-        out_e.append(f"left index {lidx[i]!r}: {lerr[i]}")
+    kept = [n for n, (a, e) in enumerate(zip(answers, errors)) if e is not None or a == TRUE_FALSE[0]]
+    rows: list[tuple] = [  # (left position, right position, similarity, error)
+        (
+            int(li[n]),
+            int(ri[n]),
+            None if sims is None else float(sims[n]),
+            None
+            if errors[n] is None
+            else f"join: the pair (left index {lidx[li[n]]!r}, right index {ridx[ri[n]]!r}) could not be judged: "
+            f"{rename_columns(errors[n], spec.left_fields + spec.right_fields)}",
+        )
+        for n in kept
+    ]
+    rows += [(int(i), None, None, f"left index {lidx[i]!r}: {lerr[i]}") for i in np.flatnonzero(~lok)]
     if report_right_errors:
-        for j in np.flatnonzero(~rok):
-            out_l.append(None)
-            out_r.append(int(j))
-            out_s.append(None)
-            out_e.append(f"right index {ridx[j]!r}: {rerr[j]}")
-    out = _assemble(left, right, out_l, out_r, out_s if spec.similarity_column else None, out_e, spec)
+        rows += [(None, int(j), None, f"right index {ridx[j]!r}: {rerr[j]}") for j in np.flatnonzero(~rok)]
+    out = _assemble(left, right, rows, spec)
     if spec.cascade is not None:
         from dfllm.semantic.cascade import SOURCE
 
-        src = out_src + [None] * (len(out) - len(out_src))
+        src = [sources[n] for n in kept] + [None] * (len(out) - len(kept))
         out.insert(len(out.columns) - 1, SOURCE, pd.Series(src, index=out.index, dtype="string[pyarrow]"))
     return out
 
@@ -644,10 +614,7 @@ def _cascade_pairs(pairs: pd.DataFrame, spec: JoinSpec, cost: SemanticCost) -> t
     cost.cascade = stats
     cost.count("large_model_pairs", stats.large_model_rows)
     answers = [None if pd.isna(v) else TRUE_FALSE[0] if bool(v) else TRUE_FALSE[1] for v in out["verdict"]]
-    errors = [None if pd.isna(e) else str(e) for e in out[LLM_ERROR]]
-    for i, (a, e) in enumerate(zip(answers, errors)):
-        if a is None and e is None:
-            errors[i] = "the judgment gave no answer"
+    errors = answer_errors(answers, out)
     sources = [None if pd.isna(v) else str(v) for v in out[SOURCE]]
     return answers, errors, sources
 
@@ -687,7 +654,7 @@ def run_join(frame: FrameAdapter, other, spec: JoinSpec, return_stats: bool):
                 Placed(EmbedPartition(spec.right_embedder, spec.right_fields), spec.resources, "embed"), meta=meta_r
             )
         right = right.repartition(npartitions=1)
-        meta = _assemble(frame.empty(), right._meta, [], [], [], [], spec)
+        meta = _assemble(frame.empty(), right._meta, [], spec)
         if return_stats:
             raise ValueError(
                 "return_stats=True needs an eager frame (pandas or Polars); on Dask, the pairs "
@@ -750,7 +717,6 @@ def semantic_join(
                 [c for c, _ in fields],
                 model=embed_model,
                 resources=llm.resources,
-                engine_kwargs=None,
                 what="join",
             )
     rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column] if blocked else [LLM_ERROR])

@@ -57,25 +57,7 @@ class SemanticFrameMethods:
         then returns ``(frame, CascadeStats)``. ``chat=False`` prompts with ``.llm.generate``
         instead of ``.llm.chat``. ``model``, ``resources``, ``cache`` and engine arguments as in
         ``.llm.generate``. See docs/semantic.md."""
-        from dfllm.semantic.filter import Judgment
-
-        judgment = Judgment(
-            keep=True,
-            model=model,
-            output_column=output_column,
-            probability_column=probability_column,
-            return_explanations=return_explanations,
-            explanation_column=explanation_column,
-            chat=chat,
-            logprobs=logprobs,
-            max_explanation_tokens=max_explanation_tokens,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
-            engine_kwargs=engine_kwargs,
-            what="judge",
-        )
-        return semantic_judge(FrameAdapter.of(self), instruction, judgment, cascade, return_stats)
+        return _judge(locals(), keep=True, what="judge")
 
     def filter(
         self,
@@ -99,26 +81,14 @@ class SemanticFrameMethods:
         ``explanation`` (with ``return_explanations``) and ``llm_error``. A row whose judgment
         failed is kept, with its message in ``llm_error`` (nothing is dropped silently);
         drop them with ``df[df.llm_error.isna()]``. Arguments as in :meth:`judge`."""
-        from dfllm.semantic.filter import Judgment
-
-        judgment = Judgment(
+        return _judge(
+            locals(),
             keep=False,
-            model=model,
+            what="filter",
             # private: filter drops them, so that a frame's own `verdict` columns pass through untouched
             output_column="__dfllm_sem_verdict__",
             probability_column="__dfllm_sem_verdict_probability__",
-            return_explanations=return_explanations,
-            explanation_column=explanation_column,
-            chat=chat,
-            logprobs=logprobs,
-            max_explanation_tokens=max_explanation_tokens,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
-            engine_kwargs=engine_kwargs,
-            what="filter",
         )
-        return semantic_judge(FrameAdapter.of(self), instruction, judgment, cascade, return_stats)
 
     def extract(
         self,
@@ -198,14 +168,11 @@ class SemanticFrameMethods:
         from dfllm.semantic.join import LLMArgs
         from dfllm.semantic.topk import semantic_topk
 
-        llm = LLMArgs(
-            model=model, chat=chat, on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs
-        )
         return semantic_topk(
             FrameAdapter.of(self),
             instruction,
             k,
-            llm,
+            LLMArgs(model, chat, on_error, resources, cache, engine_kwargs),
             method=method,
             rank_column=rank_column,
             seed_embeddings=seed_embeddings,
@@ -256,20 +223,11 @@ class SemanticFrameMethods:
         ``CascadeStats``) and ``counts["large_model_pairs"]``. See docs/semantic.md."""
         from dfllm.semantic.join import LLMArgs, semantic_join
 
-        llm = LLMArgs(
-            model=model,
-            chat=chat,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
-            engine_kwargs=engine_kwargs,
-            sampling_params=sampling_params,
-        )
         return semantic_join(
             FrameAdapter.of(self),
             other,
             instruction,
-            llm,
+            LLMArgs(model, chat, on_error, resources, cache, engine_kwargs, sampling_params),
             block_k=block_k,
             min_similarity=min_similarity,
             embed_model=embed_model,
@@ -363,13 +321,10 @@ class SemanticFrameMethods:
         from dfllm.semantic.dedup import semantic_dedup
         from dfllm.semantic.join import LLMArgs
 
-        llm = LLMArgs(
-            model=model, chat=chat, on_error=on_error, resources=resources, cache=cache, engine_kwargs=engine_kwargs
-        )
         return semantic_dedup(
             FrameAdapter.of(self),
             column,
-            llm,
+            LLMArgs(model, chat, on_error, resources, cache, engine_kwargs),
             threshold=threshold,
             confirm=confirm,
             embed_model=embed_model,
@@ -404,22 +359,30 @@ class SemanticFrameMethods:
         time. A row with a null field is left out and named in its group's ``llm_error``.
         See docs/semantic.md."""
         from dfllm.semantic.agg import semantic_agg
+        from dfllm.semantic.join import LLMArgs
 
         return semantic_agg(
             FrameAdapter.of(self),
             instruction,
+            LLMArgs(model, chat, on_error, resources, cache, engine_kwargs),
             by=by,
-            model=model,
             output_column=output_column,
             max_tokens=max_tokens,
-            chat=chat,
             split_every=split_every,
-            on_error=on_error,
-            resources=resources,
-            cache=cache,
             return_stats=return_stats,
-            engine_kwargs=engine_kwargs,
         )
+
+
+def _judge(args: dict, **fields):
+    """``.llm.judge`` or ``.llm.filter`` from the method's arguments ``args`` (its ``locals()``:
+    but the frame, the instruction, ``cascade`` and ``return_stats``, each the
+    :class:`~dfllm.semantic.filter.Judgment` field of its name) and the judgment's other ``fields``."""
+    from dfllm.semantic.filter import Judgment
+
+    args = dict(args)
+    frame, instruction = FrameAdapter.of(args.pop("self")), args.pop("instruction")
+    cascade, return_stats = args.pop("cascade"), args.pop("return_stats")
+    return semantic_judge(frame, instruction, Judgment(**args, **fields), cascade, return_stats)
 
 
 def semantic_judge(frame: FrameAdapter, instruction: str, j: Judgment, cascade, return_stats: bool):

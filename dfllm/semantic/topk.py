@@ -81,38 +81,30 @@ class _Comparator:
         if not todo:
             return
         asked = todo + [(j, i) for i, j in todo] if self.spec.both_orders else todo
-        a = self.df.iloc[[p[0] for p in asked]]
-        b = self.df.iloc[[p[1] for p in asked]]
-        frame = pd.concat(
-            [
-                pd.DataFrame({f"__a_{f}": a[f].to_numpy() for f in self.spec.fields}),
-                pd.DataFrame({f"__b_{f}": b[f].to_numpy() for f in self.spec.fields}),
-            ],
-            axis=1,
+        sides = {side: self.df.iloc[[p[n] for p in asked]] for n, side in enumerate("ab")}
+        frame = pd.DataFrame(
+            {f"__{side}_{f}": rows[f].to_numpy() for side, rows in sides.items() for f in self.spec.fields}
         )
         answers, errors, first = self.spec.judge.judge(frame, self.cost)
         self.cost.count("comparisons", len(todo))
         n = len(todo)
         for k, p in enumerate(todo):
             if not self.spec.both_orders:
-                if errors[k] is not None:
-                    self.failed[p] = errors[k]
-                else:
-                    self.memo[p] = answers[k] == AB[0]
-                continue
-            err = (
-                errors[k]
-                or errors[n + k]
-                or (
-                    None
-                    if first[k] is not None and first[n + k] is not None
-                    else "no log-probabilities of A and B to compare"
-                )
-            )
+                err, wins = errors[k], answers[k] == AB[0]
+            else:  # P(A | i shown first) against P(A | j shown first): the position's bias cancels
+                missing = first[k] is None or first[n + k] is None
+                err = errors[k] or errors[n + k] or ("no log-probabilities of A and B to compare" if missing else None)
+                wins = not missing and first[k] >= first[n + k]
             if err is not None:
                 self.failed[p] = err
-            else:  # P(A | i shown first) against P(A | j shown first): the position's bias cancels
-                self.memo[p] = first[k] >= first[n + k]
+            else:
+                self.memo[p] = wins
+
+    def failure(self, i: int, j: int) -> str:
+        """Row ``i``'s message for its failed comparison with row ``j``."""
+        return (
+            f"its comparison with the row of index {self.df.index[j]!r} failed: {self.failed[(min(i, j), max(i, j))]}"
+        )
 
     def better(self, i: int, j: int) -> bool | None:
         """Whether row ``i`` beats row ``j`` (None: the judgment failed)."""
@@ -140,10 +132,9 @@ def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | N
         pending = [n for n, b in enumerate(blocks) if len(b) > 1]
         if not pending:
             break
-        pivots = {}
-        for n in pending:
-            b = blocks[n]
-            pivots[n] = first_pivot if first and first_pivot in b else b[len(b) // 2]
+        pivots = {
+            n: first_pivot if first and first_pivot in blocks[n] else blocks[n][len(blocks[n]) // 2] for n in pending
+        }
         first = False
         cmp.ask([(x, pivots[n]) for n in pending for x in blocks[n] if x != pivots[n]])
         new: list[list[int]] = []
@@ -159,10 +150,7 @@ def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | N
                     continue
                 verdict = cmp.better(x, p)
                 if verdict is None:
-                    errors[x] = (
-                        f"its comparison with the row of index {cmp.df.index[p]!r} failed: "
-                        f"{cmp.failed[(min(x, p), max(x, p))]}"
-                    )
+                    errors[x] = cmp.failure(x, p)
                 else:
                     (better if verdict else worse).append(x)
             new.extend(part for part in (better, [p], worse) if part)
@@ -192,9 +180,8 @@ def heap_order(items: list[int], k: int, cmp: _Comparator) -> tuple[list, dict]:
         try:
             return heapq.nlargest(k, items, key=functools.cmp_to_key(less)), errors
         except _Failed as exc:
-            msg = cmp.failed[(min(exc.i, exc.j), max(exc.i, exc.j))]
             for x, y in ((exc.i, exc.j), (exc.j, exc.i)):
-                errors[x] = f"its comparison with the row of index {cmp.df.index[y]!r} failed: {msg}"
+                errors[x] = cmp.failure(x, y)
             items = [x for x in items if x not in errors]
 
 
@@ -204,12 +191,8 @@ def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_or
     with a null rank and their ``llm_error``. The index is kept. ``in_frame_order`` keeps the
     top rows in the frame's order instead (a partition's candidates, so that the merge shows
     every pair in the orientation a single frame would)."""
-    prior = (
-        df[LLM_ERROR].astype(object).where(df[LLM_ERROR].notna(), None).tolist()
-        if LLM_ERROR in df.columns
-        else [None] * len(df)
-    )
-    errors: dict[int, str] = {i: e for i, e in enumerate(prior) if e is not None}
+    prior = df[LLM_ERROR].tolist() if LLM_ERROR in df.columns else []
+    errors: dict[int, str] = {i: e for i, e in enumerate(prior) if not pd.isna(e)}
     for f in spec.fields:
         for i in np.flatnonzero(df[f].isna().to_numpy()):
             errors.setdefault(int(i), f"topk: the field {f!r} is null")
@@ -234,10 +217,8 @@ def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_or
         order = sorted(order)
     out = df.iloc[order + err_rows].copy()
     ranks = [rank_of[i] for i in order] + [None] * len(err_rows)
-    if spec.rank_column in out.columns:
-        out = out.drop(columns=[spec.rank_column])
     msgs = [None] * len(order) + [errors[i] for i in err_rows]
-    out = out.drop(columns=[LLM_ERROR], errors="ignore")
+    out = out.drop(columns=[spec.rank_column, LLM_ERROR], errors="ignore")
     out[spec.rank_column] = pd.Series(ranks, index=out.index, dtype="int64[pyarrow]")
     out[LLM_ERROR] = pd.Series(msgs, index=out.index, dtype="string[pyarrow]")
     if len(df):
@@ -294,9 +275,7 @@ def semantic_topk(
         raise ValueError(f"topk: method must be one of {METHODS}, got {method!r}")
     if rank_column in columns and rank_column != LLM_ERROR:
         raise ValueError(f"topk: the frame already has a column {rank_column!r}; pass another rank_column=")
-    record = {}
-    for side in AB:
-        record.update({f"{side}.{f}": f"__{side.lower()}_{f}" for f in fields})
+    record = {f"{side}.{f}": f"__{side.lower()}_{f}" for side in AB for f in fields}
     judge = make_judge(
         frame,
         list(record.values()),
@@ -318,12 +297,9 @@ def semantic_topk(
             fields,
             model=embed_model,
             resources=llm.resources,
-            engine_kwargs=None,
             what="topk",
         )
-        query = make_embedder(
-            frame, "{__q}", ["__q"], model=embed_model, resources=llm.resources, engine_kwargs=None, what="topk"
-        )
+        query = make_embedder(frame, "{__q}", ["__q"], model=embed_model, resources=llm.resources, what="topk")
     spec = TopKSpec(
         judge,
         tuple(fields),
