@@ -261,28 +261,9 @@ def make_seq(tokens: list[int]) -> Sequence:
 def build_tiny_classifier(root: Path) -> Path:
     """Save a tiny random BERT sequence classifier (3 labels, ``label_0``..``label_2``) with
     the bundled MiniLM's tokenizer into ``root`` and return its path."""
-    from transformers import AutoModelForSequenceClassification, BertConfig
-
     from dfllm.models.bundled import resolve_model
 
-    cfg = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        num_labels=3,
-        id2label={i: f"label_{i}" for i in range(3)},
-        label2id={f"label_{i}": i for i in range(3)},
-        architectures=["BertForSequenceClassification"],
-    )
-    torch.manual_seed(0)
-    path = root / "classifier"
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(resolve_model("all-minilm-l6-v2") / name, path / name)
-    return path
+    return tiny_bert(root, resolve_model("all-minilm-l6-v2"), 3, seed=0)[0]
 
 
 # ---- LoRA adapters and small classifiers ------------------------------------------------------------
@@ -306,9 +287,10 @@ def make_adapter(
     return out
 
 
-def tiny_bert(tmp_path: Path, minilm_dir: Path, num_labels: int):
+def tiny_bert(tmp_path: Path, minilm_dir: Path, num_labels: int, seed: int | None = None):
     """A small random BERT sequence classifier with ``num_labels`` labels and the MiniLM
-    tokenizer, saved in ``tmp_path``; returns its path and the transformers model."""
+    tokenizer, saved in ``tmp_path``; returns its path and the transformers model (weights
+    drawn with ``seed``, by default ``num_labels``)."""
     from transformers import AutoModelForSequenceClassification, BertConfig
 
     cfg = BertConfig(
@@ -323,7 +305,7 @@ def tiny_bert(tmp_path: Path, minilm_dir: Path, num_labels: int):
         label2id={f"label_{i}": i for i in range(num_labels)},
         architectures=["BertForSequenceClassification"],
     )
-    torch.manual_seed(num_labels)
+    torch.manual_seed(num_labels if seed is None else seed)
     model = AutoModelForSequenceClassification.from_config(cfg).eval()
     path = tmp_path / f"bert-{num_labels}"
     model.save_pretrained(path)
