@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from dfllm.engine.host_pack import HostPack
@@ -71,6 +73,13 @@ class StepOutput:
 def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
     """Flatten the step's tokens and describe where their keys live (tensors on ``device``,
     sent in one copy per dtype: :class:`~dfllm.engine.host_pack.HostPack`)."""
+    seqs = sched.seqs
+    if (
+        len(seqs) >= WHOLE_BATCH_DECODES
+        and max(sched.num_new_tokens) == 1
+        and not any(_needs_general_path(s) for s in seqs)
+    ):
+        return _prepare_decodes(seqs, block_size, device)
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -131,6 +140,73 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     if lora:  # each token row's adapter slot
         meta.lora = lora_metadata([s.request.lora_slot for s, n in scheduled for _ in range(n)], device)
     return StepInputs(sent[tokens[0]], sent[tokens[1]], meta, sent[tokens[2]], sample_seqs, prompt_spans)
+
+
+# from this many one-token sequences on, _prepare_decodes' whole-batch array operations cost less
+# than the loop's per-sequence appends (below it their fixed cost, ~15 µs, is more)
+WHOLE_BATCH_DECODES = 16
+
+
+def _needs_general_path(seq: Sequence) -> bool:
+    """Whether a one-token step of ``seq`` needs more than :func:`_prepare_decodes` builds: a
+    LoRA adapter's row order and slots, or prompt log-probabilities still to compute."""
+    return seq.request.lora_request is not None or (
+        seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+    )
+
+
+def _prepare_decodes(seqs: list[Sequence], bs: int, device: torch.device) -> StepInputs:
+    """:func:`prepare_inputs` of a step where every sequence computes one token (a decode, or a
+    one-token prompt chunk), the same tensors built with a few whole-batch array operations
+    instead of Python loops over the sequences (at 256 sequences ~0.15 ms instead of ~0.37)."""
+    n = len(seqs)
+    tokens = [s.token_ids for s in seqs]
+    starts = [s.num_computed_tokens for s in seqs]
+    tables = [s.block_table for s in seqs]
+    pos = np.array(starts, dtype=np.int64)
+    lens = np.fromiter(map(len, tables), np.int64, n)
+    width = int(lens.max())
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+    real = np.arange(width) < lens[:, None]
+    padded = np.full((n, width), -1, dtype=np.int32)  # the ragged layout's tables, padded with -1
+    padded[real] = flat
+    slots = padded[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+    # the rows that sample: those whose token is the last one (not a one-token prompt chunk)
+    sampling = np.nonzero(np.fromiter(map(len, tokens), np.int64, n) == pos + 1)[0]
+    seq_lens = (pos + 1).astype(np.int32)
+    pack = HostPack()
+    at = (
+        pack.add(list(map(list.__getitem__, tokens, starts)), torch.long),
+        pack.add(pos, torch.long),
+        pack.add(sampling, torch.long),
+        pack.add(slots, torch.long),
+        pack.add(np.arange(n + 1, dtype=np.int32), torch.int32),
+        pack.add(seq_lens, torch.int32),
+        pack.add(padded, torch.int32, (n, width)),
+    )
+    if device.type == "cpu":  # the C++ decode kernel's batch: tables padded with their own last block
+        own = np.where(real, padded, flat[np.cumsum(lens) - 1][:, None])
+        decodes = (
+            pack.add(np.arange(n), torch.long),
+            pack.add(own, torch.int32, (n, width)),
+            pack.add(seq_lens, torch.int32),
+        )
+    sent = pack.send(device)
+    meta = AttentionMetadata(
+        slot_mapping=sent[at[3]],
+        prefills=[],
+        decode_groups=Deferred(lambda: _decode_groups(list(range(n)), seqs, bs, device)),
+        query_start_loc=sent[at[4]],
+        seq_lens=sent[at[5]],
+        block_tables=sent[at[6]],
+        block_size=bs,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+    )
+    if device.type == "cpu":
+        meta.decodes = DecodeBatch(*(sent[i] for i in decodes))
+    sample_seqs = list(seqs) if len(sampling) == n else [seqs[i] for i in sampling.tolist()]
+    return StepInputs(sent[at[0]], sent[at[1]], meta, sent[at[2]], sample_seqs)
 
 
 def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:

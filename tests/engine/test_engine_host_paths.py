@@ -1,22 +1,27 @@
 """The engine's per-step host fast paths decide and record exactly what the general ones do:
 batched token metrics, the plain stop check, the decode schedule without block work, the
-skipped penalties and the 16-byte block zeroing."""
+skipped penalties, the 16-byte block zeroing and the whole-batch decode inputs."""
 
 from __future__ import annotations
 
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dfllm.engine.block_manager import block_hash, chain_root
+from dfllm.engine import step_inputs
+from dfllm.engine.block_manager import FREED, block_hash, chain_root
+from dfllm.engine.host_pack import HostPack
 from dfllm.engine.kv_memory import zero_blocks
 from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.metrics import EngineMetrics, snapshot
 from dfllm.engine.output_processor import OutputProcessor
 from dfllm.engine.sampler import SampledToken
-from dfllm.engine.scheduler import Scheduler
+from dfllm.engine.scheduler import Scheduler, SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.outputs import RequestMetrics
 from dfllm.sampling_params import SamplingParams
@@ -172,3 +177,104 @@ def test_zero_blocks_on_a_view_that_cannot_be_widened():
     expected.index_fill_(2, torch.tensor([1, 3]), 0)
     zero_blocks(kv, [1, 3])
     assert torch.equal(kv, expected)
+
+
+def _inputs_tensors(inputs) -> dict[str, torch.Tensor]:
+    m = inputs.meta
+    out = {f: getattr(inputs, f) for f in ("input_ids", "positions", "logit_rows")}
+    out |= {f: getattr(m, f) for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+    if m.decodes is not None:
+        out |= {f"decodes.{f}": getattr(m.decodes, f) for f in ("rows", "block_tables", "seq_lens")}
+    for i, g in enumerate(m.decode_groups):
+        out |= {f"group{i}.{f}": getattr(g, f) for f in ("rows", "block_tables", "mask")}
+    return out
+
+
+@st.composite
+def _one_token_steps(draw):
+    """Sequences each computing one token: decodes, one-token prompt chunks (which do not
+    sample), sliding-window tables with released leading blocks, finished prompt log-probabilities
+    (the shape drawn by hypothesis, the token and block ids from a drawn seed)."""
+    bs = draw(st.sampled_from([1, 4, 16]))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    seqs = []
+    for _ in range(draw(st.integers(1, 40))):
+        prompt = draw(st.integers(1, 70))
+        total = prompt + draw(st.integers(0, 40))
+        seq = make_seq(list(range(prompt)))
+        seq.token_ids = [rng.randrange(512) for _ in range(total)]
+        seq.num_computed_tokens = max(0, total - draw(st.sampled_from([1, 1, 1, 2, 5])))
+        seq.block_table = rng.sample(range(4096), -(-(seq.num_computed_tokens + 1) // bs))
+        released = draw(st.integers(0, len(seq.block_table) - 1))
+        seq.block_table[:released] = [FREED] * released
+        if draw(st.booleans()):  # prompt log-probabilities, all computed
+            seq.prompt_logprobs = [None] * prompt
+        seqs.append(seq)
+    return SchedulerOutput(seqs, [1] * len(seqs)), bs
+
+
+@settings(max_examples=60, deadline=None)
+@given(_one_token_steps())
+def test_whole_batch_decode_inputs_equal_the_loops(step):
+    """prepare_inputs builds a step of one-token sequences with whole-batch array operations
+    from WHOLE_BATCH_DECODES sequences on: the same tensors (values, dtypes, shapes) as its
+    per-sequence loop, and the same sampling rows."""
+    sched, bs = step
+    cpu = torch.device("cpu")
+    fast = step_inputs._prepare_decodes(sched.seqs, bs, cpu)
+    loop_at = step_inputs.WHOLE_BATCH_DECODES
+    try:
+        step_inputs.WHOLE_BATCH_DECODES = len(sched.seqs) + 1
+        loop = step_inputs.prepare_inputs(sched, bs, cpu)
+    finally:
+        step_inputs.WHOLE_BATCH_DECODES = loop_at
+    a, b = _inputs_tensors(fast), _inputs_tensors(loop)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert fast.sample_seqs == loop.sample_seqs and fast.prompt_spans == loop.prompt_spans == []
+    assert (fast.meta.max_query_len, fast.meta.max_seq_len) == (loop.meta.max_query_len, loop.meta.max_seq_len)
+    assert fast.meta.prefills == loop.meta.prefills == []
+
+
+def test_prepare_inputs_takes_the_whole_batch_path_only_for_plain_one_token_steps():
+    """From WHOLE_BATCH_DECODES one-token sequences on; a sequence still scoring prompt tokens
+    (its position gives a prompt logit row) or running a LoRA adapter takes the loop."""
+    cpu, n = torch.device("cpu"), step_inputs.WHOLE_BATCH_DECODES
+    seqs = [make_seq([1, 2, 3, 4]) for _ in range(n)]
+    for s in seqs:
+        s.num_computed_tokens, s.block_table = 3, [7]
+    assert not any(map(step_inputs._needs_general_path, seqs))
+    inputs = step_inputs.prepare_inputs(SchedulerOutput(seqs, [1] * n), 16, cpu)
+    assert inputs.logit_rows.tolist() == list(range(n))
+    # a one-token prompt chunk whose prompt log-probabilities are asked for: its position scores the next token
+    seqs[3].num_computed_tokens, seqs[3].prompt_logprobs = 2, [None, {}]
+    assert step_inputs._needs_general_path(seqs[3])
+    inputs = step_inputs.prepare_inputs(SchedulerOutput(seqs, [1] * n), 16, cpu)
+    assert inputs.logit_rows.tolist() == [i for i in range(n) if i != 3] + [3]
+    assert [(s.seq, s.start, s.count) for s in inputs.prompt_spans] == [(seqs[3], 2, 1)]
+    seqs[3].prompt_logprobs = None
+    seqs[5].request.lora_request = object()  # only its presence matters to the choice of path
+    assert step_inputs._needs_general_path(seqs[5])
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_host_pack_sends_every_array_in_order(device):
+    """Lists, tensors and NumPy arrays of either dtype, empty ones too: each comes back as added."""
+    rng = random.Random(1)
+    pack = HostPack()
+    arrays = []
+    for i in range(9):
+        dtype = rng.choice([torch.long, torch.int32])
+        values = [rng.randrange(-(2**31), 2**31) for _ in range(rng.randrange(0, 12))]
+        kind = rng.randrange(3)
+        given_ = values if kind == 0 else torch.tensor(values, dtype=torch.long) if kind == 1 else np.array(values)
+        shape = (len(values),) if len(values) % 2 or not values else (2, len(values) // 2)
+        assert pack.add(given_, dtype, shape) == i
+        arrays.append(torch.tensor(values, dtype=dtype).view(shape))
+    sent = pack.send(torch.device(device))
+    for got, want in zip(sent, arrays, strict=True):
+        assert got.device.type == device and got.dtype == want.dtype and torch.equal(got.cpu(), want)
