@@ -36,9 +36,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dfllm.engine.host_pack import HostPack
+from dfllm.engine.step_inputs import decode_arrays
 from dfllm.engine_args import CAPTURE_SIZES_FIELD
 from dfllm.kernels.metadata import AttentionMetadata
 
@@ -187,42 +189,30 @@ class CudaGraphRunner:
         seqs = sched.seqs
         return (
             0 < len(seqs) <= self.sizes[-1]
-            and all(n == 1 for n in sched.num_new_tokens)
+            and max(sched.num_new_tokens) == 1
             and not any(s.needs_prompt_logprobs or len(s.block_table) > self.table_width for s in seqs)
         )
 
-    def load(self, seqs: list[Sequence]) -> int:
+    def load(self, seqs: list[Sequence]) -> tuple[int, np.ndarray]:
         """Copy a decode batch into the buffers (rows ``0..len(seqs)``), pad the rest of the
-        smallest bucket holding it and return that bucket."""
+        smallest bucket holding it; that bucket, and the rows that sample (all but a one-token
+        prompt chunk not yet at its end)."""
         n = len(seqs)
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None, f"{n} sequences exceed the largest bucket {self.sizes[-1]}"
-        bs = self.block_size
-        ids, positions, slots, lens = [], [], [], []
-        width = 1
-        for s in seqs:
-            p, table = s.num_computed_tokens, s.block_table
-            ids.append(s.token_ids[p])
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            width = max(width, len(table))
+        arrays = decode_arrays(seqs, self.block_size)
         pack = HostPack()  # one copy per dtype, without waiting for the device
-        pack.add(ids + positions + slots, torch.long, (3, n))
-        pack.add(lens, torch.int32)
-        pack.add(
-            [b for s in seqs for b in s.block_table + s.block_table[-1:] * (width - len(s.block_table))],
-            torch.int32,
-            (n, width),
-        )
+        pack.add(np.concatenate([arrays.ids, arrays.positions, arrays.slots]), torch.long, (3, n))
+        pack.add(arrays.seq_lens, torch.int32)
+        pack.add(arrays.own_tables, torch.int32, arrays.own_tables.shape)
         rows, seq_lens, tables = pack.send(self.device)
         self.input_ids[:n].copy_(rows[0])
         self.positions[:n].copy_(rows[1])
         self.slot_mapping[:n].copy_(rows[2])
         self.seq_lens[:n].copy_(seq_lens)
-        self.block_tables[:n, :width].copy_(tables)
+        self.block_tables[:n, : tables.shape[1]].copy_(tables)
         self._pad(n, bucket)
-        return bucket
+        return bucket, arrays.sampling
 
     def _pad(self, start: int, stop: int) -> None:
         """Rows ``start..stop`` become padding: token 0 at position 0, no cache write, and one key
@@ -238,13 +228,13 @@ class CudaGraphRunner:
         else:
             self.block_tables[start:stop, 0].copy_(self.block_tables[0, 0])
 
-    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
+    def forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, np.ndarray]:
         """Hidden states ``[len(seqs), hidden]`` of a decode batch that :meth:`fits`: its graph
-        replayed (or, without graphs, the same padded forward run eagerly). The tensor is the
-        graph's output buffer: use it before the next step."""
-        bucket = self.load(seqs)
+        replayed (or, without graphs, the same padded forward run eagerly), and the rows that
+        sample. The tensor is the graph's output buffer: use it before the next step."""
+        bucket, sampling = self.load(seqs)
         self.replays += 1
         if self.captured:
             self.graphs[bucket].replay()
-            return self.outputs[bucket][: len(seqs)]
-        return self._run(bucket)[: len(seqs)]
+            return self.outputs[bucket][: len(seqs)], sampling
+        return self._run(bucket)[: len(seqs)], sampling

@@ -15,6 +15,7 @@ from dfllm.config import EngineConfig
 from dfllm.distributed.parallel_state import ParallelContext, layer_range
 from dfllm.engine import kv_memory
 from dfllm.engine.cuda_graphs import CudaGraphRunner, unsupported_reason
+from dfllm.engine.host_pack import HostPack
 from dfllm.engine.pipeline import execute_step
 from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine.step_inputs import StepInputs, StepOutput, attention_metadata, prepare_inputs
@@ -260,14 +261,17 @@ class ModelRunner:
         sequences that sample (all of them, but for a one-token prompt chunk not yet at its end)."""
         model = self.model
         assert model is not None
-        hidden = graphs.forward(sched.seqs)
-        rows = [i for i, s in enumerate(sched.seqs) if s.num_computed_tokens + 1 == s.num_tokens]
-        if not rows:
+        hidden, rows = graphs.forward(sched.seqs)
+        if not len(rows):
             return StepOutput(torch.empty(0, device=self.device), [])
-        if len(rows) < len(sched.seqs):
-            hidden = hidden[torch.tensor(rows).pin_memory().to(self.device, non_blocking=True)]
+        seqs = sched.seqs
+        if len(rows) < len(seqs):
+            pack = HostPack()
+            pack.add(rows, torch.long)
+            hidden = hidden[pack.send(self.device)[0]]
+            seqs = [seqs[i] for i in rows.tolist()]
         logits = model.compute_logits(hidden)
-        return StepOutput(logits.float(), [sched.seqs[i] for i in rows])
+        return StepOutput(logits.float(), list(seqs))
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -40,7 +40,7 @@ from dfllm.outputs import token_first
 from dfllm.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     """The token drawn for one row, with its raw log-probability information if asked."""
 
@@ -128,13 +128,13 @@ class Sampler:
         cannot be sampled what is wrong with them (module docstring). ``logits`` may be changed."""
         logits = logits.float()
         row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
-        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lp_rows, drawn_rows, grammars = _row_kinds(seqs)
         raw, as_logprobs = self.logprobs_mode.startswith("raw"), self.logprobs_mode.endswith("logprobs")
         values = _logprob_values(_rows(logits, lp_rows), as_logprobs) if lp_rows and raw else None
-        if any(s.grammar is not None for s in seqs):
+        if grammars:
             apply_masks(logits, [s.grammar for s in seqs])
         apply_penalties(logits, seqs, self.eos_token_ids)
-        token_ids, processed_logits = self._choose(logits, seqs, keep_processed=bool(lp_rows) and not raw)
+        token_ids, processed_logits = self._choose(logits, seqs, drawn_rows, keep_processed=bool(lp_rows) and not raw)
         if processed_logits is not None:
             values = _logprob_values(_rows(processed_logits, lp_rows), as_logprobs)
         payload = None if values is None else _logprob_payload(values, token_ids, lp_rows, seqs)
@@ -146,12 +146,12 @@ class Sampler:
         return out
 
     def _choose(
-        self, logits: torch.Tensor, seqs: list[Sequence], keep_processed: bool = False
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], keep_processed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chosen token of every row (``[rows]``, on the logits' device) and, with
         ``keep_processed``, the logits the choice was made from (vLLM's processed logits: a
-        greedy row's as given, a sampled row's after temperature, top-k, top-p and min-p)."""
-        rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        greedy row's as given, a sampled row's, one of ``rows``, after temperature, top-k,
+        top-p and min-p)."""
         if not rows:
             return argmax_rows(logits), logits if keep_processed else None
         scaled, probs = _probs(_rows(logits, rows), [seqs[i].params for i in rows])
@@ -171,6 +171,27 @@ class Sampler:
         chosen = argmax_rows(logits)  # the greedy rows'
         chosen[_index(rows, logits.device)] = drawn
         return chosen, processed
+
+
+def _row_kinds(seqs: list[Sequence]) -> tuple[list[int], list[int], bool]:
+    """In one pass over the rows (each parameters object read once in a run of rows sharing
+    it, the usual case): the rows asking for log-probabilities, the rows drawn at a
+    temperature (the others are greedy), and whether some row has a grammar."""
+    lp_rows: list[int] = []
+    drawn: list[int] = []
+    grammars = False
+    last, wants_lp, draws = None, False, False
+    for i, seq in enumerate(seqs):
+        p = seq.request.params
+        if p is not last:
+            last, wants_lp, draws = p, p.logprobs is not None, not p.is_greedy
+        if wants_lp:
+            lp_rows.append(i)
+        if draws:
+            drawn.append(i)
+        if seq.grammar is not None:
+            grammars = True
+    return lp_rows, drawn, grammars
 
 
 def race_noise(

@@ -16,9 +16,10 @@ import torch
 from dfllm import LLM, SamplingParams
 from dfllm.config import EngineConfig
 from dfllm.engine.cuda_graphs import bucket_for, unsupported_reason
+from dfllm.engine.scheduler import SchedulerOutput
 from dfllm.engine_args import EngineArgs, check_engine_args, default_capture_sizes, parse_capture_sizes
 
-from helpers import build_tiny_model, random_prompts
+from helpers import build_tiny_model, make_seq, random_prompts
 
 CUDA = torch.cuda.is_available()
 
@@ -130,6 +131,42 @@ def test_padded_static_buffer_decode_matches_eager_step(tiny, device):
     _assert_same(got, want, 1e-5 if device == "cpu" else 1e-4)
     padded.sleep(1)  # the buffers go with the KV cache
     assert runner.decode_graphs is None
+
+
+@pytest.mark.parametrize("device", ["cuda"] if CUDA else ["cpu"])
+def test_static_buffer_step_with_a_one_token_prompt_chunk_matches_eager(tiny, device):
+    """A step of one-token rows where one row is a prompt chunk (it computes a prompt token
+    and samples nothing): the static-buffer path gives the other rows' logits, as the eager step."""
+    kwargs = dict(
+        device=device,
+        dtype=torch.float32,
+        attention_backend="triton",
+        max_model_len=64,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=1 << 20,
+        compilation_config={"cudagraph_capture_sizes": [4]},
+        enforce_eager=True,
+    )
+    outs = []
+    for padded in (True, False):
+        llm = LLM(tiny, **kwargs)
+        runner, bm = llm.engine.runner, llm.engine.scheduler.bm
+        seqs = [make_seq(p) for p in random_prompts(3, 5, 20, seed=3)]
+        for seq, computed in zip(seqs, [len(seqs[0].token_ids) - 1, 2, len(seqs[2].token_ids) - 1]):
+            bm.allocate(seq, computed + 1)
+            seq.num_computed_tokens = computed  # the cache's earlier slots hold zeros: the same in both runs
+        runner.zero_blocks(bm.drain_to_zero())
+        if padded:
+            graphs = runner.setup_decode_graphs(capture=False)
+            assert graphs is not None
+        else:
+            runner.setup_decode_graphs(capture=True)  # enforce_eager: none
+            assert runner.decode_graphs is None
+        out = runner.run(SchedulerOutput(seqs, [1, 1, 1]))
+        assert out.sample_seqs == [seqs[0], seqs[2]] and out.logits.shape[0] == 2
+        assert not padded or graphs.replays == 1
+        outs.append(out.logits.cpu())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5 if device == "cpu" else 1e-4)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -244,18 +244,19 @@ def test_prepare_inputs_takes_the_whole_batch_path_only_for_plain_one_token_step
     seqs = [make_seq([1, 2, 3, 4]) for _ in range(n)]
     for s in seqs:
         s.num_computed_tokens, s.block_table = 3, [7]
-    assert not any(map(step_inputs._needs_general_path, seqs))
+    assert step_inputs.whole_batch(seqs)
     inputs = step_inputs.prepare_inputs(SchedulerOutput(seqs, [1] * n), 16, cpu)
     assert inputs.logit_rows.tolist() == list(range(n))
     # a one-token prompt chunk whose prompt log-probabilities are asked for: its position scores the next token
     seqs[3].num_computed_tokens, seqs[3].prompt_logprobs = 2, [None, {}]
-    assert step_inputs._needs_general_path(seqs[3])
+    assert not step_inputs.whole_batch(seqs)
     inputs = step_inputs.prepare_inputs(SchedulerOutput(seqs, [1] * n), 16, cpu)
     assert inputs.logit_rows.tolist() == [i for i in range(n) if i != 3] + [3]
     assert [(s.seq, s.start, s.count) for s in inputs.prompt_spans] == [(seqs[3], 2, 1)]
     seqs[3].prompt_logprobs = None
+    assert step_inputs.whole_batch(seqs)
     seqs[5].request.lora_request = object()  # only its presence matters to the choice of path
-    assert step_inputs._needs_general_path(seqs[5])
+    assert not step_inputs.whole_batch(seqs)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
