@@ -265,9 +265,32 @@ def test_rms_norm_per_head(cpu_ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(cpu_ops, dtype):
-    x = (torch.randn(21, 2 * 80) * 4).to(dtype)
-    assert rel_err(cpu_ops.silu_and_mul(x), TORCH_OPS.silu_and_mul(x)) < TOL[dtype]
+@pytest.mark.parametrize("width", [80, 83, 5])  # eight lanes at a time only, then a scalar tail, the tail only
+def test_silu_and_mul(cpu_ops, dtype, width):
+    x = (torch.randn(21, 2 * width) * 4).to(dtype)
+    x[3, 1], x[4, 2], x[5, width + 3] = float("nan"), float("inf"), -float("inf")
+    got, want = cpu_ops.silu_and_mul(x), TORCH_OPS.silu_and_mul(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()])
+    assert rel_err(got[finite], want[finite]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_lanes_equal_the_scalar_tail(cpu_ops, dtype):
+    """The vector lanes take the same steps as the scalar loop of a row's tail: the same values
+    in one at the same bits as in the other."""
+    gate, up = (torch.randn(16) * 6).to(dtype), torch.randn(16).to(dtype)
+    width = 19  # lanes 0-15 in two vectors, 16-18 in the tail
+    x = torch.empty(16, 2 * width, dtype=dtype)
+    for r in range(16):  # row r puts value r (and two more) in the tail
+        x[r, :16], x[r, width : width + 16] = gate, up
+        x[r, 16:width] = gate[[r, (r + 5) % 16, (r + 11) % 16]]
+        x[r, width + 16 :] = up[[r, (r + 5) % 16, (r + 11) % 16]]
+    out = cpu_ops.silu_and_mul(x)
+    for r in range(16):
+        lanes = out[r, :16]
+        assert torch.equal(out[r, 16:], lanes[[r, (r + 5) % 16, (r + 11) % 16]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -133,6 +133,63 @@ inline F exp_steps(F x) {
 inline float fast_exp(float x) { return exp_steps<float, uint32_t>(x); }
 inline v8f fast_exp8(v8f x) { return exp_steps<v8f, v8u>(x); }
 
+// Eight values of T as floats, and back (rounded to T): float and bfloat16 as whole-vector
+// operations (the same rounding as bf16_bits), other types lane by lane.
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+template <typename T>
+inline v8f load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return vload(p);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    v8h h;
+    std::memcpy(&h, p, sizeof(h));
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  } else {
+    v8f f;
+    for (int i = 0; i < 8; ++i) f[i] = f32(p[i]);
+    return f;
+  }
+}
+
+inline v8u bf16_bits8(v8f x) {
+  v8u u;
+  std::memcpy(&u, &x, sizeof(u));
+  const v8u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? v8u{} + 0x7FC0u : rounded;
+}
+
+template <typename T>
+inline void store8(T* p, v8f x) {
+  if constexpr (std::is_same_v<T, float>) {
+    vstore(p, x);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const v8h h = __builtin_convertvector(bf16_bits8(x), v8h);
+    std::memcpy(p, &h, sizeof(h));
+  } else {
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<T>(x[i]);
+  }
+}
+
+// x rounded to T's precision, as floats (round_to on eight lanes)
+template <typename T>
+inline v8f round8(v8f x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const v8u u = bf16_bits8(x) << 16;
+    v8f f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  } else {
+    for (int i = 0; i < 8; ++i) x[i] = round_to<T>(x[i]);
+    return x;
+  }
+}
+
 template <typename T>
 inline void load(float* dst, const T* src, int64_t n) {
 #pragma omp simd
@@ -1149,8 +1206,16 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const T* gate = xp + r * xs;
       const T* up = gate + n;
       T* o = op + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        // eight lanes at a time (the compiler left the scalar loop below unvectorised: 4-7x
+        // slower than PyTorch's two passes), the same steps, so the same values
+        for (; i + 8 <= n; i += 8) {
+          const v8f g = load8(gate + i);
+          store8(o + i, round8<T>(g / (vbroadcast(1.f) + fast_exp8(-g))) * load8(up + i));
+        }
+      }
+      for (; i < n; ++i) {
         const float g = f32(gate[i]);
         // PyTorch rounds silu(gate) to T before the product
         put(o + i, round_to<T>(g / (1.f + fast_exp(-g))) * f32(up[i]));
