@@ -78,6 +78,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // it (not intrinsics) build for every x86 capability.
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));  // the lanes of a comparison: -1 true, 0 false
 
 inline v8f vload(const float* p) {
   v8f v;
@@ -1171,10 +1172,26 @@ void exact_top_logits_impl(at::Tensor& out, const at::Tensor& logits, const at::
     for (int64_t r = begin; r < end; ++r) {
       const T* l = lp + r * ls;
       float* o = op + r * vocab;
+      // widen, with the row's maximum and whether it holds a NaN (eight lanes at a time: the
+      // compiler left these loops scalar, 2.5 ns an entry, 25x a copy's time)
       float m = -std::numeric_limits<float>::infinity();
-      int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-      for (int64_t j = 0; j < vocab; ++j) {
+      bool nan = false;
+      int64_t j = 0;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        v8f mv = vbroadcast(m);
+        v8i nv{};
+        for (; j + 8 <= vocab; j += 8) {
+          const v8f v = load8(l + j);
+          vstore(o + j, v);
+          mv = v > mv ? v : mv;
+          nv |= v != v;
+        }
+        for (int k = 0; k < 8; ++k) {
+          m = std::max(m, mv[k]);
+          nan |= nv[k] != 0;
+        }
+      }
+      for (; j < vocab; ++j) {
         o[j] = f32(l[j]);
         m = std::max(m, o[j]);
         nan |= o[j] != o[j];
@@ -1182,7 +1199,17 @@ void exact_top_logits_impl(at::Tensor& out, const at::Tensor& logits, const at::
       if (nan || !std::isfinite(m)) continue;
       load(x.data(), hp + r * hs, h);
       const float floor = m - rel * std::fabs(m);
-      for (int64_t j = 0; j < vocab; ++j) {
+      const v8f fv = vbroadcast(floor);
+      for (j = 0; j < vocab; ++j) {
+        if (j % 16 == 0 && j + 16 <= vocab) {  // skip sixteen entries at once when none is a candidate
+          const v8i hit = (vload(o + j) >= fv) | (vload(o + j + 8) >= fv);
+          uint64_t any[4];
+          std::memcpy(any, &hit, sizeof(any));
+          if ((any[0] | any[1] | any[2] | any[3]) == 0) {
+            j += 15;
+            continue;
+          }
+        }
         if (!(o[j] >= floor)) continue;
         const T* w = wp + j * ws;
         float acc = 0.f;
