@@ -3,7 +3,9 @@
 The model is a random Llama (2 layers, hidden 256, 4 query / 2 KV heads, intermediate 512,
 vocabulary 512, std 0.2 init) saved as a Hugging Face directory without a tokenizer and run
 with ``skip_tokenizer_init=True`` on ``{"prompt_token_ids": [...]}`` prompts (``--model`` for
-another directory). At each batch size of ``--batches`` (default 1 and 256), that many distinct
+another directory; ``--detokenize`` gives the tiny model SmolLM2's tokenizer and detokenizes
+every request, as a text workload does, so that the output phase holds the detokenizer's
+time). At each batch size of ``--batches`` (default 1 and 256), that many distinct
 random prompts of ``--prompt-len`` tokens generate ``--max-tokens`` tokens each (greedy,
 ``ignore_eos``) in one ``LLM.generate`` call; one untimed warm-up call first, then
 ``--repeats`` rounds of two calls each (the prefix cache reset before every call):
@@ -152,6 +154,19 @@ def build_tiny_model(root: Path, seed: int = 0) -> Path:
     path = root / "tiny-llama-h256-v512"
     model.save_pretrained(path)
     return path
+
+
+def add_tokenizer(path: Path) -> None:
+    """Give the tiny model the bundled SmolLM2's tokenizer (its ids 0-511 are SmolLM2 tokens,
+    the first 17 of them special), for ``--detokenize``."""
+    import shutil
+
+    from dfllm.models.bundled import resolve_model
+
+    source = resolve_model("smollm2-135m-instruct")
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -725,6 +740,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", help="default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--model", help="a Hugging Face model directory (default: the tiny random Llama, built)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="the tiny model with SmolLM2's tokenizer, every request detokenized (in 'output')",
+    )
     p.add_argument("--sync-phases", action="store_true", help="cuda: synchronize before every timestamp (distorts)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="torch.profiler over N decode steps")
     p.add_argument("--py-profile", type=int, default=0, metavar="N", help="cProfile over N decode steps")
@@ -749,9 +769,11 @@ def main(argv: list[str] | None = None) -> dict:
             model = Path(args.model)
         else:
             model = build_tiny_model(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_host_"))))
+            if args.detokenize:
+                add_tokenizer(model)
         llm = LLM(
             str(model),
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not args.detokenize,
             device=args.device,
             dtype=args.dtype,
             max_model_len=max_model_len(args),

@@ -4,6 +4,13 @@ Each new token is decoded in a small window of preceding tokens (starting inside
 prompt), so multi-token characters and leading-space rules come out as a full decode would
 give them; text is only emitted once it no longer ends in an incomplete character. What the new text
 means (a stop string) is the output processor's to decide.
+
+A step's sequences are decoded together (:meth:`Detokenizer.prepare`): their windows go to the
+Rust tokenizer in one ``decode_batch`` call per window kind instead of two
+``tokenizer.decode`` calls per sequence (transformers' Python around each decode cost ~9 µs:
+at 256 sequences, ~4.6 ms of host time per step). Each window is decoded exactly as
+``tokenizer.decode`` decodes it: by the Rust tokenizer itself where transformers' ``decode``
+is only that (a fast tokenizer that does not clean up spaces), else by ``tokenizer.decode``.
 """
 
 from __future__ import annotations
@@ -16,31 +23,74 @@ from dfllm.engine.sequence import Sequence
 
 _WINDOW = 5
 
+# transformers' fast tokenizers whose decode is the Rust tokenizer's decode, then an optional clean-up
+_RUST_DECODES = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
+
+# what step() does to a sequence: (delta, prefix_offset, read_offset) after it; None: nothing yet
+Step = tuple[str, int, int] | None
+
 
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         """``tokenizer`` is None without one (``skip_tokenizer_init``): then no request
         detokenizes, and :meth:`step` is never called."""
         self.tokenizer = tokenizer
+        rust = getattr(tokenizer, "_tokenizer", None)
+        plain = (
+            tokenizer is not None
+            and getattr(type(tokenizer)._decode, "__qualname__", "") in _RUST_DECODES
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+            and hasattr(rust, "decode_batch")
+        )
+        self._rust = rust if plain else None  # decodes windows as tokenizer.decode does, in one call
 
     def start(self, seq: Sequence) -> None:
         """Point the decode window at the end of the prompt."""
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(seq.num_prompt_tokens - _WINDOW, 0)
 
+    def prepare(self, seqs: list[Sequence]) -> list[Step]:
+        """What :meth:`step` would do to each sequence now (its newest token appended), all
+        decoded together; nothing is changed. :meth:`apply` does it."""
+        windows: dict[bool, list[int]] = {}  # skip_special_tokens -> positions in seqs
+        for i, seq in enumerate(seqs):
+            windows.setdefault(seq.params.skip_special_tokens, []).append(i)
+        out: list[Step] = [None] * len(seqs)
+        for skip, members in windows.items():
+            group = [seqs[i] for i in members]
+            prefixes = self._decode_all([s.token_ids[s.prefix_offset : s.read_offset] for s in group], skip)
+            fulls = self._decode_all([s.token_ids[s.prefix_offset :] for s in group], skip)
+            for i, seq, prefix, full in zip(members, group, prefixes, fulls):
+                out[i] = _step(seq, prefix, full)
+        return out
+
+    def apply(self, seq: Sequence, ready: Step) -> str:
+        """Do what :meth:`prepare` found for ``seq``: append its new text; return it."""
+        if ready is None:
+            return ""
+        delta, seq.prefix_offset, seq.read_offset = ready
+        seq.text += delta
+        return delta
+
     def step(self, seq: Sequence) -> str:
         """Append the text of the newest token to ``seq.text``; return what was added."""
         assert self.tokenizer is not None  # requests of an engine without one have detokenize=False
-        skip = seq.params.skip_special_tokens
-        ids = seq.token_ids
-        prefix = _decode(self.tokenizer, ids[seq.prefix_offset : seq.read_offset], skip)
-        full = _decode(self.tokenizer, ids[seq.prefix_offset :], skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix) :]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        seq.text += delta
-        return delta
+        return self.apply(seq, self.prepare([seq])[0])
+
+    def _decode_all(self, windows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """Each window's text, as ``tokenizer.decode`` gives it."""
+        if self._rust is not None:
+            return self._rust.decode_batch(windows, skip_special_tokens=skip_special_tokens)
+        assert self.tokenizer is not None
+        return [_decode(self.tokenizer, ids, skip_special_tokens) for ids in windows]
+
+
+def _step(seq: Sequence, prefix: str, full: str) -> Step:
+    """The incremental step from the window's two texts: nothing while the new text is empty or
+    ends in an incomplete character, else the new text and the window moved past it."""
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return None
+    return full[len(prefix) :], seq.read_offset, len(seq.token_ids)
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool) -> str:

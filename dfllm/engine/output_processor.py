@@ -18,7 +18,7 @@ import logging
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from dfllm.engine.detokenizer import Detokenizer
+from dfllm.engine.detokenizer import Detokenizer, Step
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.sampler import SampledToken
 from dfllm.engine.sequence import Request, Sequence
@@ -44,6 +44,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.detokenizer = Detokenizer(tokenizer)
+        self._ready: dict[int, Step] = {}  # by seq_id: the detokenizer's step, prepared for the step's rows
 
     def start(self, seq: Sequence) -> None:
         """Get a new sequence's text state ready (its decode window starts in the prompt)."""
@@ -58,6 +59,12 @@ class OutputProcessor:
         but the end-of-sequence token and the length limits, with no grammar and no text
         (``detokenize=False``), takes a short path that makes the same decisions as
         :meth:`_check_stop`."""
+        # every token appended first, so that the text of the whole step is decoded in one call
+        for seq, tok in zip(seqs, sampled):
+            if not isinstance(tok, str):
+                seq.token_ids.append(tok.token_id)
+        texts = [s for s, t in zip(seqs, sampled) if not isinstance(t, str) and s.request.params.detokenize]
+        self._ready = dict(zip((s.seq_id for s in texts), self.detokenizer.prepare(texts))) if texts else {}
         ended = []
         ttfts: list[float] = []
         tpots: list[float] = []
@@ -76,8 +83,7 @@ class OutputProcessor:
                     ended.append(seq)
                     continue
                 token = tok.token_id
-                token_ids = seq.token_ids
-                token_ids.append(token)
+                token_ids = seq.token_ids  # the token already appended (above)
                 req = seq.request
                 m = req.metrics
                 if m.first_token_time is None:
@@ -113,8 +119,16 @@ class OutputProcessor:
                 if seq.finish_reason is not None:
                     ended.append(seq)
         finally:
+            self._ready = {}
             self.metrics.observe_tokens(prompt_tokens, ttfts, tpots)
         return ended
+
+    def _advance_text(self, seq: Sequence) -> str:
+        """The detokenizer's step for ``seq``'s newest token: the one :meth:`process` prepared
+        with the step's other sequences, else decoded now."""
+        if seq.seq_id not in self._ready:
+            return self.detokenizer.step(seq)
+        return self.detokenizer.apply(seq, self._ready.pop(seq.seq_id))
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
         """(finish_reason, stop_reason) after ``token`` was appended; (None, None) to go on."""
@@ -136,15 +150,15 @@ class OutputProcessor:
             group = _ended_group(seq) if stops_allowed else None
             if group is not None:  # its text only with include_stop_str_in_output
                 if p.include_stop_str_in_output and p.detokenize:
-                    self.detokenizer.step(seq)
+                    self._advance_text(seq)
                 elif p.detokenize:
                     seq.text = seq.text[: seq.text_marks[-len(group)]]
                 return "stop", str(list(group))
         if stops_allowed and token in p.single_stop_token_ids:  # its text only with include_stop_str_in_output
             if p.include_stop_str_in_output and p.detokenize:
-                self.detokenizer.step(seq)
+                self._advance_text(seq)
             return "stop", token
-        delta = self.detokenizer.step(seq) if p.detokenize else ""
+        delta = self._advance_text(seq) if p.detokenize else ""
         if num_out == p.min_tokens:  # as vLLM: no stop string in these tokens' text
             seq.stop_offset = len(seq.text)
         if num_out > p.min_tokens and delta and p.stop_strings:

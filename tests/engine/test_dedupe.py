@@ -86,11 +86,11 @@ class FailOnce(Detokenizer):
 
     failed = False
 
-    def step(self, seq):
-        if seq.num_output_tokens >= 3 and not FailOnce.failed:
+    def prepare(self, seqs):
+        if any(seq.num_output_tokens >= 3 for seq in seqs) and not FailOnce.failed:
             FailOnce.failed = True
             raise RuntimeError("a transient fault")
-        return super().step(seq)
+        return super().prepare(seqs)
 
 
 def test_followers_survive_a_step_that_raises(tiny_llama):
