@@ -102,21 +102,27 @@ def _assert_same(got, want, tol: float):
         assert a == pytest.approx(b, abs=tol)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("device", ["cuda"] if CUDA else ["cpu"])  # on a CPU: Triton's interpreter
-def test_padded_static_buffer_decode_matches_eager_step(tiny, device):
-    """The path a graph replays, run eagerly: batches of 3 and 1 padded to buckets of 4 and 2
-    (padding rows: no cache write, one harmless key), a batch of 2 filling its bucket."""
-    kwargs = dict(
+def _static_buffer_engine(device: str, sizes: list[int]) -> dict:
+    """A small float32 Triton engine whose graphs are off (``enforce_eager``): the tests set up
+    the static buffers with ``capture=False`` and run the padded path eagerly."""
+    return dict(
         device=device,
         dtype=torch.float32,
         attention_backend="triton",
         max_model_len=64,
         max_num_seqs=4,
         kv_cache_memory_bytes=1 << 20,
-        compilation_config={"cudagraph_capture_sizes": [2, 4]},
+        compilation_config={"cudagraph_capture_sizes": sizes},
         enforce_eager=True,
-    )  # no graphs: capture=False below runs the padded path eagerly
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cuda"] if CUDA else ["cpu"])  # on a CPU: Triton's interpreter
+def test_padded_static_buffer_decode_matches_eager_step(tiny, device):
+    """The path a graph replays, run eagerly: batches of 3 and 1 padded to buckets of 4 and 2
+    (padding rows: no cache write, one harmless key), a batch of 2 filling its bucket."""
+    kwargs = _static_buffer_engine(device, [2, 4])  # no graphs: capture=False below runs the padded path eagerly
     prompts = random_prompts(3, 5, 9, seed=7)
     max_tokens = [3, 6, 12]  # 3 decoding, then 2, then 1; the longest crosses a 16-token block
     padded = LLM(tiny, **kwargs)
@@ -137,16 +143,7 @@ def test_padded_static_buffer_decode_matches_eager_step(tiny, device):
 def test_static_buffer_step_with_a_one_token_prompt_chunk_matches_eager(tiny, device):
     """A step of one-token rows where one row is a prompt chunk (it computes a prompt token
     and samples nothing): the static-buffer path gives the other rows' logits, as the eager step."""
-    kwargs = dict(
-        device=device,
-        dtype=torch.float32,
-        attention_backend="triton",
-        max_model_len=64,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=1 << 20,
-        compilation_config={"cudagraph_capture_sizes": [4]},
-        enforce_eager=True,
-    )
+    kwargs = _static_buffer_engine(device, [4])
     outs = []
     for padded in (True, False):
         llm = LLM(tiny, **kwargs)
