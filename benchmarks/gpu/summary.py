@@ -123,11 +123,11 @@ def graph_rows(t: Table, out: str) -> None:
         t.add("graphs", "CUDA graphs vs eager", log_tail(out, "graphs"))
 
 
-def host_rows(t: Table, out: str) -> None:
-    h = load(out, "host.json")
+def host_rows(t: Table, out: str, name: str = "host", what: str = "decode step") -> None:
+    h = load(out, f"{name}.json")
     runs = (h or {}).get("batches") or {}
     if not runs:
-        t.add("host", "time per decode step by phase", log_tail(out, "host"))
+        t.add(name, f"time per {what} by phase", log_tail(out, name))
         return
     for batch, r in runs.items():
         phases = r.get("phases_ms") or {}
@@ -136,8 +136,8 @@ def host_rows(t: Table, out: str) -> None:
         if r.get("device_forward_ms") is not None:
             extra = f"; forward on the device {r['device_forward_ms']:.3g} ms"
         t.add(
-            "host",
-            f"decode step, batch {batch}",
+            name,
+            f"{what}, batch {batch}",
             f"{r.get('step_ms', float('nan')):.3g} ms/step, host (all but the forward) "
             f"{r.get('host_ms', float('nan')):.3g} ms; {r.get('tok_s', float('nan')):.5g} tok/s; "
             f"median ms: {parts}{extra}",
@@ -213,6 +213,7 @@ def main() -> int:
     attention_rows(t, out)
     graph_rows(t, out)
     host_rows(t, out)
+    host_rows(t, out, "host_text", "detokenized decode step")
     generate_rows(t, out, "generate", "chat workload vs transformers")
     generate_rows(t, out, "nano", "nano-vllm workload")
     tp_rows(t, out)

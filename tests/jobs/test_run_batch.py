@@ -210,10 +210,11 @@ def nan_model(tmp_path_factory, smollm2_dir):
 class FaultyDetokenizer(Detokenizer):
     """Fails on the second output token of a sequence whose prompt holds MARKER_TOKEN."""
 
-    def step(self, seq):
-        if seq.num_output_tokens >= 2 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
-            raise RuntimeError("cannot decode this request")
-        return super().step(seq)
+    def prepare(self, seqs):
+        for seq in seqs:  # the step's text, decoded together
+            if seq.num_output_tokens >= 2 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
+                raise RuntimeError("cannot decode this request")
+        return super().prepare(seqs)
 
 
 @pytest.mark.slow

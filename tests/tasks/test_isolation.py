@@ -162,10 +162,11 @@ class FaultyDetokenizer(Detokenizer):
     """The engine's detokenizer, failing on the third output token of any sequence whose
     prompt holds MARKER_TOKEN (the batch is well under way by then)."""
 
-    def step(self, seq):
-        if seq.num_output_tokens >= 3 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
-            raise MarkerFault(f"cannot decode the output of request {seq.request.request_id}")
-        return super().step(seq)
+    def prepare(self, seqs):
+        for seq in seqs:  # the step's text, decoded together
+            if seq.num_output_tokens >= 3 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
+                raise MarkerFault(f"cannot decode the output of request {seq.request.request_id}")
+        return super().prepare(seqs)
 
 
 @pytest.fixture
