@@ -159,14 +159,11 @@ def build_tiny_model(root: Path, seed: int = 0) -> Path:
 def add_tokenizer(path: Path) -> None:
     """Give the tiny model the bundled SmolLM2's tokenizer (its ids 0-511 are SmolLM2 tokens,
     the first 17 of them special), for ``--detokenize``."""
-    import shutil
+    from transformers import AutoTokenizer
 
     from dfllm.models.bundled import resolve_model
 
-    source = resolve_model("smollm2-135m-instruct")
-    for f in source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, path / f.name)
+    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")).save_pretrained(path)
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:

@@ -204,7 +204,7 @@ class CudaGraphRunner:
         pack = HostPack()  # one copy per dtype, without waiting for the device
         pack.add(np.concatenate([arrays.ids, arrays.positions, arrays.slots]), torch.long, (3, n))
         pack.add(arrays.seq_lens, torch.int32)
-        pack.add(arrays.own_tables, torch.int32, arrays.own_tables.shape)
+        pack.add(arrays.own_tables(), torch.int32, arrays.tables.shape)
         rows, seq_lens, tables = pack.send(self.device)
         self.input_ids[:n].copy_(rows[0])
         self.positions[:n].copy_(rows[1])

@@ -26,7 +26,6 @@ class HostPack:
     """Arrays added with :meth:`add`, then moved together by :meth:`send`."""
 
     def __init__(self) -> None:
-        self._parts: dict[torch.dtype, list[np.ndarray]] = {}
         self._where: list[tuple[torch.dtype, int, int, tuple[int, ...]]] = []  # dtype, start, length, shape
         self._sizes: dict[torch.dtype, int] = {}
         self._order: list[np.ndarray] = []  # the arrays in the order added
@@ -44,7 +43,6 @@ class HostPack:
             values = values.numpy(force=True)
         part: np.ndarray = np.asarray(values, dtype=kind).ravel()
         start = self._sizes.get(dtype, 0)
-        self._parts.setdefault(dtype, []).append(part)
         self._order.append(part)
         self._sizes[dtype] = start + part.size
         self._where.append((dtype, start, part.size, (part.size,) if shape is None else shape))
@@ -56,7 +54,8 @@ class HostPack:
         if device.type == "cpu":
             return [torch.from_numpy(part.reshape(w[3])) for part, w in zip(self._order, self._where)]
         buffers = {}
-        for dtype, parts in self._parts.items():
+        for dtype in self._sizes:
+            parts = [part for part, w in zip(self._order, self._where) if w[0] == dtype]
             host = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
             if device.type == "cuda":
                 host = host.pin_memory().to(device, non_blocking=True)

@@ -155,17 +155,46 @@ def whole_batch(seqs: list[Sequence]) -> bool:
 class DecodeArrays:
     """A step of one-token sequences as whole-batch host arrays (row ``i`` is sequence ``i``):
     the token each computes, its position and cache slot, its context length (the new token
-    included), its block table padded with -1 (``tables``) and with its own last block
-    (``own_tables``: kernels that read every entry), and the rows that sample (whose token is
-    the sequence's last: not a one-token prompt chunk)."""
+    included), its block table padded with -1 (``tables``, with its length in ``table_lens``),
+    and the rows that sample (whose token is the sequence's last: not a one-token prompt chunk)."""
 
     ids: np.ndarray  # int64 [n]
     positions: np.ndarray  # int64 [n]
     slots: np.ndarray  # int64 [n]
     seq_lens: np.ndarray  # int32 [n]
     tables: np.ndarray  # int32 [n, width]
-    own_tables: np.ndarray  # int32 [n, width]
+    table_lens: np.ndarray  # int64 [n]
     sampling: np.ndarray  # int64, ascending
+
+    def own_tables(self) -> np.ndarray:
+        """The block tables padded with each one's own last block instead (as
+        :func:`padded_rows` with ``own``)."""
+        lens = self.table_lens
+        last = self.tables[np.arange(len(lens)), lens - 1]
+        return np.where(np.arange(self.tables.shape[1]) < lens[:, None], self.tables, last[:, None])
+
+
+def pad_tables(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables as one int32 ``[n, width]`` array, each padded with -1 to the longest, and
+    their lengths."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    real = np.arange(int(lens.max())) < lens[:, None]
+    padded = np.full(real.shape, -1, dtype=np.int32)
+    padded[real] = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+    return padded, lens
+
+
+def padded_rows(tables: list[list[int]], own: bool = False) -> tuple[list[int], int]:
+    """Block tables flattened, each padded to the longest (the width, returned too) with -1, or
+    with ``own`` with its own last block, never another sequence's: kernels that read every
+    entry multiply the padding by a zero attention weight, and another sequence's keys could be
+    NaN (its own, when NaN, make it NaN anyway). The per-step loop's form (a few sequences: lists
+    cost less than arrays); :func:`pad_tables` and :meth:`DecodeArrays.own_tables` are the
+    whole-batch form."""
+    width = max(map(len, tables))
+    if own:
+        return [b for t in tables for b in t + t[-1:] * (width - len(t))], width
+    return [b for t in tables for b in (t + [-1] * (width - len(t)) if len(t) < width else t)], width
 
 
 def decode_arrays(seqs: list[Sequence], bs: int) -> DecodeArrays:
@@ -174,21 +203,15 @@ def decode_arrays(seqs: list[Sequence], bs: int) -> DecodeArrays:
     n = len(seqs)
     tokens = [s.token_ids for s in seqs]
     starts = [s.num_computed_tokens for s in seqs]
-    tables = [s.block_table for s in seqs]
     pos = np.array(starts, dtype=np.int64)
-    lens = np.fromiter(map(len, tables), np.int64, n)
-    width = int(lens.max())
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
-    real = np.arange(width) < lens[:, None]
-    padded = np.full((n, width), -1, dtype=np.int32)
-    padded[real] = flat
+    padded, lens = pad_tables([s.block_table for s in seqs])
     return DecodeArrays(
         ids=np.array(list(map(list.__getitem__, tokens, starts)), dtype=np.int64),
         positions=pos,
         slots=padded[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs,
         seq_lens=(pos + 1).astype(np.int32),
         tables=padded,
-        own_tables=np.where(real, padded, flat[np.cumsum(lens) - 1][:, None]),
+        table_lens=lens,
         sampling=np.nonzero(np.fromiter(map(len, tokens), np.int64, n) == pos + 1)[0],
     )
 
@@ -212,7 +235,7 @@ def _prepare_decodes(seqs: list[Sequence], bs: int, device: torch.device) -> Ste
     if device.type == "cpu":  # the C++ decode kernel's batch
         decodes = (
             pack.add(np.arange(n), torch.long),
-            pack.add(arrays.own_tables, torch.int32, arrays.own_tables.shape),
+            pack.add(arrays.own_tables(), torch.int32, arrays.tables.shape),
             pack.add(arrays.seq_lens, torch.int32),
         )
     sent = pack.send(device)
@@ -287,29 +310,19 @@ MIN_DECODE_GROUP = 8
 
 def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int, device: torch.device) -> list[DecodeGroup]:
     """Decodes sorted by context length and split into a few groups of similar length, for
-    the kernels that gather each group's keys (the PyTorch reference, MLA), on ``device``.
-
-    A table shorter than its group's is padded with its own last block, never another
-    sequence's: the padding is masked out, but still multiplied by a zero attention weight,
-    and another sequence's keys could be NaN (its own, when NaN, make it NaN anyway).
-    """
+    the kernels that gather each group's keys (the PyTorch reference, MLA), on ``device``;
+    a table shorter than its group's is padded with its own last block (:func:`padded_rows`)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
     size = max(MIN_DECODE_GROUP, -(-len(order) // DECODE_GROUPS))
     pack = HostPack()
     parts = []
     for start in range(0, len(order), size):
         members = order[start : start + size]
-        width = len(seqs[members[-1]].block_table)
-        # padded as lists, then one tensor (a tensor per row cost 1.6 ms a step at 64 decodes)
-        tables = torch.tensor(
-            [seqs[m].block_table + [seqs[m].block_table[-1]] * (width - len(seqs[m].block_table)) for m in members],
-            dtype=torch.long,
-        )
+        tables, width = padded_rows([seqs[m].block_table for m in members], own=True)
         lens = torch.tensor([seqs[m].num_computed_tokens + 1 for m in members])
         mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-        parts.append(
-            (pack.add([rows[m] for m in members], torch.long), pack.add(tables, torch.long, tables.shape), mask)
-        )
+        shape = (len(members), width)
+        parts.append((pack.add([rows[m] for m in members], torch.long), pack.add(tables, torch.long, shape), mask))
     sent = pack.send(device)
     return [DecodeGroup(sent[r], sent[t], mask.to(device)) for r, t, mask in parts]
 
@@ -317,8 +330,7 @@ def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int, device: torch
 def _decode_batch(pack: HostPack, rows: list[int], seqs: list[Sequence]) -> tuple[int, int, int]:
     """All decodes in one batch, each block table padded with its own last block: their
     indices in ``pack`` (rows, block tables, context lengths)."""
-    width = max(len(s.block_table) for s in seqs)
-    tables = [b for s in seqs for b in s.block_table + [s.block_table[-1]] * (width - len(s.block_table))]
+    tables, width = padded_rows([s.block_table for s in seqs], own=True)
     return (
         pack.add(rows, torch.long),
         pack.add(tables, torch.int32, (len(seqs), width)),
@@ -336,13 +348,12 @@ def _pack_metadata(
     bs: int,
 ) -> Callable[[list[torch.Tensor]], AttentionMetadata]:
     """Add a step's metadata arrays to ``pack``; what builds the metadata from the sent arrays."""
-    width = max(len(t) for t in tables)
-    flat_tables = [b for t in tables for b in (t + [-1] * (width - len(t)) if len(t) < width else t)]
+    padded, width = padded_rows(tables)
     at = (
         pack.add(slot_mapping, torch.long),
         pack.add(qsl, torch.int32),
         pack.add(seq_lens, torch.int32),
-        pack.add(flat_tables, torch.int32, (len(tables), width)),
+        pack.add(padded, torch.int32, (len(tables), width)),
     )
     spans = [
         (q_start, q_len, ctx, None if kv is None else pack.add(kv, torch.long)) for q_start, q_len, ctx, kv in prefills
@@ -378,7 +389,13 @@ def attention_metadata(
     """The metadata of a step, its tensors moved to ``device`` (in one copy per dtype)."""
     pack = HostPack()
     build = _pack_metadata(
-        pack, slot_mapping, [(p.q_start, p.q_len, p.ctx_len, p.kv_slots) for p in prefills], qsl, seq_lens, tables, bs
+        pack,
+        slot_mapping,
+        [(p.q_start, p.q_len, p.ctx_len, p.kv_slots) for p in prefills],
+        qsl,
+        seq_lens,
+        tables,
+        bs,
     )
     meta = build(pack.send(device))
     meta.decode_groups = [

@@ -235,6 +235,9 @@ def test_whole_batch_decode_inputs_equal_the_loops(step):
     assert fast.sample_seqs == loop.sample_seqs and fast.prompt_spans == loop.prompt_spans == []
     assert (fast.meta.max_query_len, fast.meta.max_seq_len) == (loop.meta.max_query_len, loop.meta.max_seq_len)
     assert fast.meta.prefills == loop.meta.prefills == []
+    width = max(len(s.block_table) for s in sched.seqs)  # each table padded with its own last block
+    own = [s.block_table + s.block_table[-1:] * (width - len(s.block_table)) for s in sched.seqs]
+    assert fast.meta.decodes is not None and fast.meta.decodes.block_tables.tolist() == own
 
 
 def test_prepare_inputs_takes_the_whole_batch_path_only_for_plain_one_token_steps():
