@@ -105,6 +105,41 @@ def local_client(workers: int = 2, threads: int = 1):
         yield client
 
 
+def kill_a_worker_mid_task(client, future, key_part: str, timeout: float = 120.0) -> None:
+    """SIGKILL a worker while it runs a task whose key holds ``key_part``, before ``future`` ends.
+
+    The worker is frozen (SIGSTOP) the moment the scheduler sees it processing such a task, so
+    it cannot finish its share between the check and the kill however fast the machine is; only
+    then is the future checked to be still pending, and the worker killed (its connection drops
+    and the scheduler recomputes what it held or ran)."""
+    import signal
+    import time
+
+    pids = client.run(os.getpid)
+
+    def running() -> list[str]:
+        return client.run_on_scheduler(
+            lambda dask_scheduler, key_part=key_part: sorted(
+                ts.processing_on.address
+                for ts in dask_scheduler.tasks.values()
+                if ts.state == "processing" and ts.processing_on is not None and key_part in str(ts.key)
+            )
+        )
+
+    deadline = time.time() + timeout
+    busy = running()
+    while not busy and time.time() < deadline and not future.done():
+        time.sleep(0.01)
+        busy = running()
+    assert busy, f"no task {key_part!r} ran on a worker before the computation ended"
+    victim = pids[busy[0]]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        assert not future.done(), "the computation ended before a worker could be killed"
+    finally:
+        os.kill(victim, signal.SIGKILL)
+
+
 # ---- a real multi-process cluster, started from Dask's command lines ---------------------------------
 def free_port() -> int:
     import socket

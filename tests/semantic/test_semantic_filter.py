@@ -10,9 +10,6 @@ random Llama whose answers differ from row to row (conftest's ``tiny_judge``).
 from __future__ import annotations
 
 import math
-import os
-import signal
-import time
 
 import dask.dataframe as dd
 import pandas as pd
@@ -24,7 +21,7 @@ import dfllm
 from dfllm.semantic.filter import verdict_probability
 from dfllm.semantic.prompts import semantic_prompt
 
-from helpers import local_client
+from helpers import kill_a_worker_mid_task, local_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -188,20 +185,7 @@ def test_dask_with_a_killed_worker_every_row_once(client, tiny_judge):
     new = ["verdict", "verdict_probability", "explanation", "llm_error"]  # Dask makes the input's str columns string
     assert lazy._meta.dtypes[new].astype(str).tolist() == want.dtypes[new].astype(str).tolist()
     future = client.compute(lazy)
-    pids = client.run(os.getpid)
-
-    def done() -> int:
-        return client.run_on_scheduler(
-            lambda dask_scheduler: sum(
-                ts.state == "memory" and "llm-sem-judge" in str(ts.key) for ts in dask_scheduler.tasks.values()
-            )
-        )
-
-    deadline = time.time() + 120
-    while done() < 1 and time.time() < deadline and not future.done():
-        time.sleep(0.05)
-    assert not future.done(), "the judgment ended before a worker could be killed"
-    os.kill(sorted(pids.values())[0], signal.SIGKILL)
+    kill_a_worker_mid_task(client, future, "llm-sem-judge")
     got = future.result(timeout=240)
     assert sorted(got["id"]) == list(range(12))  # every row exactly once
     got = got.sort_values("id").reset_index(drop=True)

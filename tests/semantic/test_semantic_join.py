@@ -144,11 +144,7 @@ def test_sim_join_equals_knn():
 
 @pytest.mark.slow
 def test_dask_join_with_a_killed_worker_every_pair_once(tiny_llama):
-    import os
-    import signal
-    import time
-
-    from helpers import local_client
+    from helpers import kill_a_worker_mid_task, local_client
 
     left = reviews(16, null_at=5)
     want = left.llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), **ENGINE)
@@ -157,20 +153,7 @@ def test_dask_join_with_a_killed_worker_every_pair_once(tiny_llama):
             TOPICS, INSTRUCTION, model=str(tiny_llama), **ENGINE
         )
         future = client.compute(lazy)
-        pids = client.run(os.getpid)
-
-        def done() -> int:
-            return client.run_on_scheduler(
-                lambda dask_scheduler: sum(
-                    ts.state == "memory" and "llm-sem-join" in str(ts.key) for ts in dask_scheduler.tasks.values()
-                )
-            )
-
-        deadline = time.time() + 120
-        while done() < 1 and time.time() < deadline and not future.done():
-            time.sleep(0.05)
-        assert not future.done(), "the join ended before a worker could be killed"
-        os.kill(sorted(pids.values())[0], signal.SIGKILL)
+        kill_a_worker_mid_task(client, future, "llm-sem-join")
         got = future.result(timeout=240)
     key = ["id", "topic_id"]
     assert not got.duplicated(key).any()  # every pair exactly once
