@@ -58,7 +58,8 @@ its text re-tokenized, and its arithmetic is quantized, so it drifts more).
 
 Also printed:
 
-- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of float32 GEMMs after
+- the matmul ceiling: the fastest of ``--ceiling-passes`` (6) passes of GEMMs in the engine's
+  dtype (float32, or bfloat16 where the CPU has its matrix instructions) after
   every round of the legs, all rounds' passes together (the faster of ``F.linear`` and oneDNN
   with prepacked weights, alternating) over the model's linear layers (one distinct weight
   per layer, lm_head included, as in one forward pass) at the decode batch
@@ -82,11 +83,18 @@ Also printed:
   layers (forward hooks), attention (KV write + paged attention kernels), the other model
   ops, input preparation, sampling, scheduling, output processing and the rest, in ms and %
   of the step, timed by wrapping the engine's parts from outside (nothing in dfllm changes),
-  next to the untimed step and the ceiling's matmul time at that batch.
+  next to the untimed step and the ceiling's matmul time at that batch;
+- the CPU's roofline, the same model as a GPU's below: the CPU's own limits measured after the
+  engine loaded, with torch's threads (an ``--roofline-matmul-n-cpu`` cubed GEMM in the
+  engine's dtype, default 2048, and a ``--roofline-copy-mib`` MiB memory copy), and every
+  engine's share of the workload's roofline at them ("roofline ... dfllm x%, vLLM y%"). The
+  matmul ceilings leave attention and the KV cache out; on a CPU whose memory is slow next to
+  its matrix units (bfloat16 on AMX), decode steps are memory-bound (weights plus the running
+  sequences' KV cache per step), which only this figure prices.
 
 On a GPU (``--device cuda``, or ``auto`` finding one)
 ------------------------------------------------------
-The CPU's float32 GEMM ceiling above means nothing next to a GPU's figures, so on CUDA it is
+The CPU's GEMM ceilings above mean nothing next to a GPU's figures, so on CUDA they are
 neither measured nor printed; instead (``benchmarks/roofline.py`` has the arithmetic and its
 model of a run in its docstring):
 
@@ -169,6 +177,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 
 from dfllm import LLM, SamplingParams
 from dfllm.models.bundled import BUNDLED_MODELS, DEFAULT_CHAT_MODEL
+from dfllm.models.cpu_linear import packing_available
 
 SEED = 1234
 MIN_NEW, MAX_NEW = 16, 128
@@ -537,20 +546,21 @@ def linear_shapes(cfg) -> list[tuple[int, int, int]]:
     ]
 
 
-def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True) -> dict:
+def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True, dtype: torch.dtype = torch.float32) -> dict:
     """The fastest of ``passes`` timed passes over the model's linear layers at ``batch`` rows
     (a distinct random weight per layer, as a forward pass streams them), after one untimed
-    pass, in float32 by the fastest GEMM this torch offers on a CPU: ``F.linear`` or oneDNN
-    with prepacked weights (the two alternate pass by pass); the FLOP/s and tokens/s that
-    allows. ``lm_head=False`` leaves the vocabulary projection out (a prompt token's pass:
-    only a prompt's last token is projected onto the vocabulary)."""
+    pass, in ``dtype`` (the engine's: float32, or bfloat16 where the CPU has its matrix
+    instructions) by the fastest GEMM this torch offers on a CPU: ``F.linear`` or oneDNN with
+    prepacked weights (the two alternate pass by pass); the FLOP/s and tokens/s that allows.
+    ``lm_head=False`` leaves the vocabulary projection out (a prompt token's pass: only a
+    prompt's last token is projected onto the vocabulary)."""
     shapes = linear_shapes(cfg) if lm_head else linear_shapes(cfg)[:-1]
     gen = torch.Generator().manual_seed(SEED)
-    weights = [torch.randn(n, k, generator=gen) for k, n, count in shapes for _ in range(count)]
-    inputs = {k: torch.randn(batch, k, generator=gen) for k, _, _ in shapes}
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for k, n, count in shapes for _ in range(count)]
+    inputs = {k: torch.randn(batch, k, generator=gen).to(dtype) for k, _, _ in shapes}
     gemms = {"F.linear": lambda x, w: F.linear(x, w)}
     packed = {}
-    if torch.backends.mkldnn.is_available():
+    if packing_available(torch.device("cpu"), dtype):
         packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights}
         gemms["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
     times: dict[str, list[float]] = {name: [] for name in gemms}
@@ -562,7 +572,7 @@ def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True) -> di
                     gemm(inputs[w.shape[1]], w)
                 if p:
                     times[name].append(time.perf_counter() - start)
-    return ceiling_from(times, batch, sum(2 * k * n * c for k, n, c in shapes))
+    return {**ceiling_from(times, batch, sum(2 * k * n * c for k, n, c in shapes)), "dtype": str(dtype)[6:]}
 
 
 def ceiling_from(times: dict[str, list[float]], batch: int, per_token: int) -> dict:
@@ -587,7 +597,7 @@ def ceiling_from(times: dict[str, list[float]], batch: int, per_token: int) -> d
 def merged_ceiling(rounds: list[dict]) -> dict:
     """One ceiling from several measurements of it (the passes of every round together)."""
     times = {name: [t for c in rounds for t in c["pass_seconds"][name]] for name in rounds[0]["pass_seconds"]}
-    return ceiling_from(times, rounds[0]["batch"], rounds[0]["flops_per_token"])
+    return {**ceiling_from(times, rounds[0]["batch"], rounds[0]["flops_per_token"]), "dtype": rounds[0]["dtype"]}
 
 
 def at_median_pass(ceiling: dict) -> dict:
@@ -974,6 +984,7 @@ def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
         f"tok/s), {100 * work['prompt_share']:.0f}% of it the prompts'; so even an engine with free attention "
         f"reaches at most {100 * work['tok_s'] / ceiling['tok_s']:.0f}% of the decode-only ceiling"
     )
+    print_roofline(fig["roofline"], "CPU")
     if fig["ratios"]:
         print("  " + ", ".join(f"dfllm/{k}: {v:.2f}x" for k, v in fig["ratios"].items()))
     where = "up to dfllm's first EOS" if mode == "forced" else "useful tokens, up to the first divergence"
@@ -985,6 +996,18 @@ def print_mode(mode: str, fig: dict, ceiling: dict) -> None:
         )
 
 
+def print_roofline(roof: dict, where: str) -> None:
+    """The workload's roofline (weights and KV cache at the copy bandwidth, matmuls at the
+    measured rate) and every engine's share of it."""
+    print(
+        f"  roofline of this workload on this {where}: {roof['ceiling_tok_s']:.1f} tok/s ({roof['seconds']:.3f} s: "
+        f"prefill {roof['prefill_seconds']:.3f} s at the matmul rate, {roof['decode_steps']} decode steps "
+        f"{roof['decode_seconds']:.3f} s, {roof['memory_bound_steps']} of them memory-bound, mean batch "
+        f"{roof['mean_decode_batch']:.1f}); dfllm {roof['pct']['dfllm']:.1f}% of it"
+        + "".join(f", {e} {v:.1f}%" for e, v in roof["pct"].items() if e != "dfllm")
+    )
+
+
 def print_mode_roofline(mode: str, fig: dict) -> None:
     """A mode's figures on a GPU: every engine against the workload's roofline."""
     roof = fig["roofline"]
@@ -994,13 +1017,7 @@ def print_mode_roofline(mode: str, fig: dict) -> None:
         name = f"llama.cpp ({r['weights']})" if r["engine"] == "llama.cpp" else r["engine"]
         pct = roof["pct"][r["engine"]]
         print(f"  {name:<24}{r['tokens']:>12}{r['seconds']:>10.2f}{r['tok_s']:>10.1f}{pct:>12.1f}")
-    print(
-        f"  roofline of this workload on this device: {roof['ceiling_tok_s']:.1f} tok/s ({roof['seconds']:.3f} s: "
-        f"prefill {roof['prefill_seconds']:.3f} s at the matmul rate, {roof['decode_steps']} decode steps "
-        f"{roof['decode_seconds']:.3f} s, {roof['memory_bound_steps']} of them memory-bound, mean batch "
-        f"{roof['mean_decode_batch']:.1f}); dfllm {roof['pct']['dfllm']:.1f}% of it"
-        + "".join(f", {e} {v:.1f}%" for e, v in roof["pct"].items() if e != "dfllm")
-    )
+    print_roofline(roof, "device")
     if fig["ratios"]:
         print("  " + ", ".join(f"dfllm/{k}: {v:.2f}x" for k, v in fig["ratios"].items()))
     for other, f in fig["fidelity"].items():
@@ -1019,11 +1036,14 @@ def print_published() -> None:
 def print_device_limits(limits: dict, inputs: dict) -> None:
     mm, cp = limits["matmul"], limits["copy"]
     n = mm["shape"][0]
+    gpu = "device_name" in limits
+    when = "before the engine loaded" if gpu else "after the engine loaded, with torch's threads"
     print(
-        f"\ndevice limits ({limits.get('device_name', 'GPU')}, measured in this run before the engine loaded): "
-        f"{mm['dtype']} matmul {n}x{n}x{n} {mm['flop_s'] / 1e12:.1f} TFLOP/s (fastest of {mm['reps']}, median "
-        f"{mm['median_flop_s'] / 1e12:.1f}); device-to-device copy of {cp['bytes'] / 2**20:.0f} MiB "
-        f"{cp['bytes_s'] / 1e9:.0f} GB/s read + written (median {cp['median_bytes_s'] / 1e9:.0f})"
+        f"\n{'device' if gpu else 'CPU'} limits ({limits.get('device_name', 'CPU')}, measured in this run {when}): "
+        f"{mm['dtype']} matmul {n}x{n}x{n} {mm['flop_s'] / 1e12:.2f} TFLOP/s (fastest of {mm['reps']}, median "
+        f"{mm['median_flop_s'] / 1e12:.2f}); {'device-to-device' if gpu else 'memory'} copy of "
+        f"{cp['bytes'] / 2**20:.0f} MiB {cp['bytes_s'] / 1e9:.1f} GB/s read + written (median "
+        f"{cp['median_bytes_s'] / 1e9:.1f})"
     )
     print(
         f"  roofline inputs: {inputs['weight_bytes'] / 1e9:.3f} GB of weights read by every decode step, "
@@ -1099,7 +1119,13 @@ def parse_args() -> argparse.Namespace:
         help="CUDA: the n of the n x n x n matmul priced for the roofline",
     )
     p.add_argument(
-        "--roofline-copy-mib", type=int, default=1024, help="CUDA: MiB of the device-to-device copy for the roofline"
+        "--roofline-matmul-n-cpu",
+        type=int,
+        default=2048,
+        help="CPU: the n of the n x n x n matmul priced for the roofline (in the engine's dtype)",
+    )
+    p.add_argument(
+        "--roofline-copy-mib", type=int, default=1024, help="MiB of the memory-to-memory copy for the roofline"
     )
     p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp leg")
     p.add_argument("--skip-breakdown", action="store_true", help="no decode step breakdown")
@@ -1201,8 +1227,10 @@ def main() -> None:
     cuda = torch.device(llm.config.device).type == "cuda"
     if cuda and limits is None:
         limits = device_limits("cuda", getattr(torch, args.dtype), args.roofline_matmul_n, args.roofline_copy_mib << 20)
-    if not cuda:
-        limits = None
+    # the arithmetic the engine runs (a CPU without bfloat16 instructions keeps float32 for 'auto')
+    run_dtype = llm.config.dtype
+    if not cuda:  # the CPU's limits in that arithmetic (the engine holds its KV cache already)
+        limits = device_limits("cpu", run_dtype, args.roofline_matmul_n_cpu, args.roofline_copy_mib << 20)
     if nano:
         prompts, max_tokens = build_nano_workload(args.num_prompts, args.length_scale, llm.config.hf_config.vocab_size)
     else:
@@ -1316,9 +1344,9 @@ def main() -> None:
             print(f"{mode} run {r + 1}: " + ", ".join(done), flush=True)
             if cuda:
                 continue  # a GPU is priced by its own roofline, not by the host's float32 GEMMs
-            decode_ceilings.append(matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes))
+            decode_ceilings.append(matmul_ceiling(llm.config.hf_config, batch, args.ceiling_passes, dtype=run_dtype))
             prefill_ceilings.append(
-                matmul_ceiling(llm.config.hf_config, prefill_rows, args.ceiling_passes, lm_head=False)
+                matmul_ceiling(llm.config.hf_config, prefill_rows, args.ceiling_passes, lm_head=False, dtype=run_dtype)
             )
     ceiling = prefill_ceiling = None
     if not cuda:
@@ -1333,10 +1361,10 @@ def main() -> None:
             breakdown_ceiling = (
                 ceiling
                 if args.breakdown_batch == batch
-                else matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes)
+                else matmul_ceiling(llm.config.hf_config, args.breakdown_batch, args.ceiling_passes, dtype=run_dtype)
             )
 
-    inputs = roofline_inputs(llm, args.dtype) if cuda else None
+    inputs = roofline_inputs(llm, str(run_dtype).removeprefix("torch."))
     figures: dict = {
         "args": vars(args),
         "modes": {},
@@ -1375,23 +1403,21 @@ def main() -> None:
                 else {}  # dfllm sampled: its tokens are not the greedy peers'
             ),
         }
+        gen_lens = max_tokens if mode == "forced" else [len(useful(r, n, eos_ids)) for r, n in zip(df_rows, max_tokens)]
+        roof = roofline(
+            inputs["shape"],
+            [len(p) for p in prompts],
+            gen_lens,
+            inputs["max_num_seqs"],
+            inputs["weight_bytes"],
+            inputs["kv_token_bytes"],
+            limits["matmul"]["flop_s"],
+            limits["copy"]["bytes_s"],
+        )
+        roof["pct"] = {r["engine"]: 100 * r["tok_s"] / roof["ceiling_tok_s"] for r in results}
+        fig["roofline"] = roof
+        fig["dfllm_pct_of_roofline"] = roof["pct"]["dfllm"]
         if cuda:
-            gen_lens = (
-                max_tokens if mode == "forced" else [len(useful(r, n, eos_ids)) for r, n in zip(df_rows, max_tokens)]
-            )
-            roof = roofline(
-                inputs["shape"],
-                [len(p) for p in prompts],
-                gen_lens,
-                inputs["max_num_seqs"],
-                inputs["weight_bytes"],
-                inputs["kv_token_bytes"],
-                limits["matmul"]["flop_s"],
-                limits["copy"]["bytes_s"],
-            )
-            roof["pct"] = {r["engine"]: 100 * r["tok_s"] / roof["ceiling_tok_s"] for r in results}
-            fig["roofline"] = roof
-            fig["dfllm_pct_of_roofline"] = roof["pct"]["dfllm"]
             if busy is not None and busy["mode"] == mode:
                 fig["device_busy"] = busy
             figures["modes"][mode] = fig
@@ -1422,15 +1448,15 @@ def main() -> None:
         if nano:
             print_published()
 
+    print_device_limits(limits, inputs)
     if cuda:
-        print_device_limits(limits, inputs)
         if busy is not None:
             print_device_busy(busy, statistics.median(runs[busy["mode"]]["dfllm"]["secs"]))
         elif not args.skip_device_busy:
             print("\ndevice-busy pass skipped: the model runs in other processes")
     else:
         print(
-            f"\nmatmul ceiling (float32 GEMMs over the model's linear layers at batch {batch}, fastest of "
+            f"\nmatmul ceiling ({ceiling['dtype']} GEMMs over the model's linear layers at batch {batch}, fastest of "
             f"{ceiling['passes']} passes, {ceiling['gemm']}; "
             + ", ".join(f"{g} {t * 1e3:.1f} ms" for g, t in ceiling["best_by_gemm"].items())
             + f"): "
