@@ -8,6 +8,7 @@ rows and resumable writes: docs/from_ray.md."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -577,31 +578,14 @@ def build_processor(
     return Processor(config, preprocess, postprocess, meta=meta, sample_rows=sample_rows, key=key)
 
 
-def build_llm_processor(
-    config: vLLMEngineProcessorConfig,
-    preprocess: Callable[[dict], dict] | None = None,
-    postprocess: Callable[[dict], dict] | None = None,
-    preprocess_map_kwargs: dict | None = None,
-    postprocess_map_kwargs: dict | None = None,
-    builder_kwargs: dict | None = None,
-    *,
-    meta: Meta | None = None,
-    sample_rows: int = SAMPLE_ROWS,
-    key: str | None = None,
-) -> Processor:
-    """Ray Data LLM's older name of :func:`build_processor` (deprecated there, and here:
-    a ``DeprecationWarning``, then the same processor)."""
+def build_llm_processor(*args, **kwargs) -> Processor:
+    """Ray Data LLM's older name of :func:`build_processor`, with its arguments (deprecated
+    there, and here: a ``DeprecationWarning``, then the same processor)."""
     warnings.warn(
         "build_llm_processor is deprecated (as in Ray Data LLM); use build_processor", DeprecationWarning, stacklevel=2
     )
-    return build_processor(
-        config,
-        preprocess,
-        postprocess,
-        preprocess_map_kwargs,
-        postprocess_map_kwargs,
-        builder_kwargs,
-        meta=meta,
-        sample_rows=sample_rows,
-        key=key,
-    )
+    return build_processor(*args, **kwargs)
+
+
+# one signature, build_processor's (for help() and editors; the arguments are passed through)
+build_llm_processor.__signature__ = inspect.signature(build_processor)  # type: ignore[attr-defined]

@@ -5,6 +5,8 @@ from ``dfllm``, Ray's fields accepted with Ray's defaults, its bad values refuse
 
 from __future__ import annotations
 
+import inspect
+
 import dask.dataframe as dd
 import pandas as pd
 import pytest
@@ -77,6 +79,17 @@ def test_build_llm_processor_is_build_processor(tiny_llama, items, expected):
         processor = build_llm_processor(ray_config(tiny_llama), preprocess=preprocess, postprocess=postprocess)
     got = processor(dd.from_pandas(items, npartitions=2)).compute().sort_index()
     assert got["answer"].tolist() == expected
+
+
+def test_build_llm_processor_takes_every_argument_of_build_processor(tiny_llama, tmp_path):
+    """The older name passes its arguments through: the same signature, and keyword-only ones
+    such as ``cache`` reach the processor (a copied signature had lost ``cache``)."""
+    assert inspect.signature(build_llm_processor) == inspect.signature(build_processor)
+    kwargs = dict(preprocess=preprocess, postprocess=postprocess, key="answers", cache=str(tmp_path / "cache"))
+    with pytest.warns(DeprecationWarning, match="build_processor"):
+        old = build_llm_processor(ray_config(tiny_llama), **kwargs)
+    new = build_processor(ray_config(tiny_llama), **kwargs)
+    assert old.config == new.config and old.config.cache.url == str(tmp_path / "cache")
 
 
 def long_at(n: int, where: int) -> pd.DataFrame:
