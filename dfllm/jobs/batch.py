@@ -267,11 +267,6 @@ def answer(lines: Sequence[BatchRequestInput], engines: Engines) -> list[LineRes
     ]
 
 
-def answer_one(line: BatchRequestInput, engines: Engines) -> LineResult:
-    """One line's :class:`LineResult` (``answer([line], engines)[0]``)."""
-    return answer([line], engines)[0]
-
-
 T = TypeVar("T")
 
 

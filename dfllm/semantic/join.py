@@ -67,14 +67,6 @@ class SemanticCost:
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
-    def merge(self, other: SemanticCost) -> None:
-        self.engine_calls += other.engine_calls
-        self.requests += other.requests
-        self.input_tokens += other.input_tokens
-        self.output_tokens += other.output_tokens
-        for k, v in other.counts.items():
-            self.count(k, v)
-
 
 # --- the engines, through the .llm tasks -----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
