@@ -221,6 +221,51 @@ def test_prefill_kernel_sliding_window_never_reads_before_it(cpu_ops, window):
         assert torch.allclose(got[rows], v[rows].repeat_interleave(3, dim=1))
 
 
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,bs,window",
+    [(3, 3, 64, 16, 0), (2, 1, 128, 16, 0), (1, 8, 32, 32, 0), (2, 16, 64, 8, 0), (1, 5, 64, 16, 0), (2, 3, 64, 8, 7)],
+)
+def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, head_dim, bs, window):
+    """bfloat16 queries over a bfloat16 cache: where the CPU has AMX, the prefill kernel's
+    scores come from its tiles (the calls say so), and the attention is as close to the float32
+    computation over the same bfloat16 values as the AVX-512 loop's: the same error against it,
+    to within a few outputs that round to the neighbouring bfloat16. Short chunks (blocks of 8,
+    a block's last keys) and a sliding window whose dead blocks hold NaN included."""
+    ext = _cpu.load()
+    available, before = ext.amx_stats()
+    if not available:
+        pytest.skip("no AMX here (or the OS refuses its tiles): the prefill scores take the AVX-512 loop")
+    seqs = PREFILLS + [(10, 90)]
+    q, k, v, kc, vc, meta = attention_batch(seqs, kv_heads, group, head_dim, bs, torch.bfloat16, seed=group)
+    if window:
+        first = meta.block_tables[len(seqs) - 1].tolist()  # the chunk at positions 80-89
+        dead = (90 - 10 - window + 1) // bs
+        kc[first[:dead]] = float("nan")
+        vc[first[:dead]] = float("nan")
+    rows = prefill_rows(meta)
+    scale = head_dim**-0.5
+
+    def prefill(q, kc, vc) -> torch.Tensor:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        ext.prefill_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window)
+        return out[rows].float()
+
+    amx = prefill(q, kc, vc)
+    assert ext.amx_stats()[1] == before + 1
+    was = ext.set_amx(False)
+    try:
+        loop = prefill(q, kc, vc)
+    finally:
+        ext.set_amx(was)
+    assert ext.amx_stats()[1] == before + 1  # switched off: the loop
+    exact = prefill(q.float(), kc.float(), vc.float())  # float32 arithmetic over the same values
+    assert not amx.isnan().any()
+    assert torch.equal(loop, exact.bfloat16().float())  # the loop: float32's result, rounded once
+    assert (amx != loop).float().mean() < 2e-3  # a few outputs round the other way
+    err = {name: ((got - exact).abs().sum() / exact.abs().sum()).item() for name, got in [("amx", amx), ("loop", loop)]}
+    assert err["amx"] < 1.01 * err["loop"], err
+
+
 def test_prefill_kernel_bfloat16_cache_under_float32_queries_and_strided_queries(cpu_ops):
     q, k, v, kc, vc, meta = attention_batch(PREFILLS, 3, 3, 64, 16, torch.float32, seed=4)
     kc, vc = kc.bfloat16(), vc.bfloat16()

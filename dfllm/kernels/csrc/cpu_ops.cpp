@@ -18,7 +18,12 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -687,8 +692,9 @@ TileSpan tile_span(const PrefillCall<T, TC>& a, const PrefillTile& tile) {
   return {q_start, base, tile.tokens * a.group, first_pos, last_pos, kstart, last_pos + 1};
 }
 
-// A prefill tile's queries, transposed to [DIM, R] and scaled, and each row's position (the
-// span's first query at `base`); padding rows are zero and sit at the tile's last position.
+// A prefill tile's queries, transposed to [DIM, R] and scaled (qt; none: the positions alone),
+// and each row's position (the span's first query at `base`); padding rows are zero and sit at
+// the tile's last position.
 template <typename T, typename TC, int DIM, int R>
 void tile_queries(const PrefillCall<T, TC>& a, const PrefillTile& tile, int64_t q_start, int64_t base, int32_t* pos,
                   float* qt) {
@@ -696,6 +702,7 @@ void tile_queries(const PrefillCall<T, TC>& a, const PrefillTile& tile, int64_t 
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = std::min<int64_t>(r / a.group, tile.tokens - 1);
     pos[r] = static_cast<int32_t>(base + tile.first + t);
+    if (qt == nullptr) continue;
     if (r < rows) {
       const T* qr = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + r % a.group) * a.q_head;
       for (int d = 0; d < DIM; ++d) qt[d * R + r] = f32(qr[d]) * a.sc;
@@ -704,6 +711,136 @@ void tile_queries(const PrefillCall<T, TC>& a, const PrefillTile& tile, int64_t 
     }
   }
 }
+
+#if defined(__AVX512F__)
+// ---- AMX: bfloat16 tiles for the prefill scores --------------------------------------------------
+// Whether this CPU has AMX's bfloat16 tiles and Linux lets the process use them (the tile
+// state is handed out on request, ARCH_REQ_XCOMP_PERM; oneDNN asks too, the answer is the same).
+// CPUID is read directly: GCC 12's __builtin_cpu_supports does not know AMX.
+bool amx_available() {
+#if defined(__linux__)
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tiles = ((d >> 22) & 1) && ((d >> 24) & 1);  // AMX-BF16, AMX-TILE
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return tiles && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The prefill kernel takes AMX where available unless switched off (set_amx: benchmarks and the
+// tests compare both paths); prefill_attention calls that did (read by the tests).
+std::atomic<bool> amx_enabled{true};
+std::atomic<int64_t> amx_prefill_calls{0};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Pass 1 of prefill_tile on AMX for bfloat16 queries over a bfloat16 cache: the scores of m
+// (<= 16) consecutive cached keys (row stride `stride` bytes) for the tile's R = 16 * NRV rows,
+// sc * (q . k), written to s [keys, R] (rows m..15 of the 16 written are scratch, overwritten by
+// the next chunk or never read). qb holds the queries as AMX's B operand: per 16 rows and 32
+// dimensions a [16 pairs of dimensions][16 rows][2] block of the original bfloat16 values. The
+// products of two bfloat16 values are exact in float32 and summed in float32 (in another order
+// than the AVX-512 loop, and with float32 subnormals flushed to zero), so the scores are the
+// float32 path's up to the order of additions; the scale is applied to the sum.
+template <int DIM, int NRV>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl"))) void amx_chunk_scores(
+    const at::BFloat16* key, int64_t stride, int64_t m, const uint16_t* qb, uint16_t* pad, float* s, float sc) {
+  static_assert(DIM % 32 == 0 && DIM <= 128, "DIM must be 32, 64, 96 or 128");
+  constexpr int C2 = DIM / 32;  // A tiles (keys, 32 dimensions each)
+  constexpr int R = 16 * NRV;
+  const void* src = key;
+  if (m < 16) {  // a short chunk: its keys copied into 16 rows, the rest zero (never read past the block)
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < m) {
+        std::memcpy(pad + t * DIM, reinterpret_cast<const char*>(key) + t * stride, DIM * sizeof(uint16_t));
+      } else {
+        std::memset(pad + t * DIM, 0, DIM * sizeof(uint16_t));
+      }
+    }
+    src = pad;
+    stride = DIM * sizeof(uint16_t);
+  }
+  const char* k = static_cast<const char*>(src);
+  _tile_loadd(0, k, stride);
+  if constexpr (C2 > 1) _tile_loadd(1, k + 64, stride);
+  if constexpr (C2 > 2) _tile_loadd(2, k + 128, stride);
+  if constexpr (C2 > 3) _tile_loadd(3, k + 192, stride);
+  for (int v = 0; v < NRV; ++v) {
+    const uint16_t* b = qb + v * C2 * 512;
+    _tile_zero(5);
+    _tile_loadd(4, b, 64);
+    _tile_dpbf16ps(5, 0, 4);
+    if constexpr (C2 > 1) {
+      _tile_loadd(4, b + 512, 64);
+      _tile_dpbf16ps(5, 1, 4);
+    }
+    if constexpr (C2 > 2) {
+      _tile_loadd(4, b + 1024, 64);
+      _tile_dpbf16ps(5, 2, 4);
+    }
+    if constexpr (C2 > 3) {
+      _tile_loadd(4, b + 1536, 64);
+      _tile_dpbf16ps(5, 3, 4);
+    }
+    _tile_stored(5, s + 16 * v, R * sizeof(float));
+  }
+  const __m512 scale = _mm512_set1_ps(sc);
+  for (int64_t t = 0; t < m; ++t)
+    for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + t * R + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(s + t * R + 16 * v), scale));
+}
+
+// The tile configuration of amx_chunk_scores: tiles 0-3 keys, 4 queries, 5 scores, 16 rows of
+// 64 bytes each. A constant in memory: GCC 12 dropped the stores into a local configuration
+// before ldtilecfg read it (the builtin does not tell it that it reads the struct).
+constexpr TileConfig make_tile_config() {
+  TileConfig c{};
+  for (int t = 0; t < 6; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  return c;
+}
+constexpr TileConfig kTileConfig = make_tile_config();
+
+// Load kTileConfig on the calling thread.
+__attribute__((target("amx-tile"))) void amx_configure() { _tile_loadconfig(&kTileConfig); }
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// A prefill tile's queries (bfloat16) as amx_chunk_scores's B operand (see there); padding
+// rows are zero.
+template <typename TC, int DIM, int NRV>
+void amx_tile_queries(const PrefillCall<at::BFloat16, TC>& a, const PrefillTile& tile, int64_t q_start, uint16_t* qb) {
+  constexpr int C2 = DIM / 32;
+  const int64_t rows = tile.tokens * a.group;
+  for (int v = 0; v < NRV; ++v) {
+    for (int r = 0; r < 16; ++r) {
+      const int64_t row = 16 * v + r;
+      const at::BFloat16* q = nullptr;
+      if (row < rows) {
+        const int64_t t = row / a.group;
+        q = a.qp + (q_start + tile.first + t) * a.q_row + (tile.kv_head * a.group + row % a.group) * a.q_head;
+      }
+      // row r's dimensions as 32-bit pairs, one pair per row p of each block
+      alignas(64) uint32_t pairs[DIM / 2] = {};
+      if (q) std::memcpy(pairs, q, DIM * sizeof(uint16_t));
+      for (int c = 0; c < C2; ++c) {
+        uint32_t* blk = reinterpret_cast<uint32_t*>(qb + (v * C2 + c) * 512);
+        for (int p = 0; p < 16; ++p) blk[p * 16 + r] = pairs[16 * c + p];
+      }
+    }
+  }
+}
+#endif  // __AVX512F__
 
 #if defined(__AVX512F__)
 // prefill_attention for head dimensions DIM of 32, 64 or 128, with AVX-512. A tile's rows are
@@ -716,28 +853,64 @@ void tile_queries(const PrefillCall<T, TC>& a, const PrefillTile& tile, int64_t 
 // the tile's first window are never read (their blocks may have been freed).
 template <typename T, typename TC, int DIM, int NRV>
 void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
-                  float* wide) {
+                  float* wide, uint16_t* amx) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to whole vectors
   constexpr int C = DIM / 16;
+  // bfloat16 queries over a bfloat16 cache: the scores on AMX's tiles where the CPU has them
+  constexpr bool amx_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && DIM % 32 == 0;
+  const bool use_amx = amx_types && amx != nullptr;
   const auto [q_start, base, rows, first_pos, last_pos, kstart, kend] = tile_span(a, tile);
   const int32_t* table = a.tp + tile.seq * a.width;
   const int64_t h_off = tile.kv_head * DIM;
 
-  // queries, transposed and scaled; padding rows are zero and sit at the last position
+  // queries, transposed and scaled (AMX: its own layout, below); padding rows are zero and sit
+  // at the last position
   alignas(64) int32_t pos[R];
-  tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, qt);
+  tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, use_amx ? nullptr : qt);
   __m512i posv[NRV];
   for (int v = 0; v < NRV; ++v) posv[v] = _mm512_load_si512(pos + 16 * v);
 
   auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, kend, m); };
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // the scores s [m, R] of keys [j, j + m) that a row may not see (after its position, or
+  // before its window): -inf
+  auto mask_chunk = [&](int64_t j, int64_t m, float* s) {
+    if (j + m - 1 > first_pos || (a.window > 0 && j <= last_pos - a.window)) {
+      for (int64_t u = 0; u < m; ++u) {
+        const __m512i key_pos = _mm512_set1_epi32(static_cast<int32_t>(j + u));
+        for (int v = 0; v < NRV; ++v) {
+          __mmask16 hidden = _mm512_cmp_epi32_mask(posv[v], key_pos, _MM_CMPINT_LT);
+          if (a.window > 0) {
+            const __m512i edge = _mm512_sub_epi32(posv[v], _mm512_set1_epi32(static_cast<int32_t>(a.window)));
+            hidden |= _mm512_cmp_epi32_mask(edge, key_pos, _MM_CMPINT_NLT);
+          }
+          _mm512_mask_storeu_ps(s + u * R + 16 * v, hidden, neg_inf);
+        }
+      }
+    }
+  };
 
+  if constexpr (amx_types) {
+    if (use_amx) {
+      amx_tile_queries<TC, DIM, NRV>(a, tile, q_start, amx);
+      amx_configure();
+    }
+  }
   // pass 1: scores [keys, rows]
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);  // sets m (before as_float reads it)
-    const float* key = as_float(a.kp + at, m, a.slot, wide) + h_off;
     float* s = sbuf + (j - kstart) * R;
+    if constexpr (amx_types) {
+      if (use_amx) {
+        amx_chunk_scores<DIM, NRV>(a.kp + at + h_off, a.slot * static_cast<int64_t>(sizeof(TC)), m,
+                                   amx, amx + NRV * (DIM / 32) * 512, s, a.sc);
+        mask_chunk(j, m, s);
+        j += m;
+        continue;
+      }
+    }
+    const float* key = as_float(a.kp + at, m, a.slot, wide) + h_off;
     int64_t t = 0;
     for (; t + 4 <= m; t += 4) {  // four keys at a time: each query vector loaded once for four
       __m512 acc[4][NRV];
@@ -765,21 +938,11 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
       }
       for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + t * R + 16 * v, acc[v]);
     }
-    // keys a row may not see (after its position, or before its window): -inf
-    if (j + m - 1 > first_pos || (a.window > 0 && j <= last_pos - a.window)) {
-      for (int64_t u = 0; u < m; ++u) {
-        const __m512i key_pos = _mm512_set1_epi32(static_cast<int32_t>(j + u));
-        for (int v = 0; v < NRV; ++v) {
-          __mmask16 hidden = _mm512_cmp_epi32_mask(posv[v], key_pos, _MM_CMPINT_LT);
-          if (a.window > 0) {
-            const __m512i edge = _mm512_sub_epi32(posv[v], _mm512_set1_epi32(static_cast<int32_t>(a.window)));
-            hidden |= _mm512_cmp_epi32_mask(edge, key_pos, _MM_CMPINT_NLT);
-          }
-          _mm512_mask_storeu_ps(s + u * R + 16 * v, hidden, neg_inf);
-        }
-      }
-    }
+    mask_chunk(j, m, s);
     j += m;
+  }
+  if constexpr (amx_types) {
+    if (use_amx) amx_release();
   }
   // softmax over each row's keys (lane-wise), unnormalised; hidden keys weigh exactly 0
   const int64_t span = kend - kstart;
@@ -840,7 +1003,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
 // vectorise at whatever width the build has.
 template <typename T, typename TC, int DIM, int NRV>
 void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
-                  float* wide) {
+                  float* wide, uint16_t* /* amx: AVX-512 builds only */) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to 16
   const auto [q_start, base, rows, first_pos, last_pos, kstart, kend] = tile_span(a, tile);
   const int32_t* table = a.tp + tile.seq * a.width;
@@ -964,18 +1127,28 @@ void prefill_attention_tiles(const PrefillCall<T, TC> a) {
   std::sort(tiles.begin(), tiles.end(), [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
   const int64_t count = static_cast<int64_t>(tiles.size());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+#if defined(__AVX512F__)
+  constexpr bool amx_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && DIM % 32 == 0;
+  const bool amx = amx_types && count > 0 && amx_enabled.load() && amx_available();
+  if (amx) amx_prefill_calls.fetch_add(1, std::memory_order_relaxed);
+#else
+  constexpr bool amx = false;
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> qt(DIM * 64), sbuf((max_span + 16) * 64), obuf(64 * DIM);
     std::vector<float> wide(std::is_same_v<TC, float> ? 0 : 16 * a.slot);
+    // AMX's query blocks (at most 4 x 4 of 512 values) and a short chunk's 16 key rows
+    std::vector<uint16_t> amx_buf(amx ? 4 * 4 * 512 + 16 * 128 : 0);
+    uint16_t* amx_p = amx ? amx_buf.data() : nullptr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i) {
       const PrefillTile& tile = tiles[i];
       switch ((tile.tokens * a.group + 15) / 16) {
-        case 1: prefill_tile<T, TC, DIM, 1>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
-        case 2: prefill_tile<T, TC, DIM, 2>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
-        case 3: prefill_tile<T, TC, DIM, 3>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
-        default: prefill_tile<T, TC, DIM, 4>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data()); break;
+        case 1: prefill_tile<T, TC, DIM, 1>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
+        case 2: prefill_tile<T, TC, DIM, 2>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
+        case 3: prefill_tile<T, TC, DIM, 3>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
+        default: prefill_tile<T, TC, DIM, 4>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
       }
     }
   }
@@ -1551,6 +1724,26 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Whether prefill_attention takes AMX tiles for bfloat16 scores (the CPU has them, the OS
+// allows them, not switched off), and how many calls did.
+std::vector<int64_t> amx_stats() {
+#if defined(__AVX512F__)
+  return {amx_available() && amx_enabled.load() ? 1 : 0, amx_prefill_calls.load()};
+#else
+  return {0, 0};
+#endif
+}
+
+// Switch the prefill kernel's AMX path on or off (benchmarks and tests compare the two);
+// returns whether it was on.
+bool set_amx(bool on) {
+#if defined(__AVX512F__)
+  return amx_enabled.exchange(on);
+#else
+  return false;
+#endif
+}
+
 // Whether decode_attention takes AVX512-BF16 dot products for bfloat16, and how many calls did.
 std::vector<int64_t> bf16_dot_stats() {
 #if defined(__AVX512F__)
@@ -1591,6 +1784,8 @@ int64_t encoder_attention_count() { return encoder_attention_calls.load(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_stats", &bf16_dot_stats);
+  m.def("amx_stats", &amx_stats);
+  m.def("set_amx", &set_amx);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
