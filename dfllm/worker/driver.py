@@ -158,8 +158,15 @@ class Driver:
             self.queues = {k: q for k, q in self.queues.items() if q.busy()}  # forget idle engines
             calls, self.calls = self.calls, []
             work = [(q, q.pending) for q in self.queues.values()]
-            for q, _ in work:
+            for q, subs in work:
+                # handed-over submissions become active here, under the lock their tasks read
+                # rows_in_flight under: a task handing rows over while the step below queues
+                # them counts them (it missed them in between, seceded while the engine was
+                # full, and the worker then started one partition more than it has threads)
                 q.pending = []
+                for sub in subs:
+                    sub.ids = [f"df-{next(_request_ids)}" for _ in sub.requests]
+                q.active.extend(subs)
         for fn, future in calls:
             try:
                 future.set_result(fn())
@@ -176,8 +183,7 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
     every submission that is done or failed."""
     engine = queue.engine
     with queue.lock:
-        for sub in subs:
-            sub.ids = [f"df-{next(_request_ids)}" for _ in sub.requests]
+        for sub in subs:  # already in queue.active, with their request ids (Driver._round)
             try:
                 for rid, request in zip(sub.ids, sub.requests):
                     engine.add_request(rid, request, group=sub)
@@ -186,7 +192,6 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
                 sub.error = exc
                 continue
             sub.requests = []  # the engine holds them now
-            queue.active.append(sub)
             queue.owner.update(dict.fromkeys(sub.ids, sub))
         outputs: list[RequestOutput] = []
         if engine.has_unfinished_requests():
@@ -197,7 +202,8 @@ def _step(queue: EngineQueue, subs: list[Submission]) -> None:
                 progress.record_step(engine.stats().num_running + len(outputs))  # the step's batch, roughly
             except Exception as exc:  # not the model (the engine recovers from that): no task may wait forever
                 for sub in queue.active:
-                    sub.error = exc
+                    if sub.error is None:  # one that failed to queue keeps its own error
+                        sub.error = exc
         for out in outputs:
             owner = queue.owner.pop(out.request_id, None)
             if owner is not None:

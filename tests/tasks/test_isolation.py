@@ -285,6 +285,27 @@ def test_failed_step_fails_only_its_partition(tiny_llama, tok, dedupe):
     assert again.generated_text.tolist() == results[0].generated_text.tolist()
 
 
+def test_rows_being_queued_count_as_in_flight(tiny_llama, monkeypatch):
+    """A task handing rows over reads how many rows the engine holds (``rows_in_flight``) to
+    decide whether to leave its worker's thread pool while it waits. Rows the driver has taken
+    from the hand-over list and is queueing into the engine count too: missed in between, a
+    task seceded while the engine was full, and a worker of one thread held three 1-row
+    partitions at ``max_num_seqs=2`` (a CI run of the test below)."""
+    seen: list[tuple[int, int]] = []
+    real_step = driver._step
+
+    def step(queue, subs):  # what a task reading rows_in_flight now would see
+        seen.append((queue.rows_in_flight(), sum(len(s.requests) for s in subs)))
+        return real_step(queue, subs)
+
+    monkeypatch.setattr(driver, "_step", step)
+    df = pd.DataFrame({"q": [f"Question {i}: {GOOD[i % 3]}" for i in range(6)]})
+    got = df.llm.generate("q", model=str(tiny_llama), sampling_params=SP, **ENGINE)
+    assert got.llm_error.isna().all()
+    queued = [(in_flight, new) for in_flight, new in seen if new]
+    assert queued and all(in_flight >= new for in_flight, new in queued), queued
+
+
 # ---- a real cluster of worker processes ------------------------------------------------------------------
 @pytest.mark.slow
 def test_partitions_share_steps_and_one_model_load_on_a_cluster(tiny_llama):
