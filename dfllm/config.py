@@ -82,6 +82,9 @@ class EngineConfig:
     # vLLM's structured_outputs_config defaults for every request's StructuredOutputsParams
     disable_any_whitespace: bool | None
     disable_additional_properties: bool
+    # whether each step is scheduled and launched before the last one's tokens reach the host
+    # (vLLM's async_scheduling; see dfllm.engine.llm_engine)
+    async_scheduling: bool
 
     def __getattr__(self, name: str) -> Any:
         """An argument the engine uses as given: ``args``' value."""
@@ -154,7 +157,25 @@ class EngineConfig:
             enable_in_reasoning=enable_in_reasoning,
             disable_any_whitespace=structured.get("disable_any_whitespace"),
             disable_additional_properties=bool(structured.get("disable_additional_properties", False)),
+            async_scheduling=resolve_async_scheduling(args.async_scheduling, dev, tp * pp, spec),
         )
+
+
+def resolve_async_scheduling(value: bool | None, device: torch.device, world_size: int, spec: ModelSpec) -> bool:
+    """vLLM's ``async_scheduling``: None keeps it off until a GPU run has measured it (it pays
+    where a device runs the forward while the host works: one CUDA device; on a CPU the host
+    computes the forward too, so nothing overlaps). ``True`` asks for it anywhere it runs: one
+    rank, a text model (``ValueError`` otherwise, naming the argument)."""
+    runs = world_size == 1 and spec.multimodal is None
+    if value is None:
+        return False
+    if value and not runs:
+        why = "a model split over several ranks" if world_size > 1 else "a vision-language model"
+        raise ValueError(
+            f"async_scheduling=True: dfllm schedules asynchronously on one rank with a text model, not {why}; "
+            "leave it None or False"
+        )
+    return bool(value)
 
 
 def _check_quantization(

@@ -476,9 +476,10 @@ class EngineArgs:
     )
     async_scheduling: bool | None = _arg(
         None,
-        "accepted, ignored: dfllm schedules each step once the last one's tokens are known (one host "
-        "transfer per step), with the same outputs either way",
-        "no-op",
+        "`True` schedules and launches each step before the last one's tokens reach the host (the device reads "
+        "them itself), overlapping the host's work with the device's, the same tokens either way; `None`: off "
+        "until measured on a GPU; one rank and text models only",
+        "maps",
         _optional_bool,
     )
     attention_config: Any = _arg(

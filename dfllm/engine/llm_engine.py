@@ -18,6 +18,17 @@ the other groups' requests give the outputs they would have had. A caller waitin
 some groups only (``LLM.generate`` while other calls' requests are queued) names them
 (``step(rerun=...)``); the others are queued again from scratch for later steps.
 
+With asynchronous scheduling (vLLM's ``async_scheduling=True``; one rank, text models) a
+step does not wait for the tokens of the step before it: the scheduler counts each sampled
+token as there (a sequence's ``pending_row``), the runner reads those tokens on the device
+as the inputs of the next step, and the engine launches that step before it waits for the
+tokens to reach the host and applies them (text, stop checks, outputs), so on a GPU that
+host work runs while the forward does. The tokens are those of the synchronous loop: the
+sampling of a step waits for the tokens before it (penalties, grammars and seeded draws see
+the same history), a sequence that those tokens end wastes its row of the next step (dropped
+before sampling; one whose token in flight reaches ``max_tokens`` is not scheduled at all),
+and step outputs come one call of :meth:`LLMEngine.step` later.
+
 Identical deterministic requests are computed once (``deduplicate_requests``, on by
 default): a request whose prompt tokens and sampling parameters equal those of an
 unfinished one, and whose output cannot differ from it (greedy, or seeded), follows that
@@ -32,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Hashable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -43,9 +54,10 @@ from dfllm.engine.input_processor import EngineRequest, InputProcessor
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.output_processor import OutputProcessor
 from dfllm.engine.runner import lora_manager, make_runner
-from dfllm.engine.sampler import SampledToken, Sampler
+from dfllm.engine.sampler import SampledStep, SampledToken, Sampler
 from dfllm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from dfllm.engine.sequence import Request, Sequence
+from dfllm.engine.step_inputs import StepOutput
 from dfllm.errors import InvalidRequestError
 from dfllm.lora.adapter import LoRAAdapterError
 from dfllm.lora.manager import LoRAManager
@@ -57,6 +69,18 @@ from dfllm.outputs import RequestMetrics, RequestOutput
 from dfllm.reasoning import make_reasoning_parser
 
 logger = logging.getLogger("dfllm")
+
+
+@dataclass
+class InFlight:
+    """A step launched whose tokens are not yet applied (asynchronous scheduling): its schedule,
+    the sequences it samples (row order: each one's ``pending_row``), their sampling under way,
+    and the scheduler's counters before it."""
+
+    sched: SchedulerOutput
+    seqs: list[Sequence]
+    sample: SampledStep
+    before: SchedulerStats
 
 
 class LLMEngine:
@@ -144,6 +168,9 @@ class LLMEngine:
         self.following: dict[str, str] = {}  # follower id -> its leader's id
         self.failures: dict[Hashable, BaseException] = {}  # group -> why it failed on its own
         self.last_step_groups: set[Hashable] = set()  # the groups of the last step's sequences
+        # asynchronous scheduling (module docstring): the step launched whose tokens are not yet applied
+        self.async_scheduling = cfg.async_scheduling
+        self.in_flight: InFlight | None = None
         self.sleep_level = 0  # 0 awake; 1 weights on host, KV freed; 2 weights and KV freed
         self.asleep: set[str] = set()  # which of "weights", "kv_cache" are released
 
@@ -329,29 +356,85 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[Request]:
+        if self.async_scheduling:
+            return self._step_async()
         before = self.scheduler.stats()
         sched = self.scheduler.schedule()
+        out = self._launch(sched)
+        self.scheduler.update_from_step(sched)
+        for span, logits in out.prompt_logits:
+            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
+        sampled = self._sample(out.logits, out.sample_seqs)
+        return self._end(out.sample_seqs, sampled, sched, before)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
+        """A token per row, or what is wrong with a row whose logits cannot be sampled."""
+        return self.sampler(logits, seqs) if seqs else []
+
+    def _step_async(self) -> list[Request]:
+        """One step with asynchronous scheduling (module docstring): schedule and launch this
+        step while the tokens of the step in flight are still on their way, then finish that
+        step (on a GPU, while this one's forward runs), then sample this one, without waiting."""
+        prev = self.in_flight
+        before = self.scheduler.stats()
+        sched = self.scheduler.schedule(allow_empty=prev is not None)
+        finished: list[Request] = []
+        if not sched:  # only the step in flight's tokens can free room, or end what is left
+            finished = self._finish_in_flight()
+            if not self.scheduler.has_unfinished():
+                return finished
+            prev, before = None, self.scheduler.stats()
+            sched = self.scheduler.schedule()
+        sched.prev_token_ids = None if prev is None else prev.sample.token_ids
+        out = self._launch(sched)
+        if prev is not None:
+            finished = self._finish_in_flight()
+        self.scheduler.update_from_step(sched)  # after: the blocks it fills hash tokens now known
+        for span, logits in out.prompt_logits:
+            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
+        logits, seqs = out.logits, out.sample_seqs
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]  # not ended by the last step's tokens
+        if len(live) < len(seqs):
+            logits, seqs = logits[torch.tensor(live, dtype=torch.long).to(logits.device)], [seqs[i] for i in live]
+        if not seqs:
+            self._observe(sched, before)
+            return finished
+        sample = self.sampler.launch(logits, seqs)
+        for row, seq in enumerate(seqs):
+            seq.pending_row = row
+        self.in_flight = InFlight(sched, seqs, sample, before)
+        return finished
+
+    def _finish_in_flight(self) -> list[Request]:
+        """Wait for the tokens of the step in flight and apply them (as a synchronous step's)."""
+        step, self.in_flight = self.in_flight, None
+        assert step is not None
+        sampled = step.sample.tokens()
+        for seq in step.seqs:
+            seq.pending_row = -1
+        kept = [(seq, tok) for seq, tok in zip(step.seqs, sampled) if not seq.is_finished]  # not aborted meanwhile
+        return self._end([seq for seq, _ in kept], [tok for _, tok in kept], step.sched, step.before)
+
+    def _launch(self, sched: SchedulerOutput) -> StepOutput:
+        """Run the model on a scheduled step (its adapters in their slots, new blocks zeroed)."""
         self.last_step_groups = {s.request.group for s in sched.seqs}
         if self.lora is not None:
             self._activate_loras(sched.seqs)
         self.runner.zero_blocks(self.scheduler.blocks_to_zero())
         with torch.profiler.record_function("dfllm.step"):
-            out = self.runner.run(sched)
-        self.scheduler.update_from_step(sched)
-        for span, logits in out.prompt_logits:
-            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
-        sampled = self._sample(out.logits, out.sample_seqs)
+            return self.runner.run(sched)
+
+    def _end(
+        self, seqs: list[Sequence], sampled: list[SampledToken | str], sched: SchedulerOutput, before: SchedulerStats
+    ) -> list[Request]:
+        """Apply a step's sampled tokens; the requests they finished."""
         now = time.time()
-        ended = self.output_processor.process(out.sample_seqs, sampled, now)
+        ended = self.output_processor.process(seqs, sampled, now)
         for seq in ended:
             self.scheduler.finish(seq)
         finished = self._finished(ended, now)
         self._observe(sched, before)
         return finished
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
-        """A token per row, or what is wrong with a row whose logits cannot be sampled."""
-        return self.sampler(logits, seqs) if seqs else []
 
     def _finished(self, ended: list[Sequence], now: float) -> list[Request]:
         """The requests whose last sequence just ended, each once, timed and forgotten."""
@@ -425,6 +508,7 @@ class LLMEngine:
         """Every request not yet returned (queued, running, or finished by a step that raised),
         dropped with its blocks freed, followers as requests of their own; in arrival order."""
         self.scheduler.abort_all()
+        self.in_flight = None  # its sequences are dropped too
         dropped = list(self.requests.values()) + [f for fs in self.followers.values() for f in fs]
         dropped.sort(key=lambda r: r.metrics.arrival_time)
         self.requests.clear()

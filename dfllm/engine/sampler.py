@@ -22,7 +22,9 @@ waits on the device to learn which rows are bad.
 
 Everything runs where the logits are; only each row's maximum and chosen token id (``[rows]``)
 and the requested log-probabilities (``[rows]`` and ``[rows, k]``) come to the host, packed into
-one transfer by :func:`to_host`: the step's one device-to-host synchronisation.
+one transfer by :func:`to_host`: the step's one device-to-host synchronisation. :meth:`Sampler.launch`
+starts it without waiting (on CUDA into pinned memory), so that the engine can schedule and launch
+the next step, whose inputs read the chosen ids on the device, before it waits.
 """
 
 from __future__ import annotations
@@ -72,37 +74,84 @@ class HostLogprobs:
     top: dict[int, list[tuple[int, float, int]]]  # position in rows -> (token id, logprob, rank), best first
 
 
-def to_host(
-    token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: torch.Tensor | None = None
-) -> tuple[list[int], HostLogprobs | None, list[float]]:
-    """The sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``), the requested
-    log-probabilities and each row's logit maximum (``row_max``, ``[rows]``; for the non-finite
-    check), read back in one transfer (packed as float64, exact for all three)."""
-    n = token_ids.numel()
+@dataclass
+class HostCopy:
+    """The sampler's one host hand-off, under way: the step's numbers packed in one float64
+    tensor (exact for all of them) on its way to the host. On a CUDA device the copy goes into
+    pinned memory without waiting (``done`` marks its end), so the host can prepare the next
+    step meanwhile; :meth:`read` waits for it and unpacks."""
+
+    flat: torch.Tensor
+    done: torch.cuda.Event | None
+    num_rows: int
+    has_max: bool
+    logprobs: LogprobPayload | None
+
+    def read(self) -> tuple[list[int], HostLogprobs | None, list[float]]:
+        """The chosen token ids, the requested log-probabilities and each row's logit maximum."""
+        if self.done is not None:
+            self.done.synchronize()
+        flat = self.flat.tolist()
+        n, logprobs = self.num_rows, self.logprobs
+        ids_host = [int(v) for v in flat[:n]]
+        at = n
+        maxima: list[float] = []
+        if self.has_max:
+            maxima, at = flat[n : 2 * n], 2 * n
+        if logprobs is None:
+            return ids_host, None, maxima
+        r = len(logprobs.rows)
+        chosen, ranks = flat[at : at + r], [int(v) for v in flat[at + r : at + 2 * r]]
+        at += 2 * r
+        top: dict[int, list[tuple[int, float, int]]] = {}
+        for positions, values, _ in logprobs.top:
+            k = values.shape[1]
+            vals, toks = flat[at : at + len(positions) * k], flat[at + len(positions) * k : at + 2 * len(positions) * k]
+            at += 2 * len(positions) * k
+            for j, pos in enumerate(positions):
+                top[pos] = [(int(toks[j * k + c]), vals[j * k + c], c + 1) for c in range(k)]
+        return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top), maxima
+
+
+def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: torch.Tensor | None = None) -> HostCopy:
+    """Start the sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``), the
+    requested log-probabilities and each row's logit maximum (``row_max``, ``[rows]``; for the
+    non-finite check), in one transfer; :meth:`HostCopy.read` gives them as Python numbers."""
     parts = [token_ids.double()] + ([] if row_max is None else [row_max.double()])
     if logprobs is not None:
         parts += [logprobs.chosen.double(), logprobs.ranks.double()]
         for _, values, ids in logprobs.top:
             parts += [values.double().flatten(), ids.double().flatten()]
-    flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
-    ids_host = [int(v) for v in flat[:n]]
-    at = n
-    maxima: list[float] = []
-    if row_max is not None:
-        maxima, at = flat[n : 2 * n], 2 * n
-    if logprobs is None:
-        return ids_host, None, maxima
-    r = len(logprobs.rows)
-    chosen, ranks = flat[at : at + r], [int(v) for v in flat[at + r : at + 2 * r]]
-    at += 2 * r
-    top: dict[int, list[tuple[int, float, int]]] = {}
-    for positions, values, _ in logprobs.top:
-        k = values.shape[1]
-        vals, toks = flat[at : at + len(positions) * k], flat[at + len(positions) * k : at + 2 * len(positions) * k]
-        at += 2 * len(positions) * k
-        for j, pos in enumerate(positions):
-            top[pos] = [(int(toks[j * k + c]), vals[j * k + c], c + 1) for c in range(k)]
-    return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top), maxima
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    done = None
+    if flat.device.type == "cuda":
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        flat = host
+    elif flat.device.type != "cpu":
+        flat = flat.cpu()
+    return HostCopy(flat, done, token_ids.numel(), row_max is not None, logprobs)
+
+
+@dataclass
+class SampledStep:
+    """A step's sampling, launched: the chosen token ids on the device (the next step's inputs
+    can read them there: asynchronous scheduling) and their copy to the host under way."""
+
+    token_ids: torch.Tensor
+    copy: HostCopy
+
+    def tokens(self) -> list[SampledToken | str]:
+        """A token per row (with its log-probabilities where asked), or for a row whose logits
+        cannot be sampled what is wrong with them; waits for the copy."""
+        ids, host, maxima = self.copy.read()
+        out: list[SampledToken | str] = list(_sampled_tokens(ids, host))
+        for i, top in enumerate(maxima):
+            if not math.isfinite(top):
+                out[i] = "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
+        return out
 
 
 class Sampler:
@@ -122,10 +171,15 @@ class Sampler:
             self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self.generators[device]
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
         """A token per row (with its log-probabilities where asked), or for a row whose logits
         cannot be sampled what is wrong with them (module docstring). ``logits`` may be changed."""
+        return self.launch(logits, seqs).tokens()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledStep:
+        """Sample every row on the logits' device and start the copy of the results to the
+        host, without waiting for the device. ``logits`` may be changed."""
         logits = logits.float()
         row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
         lp_rows, drawn_rows, grammars = _row_kinds(seqs)
@@ -138,12 +192,7 @@ class Sampler:
         if processed_logits is not None:
             values = _logprob_values(_rows(processed_logits, lp_rows), as_logprobs)
         payload = None if values is None else _logprob_payload(values, token_ids, lp_rows, seqs)
-        ids, host, maxima = to_host(token_ids, payload, row_max)
-        out: list[SampledToken | str] = list(_sampled_tokens(ids, host))
-        for i, top in enumerate(maxima):
-            if not math.isfinite(top):
-                out[i] = "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
-        return out
+        return SampledStep(token_ids, to_host(token_ids, payload, row_max))
 
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], keep_processed: bool = False

@@ -36,6 +36,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from dfllm.engine.block_manager import BlockManager
 from dfllm.engine.sequence import Sequence, SequenceStatus
@@ -54,6 +55,9 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    # asynchronous scheduling: the step in flight's sampled token ids (on the device), where the
+    # runner reads the input of each sequence with a ``pending_row``; None: every input is known
+    prev_token_ids: Any = None
 
     @property
     def total_tokens(self) -> int:
@@ -129,9 +133,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         """The next step's sequences. A pass that only preempted admits nothing; then a second
-        pass (now with room) does. Raises ``RuntimeError`` if nothing at all can run."""
+        pass (now with room) does. Raises ``RuntimeError`` if nothing at all can run, unless
+        ``allow_empty`` (a step is in flight, whose tokens may end or free sequences: the
+        engine finishes it and asks again).
+
+        A sequence with a token still on the device (``pending_row``, asynchronous scheduling)
+        decodes that token at its position, the runner reading it from the device; one whose
+        pending token reaches ``max_tokens`` is not scheduled, and a preempted one is not
+        admitted again before its token is known."""
         out = self._schedule_once()
         if not out:
             preempted = out.num_preempted
@@ -141,7 +152,7 @@ class Scheduler:
             self.growth_ratio = min(1.0, self.growth_ratio + GROWTH_RATIO_UP)
         else:
             self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
-        if not out:
+        if not out and not allow_empty:
             raise RuntimeError("the scheduler could not schedule any waiting sequence")
         return out
 
@@ -151,6 +162,8 @@ class Scheduler:
         bm = self.bm
         bs, hashing, window = bm.block_size, bm.enable_prefix_caching, bm.sliding_window is not None
         for seq, n in zip(out.seqs, out.num_new_tokens):
+            if seq.is_finished:  # ended by the tokens of the step before (asynchronous scheduling)
+                continue
             seq.num_computed_tokens += n
             # cache_full_blocks does nothing unless a block became full (or a window slides)
             if window or (hashing and seq.num_computed_tokens // bs > seq.num_hashed_blocks):
@@ -191,11 +204,13 @@ class Scheduler:
         for seq in list(self.running):  # a copy: preemption removes from the list
             if seq.status is not status_running:  # preempted earlier in this step
                 continue
-            left = len(seq.token_ids) - seq.num_computed_tokens
+            left = seq.num_tokens_with_pending - seq.num_computed_tokens
             if left != 1:
                 if left > 1:
                     prefills.append(seq)
                 continue
+            if seq.pending_row >= 0 and _ends_by_length(seq):
+                continue  # its pending token is its last: nothing more to compute
             if budget == 0:
                 return out
             # a sequence whose block table already holds its new token needs no room and no block
@@ -308,6 +323,8 @@ class Scheduler:
         for seq in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.pending_row >= 0:
+                continue  # preempted with a token still on the device: once it is known
             lora = _lora_id(seq)
             if lora is not None and lora not in loras and self.max_loras is not None and len(loras) >= self.max_loras:
                 if self._due(seq):  # overtaken long enough: admit no other adapter's rows until its turn
@@ -363,10 +380,20 @@ class Scheduler:
         self.abort(list(self.running) + list(self.waiting))
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence the output processor ended and release its blocks."""
+        """Remove a sequence the output processor ended and release its blocks (it is waiting
+        when it was preempted while its last token was in flight: asynchronous scheduling)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
         self.bm.free_seq(seq)
+
+
+def _ends_by_length(seq: Sequence) -> bool:
+    """Whether the token in flight of ``seq`` is its last by ``max_tokens``."""
+    limit = seq.params.max_tokens
+    return limit is not None and seq.num_output_tokens + 1 >= limit
 
 
 def _lora_id(seq: Sequence) -> int | None:

@@ -50,6 +50,9 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks (prefix-aware admission)
     waiting_since: int = 0  # the scheduler's admission count at which first come, first served would admit it
+    # asynchronous scheduling (dfllm.engine.llm_engine): the row of the step in flight whose sampled
+    # token, still on the device, is this sequence's next one (not yet in token_ids); -1: none
+    pending_row: int = -1
     # Detokenizer state: text so far and the window offsets into token_ids.
     text: str = ""
     prefix_offset: int = 0
@@ -73,6 +76,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Its tokens, the one sampled by the step in flight (not yet in ``token_ids``) included."""
+        return len(self.token_ids) + (self.pending_row >= 0)
 
     @property
     def num_output_tokens(self) -> int:

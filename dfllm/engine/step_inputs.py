@@ -75,7 +75,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
     sent in one copy per dtype: :class:`~dfllm.engine.host_pack.HostPack`)."""
     seqs = sched.seqs
     if len(seqs) >= WHOLE_BATCH_DECODES and max(sched.num_new_tokens) == 1 and whole_batch(seqs):
-        return _prepare_decodes(seqs, block_size, device)
+        return _prepare_decodes(seqs, block_size, device, sched.prev_token_ids)
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -94,13 +94,20 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         scheduled.sort(key=lambda sn: sn[0].request.lora_slot)
     seq_lens: list[int] = []
     tables: list[list[int]] = []
+    fill_rows: list[int] = []  # rows whose token is in sched.prev_token_ids, at fill_from
+    fill_from: list[int] = []
     for seq, n in scheduled:
         start = seq.num_computed_tokens
         end, row = start + n, len(ids)
         table = seq.block_table
         token_ids = seq.token_ids
         if n == 1:
-            ids.append(token_ids[start])
+            if start < len(token_ids):
+                ids.append(token_ids[start])
+            else:  # its token is the step in flight's, still on the device (asynchronous scheduling)
+                fill_rows.append(row)
+                fill_from.append(seq.pending_row)
+                ids.append(0)
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
             dec_rows.append(row)
@@ -110,7 +117,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             prefills.append((row, n, end, None if start == 0 else _slots(table, end, bs)))
-        if end == len(token_ids):
+        if end == seq.num_tokens_with_pending:
             logit_rows.append(row + n - 1)
             sample_seqs.append(seq)
         if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
@@ -125,6 +132,7 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         tables.append(table)
     pack = HostPack()
     tokens = pack.add(ids, torch.long), pack.add(positions, torch.long), pack.add(logit_rows + prompt_rows, torch.long)
+    fill = (pack.add(fill_rows, torch.long), pack.add(fill_from, torch.long)) if fill_rows else None
     # the C++ decode kernel's batch, on a CPU device only (no other kernel reads it)
     decodes = _decode_batch(pack, dec_rows, dec_seqs) if device.type == "cpu" and dec_seqs else None
     build_meta = _pack_metadata(pack, slots, prefills, qsl, seq_lens, tables, bs)
@@ -135,7 +143,17 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         meta.decodes = DecodeBatch(*(sent[i] for i in decodes))
     if lora:  # each token row's adapter slot
         meta.lora = lora_metadata([s.request.lora_slot for s, n in scheduled for _ in range(n)], device)
+    if fill is not None:
+        fill_pending(sent[tokens[0]], sent[fill[0]], sent[fill[1]], sched.prev_token_ids)
     return StepInputs(sent[tokens[0]], sent[tokens[1]], meta, sent[tokens[2]], sample_seqs, prompt_spans)
+
+
+def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, source: torch.Tensor, prev: torch.Tensor | None) -> None:
+    """Write the tokens still on the device into a step's input ids: row ``rows[i]`` takes
+    ``prev[source[i]]``, the token the step in flight sampled for its sequence (asynchronous
+    scheduling; the device orders this after that step's sampling, the host waits for nothing)."""
+    assert prev is not None, "a sequence's token is pending but no step is in flight"
+    input_ids.index_copy_(0, rows, prev.index_select(0, source).to(input_ids.dtype))
 
 
 # from this many one-token sequences on, _prepare_decodes' whole-batch array operations cost less
@@ -156,7 +174,8 @@ class DecodeArrays:
     """A step of one-token sequences as whole-batch host arrays (row ``i`` is sequence ``i``):
     the token each computes, its position and cache slot, its context length (the new token
     included), its block table padded with -1 (``tables``, with its length in ``table_lens``),
-    and the rows that sample (whose token is the sequence's last: not a one-token prompt chunk)."""
+    the rows that sample (whose token is the sequence's last: not a one-token prompt chunk),
+    and the rows whose token is still on the device."""
 
     ids: np.ndarray  # int64 [n]
     positions: np.ndarray  # int64 [n]
@@ -165,6 +184,10 @@ class DecodeArrays:
     tables: np.ndarray  # int32 [n, width]
     table_lens: np.ndarray  # int64 [n]
     sampling: np.ndarray  # int64, ascending
+    # the rows whose token the step in flight sampled (``ids`` holds 0 there), and where in its
+    # sampled ids each is (asynchronous scheduling: :func:`fill_pending`)
+    fill_rows: np.ndarray  # int64
+    fill_from: np.ndarray  # int64
 
     def own_tables(self) -> np.ndarray:
         """The block tables padded with each one's own last block instead (as
@@ -205,18 +228,28 @@ def decode_arrays(seqs: list[Sequence], bs: int) -> DecodeArrays:
     starts = [s.num_computed_tokens for s in seqs]
     pos = np.array(starts, dtype=np.int64)
     padded, lens = pad_tables([s.block_table for s in seqs])
+    pending = np.fromiter((s.pending_row for s in seqs), np.int64, n)
+    fill_rows = np.nonzero(pending >= 0)[0]
+    if len(fill_rows):  # tokens still on the device (asynchronous scheduling): 0 here, filled there
+        ids = np.fromiter((t[p] if p < len(t) else 0 for t, p in zip(tokens, starts)), np.int64, n)
+    else:
+        ids = np.array(list(map(list.__getitem__, tokens, starts)), dtype=np.int64)
     return DecodeArrays(
-        ids=np.array(list(map(list.__getitem__, tokens, starts)), dtype=np.int64),
+        ids=ids,
         positions=pos,
         slots=padded[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs,
         seq_lens=(pos + 1).astype(np.int32),
         tables=padded,
         table_lens=lens,
-        sampling=np.nonzero(np.fromiter(map(len, tokens), np.int64, n) == pos + 1)[0],
+        sampling=np.nonzero(np.fromiter(map(len, tokens), np.int64, n) + (pending >= 0) == pos + 1)[0],
+        fill_rows=fill_rows,
+        fill_from=pending[fill_rows],
     )
 
 
-def _prepare_decodes(seqs: list[Sequence], bs: int, device: torch.device) -> StepInputs:
+def _prepare_decodes(
+    seqs: list[Sequence], bs: int, device: torch.device, prev: torch.Tensor | None = None
+) -> StepInputs:
     """:func:`prepare_inputs` of a step where every sequence computes one token (a decode, or a
     one-token prompt chunk), from its :func:`decode_arrays` (at 256 sequences ~0.15 ms instead
     of the loop's ~0.37)."""
@@ -231,6 +264,11 @@ def _prepare_decodes(seqs: list[Sequence], bs: int, device: torch.device) -> Ste
         pack.add(np.arange(n + 1, dtype=np.int32), torch.int32),
         pack.add(arrays.seq_lens, torch.int32),
         pack.add(arrays.tables, torch.int32, arrays.tables.shape),
+    )
+    fill = (
+        (pack.add(arrays.fill_rows, torch.long), pack.add(arrays.fill_from, torch.long))
+        if len(arrays.fill_rows)
+        else None
     )
     if device.type == "cpu":  # the C++ decode kernel's batch
         decodes = (
@@ -254,6 +292,8 @@ def _prepare_decodes(seqs: list[Sequence], bs: int, device: torch.device) -> Ste
         meta.decodes = DecodeBatch(*(sent[i] for i in decodes))
     sampling = arrays.sampling
     sample_seqs = list(seqs) if len(sampling) == n else [seqs[i] for i in sampling.tolist()]
+    if fill is not None:
+        fill_pending(sent[at[0]], sent[fill[0]], sent[fill[1]], prev)
     return StepInputs(sent[at[0]], sent[at[1]], meta, sent[at[2]], sample_seqs)
 
 

@@ -174,7 +174,8 @@ _HOST_READS = ("tolist", "item", "numpy", "cpu", "__float__", "__int__", "__bool
 
 @pytest.fixture
 def host_reads(monkeypatch):
-    """Records every tensor read to the host (outside ``to_host``) and every ``to_host`` call."""
+    """Records every tensor read to the host (outside ``HostCopy.read``, the one place that reads
+    the sampler's results) and every ``to_host`` call."""
     calls: dict[str, list] = {"outside": [], "inside": [], "to_host": []}
     depth = [0]
     for name in _HOST_READS:
@@ -193,13 +194,19 @@ def host_reads(monkeypatch):
             shapes += [tuple(logprobs.chosen.shape), tuple(logprobs.ranks.shape)]
             shapes += [tuple(t.shape) for _, values, ids in logprobs.top for t in (values, ids)]
         calls["to_host"].append(shapes)
+        return real_to_host(token_ids, logprobs, row_max)
+
+    real_read = sampler_mod.HostCopy.read
+
+    def read(self):
         depth[0] += 1
         try:
-            return real_to_host(token_ids, logprobs, row_max)
+            return real_read(self)
         finally:
             depth[0] -= 1
 
     monkeypatch.setattr(sampler_mod, "to_host", to_host)
+    monkeypatch.setattr(sampler_mod.HostCopy, "read", read)
     return calls
 
 
