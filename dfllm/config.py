@@ -157,11 +157,11 @@ class EngineConfig:
             enable_in_reasoning=enable_in_reasoning,
             disable_any_whitespace=structured.get("disable_any_whitespace"),
             disable_additional_properties=bool(structured.get("disable_additional_properties", False)),
-            async_scheduling=resolve_async_scheduling(args.async_scheduling, dev, tp * pp, spec),
+            async_scheduling=resolve_async_scheduling(args.async_scheduling, tp * pp, spec),
         )
 
 
-def resolve_async_scheduling(value: bool | None, device: torch.device, world_size: int, spec: ModelSpec) -> bool:
+def resolve_async_scheduling(value: bool | None, world_size: int, spec: ModelSpec) -> bool:
     """vLLM's ``async_scheduling``: None keeps it off until a GPU run has measured it (it pays
     where a device runs the forward while the host works: one CUDA device; on a CPU the host
     computes the forward too, so nothing overlaps). ``True`` asks for it anywhere it runs: one

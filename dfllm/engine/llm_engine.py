@@ -361,9 +361,7 @@ class LLMEngine:
         before = self.scheduler.stats()
         sched = self.scheduler.schedule()
         out = self._launch(sched)
-        self.scheduler.update_from_step(sched)
-        for span, logits in out.prompt_logits:
-            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
+        self._computed(sched, out)
         sampled = self._sample(out.logits, out.sample_seqs)
         return self._end(out.sample_seqs, sampled, sched, before)
 
@@ -389,9 +387,7 @@ class LLMEngine:
         out = self._launch(sched)
         if prev is not None:
             finished = self._finish_in_flight()
-        self.scheduler.update_from_step(sched)  # after: the blocks it fills hash tokens now known
-        for span, logits in out.prompt_logits:
-            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
+        self._computed(sched, out)  # after: the blocks it fills hash tokens now known
         logits, seqs = out.logits, out.sample_seqs
         live = [i for i, s in enumerate(seqs) if not s.is_finished]  # not ended by the last step's tokens
         if len(live) < len(seqs):
@@ -423,6 +419,13 @@ class LLMEngine:
         self.runner.zero_blocks(self.scheduler.blocks_to_zero())
         with torch.profiler.record_function("dfllm.step"):
             return self.runner.run(sched)
+
+    def _computed(self, sched: SchedulerOutput, out: StepOutput) -> None:
+        """A step's tokens are in the KV cache (full blocks join the prefix cache); its prompt
+        log-probabilities are recorded."""
+        self.scheduler.update_from_step(sched)
+        for span, logits in out.prompt_logits:
+            self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
 
     def _end(
         self, seqs: list[Sequence], sampled: list[SampledToken | str], sched: SchedulerOutput, before: SchedulerStats

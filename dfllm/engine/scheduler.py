@@ -36,10 +36,13 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dfllm.engine.block_manager import BlockManager
 from dfllm.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
 
 PREFIX_WINDOW = 1024  # waiting sequences that prefix-aware admission reorders
 OVERTAKES_PER_SEQ_SLOT = 4  # a sequence overtaken by this many times max_num_seqs later ones goes first
@@ -57,7 +60,7 @@ class SchedulerOutput:
     num_preempted: int = 0
     # asynchronous scheduling: the step in flight's sampled token ids (on the device), where the
     # runner reads the input of each sequence with a ``pending_row``; None: every input is known
-    prev_token_ids: Any = None
+    prev_token_ids: torch.Tensor | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -220,6 +221,9 @@ def padded_rows(tables: list[list[int]], own: bool = False) -> tuple[list[int], 
     return [b for t in tables for b in (t + [-1] * (width - len(t)) if len(t) < width else t)], width
 
 
+_PENDING_ROW = operator.attrgetter("pending_row")
+
+
 def decode_arrays(seqs: list[Sequence], bs: int) -> DecodeArrays:
     """The :class:`DecodeArrays` of one-token sequences, built with a few whole-batch array
     operations instead of Python loops over the sequences."""
@@ -228,7 +232,7 @@ def decode_arrays(seqs: list[Sequence], bs: int) -> DecodeArrays:
     starts = [s.num_computed_tokens for s in seqs]
     pos = np.array(starts, dtype=np.int64)
     padded, lens = pad_tables([s.block_table for s in seqs])
-    pending = np.fromiter((s.pending_row for s in seqs), np.int64, n)
+    pending = np.fromiter(map(_PENDING_ROW, seqs), np.int64, n)
     fill_rows = np.nonzero(pending >= 0)[0]
     if len(fill_rows):  # tokens still on the device (asynchronous scheduling): 0 here, filled there
         ids = np.fromiter((t[p] if p < len(t) else 0 for t, p in zip(tokens, starts)), np.int64, n)
