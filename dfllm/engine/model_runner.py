@@ -90,7 +90,9 @@ class ModelRunner:
         if self.cfg.quantization is not None:
             quantize_model(model, self.cfg.quantization)
         else:
-            pack_linears(model)  # oneDNN-packed weights on CPU in float32 (dfllm.models.cpu_linear)
+            # packed weights on CPU (dfllm.models.cpu_linear): oneDNN's, or dfllm's own bfloat16
+            # GEMM's where the CPU kernels run
+            pack_linears(model, own_gemm=self.ops.name == "cpu")
         if self.cfg.enable_lora:  # empty adapter slots beside the adapted projections
             from dfllm.lora.layers import attach_lora
 

@@ -355,3 +355,32 @@ def exact_top_logits_cpu(logits: torch.Tensor, hidden: torch.Tensor, weight: tor
     ext = load()
     assert ext is not None
     return ext.exact_top_logits(logits, hidden, weight, MARGIN[logits.dtype])
+
+
+def bf16_gemm_ready() -> bool:
+    """Whether :func:`bf16_gemm_cpu` runs in this process: the kernels build (building them now
+    if needed) and the CPU has AVX512-BF16's dot product."""
+    ext = load()
+    return ext is not None and bool(ext.bf16_gemm_available())
+
+
+def bf16_gemm_pack_cpu(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[n, k]`` (bfloat16) laid out for :func:`bf16_gemm_cpu` (an opaque copy)."""
+    ext = load()
+    assert ext is not None and weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        return ext.bf16_gemm_pack(weight.detach())
+
+
+def bf16_gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """:func:`~dfllm.kernels.gemm.bf16_linear_torch` of ``x`` ``[..., k]`` (bfloat16) and the weight
+    that :func:`bf16_gemm_pack_cpu` laid out as ``packed``: ``[..., out_features]``, bfloat16."""
+    ext = load()
+    assert ext is not None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[1] % 2:  # the layout pairs k's elements: a zero column pairs the last one
+        rows = torch.nn.functional.pad(rows, (0, 1))
+    y = ext.bf16_gemm(rows, packed, bias, out_features)
+    return y.view(*x.shape[:-1], out_features)

@@ -176,3 +176,26 @@ def build_cpu_kernels() -> bool:
     from dfllm.kernels import _cpu
 
     return _cpu.load() is not None
+
+
+def cpu_bf16_gemm_available() -> bool:
+    """Whether dfllm's compiled bfloat16 GEMM (:mod:`dfllm.kernels.gemm`) runs here: the CPU
+    kernels build and the CPU has AVX512-BF16."""
+    from dfllm.kernels import _cpu
+
+    return _cpu.bf16_gemm_ready()
+
+
+def cpu_bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight ``[n, k]`` laid out for :func:`cpu_bf16_gemm` (an opaque copy)."""
+    from dfllm.kernels import _cpu
+
+    return _cpu.bf16_gemm_pack_cpu(weight)
+
+
+def cpu_bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """:func:`~dfllm.kernels.gemm.bf16_linear_torch` through the compiled GEMM, the weight as
+    :func:`cpu_bf16_gemm_pack` laid it out."""
+    from dfllm.kernels import _cpu
+
+    return _cpu.bf16_gemm_cpu(x, packed, bias, out_features)

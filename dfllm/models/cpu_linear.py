@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers for CPU inference.
+"""Prepacked linear layers for CPU inference (oneDNN's GEMM; dfllm's own for bfloat16 on
+CPUs with AVX512-BF16 and no AMX, :mod:`dfllm.kernels.gemm`).
 
 On CPU, ``torch.nn.Linear`` re-lays its weight out for the GEMM on every call; oneDNN can
 do that once (the path PyTorch's own compiler uses after freezing). It measured 1.1-1.3x
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dfllm.kernels.backend import cpu_bf16_gemm, cpu_bf16_gemm_available, cpu_bf16_gemm_pack
+
 logger = logging.getLogger("dfllm")
 
 
@@ -44,6 +47,18 @@ def bf16_gemm_isa() -> str | None:
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return "AMX" if torch.cpu._is_amx_tile_supported() else "AVX512-BF16"
+
+
+def own_gemm_applies(weight: torch.Tensor) -> bool:
+    """Whether dfllm's own bfloat16 GEMM (:mod:`dfllm.kernels.gemm`) takes a linear layer of
+    ``weight``: bfloat16 on a CPU with AVX512-BF16 and no AMX (with AMX oneDNN's tiles are
+    faster), where dfllm's CPU kernels build."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and bf16_gemm_isa() == "AVX512-BF16"
+        and cpu_bf16_gemm_available()
+    )
 
 
 def gelu_fusion_pays() -> bool:
@@ -100,29 +115,42 @@ PACKED_MAX_ROWS = 256
 
 
 class PackableLinear(nn.Linear):
-    """``nn.Linear`` that multiplies through a oneDNN-packed copy of its weight once
-    :meth:`pack` has run (CPU: bfloat16 batches of any size, float32 batches of at most
-    :data:`PACKED_MAX_ROWS` rows), and exactly like ``nn.Linear`` otherwise."""
+    """``nn.Linear`` that multiplies through a packed copy of its weight once :meth:`pack` has
+    run, and exactly like ``nn.Linear`` otherwise. The copy is oneDNN's (CPU: bfloat16 batches of
+    any size, float32 batches of at most :data:`PACKED_MAX_ROWS` rows) or, for bfloat16 where
+    :func:`own_gemm_applies` and the packing asked for it, laid out for dfllm's own GEMM."""
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
+    _gemm = "onednn"  # the GEMM the packed copy is laid out for: "onednn" or "dfllm"
+    _own_gemm = False  # whether packing may choose dfllm's GEMM (pack_linears' own_gemm)
 
-    def pack(self) -> bool:
-        """Pack the current weight; False (and nothing packed) where oneDNN cannot take it."""
+    def pack(self, own_gemm: bool | None = None) -> bool:
+        """Pack the current weight (for dfllm's bfloat16 GEMM where ``own_gemm``, or an earlier
+        call's choice when None, and it applies); False (and nothing packed) where no GEMM can take it."""
+        if own_gemm is not None:
+            self._own_gemm = own_gemm
         w = self.weight
+        if self._own_gemm and own_gemm_applies(w):
+            self._packed, self._gemm = (_weight_key(w), cpu_bf16_gemm_pack(w)), "dfllm"
+            return True
         if not packing_available(w.device, w.dtype):
             self._packed = None
             return False
-        self._packed = (_weight_key(w), _reorder(w))
+        self._packed, self._gemm = (_weight_key(w), _reorder(w)), "onednn"
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
         # a weight written, replaced or moved (to another device or dtype) is packed again, or
-        # no longer packed where oneDNN cannot take it
+        # no longer packed where no GEMM can take it
         if packed is not None and packed[0] != _weight_key(self.weight):
             packed = self._packed if self.pack() else None
         if packed is None or (x.numel() > PACKED_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
+        if self._gemm == "dfllm":
+            if x.dtype != torch.bfloat16:
+                return F.linear(x, self.weight, self.bias)
+            return cpu_bf16_gemm(x, packed[1], self.bias, self.out_features)
         return _packed_linear(x, packed[1], self.bias)
 
 
@@ -137,10 +165,12 @@ def _weight_key(w: torch.Tensor) -> tuple[int, int]:
 PACK_MEMORY_FRACTION = 0.125
 
 
-def pack_linears(model: nn.Module, budget_bytes: int | None = None) -> int:
+def pack_linears(model: nn.Module, budget_bytes: int | None = None, own_gemm: bool = False) -> int:
     """Pack every :class:`PackableLinear` of ``model`` that oneDNN can take (:func:`packing_available`), when
     the packed copies fit in ``budget_bytes`` (default :data:`PACK_MEMORY_FRACTION` of the
-    available RAM); returns how many were packed (0 elsewhere: the layers run ``F.linear``)."""
+    available RAM); returns how many were packed (0 elsewhere: the layers run ``F.linear``).
+    With ``own_gemm``, bfloat16 layers go to dfllm's own GEMM where :func:`own_gemm_applies`
+    (the engine asks for it when it runs dfllm's CPU kernels)."""
     linears = [m for m in model.modules() if isinstance(m, PackableLinear) and m.weight.device.type == "cpu"]
     if any(m.weight.dtype == torch.bfloat16 for m in linears):
         isa = bf16_gemm_isa()
@@ -149,6 +179,8 @@ def pack_linears(model: nn.Module, budget_bytes: int | None = None) -> int:
                 "this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX): bfloat16 GEMMs run "
                 "emulated, slower than float32 (dtype='auto' or 'float32' is faster here)"
             )
+        elif own_gemm and own_gemm_applies(next(m.weight for m in linears if m.weight.dtype == torch.bfloat16)):
+            logger.info("bfloat16 linear layers: dfllm's GEMM on %s", isa)
         else:
             logger.info("bfloat16 linear layers: oneDNN GEMMs on %s", isa)
     layers = [m for m in linears if packing_available(m.weight.device, m.weight.dtype)]
@@ -165,7 +197,7 @@ def pack_linears(model: nn.Module, budget_bytes: int | None = None) -> int:
                 100 * PACK_MEMORY_FRACTION,
             )
         return 0
-    return sum(m.pack() for m in layers)
+    return sum(m.pack(own_gemm) for m in layers)
 
 
 def repack_linears(model: nn.Module) -> None:

@@ -310,7 +310,8 @@ def test_rms_norm_per_head(cpu_ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [80, 83, 5])  # eight lanes at a time only, then a scalar tail, the tail only
+# sixteen lanes at a time only, then a scalar tail, the tail only, then sixteen, eight and a tail
+@pytest.mark.parametrize("width", [80, 83, 5, 27])
 def test_silu_and_mul(cpu_ops, dtype, width):
     x = (torch.randn(21, 2 * width) * 4).to(dtype)
     x[3, 1], x[4, 2], x[5, width + 3] = float("nan"), float("inf"), -float("inf")
@@ -323,19 +324,14 @@ def test_silu_and_mul(cpu_ops, dtype, width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_lanes_equal_the_scalar_tail(cpu_ops, dtype):
-    """The vector lanes take the same steps as the scalar loop of a row's tail: the same values
-    in one at the same bits as in the other."""
-    gate, up = (torch.randn(16) * 6).to(dtype), torch.randn(16).to(dtype)
-    width = 19  # lanes 0-15 in two vectors, 16-18 in the tail
-    x = torch.empty(16, 2 * width, dtype=dtype)
-    for r in range(16):  # row r puts value r (and two more) in the tail
-        x[r, :16], x[r, width : width + 16] = gate, up
-        x[r, 16:width] = gate[[r, (r + 5) % 16, (r + 11) % 16]]
-        x[r, width + 16 :] = up[[r, (r + 5) % 16, (r + 11) % 16]]
+    """The sixteen-lane vectors, the eight-lane one and the scalar loop of a row's tail take the
+    same steps: each (gate, up) pair gives the same bits wherever in a row it lies."""
+    width = 27  # lanes 0-15 in sixteen, 16-23 in eight, 24-26 in the tail
+    gate, up = (torch.randn(width) * 6).to(dtype), torch.randn(width).to(dtype)
+    x = torch.stack([torch.cat([gate.roll(r), up.roll(r)]) for r in range(width)])  # every pair at every place
     out = cpu_ops.silu_and_mul(x)
-    for r in range(16):
-        lanes = out[r, :16]
-        assert torch.equal(out[r, 16:], lanes[[r, (r + 5) % 16, (r + 11) % 16]])
+    for r in range(width):
+        assert torch.equal(out[r].roll(-r), out[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from dfllm import LLM, SamplingParams
+from dfllm.kernels.gemm import bf16_linear_torch
 from dfllm.models import cpu_linear
-from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa, pack_linears, repack_linears
+from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa, own_gemm_applies, pack_linears, repack_linears
 
 from helpers import build_tiny_model
 
@@ -65,6 +66,42 @@ def test_bfloat16_packed_at_every_size_where_the_cpu_has_bf16_instructions(rows,
     torch.testing.assert_close(
         out.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()), rtol=2e-2, atol=2e-2
     )
+
+
+@pytest.mark.skipif(
+    not own_gemm_applies(torch.zeros(1, dtype=torch.bfloat16)), reason="dfllm's bfloat16 GEMM is not used on this CPU"
+)
+def test_bfloat16_layers_take_dfllms_gemm_when_asked_and_never_go_stale():
+    """On a CPU with AVX512-BF16 and no AMX, ``pack_linears(own_gemm=True)`` (what the engine
+    does with its CPU kernels) lays bfloat16 weights out for dfllm's GEMM: float32 and float16
+    layers keep theirs, the results equal the float32 products rounded once (up to the order
+    of additions), and a written or replaced weight is laid out again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        PackableLinear(96, 160, bias=True).to(torch.bfloat16),
+        PackableLinear(160, 33).to(torch.bfloat16),
+        PackableLinear(32, 32),
+    )
+    assert pack_linears(model, own_gemm=True) == 3
+    assert [m._gemm for m in model] == ["dfllm", "dfllm", "onednn"]
+    x = torch.randn(2, 7, 96, dtype=torch.bfloat16)
+
+    def close(layer, x):
+        want = bf16_linear_torch(x, layer.weight, layer.bias).float()
+        assert (layer(x).float() - want).abs().max().item() <= 2**-7 * want.abs().max().item()
+
+    close(model[0], x)
+    with torch.no_grad():
+        model[1].weight.mul_(-2)  # seen by the version counter: laid out again
+    close(model[1], torch.randn(5, 160, dtype=torch.bfloat16))
+    model[1].weight = torch.nn.Parameter(torch.randn(33, 160, dtype=torch.bfloat16))
+    close(model[1], torch.randn(5, 160, dtype=torch.bfloat16))
+    assert model[1]._gemm == "dfllm"
+    model[1].float()  # no longer bfloat16: oneDNN's float32 GEMM again
+    x32 = torch.randn(4, 160)
+    torch.testing.assert_close(model[1](x32), F.linear(x32, model[1].weight, model[1].bias), rtol=1e-5, atol=1e-5)
+    assert model[1]._gemm == "onednn"
+    assert pack_linears(torch.nn.Sequential(PackableLinear(8, 8).to(torch.bfloat16))) == 1  # not asked: oneDNN
 
 
 def test_a_model_whose_copies_exceed_the_memory_budget_is_not_packed():

@@ -5,6 +5,7 @@ criterion (:mod:`fidelity`), and equal token for token between dfllm configurati
 from __future__ import annotations
 
 import pytest
+import torch
 from fidelity import (
     check_logprobs_close,
     dfllm_greedy_logprobs,
@@ -209,15 +210,22 @@ def test_bfloat16_kv_cache_is_logprob_close_to_the_float32_cache(smollm2_dir, sm
 
 
 def test_bfloat16_model_is_logprob_close_to_transformers_float32(smollm2_dir, smol_chat_prompts):
-    """dtype="bfloat16" (weights, activations and cache; GEMMs packed for oneDNN where the CPU
-    has bfloat16 instructions) against transformers in float32, by vLLM's criterion."""
-    from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa
+    """dtype="bfloat16" (weights, activations and cache; GEMMs packed where the CPU has
+    bfloat16 instructions: dfllm's own on AVX512-BF16 without AMX, oneDNN's with AMX) against
+    transformers in float32, by vLLM's criterion."""
+    from dfllm.models.cpu_linear import PackableLinear, bf16_gemm_isa, own_gemm_applies
 
     llm = LLM(smollm2_dir, dtype="bfloat16")
-    packed = llm.collective_rpc(
-        lambda w: sum(m._packed is not None for m in w.model.modules() if isinstance(m, PackableLinear))
-    )
-    assert packed[0] > 0 if bf16_gemm_isa() is not None else packed[0] == 0
+
+    def gemms_of(worker) -> list[str]:
+        layers = [m for m in worker.model.modules() if isinstance(m, PackableLinear) and m._packed is not None]
+        return sorted({m._gemm for m in layers})
+
+    gemms = llm.collective_rpc(gemms_of)[0]
+    if bf16_gemm_isa() is None:
+        assert gemms == []
+    else:
+        assert gemms == (["dfllm"] if own_gemm_applies(torch.zeros(1, dtype=torch.bfloat16)) else ["onednn"])
     check_logprobs_close(
         dfllm_greedy_logprobs(llm, smol_chat_prompts, 24),
         hf_greedy_logprobs(smollm2_dir, smol_chat_prompts, 24),
