@@ -176,8 +176,9 @@ from roofline import ModelShape, device_limits, roofline  # benchmarks/roofline.
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from dfllm import LLM, SamplingParams
+from dfllm.kernels.backend import cpu_bf16_gemm, cpu_bf16_gemm_pack
 from dfllm.models.bundled import BUNDLED_MODELS, DEFAULT_CHAT_MODEL
-from dfllm.models.cpu_linear import packing_available
+from dfllm.models.cpu_linear import own_gemm_applies, packing_available
 
 SEED = 1234
 MIN_NEW, MAX_NEW = 16, 128
@@ -550,8 +551,9 @@ def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True, dtype
     """The fastest of ``passes`` timed passes over the model's linear layers at ``batch`` rows
     (a distinct random weight per layer, as a forward pass streams them), after one untimed
     pass, in ``dtype`` (the engine's: float32, or bfloat16 where the CPU has its matrix
-    instructions) by the fastest GEMM this torch offers on a CPU: ``F.linear`` or oneDNN with
-    prepacked weights (the two alternate pass by pass); the FLOP/s and tokens/s that allows.
+    instructions) by the fastest GEMM at hand on a CPU: ``F.linear``, oneDNN with prepacked
+    weights, or (bfloat16 on AVX512-BF16 without AMX) dfllm's own (they alternate pass by pass);
+    the FLOP/s and tokens/s that allows.
     ``lm_head=False`` leaves the vocabulary projection out (a prompt token's pass: only a
     prompt's last token is projected onto the vocabulary)."""
     shapes = linear_shapes(cfg) if lm_head else linear_shapes(cfg)[:-1]
@@ -563,6 +565,9 @@ def matmul_ceiling(cfg, batch: int, passes: int = 6, lm_head: bool = True, dtype
     if packing_available(torch.device("cpu"), dtype):
         packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights}
         gemms["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
+    if weights and own_gemm_applies(weights[0]):
+        own = {id(w): cpu_bf16_gemm_pack(w) for w in weights}
+        gemms["dfllm bf16"] = lambda x, w: cpu_bf16_gemm(x, own[id(w)], None, w.shape[0])
     times: dict[str, list[float]] = {name: [] for name in gemms}
     with torch.inference_mode():
         for p in range(passes + 1):
