@@ -115,7 +115,7 @@ def test_bfloat16_decode_scores_take_avx512_bf16_dot_products(cpu_ops, head_dim)
     """bfloat16 queries over a bfloat16 cache: the decode kernel's scores come from vdpbf16ps
     (no widening of the keys) where the CPU has AVX512-BF16, and stay as close to float32
     attention over the same bfloat16 values as the widening path is."""
-    available, before = _cpu.load().bf16_dot_stats()
+    available, before, _ = _cpu.load().bf16_dot_stats()
     if not available:
         pytest.skip("this CPU has no AVX512-BF16 (the kernel widens the keys instead)")
     q, k, v, kc, vc, meta = attention_batch(MIXED, 3, 3, head_dim, 16, torch.bfloat16)
@@ -252,11 +252,12 @@ def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, h
 
     amx = prefill(q, kc, vc)
     assert ext.amx_stats()[1] == before + 1
-    was = ext.set_amx(False)
+    was, dot_was = ext.set_amx(False), ext.set_bf16_dot(False)
     try:
         loop = prefill(q, kc, vc)
     finally:
         ext.set_amx(was)
+        ext.set_bf16_dot(dot_was)
     assert ext.amx_stats()[1] == before + 1  # switched off: the loop
     exact = prefill(q.float(), kc.float(), vc.float())  # float32 arithmetic over the same values
     assert not amx.isnan().any()
@@ -264,6 +265,53 @@ def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, h
     assert (amx != loop).float().mean() < 2e-3  # a few outputs round the other way
     err = {name: ((got - exact).abs().sum() / exact.abs().sum()).item() for name, got in [("amx", amx), ("loop", loop)]}
     assert err["amx"] < 1.01 * err["loop"], err
+
+
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,bs,window",
+    [(3, 3, 64, 16, 0), (2, 1, 128, 16, 0), (1, 8, 32, 32, 0), (2, 16, 64, 8, 0), (1, 5, 64, 16, 0), (2, 3, 64, 8, 7)],
+)
+def test_prefill_kernel_bfloat16_scores_from_avx512_bf16_dot_products(cpu_ops, kv_heads, group, head_dim, bs, window):
+    """bfloat16 queries over a bfloat16 cache, AMX off or absent: where the CPU has AVX512-BF16,
+    the prefill kernel's scores come from vdpbf16ps (the calls say so), as close to the float32
+    computation over the same bfloat16 values as the float32 loop's, as on AMX."""
+    ext = _cpu.load()
+    available, _, before = ext.bf16_dot_stats()
+    if not available:
+        pytest.skip("no AVX512-BF16 here: the prefill scores take the float32 loop")
+    seqs = PREFILLS + [(10, 90)]
+    q, k, v, kc, vc, meta = attention_batch(seqs, kv_heads, group, head_dim, bs, torch.bfloat16, seed=group)
+    if window:
+        first = meta.block_tables[len(seqs) - 1].tolist()
+        dead = (90 - 10 - window + 1) // bs
+        kc[first[:dead]] = float("nan")
+        vc[first[:dead]] = float("nan")
+    rows = prefill_rows(meta)
+    scale = head_dim**-0.5
+
+    def prefill(q, kc, vc) -> torch.Tensor:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        ext.prefill_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window)
+        return out[rows].float()
+
+    amx_was = ext.set_amx(False)
+    try:
+        dot = prefill(q, kc, vc)
+        assert ext.bf16_dot_stats()[2] == before + 1
+        dot_was = ext.set_bf16_dot(False)
+        try:
+            loop = prefill(q, kc, vc)
+        finally:
+            ext.set_bf16_dot(dot_was)
+    finally:
+        ext.set_amx(amx_was)
+    assert ext.bf16_dot_stats()[2] == before + 1  # switched off: the loop
+    exact = prefill(q.float(), kc.float(), vc.float())
+    assert not dot.isnan().any()
+    assert torch.equal(loop, exact.bfloat16().float())
+    assert (dot != loop).float().mean() < 2e-3
+    err = {name: ((got - exact).abs().sum() / exact.abs().sum()).item() for name, got in [("dot", dot), ("loop", loop)]}
+    assert err["dot"] < 1.01 * err["loop"], err
 
 
 def test_prefill_kernel_bfloat16_cache_under_float32_queries_and_strided_queries(cpu_ops):

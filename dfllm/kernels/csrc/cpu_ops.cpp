@@ -564,8 +564,13 @@ inline __m512 sum_lanes16(__m512 x[16]) {
 // Whether this CPU has AVX512-BF16's dot product (vdpbf16ps); the library is built for plain
 // AVX-512, so the functions that use it carry their own target and are called only when it is.
 const bool kBf16Dot = __builtin_cpu_supports("avx512bf16");
-// decode_attention calls whose bfloat16 scores took chunk_scores_bf16 (read by the tests)
+typedef int32_t __attribute__((may_alias)) AliasedPair;  // two bfloat16 of a row, read as one
+// decode_attention calls whose bfloat16 scores took chunk_scores_bf16, prefill_attention calls
+// that took dot_chunk_scores (read by the tests)
 std::atomic<int64_t> bf16_dot_calls{0};
+std::atomic<int64_t> bf16_dot_prefill_calls{0};
+// the prefill kernel takes them unless switched off (set_bf16_dot: the tests compare both paths)
+std::atomic<bool> bf16_dot_prefill_enabled{true};
 
 // The lines of m tokens' slots from element offset `at` of a cache: what a chunk reads.
 template <typename TC>
@@ -949,6 +954,50 @@ void amx_tile_queries(const PrefillCall<at::BFloat16, TC>& a, const PrefillTile&
     }
   }
 }
+
+// Pass 1 of prefill_tile with AVX512-BF16 where the CPU has no AMX: the scores of m cached keys
+// (row stride `slot` elements) for the tile's R = 16 * NRV rows, sc * (q . k), into s [keys, R].
+// The queries are amx_tile_queries's blocks, unscaled bfloat16: the 16 rows' pair p of
+// dimensions of row vector v lie at qb + (v * DIM / 2 + p) * 32, one vdpbf16ps operand, the
+// key's pair broadcast as the other. Exact products summed in float32, as on AMX: half the
+// instructions of the float32 multiply-adds over the same values.
+template <int DIM, int NRV>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void dot_chunk_scores(
+    const at::BFloat16* key, int64_t slot, int64_t m, const uint16_t* qb, float* s, float sc) {
+  constexpr int P = DIM / 2;
+  constexpr int64_t R = 16 * NRV;
+  const __m512 scale = _mm512_set1_ps(sc);
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(key);
+  auto query = [&](int v, int p) { return (__m512bh)_mm512_loadu_si512(qb + (v * P + p) * 32); };
+  auto pair = [&](int64_t t, int p) {
+    return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const AliasedPair*>(k + t * slot + 2 * p));
+  };
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) {  // four keys at a time: each query vector loaded once for four
+    __m512 acc[4][NRV];
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < NRV; ++v) acc[u][v] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      __m512bh q[NRV];
+      for (int v = 0; v < NRV; ++v) q[v] = query(v, p);
+      for (int u = 0; u < 4; ++u) {
+        const __m512bh kp = pair(t + u, p);
+        for (int v = 0; v < NRV; ++v) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], q[v], kp);
+      }
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + (t + u) * R + 16 * v, _mm512_mul_ps(acc[u][v], scale));
+  }
+  for (; t < m; ++t) {
+    __m512 acc[NRV];
+    for (int v = 0; v < NRV; ++v) acc[v] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      const __m512bh kp = pair(t, p);
+      for (int v = 0; v < NRV; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], query(v, p), kp);
+    }
+    for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + t * R + 16 * v, _mm512_mul_ps(acc[v], scale));
+  }
+}
 #endif  // __AVX512F__
 
 #if defined(__AVX512F__)
@@ -962,12 +1011,14 @@ void amx_tile_queries(const PrefillCall<at::BFloat16, TC>& a, const PrefillTile&
 // the tile's first window are never read (their blocks may have been freed).
 template <typename T, typename TC, int DIM, int NRV>
 void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
-                  float* wide, uint16_t* amx) {
+                  float* wide, uint16_t* amx, bool tiles) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to whole vectors
   constexpr int C = DIM / 16;
   // bfloat16 queries over a bfloat16 cache: the scores on AMX's tiles where the CPU has them
+  // (tiles), else from AVX512-BF16's dot products where it has those; `amx` holds the queries
   constexpr bool amx_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && DIM % 32 == 0;
-  const bool use_amx = amx_types && amx != nullptr;
+  const bool use_amx = amx_types && amx != nullptr && tiles;
+  const bool use_dot = amx_types && amx != nullptr && !tiles;
   const auto [q_start, base, rows, first_pos, last_pos, kstart, kend] = tile_span(a, tile);
   const int32_t* table = a.tp + tile.seq * a.width;
   const int64_t h_off = tile.kv_head * DIM;
@@ -975,7 +1026,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   // queries, transposed and scaled (AMX: its own layout, below); padding rows are zero and sit
   // at the last position
   alignas(64) int32_t pos[R];
-  tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, use_amx ? nullptr : qt);
+  tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, use_amx || use_dot ? nullptr : qt);
   __m512i posv[NRV];
   for (int v = 0; v < NRV; ++v) posv[v] = _mm512_load_si512(pos + 16 * v);
 
@@ -1000,10 +1051,8 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   };
 
   if constexpr (amx_types) {
-    if (use_amx) {
-      amx_tile_queries<TC, DIM, NRV>(a, tile, q_start, amx);
-      amx_configure();
-    }
+    if (use_amx || use_dot) amx_tile_queries<TC, DIM, NRV>(a, tile, q_start, amx);
+    if (use_amx) amx_configure();
   }
   // pass 1: scores [keys, rows]
   for (int64_t j = kstart; j < kend;) {
@@ -1014,6 +1063,12 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
       if (use_amx) {
         amx_chunk_scores<DIM, NRV>(a.kp + at + h_off, a.slot * static_cast<int64_t>(sizeof(TC)), m,
                                    amx, amx + NRV * (DIM / 32) * 512, s, a.sc);
+        mask_chunk(j, m, s);
+        j += m;
+        continue;
+      }
+      if (use_dot) {
+        dot_chunk_scores<DIM, NRV>(a.kp + at + h_off, a.slot, m, amx, s, a.sc);
         mask_chunk(j, m, s);
         j += m;
         continue;
@@ -1112,7 +1167,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
 // vectorise at whatever width the build has.
 template <typename T, typename TC, int DIM, int NRV>
 void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* qt, float* sbuf, float* obuf,
-                  float* wide, uint16_t* /* amx: AVX-512 builds only */) {
+                  float* wide, uint16_t* /* amx, tiles: AVX-512 builds only */, bool) {
   constexpr int R = 16 * NRV;  // rows of the tile, padded to 16
   const auto [q_start, base, rows, first_pos, last_pos, kstart, kend] = tile_span(a, tile);
   const int32_t* table = a.tp + tile.seq * a.width;
@@ -1240,24 +1295,27 @@ void prefill_attention_tiles(const PrefillCall<T, TC> a) {
   constexpr bool amx_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && DIM % 32 == 0;
   const bool amx = amx_types && count > 0 && amx_enabled.load() && amx_available();
   if (amx) amx_prefill_calls.fetch_add(1, std::memory_order_relaxed);
+  // without AMX (or with it switched off), AVX512-BF16's dot products for the scores
+  const bool dot = amx_types && count > 0 && !amx && kBf16Dot && bf16_dot_prefill_enabled.load();
+  if (dot) bf16_dot_prefill_calls.fetch_add(1, std::memory_order_relaxed);
 #else
-  constexpr bool amx = false;
+  constexpr bool amx = false, dot = false;
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> qt(DIM * 64), sbuf((max_span + 16) * 64), obuf(64 * DIM);
     std::vector<float> wide(std::is_same_v<TC, float> ? 0 : 16 * a.slot);
     // AMX's query blocks (at most 4 x 4 of 512 values) and a short chunk's 16 key rows
-    std::vector<uint16_t> amx_buf(amx ? 4 * 4 * 512 + 16 * 128 : 0);
-    uint16_t* amx_p = amx ? amx_buf.data() : nullptr;
+    std::vector<uint16_t> amx_buf(amx || dot ? 4 * 4 * 512 + 16 * 128 : 0);
+    uint16_t* amx_p = amx || dot ? amx_buf.data() : nullptr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i) {
       const PrefillTile& tile = tiles[i];
       switch ((tile.tokens * a.group + 15) / 16) {
-        case 1: prefill_tile<T, TC, DIM, 1>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
-        case 2: prefill_tile<T, TC, DIM, 2>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
-        case 3: prefill_tile<T, TC, DIM, 3>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
-        default: prefill_tile<T, TC, DIM, 4>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p); break;
+        case 1: prefill_tile<T, TC, DIM, 1>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p, amx); break;
+        case 2: prefill_tile<T, TC, DIM, 2>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p, amx); break;
+        case 3: prefill_tile<T, TC, DIM, 3>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p, amx); break;
+        default: prefill_tile<T, TC, DIM, 4>(a, tile, qt.data(), sbuf.data(), obuf.data(), wide.data(), amx_p, amx); break;
       }
     }
   }
@@ -1734,7 +1792,6 @@ void check_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 // 24 accumulators in registers; each row's pair is broadcast from memory.
 constexpr int64_t kGemmPanel = 64;
 constexpr int64_t kGemmRows = 6;
-typedef int32_t __attribute__((may_alias)) AliasedPair;  // two bfloat16 of a row, read as one
 
 // rows [0, R) of x (row stride xs elements) times one panel w over kp pairs, into acc [R, 64];
 // P prefetches a pair of the next lines from `ahead` (the last one: `last`)
@@ -1981,10 +2038,21 @@ bool set_amx(bool on) {
 #endif
 }
 
-// Whether decode_attention takes AVX512-BF16 dot products for bfloat16, and how many calls did.
+// Switch the prefill kernel's AVX512-BF16 scores on or off (tests compare the two); returns
+// whether they were on.
+bool set_bf16_dot(bool on) {
+#if defined(__AVX512F__)
+  return bf16_dot_prefill_enabled.exchange(on);
+#else
+  return false;
+#endif
+}
+
+// Whether the attention kernels take AVX512-BF16 dot products for bfloat16, and how many
+// decode_attention and prefill_attention calls did.
 std::vector<int64_t> bf16_dot_stats() {
 #if defined(__AVX512F__)
-  return {kBf16Dot ? 1 : 0, bf16_dot_calls.load()};
+  return {kBf16Dot ? 1 : 0, bf16_dot_calls.load(), bf16_dot_prefill_calls.load()};
 #else
   return {0, 0};
 #endif
@@ -2080,6 +2148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_stats", &bf16_dot_stats);
   m.def("amx_stats", &amx_stats);
   m.def("set_amx", &set_amx);
+  m.def("set_bf16_dot", &set_bf16_dot);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
