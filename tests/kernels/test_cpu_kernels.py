@@ -221,20 +221,20 @@ def test_prefill_kernel_sliding_window_never_reads_before_it(cpu_ops, window):
         assert torch.allclose(got[rows], v[rows].repeat_interleave(3, dim=1))
 
 
-@pytest.mark.parametrize(
-    "kv_heads,group,head_dim,bs,window",
-    [(3, 3, 64, 16, 0), (2, 1, 128, 16, 0), (1, 8, 32, 32, 0), (2, 16, 64, 8, 0), (1, 5, 64, 16, 0), (2, 3, 64, 8, 7)],
-)
-def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, head_dim, bs, window):
-    """bfloat16 queries over a bfloat16 cache: where the CPU has AMX, the prefill kernel's
-    scores come from its tiles (the calls say so), and the attention is as close to the float32
-    computation over the same bfloat16 values as the AVX-512 loop's: the same error against it,
-    to within a few outputs that round to the neighbouring bfloat16. Short chunks (blocks of 8,
-    a block's last keys) and a sliding window whose dead blocks hold NaN included."""
-    ext = _cpu.load()
-    available, before = ext.amx_stats()
-    if not available:
-        pytest.skip("no AMX here (or the OS refuses its tiles): the prefill scores take the AVX-512 loop")
+BF16_PREFILL_CASES = [
+    (3, 3, 64, 16, 0),
+    (2, 1, 128, 16, 0),
+    (1, 8, 32, 32, 0),
+    (2, 16, 64, 8, 0),
+    (1, 5, 64, 16, 0),
+    (2, 3, 64, 8, 7),
+]
+
+
+def bf16_prefill_case(ext, kv_heads, group, head_dim, bs, window):
+    """A bfloat16 prefill batch (short chunks: blocks of 8, a block's last keys; a sliding
+    window whose dead blocks hold NaN) as (q, k cache, v cache, run), run(q, kc, vc) giving the
+    prefill kernel's rows as float32."""
     seqs = PREFILLS + [(10, 90)]
     q, k, v, kc, vc, meta = attention_batch(seqs, kv_heads, group, head_dim, bs, torch.bfloat16, seed=group)
     if window:
@@ -243,13 +243,40 @@ def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, h
         kc[first[:dead]] = float("nan")
         vc[first[:dead]] = float("nan")
     rows = prefill_rows(meta)
-    scale = head_dim**-0.5
 
-    def prefill(q, kc, vc) -> torch.Tensor:
+    def run(q, kc, vc) -> torch.Tensor:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-        ext.prefill_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window)
+        ext.prefill_attention(
+            out, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, head_dim**-0.5, window
+        )
         return out[rows].float()
 
+    return q, kc, vc, run
+
+
+def assert_as_close_as_the_loop(fast, loop, exact):
+    """A bfloat16 scores path (AMX, AVX512-BF16) against the float32 loop: the loop is float32's
+    result rounded once; the fast path rounds a few outputs the other way and has the same error."""
+    assert not fast.isnan().any()
+    assert torch.equal(loop, exact.bfloat16().float())
+    assert (fast != loop).float().mean() < 2e-3
+    err = {
+        name: ((got - exact).abs().sum() / exact.abs().sum()).item() for name, got in [("fast", fast), ("loop", loop)]
+    }
+    assert err["fast"] < 1.01 * err["loop"], err
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,bs,window", BF16_PREFILL_CASES)
+def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, head_dim, bs, window):
+    """bfloat16 queries over a bfloat16 cache: where the CPU has AMX, the prefill kernel's
+    scores come from its tiles (the calls say so), and the attention is as close to the float32
+    computation over the same bfloat16 values as the AVX-512 loop's: the same error against it,
+    to within a few outputs that round to the neighbouring bfloat16."""
+    ext = _cpu.load()
+    available, before = ext.amx_stats()
+    if not available:
+        pytest.skip("no AMX here (or the OS refuses its tiles): the prefill scores take the AVX-512 loop")
+    q, kc, vc, prefill = bf16_prefill_case(ext, kv_heads, group, head_dim, bs, window)
     amx = prefill(q, kc, vc)
     assert ext.amx_stats()[1] == before + 1
     was, dot_was = ext.set_amx(False), ext.set_bf16_dot(False)
@@ -259,18 +286,10 @@ def test_prefill_kernel_bfloat16_scores_on_amx_tiles(cpu_ops, kv_heads, group, h
         ext.set_amx(was)
         ext.set_bf16_dot(dot_was)
     assert ext.amx_stats()[1] == before + 1  # switched off: the loop
-    exact = prefill(q.float(), kc.float(), vc.float())  # float32 arithmetic over the same values
-    assert not amx.isnan().any()
-    assert torch.equal(loop, exact.bfloat16().float())  # the loop: float32's result, rounded once
-    assert (amx != loop).float().mean() < 2e-3  # a few outputs round the other way
-    err = {name: ((got - exact).abs().sum() / exact.abs().sum()).item() for name, got in [("amx", amx), ("loop", loop)]}
-    assert err["amx"] < 1.01 * err["loop"], err
+    assert_as_close_as_the_loop(amx, loop, prefill(q.float(), kc.float(), vc.float()))
 
 
-@pytest.mark.parametrize(
-    "kv_heads,group,head_dim,bs,window",
-    [(3, 3, 64, 16, 0), (2, 1, 128, 16, 0), (1, 8, 32, 32, 0), (2, 16, 64, 8, 0), (1, 5, 64, 16, 0), (2, 3, 64, 8, 7)],
-)
+@pytest.mark.parametrize("kv_heads,group,head_dim,bs,window", BF16_PREFILL_CASES)
 def test_prefill_kernel_bfloat16_scores_from_avx512_bf16_dot_products(cpu_ops, kv_heads, group, head_dim, bs, window):
     """bfloat16 queries over a bfloat16 cache, AMX off or absent: where the CPU has AVX512-BF16,
     the prefill kernel's scores come from vdpbf16ps (the calls say so), as close to the float32
@@ -279,21 +298,7 @@ def test_prefill_kernel_bfloat16_scores_from_avx512_bf16_dot_products(cpu_ops, k
     available, _, before = ext.bf16_dot_stats()
     if not available:
         pytest.skip("no AVX512-BF16 here: the prefill scores take the float32 loop")
-    seqs = PREFILLS + [(10, 90)]
-    q, k, v, kc, vc, meta = attention_batch(seqs, kv_heads, group, head_dim, bs, torch.bfloat16, seed=group)
-    if window:
-        first = meta.block_tables[len(seqs) - 1].tolist()
-        dead = (90 - 10 - window + 1) // bs
-        kc[first[:dead]] = float("nan")
-        vc[first[:dead]] = float("nan")
-    rows = prefill_rows(meta)
-    scale = head_dim**-0.5
-
-    def prefill(q, kc, vc) -> torch.Tensor:
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-        ext.prefill_attention(out, q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window)
-        return out[rows].float()
-
+    q, kc, vc, prefill = bf16_prefill_case(ext, kv_heads, group, head_dim, bs, window)
     amx_was = ext.set_amx(False)
     try:
         dot = prefill(q, kc, vc)
@@ -306,12 +311,7 @@ def test_prefill_kernel_bfloat16_scores_from_avx512_bf16_dot_products(cpu_ops, k
     finally:
         ext.set_amx(amx_was)
     assert ext.bf16_dot_stats()[2] == before + 1  # switched off: the loop
-    exact = prefill(q.float(), kc.float(), vc.float())
-    assert not dot.isnan().any()
-    assert torch.equal(loop, exact.bfloat16().float())
-    assert (dot != loop).float().mean() < 2e-3
-    err = {name: ((got - exact).abs().sum() / exact.abs().sum()).item() for name, got in [("dot", dot), ("loop", loop)]}
-    assert err["dot"] < 1.01 * err["loop"], err
+    assert_as_close_as_the_loop(dot, loop, prefill(q.float(), kc.float(), vc.float()))
 
 
 def test_prefill_kernel_bfloat16_cache_under_float32_queries_and_strided_queries(cpu_ops):
