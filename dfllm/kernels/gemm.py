@@ -1,14 +1,11 @@
 """bfloat16 linear layers on CPUs with AVX512-BF16: the PyTorch reference of dfllm's GEMM.
 
-On a CPU with AVX512-BF16 and no AMX, dfllm multiplies a decoder's bfloat16 linear layers
-(the LM head included) with its own GEMM (``csrc/cpu_ops.cpp``, ``bf16_gemm``) instead of
-oneDNN's: the same ``vdpbf16ps`` products and float32 accumulation, the result rounded once to
-bfloat16 (equal to oneDNN's on all but a few entries in ten thousand, one unit in the last place
-apart), without oneDNN's per-call cost and with each weight's next panel prefetched while
-the current one is multiplied, so that a decode step's GEMMs no longer stall on weights
-streaming from memory. On an AVX512-BF16 EPYC (2 threads, SmolLM2's 30 layers, weights from
-memory): 1 row 7.2 ms against oneDNN's 11.6, 64 rows 31.9 against 39.6, 512 rows 254 against
-268. With AMX, oneDNN's tiles are faster, and dfllm keeps oneDNN there.
+On a CPU with AVX512-BF16 and no AMX, a decoder's bfloat16 linear layers (the LM head
+included) multiply through dfllm's own GEMM (``bf16_gemm`` in ``csrc/cpu_ops.cpp``, chosen by
+:func:`dfllm.models.cpu_linear.own_gemm_applies`) instead of oneDNN's: the same ``vdpbf16ps``
+products and float32 accumulation, the result rounded once, without oneDNN's per-call cost and
+with each weight's next panel prefetched while the current one multiplies. Why and how fast:
+docs/engine.md; ``benchmarks/bench_gemm.py`` measures it.
 """
 
 from __future__ import annotations

@@ -339,6 +339,9 @@ struct DecodeCall : PagedCall<T, TC> {
              double softcap)
       : PagedCall<T, TC>(out, q, k_cache, v_cache, tables, scale, window), n(rows.size(0)),
         cap(static_cast<float>(softcap)), rp(rows.data_ptr<int64_t>()), lp(lens.data_ptr<int32_t>()) {}
+
+  // decode i's first key: its window's, or 0 (blocks before a sliding window are never read)
+  int64_t first_key(int64_t i) const { return this->window > 0 ? std::max<int64_t>(0, lp[i] - this->window) : 0; }
 };
 
 // body(begin, end) over [0, n) on torch's intra-op threads, one contiguous range per thread,
@@ -370,8 +373,7 @@ void parallel_balanced(int64_t n, const Cost& cost, const Body& body) {
 // A decode's cost for parallel_balanced: the keys it reads, plus a fixed share for its query.
 template <typename Call>
 int64_t decode_cost(const Call& a, int64_t i) {
-  const int64_t len = a.lp[i];
-  return (a.window > 0 ? std::min<int64_t>(len, a.window) : len) + 16;
+  return a.lp[i] - a.first_key(i) + 16;
 }
 
 // One decode query per sequence: its query heads read the sequence's keys and values block by
@@ -389,7 +391,7 @@ void decode_attention_impl(const DecodeCall<T, TC> a) {
     std::vector<float> qf(a.heads * dim), acc(a.heads * dim), kv(a.slot), scores, total(a.heads);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t len = a.lp[i];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+      const int64_t start = a.first_key(i);
       const int64_t span = len - start;
       const int32_t* table = a.tp + i * a.width;
       scores.resize(a.heads * span);
@@ -568,9 +570,8 @@ struct DecodeAhead {
   int64_t left = 0;  // lines of the current chunk not yet issued
 
   DecodeAhead(const DecodeCall<T, TC>& a, int64_t begin, int64_t end) : a(a), i(begin), end(end) {
-    if (i < end) j = first(i);
+    if (i < end) j = a.first_key(i);
   }
-  int64_t first(int64_t s) const { return a.window > 0 ? std::max<int64_t>(0, a.lp[s] - a.window) : 0; }
 
   void issue(int64_t n) {
     while (n > 0) {
@@ -598,10 +599,10 @@ struct DecodeAhead {
         values = true;
       } else {
         values = false;
-        if (++i < end) j = first(i);
+        if (++i < end) j = a.first_key(i);
         continue;
       }
-      j = first(i);
+      j = a.first_key(i);
     }
     return false;
   }
@@ -662,7 +663,7 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
     ahead.issue(kAheadLines);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t len = a.lp[i];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+      const int64_t start = a.first_key(i);
       const int64_t span = len - start;
       const int32_t* table = a.tp + i * a.width;
       scores.resize(a.heads * span);
