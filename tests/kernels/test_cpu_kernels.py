@@ -102,7 +102,11 @@ MIXED = [(5, 5), (1, 33), (7, 40), (1, 70), (1, 1), (1, 16), (1, 17)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_heads,group,head_dim,bs", [(2, 1, 64, 16), (1, 3, 128, 32), (3, 3, 64, 16), (2, 4, 32, 8)])
+# groups wider than the decode kernel's value pass takes at once (4 heads of 64, 2 of 128) too
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,bs",
+    [(2, 1, 64, 16), (1, 3, 128, 32), (3, 3, 64, 16), (2, 4, 32, 8), (1, 7, 64, 16), (2, 5, 128, 16)],
+)
 def test_attention_mixed_batch(cpu_ops, dtype, kv_heads, group, head_dim, bs):
     q, k, v, kc, vc, meta = attention_batch(MIXED, kv_heads, group, head_dim, bs, dtype)
     want = TORCH_OPS.paged_attention(q, k, v, kc, vc, meta, head_dim**-0.5)

@@ -638,6 +638,48 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void ch
   }
 }
 
+// Pass 2 of decode_attention_avx512 for one chunk of m cached values (vh: one KV head's, slots
+// of `slot` elements) and NH query heads of its group: each value is widened once, in
+// registers, and multiplied into every head's accumulator (acc [NH, DIM]; head k's weights at
+// w + k * span). The same additions in the same order as one head at a time, without widening
+// the chunk through memory first: a chunk's store and reloads of float32 values cost as many
+// instructions as its multiply-adds.
+template <int DIM, int NH, typename TC>
+inline void chunk_values_heads(const TC* vh, int64_t slot, int64_t m, const float* w, int64_t span, float* acc) {
+  constexpr int C = DIM / 16;
+  __m512 av[NH][C];
+  for (int k = 0; k < NH; ++k)
+    for (int c = 0; c < C; ++c) av[k][c] = _mm512_loadu_ps(acc + k * DIM + c * 16);
+  for (int64_t t = 0; t < m; ++t) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vh + t * slot + c * 16);
+    for (int k = 0; k < NH; ++k) {
+      const __m512 wt = _mm512_set1_ps(w[k * span + t]);
+      for (int c = 0; c < C; ++c) av[k][c] = _mm512_fmadd_ps(wt, v[c], av[k][c]);
+    }
+  }
+  for (int k = 0; k < NH; ++k)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + k * DIM + c * 16, av[k][c]);
+}
+
+// The most query heads chunk_values_heads takes at once: their accumulators fill half the 32
+// vector registers, the widened value and the weight take a few more.
+template <int DIM>
+constexpr int kValueHeads = 16 / (DIM / 16);
+
+// chunk_values_heads for nh (1 to NH) heads: the instance whose accumulators are all in registers
+template <int DIM, typename TC, int NH = kValueHeads<DIM>>
+inline void chunk_values(int64_t nh, const TC* vh, int64_t slot, int64_t m, const float* w, int64_t span,
+                         float* acc) {
+  if constexpr (NH > 0) {
+    if (nh == NH) {
+      chunk_values_heads<DIM, NH>(vh, slot, m, w, span, acc);
+    } else {
+      chunk_values<DIM, TC, NH - 1>(nh, vh, slot, m, w, span, acc);
+    }
+  }
+}
+
 // decode_attention_impl with AVX-512, for head dimensions that are a multiple of 16. The keys
 // and values are walked in chunks of up to 16 tokens of one block (one address computation per
 // chunk, the lines ahead prefetched by DecodeAhead); a chunk stays in L1 while every query head
@@ -707,25 +749,20 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
       } else {
         softmax_heads16(scores.data(), total.data(), a.heads, span);
       }
-      // pass 2: weighted sum of the values
+      // pass 2: weighted sum of the values, a KV head's query heads a few at a time
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len;) {
         int64_t m;
         const TC* value_at = a.vp + a.chunk(table, j, len, m);
-        const float* value = as_float(value_at, m, a.slot, wide.data());
         const int64_t lines = chunk_lines(value_at, m, a.slot);
-        for (int64_t hq = 0; hq < a.heads; ++hq) {
-          ahead.issue(lines * (hq + 1) / a.heads - lines * hq / a.heads);
-          const float* vh = value + (hq / a.group) * DIM;
-          const float* w = &scores[hq * span + (j - start)];
-          float* acc_h = &acc[hq * DIM];
-          __m512 av[C];
-          for (int c = 0; c < C; ++c) av[c] = _mm512_loadu_ps(acc_h + c * 16);
-          for (int64_t t = 0; t < m; ++t) {
-            const __m512 wt = _mm512_set1_ps(w[t]);
-            for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vh + t * a.slot + c * 16), av[c]);
+        for (int64_t h = 0; h < a.kv_heads; ++h) {
+          ahead.issue(lines * (h + 1) / a.kv_heads - lines * h / a.kv_heads);
+          for (int64_t hq = h * a.group, last = (h + 1) * a.group; hq < last;) {
+            const int64_t nh = std::min<int64_t>(kValueHeads<DIM>, last - hq);
+            chunk_values<DIM, TC>(nh, value_at + h * DIM, a.slot, m, &scores[hq * span + (j - start)], span,
+                                  &acc[hq * DIM]);
+            hq += nh;
           }
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_h + c * 16, av[c]);
         }
         j += m;
       }
