@@ -22,6 +22,7 @@ from dfllm.engine.step_inputs import StepInputs, StepOutput, attention_metadata,
 from dfllm.kernels.backend import select_ops
 from dfllm.kernels.metadata import PrefillSpan
 from dfllm.models.cpu_linear import pack_linears, repack_linears
+from dfllm.models.decode_stack import enable_decode_stacks
 from dfllm.models.llama import LlamaForCausalLM
 from dfllm.models.loader import load_weights
 from dfllm.models.quantization import quantize_model
@@ -93,6 +94,8 @@ class ModelRunner:
             # packed weights on CPU (dfllm.models.cpu_linear): oneDNN's, or dfllm's own bfloat16
             # GEMM's where the CPU kernels run
             pack_linears(model, own_gemm=self.ops.name == "cpu")
+            if self.ops.name == "cpu":  # a decode step's layers in one kernel call, where they allow it
+                enable_decode_stacks(model)
         if self.cfg.enable_lora:  # empty adapter slots beside the adapted projections
             from dfllm.lora.layers import attach_lora
 

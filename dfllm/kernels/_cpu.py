@@ -58,7 +58,7 @@ from dfllm.kernels.activation import silu_and_mul_torch
 from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
 from dfllm.kernels.logits import MARGIN, exact_top_logits_torch
-from dfllm.kernels.metadata import AttentionMetadata
+from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch
 from dfllm.kernels.paged_attention import attend_prefills, paged_attention_torch
 from dfllm.kernels.rms_norm import rms_norm_torch
 from dfllm.kernels.rotary import rotary_torch
@@ -370,6 +370,51 @@ def bf16_gemm_pack_cpu(weight: torch.Tensor) -> torch.Tensor:
     assert ext is not None and weight.dtype == torch.bfloat16
     with torch.no_grad():
         return ext.bf16_gemm_pack(weight.detach())
+
+
+def decode_layers_cpu(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    caches: list[torch.Tensor],
+    *,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    decodes: DecodeBatch,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-family decoder layers over a decode-only step, in one call: ``x`` ``[tokens, hidden]``
+    (bfloat16) the first layer's input; per layer six ``weights`` (input norm, qkv, o,
+    post-attention norm, gate_up, down; the linears as :func:`bf16_gemm_pack_cpu` laid them out,
+    none with a bias) and two ``caches`` (keys, values); ``cos``/``sin`` the tokens' rotary
+    tables, ``slots`` their cache slots, ``decodes`` the step's decode batch. The kernels and
+    their order are the modules' (:class:`~dfllm.models.llama.DecoderLayer`), so are the
+    results. Returns the last layer's output and residual."""
+    ext = load()
+    assert ext is not None
+    x, residual = ext.decode_layers(
+        x,
+        weights,
+        caches,
+        cos,
+        sin,
+        slots,
+        decodes.rows,
+        decodes.block_tables,
+        decodes.seq_lens,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        float(eps),
+        float(scale),
+    )
+    return x, residual
 
 
 def bf16_gemm_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -139,6 +139,14 @@ class PackableLinear(nn.Linear):
         self._packed, self._gemm = (_weight_key(w), _reorder(w)), "onednn"
         return True
 
+    def own_gemm_weight(self) -> torch.Tensor | None:
+        """The weight as dfllm's bfloat16 GEMM takes it, where that GEMM serves this layer and the
+        packed copy is current; None otherwise (:meth:`forward` then packs again or falls back)."""
+        packed = self._packed
+        if packed is None or self._gemm != "dfllm" or packed[0] != _weight_key(self.weight):
+            return None
+        return packed[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
         # a weight written, replaced or moved (to another device or dtype) is packed again, or

@@ -30,6 +30,7 @@ from dfllm.models.sliding_window import WindowSupport, uniform_window
 from dfllm.models.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from dfllm.models.decode_stack import DecodeStack
     from dfllm.multimodal.processor import ImageTokens
 
 # tensor names of a checkpoint saved from the bare decoder (no ``model.`` prefix)
@@ -130,6 +131,10 @@ class DecoderModel(nn.Module):
         inv_freq, scaling = rope_inv_freq(spec, max_positions)
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling, max_positions)
 
+    # the layers as one kernel call in decode-only steps (dfllm.models.decode_stack), set by the
+    # engine on CPU where they allow it
+    decode_stack: DecodeStack | None = None
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         if intermediate is None:
             assert self.embed_tokens is not None  # only a first stage runs without intermediate states
@@ -137,8 +142,14 @@ class DecoderModel(nn.Module):
         else:
             x, residual = intermediate
         cos_sin = self.rotary_emb(positions)
-        for layer in self.stage_layers:
-            x, residual = layer(x, residual, cos_sin, meta)
+        # a decode-only step on the CPU kernels: every layer in one call where it applies
+        stack = self.decode_stack if residual is None else None
+        stacked = stack.run(x, cos_sin, meta) if stack is not None else None
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            for layer in self.stage_layers:
+                x, residual = layer(x, residual, cos_sin, meta)
         if self.norm is None:
             return x, residual
         x, _ = self.norm(x, residual)

@@ -1,0 +1,147 @@
+"""A decode step's decoder layers as one call to dfllm's CPU kernels.
+
+From Python a Llama layer is eleven kernel calls (two norms, four GEMMs, rotary, the cache
+write, attention, SiLU-and-multiply, a split), each with its module call, checks and tensor
+wrapping: on SmolLM2's 30 layers ~330 calls a step, ~10 ms of host work at 64 sequences on
+an AVX512-BF16 EPYC (of a ~65 ms step), more than the norms, rotary and SiLU cost together.
+Where a model's layers are all the plain Llama layer and its linear layers take dfllm's
+bfloat16 GEMM, a step whose every sequence decodes runs them as one call instead
+(``decode_layers`` in ``csrc/cpu_ops.cpp``): the same kernels with the same operands in the
+same order, so the same bits. Anything else takes the modules' forward: a prefill in the
+step, LoRA adapters, a sliding window, biases, q/k norms, other dtypes or caches, or a weight
+written since it was packed (which that forward packs again).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dfllm.kernels.backend import cpu_decode_layers
+from dfllm.kernels.metadata import AttentionMetadata
+from dfllm.models.cpu_linear import PackableLinear
+from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm
+from dfllm.models.llama import DecoderLayer, DecoderModel
+
+
+def _plain(layer: nn.Module) -> bool:
+    """Whether ``layer`` is the plain Llama layer: RMSNorms, grouped-query attention over the
+    paged cache on the CPU kernels (no q/k norm, window or soft cap), a SiLU-gated MLP, and
+    linear layers without biases that dfllm's GEMM can take."""
+    if type(layer) is not DecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
+        return False
+    if attn.q_norm is not None or attn.sliding_window is not None or attn.softcap is not None:
+        return False
+    if attn.ops.name != "cpu" or type(layer.input_layernorm) is not RMSNorm:
+        return False
+    if type(layer.post_attention_layernorm) is not RMSNorm:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    # the GEMM pairs its inputs' features: every input width even
+    return all(type(m) is PackableLinear and m.bias is None and m.in_features % 2 == 0 for m in linears)
+
+
+class DecodeStack:
+    """A :class:`DecoderModel`'s layers as one kernel call in decode-only steps (see the
+    module's docstring); ``calls`` counts the steps that took it."""
+
+    def __init__(self, layers: list[DecoderLayer]):
+        self.layers = layers
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.scale = attn.scale
+        self.eps = layers[0].input_layernorm.eps
+        self.intermediate = mlp.down_proj.in_features
+        self.calls = 0
+
+    @classmethod
+    def build(cls, model: DecoderModel) -> DecodeStack | None:
+        """The stack of ``model``'s layers, or None where a layer is not the plain Llama layer
+        or the layers differ in shape or norm epsilon."""
+        layers = model.stage_layers
+        if not layers or not all(_plain(layer) for layer in layers):
+            return None
+        first = layers[0]
+        same = {
+            (
+                layer.self_attn.num_heads,
+                layer.self_attn.num_kv_heads,
+                layer.self_attn.head_dim,
+                layer.self_attn.scale,
+                layer.input_layernorm.eps,
+                layer.post_attention_layernorm.eps,
+                layer.mlp.down_proj.in_features,
+            )
+            for layer in layers
+        }
+        if len(same) != 1 or first.input_layernorm.eps != first.post_attention_layernorm.eps:
+            return None
+        return cls(layers)
+
+    def _operands(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """This step's weights (six a layer) and caches (two), or None where a packed copy is
+        stale or a norm or cache is not in ``dtype``."""
+        weights, caches = [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = attn.k_cache, attn.v_cache
+            if k_cache is None or v_cache is None or k_cache.dtype != dtype or not k_cache.is_contiguous():
+                return None
+            packed = [m.own_gemm_weight() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(p is None for p in packed) or any(w.dtype != dtype for w in norms):
+                return None
+            weights += [norms[0], packed[0], packed[1], norms[1], packed[2], packed[3]]
+            caches += [k_cache, v_cache]
+        return weights, caches
+
+    def run(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layers' ``(hidden, residual)`` for the first layer's input ``x``, or None where
+        this step must take the modules' forward."""
+        cos, sin = cos_sin
+        heads, kv_heads, head_dim = self.shape
+        if (
+            meta.decodes is None
+            or meta.prefills
+            or meta.lora is not None
+            or meta.sliding_window is not None
+            or x.dtype != torch.bfloat16
+            or x.dim() != 2
+            or x.stride(1) != 1
+            or cos.shape[-1] * 2 != head_dim
+        ):
+            return None
+        operands = self._operands(x.dtype)
+        if operands is None:
+            return None
+        self.calls += 1
+        return cpu_decode_layers(
+            x,
+            *operands,
+            cos=cos,
+            sin=sin,
+            slots=meta.slot_mapping,
+            decodes=meta.decodes,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=self.intermediate,
+            eps=self.eps,
+            scale=self.scale,
+        )
+
+
+def enable_decode_stacks(model: nn.Module) -> int:
+    """Give each :class:`DecoderModel` in ``model`` whose layers allow it a :class:`DecodeStack`
+    (the engine calls it on CPU once the linear layers are packed); how many got one."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, DecoderModel):
+            m.decode_stack = DecodeStack.build(m)
+            count += m.decode_stack is not None
+    return count
