@@ -510,18 +510,22 @@ inline void softmax_heads16(float* scores, float* total, int64_t heads, int64_t 
   }
 }
 
+// Four vectors in, one out: each 128-bit lane holds the four vectors' sums over that lane's
+// four elements ([x0, x1, x2, x3]), in 6 shuffles and adds
+inline __m512 sum_lanes4(const __m512* x) {
+  // within 128-bit lanes: [x0 0+2, x1 0+2, x0 1+3, x1 1+3]
+  const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a0), _mm512_castps_pd(a1));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a0), _mm512_castps_pd(a1));
+  return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+}
+
 // Sixteen vectors in, one out: lane t holds the sum of the lanes of x[t] (16 dot products
 // finished at once, in 45 shuffles and adds instead of 16 horizontal reductions of about 10).
 inline __m512 sum_lanes16(__m512 x[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: [x0 0+2, x1 0+2, x0 1+3, x1 1+3]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // [x0, x1, x2, x3] partial sums per 128-bit lane
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; ++i) b[i] = sum_lanes4(x + 4 * i);  // [x0, x1, x2, x3] partial sums per 128-bit lane
   for (int i = 0; i < 2; ++i) {  // across pairs of 128-bit lanes
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -608,33 +612,83 @@ struct DecodeAhead {
   }
 };
 
-// Pass 1 of decode_attention_avx512 for one chunk of m (<= 16) keys of a bfloat16 cache under
-// bfloat16 queries: each query head's dot products with vdpbf16ps, straight from the cached keys
-// (no widening; pairs of bf16 products added in float32, exact but for the order of additions
-// and float32 subnormals, which it flushes to zero), the 16 results reduced as the float32 path.
-template <int DIM, typename Ahead>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void chunk_scores_bf16(
-    const at::BFloat16* q, const at::BFloat16* key, int64_t slot, int64_t m, int64_t heads, int64_t group,
-    float sc, float* scores, int64_t span, Ahead& ahead, int64_t lines) {
-  static_assert(DIM % 32 == 0, "DIM must be a multiple of 32");
-  constexpr int P = DIM / 32;
-  for (int64_t hq = 0; hq < heads; ++hq) {
-    ahead.issue(lines * (hq + 1) / heads - lines * hq / heads);
-    __m512bh qv[P];
-    for (int p = 0; p < P; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + hq * DIM + p * 32);
-    const at::BFloat16* kh = key + (hq / group) * DIM;
-    __m512 dots[16];
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t < m) {
-        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kh + t * slot));
-        for (int p = 1; p < P; ++p) d = _mm512_dpbf16_ps(d, qv[p], (__m512bh)_mm512_loadu_si512(kh + t * slot + p * 32));
-        dots[t] = d;
-      } else {
-        dots[t] = _mm512_setzero_ps();
+// A bfloat16 key row of zeros: what chunk_scores_bf16 reads in place of a key past the chunk's end
+alignas(64) constexpr uint16_t kZeroKey[128] = {};
+
+// The scores of m (<= 16) keys of one KV head (kh, rows `slot` elements apart) for NH query heads
+// of its group, sc * (q . k), into s + k * span for head k. Each vdpbf16ps operand holds half a
+// head dimension's 16-element block from each of two keys, t and t + 4 (the query's block in both
+// halves, qq: NH x DIM / 16 such vectors), so that four vectors' sums hold eight keys and reduce
+// to them in 9 shuffles and adds, where sixteen keys' full vectors took 45 (sum_lanes16): that
+// reduction had cost as much as the dot products. The products are exact in float32 and summed
+// in float32 (in another order than the float32 loop, and with float32 subnormals flushed to
+// zero). 64 sequences of ~130 tokens, SmolLM2's heads: ~280 -> ~250 us a layer.
+template <int DIM, int NH>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) inline void pair_scores(
+    const __m512i* qq, const at::BFloat16* kh, int64_t slot, int64_t m, float sc, float* s, int64_t span) {
+  static_assert(DIM % 32 == 0 && DIM <= 128, "DIM must be 32, 64 or 128");
+  constexpr int C = DIM / 16;
+  const auto* zero = reinterpret_cast<const at::BFloat16*>(kZeroKey);
+  for (int64_t base = 0; base < m; base += 8) {
+    __m512 acc[NH][4];
+    for (int k = 0; k < NH; ++k)
+      for (int i = 0; i < 4; ++i) acc[k][i] = _mm512_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      const at::BFloat16* pa = base + i < m ? kh + (base + i) * slot : zero;
+      const at::BFloat16* pb = base + i + 4 < m ? kh + (base + i + 4) * slot : zero;
+      for (int c = 0; c < C; ++c) {
+        const __m512i kv =
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa + 16 * c))),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 16 * c)), 1);
+        for (int k = 0; k < NH; ++k) acc[k][i] = _mm512_dpbf16_ps(acc[k][i], (__m512bh)qq[k * C + c], (__m512bh)kv);
       }
     }
-    _mm512_mask_storeu_ps(scores + hq * span, static_cast<__mmask16>((1u << m) - 1),
-                          _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(sc)));
+    const __mmask8 keep = static_cast<__mmask8>((1u << std::min<int64_t>(8, m - base)) - 1);
+    for (int k = 0; k < NH; ++k) {
+      const __m512 b = sum_lanes4(acc[k]);
+      // lanes 0 + 1 are keys base..base+3, lanes 2 + 3 keys base+4..base+7
+      const __m512 h = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
+      const __m256 r = _mm512_castps512_ps256(_mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(0, 0, 2, 0)));
+      _mm256_mask_storeu_ps(s + k * span + base, keep, _mm256_mul_ps(r, _mm256_set1_ps(sc)));
+    }
+  }
+}
+
+// pair_scores for nh (1 to NH) query heads: the instance whose accumulators are all in registers
+template <int DIM, int NH = 4>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) inline void pair_scores_heads(
+    int64_t nh, const __m512i* qq, const at::BFloat16* kh, int64_t slot, int64_t m, float sc, float* s, int64_t span) {
+  if constexpr (NH > 0) {
+    if (nh == NH) {
+      pair_scores<DIM, NH>(qq, kh, slot, m, sc, s, span);
+    } else {
+      pair_scores_heads<DIM, NH - 1>(nh, qq, kh, slot, m, sc, s, span);
+    }
+  }
+}
+
+// A decode's bfloat16 query as pair_scores's operands: each head's 16-element blocks in both
+// halves of a vector (qq [heads, DIM / 16])
+template <int DIM>
+void pair_queries(const at::BFloat16* q, int64_t heads, __m512i* qq) {
+  for (int64_t e = 0; e < heads * DIM; e += 16)
+    qq[e / 16] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + e)));
+}
+
+// Pass 1 of decode_attention_avx512 for one chunk of m (<= 16) keys of a bfloat16 cache under
+// bfloat16 queries (qq: pair_queries's): each KV head's keys read straight from the cache (no
+// widening) by pair_scores for its query heads, up to four at a time.
+template <int DIM, typename Ahead>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void chunk_scores_bf16(
+    const __m512i* qq, const at::BFloat16* key, int64_t slot, int64_t m, int64_t kv_heads, int64_t group, float sc,
+    float* scores, int64_t span, Ahead& ahead, int64_t lines) {
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    ahead.issue(lines * (h + 1) / kv_heads - lines * h / kv_heads);
+    for (int64_t hq = h * group, last = (h + 1) * group; hq < last;) {
+      const int64_t nh = std::min<int64_t>(4, last - hq);
+      pair_scores_heads<DIM>(nh, qq + hq * (DIM / 16), key + h * DIM, slot, m, sc, scores + hq * span, span);
+      hq += nh;
+    }
   }
 }
 
@@ -701,6 +755,7 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
   parallel_balanced(a.n, [&](int64_t i) { return decode_cost(a, i); }, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(a.heads * DIM), acc(a.heads * DIM), scores, total(a.heads);
     std::vector<float> wide(std::is_same_v<TC, float> ? 0 : CHUNK * a.slot);
+    std::vector<__m512i> qq(bf16_dot ? a.heads * DIM / 16 : 0);
     DecodeAhead<T, TC> ahead(a, begin, end);
     ahead.issue(kAheadLines);
     for (int64_t i = begin; i < end; ++i) {
@@ -710,6 +765,9 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
       const int32_t* table = a.tp + i * a.width;
       scores.resize(a.heads * span);
       load(qf.data(), a.qp + a.rp[i] * a.q_row, a.heads * DIM);
+      if constexpr (bf16_dot) {
+        if (kBf16Dot) pair_queries<DIM>(a.qp + a.rp[i] * a.q_row, a.heads, qq.data());
+      }
       // pass 1: scores [heads, span]
       for (int64_t j = start; j < len;) {
         int64_t m;
@@ -718,8 +776,8 @@ void decode_attention_avx512(const DecodeCall<T, TC> a) {
         const int64_t lines = chunk_lines(key_at, m, a.slot);
         if constexpr (bf16_dot) {
           if (kBf16Dot) {
-            chunk_scores_bf16<DIM>(a.qp + a.rp[i] * a.q_row, key_at, a.slot, m, a.heads, a.group, a.sc,
-                                   &scores[j - start], span, ahead, lines);
+            chunk_scores_bf16<DIM>(qq.data(), key_at, a.slot, m, a.kv_heads, a.group, a.sc, &scores[j - start],
+                                   span, ahead, lines);
             j += m;
             continue;
           }
