@@ -14,6 +14,8 @@ written since it was packed (which that forward packs again).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -22,6 +24,12 @@ from dfllm.kernels.metadata import AttentionMetadata
 from dfllm.models.cpu_linear import PackableLinear
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm
 from dfllm.models.llama import DecoderLayer, DecoderModel
+
+
+def _linears(layer: DecoderLayer) -> list[PackableLinear]:
+    """The layer's qkv, o, gate_up and down projections (PackableLinears where :func:`_plain`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return cast(list[PackableLinear], [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj])
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -39,9 +47,8 @@ def _plain(layer: nn.Module) -> bool:
         return False
     if type(layer.post_attention_layernorm) is not RMSNorm:
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     # the GEMM pairs its inputs' features: every input width even
-    return all(type(m) is PackableLinear and m.bias is None and m.in_features % 2 == 0 for m in linears)
+    return all(type(m) is PackableLinear and m.bias is None and m.in_features % 2 == 0 for m in _linears(layer))
 
 
 class DecodeStack:
@@ -50,11 +57,11 @@ class DecodeStack:
 
     def __init__(self, layers: list[DecoderLayer]):
         self.layers = layers
-        attn, mlp = layers[0].self_attn, layers[0].mlp
+        attn = layers[0].self_attn
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.scale = attn.scale
         self.eps = layers[0].input_layernorm.eps
-        self.intermediate = mlp.down_proj.in_features
+        self.intermediate = _linears(layers[0])[3].in_features
         self.calls = 0
 
     @classmethod
@@ -73,7 +80,7 @@ class DecodeStack:
                 layer.self_attn.scale,
                 layer.input_layernorm.eps,
                 layer.post_attention_layernorm.eps,
-                layer.mlp.down_proj.in_features,
+                _linears(layer)[3].in_features,
             )
             for layer in layers
         }
@@ -84,17 +91,17 @@ class DecodeStack:
     def _operands(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """This step's weights (six a layer) and caches (two), or None where a packed copy is
         stale or a norm or cache is not in ``dtype``."""
-        weights, caches = [], []
+        weights: list[torch.Tensor] = []
+        caches: list[torch.Tensor] = []
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = attn.k_cache, attn.v_cache
+            k_cache, v_cache = layer.self_attn.k_cache, layer.self_attn.v_cache
             if k_cache is None or v_cache is None or k_cache.dtype != dtype or not k_cache.is_contiguous():
                 return None
-            packed = [m.own_gemm_weight() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            qkv, o, gate_up, down = (m.own_gemm_weight() for m in _linears(layer))
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(p is None for p in packed) or any(w.dtype != dtype for w in norms):
+            if qkv is None or o is None or gate_up is None or down is None or any(w.dtype != dtype for w in norms):
                 return None
-            weights += [norms[0], packed[0], packed[1], norms[1], packed[2], packed[3]]
+            weights += [norms[0], qkv, o, norms[1], gate_up, down]
             caches += [k_cache, v_cache]
         return weights, caches
 
