@@ -95,7 +95,9 @@ class DecodeStack:
         caches: list[torch.Tensor] = []
         for layer in self.layers:
             k_cache, v_cache = layer.self_attn.k_cache, layer.self_attn.v_cache
-            if k_cache is None or v_cache is None or k_cache.dtype != dtype or not k_cache.is_contiguous():
+            if k_cache is None or v_cache is None or k_cache.dtype != dtype or v_cache.dtype != dtype:
+                return None
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 return None
             qkv, o, gate_up, down = (m.own_gemm_weight() for m in _linears(layer))
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -121,6 +123,8 @@ class DecodeStack:
             or x.dim() != 2
             or x.stride(1) != 1
             or cos.shape[-1] * 2 != head_dim
+            or cos.dtype != torch.float32
+            or meta.slot_mapping.dtype != torch.int64
         ):
             return None
         operands = self._operands(x.dtype)
