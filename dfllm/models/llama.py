@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,6 @@ from dfllm.models.sliding_window import WindowSupport, uniform_window
 from dfllm.models.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from dfllm.models.decode_stack import DecodeStack
     from dfllm.multimodal.processor import ImageTokens
 
 # tensor names of a checkpoint saved from the bare decoder (no ``model.`` prefix)
@@ -38,6 +37,17 @@ BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 # builds decoder layer ``index`` of a model, given the tensor-parallel group (or None)
 LayerFactory = Callable[[int, GroupComm | None], nn.Module]
+
+
+class StackedLayers(Protocol):
+    """A decoder's layers as one call (:class:`dfllm.models.decode_stack.DecodeStack`)."""
+
+    def run(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layers' ``(hidden, residual)`` for the first layer's input, or None where this
+        step must take the modules' forward."""
+        ...
 
 
 class DecoderLayer(nn.Module):
@@ -133,7 +143,7 @@ class DecoderModel(nn.Module):
 
     # the layers as one kernel call in decode-only steps (dfllm.models.decode_stack), set by the
     # engine on CPU where they allow it
-    decode_stack: DecodeStack | None = None
+    decode_stack: StackedLayers | None = None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         if intermediate is None:
