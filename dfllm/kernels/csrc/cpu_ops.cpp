@@ -654,8 +654,11 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) inline 
   }
 }
 
+// The most query heads pair_scores takes at once: 16 accumulators of the 32 vector registers
+constexpr int kScoreHeads = 4;
+
 // pair_scores for nh (1 to NH) query heads: the instance whose accumulators are all in registers
-template <int DIM, int NH = 4>
+template <int DIM, int NH = kScoreHeads>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) inline void pair_scores_heads(
     int64_t nh, const __m512i* qq, const at::BFloat16* kh, int64_t slot, int64_t m, float sc, float* s, int64_t span) {
   if constexpr (NH > 0) {
@@ -685,7 +688,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void ch
   for (int64_t h = 0; h < kv_heads; ++h) {
     ahead.issue(lines * (h + 1) / kv_heads - lines * h / kv_heads);
     for (int64_t hq = h * group, last = (h + 1) * group; hq < last;) {
-      const int64_t nh = std::min<int64_t>(4, last - hq);
+      const int64_t nh = std::min<int64_t>(kScoreHeads, last - hq);
       pair_scores_heads<DIM>(nh, qq + hq * (DIM / 16), key + h * DIM, slot, m, sc, scores + hq * span, span);
       hq += nh;
     }
