@@ -387,11 +387,13 @@ def decode_layers_cpu(
     intermediate: int,
     eps: float,
     scale: float,
+    onednn: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama-family decoder layers over a decode-only step, in one call: ``x`` ``[tokens, hidden]``
-    (bfloat16) the first layer's input; per layer six ``weights`` (input norm, qkv, o,
-    post-attention norm, gate_up, down; the linears as :func:`bf16_gemm_pack_cpu` laid them out,
-    none with a bias) and two ``caches`` (keys, values); ``cos``/``sin`` the tokens' rotary
+    the first layer's input; per layer six ``weights`` (input norm, qkv, o, post-attention norm,
+    gate_up, down; the linears packed for one GEMM, none with a bias: as :func:`bf16_gemm_pack_cpu`
+    laid them out, or with ``onednn`` as ``torch.ops.mkldnn._reorder_linear_weight`` did) and two
+    ``caches`` (keys, values); ``cos``/``sin`` the tokens' rotary
     tables, ``slots`` their cache slots, ``decodes`` the step's decode batch. The kernels and
     their order are the modules' (:class:`~dfllm.models.llama.DecoderLayer`), so are the
     results. Returns the last layer's output and residual."""
@@ -413,6 +415,7 @@ def decode_layers_cpu(
         intermediate,
         float(eps),
         float(scale),
+        onednn,
     )
     return x, residual
 

@@ -139,13 +139,14 @@ class PackableLinear(nn.Linear):
         self._packed, self._gemm = (_weight_key(w), _reorder(w)), "onednn"
         return True
 
-    def own_gemm_weight(self) -> torch.Tensor | None:
-        """The weight as dfllm's bfloat16 GEMM takes it, where that GEMM serves this layer and the
-        packed copy is current; None otherwise (:meth:`forward` then packs again or falls back)."""
+    def packed_copy(self) -> tuple[str, torch.Tensor] | None:
+        """The GEMM the packed copy is laid out for ("onednn" or "dfllm") and the copy, where it is
+        current; None where the layer is not packed or its weight changed since (:meth:`forward`
+        then packs again or falls back)."""
         packed = self._packed
-        if packed is None or self._gemm != "dfllm" or packed[0] != _weight_key(self.weight):
+        if packed is None or packed[0] != _weight_key(self.weight):
             return None
-        return packed[1]
+        return self._gemm, packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed

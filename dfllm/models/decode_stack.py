@@ -4,11 +4,13 @@ From Python a Llama layer is eleven kernel calls (two norms, four GEMMs, rotary,
 write, attention, SiLU-and-multiply, a split), each with its module call, checks and tensor
 wrapping: on SmolLM2's 30 layers ~330 calls a step, ~10 ms of host work at 64 sequences on
 an AVX512-BF16 EPYC (of a ~65 ms step), more than the norms, rotary and SiLU cost together.
-Where a model's layers are all the plain Llama layer and its linear layers take dfllm's
-bfloat16 GEMM, a step whose every sequence decodes runs them as one call instead
-(``decode_layers`` in ``csrc/cpu_ops.cpp``): the same kernels with the same operands in the
-same order, so the same bits. Anything else takes the modules' forward: a prefill in the
-step, LoRA adapters, a sliding window, biases, q/k norms, other dtypes or caches, or a weight
+Where a model's layers are all the plain Llama layer and its linear layers are packed for one
+GEMM (dfllm's bfloat16 GEMM on AVX512-BF16, oneDNN's in bfloat16 on AMX and in float32 on any
+CPU: :mod:`dfllm.models.cpu_linear`), a step whose every sequence decodes runs them as one call
+instead (``decode_layers`` in ``csrc/cpu_ops.cpp``): the same kernels with the same operands in
+the same order, so the same bits. Anything else takes the modules' forward: a prefill in the
+step, LoRA adapters, a sliding window, biases, q/k norms, other dtypes or caches, a float32
+step of more rows than oneDNN's packed GEMM takes (:data:`PACKED_MAX_ROWS`), or a weight
 written since it was packed (which that forward packs again).
 """
 
@@ -21,7 +23,7 @@ from torch import nn
 
 from dfllm.kernels.backend import cpu_decode_layers
 from dfllm.kernels.metadata import AttentionMetadata
-from dfllm.models.cpu_linear import PackableLinear
+from dfllm.models.cpu_linear import PACKED_MAX_ROWS, PackableLinear
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm
 from dfllm.models.llama import DecoderLayer, DecoderModel
 
@@ -35,7 +37,7 @@ def _linears(layer: DecoderLayer) -> list[PackableLinear]:
 def _plain(layer: nn.Module) -> bool:
     """Whether ``layer`` is the plain Llama layer: RMSNorms, grouped-query attention over the
     paged cache on the CPU kernels (no q/k norm, window or soft cap), a SiLU-gated MLP, and
-    linear layers without biases that dfllm's GEMM can take."""
+    packable linear layers without biases."""
     if type(layer) is not DecoderLayer:
         return False
     attn, mlp = layer.self_attn, layer.mlp
@@ -47,8 +49,7 @@ def _plain(layer: nn.Module) -> bool:
         return False
     if type(layer.post_attention_layernorm) is not RMSNorm:
         return False
-    # the GEMM pairs its inputs' features: every input width even
-    return all(type(m) is PackableLinear and m.bias is None and m.in_features % 2 == 0 for m in _linears(layer))
+    return all(type(m) is PackableLinear and m.bias is None for m in _linears(layer))
 
 
 class DecodeStack:
@@ -66,11 +67,13 @@ class DecodeStack:
 
     @classmethod
     def build(cls, model: DecoderModel) -> DecodeStack | None:
-        """The stack of ``model``'s layers, or None where a layer is not the plain Llama layer
-        or the layers differ in shape or norm epsilon."""
+        """The stack of ``model``'s layers, or None where a layer is not the plain Llama layer,
+        a linear layer is not packed, or the layers differ in shape or norm epsilon."""
         layers = model.stage_layers
         if not layers or not all(_plain(layer) for layer in layers):
             return None
+        if any(m.packed_copy() is None for layer in layers for m in _linears(layer)):
+            return None  # not packed (quantized, or the copies would not fit in memory)
         first = layers[0]
         same = {
             (
@@ -88,24 +91,35 @@ class DecodeStack:
             return None
         return cls(layers)
 
-    def _operands(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """This step's weights (six a layer) and caches (two), or None where a packed copy is
-        stale or a norm or cache is not in ``dtype``."""
+    def _operands(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], bool] | None:
+        """This step's weights (six a layer), caches (two a layer) and whether the linears take
+        oneDNN's GEMM (else dfllm's), or None where a packed copy is stale or missing, the layers'
+        GEMMs differ, or a norm or cache is not in ``dtype``."""
         weights: list[torch.Tensor] = []
         caches: list[torch.Tensor] = []
+        gemms: set[str] = set()
         for layer in self.layers:
             k_cache, v_cache = layer.self_attn.k_cache, layer.self_attn.v_cache
             if k_cache is None or v_cache is None or k_cache.dtype != dtype or v_cache.dtype != dtype:
                 return None
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 return None
-            qkv, o, gate_up, down = (m.own_gemm_weight() for m in _linears(layer))
+            linears = _linears(layer)
+            packed = [m.packed_copy() for m in linears]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if qkv is None or o is None or gate_up is None or down is None or any(w.dtype != dtype for w in norms):
+            if any(p is None for p in packed) or any(w.dtype != dtype for w in norms):
                 return None
+            copies = cast(list[tuple[str, torch.Tensor]], packed)
+            gemms.update(gemm for gemm, _ in copies)
+            # dfllm's GEMM pairs its inputs' features: every input width even
+            if any(gemm == "dfllm" and m.in_features % 2 for (gemm, _), m in zip(copies, linears, strict=True)):
+                return None
+            qkv, o, gate_up, down = (copy for _, copy in copies)
             weights += [norms[0], qkv, o, norms[1], gate_up, down]
             caches += [k_cache, v_cache]
-        return weights, caches
+        if len(gemms) != 1 or (gemms == {"dfllm"} and dtype != torch.bfloat16):
+            return None
+        return weights, caches, gemms == {"onednn"}
 
     def run(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -119,7 +133,8 @@ class DecodeStack:
             or meta.prefills
             or meta.lora is not None
             or meta.sliding_window is not None
-            or x.dtype != torch.bfloat16
+            or x.dtype not in (torch.bfloat16, torch.float32)
+            or (x.dtype == torch.float32 and x.shape[0] > PACKED_MAX_ROWS)  # the modules take F.linear
             or x.dim() != 2
             or x.stride(1) != 1
             or cos.shape[-1] * 2 != head_dim
@@ -130,10 +145,12 @@ class DecodeStack:
         operands = self._operands(x.dtype)
         if operands is None:
             return None
+        weights, caches, onednn = operands
         self.calls += 1
         return cpu_decode_layers(
             x,
-            *operands,
+            weights,
+            caches,
             cos=cos,
             sin=sin,
             slots=meta.slot_mapping,
@@ -144,6 +161,7 @@ class DecodeStack:
             intermediate=self.intermediate,
             eps=self.eps,
             scale=self.scale,
+            onednn=onednn,
         )
 
 

@@ -1,5 +1,7 @@
 """A decode step's layers as one kernel call (dfllm.models.decode_stack): the same bits as the
-modules' forward, taken only where it applies, never with a stale packed weight."""
+modules' forward, with each GEMM it takes (dfllm's bfloat16 GEMM on AVX512-BF16, oneDNN's in
+bfloat16 on AMX and in float32 everywhere), taken only where it applies, never with a stale
+packed weight."""
 
 from __future__ import annotations
 
@@ -7,15 +9,18 @@ import pytest
 import torch
 
 from dfllm import LLM, SamplingParams
-from dfllm.models.cpu_linear import own_gemm_applies
+from dfllm.models.cpu_linear import packing_available
 from dfllm.models.decode_stack import DecodeStack
 from dfllm.models.llama import DecoderModel
 
 from helpers import build_tiny_model, random_prompts
 
-pytestmark = pytest.mark.skipif(
-    not own_gemm_applies(torch.zeros(1, dtype=torch.bfloat16)), reason="dfllm's bfloat16 GEMM is not used on this CPU"
-)
+# float32 (oneDNN's packed GEMM) on every CPU; bfloat16 where the CPU has bfloat16 matrix
+# instructions (dfllm's GEMM on AVX512-BF16, oneDNN's on AMX; elsewhere nothing is packed)
+DTYPES = [
+    pytest.param(dtype, marks=pytest.mark.skipif(not packing_available(torch.device("cpu"), dtype), reason="not packed"))
+    for dtype in (torch.float32, torch.bfloat16)
+]
 
 
 def decoder_models(worker) -> list[DecoderModel]:
@@ -32,46 +37,58 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     return [(tuple(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 64), (6, 2, 384), (2, 2, 256)])
-def test_decode_steps_through_the_stack_equal_the_modules_bit_for_bit(tmp_path, smollm2_dir, heads, kv_heads, hidden):
+def test_decode_steps_through_the_stack_equal_the_modules_bit_for_bit(
+    tmp_path, smollm2_dir, heads, kv_heads, hidden, dtype
+):
     """Greedy tokens and every logprob equal with and without the stack (head dims 16, 64 and
     128; groups of 2, 3 and 1), prefills and mixed steps through the modules, decode-only steps
     through the stack, over a cache too small for every prompt at once."""
     layers = 3
     path = build_tiny_model(tmp_path, smollm2_dir, heads=heads, kv_heads=kv_heads, hidden=hidden, layers=layers)
-    token_bytes = 2 * layers * kv_heads * (hidden // heads) * 2  # keys and values, bfloat16
-    llm = LLM(path, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=160 * token_bytes)
+    token_bytes = 2 * layers * kv_heads * (hidden // heads) * dtype.itemsize  # keys and values
     prompts = random_prompts(12, 3, 60, seed=hidden)
-    assert llm.collective_rpc(stack_calls)[0] == [0]
-    with_stack = generate(llm, prompts)
-    assert llm.collective_rpc(stack_calls)[0][0] > 0  # decode-only steps took it
 
     def drop(worker):
         for m in decoder_models(worker):
             m.decode_stack = None
 
-    llm.collective_rpc(drop)
-    llm.reset_prefix_cache()
-    assert generate(llm, prompts) == with_stack
+    def run(stack: bool) -> list[tuple]:
+        # a fresh engine each: the scheduler learns how long outputs run, so a second run in
+        # one engine may preempt other sequences (recomputed by the prefill kernel)
+        llm = LLM(path, dtype=dtype, max_model_len=128, kv_cache_memory_bytes=160 * token_bytes)
+        if stack:
+            assert llm.collective_rpc(stack_calls)[0] == [0]
+        else:
+            llm.collective_rpc(drop)
+        out = generate(llm, prompts)
+        if stack:
+            assert llm.collective_rpc(stack_calls)[0][0] > 0  # decode-only steps took it
+        llm.shutdown()
+        return out
+
+    assert run(stack=False) == run(stack=True)
 
 
 def test_models_whose_layers_differ_from_llamas_plain_layer_get_no_stack(tmp_path, smollm2_dir):
     """Qwen2's qkv bias: the modules' forward only."""
-    llm = LLM(build_tiny_model(tmp_path, smollm2_dir, arch="qwen2"), dtype="bfloat16", max_model_len=64)
+    llm = LLM(build_tiny_model(tmp_path, smollm2_dir, arch="qwen2"), dtype="float32", max_model_len=64)
     assert llm.collective_rpc(stack_calls)[0] == [None]
 
 
-def test_a_weight_written_since_packing_sends_the_step_to_the_modules(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_written_since_packing_sends_the_step_to_the_modules(tmp_path, smollm2_dir, dtype):
     """A packed copy gone stale is never multiplied: the stack declines until the layer is
     packed again (which the modules' forward does)."""
-    llm = LLM(build_tiny_model(tmp_path, smollm2_dir), dtype="bfloat16", max_model_len=64)
+    llm = LLM(build_tiny_model(tmp_path, smollm2_dir), dtype=dtype, max_model_len=64)
     model = llm.engine.runner.model
     (decoder,) = [m for m in model.modules() if isinstance(m, DecoderModel)]
     stack = decoder.decode_stack
-    assert isinstance(stack, DecodeStack) and stack._operands(torch.bfloat16) is not None
+    assert isinstance(stack, DecodeStack) and stack._operands(dtype) is not None
     down = decoder.stage_layers[1].mlp.down_proj
     with torch.no_grad():
         down.weight.mul_(2.0)
-    assert stack._operands(torch.bfloat16) is None
-    down(torch.ones(1, down.in_features, dtype=torch.bfloat16))  # the forward packs it again
-    assert stack._operands(torch.bfloat16) is not None
+    assert stack._operands(dtype) is None
+    down(torch.ones(1, down.in_features, dtype=dtype))  # the forward packs it again
+    assert stack._operands(dtype) is not None

@@ -2210,21 +2210,38 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::o
   return out;
 }
 
-// The decoder layers of a decode-only step of a Llama-family model whose linear layers take
-// bf16_gemm, in one call (dfllm/models/decode_stack.py decides when it applies): per layer
-// RMSNorm (the residual added first from the second layer on), the qkv GEMM, rotary on q and k,
-// the new keys and values into the paged caches, decode attention, the o GEMM, RMSNorm with the
-// residual, the gate_up GEMM, SiLU-and-multiply and the down GEMM. The same kernels with the same
-// operands in the same order as the modules' forward, so the same bits; from Python those are
-// eleven calls a layer, whose host work (~10 ms a step at 64 sequences on SmolLM2's 30 layers)
-// cost more than the norms, rotary and SiLU together. `weights` holds six tensors a layer (input
-// norm, qkv, o, post-attention norm, gate_up, down; the linears as bf16_gemm_pack laid them out),
-// `caches` two (keys, values). Returns the last layer's output and its residual.
+// A decoder layer's linear through the GEMM its weight was packed for: bf16_gemm, or where
+// `onednn` oneDNN's, the op PackableLinear's forward calls from Python
+// (mkldnn::_linear_pointwise over torch.ops.mkldnn._reorder_linear_weight's copy, no bias, no
+// post-op), so the same call and the same bits.
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool onednn) {
+  if (!onednn) return bf16_gemm(x, w, c10::nullopt, n);
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                               std::string_view, c10::List<std::optional<at::Scalar>>,
+                               std::optional<std::string_view>);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<Signature>();
+  return op.call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
+}
+
+// The decoder layers of a decode-only step of a Llama-family model, in one call
+// (dfllm/models/decode_stack.py decides when it applies): per layer RMSNorm (the residual added
+// first from the second layer on), the qkv GEMM, rotary on q and k, the new keys and values into
+// the paged caches, decode attention, the o GEMM, RMSNorm with the residual, the gate_up GEMM,
+// SiLU-and-multiply and the down GEMM. The same kernels with the same operands in the same order
+// as the modules' forward, so the same bits; from Python those are eleven calls a layer, whose
+// host work (~10 ms a step at 64 sequences on SmolLM2's 30 layers) cost more than the norms,
+// rotary and SiLU together. `weights` holds six tensors a layer (input norm, qkv, o,
+// post-attention norm, gate_up, down; the linears as bf16_gemm_pack laid them out, or oneDNN
+// where `onednn`: layer_linear), `caches` two (keys, values). Returns the last layer's output and
+// its residual.
 std::vector<at::Tensor> decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                                       const std::vector<at::Tensor>& caches, const at::Tensor& cos,
                                       const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& rows,
                                       const at::Tensor& tables, const at::Tensor& lens, int64_t heads, int64_t kv_heads,
-                                      int64_t head_dim, int64_t intermediate, double eps, double scale) {
+                                      int64_t head_dim, int64_t intermediate, double eps, double scale,
+                                      bool onednn) {
   constexpr size_t kPerLayer = 6;
   TORCH_CHECK(weights.size() % kPerLayer == 0 && caches.size() * kPerLayer == weights.size() * 2,
               "six weights and two caches a layer");
@@ -2241,17 +2258,16 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const std::vector<at::Tensor
       x = normed[0];
       residual = normed[1];
     }
-    const at::Tensor qkv = bf16_gemm(x, w[1], c10::nullopt, q_size + 2 * kv_size);
+    const at::Tensor qkv = layer_linear(x, w[1], q_size + 2 * kv_size, onednn);
     auto qk = rotary_qk(qkv.narrow(1, 0, q_size).view({t, heads, head_dim}),
                         qkv.narrow(1, q_size, kv_size).view({t, kv_heads, head_dim}), cos, sin);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
     write_kv_cache(qk[1], v, caches[2 * l], caches[2 * l + 1], slots);
     at::Tensor o = at::empty_like(qk[0], at::MemoryFormat::Contiguous);
     decode_attention(o, qk[0], caches[2 * l], caches[2 * l + 1], rows, tables, lens, scale, 0, 0.0);
-    auto normed = rms_norm(bf16_gemm(o.view({t, q_size}), w[2], c10::nullopt, hidden), w[3], eps, residual);
+    auto normed = rms_norm(layer_linear(o.view({t, q_size}), w[2], hidden, onednn), w[3], eps, residual);
     residual = normed[1];
-    x = bf16_gemm(silu_and_mul(bf16_gemm(normed[0], w[4], c10::nullopt, 2 * intermediate)), w[5], c10::nullopt,
-                  hidden);
+    x = layer_linear(silu_and_mul(layer_linear(normed[0], w[4], 2 * intermediate, onednn)), w[5], hidden, onednn);
   }
   return {x, residual};
 }
