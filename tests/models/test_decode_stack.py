@@ -17,8 +17,9 @@ from helpers import build_tiny_model, random_prompts
 
 # float32 (oneDNN's packed GEMM) on every CPU; bfloat16 where the CPU has bfloat16 matrix
 # instructions (dfllm's GEMM on AVX512-BF16, oneDNN's on AMX; elsewhere nothing is packed)
+CPU = torch.device("cpu")
 DTYPES = [
-    pytest.param(dtype, marks=pytest.mark.skipif(not packing_available(torch.device("cpu"), dtype), reason="not packed"))
+    pytest.param(dtype, marks=pytest.mark.skipif(not packing_available(CPU, dtype), reason="not packed here"))
     for dtype in (torch.float32, torch.bfloat16)
 ]
 
