@@ -375,6 +375,8 @@ def bf16_gemm_pack_cpu(weight: torch.Tensor) -> torch.Tensor:
 def decode_layers_cpu(
     x: torch.Tensor,
     weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    qk_norms: list[torch.Tensor],
     caches: list[torch.Tensor],
     *,
     cos: torch.Tensor,
@@ -386,14 +388,16 @@ def decode_layers_cpu(
     head_dim: int,
     intermediate: int,
     eps: float,
+    qk_eps: float,
     scale: float,
     onednn: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama-family decoder layers over a decode-only step, in one call: ``x`` ``[tokens, hidden]``
     the first layer's input; per layer six ``weights`` (input norm, qkv, o, post-attention norm,
     gate_up, down; the linears packed for one GEMM, none with a bias: as :func:`bf16_gemm_pack_cpu`
-    laid them out, or with ``onednn`` as ``torch.ops.mkldnn._reorder_linear_weight`` did) and two
-    ``caches`` (keys, values); ``cos``/``sin`` the tokens' rotary
+    laid them out, or with ``onednn`` as ``torch.ops.mkldnn._reorder_linear_weight`` did), four
+    ``biases`` (the linears', None where one has none), none or two ``qk_norms`` (Qwen3's q_norm
+    and k_norm weights, epsilon ``qk_eps``) and two ``caches`` (keys, values); ``cos``/``sin`` the tokens' rotary
     tables, ``slots`` their cache slots, ``decodes`` the step's decode batch. The kernels and
     their order are the modules' (:class:`~dfllm.models.llama.DecoderLayer`), so are the
     results. Returns the last layer's output and residual."""
@@ -402,6 +406,8 @@ def decode_layers_cpu(
     x, residual = ext.decode_layers(
         x,
         weights,
+        biases,
+        qk_norms,
         caches,
         cos,
         sin,
@@ -414,6 +420,7 @@ def decode_layers_cpu(
         head_dim,
         intermediate,
         float(eps),
+        float(qk_eps),
         float(scale),
         onednn,
     )

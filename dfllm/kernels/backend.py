@@ -193,12 +193,12 @@ def cpu_bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     return _cpu.bf16_gemm_pack_cpu(weight)
 
 
-def cpu_decode_layers(x: torch.Tensor, weights: list[torch.Tensor], caches: list[torch.Tensor], **kw) -> tuple:
-    """A decode step's decoder layers in one call to the compiled kernels (the keywords and
-    their meaning: :func:`dfllm.kernels._cpu.decode_layers_cpu`); ``(hidden, residual)``."""
+def cpu_decode_layers(x: torch.Tensor, *operands: list, **kw) -> tuple:
+    """A decode step's decoder layers in one call to the compiled kernels (the operands, the
+    keywords and their meaning: :func:`dfllm.kernels._cpu.decode_layers_cpu`); ``(hidden, residual)``."""
     from dfllm.kernels import _cpu
 
-    return _cpu.decode_layers_cpu(x, weights, caches, **kw)
+    return _cpu.decode_layers_cpu(x, *operands, **kw)
 
 
 def cpu_bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -4,19 +4,20 @@ From Python a Llama layer is eleven kernel calls (two norms, four GEMMs, rotary,
 write, attention, SiLU-and-multiply, a split), each with its module call, checks and tensor
 wrapping: on SmolLM2's 30 layers ~330 calls a step, ~10 ms of host work at 64 sequences on
 an AVX512-BF16 EPYC (of a ~65 ms step), more than the norms, rotary and SiLU cost together.
-Where a model's layers are all the plain Llama layer and its linear layers are packed for one
-GEMM (dfllm's bfloat16 GEMM on AVX512-BF16, oneDNN's in bfloat16 on AMX and in float32 on any
-CPU: :mod:`dfllm.models.cpu_linear`), a step whose every sequence decodes runs them as one call
-instead (``decode_layers`` in ``csrc/cpu_ops.cpp``): the same kernels with the same operands in
-the same order, so the same bits. Anything else takes the modules' forward: a prefill in the
-step, LoRA adapters, a sliding window, biases, q/k norms, other dtypes or caches, a float32
-step of more rows than oneDNN's packed GEMM takes (:data:`PACKED_MAX_ROWS`), or a weight
-written since it was packed (which that forward packs again).
+Where a model's layers are all the plain Llama layer (Qwen2's biases and Qwen3's q/k norms
+included) and its linear layers are packed for one GEMM (dfllm's bfloat16 GEMM on AVX512-BF16,
+oneDNN's in bfloat16 on AMX and in float32 on any CPU: :mod:`dfllm.models.cpu_linear`), a step
+whose every sequence decodes runs them as one call instead (``decode_layers`` in
+``csrc/cpu_ops.cpp``): the same kernels with the same operands in the same order, so the same
+bits. Anything else takes the modules' forward: a prefill in the step, LoRA adapters, a sliding
+window, other dtypes or caches, a float32 step of more rows than oneDNN's packed GEMM takes
+(:data:`PACKED_MAX_ROWS`), or a weight written since it was packed (which that forward packs
+again).
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -36,20 +37,40 @@ def _linears(layer: DecoderLayer) -> list[PackableLinear]:
 
 def _plain(layer: nn.Module) -> bool:
     """Whether ``layer`` is the plain Llama layer: RMSNorms, grouped-query attention over the
-    paged cache on the CPU kernels (no q/k norm, window or soft cap), a SiLU-gated MLP, and
-    packable linear layers without biases."""
+    paged cache on the CPU kernels (no window or soft cap; Qwen3's q/k RMSNorms allowed), a
+    SiLU-gated MLP, and packable linear layers (with biases or without: Qwen2's qkv bias)."""
     if type(layer) is not DecoderLayer:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not PagedAttention or type(mlp) is not GatedMLP:
         return False
-    if attn.q_norm is not None or attn.sliding_window is not None or attn.softcap is not None:
+    if attn.sliding_window is not None or attn.softcap is not None:
+        return False
+    if not (attn.q_norm is None and attn.k_norm is None or type(attn.q_norm) is type(attn.k_norm) is RMSNorm):
         return False
     if attn.ops.name != "cpu" or type(layer.input_layernorm) is not RMSNorm:
         return False
     if type(layer.post_attention_layernorm) is not RMSNorm:
         return False
-    return all(type(m) is PackableLinear and m.bias is None for m in _linears(layer))
+    return all(type(m) is PackableLinear for m in _linears(layer))
+
+
+class StepOperands(NamedTuple):
+    """What ``decode_layers`` reads of the layers in a step (:func:`dfllm.kernels._cpu.decode_layers_cpu`)."""
+
+    weights: list[torch.Tensor]  # six a layer: the two norms and the four packed linears
+    biases: list[torch.Tensor | None]  # four a layer: the linears' (None where one has none)
+    qk_norms: list[torch.Tensor]  # two a layer (Qwen3's q_norm and k_norm) or none
+    caches: list[torch.Tensor]  # two a layer: keys, values
+    onednn: bool  # the linears take oneDNN's GEMM (else dfllm's bfloat16 GEMM)
+
+
+def _qk_eps(layer: DecoderLayer) -> tuple[float, float] | None:
+    """The epsilons of the layer's q and k RMSNorms (Qwen3), or None where it has none."""
+    attn = layer.self_attn
+    if attn.q_norm is None or attn.k_norm is None:
+        return None
+    return attn.q_norm.eps, attn.k_norm.eps
 
 
 class DecodeStack:
@@ -62,13 +83,15 @@ class DecodeStack:
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.scale = attn.scale
         self.eps = layers[0].input_layernorm.eps
+        qk_eps = _qk_eps(layers[0])
+        self.qk_eps = 0.0 if qk_eps is None else qk_eps[0]
         self.intermediate = _linears(layers[0])[3].in_features
         self.calls = 0
 
     @classmethod
     def build(cls, model: DecoderModel) -> DecodeStack | None:
         """The stack of ``model``'s layers, or None where a layer is not the plain Llama layer,
-        a linear layer is not packed, or the layers differ in shape or norm epsilon."""
+        a linear layer is not packed, or the layers differ in shape, q/k norms or norm epsilon."""
         layers = model.stage_layers
         if not layers or not all(_plain(layer) for layer in layers):
             return None
@@ -84,18 +107,23 @@ class DecodeStack:
                 layer.input_layernorm.eps,
                 layer.post_attention_layernorm.eps,
                 _linears(layer)[3].in_features,
+                _qk_eps(layer),
             )
             for layer in layers
         }
         if len(same) != 1 or first.input_layernorm.eps != first.post_attention_layernorm.eps:
             return None
+        qk_eps = _qk_eps(first)
+        if qk_eps is not None and qk_eps[0] != qk_eps[1]:
+            return None
         return cls(layers)
 
-    def _operands(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], bool] | None:
-        """This step's weights (six a layer), caches (two a layer) and whether the linears take
-        oneDNN's GEMM (else dfllm's), or None where a packed copy is stale or missing, the layers'
+    def _operands(self, dtype: torch.dtype) -> StepOperands | None:
+        """This step's operands, or None where a packed copy is stale or missing, the layers'
         GEMMs differ, or a norm or cache is not in ``dtype``."""
         weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        qk_norms: list[torch.Tensor] = []
         caches: list[torch.Tensor] = []
         gemms: set[str] = set()
         for layer in self.layers:
@@ -106,7 +134,11 @@ class DecodeStack:
                 return None
             linears = _linears(layer)
             packed = [m.packed_copy() for m in linears]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            attn = layer.self_attn
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if attn.q_norm is not None and attn.k_norm is not None:
+                norms += [attn.q_norm.weight, attn.k_norm.weight]
+                qk_norms += norms[2:]
             if any(p is None for p in packed) or any(w.dtype != dtype for w in norms):
                 return None
             copies = cast(list[tuple[str, torch.Tensor]], packed)
@@ -116,10 +148,11 @@ class DecodeStack:
                 return None
             qkv, o, gate_up, down = (copy for _, copy in copies)
             weights += [norms[0], qkv, o, norms[1], gate_up, down]
+            biases += [m.bias for m in linears]
             caches += [k_cache, v_cache]
         if len(gemms) != 1 or (gemms == {"dfllm"} and dtype != torch.bfloat16):
             return None
-        return weights, caches, gemms == {"onednn"}
+        return StepOperands(weights, biases, qk_norms, caches, gemms == {"onednn"})
 
     def run(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -145,12 +178,13 @@ class DecodeStack:
         operands = self._operands(x.dtype)
         if operands is None:
             return None
-        weights, caches, onednn = operands
         self.calls += 1
         return cpu_decode_layers(
             x,
-            weights,
-            caches,
+            operands.weights,
+            operands.biases,
+            operands.qk_norms,
+            operands.caches,
             cos=cos,
             sin=sin,
             slots=meta.slot_mapping,
@@ -160,8 +194,9 @@ class DecodeStack:
             head_dim=head_dim,
             intermediate=self.intermediate,
             eps=self.eps,
+            qk_eps=self.qk_eps,
             scale=self.scale,
-            onednn=onednn,
+            onednn=operands.onednn,
         )
 
 

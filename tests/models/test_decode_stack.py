@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoder_builders import build_decoder
+from transformers import MixtralConfig, Qwen2Config, Qwen3Config
 
 from dfllm import LLM, SamplingParams
 from dfllm.models.cpu_linear import packing_available
@@ -72,9 +74,55 @@ def test_decode_steps_through_the_stack_equal_the_modules_bit_for_bit(
     assert run(stack=False) == run(stack=True)
 
 
+def randomize_biases_and_qk_norms(model: torch.nn.Module) -> None:
+    """transformers initialises biases to zero and norms to one: values that would hide an
+    operand left out."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [Qwen2Config, Qwen3Config])
+def test_qwen_layers_through_the_stack_equal_the_modules_bit_for_bit(tmp_path, smollm2_dir, config, dtype):
+    """Qwen2's qkv biases and Qwen3's per-head q/k RMSNorms (head_dim 32, not hidden / heads)
+    in the one call: greedy tokens and every logprob equal with and without it."""
+    path = build_decoder(
+        tmp_path, smollm2_dir, config, config.model_type, hidden=96, heads=6, kv_heads=2, layers=3,
+        head_dim=32, init=randomize_biases_and_qk_norms,
+    )  # fmt: skip
+    prompts = random_prompts(8, 3, 40, seed=7)
+
+    def run(stack: bool) -> list[tuple]:
+        llm = LLM(path, dtype=dtype, max_model_len=96)
+        decoder = decoder_models(llm.engine.runner)[0]
+        assert isinstance(decoder.decode_stack, DecodeStack)
+        if not stack:
+            decoder.decode_stack = None
+        out = generate(llm, prompts)
+        if stack:
+            assert decoder.decode_stack.calls > 0
+        llm.shutdown()
+        return out
+
+    assert run(stack=False) == run(stack=True)
+
+
 def test_models_whose_layers_differ_from_llamas_plain_layer_get_no_stack(tmp_path, smollm2_dir):
-    """Qwen2's qkv bias: the modules' forward only."""
-    llm = LLM(build_tiny_model(tmp_path, smollm2_dir, arch="qwen2"), dtype="float32", max_model_len=64)
+    """Mixtral's layers (a mixture of experts for an MLP): the modules' forward only."""
+    path = build_decoder(
+        tmp_path,
+        smollm2_dir,
+        MixtralConfig,
+        "mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+    )
+    llm = LLM(path, dtype="float32", max_model_len=64)
     assert llm.collective_rpc(stack_calls)[0] == [None]
 
 

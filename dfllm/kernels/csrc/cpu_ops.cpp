@@ -2212,43 +2212,50 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::o
 
 // A decoder layer's linear through the GEMM its weight was packed for: bf16_gemm, or where
 // `onednn` oneDNN's, the op PackableLinear's forward calls from Python
-// (mkldnn::_linear_pointwise over torch.ops.mkldnn._reorder_linear_weight's copy, no bias, no
-// post-op), so the same call and the same bits.
-at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool onednn) {
-  if (!onednn) return bf16_gemm(x, w, c10::nullopt, n);
+// (mkldnn::_linear_pointwise over torch.ops.mkldnn._reorder_linear_weight's copy, the layer's
+// bias, no post-op), so the same call and the same bits.
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                        bool onednn) {
+  if (!onednn) return bf16_gemm(x, w, bias, n);
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                std::string_view, c10::List<std::optional<at::Scalar>>,
                                std::optional<std::string_view>);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                              .typed<Signature>();
-  return op.call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
 }
 
 // The decoder layers of a decode-only step of a Llama-family model, in one call
 // (dfllm/models/decode_stack.py decides when it applies): per layer RMSNorm (the residual added
 // first from the second layer on), the qkv GEMM, rotary on q and k, the new keys and values into
 // the paged caches, decode attention, the o GEMM, RMSNorm with the residual, the gate_up GEMM,
-// SiLU-and-multiply and the down GEMM. The same kernels with the same operands in the same order
-// as the modules' forward, so the same bits; from Python those are eleven calls a layer, whose
-// host work (~10 ms a step at 64 sequences on SmolLM2's 30 layers) cost more than the norms,
-// rotary and SiLU together. `weights` holds six tensors a layer (input norm, qkv, o,
-// post-attention norm, gate_up, down; the linears as bf16_gemm_pack laid them out, or oneDNN
-// where `onednn`: layer_linear), `caches` two (keys, values). Returns the last layer's output and
-// its residual.
+// SiLU-and-multiply and the down GEMM; Qwen3's per-head RMSNorm of q and k before rotary where
+// `qk_norms` holds them. The same kernels with the same operands in the same order as the
+// modules' forward, so the same bits; from Python those are eleven calls a layer, whose host
+// work (~10 ms a step at 64 sequences on SmolLM2's 30 layers) cost more than the norms, rotary
+// and SiLU together. `weights` holds six tensors a layer (input norm, qkv, o, post-attention
+// norm, gate_up, down; the linears as bf16_gemm_pack laid them out, or oneDNN where `onednn`:
+// layer_linear), `biases` four (the linears', None where a linear has none), `qk_norms` two
+// (q_norm's and k_norm's weights, eps `qk_eps`) or none at all, `caches` two (keys, values).
+// Returns the last layer's output and its residual.
 std::vector<at::Tensor> decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
+                                      const std::vector<c10::optional<at::Tensor>>& biases,
+                                      const std::vector<at::Tensor>& qk_norms,
                                       const std::vector<at::Tensor>& caches, const at::Tensor& cos,
                                       const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& rows,
                                       const at::Tensor& tables, const at::Tensor& lens, int64_t heads, int64_t kv_heads,
-                                      int64_t head_dim, int64_t intermediate, double eps, double scale,
-                                      bool onednn) {
+                                      int64_t head_dim, int64_t intermediate, double eps, double qk_eps,
+                                      double scale, bool onednn) {
   constexpr size_t kPerLayer = 6;
-  TORCH_CHECK(weights.size() % kPerLayer == 0 && caches.size() * kPerLayer == weights.size() * 2,
-              "six weights and two caches a layer");
+  const size_t layers = weights.size() / kPerLayer;
+  TORCH_CHECK(weights.size() == layers * kPerLayer && caches.size() == 2 * layers && biases.size() == 4 * layers &&
+                  (qk_norms.empty() || qk_norms.size() == 2 * layers),
+              "six weights, four biases, two caches and none or two q/k norms a layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t t = x.size(0), hidden = x.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor residual;
-  for (size_t l = 0; l * kPerLayer < weights.size(); ++l) {
+  for (size_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[l * kPerLayer];
     if (l == 0) {
       residual = x;
@@ -2258,16 +2265,24 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const std::vector<at::Tensor
       x = normed[0];
       residual = normed[1];
     }
-    const at::Tensor qkv = layer_linear(x, w[1], q_size + 2 * kv_size, onednn);
-    auto qk = rotary_qk(qkv.narrow(1, 0, q_size).view({t, heads, head_dim}),
-                        qkv.narrow(1, q_size, kv_size).view({t, kv_heads, head_dim}), cos, sin);
+    const c10::optional<at::Tensor>* b = &biases[l * 4];
+    const at::Tensor qkv = layer_linear(x, w[1], b[0], q_size + 2 * kv_size, onednn);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({t, heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads, head_dim});
+    if (!qk_norms.empty()) {  // as RMSNorm's forward over [tokens, heads, head_dim] does
+      q = rms_norm(q.reshape({-1, head_dim}), qk_norms[2 * l], qk_eps, c10::nullopt)[0].view({t, heads, head_dim});
+      k = rms_norm(k.reshape({-1, head_dim}), qk_norms[2 * l + 1], qk_eps, c10::nullopt)[0].view(
+          {t, kv_heads, head_dim});
+    }
+    auto qk = rotary_qk(q, k, cos, sin);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
     write_kv_cache(qk[1], v, caches[2 * l], caches[2 * l + 1], slots);
     at::Tensor o = at::empty_like(qk[0], at::MemoryFormat::Contiguous);
     decode_attention(o, qk[0], caches[2 * l], caches[2 * l + 1], rows, tables, lens, scale, 0, 0.0);
-    auto normed = rms_norm(layer_linear(o.view({t, q_size}), w[2], hidden, onednn), w[3], eps, residual);
+    auto normed = rms_norm(layer_linear(o.view({t, q_size}), w[2], b[1], hidden, onednn), w[3], eps, residual);
     residual = normed[1];
-    x = layer_linear(silu_and_mul(layer_linear(normed[0], w[4], 2 * intermediate, onednn)), w[5], hidden, onednn);
+    x = layer_linear(silu_and_mul(layer_linear(normed[0], w[4], b[2], 2 * intermediate, onednn)), w[5], b[3], hidden,
+                     onednn);
   }
   return {x, residual};
 }
