@@ -70,7 +70,7 @@ def _qk_eps(layer: DecoderLayer) -> tuple[float, float] | None:
     attn = layer.self_attn
     if attn.q_norm is None or attn.k_norm is None:
         return None
-    return attn.q_norm.eps, attn.k_norm.eps
+    return cast(RMSNorm, attn.q_norm).eps, cast(RMSNorm, attn.k_norm).eps
 
 
 class DecodeStack:
@@ -135,9 +135,9 @@ class DecodeStack:
             linears = _linears(layer)
             packed = [m.packed_copy() for m in linears]
             attn = layer.self_attn
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            norms: list[torch.Tensor] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if attn.q_norm is not None and attn.k_norm is not None:
-                norms += [attn.q_norm.weight, attn.k_norm.weight]
+                norms += [cast(RMSNorm, attn.q_norm).weight, cast(RMSNorm, attn.k_norm).weight]
                 qk_norms += norms[2:]
             if any(p is None for p in packed) or any(w.dtype != dtype for w in norms):
                 return None
