@@ -441,6 +441,38 @@ void decode_attention_impl(const DecodeCall<T, TC> a) {
 }
 
 #if defined(__AVX512F__)
+// The 16 x 16 floats in r transposed in place (lane j of r[i] <- lane i of r[j]): unpacks of
+// pairs, then of 64-bit pairs, then two rounds of 128-bit block shuffles.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  const auto lo = [](__m512 x, __m512 y) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
+  };
+  const auto hi = [](__m512 x, __m512 y) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
+  };
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = lo(t[i], t[i + 2]);
+    r[i + 1] = hi(t[i], t[i + 2]);
+    r[i + 2] = lo(t[i + 1], t[i + 3]);
+    r[i + 3] = hi(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // 16 consecutive values of a cached key or value, widened to float32
 template <typename T>
 inline __m512 load16(const T* p) {
@@ -1218,11 +1250,25 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
     }
     j += m;
   }
-  alignas(64) float inv[R];
-  for (int v = 0; v < NRV; ++v) _mm512_store_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.f), total[v]));
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = a.op + (q_start + tile.first + r / a.group) * a.o_row + (tile.kv_head * a.group + r % a.group) * DIM;
-    for (int d = 0; d < DIM; ++d) put(o + d, obuf[d * R + r] * inv[r]);
+  // out = obuf / total, each row's DIM values from obuf's column: 16 rows x 16 dimensions at a
+  // time transposed in registers into `row` (rows of DIM), then rounded to T. Read column-wise
+  // one value at a time, this had taken a quarter of the kernel (13.9k prompt tokens of
+  // SmolLM2's heads: 18.5 -> 13.8 ms a layer without it); the same products, so the same bits.
+  static_assert(DIM % 16 == 0, "the output is transposed in blocks of 16 dimensions");
+  alignas(64) float row[16 * DIM];
+  for (int v = 0; v < NRV && 16 * v < rows; ++v) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), total[v]);
+    for (int c = 0; c < DIM / 16; ++c) {
+      __m512 block[16];
+      for (int e = 0; e < 16; ++e) block[e] = _mm512_mul_ps(_mm512_loadu_ps(obuf + (16 * c + e) * R + 16 * v), inv);
+      transpose16(block);
+      for (int e = 0; e < 16; ++e) _mm512_store_ps(row + e * DIM + 16 * c, block[e]);
+    }
+    for (int64_t e = 0, r = 16 * v; e < 16 && r < rows; ++e, ++r) {
+      T* o = a.op + (q_start + tile.first + r / a.group) * a.o_row + (tile.kv_head * a.group + r % a.group) * DIM;
+      const float* x = row + e * DIM;
+      for (int d = 0; d < DIM; ++d) put(o + d, x[d]);
+    }
   }
 }
 
