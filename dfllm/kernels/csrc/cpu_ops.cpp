@@ -527,6 +527,21 @@ inline const float* as_float(const TC* p, int64_t m, int64_t slot, float* wide) 
   }
 }
 
+// as_float for one KV head of a prefill tile: only the head's DIM values of each of the m
+// tokens (at h_off in each slot) are widened, in place in `wide`'s slot layout (the rest is left
+// unwritten and never read); returns the head's values. With 3 KV heads the whole slots had
+// tripled the widening, with 8 (Llama 3, Qwen3) it cost more than the weighted sum itself.
+template <int DIM, typename TC>
+inline const float* head_as_float(const TC* p, int64_t m, int64_t slot, int64_t h_off, float* wide) {
+  if constexpr (std::is_same_v<TC, float>) {
+    return p + h_off;
+  } else {
+    for (int64_t t = 0; t < m; ++t)
+      for (int e = 0; e < DIM; e += 16) _mm512_storeu_ps(&wide[t * slot + h_off + e], load16(p + t * slot + h_off + e));
+    return wide + h_off;
+  }
+}
+
 // fast_exp on 16 lanes: the same steps (round to nearest, the same polynomial), so the same values
 inline __m512 fast_exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
@@ -1201,7 +1216,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
         continue;
       }
     }
-    const float* key = as_float(a.kp + at, m, a.slot, wide) + h_off;
+    const float* key = head_as_float<DIM>(a.kp + at, m, a.slot, h_off, wide);
     int64_t t = 0;
     for (; t + 4 <= m; t += 4) {  // four keys at a time: each query vector loaded once for four
       __m512 acc[4][NRV];
@@ -1259,7 +1274,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);
-    const float* value = as_float(a.vp + at, m, a.slot, wide) + h_off;
+    const float* value = head_as_float<DIM>(a.vp + at, m, a.slot, h_off, wide);
     const float* w = sbuf + (j - kstart) * R;
     for (int d0 = 0; d0 < DIM; d0 += 4) {
       __m512 acc[4][NRV];
@@ -1319,13 +1334,14 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   alignas(64) int32_t pos[R];
   tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, qt);
   auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, kend, m); };
-  // m cached tokens as float32: the cache itself, or widened once into `wide`
+  // m cached tokens of this KV head as float32 (returned at h_off, slots a.slot apart): the cache
+  // itself, or the head's DIM values of each token widened into `wide` (as head_as_float does)
   auto widen = [&](const TC* p, int64_t m) -> const float* {
     if constexpr (std::is_same_v<TC, float>) {
-      return p;
+      return p + h_off;
     } else {
-      load(wide, p, m * a.slot);
-      return wide;
+      for (int64_t t = 0; t < m; ++t) load(wide + t * a.slot + h_off, p + t * a.slot + h_off, DIM);
+      return wide + h_off;
     }
   };
 
@@ -1333,7 +1349,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);  // sets m
-    const float* key = widen(a.kp + at, m) + h_off;
+    const float* key = widen(a.kp + at, m);
     float* s = sbuf + (j - kstart) * R;
     int64_t t = 0;
     for (; t + 2 <= m; t += 2) {
@@ -1389,7 +1405,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);
-    const float* value = widen(a.vp + at, m) + h_off;
+    const float* value = widen(a.vp + at, m);
     const float* w = sbuf + (j - kstart) * R;
     for (int d = 0; d < DIM; ++d) {
       float* od = obuf + d * R;
