@@ -394,11 +394,11 @@ def decode_layers_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama-family decoder layers over a decode-only step, in one call: ``x`` ``[tokens, hidden]``
     the first layer's input; per layer six ``weights`` (input norm, qkv, o, post-attention norm,
-    gate_up, down; the linears packed for one GEMM, none with a bias: as :func:`bf16_gemm_pack_cpu`
-    laid them out, or with ``onednn`` as ``torch.ops.mkldnn._reorder_linear_weight`` did), four
+    gate_up, down; the linears packed for one GEMM: as :func:`bf16_gemm_pack_cpu` laid them out,
+    or with ``onednn`` as ``torch.ops.mkldnn._reorder_linear_weight`` did), four
     ``biases`` (the linears', None where one has none), none or two ``qk_norms`` (Qwen3's q_norm
-    and k_norm weights, epsilon ``qk_eps``) and two ``caches`` (keys, values); ``cos``/``sin`` the tokens' rotary
-    tables, ``slots`` their cache slots, ``decodes`` the step's decode batch. The kernels and
+    and k_norm weights, epsilon ``qk_eps``) and two ``caches`` (keys, values); ``cos``/``sin``
+    the tokens' rotary tables, ``slots`` their cache slots, ``decodes`` the step's decode batch. The kernels and
     their order are the modules' (:class:`~dfllm.models.llama.DecoderLayer`), so are the
     results. Returns the last layer's output and residual."""
     ext = load()

@@ -255,6 +255,21 @@ inline void load(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
 }
 
+// One KV head of m cached tokens as float32, for a prefill tile: the cache itself (TC float),
+// or only that head's DIM values of each token (at h_off in each slot of `slot` elements)
+// widened into `wide`, in the cache's slot layout (the rest left unwritten and never read);
+// returns the head's values, slots `slot` apart. With 3 KV heads the whole slots had tripled
+// the widening, with 8 (Llama 3, Qwen3) it cost more than the weighted sum itself.
+template <int DIM, typename TC>
+inline const float* head_as_float(const TC* p, int64_t m, int64_t slot, int64_t h_off, float* wide) {
+  if constexpr (std::is_same_v<TC, float>) {
+    return p + h_off;
+  } else {
+    for (int64_t t = 0; t < m; ++t) load(wide + t * slot + h_off, p + t * slot + h_off, DIM);
+    return wide + h_off;
+  }
+}
+
 // Each query head's softmax over its scores [heads, span], in place and unnormalised
 // (exp(s - max)); each head's sum goes to total[head], by which its output is divided at the
 // end. With cap > 0 the scores are soft-capped first: cap * tanh(s / cap).
@@ -524,21 +539,6 @@ inline const float* as_float(const TC* p, int64_t m, int64_t slot, float* wide) 
   } else {
     for (int64_t e = 0; e < m * slot; e += 16) _mm512_storeu_ps(&wide[e], load16(p + e));
     return wide;
-  }
-}
-
-// as_float for one KV head of a prefill tile: only the head's DIM values of each of the m
-// tokens (at h_off in each slot) are widened, in place in `wide`'s slot layout (the rest is left
-// unwritten and never read); returns the head's values. With 3 KV heads the whole slots had
-// tripled the widening, with 8 (Llama 3, Qwen3) it cost more than the weighted sum itself.
-template <int DIM, typename TC>
-inline const float* head_as_float(const TC* p, int64_t m, int64_t slot, int64_t h_off, float* wide) {
-  if constexpr (std::is_same_v<TC, float>) {
-    return p + h_off;
-  } else {
-    for (int64_t t = 0; t < m; ++t)
-      for (int e = 0; e < DIM; e += 16) _mm512_storeu_ps(&wide[t * slot + h_off + e], load16(p + t * slot + h_off + e));
-    return wide + h_off;
   }
 }
 
@@ -1334,22 +1334,12 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   alignas(64) int32_t pos[R];
   tile_queries<T, TC, DIM, R>(a, tile, q_start, base, pos, qt);
   auto chunk = [&](int64_t j, int64_t& m) { return a.chunk(table, j, kend, m); };
-  // m cached tokens of this KV head as float32 (returned at h_off, slots a.slot apart): the cache
-  // itself, or the head's DIM values of each token widened into `wide` (as head_as_float does)
-  auto widen = [&](const TC* p, int64_t m) -> const float* {
-    if constexpr (std::is_same_v<TC, float>) {
-      return p + h_off;
-    } else {
-      for (int64_t t = 0; t < m; ++t) load(wide + t * a.slot + h_off, p + t * a.slot + h_off, DIM);
-      return wide + h_off;
-    }
-  };
 
   // pass 1: scores [keys, rows], two keys at a time (each query row loaded once for both)
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);  // sets m
-    const float* key = widen(a.kp + at, m);
+    const float* key = head_as_float<DIM>(a.kp + at, m, a.slot, h_off, wide);
     float* s = sbuf + (j - kstart) * R;
     int64_t t = 0;
     for (; t + 2 <= m; t += 2) {
@@ -1405,7 +1395,7 @@ void prefill_tile(const PrefillCall<T, TC>& a, const PrefillTile& tile, float* q
   for (int64_t j = kstart; j < kend;) {
     int64_t m;
     const int64_t at = chunk(j, m);
-    const float* value = widen(a.vp + at, m);
+    const float* value = head_as_float<DIM>(a.vp + at, m, a.slot, h_off, wide);
     const float* w = sbuf + (j - kstart) * R;
     for (int d = 0; d < DIM; ++d) {
       float* od = obuf + d * R;
