@@ -40,6 +40,27 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     return [(tuple(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
+def with_and_without_stack(path, prompts: list[list[int]], **llm_kwargs) -> tuple[list[tuple], list[tuple]]:
+    """``generate``'s outputs through the modules only, then with the stack, each from a fresh
+    engine (the scheduler learns how long outputs run, so a second run in one engine may
+    preempt other sequences, recomputed by the prefill kernel); the stack must be built and
+    taken by some decode-only step."""
+
+    def run(stack: bool) -> list[tuple]:
+        llm = LLM(path, **llm_kwargs)
+        (decoder,) = decoder_models(llm.engine.runner)
+        assert isinstance(decoder.decode_stack, DecodeStack) and decoder.decode_stack.calls == 0
+        if not stack:
+            decoder.decode_stack = None
+        out = generate(llm, prompts)
+        if stack:
+            assert decoder.decode_stack.calls > 0  # decode-only steps took it
+        llm.shutdown()
+        return out
+
+    return run(stack=False), run(stack=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 64), (6, 2, 384), (2, 2, 256)])
 def test_decode_steps_through_the_stack_equal_the_modules_bit_for_bit(
@@ -52,26 +73,10 @@ def test_decode_steps_through_the_stack_equal_the_modules_bit_for_bit(
     path = build_tiny_model(tmp_path, smollm2_dir, heads=heads, kv_heads=kv_heads, hidden=hidden, layers=layers)
     token_bytes = 2 * layers * kv_heads * (hidden // heads) * dtype.itemsize  # keys and values
     prompts = random_prompts(12, 3, 60, seed=hidden)
-
-    def drop(worker):
-        for m in decoder_models(worker):
-            m.decode_stack = None
-
-    def run(stack: bool) -> list[tuple]:
-        # a fresh engine each: the scheduler learns how long outputs run, so a second run in
-        # one engine may preempt other sequences (recomputed by the prefill kernel)
-        llm = LLM(path, dtype=dtype, max_model_len=128, kv_cache_memory_bytes=160 * token_bytes)
-        if stack:
-            assert llm.collective_rpc(stack_calls)[0] == [0]
-        else:
-            llm.collective_rpc(drop)
-        out = generate(llm, prompts)
-        if stack:
-            assert llm.collective_rpc(stack_calls)[0][0] > 0  # decode-only steps took it
-        llm.shutdown()
-        return out
-
-    assert run(stack=False) == run(stack=True)
+    without, with_stack = with_and_without_stack(
+        path, prompts, dtype=dtype, max_model_len=128, kv_cache_memory_bytes=160 * token_bytes
+    )
+    assert without == with_stack
 
 
 def randomize_biases_and_qk_norms(model: torch.nn.Module) -> None:
@@ -95,20 +100,8 @@ def test_qwen_layers_through_the_stack_equal_the_modules_bit_for_bit(tmp_path, s
         head_dim=32, init=randomize_biases_and_qk_norms,
     )  # fmt: skip
     prompts = random_prompts(8, 3, 40, seed=7)
-
-    def run(stack: bool) -> list[tuple]:
-        llm = LLM(path, dtype=dtype, max_model_len=96)
-        decoder = decoder_models(llm.engine.runner)[0]
-        assert isinstance(decoder.decode_stack, DecodeStack)
-        if not stack:
-            decoder.decode_stack = None
-        out = generate(llm, prompts)
-        if stack:
-            assert decoder.decode_stack.calls > 0
-        llm.shutdown()
-        return out
-
-    assert run(stack=False) == run(stack=True)
+    without, with_stack = with_and_without_stack(path, prompts, dtype=dtype, max_model_len=96)
+    assert without == with_stack
 
 
 def test_models_whose_layers_differ_from_llamas_plain_layer_get_no_stack(tmp_path, smollm2_dir):
