@@ -112,6 +112,7 @@ class InputProcessor:
         tokenizer without its markers) is given to every request, for the template variables
         it was rendered with."""
         self.tokenizer = tokenizer
+        self._last_copy: SamplingParams | None = None  # the newest request's params copy (_shared)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -219,7 +220,7 @@ class InputProcessor:
             check_params_for_model(params, what, self.vocab_size, self.max_logprobs)
             params.check_supported(what)
             if self.tokenizer is None:
-                params = self._without_tokenizer(params, what)
+                params = self._shared(self._without_tokenizer(params, what))
             grammar = None
             if params.structured_outputs is not None:
                 constraint = with_engine_defaults(params.structured_outputs, *self.structured_defaults)
@@ -267,6 +268,17 @@ class InputProcessor:
             return None
         kwargs = prompt.chat_template_kwargs if isinstance(prompt, TokenizedPrompt) else None
         return self.reasoning.for_request(kwargs)
+
+    def _shared(self, params: SamplingParams) -> SamplingParams:
+        """``params``, or the previous request's copy when equal to it: the copies made per
+        request (``_without_tokenizer``'s) are then one object for a run of requests, as the
+        caller's own params are, so that the engine's per-step passes read each parameters
+        object once in a run of rows sharing it."""
+        last = self._last_copy
+        if last is not None and last is not params and last == params:
+            return last
+        self._last_copy = params
+        return params
 
     @staticmethod
     def _without_tokenizer(params: SamplingParams, what: str) -> SamplingParams:

@@ -54,7 +54,7 @@ from dfllm.engine.input_processor import EngineRequest, InputProcessor
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.output_processor import OutputProcessor
 from dfllm.engine.runner import lora_manager, make_runner
-from dfllm.engine.sampler import SampledStep, SampledToken, Sampler
+from dfllm.engine.sampler import SampledStep, Sampler, StepTokens
 from dfllm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.engine.step_inputs import StepOutput
@@ -167,7 +167,7 @@ class LLMEngine:
         self.followers: dict[str, list[Request]] = {}  # leader id -> requests given a copy of its output
         self.following: dict[str, str] = {}  # follower id -> its leader's id
         self.failures: dict[Hashable, BaseException] = {}  # group -> why it failed on its own
-        self.last_step_groups: set[Hashable] = set()  # the groups of the last step's sequences
+        self._last_step_seqs: list[Sequence] = []  # the last step's sequences (last_step_groups)
         # asynchronous scheduling (module docstring): the step launched whose tokens are not yet applied
         self.async_scheduling = cfg.async_scheduling
         self.in_flight: InFlight | None = None
@@ -301,6 +301,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests) + len(self.following)
 
+    @property
+    def last_step_groups(self) -> set[Hashable]:
+        """The groups (``add_request``'s ``group``) of the last step's sequences, made when asked."""
+        return {s.request.group for s in self._last_step_seqs}
+
     def take_failure(self, group: Hashable) -> BaseException | None:
         """The exception that made ``group`` fail on its own after a failed step (see the
         module docstring), forgotten once taken; None if it did not fail."""
@@ -365,9 +370,9 @@ class LLMEngine:
         sampled = self._sample(out.logits, out.sample_seqs)
         return self._end(out.sample_seqs, sampled, sched, before)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepTokens:
         """A token per row, or what is wrong with a row whose logits cannot be sampled."""
-        return self.sampler(logits, seqs) if seqs else []
+        return self.sampler.launch(logits, seqs).tokens() if seqs else StepTokens([])
 
     def _step_async(self) -> list[Request]:
         """One step with asynchronous scheduling (module docstring): schedule and launch this
@@ -408,12 +413,14 @@ class LLMEngine:
         sampled = step.sample.tokens()
         for seq in step.seqs:
             seq.pending_row = -1
-        kept = [(seq, tok) for seq, tok in zip(step.seqs, sampled) if not seq.is_finished]  # not aborted meanwhile
-        return self._end([seq for seq, _ in kept], [tok for _, tok in kept], step.sched, step.before)
+        kept = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]  # not aborted meanwhile
+        if len(kept) < len(step.seqs):
+            return self._end([step.seqs[i] for i in kept], sampled.select(kept), step.sched, step.before)
+        return self._end(step.seqs, sampled, step.sched, step.before)
 
     def _launch(self, sched: SchedulerOutput) -> StepOutput:
         """Run the model on a scheduled step (its adapters in their slots, new blocks zeroed)."""
-        self.last_step_groups = {s.request.group for s in sched.seqs}
+        self._last_step_seqs = sched.seqs
         if self.lora is not None:
             self._activate_loras(sched.seqs)
         self.runner.zero_blocks(self.scheduler.blocks_to_zero())
@@ -428,7 +435,7 @@ class LLMEngine:
             self.output_processor.add_prompt_logprobs(span.seq, span.start, logits)
 
     def _end(
-        self, seqs: list[Sequence], sampled: list[SampledToken | str], sched: SchedulerOutput, before: SchedulerStats
+        self, seqs: list[Sequence], sampled: StepTokens, sched: SchedulerOutput, before: SchedulerStats
     ) -> list[Request]:
         """Apply a step's sampled tokens; the requests they finished."""
         now = time.time()

@@ -258,7 +258,7 @@ class ModelRunner:
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta, **mm)
         if not inputs.logit_rows.numel():
             return StepOutput(torch.empty(0, device=self.device), [])
-        logits = model.compute_logits(hidden[inputs.logit_rows])
+        logits = model.compute_logits(hidden if inputs.every_row else hidden[inputs.logit_rows])
         return StepOutput.split(logits.float(), [inputs])
 
     def _run_graph(self, graphs: CudaGraphRunner, sched: SchedulerOutput) -> StepOutput:

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dfllm.engine.detokenizer import Detokenizer, Step
 from dfllm.engine.metrics import EngineMetrics
-from dfllm.engine.sampler import SampledToken
+from dfllm.engine.sampler import SampledToken, StepTokens
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput, token_first
 
@@ -50,20 +50,26 @@ class OutputProcessor:
         """Get a new sequence's text state ready (its decode window starts in the prompt)."""
         self.detokenizer.start(seq)
 
-    def process(self, seqs: list[Sequence], sampled: list[SampledToken | str], now: float) -> list[Sequence]:
-        """Apply one step's sampled tokens (or, for a row that could not be sampled, what was
-        wrong with its logits); the sequences that ended, with ``finish_reason`` set.
+    def process(self, seqs: list[Sequence], sampled: StepTokens, now: float) -> list[Sequence]:
+        """Apply one step's sampled tokens (row ``i`` is ``seqs[i]``'s; for a row that could not
+        be sampled, what was wrong with its logits); the sequences that ended, with
+        ``finish_reason`` set.
 
         The tokens' metrics are recorded once for the step (:meth:`EngineMetrics.observe_tokens`,
         the same values as one observation per token). A row whose parameters ask for no stop
         but the end-of-sequence token and the length limits, with no grammar and no text
         (``detokenize=False``), takes a short path that makes the same decisions as
         :meth:`_check_stop`."""
+        ids, with_logprobs, errors = sampled.ids, sampled.logprobs, sampled.errors
         # every token appended first, so that the text of the whole step is decoded in one call
-        for seq, tok in zip(seqs, sampled):
-            if not isinstance(tok, str):
-                seq.token_ids.append(tok.token_id)
-        texts = [s for s, t in zip(seqs, sampled) if not isinstance(t, str) and s.request.params.detokenize]
+        if errors:
+            for i, (seq, token) in enumerate(zip(seqs, ids)):
+                if i not in errors:
+                    seq.token_ids.append(token)
+        else:
+            for seq, token in zip(seqs, ids):
+                seq.token_ids.append(token)
+        texts = [s for i, s in enumerate(seqs) if s.request.params.detokenize and i not in errors]
         self._ready = dict(zip((s.seq_id for s in texts), self.detokenizer.prepare(texts))) if texts else {}
         ended = []
         ttfts: list[float] = []
@@ -72,17 +78,16 @@ class OutputProcessor:
         eos, max_len = self.eos_token_ids, self.max_model_len
         last_params, plain = None, False
         try:
-            for seq, tok in zip(seqs, sampled):
-                if isinstance(tok, str):
+            for i, (seq, token) in enumerate(zip(seqs, ids)):
+                if errors and i in errors:
                     seq.error = (
-                        f"the model produced non-finite logits ({tok}) at output token "
+                        f"the model produced non-finite logits ({errors[i]}) at output token "
                         f"{seq.num_output_tokens} (0-based)"
                     )
                     logger.warning("request %s: %s", seq.request.request_id, seq.error)
                     seq.finish_reason = "error"
                     ended.append(seq)
                     continue
-                token = tok.token_id
                 token_ids = seq.token_ids  # the token already appended (above)
                 req = seq.request
                 m = req.metrics
@@ -96,9 +101,10 @@ class OutputProcessor:
                     tpots.append(now - since)
                 m.last_token_time = now
                 p = req.params
-                if tok.logprob is not None:
+                if with_logprobs and i in with_logprobs:
+                    tok = with_logprobs[i]
+                    assert tok.logprob is not None and seq.logprobs is not None  # asked for
                     seq.cumulative_logprob += tok.logprob
-                    assert seq.logprobs is not None  # a list where logprobs were asked for
                     seq.logprobs.append(self._logprob_dict(tok, p.detokenize))
                 if p is not last_params:
                     last_params = p

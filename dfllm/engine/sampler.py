@@ -17,12 +17,15 @@ as log-probabilities or as logits. Prompt log-probabilities are always the raw o
 A row whose logits cannot be sampled (any NaN, any +inf, or no finite value: NaN weights, an
 overflow) gets a message instead of a token. Its maximum, taken before anything else changes
 the logits, tells which (torch's ``amax`` propagates NaN, is +inf with any +inf, -inf when
-nothing is finite); the row is sampled with the others and its token discarded, so no step
-waits on the device to learn which rows are bad.
+nothing is finite); the row is sampled with the others and its token id replaced by -1 on the
+device, so no step waits on the device to learn which rows are bad (only such a row's maximum
+is read afterwards, to name what is wrong).
 
-Everything runs where the logits are; only each row's maximum and chosen token id (``[rows]``)
-and the requested log-probabilities (``[rows]`` and ``[rows, k]``) come to the host, packed into
-one transfer by :func:`to_host`: the step's one device-to-host synchronisation. :meth:`Sampler.launch`
+Everything runs where the logits are; only each row's chosen token id (``[rows]``, -1 for a
+row that cannot be sampled) and the requested log-probabilities (``[rows]`` and ``[rows, k]``)
+come to the host, in one transfer by :func:`to_host`: the step's one device-to-host
+synchronisation. The host gets them as a :class:`StepTokens`: the ids, with an object only for
+a row that asked for log-probabilities or could not be sampled. :meth:`Sampler.launch`
 starts it without waiting (on CUDA into pinned memory), so that the engine can schedule and launch
 the next step, whose inputs read the chosen ids on the device, before it waits.
 """
@@ -30,7 +33,7 @@ the next step, whose inputs read the chosen ids on the device, before it waits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +52,51 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float, int]] | None = None  # (token id, logprob, rank): the token, then the top-k
+
+
+@dataclass(slots=True)
+class StepTokens:
+    """A step's sampled tokens, by row: every row's chosen token id; for the rows that asked
+    for log-probabilities, their :class:`SampledToken` (the same id with its log-probability
+    and top-k); and for a row whose logits could not be sampled (non-finite: its id means
+    nothing) what is wrong with them. Most steps ask for no log-probabilities and have no
+    such row: then a step is its ids alone, with no object per row."""
+
+    ids: list[int]
+    logprobs: dict[int, SampledToken] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def row(self, i: int) -> SampledToken | str:
+        """Row ``i`` as one value: what is wrong with its logits, or its token (with its
+        log-probabilities where asked)."""
+        if i in self.errors:
+            return self.errors[i]
+        return self.logprobs.get(i) or SampledToken(self.ids[i])
+
+    def rows(self) -> list[SampledToken | str]:
+        """Every row as :meth:`row` gives it."""
+        return [self.row(i) for i in range(len(self.ids))]
+
+    def select(self, keep: list[int]) -> StepTokens:
+        """The rows ``keep`` (in that order), renumbered from 0."""
+        where = {i: j for j, i in enumerate(keep)}
+        return StepTokens(
+            [self.ids[i] for i in keep],
+            {where[i]: t for i, t in self.logprobs.items() if i in where},
+            {where[i]: e for i, e in self.errors.items() if i in where},
+        )
+
+    @classmethod
+    def of(cls, rows: list[SampledToken | str]) -> StepTokens:
+        """The step whose rows are ``rows`` (each a token, or what is wrong with its logits)."""
+        return cls(
+            [-1 if isinstance(t, str) else t.token_id for t in rows],
+            {i: t for i, t in enumerate(rows) if not isinstance(t, str) and t.logprob is not None},
+            {i: t for i, t in enumerate(rows) if isinstance(t, str)},
+        )
 
 
 @dataclass
@@ -76,30 +124,31 @@ class HostLogprobs:
 
 @dataclass
 class HostCopy:
-    """The sampler's one host hand-off, under way: the step's numbers packed in one float64
-    tensor (exact for all of them) on its way to the host. On a CUDA device the copy goes into
-    pinned memory without waiting (``done`` marks its end), so the host can prepare the next
-    step meanwhile; :meth:`read` waits for it and unpacks."""
+    """The sampler's one host hand-off, under way: the chosen token ids, each row's coded -1
+    where its logits could not be sampled (the check ran on the device), alone as int64 or,
+    with log-probabilities, packed with them in one float64 tensor (exact for all of them), on
+    its way to the host. On a CUDA device the copy goes into pinned memory without waiting
+    (``done`` marks its end), so the host can prepare the next step meanwhile; :meth:`read`
+    waits for it and unpacks. ``row_max`` (each row's logit maximum, on the device) is read
+    only for a row coded -1, to say what is wrong with it."""
 
     flat: torch.Tensor
     done: torch.cuda.Event | None
     num_rows: int
-    has_max: bool
+    row_max: torch.Tensor | None
     logprobs: LogprobPayload | None
 
-    def read(self) -> tuple[list[int], HostLogprobs | None, list[float]]:
-        """The chosen token ids, the requested log-probabilities and each row's logit maximum."""
+    def read(self) -> tuple[list[int], HostLogprobs | None]:
+        """The chosen token ids (-1 where the row's logits could not be sampled) and the
+        requested log-probabilities."""
         if self.done is not None:
             self.done.synchronize()
-        flat = self.flat.tolist()
         n, logprobs = self.num_rows, self.logprobs
+        if logprobs is None:
+            return self.flat.tolist(), None
+        flat = self.flat.tolist()
         ids_host = [int(v) for v in flat[:n]]
         at = n
-        maxima: list[float] = []
-        if self.has_max:
-            maxima, at = flat[n : 2 * n], 2 * n
-        if logprobs is None:
-            return ids_host, None, maxima
         r = len(logprobs.rows)
         chosen, ranks = flat[at : at + r], [int(v) for v in flat[at + r : at + 2 * r]]
         at += 2 * r
@@ -110,19 +159,29 @@ class HostCopy:
             at += 2 * len(positions) * k
             for j, pos in enumerate(positions):
                 top[pos] = [(int(toks[j * k + c]), vals[j * k + c], c + 1) for c in range(k)]
-        return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top), maxima
+        return ids_host, HostLogprobs(logprobs.rows, chosen, ranks, top)
+
+    def what_is_wrong(self, row: int) -> str:
+        """Why row ``row`` (coded -1) could not be sampled, from its logit maximum: torch's
+        ``amax`` propagates NaN, is +inf with any +inf and -inf when nothing is finite."""
+        assert self.row_max is not None
+        top = float(self.row_max[row])
+        return "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
 
 
 def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: torch.Tensor | None = None) -> HostCopy:
-    """Start the sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``), the
-    requested log-probabilities and each row's logit maximum (``row_max``, ``[rows]``; for the
-    non-finite check), in one transfer; :meth:`HostCopy.read` gives them as Python numbers."""
-    parts = [token_ids.double()] + ([] if row_max is None else [row_max.double()])
-    if logprobs is not None:
-        parts += [logprobs.chosen.double(), logprobs.ranks.double()]
+    """Start the sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``), coded -1
+    on the device where ``row_max`` (``[rows]``, each row's logit maximum) is not finite, and
+    the requested log-probabilities, in one transfer; :meth:`HostCopy.read` gives them as
+    Python numbers."""
+    coded = token_ids if row_max is None else torch.where(torch.isfinite(row_max), token_ids, -1)
+    if logprobs is None:
+        flat = coded
+    else:
+        parts = [coded.double(), logprobs.chosen.double(), logprobs.ranks.double()]
         for _, values, ids in logprobs.top:
             parts += [values.double().flatten(), ids.double().flatten()]
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        flat = torch.cat(parts)
     done = None
     if flat.device.type == "cuda":
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -132,7 +191,7 @@ def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: t
         flat = host
     elif flat.device.type != "cpu":
         flat = flat.cpu()
-    return HostCopy(flat, done, token_ids.numel(), row_max is not None, logprobs)
+    return HostCopy(flat, done, token_ids.numel(), row_max, logprobs)
 
 
 @dataclass
@@ -143,15 +202,17 @@ class SampledStep:
     token_ids: torch.Tensor
     copy: HostCopy
 
-    def tokens(self) -> list[SampledToken | str]:
-        """A token per row (with its log-probabilities where asked), or for a row whose logits
-        cannot be sampled what is wrong with them; waits for the copy."""
-        ids, host, maxima = self.copy.read()
-        out: list[SampledToken | str] = list(_sampled_tokens(ids, host))
-        for i, top in enumerate(maxima):
-            if not math.isfinite(top):
-                out[i] = "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
-        return out
+    def tokens(self) -> StepTokens:
+        """The step's tokens (:class:`StepTokens`); waits for the copy."""
+        ids, host = self.copy.read()
+        logprobs: dict[int, SampledToken] = {}
+        if host is not None:
+            for j, i in enumerate(host.rows):
+                token_id, chosen = ids[i], host.chosen[j]
+                top = token_first(token_id, chosen, host.ranks[j], host.top.get(j, []))
+                logprobs[i] = SampledToken(token_id, chosen, top)
+        errors = {i: self.copy.what_is_wrong(i) for i, t in enumerate(ids) if t < 0} if ids and min(ids) < 0 else {}
+        return StepTokens(ids, logprobs, errors)
 
 
 class Sampler:
@@ -173,8 +234,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | str]:
         """A token per row (with its log-probabilities where asked), or for a row whose logits
-        cannot be sampled what is wrong with them (module docstring). ``logits`` may be changed."""
-        return self.launch(logits, seqs).tokens()
+        cannot be sampled what is wrong with them (module docstring; the engine takes the
+        step's :class:`StepTokens` from :meth:`launch`). ``logits`` may be changed."""
+        return self.launch(logits, seqs).tokens().rows()
 
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledStep:
@@ -329,13 +391,3 @@ def _logprob_payload(
         values, ids = _rows(raw, positions).topk(k, dim=-1)
         top.append((positions, values, ids))
     return LogprobPayload(rows, chosen.squeeze(1), ranks, top)
-
-
-def _sampled_tokens(ids: list[int], host: HostLogprobs | None) -> list[SampledToken]:
-    out = [SampledToken(t) for t in ids]
-    if host is None:
-        return out
-    for j, i in enumerate(host.rows):
-        token_id, chosen = ids[i], host.chosen[j]
-        out[i] = SampledToken(token_id, chosen, token_first(token_id, chosen, host.ranks[j], host.top.get(j, [])))
-    return out

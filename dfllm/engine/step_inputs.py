@@ -32,7 +32,8 @@ class PromptLogitSpan:
 class StepInputs:
     """A step's (or micro-batch's) token ids, positions and attention metadata, and the rows
     of the batch whose logits are computed: first one per sampled sequence
-    (``sample_seqs``), then the prompt positions of ``prompt_spans``, in order."""
+    (``sample_seqs``), then the prompt positions of ``prompt_spans``, in order
+    (``every_row``: they are all the batch's rows, in order, and need no gather)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -42,6 +43,7 @@ class StepInputs:
     prompt_spans: list[PromptLogitSpan] = field(default_factory=list)
     # a vision-language model's extra forward arguments (dfllm.multimodal.encoder.step_mm_kwargs)
     mm: dict = field(default_factory=dict)
+    every_row: bool = False
 
 
 @dataclass
@@ -298,7 +300,7 @@ def _prepare_decodes(
     sample_seqs = list(seqs) if len(sampling) == n else [seqs[i] for i in sampling.tolist()]
     if fill is not None:
         fill_pending(sent[at[0]], sent[fill[0]], sent[fill[1]], prev)
-    return StepInputs(sent[at[0]], sent[at[1]], meta, sent[at[2]], sample_seqs)
+    return StepInputs(sent[at[0]], sent[at[1]], meta, sent[at[2]], sample_seqs, every_row=len(sampling) == n)
 
 
 def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
@@ -339,6 +341,7 @@ def move_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
         inputs.sample_seqs,
         inputs.prompt_spans,
         move_mm(inputs.mm, device),
+        inputs.every_row,
     )
 
 

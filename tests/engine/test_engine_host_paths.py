@@ -20,7 +20,7 @@ from dfllm.engine.kv_memory import zero_blocks
 from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.metrics import EngineMetrics, snapshot
 from dfllm.engine.output_processor import OutputProcessor
-from dfllm.engine.sampler import SampledToken
+from dfllm.engine.sampler import SampledToken, StepTokens
 from dfllm.engine.scheduler import Scheduler, SchedulerOutput
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.outputs import RequestMetrics
@@ -77,7 +77,7 @@ def test_plain_stop_path_decides_as_check_stop(kw):
         for i, t in enumerate(tokens):
             if fast.finish_reason is not None:
                 break
-            proc.process([fast], [SampledToken(t)], float(i + 1))
+            proc.process([fast], StepTokens.of([SampledToken(t)]), float(i + 1))
             slow.token_ids.append(t)
             expected = proc._check_stop(slow, t)
             assert (fast.finish_reason, fast.stop_reason) == expected, (kw, tokens, i)
@@ -90,10 +90,10 @@ def test_process_records_each_token_once_and_errors_end_rows():
     proc = OutputProcessor(None, {2}, 100, metrics)
     params = SamplingParams(detokenize=False, max_tokens=3)
     a, b = _plain_seq(params, [1, 1], []), _plain_seq(params, [1, 1, 1], [])
-    assert proc.process([a, b], [SampledToken(4), "NaN"], 1.0) == [b]
+    assert proc.process([a, b], StepTokens.of([SampledToken(4), "NaN"]), 1.0) == [b]
     assert b.finish_reason == "error" and "NaN" in (b.error or "")
-    assert proc.process([a], [SampledToken(4)], 1.5) == []
-    assert proc.process([a], [SampledToken(4)], 2.5) == [a] and a.finish_reason == "length"
+    assert proc.process([a], StepTokens([4]), 1.5) == []
+    assert proc.process([a], StepTokens([4]), 2.5) == [a] and a.finish_reason == "length"
     values = {x.name: x for x in snapshot(metrics.registry)}
     assert values["dfllm_generation_tokens"].value == 3
     assert values["dfllm_prompt_tokens"].value == 2
@@ -233,6 +233,8 @@ def test_whole_batch_decode_inputs_equal_the_loops(step):
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
     assert fast.sample_seqs == loop.sample_seqs and fast.prompt_spans == loop.prompt_spans == []
+    # the runner skips the logit rows' gather exactly when they are every row, in order
+    assert fast.every_row == (fast.logit_rows.tolist() == list(range(len(sched.seqs))))
     assert (fast.meta.max_query_len, fast.meta.max_seq_len) == (loop.meta.max_query_len, loop.meta.max_seq_len)
     assert fast.meta.prefills == loop.meta.prefills == []
     width = max(len(s.block_table) for s in sched.seqs)  # each table padded with its own last block
@@ -282,3 +284,23 @@ def test_host_pack_sends_every_array_in_order(device):
     sent = pack.send(torch.device(device))
     for got, want in zip(sent, arrays, strict=True):
         assert got.device.type == device and got.dtype == want.dtype and torch.equal(got.cpu(), want)
+
+
+_row = st.one_of(
+    st.builds(SampledToken, st.integers(0, 500)),  # a token without log-probabilities
+    st.builds(SampledToken, st.integers(0, 500), st.floats(-30, 0), st.just([(1, -0.5, 1)])),
+    st.sampled_from(["NaN", "+inf", "no finite value"]),  # a row whose logits could not be sampled
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_row, max_size=12), st.data())
+def test_step_tokens_keep_every_row_through_select(rows, data):
+    """A step's tokens held as ids with objects only where needed give every row back as it
+    was, and a selection of rows (the async step's rows not aborted meanwhile) those rows."""
+    step = StepTokens.of(rows)
+    assert len(step) == len(rows) and step.rows() == rows
+    special = {i for i, r in enumerate(rows) if isinstance(r, str) or r.logprob is not None}
+    assert set(step.logprobs) | set(step.errors) == special
+    keep = sorted(data.draw(st.sets(st.integers(0, max(0, len(rows) - 1)))) & set(range(len(rows))))
+    assert step.select(keep).rows() == [rows[i] for i in keep]

@@ -231,7 +231,7 @@ def test_only_row_sized_results_cross_to_the_host(mode, host_reads):
     assert [name for name, _ in host_reads["inside"]] == ["tolist"]  # one transfer
     (shapes,) = host_reads["to_host"]
     k = seqs[0].params.logprobs
-    assert shapes[:2] == [(rows,), ("max", rows)]  # the tokens and the non-finite check, in the one transfer
+    assert shapes[:2] == [(rows,), ("max", rows)]  # the tokens, coded by the non-finite check there
     expected = [] if k is None else [(rows,), (rows,)] + ([(rows, VOCAB if k == -1 else k)] * 2 if k else [])
     assert shapes[2:] == expected
 
