@@ -43,6 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from dfllm.engine import prefix_hash
+from dfllm.engine.block_tables import BlockTableArray
 from dfllm.engine.prefix_hash import block_hash, prefix_block_hashes
 from dfllm.engine.sequence import Sequence
 from dfllm.multimodal.inputs import block_tokens
@@ -93,6 +94,9 @@ class BlockManager:
         self.to_zero: list[int] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # every block table also as a row of one array (dfllm.engine.block_tables): this class
+        # is the one place that changes a block table, and writes each change there too
+        self.tables = BlockTableArray()
 
     @property
     def num_blocks(self) -> int:
@@ -172,6 +176,7 @@ class BlockManager:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+            self.tables.append(seq, block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         self.prefix_queries += seq.num_tokens
@@ -214,6 +219,7 @@ class BlockManager:
         while i >= 0 and table[i] != FREED:  # newly dead blocks, back to the ones released before
             self._release(table[i])
             table[i] = FREED
+            self.tables.set(seq, i, FREED)
             i -= 1
 
     def _release(self, block_id: int) -> None:
@@ -267,6 +273,7 @@ class BlockManager:
                 block.token_ids = ()
             block.ref_count = 1
             seq.block_table.append(block_id)
+            self.tables.append(seq, block_id)
             self.to_zero.append(block_id)
 
     def drain_to_zero(self) -> list[int]:
@@ -281,5 +288,6 @@ class BlockManager:
             if block_id != FREED:
                 self._release(block_id)
         seq.block_table = []
+        self.tables.release(seq)
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

@@ -45,6 +45,7 @@ from dfllm.engine_args import CAPTURE_SIZES_FIELD
 from dfllm.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
+    from dfllm.engine.block_tables import BlockTableArray
     from dfllm.engine.scheduler import SchedulerOutput
     from dfllm.engine.sequence import Sequence
     from dfllm.models.llama import LlamaForCausalLM
@@ -193,28 +194,31 @@ class CudaGraphRunner:
             and not any(s.needs_prompt_logprobs or len(s.block_table) > self.table_width for s in seqs)
         )
 
-    def load(self, seqs: list[Sequence], prev: torch.Tensor | None = None) -> tuple[int, np.ndarray]:
+    def load(
+        self, seqs: list[Sequence], prev: torch.Tensor | None = None, tables: BlockTableArray | None = None
+    ) -> tuple[int, np.ndarray]:
         """Copy a decode batch into the buffers (rows ``0..len(seqs)``), pad the rest of the
         smallest bucket holding it; that bucket, and the rows that sample (all but a one-token
         prompt chunk not yet at its end). A sequence whose token is still on the device takes it
-        from ``prev``, the step in flight's sampled ids (asynchronous scheduling)."""
+        from ``prev``, the step in flight's sampled ids (asynchronous scheduling); the block
+        tables come from ``tables`` where given (:func:`~dfllm.engine.step_inputs.decode_arrays`)."""
         n = len(seqs)
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None, f"{n} sequences exceed the largest bucket {self.sizes[-1]}"
-        arrays = decode_arrays(seqs, self.block_size)
+        arrays = decode_arrays(seqs, self.block_size, tables)
         pack = HostPack()  # one copy per dtype, without waiting for the device
         pack.add(np.concatenate([arrays.ids, arrays.positions, arrays.slots]), torch.long, (3, n))
         pack.add(arrays.seq_lens, torch.int32)
         pack.add(arrays.own_tables(), torch.int32, arrays.tables.shape)
         pack.add(np.stack([arrays.fill_rows, arrays.fill_from]), torch.long, (2, len(arrays.fill_rows)))
-        rows, seq_lens, tables, fill = pack.send(self.device)
+        rows, seq_lens, sent_tables, fill = pack.send(self.device)
         self.input_ids[:n].copy_(rows[0])
         if fill.shape[1]:
             fill_pending(self.input_ids, fill[0], fill[1], prev)
         self.positions[:n].copy_(rows[1])
         self.slot_mapping[:n].copy_(rows[2])
         self.seq_lens[:n].copy_(seq_lens)
-        self.block_tables[:n, : tables.shape[1]].copy_(tables)
+        self.block_tables[:n, : sent_tables.shape[1]].copy_(sent_tables)
         self._pad(n, bucket)
         return bucket, arrays.sampling
 
@@ -232,11 +236,13 @@ class CudaGraphRunner:
         else:
             self.block_tables[start:stop, 0].copy_(self.block_tables[0, 0])
 
-    def forward(self, seqs: list[Sequence], prev: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    def forward(
+        self, seqs: list[Sequence], prev: torch.Tensor | None = None, tables: BlockTableArray | None = None
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """Hidden states ``[len(seqs), hidden]`` of a decode batch that :meth:`fits`: its graph
         replayed (or, without graphs, the same padded forward run eagerly), and the rows that
         sample. The tensor is the graph's output buffer: use it before the next step."""
-        bucket, sampling = self.load(seqs, prev)
+        bucket, sampling = self.load(seqs, prev, tables)
         self.replays += 1
         if self.captured:
             self.graphs[bucket].replay()

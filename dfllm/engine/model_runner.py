@@ -266,7 +266,7 @@ class ModelRunner:
         sequences that sample (all of them, but for a one-token prompt chunk not yet at its end)."""
         model = self.model
         assert model is not None
-        hidden, rows = graphs.forward(sched.seqs, sched.prev_token_ids)
+        hidden, rows = graphs.forward(sched.seqs, sched.prev_token_ids, sched.tables)
         if not len(rows):
             return StepOutput(torch.empty(0, device=self.device), [])
         seqs = sched.seqs

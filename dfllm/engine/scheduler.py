@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dfllm.engine.block_manager import BlockManager
+from dfllm.engine.block_tables import BlockTableArray
 from dfllm.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class SchedulerOutput:
     # asynchronous scheduling: the step in flight's sampled token ids (on the device), where the
     # runner reads the input of each sequence with a ``pending_row``; None: every input is known
     prev_token_ids: torch.Tensor | None = None
+    # the block manager's rows of its sequences' block tables (dfllm.engine.block_tables), for
+    # a decode step's inputs; None: read the tables from the sequences' lists
+    tables: BlockTableArray | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -198,7 +202,7 @@ class Scheduler:
         )
 
     def _schedule_once(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(tables=self.bm.tables)
         budget = self.max_num_batched_tokens
         bs, status_running = self.bm.block_size, SequenceStatus.RUNNING
         seqs, counts = out.seqs, out.num_new_tokens

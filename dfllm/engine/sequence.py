@@ -47,6 +47,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     block_table: list[int] = field(default_factory=list)
+    table_row: int = -1  # its row in the block manager's BlockTableArray while it holds blocks (-1: none)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks (prefix-aware admission)
     waiting_since: int = 0  # the scheduler's admission count at which first come, first served would admit it
