@@ -50,7 +50,7 @@ class _Pack:
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
     """Edit ``logits`` (one row per sequence of ``seqs``) in place with each row's bias,
     allowed tokens, bad words, penalties and ``min_tokens`` ban."""
-    if not _any_edit(seqs):
+    if not edits_logits(seqs):
         return
     vocab = logits.shape[1]
     pack = _Pack()
@@ -119,7 +119,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: s
         logits[t["min_rows"], t["min_ids"]] = _NEG_INF
 
 
-def _any_edit(seqs: list[Sequence]) -> bool:
+def edits_logits(seqs: list[Sequence]) -> bool:
     """Whether some row may have an edit: False only where no row has a bias, allowed tokens,
     bad words, a penalty or ``min_tokens`` (each parameters object checked once in a run of
     rows that share it, the usual case)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dfllm.engine.logit_penalties import apply_penalties
+from dfllm.engine.logit_penalties import apply_penalties, edits_logits
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.structured import apply_masks
 from dfllm.kernels.backend import argmax_rows
@@ -129,13 +129,13 @@ class HostCopy:
     with log-probabilities, packed with them in one float64 tensor (exact for all of them), on
     its way to the host. On a CUDA device the copy goes into pinned memory without waiting
     (``done`` marks its end), so the host can prepare the next step meanwhile; :meth:`read`
-    waits for it and unpacks. ``row_max`` (each row's logit maximum, on the device) is read
-    only for a row coded -1, to say what is wrong with it."""
+    waits for it and unpacks. ``maxima`` (on the device) is read only for a row coded -1, to
+    say what is wrong with it."""
 
     flat: torch.Tensor
     done: torch.cuda.Event | None
     num_rows: int
-    row_max: torch.Tensor | None
+    maxima: torch.Tensor  # each row's logit maximum [rows], or the logits [rows, vocab] it is the maximum of
     logprobs: LogprobPayload | None
 
     def read(self) -> tuple[list[int], HostLogprobs | None]:
@@ -164,17 +164,27 @@ class HostCopy:
     def what_is_wrong(self, row: int) -> str:
         """Why row ``row`` (coded -1) could not be sampled, from its logit maximum: torch's
         ``amax`` propagates NaN, is +inf with any +inf and -inf when nothing is finite."""
-        assert self.row_max is not None
-        top = float(self.row_max[row])
+        values = self.maxima[row]
+        top = float(values.amax() if values.dim() else values)
         return "NaN" if math.isnan(top) else "+inf" if top > 0 else "no finite value"
 
 
-def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: torch.Tensor | None = None) -> HostCopy:
+def to_host(
+    token_ids: torch.Tensor,
+    logprobs: LogprobPayload | None,
+    row_max: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+) -> HostCopy:
     """Start the sampler's only host hand-off: the chosen ``token_ids`` (``[rows]``), coded -1
     on the device where ``row_max`` (``[rows]``, each row's logit maximum) is not finite, and
     the requested log-probabilities, in one transfer; :meth:`HostCopy.read` gives them as
-    Python numbers."""
-    coded = token_ids if row_max is None else torch.where(torch.isfinite(row_max), token_ids, -1)
+    Python numbers. Without ``row_max`` the ids come coded already (``argmax_rows``'
+    ``code_non_finite``), from ``logits`` as the model gave them."""
+    if row_max is None:
+        assert logits is not None  # what a coded row's maximum is read from
+        coded, maxima = token_ids, logits
+    else:
+        coded, maxima = torch.where(torch.isfinite(row_max), token_ids, -1), row_max
     if logprobs is None:
         flat = coded
     else:
@@ -191,13 +201,15 @@ def to_host(token_ids: torch.Tensor, logprobs: LogprobPayload | None, row_max: t
         flat = host
     elif flat.device.type != "cpu":
         flat = flat.cpu()
-    return HostCopy(flat, done, token_ids.numel(), row_max, logprobs)
+    return HostCopy(flat, done, token_ids.numel(), maxima, logprobs)
 
 
 @dataclass
 class SampledStep:
     """A step's sampling, launched: the chosen token ids on the device (the next step's inputs
-    can read them there: asynchronous scheduling) and their copy to the host under way."""
+    can read them there: asynchronous scheduling; a row that could not be sampled may hold
+    -1, read as token 0 there: its sequence ends with an error before that step's output is
+    applied) and their copy to the host under way."""
 
     token_ids: torch.Tensor
     copy: HostCopy
@@ -243,8 +255,13 @@ class Sampler:
         """Sample every row on the logits' device and start the copy of the results to the
         host, without waiting for the device. ``logits`` may be changed."""
         logits = logits.float()
-        row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
         lp_rows, drawn_rows, grammars = _row_kinds(seqs)
+        if not (lp_rows or drawn_rows or grammars or edits_logits(seqs)):
+            # every row greedy, on the logits as the model gave them: the argmax and the
+            # non-finite check in one pass (a row that fails it is -1 on the device too)
+            token_ids = argmax_rows(logits, code_non_finite=True)
+            return SampledStep(token_ids, to_host(token_ids, None, logits=logits))
+        row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
         raw, as_logprobs = self.logprobs_mode.startswith("raw"), self.logprobs_mode.endswith("logprobs")
         values = _logprob_values(_rows(logits, lp_rows), as_logprobs) if lp_rows and raw else None
         if grammars:

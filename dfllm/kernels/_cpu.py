@@ -34,7 +34,8 @@ references (:func:`load` returns None).
   padding slots).
 * :func:`argmax_rows_cpu`: greedy sampling's argmax over ``[rows, vocab]`` float32 logits,
   vectorised (torch's CPU argmax tracks its index scalar by scalar: 12x slower at SmolLM2's
-  49,152-token vocabulary); the same indices as ``torch.argmax``, ties and NaN included.
+  49,152-token vocabulary); the same indices as ``torch.argmax``, ties and NaN included, or
+  on request -1 for a row whose maximum is not finite (the sampler's check, in the same pass).
 * :func:`exact_top_logits_cpu`: a bfloat16 (float16) LM head's logits widened to float32, the
   few that could be their row's maximum recomputed in float32 (``dfllm.kernels.logits``).
 
@@ -301,9 +302,11 @@ def write_kv_cache_cpu(
     ext.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows_cpu(x: torch.Tensor, code_non_finite: bool = False) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D ``x``, through the vectorised kernel where it applies
-    (float32 on the CPU, contiguous rows, the kernels already loaded in this process)."""
+    (float32 on the CPU, contiguous rows, the kernels already loaded in this process); with
+    ``code_non_finite``, -1 for a row whose ``amax`` is not finite (NaN, +inf or -inf), found in
+    the same pass there."""
     if (
         x.device.type != "cpu"
         or x.dtype != torch.float32
@@ -312,10 +315,11 @@ def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
         or x.stride(1) != 1
         or not loaded()
     ):
-        return x.argmax(dim=-1)
+        ids = x.argmax(dim=-1)
+        return torch.where(torch.isfinite(x.amax(dim=-1)), ids, -1) if code_non_finite else ids
     ext = load()
     assert ext is not None
-    return ext.argmax_rows(x)
+    return ext.argmax_rows(x, code_non_finite)
 
 
 def encoder_attention_cpu(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int) -> torch.Tensor:

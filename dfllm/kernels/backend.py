@@ -161,12 +161,14 @@ def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.T
     return exact_top_logits_torch(logits, hidden, weight)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, code_non_finite: bool = False) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D ``x``, through the compiled CPU kernel where it applies
-    (float32 rows on a CPU where the kernels are loaded), ``torch.argmax`` elsewhere."""
+    (float32 rows on a CPU where the kernels are loaded), ``torch.argmax`` elsewhere; with
+    ``code_non_finite``, -1 for a row whose maximum is not finite (a NaN, a +inf, or no finite
+    value)."""
     from dfllm.kernels import _cpu
 
-    return _cpu.argmax_rows_cpu(x)
+    return _cpu.argmax_rows_cpu(x, code_non_finite)
 
 
 def build_cpu_kernels() -> bool:

@@ -477,6 +477,11 @@ def test_argmax_rows_matches_torch_ties_nan_and_inf_included(cpu_ops, width):
     got = _cpu.argmax_rows_cpu(x)
     assert _cpu.loaded() and got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
+    # coded: -1 exactly where torch.amax is not finite (rows 2, 4, 5, 7), the argmax elsewhere
+    coded = _cpu.argmax_rows_cpu(x, code_non_finite=True)
+    want = torch.where(torch.isfinite(x.amax(dim=-1)), x.argmax(dim=-1), -1)
+    assert torch.equal(coded, want) and (coded == -1).nonzero().flatten().tolist() == [2, 4, 5, 7]
+    assert torch.equal(_cpu.argmax_rows_cpu(x.double(), code_non_finite=True), want)  # torch's path
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -93,6 +93,23 @@ def test_nan_logits_fail_only_their_prompt(nan_model, tok):
     assert [o.outputs[0].token_ids for o in llm.generate(good, SamplingParams(**SP), use_tqdm=False)] == want
 
 
+def test_nan_logits_under_asynchronous_scheduling(nan_model, tok):
+    """With a step in flight, the NaN row's token (coded -1 on the device by the sampler's
+    check) is already the next step's input when the host learns it failed: that step reads
+    a valid token for it and drops its output; the failure and every other output are the
+    synchronous engine's."""
+    prompts = [GOOD[0], f"Tell me about a{NAN_WORD}.", GOOD[1]]
+    got = {}
+    for mode in (False, True):
+        llm = LLM(nan_model, async_scheduling=mode, **ENGINE)
+        assert llm.engine.async_scheduling == mode
+        with pytest.raises(RequestFailedError, match=r"prompt 1: the model produced non-finite logits \(NaN\)") as info:
+            llm.generate(prompts, SamplingParams(**SP), use_tqdm=False)
+        got[mode] = [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in info.value.outputs]
+        assert not llm.engine.has_unfinished_requests()
+    assert got[True] == got[False] and got[True][1] == ("error", [])
+
+
 @pytest.mark.slow
 def test_nan_in_the_kv_cache_reaches_no_other_sequence(nan_model):
     """A NaN sequence's keys and values never reach another sequence's attention: neither

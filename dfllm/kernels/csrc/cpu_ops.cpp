@@ -1829,8 +1829,10 @@ void write_kv_cache_impl(const at::Tensor& key, const at::Tensor& value, at::Ten
 // The index of each row's largest value, as torch.argmax: the first one among ties, and the
 // first NaN of a row that has one. Two passes over a row (its maximum, then where it first
 // occurs) instead of torch's scalar-tracking loop over [rows, vocab] logits: a row of a large
-// vocabulary stays in L2 between them.
-void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
+// vocabulary stays in L2 between them. With code_non_finite, a row whose maximum is not
+// finite (a NaN anywhere, a +inf anywhere, or nothing but -inf: torch.amax's NaN, +inf or
+// -inf) gets -1 instead: the sampler's non-finite check in the same pass.
+void argmax_rows_impl(at::Tensor& out, const at::Tensor& x, bool code_non_finite) {
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
@@ -1867,6 +1869,10 @@ void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
         }
       }
 #endif
+      if (code_non_finite && (nan || !std::isfinite(m))) {
+        op[r] = -1;
+        continue;
+      }
       if (nan) {
         while (row[at] == row[at]) ++at;
       } else {
@@ -2172,11 +2178,11 @@ at::Tensor exact_top_logits(const at::Tensor& logits, const at::Tensor& hidden, 
   return out;
 }
 
-at::Tensor argmax_rows(const at::Tensor& x) {
+at::Tensor argmax_rows(const at::Tensor& x, bool code_non_finite) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x must be float32 [rows, n > 0] with contiguous rows");
   auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  argmax_rows_impl(out, x);
+  argmax_rows_impl(out, x, code_non_finite);
   return out;
 }
 
