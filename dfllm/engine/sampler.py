@@ -256,9 +256,11 @@ class Sampler:
         host, without waiting for the device. ``logits`` may be changed."""
         logits = logits.float()
         lp_rows, drawn_rows, grammars = _row_kinds(seqs)
-        if not (lp_rows or drawn_rows or grammars or edits_logits(seqs)):
+        if logits.device.type == "cpu" and not (lp_rows or drawn_rows or grammars or edits_logits(seqs)):
             # every row greedy, on the logits as the model gave them: the argmax and the
-            # non-finite check in one pass (a row that fails it is -1 on the device too)
+            # non-finite check in one pass of the C++ kernel (a row that fails it is -1 there
+            # too). On a GPU the logits would be held until the copy is read, a step later under
+            # asynchronous scheduling: there each row's maximum is kept instead (below).
             token_ids = argmax_rows(logits, code_non_finite=True)
             return SampledStep(token_ids, to_host(token_ids, None, logits=logits))
         row_max = logits.amax(dim=-1)  # before the masks and penalties change the logits
