@@ -26,11 +26,14 @@ _TABLE_ROW = operator.attrgetter("table_row")
 
 
 class BlockTableArray:
-    """Block tables as rows of an int32 array padded with -1, one row per sequence holding
-    blocks; it grows (rows and columns doubled) as needed."""
+    """Block tables as rows of an int32 array padded with -1 (``array``), one row per sequence
+    holding blocks, and the same rows padded with each table's own last block instead
+    (``own``: what :meth:`~dfllm.engine.step_inputs.DecodeArrays.own_tables` makes); both grow
+    (rows and columns doubled) as needed."""
 
     def __init__(self, rows: int = 64, width: int = 16):
         self.array = np.full((rows, width), -1, dtype=np.int32)
+        self.own = np.full((rows, width), -1, dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int64)  # each row's table length
         self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
 
@@ -44,23 +47,34 @@ class BlockTableArray:
 
     def _grow_rows(self) -> None:
         rows, width = self.array.shape
-        self.array = np.concatenate([self.array, np.full((rows, width), -1, dtype=np.int32)])
+        empty = np.full((rows, width), -1, dtype=np.int32)
+        self.array, self.own = np.concatenate([self.array, empty]), np.concatenate([self.own, empty])
         self.lengths = np.concatenate([self.lengths, np.zeros(rows, dtype=np.int64)])
         self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+
+    def _grow_columns(self) -> None:
+        self.array = np.concatenate([self.array, np.full(self.array.shape, -1, dtype=np.int32)], axis=1)
+        self.own = np.concatenate([self.own, np.repeat(self.own[:, -1:], self.own.shape[1], axis=1)], axis=1)
 
     def append(self, seq: Sequence, block_id: int) -> None:
         """``block_id`` was appended to ``seq.block_table``."""
         row = self._row(seq)
         at = int(self.lengths[row])
         if at >= self.array.shape[1]:
-            self.array = np.concatenate([self.array, np.full(self.array.shape, -1, dtype=np.int32)], axis=1)
+            self._grow_columns()
         self.array[row, at] = block_id
+        self.own[row, at:] = block_id  # the new last block pads the rest
         self.lengths[row] = at + 1
 
     def set(self, seq: Sequence, index: int, block_id: int) -> None:
         """Entry ``index`` of ``seq.block_table`` became ``block_id`` (a released block's
         ``FREED``)."""
-        self.array[seq.table_row, index] = block_id
+        row = seq.table_row
+        self.array[row, index] = block_id
+        if index == self.lengths[row] - 1:  # the last block: the padding too
+            self.own[row, index:] = block_id
+        else:
+            self.own[row, index] = block_id
 
     def release(self, seq: Sequence) -> None:
         """``seq`` holds no blocks any more: its row is cleared and free for another."""
@@ -68,16 +82,19 @@ class BlockTableArray:
         if row < 0:
             return
         self.array[row, : self.lengths[row]] = -1
+        self.own[row] = -1
         self.lengths[row] = 0
         self._free_rows.append(row)
         seq.table_row = -1
 
-    def gather(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def gather(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The block tables of ``seqs`` (each holding blocks) as :func:`~dfllm.engine.step_inputs.pad_tables`
-        gives them: an int32 ``[n, width]`` array padded with -1 to the longest, and their lengths."""
+        gives them (an int32 ``[n, width]`` array padded with -1 to the longest, and their
+        lengths) and padded with each one's own last block instead (between the two)."""
         rows = np.fromiter(map(_TABLE_ROW, seqs), np.int64, len(seqs))
         lens = self.lengths[rows]
-        return self.array[rows, : int(lens.max())], lens
+        width = int(lens.max())
+        return self.array[rows, :width], self.own[rows, :width], lens
 
     def table(self, seq: Sequence) -> list[int]:
         """``seq``'s row as a list (what ``seq.block_table`` holds, when the two agree)."""

@@ -194,10 +194,13 @@ class DecodeArrays:
     # sampled ids each is (asynchronous scheduling: :func:`fill_pending`)
     fill_rows: np.ndarray  # int64
     fill_from: np.ndarray  # int64
+    own: np.ndarray | None = None  # own_tables() when gathered with the tables (BlockTableArray)
 
     def own_tables(self) -> np.ndarray:
         """The block tables padded with each one's own last block instead (as
         :func:`padded_rows` with ``own``)."""
+        if self.own is not None:
+            return self.own
         lens = self.table_lens
         last = self.tables[np.arange(len(lens)), lens - 1]
         return np.where(np.arange(self.tables.shape[1]) < lens[:, None], self.tables, last[:, None])
@@ -237,7 +240,10 @@ def decode_arrays(seqs: list[Sequence], bs: int, tables: BlockTableArray | None 
     tokens = [s.token_ids for s in seqs]
     starts = [s.num_computed_tokens for s in seqs]
     pos = np.array(starts, dtype=np.int64)
-    padded, lens = pad_tables([s.block_table for s in seqs]) if tables is None else tables.gather(seqs)
+    if tables is None:
+        (padded, lens), own = pad_tables([s.block_table for s in seqs]), None
+    else:
+        padded, own, lens = tables.gather(seqs)
     pending = np.fromiter(map(_PENDING_ROW, seqs), np.int64, n)
     fill_rows = np.nonzero(pending >= 0)[0]
     if len(fill_rows):  # tokens still on the device (asynchronous scheduling): 0 here, filled there
@@ -254,6 +260,7 @@ def decode_arrays(seqs: list[Sequence], bs: int, tables: BlockTableArray | None 
         sampling=np.nonzero(np.fromiter(map(len, tokens), np.int64, n) + (pending >= 0) == pos + 1)[0],
         fill_rows=fill_rows,
         fill_from=pending[fill_rows],
+        own=own,
     )
 
 

@@ -29,6 +29,9 @@ def assert_mirrors(tables: BlockTableArray, seqs: list[Sequence]) -> None:
             assert seq.table_row not in owned  # one sequence a row
             owned.add(seq.table_row)
             assert (tables.array[seq.table_row, len(seq.block_table) :] == -1).all()
+            last = seq.block_table[-1]  # the twin padded with the last block instead
+            own = seq.block_table + [last] * (tables.own.shape[1] - len(seq.block_table))
+            assert tables.own[seq.table_row].tolist() == own
     for row in range(tables.array.shape[0]):
         if row not in owned:
             assert tables.lengths[row] == 0 and (tables.array[row] == -1).all(), row
@@ -78,10 +81,12 @@ def test_the_array_mirrors_every_table_through_a_schedule(data, window, caching,
         assert out.tables is s.bm.tables
         assert_mirrors(s.bm.tables, seqs)
         ones = [seq for seq, n in zip(out.seqs, out.num_new_tokens) if n == 1]
-        if ones and window is None:  # a decode step's tables, gathered or from the lists
+        if ones:  # a decode step's tables, gathered or from the lists
             gathered, from_lists = decode_arrays(ones, bs, out.tables), decode_arrays(ones, bs)
             assert np.array_equal(gathered.tables, from_lists.tables)
             assert np.array_equal(gathered.table_lens, from_lists.table_lens)
+            assert gathered.own is not None and from_lists.own is None
+            assert np.array_equal(gathered.own_tables(), from_lists.own_tables())
         _advance(s, out, longest=24)
         assert_mirrors(s.bm.tables, seqs)
         running = [q for q in s.running]
@@ -110,12 +115,17 @@ def test_rows_and_columns_grow_and_rows_are_reused():
     tables.append(fresh, 99)
     assert fresh.table_row == 1  # the freed row, cleared
     assert_mirrors(tables, seqs + [fresh])
-    padded, lens = tables.gather([seqs[4], fresh, seqs[0]])
+    padded, own, lens = tables.gather([seqs[4], fresh, seqs[0]])
     assert lens.tolist() == [7, 1, 3]
     assert padded.tolist() == [
         [40, 41, 42, 43, 44, 45, 46],
         [99, -1, -1, -1, -1, -1, -1],
         [0, 1, 2, -1, -1, -1, -1],
+    ]
+    assert own.tolist() == [
+        [40, 41, 42, 43, 44, 45, 46],
+        [99, 99, 99, 99, 99, 99, 99],
+        [0, 1, 2, 2, 2, 2, 2],
     ]
 
 
