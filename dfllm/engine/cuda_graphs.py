@@ -205,7 +205,7 @@ class CudaGraphRunner:
         n = len(seqs)
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None, f"{n} sequences exceed the largest bucket {self.sizes[-1]}"
-        arrays = decode_arrays(seqs, self.block_size, tables)
+        arrays = decode_arrays(seqs, self.block_size, tables, in_flight=prev is not None)
         pack = HostPack()  # one copy per dtype, without waiting for the device
         pack.add(np.concatenate([arrays.ids, arrays.positions, arrays.slots]), torch.long, (3, n))
         pack.add(arrays.seq_lens, torch.int32)

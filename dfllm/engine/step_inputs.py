@@ -232,10 +232,13 @@ def padded_rows(tables: list[list[int]], own: bool = False) -> tuple[list[int], 
 _PENDING_ROW = operator.attrgetter("pending_row")
 
 
-def decode_arrays(seqs: list[Sequence], bs: int, tables: BlockTableArray | None = None) -> DecodeArrays:
+def decode_arrays(
+    seqs: list[Sequence], bs: int, tables: BlockTableArray | None = None, in_flight: bool = True
+) -> DecodeArrays:
     """The :class:`DecodeArrays` of one-token sequences, built with a few whole-batch array
     operations instead of Python loops over the sequences; their block tables gathered from
-    ``tables`` (the block manager's rows of them) where given, else from their lists."""
+    ``tables`` (the block manager's rows of them) where given, else from their lists. Without
+    a step ``in_flight`` no sequence has a token pending on the device (none is looked for)."""
     n = len(seqs)
     tokens = [s.token_ids for s in seqs]
     starts = [s.num_computed_tokens for s in seqs]
@@ -244,8 +247,14 @@ def decode_arrays(seqs: list[Sequence], bs: int, tables: BlockTableArray | None 
         (padded, lens), own = pad_tables([s.block_table for s in seqs]), None
     else:
         padded, own, lens = tables.gather(seqs)
-    pending = np.fromiter(map(_PENDING_ROW, seqs), np.int64, n)
-    fill_rows = np.nonzero(pending >= 0)[0]
+    num_tokens = np.fromiter(map(len, tokens), np.int64, n)
+    if in_flight:
+        pending = np.fromiter(map(_PENDING_ROW, seqs), np.int64, n)
+        fill_rows = np.flatnonzero(pending >= 0)
+        fill_from = pending[fill_rows]
+        num_tokens += pending >= 0  # with the token in flight
+    else:
+        fill_rows = fill_from = np.zeros(0, dtype=np.int64)
     if len(fill_rows):  # tokens still on the device (asynchronous scheduling): 0 here, filled there
         ids = np.fromiter((t[p] if p < len(t) else 0 for t, p in zip(tokens, starts)), np.int64, n)
     else:
@@ -257,9 +266,9 @@ def decode_arrays(seqs: list[Sequence], bs: int, tables: BlockTableArray | None 
         seq_lens=(pos + 1).astype(np.int32),
         tables=padded,
         table_lens=lens,
-        sampling=np.nonzero(np.fromiter(map(len, tokens), np.int64, n) + (pending >= 0) == pos + 1)[0],
+        sampling=np.flatnonzero(num_tokens == pos + 1),
         fill_rows=fill_rows,
-        fill_from=pending[fill_rows],
+        fill_from=fill_from,
         own=own,
     )
 
@@ -275,7 +284,7 @@ def _prepare_decodes(
     one-token prompt chunk), from its :func:`decode_arrays` (at 256 sequences ~0.15 ms instead
     of the loop's ~0.37)."""
     n = len(seqs)
-    arrays = decode_arrays(seqs, bs, tables)
+    arrays = decode_arrays(seqs, bs, tables, in_flight=prev is not None)
     pack = HostPack()
     at = (
         pack.add(arrays.ids, torch.long),
