@@ -4,11 +4,12 @@ vLLM keeps its running requests' block tables in a persistent array that each st
 updates (its ``InputBatch`` / ``BlockTable``) instead of building the tables again from
 Python lists. Here the block manager, the one place that changes a block table, writes each
 change into :class:`BlockTableArray` too: a sequence that holds blocks owns a row
-(``Sequence.table_row``), entry ``i`` of which is ``block_table[i]`` and the rest -1. A
-decode step then takes its sequences' tables with one gather of their rows
-(:meth:`BlockTableArray.gather`) instead of a pass over 256 Python lists that the step's
-forward has pushed out of the CPU's caches (about 0.2 ms a step at 256 sequences on a
-2-core EPYC).
+(``Sequence.table_row``), entry ``i`` of which is ``block_table[i]`` and the rest -1, and the
+same row of a twin array padded with the table's last block instead (the C++ decode kernel's
+and the CUDA graphs' form). A decode step then takes its sequences' tables with one gather of
+their rows in each (:meth:`BlockTableArray.gather`) instead of a pass over 256 Python lists
+that the step's forward has pushed out of the CPU's caches (about 0.2 ms a step at 256
+sequences on a 2-core EPYC) and six array operations for the second padding.
 
 The lists stay the sequences' own record (every other reader uses them); the array mirrors
 them exactly, which the tests check after every kind of change.
