@@ -40,6 +40,7 @@ import torch
 from dfllm.engine.logit_penalties import apply_penalties, edits_logits
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.structured import apply_masks
+from dfllm.kernels.argmax import NON_FINITE_ID, code_non_finite
 from dfllm.kernels.backend import argmax_rows
 from dfllm.outputs import token_first
 from dfllm.sampling_params import SamplingParams
@@ -93,7 +94,7 @@ class StepTokens:
     def of(cls, rows: list[SampledToken | str]) -> StepTokens:
         """The step whose rows are ``rows`` (each a token, or what is wrong with its logits)."""
         return cls(
-            [-1 if isinstance(t, str) else t.token_id for t in rows],
+            [NON_FINITE_ID if isinstance(t, str) else t.token_id for t in rows],
             {i: t for i, t in enumerate(rows) if not isinstance(t, str) and t.logprob is not None},
             {i: t for i, t in enumerate(rows) if isinstance(t, str)},
         )
@@ -184,7 +185,7 @@ def to_host(
         assert logits is not None  # what a coded row's maximum is read from
         coded, maxima = token_ids, logits
     else:
-        coded, maxima = torch.where(torch.isfinite(row_max), token_ids, -1), row_max
+        coded, maxima = code_non_finite(token_ids, row_max), row_max
     if logprobs is None:
         flat = coded
     else:
@@ -223,7 +224,11 @@ class SampledStep:
                 token_id, chosen = ids[i], host.chosen[j]
                 top = token_first(token_id, chosen, host.ranks[j], host.top.get(j, []))
                 logprobs[i] = SampledToken(token_id, chosen, top)
-        errors = {i: self.copy.what_is_wrong(i) for i, t in enumerate(ids) if t < 0} if ids and min(ids) < 0 else {}
+        errors = (
+            {i: self.copy.what_is_wrong(i) for i, t in enumerate(ids) if t == NON_FINITE_ID}
+            if ids and min(ids) == NON_FINITE_ID
+            else {}
+        )
         return StepTokens(ids, logprobs, errors)
 
 

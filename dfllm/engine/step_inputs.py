@@ -156,8 +156,9 @@ def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, source: torch.Tens
     """Write the tokens still on the device into a step's input ids: row ``rows[i]`` takes
     ``prev[source[i]]``, the token the step in flight sampled for its sequence (asynchronous
     scheduling; the device orders this after that step's sampling, the host waits for nothing).
-    A row whose logits could not be sampled (-1 there) reads token 0: its sequence ends with
-    an error, and this step's output for it is dropped."""
+    A row whose logits could not be sampled (:data:`~dfllm.kernels.argmax.NON_FINITE_ID` there,
+    negative) reads token 0: its sequence ends with an error, and this step's output for it is
+    dropped."""
     assert prev is not None, "a sequence's token is pending but no step is in flight"
     input_ids.index_copy_(0, rows, prev.index_select(0, source).clamp_min(0).to(input_ids.dtype))
 

@@ -56,6 +56,7 @@ from types import ModuleType
 import torch
 
 from dfllm.kernels.activation import silu_and_mul_torch
+from dfllm.kernels.argmax import argmax_rows_torch
 from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.kv_cache import write_kv_cache_torch
 from dfllm.kernels.logits import MARGIN, exact_top_logits_torch
@@ -305,8 +306,8 @@ def write_kv_cache_cpu(
 def argmax_rows_cpu(x: torch.Tensor, code_non_finite: bool = False) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D ``x``, through the vectorised kernel where it applies
     (float32 on the CPU, contiguous rows, the kernels already loaded in this process); with
-    ``code_non_finite``, -1 for a row whose ``amax`` is not finite (NaN, +inf or -inf), found in
-    the same pass there."""
+    ``code_non_finite``, :data:`~dfllm.kernels.argmax.NON_FINITE_ID` for a row whose ``amax`` is
+    not finite (NaN, +inf or -inf), found in the same pass there."""
     if (
         x.device.type != "cpu"
         or x.dtype != torch.float32
@@ -315,8 +316,7 @@ def argmax_rows_cpu(x: torch.Tensor, code_non_finite: bool = False) -> torch.Ten
         or x.stride(1) != 1
         or not loaded()
     ):
-        ids = x.argmax(dim=-1)
-        return torch.where(torch.isfinite(x.amax(dim=-1)), ids, -1) if code_non_finite else ids
+        return argmax_rows_torch(x, code_non_finite)
     ext = load()
     assert ext is not None
     return ext.argmax_rows(x, code_non_finite)
