@@ -11,12 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dfllm import LLM, SamplingParams
 from dfllm.engine.block_tables import BlockTableArray
 from dfllm.engine.scheduler import Scheduler
 from dfllm.engine.sequence import Sequence
 from dfllm.engine.step_inputs import decode_arrays, prepare_inputs
 
-from helpers import make_seq
+from helpers import build_tiny_model, make_seq, random_prompts
 
 
 def assert_mirrors(tables: BlockTableArray, seqs: list[Sequence]) -> None:
@@ -89,7 +90,7 @@ def test_the_array_mirrors_every_table_through_a_schedule(data, window, caching,
             assert np.array_equal(gathered.own_tables(), from_lists.own_tables())
         _advance(s, out, longest=24)
         assert_mirrors(s.bm.tables, seqs)
-        running = [q for q in s.running]
+        running = list(s.running)
         if running and data.draw(st.integers(0, 4)) == 0:
             s.finish(data.draw(st.sampled_from(running)))
         if seqs and data.draw(st.integers(0, 9)) == 0:
@@ -156,10 +157,6 @@ def test_engine_steps_keep_the_mirror(tmp_path, smollm2_dir, window, async_sched
     """A real engine under preemption (more sequences than the cache holds), prefix hits,
     asynchronous steps and (Mistral) a sliding window: after every step every sequence's row
     equals its list."""
-    from dfllm import LLM, SamplingParams
-
-    from helpers import build_tiny_model, random_prompts
-
     arch = dict(arch="mistral", sliding_window=window) if window else {}
     path = build_tiny_model(tmp_path, smollm2_dir, **arch)
     llm = LLM(
