@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from dfllm.engine.detokenizer import Detokenizer
 from dfllm.engine.sequence import Request, Sequence
 from dfllm.outputs import RequestMetrics
 from dfllm.sampling_params import SamplingParams
@@ -285,6 +287,30 @@ class CLICluster:
             except Exception:
                 os.killpg(p.pid, signal.SIGKILL)
         shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def faulty_detokenizer(tokenizer, fault: Callable[[Sequence], BaseException | None]) -> Detokenizer:
+    """The engine's detokenizer for ``tokenizer``, raising ``fault(seq)`` (where not None) for a
+    sequence it is about to decode, on whichever path the engine decodes it: a step's texts
+    together (``prepare``, windows) or one sequence at a time (``step``, a byte-level
+    vocabulary's bytes)."""
+
+    class Faulty(Detokenizer):
+        def prepare(self, seqs):
+            for seq in seqs:
+                _raise(fault(seq))
+            return super().prepare(seqs)
+
+        def step(self, seq):
+            _raise(fault(seq))
+            return super().step(seq)
+
+    return Faulty(tokenizer)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 def make_seq(tokens: list[int]) -> Sequence:

@@ -14,23 +14,38 @@ sequences on a 2-core CPU where the same windows decoded one by one took 0.19 ms
 alternately in the engine). Each window is decoded exactly as
 ``tokenizer.decode`` decodes it: by the Rust tokenizer itself where transformers' ``decode``
 is only that (a fast tokenizer that does not clean up spaces), else by ``tokenizer.decode``.
+
+A byte-level BPE tokenizer whose ``decode`` is the Rust one decodes no windows: its tokens'
+bytes (:mod:`dfllm.engine.token_bytes`) are appended to the bytes not yet read as text
+(``Sequence.utf8_tail``, at most the first three bytes of a character) and the complete
+characters among them become the new text, an invalid byte U+FFFD, as the tokenizer's own
+decoder reads them. The text after every step is then exactly ``tokenizer.decode`` of the
+output ids less an unfinished last character (which the window too holds back); where the
+output's bytes are not valid UTF-8 the window's text can differ from that decode (a
+character cut between the window's two decodes), this one cannot. About 0.5 µs a sequence
+instead of two 2 µs decodes.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.engine.sequence import Sequence
+from dfllm.engine.token_bytes import token_bytes
 
 _WINDOW = 5
 
 # transformers' fast tokenizers whose decode is the Rust tokenizer's decode, then an optional clean-up
 _RUST_DECODES = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
 
-# what step() does to a sequence: (delta, prefix_offset, read_offset) after it; None: nothing yet
-Step = tuple[str, int, int] | None
+# what step() does to a sequence: (delta, prefix_offset, read_offset) after it, or with a byte table
+# (delta, utf8_tail, read_offset); None: nothing yet
+Step = tuple[str, int | bytes, int] | None
+
+_utf8_decode = codecs.utf_8_decode
 
 
 class Detokenizer:
@@ -46,15 +61,19 @@ class Detokenizer:
             and hasattr(rust, "decode")
         )
         self._rust = rust if plain else None  # decodes windows as tokenizer.decode does
+        self._bytes = token_bytes(rust) if plain else None  # a byte-level vocabulary's bytes: no windows
 
     def start(self, seq: Sequence) -> None:
-        """Point the decode window at the end of the prompt."""
+        """Point the decode window at the end of the prompt (no bytes read yet)."""
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(seq.num_prompt_tokens - _WINDOW, 0)
+        seq.utf8_tail = b""
 
     def prepare(self, seqs: list[Sequence]) -> list[Step]:
         """What :meth:`step` would do to each sequence now (its newest token appended), all
         decoded together; nothing is changed. :meth:`apply` does it."""
+        if self._bytes is not None:
+            return [self._read_bytes(seq) for seq in seqs]
         windows: dict[bool, list[int]] = {}  # skip_special_tokens -> positions in seqs
         for i, seq in enumerate(seqs):
             windows.setdefault(seq.params.skip_special_tokens, []).append(i)
@@ -71,14 +90,41 @@ class Detokenizer:
         """Do what :meth:`prepare` found for ``seq``: append its new text; return it."""
         if ready is None:
             return ""
-        delta, seq.prefix_offset, seq.read_offset = ready
-        seq.text += delta
+        delta, state, seq.read_offset = ready
+        if isinstance(state, bytes):
+            seq.utf8_tail = state
+        else:
+            seq.prefix_offset = state
+        if delta:
+            seq.text += delta
         return delta
 
     def step(self, seq: Sequence) -> str:
         """Append the text of the newest token to ``seq.text``; return what was added."""
         assert self.tokenizer is not None  # requests of an engine without one have detokenize=False
+        if self._bytes is not None:
+            return self.apply(seq, self._read_bytes(seq))
         return self.apply(seq, self.prepare([seq])[0])
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`prepare` is worth calling for a step's sequences together (it decodes
+        their windows in one pass); with the vocabulary's bytes each :meth:`step` costs as much."""
+        return self._bytes is None
+
+    def _read_bytes(self, seq: Sequence) -> Step:
+        """:meth:`prepare`'s step with the vocabulary's bytes: the sequence's unread tokens'
+        bytes after its tail, read as UTF-8 up to an unfinished last character (the new tail)."""
+        assert self._bytes is not None
+        keep, skip = self._bytes
+        pieces = skip if seq.request.params.skip_special_tokens else keep
+        ids, read = seq.token_ids, seq.read_offset
+        if read == len(ids) - 1:  # one new token: the usual step
+            data = seq.utf8_tail + pieces[ids[read]]
+        else:
+            data = seq.utf8_tail + b"".join([pieces[t] for t in ids[read:]])
+        text, used = _utf8_decode(data, "replace", False)
+        return text, data[used:], len(ids)
 
     def _decode_all(self, windows: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Each window's text, as ``tokenizer.decode`` gives it."""

@@ -57,9 +57,10 @@ class OutputProcessor:
 
         The tokens' metrics are recorded once for the step (:meth:`EngineMetrics.observe_tokens`,
         the same values as one observation per token). A row whose parameters ask for no stop
-        but the end-of-sequence token and the length limits, with no grammar and no text
-        (``detokenize=False``), takes a short path that makes the same decisions as
-        :meth:`_check_stop`."""
+        but the end-of-sequence token and the length limits (no stop strings or stop token
+        ids), with no grammar, takes a short path that makes the same decisions as
+        :meth:`_check_stop` (its text, if it has one, advanced after the end-of-sequence check
+        as there)."""
         ids, with_logprobs, errors = sampled.ids, sampled.logprobs, sampled.errors
         # every token appended first, so that the text of the whole step is decoded in one call
         if errors:
@@ -69,8 +70,9 @@ class OutputProcessor:
         else:
             for seq, token in zip(seqs, ids):
                 seq.token_ids.append(token)
-        texts = [s for i, s in enumerate(seqs) if s.request.params.detokenize and i not in errors]
-        self._ready = dict(zip((s.seq_id for s in texts), self.detokenizer.prepare(texts))) if texts else {}
+        if self.detokenizer.batches:  # the texts' windows decoded together, applied row by row below
+            texts = [s for i, s in enumerate(seqs) if s.request.params.detokenize and i not in errors]
+            self._ready = dict(zip((s.seq_id for s in texts), self.detokenizer.prepare(texts))) if texts else {}
         ended = []
         ttfts: list[float] = []
         tpots: list[float] = []
@@ -108,12 +110,14 @@ class OutputProcessor:
                     seq.logprobs.append(self._logprob_dict(tok, p.detokenize))
                 if p is not last_params:
                     last_params = p
-                    plain = not (p.detokenize or p.stop_token_groups or p.single_stop_token_ids)
+                    plain = not (p.stop_strings or p.stop_token_groups or p.single_stop_token_ids)
                 if plain and seq.grammar is None:  # _check_stop's decisions for such a row
                     num_out = len(token_ids) - seq.num_prompt_tokens
                     if num_out >= p.min_tokens and not p.ignore_eos and token in eos:
                         seq.finish_reason, seq.stop_reason = "stop", None
                     else:
+                        if p.detokenize:
+                            self._advance_text(seq)
                         if num_out == p.min_tokens:
                             seq.stop_offset = len(seq.text)
                         if (p.max_tokens is not None and num_out >= p.max_tokens) or len(token_ids) >= max_len:

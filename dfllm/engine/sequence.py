@@ -59,6 +59,7 @@ class Sequence:
     prefix_offset: int = 0
     stop_offset: int = 0  # stop strings are looked for from here (after the first min_tokens tokens' text)
     read_offset: int = 0
+    utf8_tail: bytes = b""  # a byte-level vocabulary's bytes read but not yet text (an unfinished character)
     text_marks: list[int] = field(default_factory=list)  # len(text) before each output token (stop groups only)
     logprobs: list[dict[int, Logprob]] | None = None
     # prompt_logprobs: None first (the first prompt token has no context), then one dict per

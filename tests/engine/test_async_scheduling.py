@@ -16,7 +16,7 @@ from dfllm import LLM, LoRARequest, SamplingParams
 from dfllm.engine import step_inputs
 from dfllm.structured_outputs import StructuredOutputsParams
 
-from helpers import make_adapter, random_prompts
+from helpers import faulty_detokenizer, make_adapter, random_prompts
 
 # a KV cache of 24 blocks of 16 tokens for 6 sequences of up to ~110 tokens: preemption; a
 # token budget of 48: long prompts are prefilled in chunks beside the decodes
@@ -197,20 +197,16 @@ def test_a_failing_step_reruns_as_the_synchronous_loop_does(tiny_llama):
     """A detokenizer that raises on one request's fourth token: under async scheduling the error
     surfaces while the next step is launched; the engine drops the step in flight, re-runs
     each call's requests on their own, and the good requests come back as without the fault."""
-    from dfllm.engine.detokenizer import Detokenizer
-
     marker = 777
 
-    class Faulty(Detokenizer):
-        def prepare(self, seqs):
-            for seq in seqs:
-                if seq.num_output_tokens >= 4 and marker in seq.token_ids[: seq.num_prompt_tokens]:
-                    raise RuntimeError("cannot decode")
-            return super().prepare(seqs)
+    def fault(seq):
+        if seq.num_output_tokens >= 4 and marker in seq.token_ids[: seq.num_prompt_tokens]:
+            return RuntimeError("cannot decode")
+        return None
 
     got = {}
     for mode, llm in _pair(tiny_llama, max_model_len=128, max_num_seqs=4, seed=3).items():
-        llm.engine.output_processor.detokenizer = Faulty(llm.tokenizer)
+        llm.engine.output_processor.detokenizer = faulty_detokenizer(llm.tokenizer, fault)
         sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         good = llm.enqueue([{"prompt_token_ids": p} for p in random_prompts(3, 5, 9, seed=5)], sp)
         with pytest.raises(RuntimeError, match="cannot decode"):

@@ -11,9 +11,8 @@ import random
 import pytest
 
 from dfllm import LLM, SamplingParams
-from dfllm.engine.detokenizer import Detokenizer
 
-from helpers import random_prompts
+from helpers import faulty_detokenizer, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -81,25 +80,26 @@ def test_aborting_the_leader_hands_its_place_to_a_follower(llm):
     assert engine.get_num_unfinished_requests() == 0
 
 
-class FailOnce(Detokenizer):
-    """Fails the first step that detokenizes a third output token, then works."""
+class FailOnce:
+    """Fails the first sequence that detokenizes a third output token, then works."""
 
     failed = False
 
-    def prepare(self, seqs):
-        if any(seq.num_output_tokens >= 3 for seq in seqs) and not FailOnce.failed:
-            FailOnce.failed = True
-            raise RuntimeError("a transient fault")
-        return super().prepare(seqs)
+    def __call__(self, seq):
+        if seq.num_output_tokens >= 3 and not self.failed:
+            self.failed = True
+            return RuntimeError("a transient fault")
+        return None
 
 
 def test_followers_survive_a_step_that_raises(tiny_llama):
     llm = LLM(tiny_llama, max_model_len=128)
-    llm.engine.output_processor.detokenizer = FailOnce(llm.tokenizer)
+    fault = FailOnce()
+    llm.engine.output_processor.detokenizer = faulty_detokenizer(llm.tokenizer, fault)
     prompts = random_prompts(2, 10, 14, seed=34)
     rows = [prompts[0], prompts[0], prompts[1], prompts[0]]
     got = llm.generate(as_prompts(rows), GREEDY, use_tqdm=False)
-    assert FailOnce.failed
+    assert fault.failed
     want = LLM(tiny_llama, max_model_len=128, deduplicate_requests=False).generate(
         as_prompts(rows), GREEDY, use_tqdm=False
     )

@@ -1,11 +1,13 @@
 """The detokenizer decodes a step's sequences together and gives, token by token, the text and
-window offsets that decoding each sequence alone with ``tokenizer.decode`` gives."""
+window offsets that decoding each sequence alone with ``tokenizer.decode`` gives; with a
+byte-level vocabulary's bytes, the text of ``tokenizer.decode`` of the output ids."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import decoders
 from transformers import AutoTokenizer
 
 from dfllm.engine.detokenizer import Detokenizer
@@ -34,6 +36,15 @@ def smollm2_tokenizer(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
+def smollm2_windows(smollm2_dir):
+    """SmolLM2's tokenizer with its ByteLevel decoder inside a ``Sequence``: the same decode,
+    but not a bare ``ByteLevel``, so its windows decode through the Rust tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
 def minilm_tokenizer():
     from dfllm.models.bundled import resolve_model
 
@@ -55,13 +66,15 @@ def _steps(draw, vocab: int):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), which=st.sampled_from(["smollm2", "minilm"]))
-def test_batched_steps_equal_one_sequence_decodes(data, which, smollm2_tokenizer, minilm_tokenizer):
+def test_batched_steps_equal_one_sequence_decodes(data, which, smollm2_windows, minilm_tokenizer):
     """Random prompts and outputs (special tokens, byte pieces that leave characters incomplete,
     ``skip_special_tokens`` either way), some sequences stepping in each step: the same text and
-    offsets after every step. SmolLM2's byte-level BPE decodes through the Rust tokenizer in one
-    call; MiniLM's WordPiece cleans up spaces, so it decodes through ``tokenizer.decode``."""
-    tokenizer = smollm2_tokenizer if which == "smollm2" else minilm_tokenizer
+    offsets after every step. SmolLM2's byte-level BPE (its decoder wrapped, so that it has no
+    byte table) decodes through the Rust tokenizer in one call; MiniLM's WordPiece cleans up
+    spaces, so it decodes through ``tokenizer.decode``."""
+    tokenizer = smollm2_windows if which == "smollm2" else minilm_tokenizer
     det = Detokenizer(tokenizer)
+    assert det.batches
     assert (det._rust is not None) == (which == "smollm2")
     specs, rng = _steps(data.draw, len(tokenizer))
     seqs, refs, outs = [], [], []
@@ -100,3 +113,58 @@ def test_step_alone_equals_prepare_and_apply(smollm2_tokenizer):
         det.apply(b, det.prepare([b])[0])
         assert (a.text, a.read_offset) == (b.text, b.read_offset)
     assert a.text == " naïve café, 東京 🙂 done"
+
+
+def _unfinished(tail: bytes) -> bool:
+    """Whether ``tail`` is the start of one UTF-8 character, not yet complete."""
+    return tail == b"" or (len(tail) <= 3 and tail.decode("utf-8", "ignore") == "" and tail[0] >= 0xC2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_byte_level_text_is_the_decode_of_the_output(data, smollm2_tokenizer):
+    """SmolLM2's bare ByteLevel decoder: the detokenizer reads its tokens' bytes. Random prompts
+    and outputs (special tokens, ids of single bytes that cut characters, ids past the
+    vocabulary, ``skip_special_tokens`` either way), several tokens between some steps: after
+    every step the text, with the unfinished character held back, is ``tokenizer.decode`` of
+    the output ids; the text only grows; the step reads every token appended."""
+    tokenizer = smollm2_tokenizer
+    det = Detokenizer(tokenizer)
+    assert not det.batches
+    vocab = len(tokenizer)
+    ids = st.one_of(st.integers(0, 20), st.integers(0, 600), st.integers(0, vocab - 1), st.just(vocab + 7))
+    prompt = data.draw(st.lists(ids, min_size=1, max_size=8))
+    out = data.draw(st.lists(st.lists(ids, min_size=1, max_size=3), max_size=16))
+    skip = data.draw(st.booleans())
+    seq = make_seq(prompt)
+    seq.request.params = SamplingParams(skip_special_tokens=skip)
+    det.start(seq)
+    together = data.draw(st.booleans())  # prepare + apply, or step
+    for chunk in out:
+        before = seq.text
+        seq.token_ids.extend(chunk)
+        delta = det.apply(seq, det.prepare([seq])[0]) if together else det.step(seq)
+        assert seq.text == before + delta
+        assert seq.read_offset == len(seq.token_ids)
+        assert _unfinished(seq.utf8_tail), seq.utf8_tail
+        expected = tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+        assert seq.text + seq.utf8_tail.decode("utf-8", "replace") == expected
+
+
+def test_byte_level_equals_windows_on_text(smollm2_tokenizer, smollm2_windows):
+    """Valid text, characters of one to four bytes, after a prompt: token by token the windows'
+    text is the byte reading's, or held behind it (a window that ends inside a character holds
+    back its complete characters too; the bytes only that character's); at the end the same."""
+    text = " naïve café, 東京 🙂 done\n\tΩ≈ç√ — ok! <|im_end|> 𝔘𝔫𝔦"
+    tokens = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    by_bytes, by_windows = Detokenizer(smollm2_tokenizer), Detokenizer(smollm2_windows)
+    a, b = make_seq([1, 9, 600]), make_seq([1, 9, 600])
+    by_bytes.start(a)
+    by_windows.start(b)
+    for token in tokens:
+        a.token_ids.append(token)
+        b.token_ids.append(token)
+        by_bytes.step(a)
+        by_windows.step(b)
+        assert a.text.startswith(b.text)
+    assert a.text == b.text == smollm2_tokenizer.decode(tokens, skip_special_tokens=True)

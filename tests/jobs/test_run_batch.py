@@ -33,7 +33,7 @@ from dfllm.jobs.openai_batch import parse_line
 from dfllm.jobs.openai_requests import ChatCompletionRequest, LineError
 from dfllm.worker import engine_cache
 
-from helpers import build_tiny_model, free_port, local_client
+from helpers import build_tiny_model, faulty_detokenizer, free_port, local_client
 from run_batch_data import ENGINE, chat, check_line, line, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.timeout(600)
@@ -207,14 +207,11 @@ def nan_model(tmp_path_factory, smollm2_dir):
     return path
 
 
-class FaultyDetokenizer(Detokenizer):
+def marker_fault(seq):
     """Fails on the second output token of a sequence whose prompt holds MARKER_TOKEN."""
-
-    def prepare(self, seqs):
-        for seq in seqs:  # the step's text, decoded together
-            if seq.num_output_tokens >= 2 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
-                raise RuntimeError("cannot decode this request")
-        return super().prepare(seqs)
+    if seq.num_output_tokens >= 2 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
+        return RuntimeError("cannot decode this request")
+    return None
 
 
 @pytest.mark.slow
@@ -235,7 +232,7 @@ def test_engine_failures_stay_with_their_lines(tiny_llama, nan_model):
     with Engines(BatchOptions(str(tiny_llama), tuple(sorted(kwargs.items())))) as engines:
         alone = texts(answer(lines, engines))
         llm = engine_cache.get_engine(str(tiny_llama), kwargs)
-        llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
+        llm.engine.output_processor.detokenizer = faulty_detokenizer(llm.tokenizer, marker_fault)
         try:
             bad = parse_line(
                 json.dumps(chat("bad", f"What is a{MARKER_WORD}?", max_completion_tokens=4, ignore_eos=True)), "kb"

@@ -28,7 +28,7 @@ from dfllm.engine.detokenizer import Detokenizer
 from dfllm.outputs import RequestFailedError
 from dfllm.worker import driver, engine_cache
 
-from helpers import build_tiny_model
+from helpers import build_tiny_model, faulty_detokenizer
 
 ENGINE = dict(max_model_len=64, kv_cache_memory_bytes=2**22)
 SP = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -175,22 +175,19 @@ class MarkerFault(RuntimeError):
     pass
 
 
-class FaultyDetokenizer(Detokenizer):
-    """The engine's detokenizer, failing on the third output token of any sequence whose
-    prompt holds MARKER_TOKEN (the batch is well under way by then)."""
-
-    def prepare(self, seqs):
-        for seq in seqs:  # the step's text, decoded together
-            if seq.num_output_tokens >= 3 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
-                raise MarkerFault(f"cannot decode the output of request {seq.request.request_id}")
-        return super().prepare(seqs)
+def marker_fault(seq):
+    """The engine's detokenizer fails on the third output token of any sequence whose prompt
+    holds MARKER_TOKEN (the batch is well under way by then)."""
+    if seq.num_output_tokens >= 3 and MARKER_TOKEN in seq.token_ids[: seq.num_prompt_tokens]:
+        return MarkerFault(f"cannot decode the output of request {seq.request.request_id}")
+    return None
 
 
 @pytest.fixture
 def faulty(tiny_llama):
     """An LLM whose detokenizer fails on the requests holding the marker."""
     llm = LLM(tiny_llama, **ENGINE)
-    llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
+    llm.engine.output_processor.detokenizer = faulty_detokenizer(llm.tokenizer, marker_fault)
     return llm
 
 
@@ -282,7 +279,7 @@ def test_failed_step_fails_only_its_partition(tiny_llama, tok, dedupe):
     ]
     want = alone(tiny_llama, [{"prompt_token_ids": ids(tok, t)} for t in GOOD], SamplingParams(**SP))
     steps = len(driver.partitions_per_step())
-    llm.engine.output_processor.detokenizer = FaultyDetokenizer(llm.tokenizer)
+    llm.engine.output_processor.detokenizer = faulty_detokenizer(llm.tokenizer, marker_fault)
     try:
         results = _run_frames(frames, kw)
     finally:
