@@ -30,7 +30,7 @@ def token_first(
     return [(token_id, logprob, rank)] + [entry for entry in top if entry[0] != token_id]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timings of one request, as ``time.time()`` seconds.
 
