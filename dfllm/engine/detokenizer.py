@@ -106,6 +106,18 @@ class Detokenizer:
             return self.apply(seq, self._read_bytes(seq))
         return self.apply(seq, self.prepare([seq])[0])
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id's text on its own, as ``tokenizer.decode([id])`` gives it (special tokens
+        kept, as ``tokenizer.batch_decode``): a log-probability's ``decoded_token``. With the
+        vocabulary's bytes, those bytes read as UTF-8 (each id checked against that decode
+        when first read), not a decode per id (~3 µs each: at 256 sequences with
+        ``logprobs=5``, ~5 ms a step)."""
+        if self._bytes is None:
+            assert self.tokenizer is not None
+            return self.tokenizer.batch_decode([[t] for t in ids])
+        keep = self._bytes[0]
+        return [keep[t].decode("utf-8", "replace") for t in ids]
+
     @property
     def batches(self) -> bool:
         """Whether :meth:`prepare` is worth calling for a step's sequences together (it decodes

@@ -211,7 +211,7 @@ class OutputProcessor:
 
     def _logprobs(self, top: list[tuple[int, float, int]], detokenize: bool) -> dict[int, Logprob]:
         texts = (
-            self.tokenizer.batch_decode([[t] for t, _, _ in top])
+            self.detokenizer.token_texts([t for t, _, _ in top])
             if detokenize and self.tokenizer is not None
             else [None] * len(top)
         )

@@ -168,3 +168,14 @@ def test_byte_level_equals_windows_on_text(smollm2_tokenizer, smollm2_windows):
         by_windows.step(b)
         assert a.text.startswith(b.text)
     assert a.text == b.text == smollm2_tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), which=st.sampled_from(["smollm2", "smollm2_windows", "minilm"]))
+def test_token_texts_are_single_id_decodes(data, which, smollm2_tokenizer, smollm2_windows, minilm_tokenizer):
+    """A log-probability's text: each id decoded alone (special tokens kept), from the byte
+    table or the tokenizer, for ids of single bytes, special ids and ids past the vocabulary."""
+    tokenizer = {"smollm2": smollm2_tokenizer, "smollm2_windows": smollm2_windows, "minilm": minilm_tokenizer}[which]
+    vocab = len(tokenizer)
+    ids = data.draw(st.lists(st.one_of(st.integers(0, 600), st.integers(0, vocab + 20)), max_size=12))
+    assert Detokenizer(tokenizer).token_texts(ids) == tokenizer.batch_decode([[t] for t in ids])
