@@ -60,6 +60,9 @@ class StepOutput:
     @classmethod
     def split(cls, logits: torch.Tensor, inputs: list[StepInputs]) -> StepOutput:
         """Split the logits of the ``logit_rows`` of ``inputs`` (concatenated in order)."""
+        if len(inputs) == 1 and not inputs[0].prompt_spans:  # one batch, no prompt log-probabilities:
+            seqs = inputs[0].sample_seqs  # the logits are the sampled rows' (no per-step copy of the list)
+            return cls(logits if len(logits) == len(seqs) else logits[: len(seqs)], seqs)
         sample: list[torch.Tensor] = []
         prompt: list[tuple[PromptLogitSpan, torch.Tensor]] = []
         at = 0
