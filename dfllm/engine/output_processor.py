@@ -62,7 +62,7 @@ class OutputProcessor:
         :meth:`_check_stop` (its text, if it has one, advanced after the end-of-sequence check
         as there)."""
         ids, with_logprobs, errors = sampled.ids, sampled.logprobs, sampled.errors
-        # every token appended first, so that the text of the whole step is decoded in one call
+        # every token appended first, so that windows decode the whole step's text in one pass
         if errors:
             for i, (seq, token) in enumerate(zip(seqs, ids)):
                 if i not in errors:
