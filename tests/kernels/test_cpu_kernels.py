@@ -16,7 +16,9 @@ from dfllm.kernels import _cpu
 from dfllm.kernels.backend import TORCH_OPS, select_ops
 from dfllm.kernels.encoder_attention import encoder_attention_torch
 from dfllm.kernels.logits import exact_top_logits_torch
-from dfllm.kernels.metadata import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
+from dfllm.kernels.metadata import AttentionMetadata
+
+from attention_data import attention_batch, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -30,72 +32,6 @@ def cpu_ops():
     ops = select_ops("cpu", torch.device("cpu"))
     assert ops.name == "cpu"
     return ops
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.float(), want.float()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
-
-
-def attention_batch(
-    seqs, kv_heads, group, head_dim, bs, dtype, seed=0, freed_before: int | None = None, freed: list[int] | None = None
-):
-    """Random q/k/v and a paged cache full of random values for ``seqs`` = [(q_len, seq_len), ...],
-    with the metadata of both paths: decode groups for the reference, the flat batch for the kernel.
-    ``freed_before`` marks each decode's table entries wholly before that many last keys as freed
-    (-1), as the block manager does for blocks out of a sliding window, and lists them in ``freed``."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // bs) for _, n in seqs]
-    num_blocks = sum(need) + 3
-    pool = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[pool.pop() for _ in range(b)] for b in need]
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    tokens = sum(q for q, _ in seqs)
-    q = rand(tokens, kv_heads * group, head_dim)
-    k, v = rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
-    k_cache, v_cache = rand(num_blocks, bs, kv_heads, head_dim), rand(num_blocks, bs, kv_heads, head_dim)
-    slots, prefills, dec, qsl = [], [], [], [0]
-    for (q_len, seq_len), table in zip(seqs, tables):
-        row, start = qsl[-1], seq_len - q_len
-        slots += [table[p // bs] * bs + p % bs for p in range(start, seq_len)]
-        if q_len == 1:
-            if freed_before is not None:
-                dead = max(0, seq_len - freed_before) // bs
-                if freed is not None:
-                    freed += table[:dead]
-                table[:dead] = [-1] * dead
-            dec.append((row, table, seq_len))
-        else:
-            all_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
-            prefills.append(PrefillSpan(row, q_len, seq_len, None if start == 0 else all_slots))
-        qsl.append(row + q_len)
-    groups, decodes = [], None
-    if dec:
-        width = max(len(t) for _, t, _ in dec)
-        padded = [t + [t[-1]] * (width - len(t)) for _, t, _ in dec]
-        lens = torch.tensor([n for _, _, n in dec])
-        mask = torch.arange(width * bs)[None, :] < lens[:, None]
-        rows = torch.tensor([r for r, _, _ in dec])
-        groups.append(DecodeGroup(rows, torch.tensor(padded), mask))
-        decodes = DecodeBatch(rows, torch.tensor(padded, dtype=torch.int32), lens.to(torch.int32))
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        prefills=prefills,
-        decode_groups=groups,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32),
-        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32),
-        block_size=bs,
-        max_query_len=max(q for q, _ in seqs),
-        max_seq_len=max(n for _, n in seqs),
-        decodes=decodes,
-    )
-    TORCH_OPS.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    return q, k, v, k_cache, v_cache, meta
 
 
 MIXED = [(5, 5), (1, 33), (7, 40), (1, 70), (1, 1), (1, 16), (1, 17)]
