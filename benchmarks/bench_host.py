@@ -30,7 +30,7 @@ random prompts of ``--prompt-len`` tokens generate ``--max-tokens`` tokens each 
             ``LLMEngine._observe`` and ``Scheduler.stats`` (metrics), ``LLMEngine._outputs``
             (the finished requests' ``RequestOutput``)
   other     the rest of the step: ``runner.run``'s glue (``StepOutput``, the logit rows'
-            gather, ``.float()``), ``zero_blocks``, the engine's bookkeeping, the timers
+            gather, ``.float()``), the engine's bookkeeping, the timers
   ========  ===========================================================================
 
   Only *decode* steps count: steps whose scheduled sequences all compute one new token and
@@ -104,7 +104,7 @@ PHASE_HELP = {
     "logits": "compute_logits",
     "sample": "_sample: sampler, non-finite check, ids to host",
     "output": "output processor, finish, metrics, RequestOutputs",
-    "other": "the rest: runner.run glue, zero_blocks, bookkeeping",
+    "other": "the rest: runner.run glue, bookkeeping",
 }
 # every wrapped target (its name in the JSON's "detail") -> its phase; "step" and "runner.run"
 # keep the exclusive remainder, which is "other"
@@ -123,7 +123,6 @@ TARGET_PHASE = {
     "scheduler.stats": "output",
     "engine._observe": "output",
     "engine._outputs": "output",
-    "runner.zero_blocks": "other",
     "runner.run": "other",
     "step": "other",
 }
@@ -384,7 +383,6 @@ class PhaseTimers:
         p(model, "forward", t("model.forward"))
         p(model, "compute_logits", t("model.compute_logits"))
         p(runner, "run", t("runner.run"))
-        p(runner, "zero_blocks", t("runner.zero_blocks"))
         p(engine, "_sample", t("engine._sample"))
         p(engine.output_processor, "process", t("output_processor.process"))
         p(engine, "_finished", t("engine._finished"))

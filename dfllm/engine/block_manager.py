@@ -10,13 +10,11 @@ two sequences that share a prefix share its blocks
 (reference counted). A block whose count drops to zero goes to the tail of the free list
 but keeps its contents and hash, so it can be revived until it is evicted, oldest first.
 
-Every block handed out to a sequence (except a prefix-cache hit, whose contents are the
-point) is zeroed before the step that first writes it (:meth:`BlockManager.drain_to_zero`):
-a sequence's masked-out slots (past its length in its last block) are still multiplied by a
-zero attention weight, and a stale NaN there, left by a sequence whose model output went
-non-finite, would make another sequence's output NaN (0 * NaN = NaN). Zeroing a block costs
-a small fraction of the step that fills it (its slots are written once per block, read at
-every later step).
+A block is handed out as it is, not cleared (as vLLM does): the slots past a sequence's
+length may hold anything (never-written memory, or a previous owner's keys, NaN where its
+model output went non-finite), and no attention path reads them (the kernels mask their
+loads; the PyTorch references zero what they gather past a length,
+:func:`dfllm.kernels.paged_attention.gather_seen`).
 
 Blocks never handed out yet wait apart. On a GPU the whole cache is resident anyway, so
 they are used before any cached block is evicted; on a CPU their memory is not touched
@@ -90,8 +88,6 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict()
         self.next_fresh = 0  # blocks [next_fresh, num_blocks) were never handed out
         self.hash_to_block: dict[int, int] = {}
-        # Blocks handed out since the last drain, to be zeroed before the next step.
-        self.to_zero: list[int] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
         # every block table also as a row of one array (dfllm.engine.block_tables): this class
@@ -274,13 +270,6 @@ class BlockManager:
             block.ref_count = 1
             seq.block_table.append(block_id)
             self.tables.append(seq, block_id)
-            self.to_zero.append(block_id)
-
-    def drain_to_zero(self) -> list[int]:
-        """Blocks allocated since the last call, to be zeroed (stale or never-written slots
-        must read as zeros; see the module's docstring)."""
-        blocks, self.to_zero = self.to_zero, []
-        return blocks
 
     def free_seq(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``; its last blocks become the first evicted."""

@@ -65,7 +65,6 @@ class ParallelExecutor:
         self.cfg = cfg
         self.world_size = cfg.world_size
         self.failure: str | None = None
-        self._zero: list[int] = []
         _check_devices(cfg.device, self.world_size)
         self.threads = _threads_per_rank(cfg.device, self.world_size)
         store = create_store(self.world_size)
@@ -102,11 +101,6 @@ class ParallelExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("allocate_kv_cache", args=(num_blocks,))
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Zero these blocks on every rank, with the next step (saving a round trip)."""
-        self.driver.zero_blocks(block_ids)
-        self._zero.extend(block_ids)
-
     def free_kv_cache(self) -> None:
         self.collective_rpc("free_kv_cache")
 
@@ -142,9 +136,8 @@ class ParallelExecutor:
                     torch.device("cpu"),
                 )
         shipped = [StepInputs(mb.input_ids, mb.positions, mb.meta, mb.logit_rows, [], [], mb.mm) for mb in micro]
-        zero, self._zero = self._zero, []
         try:
-            self._send(dumps_step(("step", (zero, shipped))))
+            self._send(dumps_step(("step", shipped)))
             logits = execute_step(self.driver, micro)
             self._gather_replies()
         except BaseException as exc:

@@ -419,11 +419,10 @@ class LLMEngine:
         return self._end(step.seqs, sampled, step.sched, step.before)
 
     def _launch(self, sched: SchedulerOutput) -> StepOutput:
-        """Run the model on a scheduled step (its adapters in their slots, new blocks zeroed)."""
+        """Run the model on a scheduled step (its adapters in their slots)."""
         self._last_step_seqs = sched.seqs
         if self.lora is not None:
             self._activate_loras(sched.seqs)
-        self.runner.zero_blocks(self.scheduler.blocks_to_zero())
         if torch.autograd._profiler_enabled():  # a profiler records: the step as one named range
             with torch.profiler.record_function("dfllm.step"):  # (~0.1 ms cold: not otherwise)
                 return self.runner.run(sched)

@@ -193,11 +193,6 @@ class ModelRunner:
         )
         self._attach(self.kv)
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        if block_ids:  # none to zero is a no-op, with or without a cache
-            assert self.kv is not None
-            kv_memory.zero_blocks(self.kv, block_ids)
-
     def free_kv_cache(self) -> None:
         self._drop_graphs()
         if self.model is not None:

@@ -75,7 +75,6 @@ class PoolingEngine:
             self.runner = ModelRunner(cfg)
             num_blocks = self._blocks_for_one_batch()
             self.runner.allocate_kv_cache(num_blocks)
-            self.runner.zero_blocks(list(range(num_blocks)))  # one-token prompts read it as decodes
             assert self.runner.model is not None  # just built
             self.model = self.runner.model
         else:

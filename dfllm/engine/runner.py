@@ -35,9 +35,6 @@ class Runner(Protocol):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache (left uninitialised) and attach it to the attention layers."""
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Zero these KV blocks before they serve a sequence (at the latest with the next step)."""
-
     def free_kv_cache(self) -> None:
         """Release the KV cache."""
 

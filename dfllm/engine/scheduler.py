@@ -176,10 +176,6 @@ class Scheduler:
             if window or (hashing and seq.num_computed_tokens // bs > seq.num_hashed_blocks):
                 bm.cache_full_blocks(seq)
 
-    def blocks_to_zero(self) -> list[int]:
-        """Blocks newly handed out since the last call, which the runner zeroes before use."""
-        return self.bm.drain_to_zero()
-
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
 

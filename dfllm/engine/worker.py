@@ -101,9 +101,7 @@ def worker_main(conn: Connection, cfg: EngineConfig, rank: int, port: int, paren
 
 def _serve(runner: ModelRunner, kind: str, payload):
     if kind == "step":
-        zero_ids, micro = payload
-        runner.zero_blocks(zero_ids)
-        execute_step(runner, micro)
+        execute_step(runner, payload)
         return None
     method, args, kwargs = cloudpickle.loads(payload)
     return rpc_target(runner, method)(*args, **kwargs)

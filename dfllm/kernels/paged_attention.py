@@ -78,13 +78,24 @@ def _decode(
     tables, mask = group.block_tables, group.mask
     if window is not None:
         tables, mask = _window_blocks(tables, mask, bs, window)
-    length = tables.shape[1] * bs
-    tables = tables.flatten()
-    keys = k_cache.index_select(0, tables).view(batch, length, kv_heads, dim).transpose(1, 2)
-    values = v_cache.index_select(0, tables).view(batch, length, kv_heads, dim).transpose(1, 2)
+    keys = gather_seen(k_cache, tables, mask).transpose(1, 2)
+    values = gather_seen(v_cache, tables, mask).transpose(1, 2)
     q = q.view(batch, kv_heads, heads // kv_heads, dim)
     o = _attend(q, keys.to(q.dtype), values.to(q.dtype), mask[:, None, None, :], scale, softcap)
     return o.reshape(batch, heads, dim)
+
+
+def gather_seen(cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The blocks ``tables`` ``[batch, width]`` of ``cache`` ``[blocks, block_size, ...]`` laid
+    end to end, ``[batch, width * block_size, ...]``, with zeros in the slots ``mask`` hides.
+
+    A hidden slot gets a zero attention weight, but ``0 * NaN`` is NaN: it may hold anything
+    (never-written memory, or a block's previous owner's keys, NaN if its model output went
+    non-finite), so it is not read as it is. The engine does not clear blocks it hands out."""
+    batch, width = tables.shape
+    rows = cache.index_select(0, tables.flatten()).view(batch, width * cache.shape[1], *cache.shape[2:])
+    seen = mask.view(batch, -1, *([1] * (cache.dim() - 2)))
+    return torch.where(seen, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def _window_blocks(tables: torch.Tensor, mask: torch.Tensor, bs: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from torch import nn
 from dfllm.kernels.backend import KernelOps
 from dfllm.kernels.kv_cache import KVCacheLayout
 from dfllm.kernels.metadata import AttentionMetadata, DecodeGroup
+from dfllm.kernels.paged_attention import gather_seen
 from dfllm.models.layers import RMSNorm
 from dfllm.models.spec import ModelSpec
 
@@ -130,9 +131,7 @@ def _decode_absorbed(q, cache, w_uk, w_uv, group: DecodeGroup, scale: float) -> 
     nope = w_uk.shape[1]
     q_latent = torch.einsum("bhn,hnl->bhl", q[..., :nope], w_uk.to(q.dtype))
     query = torch.cat((q_latent, q[..., nope:]), dim=-1).unsqueeze(1)  # [batch, 1, heads, rank + rope]
-    tables = group.block_tables.flatten()
-    length = group.block_tables.shape[1] * cache.shape[1]
-    keys = cache.index_select(0, tables).view(batch, 1, length, cache.shape[-1]).to(q.dtype)
+    keys = gather_seen(cache, group.block_tables, group.mask).view(batch, 1, -1, cache.shape[-1]).to(q.dtype)
     mask = group.mask[:, None, None, :]
     o = F.scaled_dot_product_attention(query, keys, keys[..., :rank], attn_mask=mask, scale=scale)
     return torch.einsum("bhl,hvl->bhv", o.squeeze(1), w_uv.to(q.dtype))

@@ -151,8 +151,8 @@ def test_static_buffer_step_with_a_one_token_prompt_chunk_matches_eager(tiny, de
         seqs = [make_seq(p) for p in random_prompts(3, 5, 20, seed=3)]
         for seq, computed in zip(seqs, [len(seqs[0].token_ids) - 1, 2, len(seqs[2].token_ids) - 1]):
             bm.allocate(seq, computed + 1)
-            seq.num_computed_tokens = computed  # the cache's earlier slots hold zeros: the same in both runs
-        runner.zero_blocks(bm.drain_to_zero())
+            seq.num_computed_tokens = computed
+        runner.kv.zero_()  # the earlier slots, never computed, read as zeros: the same in both runs
         if padded:
             graphs = runner.setup_decode_graphs(capture=False)
             assert graphs is not None

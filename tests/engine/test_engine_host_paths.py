@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from dfllm.engine import step_inputs
 from dfllm.engine.block_manager import FREED, block_hash, chain_root
 from dfllm.engine.host_pack import HostPack
-from dfllm.engine.kv_memory import zero_blocks
 from dfllm.engine.logit_penalties import apply_penalties
 from dfllm.engine.metrics import EngineMetrics, snapshot
 from dfllm.engine.output_processor import OutputProcessor
@@ -154,29 +153,6 @@ def test_penalties_skip_rows_without_edits_and_apply_with_one():
     x = before[:2].clone()
     apply_penalties(x, bad, {0})
     assert x[1, 6] == float("-inf") and torch.equal(x[0], before[0])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(2, 3, 20, 4, 2, 8), (1, 2, 20, 4, 1, 16), (2, 1, 20, 1, 1, 3)])
-def test_zero_blocks_matches_index_fill(dtype, shape):
-    kv = torch.randn(shape).to(dtype)
-    kv[0, 0, 5] = float("nan")
-    ids = [5, 0, 7, 8, 19, 7]  # repeated ids too
-    expected = kv.clone()
-    expected.index_fill_(2, torch.tensor(ids), 0)
-    zero_blocks(kv, ids)
-    assert torch.equal(kv.view(torch.uint8), expected.view(torch.uint8))  # the same bytes
-    zero_blocks(kv, [])
-    assert torch.equal(kv.view(torch.uint8), expected.view(torch.uint8))
-
-
-def test_zero_blocks_on_a_view_that_cannot_be_widened():
-    base = torch.randn(2, 2, 10, 4, 2, 8)
-    kv = base[:, :, :, :, :, :7]  # not contiguous: the plain fill
-    expected = kv.clone()
-    expected.index_fill_(2, torch.tensor([1, 3]), 0)
-    zero_blocks(kv, [1, 3])
-    assert torch.equal(kv, expected)
 
 
 def _inputs_tensors(inputs) -> dict[str, torch.Tensor]:

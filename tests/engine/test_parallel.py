@@ -118,7 +118,7 @@ def test_each_rank_holds_its_share(tp_llm):
     assert shapes == [((64, 64), (64, 64), (24578, 64))] * 2
     first, second = tp_llm.apply_model(lambda m: m.model.embed_tokens.weight[-3:].clone())
     assert first.abs().sum() > 0 and second[-1].abs().sum() == 0  # rank 1's last row is padding
-    assert tp_llm.collective_rpc("zero_blocks", args=([],)) == [None, None]
+    assert tp_llm.collective_rpc("onload_weights") == [None, None]
     with pytest.raises(TimeoutError):
         tp_llm.collective_rpc(lambda w: time.sleep(1.0), timeout=0.05)
     assert tp_llm.collective_rpc(lambda w, x: x + w.parallel.rank, args=(10,)) == [10, 11]  # late replies skipped

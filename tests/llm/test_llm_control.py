@@ -229,7 +229,7 @@ def test_collective_rpc_and_apply_model(llm, tiny_llama):
     from transformers import AutoModelForCausalLM
 
     assert llm.collective_rpc(lambda worker: type(worker.model).__name__) == ["LlamaForCausalLM"]
-    assert llm.collective_rpc("zero_blocks", args=([],)) == [None]
+    assert llm.collective_rpc("onload_weights") == [None]
     assert llm.collective_rpc(lambda w, x, y=0: x + y, args=(2,), kwargs={"y": 3}) == [5]
     # vLLM's worker attributes, for callables written against vLLM
     assert llm.collective_rpc(lambda w: (w.rank, w.local_rank, str(w.device), w.model_runner.model is w.model)) == [

@@ -61,9 +61,9 @@ def ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def alone(path, prompts: list, params: SamplingParams) -> list[list[int]]:
+def alone(path, prompts: list, params: SamplingParams, **kw) -> list[list[int]]:
     """Each prompt's output tokens, generated alone in a fresh engine."""
-    llm = LLM(path, **ENGINE)
+    llm = LLM(path, **ENGINE, **kw)
     return [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
@@ -111,16 +111,18 @@ def test_nan_logits_under_asynchronous_scheduling(nan_model, tok):
 
 
 @pytest.mark.slow
-def test_nan_in_the_kv_cache_reaches_no_other_sequence(nan_model):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_nan_in_the_kv_cache_reaches_no_other_sequence(nan_model, backend):
     """A NaN sequence's keys and values never reach another sequence's attention: neither
     as the padding of a shorter block table in a decode group (the NaN prefill runs in the
     same step as the decodes, in the block they would pad with), nor as the stale slots of
-    a freed block handed to the next request. Every other output equals its output alone."""
+    a freed block handed, uncleared, to the next request. Every other output equals its
+    output alone; on the CPU kernels and on the PyTorch references."""
     sp = SamplingParams(**SP)
     a, b, c = list(range(100, 140)), [7, 8, 9], [11, 12]  # a: 3 blocks of 16; b and c: 1
     poison = [NAN_TOKEN, 5, 6, 7, 8]
-    want = alone(nan_model, [{"prompt_token_ids": p} for p in (a, b, c)], sp)
-    llm = LLM(nan_model, **ENGINE)
+    want = alone(nan_model, [{"prompt_token_ids": p} for p in (a, b, c)], sp, attention_backend=backend)
+    llm = LLM(nan_model, attention_backend=backend, **ENGINE)
     engine = llm.engine
     bm = engine.scheduler.bm  # white box: which free block is handed out next
 
