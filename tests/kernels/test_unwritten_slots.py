@@ -26,12 +26,12 @@ from dfllm.models.mla import mla_attention_torch
 
 from attention_data import attention_batch
 
-BACKENDS = ["torch"]
-if shutil.which("c++") or shutil.which("g++"):
-    BACKENDS.append("cpu")
-if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
-    BACKENDS.append("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["torch"]
+if DEVICE == "cpu" and (shutil.which("c++") or shutil.which("g++")):
+    BACKENDS.append("cpu")
+if os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda":
+    BACKENDS.append("triton")
 POISON = [float("nan"), float("inf"), float("-inf")]
 
 
