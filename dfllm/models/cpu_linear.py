@@ -139,6 +139,12 @@ class PackableLinear(nn.Linear):
         self._packed, self._gemm = (_weight_key(w), _reorder(w)), "onednn"
         return True
 
+    @property
+    def packing(self) -> object:
+        """The record of the current packing (None where not packed): the same object until
+        the layer is packed again, so its identity tells a repacking apart."""
+        return self._packed
+
     def packed_copy(self) -> tuple[str, torch.Tensor] | None:
         """The GEMM the packed copy is laid out for ("onednn" or "dfllm") and the copy, where it is
         current; None where the layer is not packed or its weight changed since (:meth:`forward`

@@ -65,6 +65,24 @@ class StepOperands(NamedTuple):
     onednn: bool  # the linears take oneDNN's GEMM (else dfllm's bfloat16 GEMM)
 
 
+class _Weights(NamedTuple):
+    """The weights' part of :class:`StepOperands` (what stays from step to step)."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    qk_norms: list[torch.Tensor]
+    onednn: bool
+
+
+def _norms(layer: DecoderLayer) -> list[RMSNorm]:
+    """The layer's input and post-attention RMSNorms, then its q and k norms where it has them (Qwen3)."""
+    attn = layer.self_attn
+    norms = [cast(RMSNorm, layer.input_layernorm), cast(RMSNorm, layer.post_attention_layernorm)]
+    if attn.q_norm is not None and attn.k_norm is not None:
+        norms += [cast(RMSNorm, attn.q_norm), cast(RMSNorm, attn.k_norm)]
+    return norms
+
+
 def _qk_eps(layer: DecoderLayer) -> tuple[float, float] | None:
     """The epsilons of the layer's q and k RMSNorms (Qwen3), or None where it has none."""
     attn = layer.self_attn
@@ -87,6 +105,12 @@ class DecodeStack:
         self.qk_eps = 0.0 if qk_eps is None else qk_eps[0]
         self.intermediate = _linears(layers[0])[3].in_features
         self.calls = 0
+        # what a step reads of each layer: its attention, its four linears, its norms (the
+        # modules are the model's own from here on: the engine replaces none once built)
+        self._parts = [(layer.self_attn, _linears(layer), _norms(layer)) for layer in layers]
+        # the last step's weights (:meth:`_weights`), with the key they were taken under and
+        # the objects whose ids the key holds (kept alive, so that no id is reused meanwhile)
+        self._weights_cache: tuple[list, _Weights, list] | None = None
 
     @classmethod
     def build(cls, model: DecoderModel) -> DecodeStack | None:
@@ -120,26 +144,63 @@ class DecodeStack:
 
     def _operands(self, dtype: torch.dtype) -> StepOperands | None:
         """This step's operands, or None where a packed copy is stale or missing, the layers'
-        GEMMs differ, or a norm or cache is not in ``dtype``."""
-        weights: list[torch.Tensor] = []
-        biases: list[torch.Tensor | None] = []
-        qk_norms: list[torch.Tensor] = []
+        GEMMs differ, or a norm or cache is not in ``dtype``.
+
+        The weights' part is taken once and reused while every object it came from is the
+        same and unchanged (a packed copy, its weight's version and storage, each norm and
+        bias): checking that is a tenth of walking the modules for them (SmolLM2's 30 layers
+        ~45 µs against ~600). The caches are read at every step, so that the engine's
+        freeing or replacing them is never held up here."""
         caches: list[torch.Tensor] = []
-        gemms: set[str] = set()
-        for layer in self.layers:
-            k_cache, v_cache = layer.self_attn.k_cache, layer.self_attn.v_cache
+        for attn, _, _ in self._parts:
+            k_cache, v_cache = attn.k_cache, attn.v_cache
             if k_cache is None or v_cache is None or k_cache.dtype != dtype or v_cache.dtype != dtype:
                 return None
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 return None
-            linears = _linears(layer)
+            caches += (k_cache, v_cache)
+        key, held = self._key(dtype)
+        cached = self._weights_cache
+        if cached is not None and cached[0] == key:
+            weights = cached[1]
+        else:
+            self._weights_cache = None
+            found = self._weights(dtype)
+            if found is None:
+                return None
+            weights = found
+            self._weights_cache = (key, weights, held)
+        return StepOperands(weights.weights, weights.biases, weights.qk_norms, caches, weights.onednn)
+
+    def _key(self, dtype: torch.dtype) -> tuple[list, list]:
+        """What the weights' part depends on, as ints (ids, versions, addresses), and the
+        objects whose ids it holds."""
+        key: list = [dtype]
+        held: list = []
+        for _, linears, norms in self._parts:
+            for m in linears:
+                w, b, packed = m._parameters["weight"], m._parameters.get("bias"), m.packing
+                assert w is not None
+                key += (id(packed), w._version, w.data_ptr(), id(b))
+                held += (packed, b)
+            for n in norms:
+                w = n._parameters["weight"]
+                assert w is not None
+                key += (id(w), w._version, w.data_ptr())
+                held.append(w)
+        return key, held
+
+    def _weights(self, dtype: torch.dtype) -> _Weights | None:
+        """The layers' packed linears, norms and biases as ``decode_layers`` takes them, or
+        None (see :meth:`_operands`)."""
+        weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        qk_norms: list[torch.Tensor] = []
+        gemms: set[str] = set()
+        for _, linears, norms in self._parts:
             packed = [m.packed_copy() for m in linears]
-            attn = layer.self_attn
-            norms: list[torch.Tensor] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if attn.q_norm is not None and attn.k_norm is not None:
-                norms += [cast(RMSNorm, attn.q_norm).weight, cast(RMSNorm, attn.k_norm).weight]
-                qk_norms += norms[2:]
-            if any(p is None for p in packed) or any(w.dtype != dtype for w in norms):
+            weights_of_norms = [n.weight for n in norms]
+            if any(p is None for p in packed) or any(w.dtype != dtype for w in weights_of_norms):
                 return None
             copies = cast(list[tuple[str, torch.Tensor]], packed)
             gemms.update(gemm for gemm, _ in copies)
@@ -147,12 +208,12 @@ class DecodeStack:
             if any(gemm == "dfllm" and m.in_features % 2 for (gemm, _), m in zip(copies, linears, strict=True)):
                 return None
             qkv, o, gate_up, down = (copy for _, copy in copies)
-            weights += [norms[0], qkv, o, norms[1], gate_up, down]
+            weights += [weights_of_norms[0], qkv, o, weights_of_norms[1], gate_up, down]
             biases += [m.bias for m in linears]
-            caches += [k_cache, v_cache]
+            qk_norms += weights_of_norms[2:]
         if len(gemms) != 1 or (gemms == {"dfllm"} and dtype != torch.bfloat16):
             return None
-        return StepOperands(weights, biases, qk_norms, caches, gemms == {"onednn"})
+        return _Weights(weights, biases, qk_norms, gemms == {"onednn"})
 
     def run(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata

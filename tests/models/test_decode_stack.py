@@ -134,3 +134,44 @@ def test_a_weight_written_since_packing_sends_the_step_to_the_modules(tmp_path, 
     assert stack._operands(dtype) is None
     down(torch.ones(1, down.in_features, dtype=dtype))  # the forward packs it again
     assert stack._operands(dtype) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_stacks_weights_are_taken_once_and_again_whenever_a_layer_changes(tmp_path, smollm2_dir, dtype):
+    """Step after step the stack reuses the weights it took (the modules are not walked
+    again); a norm or bias replaced, or a KV cache freed and allocated again (sleep mode),
+    is what the next step reads, and nothing of a freed cache is held."""
+    llm = LLM(build_tiny_model(tmp_path, smollm2_dir), dtype=dtype, max_model_len=64)
+    (decoder,) = decoder_models(llm.engine.runner)
+    stack = decoder.decode_stack
+    assert isinstance(stack, DecodeStack)
+    first = stack._operands(dtype)
+    assert first is not None
+    again = stack._operands(dtype)
+    assert again is not None and again.weights is first.weights  # taken once
+    layer = decoder.stage_layers[1]
+    norm = layer.post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 3, requires_grad=False)
+    replaced = stack._operands(dtype)
+    assert replaced is not None and replaced.weights[6 + 3] is norm.weight  # layer 1's post-attention norm
+    kv_before = [c.data_ptr() for c in replaced.caches]
+    llm.sleep(1)  # the KV cache freed: the stack declines and holds none of it
+    assert stack._operands(dtype) is None
+    assert stack._weights_cache is None or all(
+        not isinstance(x, torch.Tensor) or x.data_ptr() not in kv_before for x in stack._weights_cache[2]
+    )
+    llm.wake_up()
+    woken = stack._operands(dtype)
+    assert woken is not None
+    assert [c.data_ptr() for c in woken.caches] == [c.data_ptr() for c in decoder_caches(decoder)]
+    prompts = random_prompts(3, 3, 20, seed=2)
+    with_norm = generate(llm, prompts)
+    calls = stack.calls
+    assert calls > 0
+    decoder.decode_stack = None  # the modules' forward, the replaced norm included
+    llm.reset_prefix_cache()  # the same prefill computations as the first call's
+    assert generate(llm, prompts) == with_norm
+
+
+def decoder_caches(decoder: DecoderModel) -> list[torch.Tensor]:
+    return [c for layer in decoder.stage_layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
