@@ -1182,6 +1182,11 @@ def parse_args() -> argparse.Namespace:
         help="dfllm's kv_cache_dtype (opt-in bfloat16: half the bytes decode attention reads)",
     )
     p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="dfllm's async_scheduling=True (each step launched before the last one's tokens reach the host)",
+    )
+    p.add_argument(
         "--ceiling-batch",
         type=int,
         default=None,
@@ -1232,6 +1237,7 @@ def main() -> None:
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        async_scheduling=args.async_scheduling,
     )
     tokenizer = llm.get_tokenizer()
     eos_ids = set(getattr(llm.llm_engine, "eos_token_ids", None) or {tokenizer.eos_token_id})

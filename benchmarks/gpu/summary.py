@@ -144,6 +144,21 @@ def host_rows(t: Table, out: str, name: str = "host", what: str = "decode step")
         )
 
 
+def async_rows(t: Table, out: str) -> None:
+    """Asynchronous scheduling against the synchronous loop: tok/s at each batch both ran."""
+    sync = ((load(out, "host.json") or {}).get("batches")) or {}
+    runs = ((load(out, "host_async.json") or {}).get("batches")) or {}
+    for batch, r in runs.items():
+        s = sync.get(batch)
+        if s and s.get("tok_s") and r.get("tok_s"):
+            t.add(
+                "host_async",
+                f"async vs sync scheduling, batch {batch}",
+                f"{r['tok_s']:.5g} vs {s['tok_s']:.5g} tok/s = {r['tok_s'] / s['tok_s']:.3g}x; wall ms/step "
+                f"{r.get('wall_ms_per_step', float('nan')):.3g} vs {s.get('wall_ms_per_step', float('nan')):.3g}",
+            )
+
+
 def generate_rows(t: Table, out: str, name: str, label: str) -> None:
     g = load(out, f"{name}.json")
     if not g:
@@ -213,6 +228,8 @@ def main() -> int:
     attention_rows(t, out)
     graph_rows(t, out)
     host_rows(t, out)
+    host_rows(t, out, "host_async", "decode step, asynchronous scheduling")
+    async_rows(t, out)
     host_rows(t, out, "host_text", "detokenized decode step")
     generate_rows(t, out, "generate", "chat workload vs transformers")
     generate_rows(t, out, "nano", "nano-vllm workload")
