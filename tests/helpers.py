@@ -313,6 +313,57 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
+SENTENCEPIECE_CORPUS = [
+    "Hello world, naïve café. 東京 is big 🙂",
+    "The capital of France is Paris.",
+    "Ωmega ≈ çava — ok!",
+    "日本語のテキスト、そして emoji 🎉🎉",
+    "  double  spaces\tand tabs\nnewlines",
+]
+
+
+def sentencepiece_tokenizer(strip: bool = True):
+    """A small tokenizer built as Llama 2's and Mistral's are (``strip``; Gemma's without):
+    SentencePiece-style BPE over ``▁``-joined words with the 256 byte tokens ``<0xHH>`` as
+    ordinary vocabulary (ids 3-258) for characters it lacks, ``<unk>``, ``<s>`` and ``</s>``
+    special, and the decoder ``Replace("▁", " ")``, ``ByteFallback``, ``Fuse`` (then
+    ``Strip(" ", 1, 0)``). Trained on a few sentences: 440 ids."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    norm = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = norm
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60)
+    trained.train_from_iterator(SENTENCEPIECE_CORPUS * 20, trainer)
+    model = json.loads(trained.to_str())["model"]
+    order = sorted(model["vocab"], key=model["vocab"].get)
+    vocab = order[:3] + [f"<0x{b:02X}>" for b in range(256)] + order[3:]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(vocab)},
+            merges=merges,
+            unk_token="<unk>",
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    tok.normalizer = norm
+    parts = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(parts + [decoders.Strip(" ", 1, 0)] if strip else parts)
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def make_seq(tokens: list[int]) -> Sequence:
     """A one-sequence request over ``tokens``, for scheduler and block-manager tests."""
     req = Request("r", None, tokens, SamplingParams(), RequestMetrics(0.0))

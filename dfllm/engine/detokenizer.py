@@ -15,7 +15,8 @@ alternately in the engine). Each window is decoded exactly as
 ``tokenizer.decode`` decodes it: by the Rust tokenizer itself where transformers' ``decode``
 is only that (a fast tokenizer that does not clean up spaces), else by ``tokenizer.decode``.
 
-A byte-level BPE tokenizer whose ``decode`` is the Rust one decodes no windows: its tokens'
+A byte-level BPE tokenizer, or SentencePiece's with byte fallback (Llama 2, Mistral, Gemma),
+whose ``decode`` is the Rust one decodes no windows: its tokens'
 bytes (:mod:`dfllm.engine.token_bytes`) are appended to the bytes not yet read as text
 (``Sequence.utf8_tail``, at most the first three bytes of a character) and the complete
 characters among them become the new text, an invalid byte U+FFFD, as the tokenizer's own
@@ -23,7 +24,10 @@ decoder reads them. The text after every step is then exactly ``tokenizer.decode
 output ids less an unfinished last character (which the window too holds back); where the
 output's bytes are not valid UTF-8 the window's text can differ from that decode (a
 character cut between the window's two decodes), this one cannot. About 0.5 µs a sequence
-instead of two 2 µs decodes.
+instead of two 2 µs decodes. A SentencePiece decoder that drops one leading space of a text
+(Llama 2's, Mistral's) drops it from the output's first text where the prompt has no bytes
+(``Sequence.utf8_lstrip``): the text is ``tokenizer.decode`` of the prompt and the output less
+that of the prompt (the windows strip it too where the prompt's last five tokens have none).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import cast
 from transformers import PreTrainedTokenizerBase
 
 from dfllm.engine.sequence import Sequence
-from dfllm.engine.token_bytes import token_bytes
+from dfllm.engine.token_bytes import lstrip_space, token_bytes
 
 _WINDOW = 5
 
@@ -42,8 +46,8 @@ _WINDOW = 5
 _RUST_DECODES = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
 
 # what step() does to a sequence: (delta, prefix_offset, read_offset) after it, or with a byte table
-# (delta, utf8_tail, read_offset); None: nothing yet
-Step = tuple[str, int | bytes, int] | None
+# (delta, utf8_tail, read_offset, utf8_lstrip); None: nothing yet
+Step = tuple[str, int, int] | tuple[str, bytes, int, bool] | None
 
 _utf8_decode = codecs.utf_8_decode
 
@@ -64,10 +68,18 @@ class Detokenizer:
         self._bytes = token_bytes(rust) if plain else None  # a byte-level vocabulary's bytes: no windows
 
     def start(self, seq: Sequence) -> None:
-        """Point the decode window at the end of the prompt (no bytes read yet)."""
+        """Point the decode window at the end of the prompt (no bytes read yet; with a decoder
+        that strips a text's leading space, whether the output's first text loses it)."""
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(seq.num_prompt_tokens - _WINDOW, 0)
         seq.utf8_tail = b""
+        vocab = self._bytes
+        if vocab is not None and vocab.strips_space:
+            pieces = vocab.skip if seq.request.params.skip_special_tokens else vocab.keep
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            seq.utf8_lstrip = not any(pieces[t] for t in reversed(prompt))  # the last token's, mostly
+        else:
+            seq.utf8_lstrip = False
 
     def prepare(self, seqs: list[Sequence]) -> list[Step]:
         """What :meth:`step` would do to each sequence now (its newest token appended), all
@@ -90,11 +102,10 @@ class Detokenizer:
         """Do what :meth:`prepare` found for ``seq``: append its new text; return it."""
         if ready is None:
             return ""
-        delta, state, seq.read_offset = ready
-        if isinstance(state, bytes):
-            seq.utf8_tail = state
+        if len(ready) == 4:
+            delta, seq.utf8_tail, seq.read_offset, seq.utf8_lstrip = ready
         else:
-            seq.prefix_offset = state
+            delta, seq.prefix_offset, seq.read_offset = ready
         if delta:
             seq.text += delta
         return delta
@@ -115,7 +126,9 @@ class Detokenizer:
         if self._bytes is None:
             assert self.tokenizer is not None
             return self.tokenizer.batch_decode([[t] for t in ids])
-        keep = self._bytes[0]
+        keep = self._bytes.keep
+        if self._bytes.strips_space:
+            return [lstrip_space(keep[t].decode("utf-8", "replace")) for t in ids]
         return [keep[t].decode("utf-8", "replace") for t in ids]
 
     @property
@@ -126,17 +139,19 @@ class Detokenizer:
 
     def _read_bytes(self, seq: Sequence) -> Step:
         """:meth:`prepare`'s step with the vocabulary's bytes: the sequence's unread tokens'
-        bytes after its tail, read as UTF-8 up to an unfinished last character (the new tail)."""
+        bytes after its tail, read as UTF-8 up to an unfinished last character (the new tail);
+        the first text less a leading space where ``seq.utf8_lstrip``."""
         assert self._bytes is not None
-        keep, skip = self._bytes
-        pieces = skip if seq.request.params.skip_special_tokens else keep
+        pieces = self._bytes.skip if seq.request.params.skip_special_tokens else self._bytes.keep
         ids, read = seq.token_ids, seq.read_offset
         if read == len(ids) - 1:  # one new token: the usual step
             data = seq.utf8_tail + pieces[ids[read]]
         else:
             data = seq.utf8_tail + b"".join([pieces[t] for t in ids[read:]])
         text, used = _utf8_decode(data, "replace", False)
-        return text, data[used:], len(ids)
+        if seq.utf8_lstrip and text:  # the output's first text, after a prompt without bytes
+            return lstrip_space(text), data[used:], len(ids), False
+        return text, data[used:], len(ids), seq.utf8_lstrip
 
     def _decode_all(self, windows: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Each window's text, as ``tokenizer.decode`` gives it."""

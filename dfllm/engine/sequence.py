@@ -68,6 +68,7 @@ class Sequence:
     stop_offset: int = 0  # stop strings are looked for from here (after the first min_tokens tokens' text)
     read_offset: int = 0
     utf8_tail: bytes = b""  # a byte-level vocabulary's bytes read but not yet text (an unfinished character)
+    utf8_lstrip: bool = False  # its first text loses a leading space (SentencePiece's Strip, a prompt without bytes)
     text_marks: list[int] = field(default_factory=list)  # len(text) before each output token (stop groups only)
     logprobs: list[dict[int, Logprob]] | None = None
     # prompt_logprobs: None first (the first prompt token has no context), then one dict per

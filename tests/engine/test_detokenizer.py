@@ -1,8 +1,12 @@
 """The detokenizer decodes a step's sequences together and gives, token by token, the text and
 window offsets that decoding each sequence alone with ``tokenizer.decode`` gives; with a
-byte-level vocabulary's bytes, the text of ``tokenizer.decode`` of the output ids."""
+byte-level vocabulary's bytes, the text of ``tokenizer.decode`` of the output ids; with a
+SentencePiece vocabulary's (byte fallback; Llama 2's leading-space strip or Gemma's none),
+``tokenizer.decode`` of the prompt and the output less that of the prompt."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +17,7 @@ from transformers import AutoTokenizer
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.sampling_params import SamplingParams
 
-from helpers import make_seq
+from helpers import make_seq, sentencepiece_tokenizer
 
 WINDOW = 5
 
@@ -171,11 +175,130 @@ def test_byte_level_equals_windows_on_text(smollm2_tokenizer, smollm2_windows):
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), which=st.sampled_from(["smollm2", "smollm2_windows", "minilm"]))
-def test_token_texts_are_single_id_decodes(data, which, smollm2_tokenizer, smollm2_windows, minilm_tokenizer):
+@given(data=st.data(), which=st.sampled_from(["smollm2", "smollm2_windows", "minilm", "llama2", "gemma"]))
+def test_token_texts_are_single_id_decodes(data, which, smollm2_tokenizer, smollm2_windows, minilm_tokenizer, sp):
     """A log-probability's text: each id decoded alone (special tokens kept), from the byte
     table or the tokenizer, for ids of single bytes, special ids and ids past the vocabulary."""
-    tokenizer = {"smollm2": smollm2_tokenizer, "smollm2_windows": smollm2_windows, "minilm": minilm_tokenizer}[which]
+    tokenizer = {"smollm2": smollm2_tokenizer, "smollm2_windows": smollm2_windows, "minilm": minilm_tokenizer, **sp}[
+        which
+    ]
     vocab = len(tokenizer)
     ids = data.draw(st.lists(st.one_of(st.integers(0, 600), st.integers(0, vocab + 20)), max_size=12))
     assert Detokenizer(tokenizer).token_texts(ids) == tokenizer.batch_decode([[t] for t in ids])
+
+
+# ---- SentencePiece with byte fallback (Llama 2, Mistral, Gemma) ---------------------------------------
+@pytest.fixture(scope="module")
+def sp():
+    """Llama 2's decoder (the leading-space strip) and Gemma's (none), on one small vocabulary."""
+    return {"llama2": sentencepiece_tokenizer(strip=True), "gemma": sentencepiece_tokenizer(strip=False)}
+
+
+def _windows_twin(tokenizer):
+    """The same tokenizer with its decoder wrapped in a ``Sequence``: the same decode, no byte table."""
+    twin = copy.deepcopy(tokenizer)
+    twin.backend_tokenizer.decoder = decoders.Sequence([tokenizer.backend_tokenizer.decoder])
+    return twin
+
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), max_codepoint=0x1FFFF), max_size=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), which=st.sampled_from(["llama2", "gemma"]))
+def test_sentencepiece_text_is_the_decode_of_prompt_and_output(data, which, sp):
+    """Prompts of text, of special tokens only (no bytes: Llama 2's decoder drops the output's
+    leading space), or empty text; outputs of text (characters the vocabulary lacks as byte
+    tokens, characters cut between steps) with special tokens between words,
+    ``skip_special_tokens`` either way, several tokens between some steps: the text only
+    grows, and at the end it is the decode of prompt and output less the prompt's."""
+    tokenizer = sp[which]
+    det = Detokenizer(tokenizer)
+    assert not det.batches and det._bytes is not None and det._bytes.strips_space == (which == "llama2")
+    special = st.sampled_from(tokenizer.all_special_ids)
+    words = st.lists(
+        st.one_of(TEXT.map(lambda t: tokenizer.encode(t, add_special_tokens=False)), special.map(lambda i: [i]))
+    )
+    prompt = [t for w in data.draw(words) for t in w] or [tokenizer.bos_token_id]
+    out = [t for w in data.draw(words) for t in w]
+    skip = data.draw(st.booleans())
+    full = tokenizer.decode(prompt + out, skip_special_tokens=skip)
+    head = tokenizer.decode(prompt, skip_special_tokens=skip)
+    assert full.startswith(head)
+    seq = make_seq(prompt)
+    seq.request.params = SamplingParams(skip_special_tokens=skip)
+    det.start(seq)
+    together = data.draw(st.booleans())  # prepare + apply, or step
+    while out:
+        n = data.draw(st.integers(1, 3))
+        chunk, out = out[:n], out[n:]
+        before = seq.text
+        seq.token_ids.extend(chunk)
+        delta = det.apply(seq, det.prepare([seq])[0]) if together else det.step(seq)
+        assert seq.text == before + delta and seq.read_offset == len(seq.token_ids)
+        assert full[len(head) :].startswith(seq.text)
+    assert seq.text == full[len(head) :] and seq.utf8_tail == b""
+
+
+@pytest.mark.parametrize("which", ["llama2", "gemma"])
+def test_sentencepiece_equals_windows_on_text(which, sp):
+    """Token by token after a prompt of text, the byte reading's text is the windows' or ahead
+    of it; at the end the same, and the decode of the output."""
+    tokenizer = sp[which]
+    text = " naïve café, 東京 🙂 done\n\tΩ≈ç√ — ok! 𝔘𝔫𝔦  two  spaces"
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert any(3 <= t < 259 for t in tokens)  # byte tokens among them
+    by_bytes, by_windows = Detokenizer(tokenizer), Detokenizer(_windows_twin(tokenizer))
+    assert by_bytes._bytes is not None and by_windows._bytes is None and by_windows._rust is not None
+    prompt = tokenizer.encode("Hello world", add_special_tokens=False)
+    a, b = make_seq(prompt), make_seq(prompt)
+    by_bytes.start(a)
+    by_windows.start(b)
+    for token in tokens:
+        a.token_ids.append(token)
+        b.token_ids.append(token)
+        by_bytes.step(a)
+        by_windows.step(b)
+        assert a.text.startswith(b.text)
+    assert a.text == b.text == tokenizer.decode(prompt + tokens)[len(tokenizer.decode(prompt)) :]
+
+
+def test_a_prompt_without_bytes_drops_the_outputs_first_space_once(sp):
+    """Llama 2's strip: after a prompt of special tokens skipped, the output's first text loses
+    its leading space, even where that text is only the space; nothing after it does. With the
+    special tokens kept (they have bytes), or Gemma's decoder, nothing is dropped."""
+    ids = sp["llama2"].convert_tokens_to_ids(["\u2581", "\u2581Hello\u2581"])
+    assert None not in ids and 0 not in ids  # in the vocabulary (0 is <unk>)
+    space, hello = ids
+    for which, skip, want in [("llama2", True, " Hello "), ("llama2", False, "  Hello "), ("gemma", True, "  Hello ")]:
+        tokenizer = sp[which]
+        det = Detokenizer(tokenizer)
+        seq = make_seq([tokenizer.bos_token_id])
+        seq.request.params = SamplingParams(skip_special_tokens=skip)
+        det.start(seq)
+        for token in (space, hello):
+            seq.token_ids.append(token)
+            det.step(seq)
+        assert seq.text == want, which
+        ids = seq.token_ids
+        assert (
+            seq.text
+            == tokenizer.decode(ids, skip_special_tokens=skip)[
+                len(tokenizer.decode(ids[:1], skip_special_tokens=skip)) :
+            ]
+        )
+
+
+def test_other_decoders_keep_the_windows(sp):
+    """A decoder that is not exactly one of the two read (here a strip of two spaces, or
+    Metaspace's) has no byte table: its windows decode it."""
+    for decoder in (
+        decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 2, 0)]
+        ),
+        decoders.Metaspace(),
+    ):
+        tokenizer = copy.deepcopy(sp["llama2"])
+        tokenizer.backend_tokenizer.decoder = decoder
+        det = Detokenizer(tokenizer)
+        assert det._bytes is None and det.batches
