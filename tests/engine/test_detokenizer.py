@@ -7,6 +7,7 @@ SentencePiece vocabulary's (byte fallback; Llama 2's leading-space strip or Gemm
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -14,10 +15,11 @@ from hypothesis import strategies as st
 from tokenizers import decoders
 from transformers import AutoTokenizer
 
+from dfllm import LLM
 from dfllm.engine.detokenizer import Detokenizer
 from dfllm.sampling_params import SamplingParams
 
-from helpers import make_seq, sentencepiece_tokenizer
+from helpers import build_tiny_model, make_seq, sentencepiece_tokenizer
 
 WINDOW = 5
 
@@ -302,3 +304,43 @@ def test_other_decoders_keep_the_windows(sp):
         tokenizer.backend_tokenizer.decoder = decoder
         det = Detokenizer(tokenizer)
         assert det._bytes is None and det.batches
+
+
+@pytest.mark.parametrize("which", ["llama2", "gemma"])
+def test_the_engine_reads_sentencepiece_bytes_as_its_windows_read_them(tmp_path, sp, which):
+    """A tiny model with the SentencePiece tokenizer, and its twin whose decoder is wrapped (no
+    byte table: windows), sampling the same tokens (words only: valid text) after prompts of
+    text and after a prompt of ``<s>`` alone: the same texts, each the decode of prompt and
+    output less the prompt's."""
+    tokenizer = sp[which]
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    path = build_tiny_model(tmp_path / "bytes", tmp_path / "tokenizer")
+    twin = tmp_path / "windows"
+    shutil.copytree(path, twin)
+    _windows_twin(tokenizer).save_pretrained(twin)
+    words = [i for i in range(259, len(tokenizer)) if i not in tokenizer.all_special_ids]
+    prompts = [
+        {"prompt_token_ids": tokenizer.encode("Hello world, the", add_special_tokens=False)},
+        {"prompt_token_ids": [tokenizer.bos_token_id]},
+        {"prompt_token_ids": tokenizer.encode("東京 🙂 ok", add_special_tokens=False)},
+    ]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=16, allowed_token_ids=words, skip_special_tokens=i != 1)
+        for i in range(len(prompts))
+    ]
+    got = {}
+    for name, model in (("bytes", path), ("windows", twin)):
+        llm = LLM(model, max_model_len=64)
+        assert (llm.llm_engine.output_processor.detokenizer._bytes is not None) == (name == "bytes")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[name] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+    assert got["bytes"] == got["windows"]
+    for prompt, (ids, text), p in zip(prompts, got["bytes"], params):
+        before = prompt["prompt_token_ids"]
+        skip = p.skip_special_tokens
+        assert (
+            text
+            == tokenizer.decode(before + ids, skip_special_tokens=skip)[
+                len(tokenizer.decode(before, skip_special_tokens=skip)) :
+            ]
+        )
