@@ -172,7 +172,7 @@ else
     if ((GPUS > 1)); then step tp 90 "$PY" "$HERE/tp_check.py" "$LOGS" cuda
     else wanted tp && note tp skipped 0 "skipped: $GPUS GPU"; fi
     TEST_ARGS=(tests/kernels/test_kernels.py tests/engine/test_triton_engine.py tests/engine/test_sampler_device.py
-               tests/engine/test_cuda_graphs.py tests/models/test_moe.py)
+               tests/engine/test_cuda_graphs.py tests/engine/test_device_syncs.py tests/models/test_moe.py)
     [[ -n ${TESTS:-} ]] && read -ra TEST_ARGS <<< "$TESTS"
     step tests 240 "$PY" -m pytest -q -rf -p no:cacheprovider --timeout 90 "${TEST_ARGS[@]}"
 fi
