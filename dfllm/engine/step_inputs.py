@@ -399,7 +399,7 @@ def _decode_groups(rows: list[int], seqs: list[Sequence], bs: int, device: torch
         shape = (len(members), width)
         parts.append((pack.add([rows[m] for m in members], torch.long), pack.add(tables, torch.long, shape), mask))
     sent = pack.send(device)
-    return [DecodeGroup(sent[r], sent[t], mask.to(device)) for r, t, mask in parts]
+    return [DecodeGroup(sent[r], sent[t], mask.to(device, non_blocking=True)) for r, t, mask in parts]
 
 
 def _decode_batch(pack: HostPack, rows: list[int], seqs: list[Sequence]) -> tuple[int, int, int]:
@@ -474,7 +474,12 @@ def attention_metadata(
     )
     meta = build(pack.send(device))
     meta.decode_groups = [
-        replace(g, rows=g.rows.to(device), block_tables=g.block_tables.to(device), mask=g.mask.to(device))
+        replace(
+            g,
+            rows=g.rows.to(device, non_blocking=True),
+            block_tables=g.block_tables.to(device, non_blocking=True),
+            mask=g.mask.to(device, non_blocking=True),
+        )
         for g in groups
     ]
     return meta

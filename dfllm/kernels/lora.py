@@ -51,19 +51,19 @@ def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata 
         seg_slots.append(slot)
         consecutive = r[-1] - r[0] + 1 == len(r)
         bounds.append((r[0], r[-1] + 1))
-        rows.append(None if consecutive else torch.tensor(r, dtype=torch.long, device=device))
+        rows.append(None if consecutive else _send(r, torch.long, device))
         starts.append(len(flat))
         lens.append(len(r))
         flat.extend(r)
     meta = LoRAMetadata(
-        torch.tensor(token_slots, dtype=torch.long, device=device),
+        _send(token_slots, torch.long, device),
         seg_slots,
         bounds,
         rows,
-        torch.tensor(flat, dtype=torch.long, device=device),
-        torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(lens, dtype=torch.int32, device=device),
-        torch.tensor(seg_slots, dtype=torch.int32, device=device),
+        _send(flat, torch.long, device),
+        _send(starts, torch.int32, device),
+        _send(lens, torch.int32, device),
+        _send(seg_slots, torch.int32, device),
         max(lens),
     )
     span, width = seg_slots[-1] + 1, max(lens)
@@ -78,14 +78,21 @@ def lora_metadata(token_slots: list[int], device: torch.device) -> LoRAMetadata 
         for slot, r in by_slot.items():
             pad[slot, : len(r)] = torch.tensor(r)
             valid[slot, : len(r)] = True
-        meta.pad_rows, meta.pad_valid, meta.batched = pad.flatten().to(device), valid.to(device), True
+        meta.pad_rows, meta.pad_valid = pad.flatten().to(device, non_blocking=True), valid.to(device, non_blocking=True)
+        meta.batched = True
         if flat == list(range(flat[0], flat[0] + len(flat))):  # sorted by slot and consecutive
             unpad = [slot * width + k for slot in seg_slots for k in range(len(by_slot[slot]))]
             meta.unpad, meta.adapted = (
-                torch.tensor(unpad, dtype=torch.long, device=device),
+                _send(unpad, torch.long, device),
                 (flat[0], flat[0] + len(flat)),
             )
     return meta
+
+
+def _send(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without a stream synchronisation (from
+    pageable memory the copy is staged before this returns, so the list may go)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 BATCHED_MIN_SEGMENTS = 3

@@ -77,23 +77,24 @@ class LoRAMetadata:
     adapted: tuple[int, int] = (0, 0)
 
     def to(self, device: torch.device) -> LoRAMetadata:
-        """This metadata with its tensors on ``device``."""
+        """This metadata with its tensors on ``device`` (copied without a stream synchronisation:
+        from pageable memory each copy is staged before it returns)."""
         if self.token_slots.device == device:
             return self
         return LoRAMetadata(
-            self.token_slots.to(device),
+            self.token_slots.to(device, non_blocking=True),
             self.seg_slots,
             self.seg_bounds,
-            [None if r is None else r.to(device) for r in self.seg_rows],
-            self.sorted_rows.to(device),
-            self.seg_start.to(device),
-            self.seg_len.to(device),
-            self.seg_slot.to(device),
+            [None if r is None else r.to(device, non_blocking=True) for r in self.seg_rows],
+            self.sorted_rows.to(device, non_blocking=True),
+            self.seg_start.to(device, non_blocking=True),
+            self.seg_len.to(device, non_blocking=True),
+            self.seg_slot.to(device, non_blocking=True),
             self.max_seg_len,
-            None if self.pad_rows is None else self.pad_rows.to(device),
-            None if self.pad_valid is None else self.pad_valid.to(device),
+            None if self.pad_rows is None else self.pad_rows.to(device, non_blocking=True),
+            None if self.pad_valid is None else self.pad_valid.to(device, non_blocking=True),
             self.batched,
-            None if self.unpad is None else self.unpad.to(device),
+            None if self.unpad is None else self.unpad.to(device, non_blocking=True),
             self.adapted,
         )
 
