@@ -163,8 +163,14 @@ def test_byte_level_equals_windows_on_text(smollm2_tokenizer, smollm2_windows):
     back its complete characters too; the bytes only that character's); at the end the same."""
     text = " naïve café, 東京 🙂 done\n\tΩ≈ç√ — ok! <|im_end|> 𝔘𝔫𝔦"
     tokens = smollm2_tokenizer.encode(text, add_special_tokens=False)
-    by_bytes, by_windows = Detokenizer(smollm2_tokenizer), Detokenizer(smollm2_windows)
-    a, b = make_seq([1, 9, 600]), make_seq([1, 9, 600])
+    a, b = bytes_beside_windows(Detokenizer(smollm2_tokenizer), Detokenizer(smollm2_windows), [1, 9, 600], tokens)
+    assert a.text == b.text == smollm2_tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def bytes_beside_windows(by_bytes: Detokenizer, by_windows: Detokenizer, prompt: list[int], tokens: list[int]):
+    """Two sequences of ``prompt`` fed ``tokens`` one at a time, one read by bytes and one by
+    windows; at every step the bytes' text is the windows' or ahead of it."""
+    a, b = make_seq(prompt), make_seq(prompt)
     by_bytes.start(a)
     by_windows.start(b)
     for token in tokens:
@@ -173,7 +179,7 @@ def test_byte_level_equals_windows_on_text(smollm2_tokenizer, smollm2_windows):
         by_bytes.step(a)
         by_windows.step(b)
         assert a.text.startswith(b.text)
-    assert a.text == b.text == smollm2_tokenizer.decode(tokens, skip_special_tokens=True)
+    return a, b
 
 
 @settings(max_examples=40, deadline=None)
@@ -253,15 +259,7 @@ def test_sentencepiece_equals_windows_on_text(which, sp):
     by_bytes, by_windows = Detokenizer(tokenizer), Detokenizer(_windows_twin(tokenizer))
     assert by_bytes._bytes is not None and by_windows._bytes is None and by_windows._rust is not None
     prompt = tokenizer.encode("Hello world", add_special_tokens=False)
-    a, b = make_seq(prompt), make_seq(prompt)
-    by_bytes.start(a)
-    by_windows.start(b)
-    for token in tokens:
-        a.token_ids.append(token)
-        b.token_ids.append(token)
-        by_bytes.step(a)
-        by_windows.step(b)
-        assert a.text.startswith(b.text)
+    a, b = bytes_beside_windows(by_bytes, by_windows, prompt, tokens)
     assert a.text == b.text == tokenizer.decode(prompt + tokens)[len(tokenizer.decode(prompt)) :]
 
 
