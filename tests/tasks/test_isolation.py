@@ -359,14 +359,17 @@ def test_a_one_thread_worker_keeps_partitions_in_the_engine_up_to_a_full_batch(t
     from distributed import Client, LocalCluster
 
     df = pd.DataFrame({"q": [f"Question {i}: {GOOD[i % 3]}" for i in range(12)]})
+    # rows that take 40 steps (~0.1 s on the tiny model): the next partition's rows arrive while
+    # the engine still holds the last one's (with 8 tokens a fast machine could finish them first)
+    sp = dict(SP, max_tokens=40)
     for max_num_seqs, npartitions in ((256, 4), (2, 12)):
         kw = dict(model=str(tiny_llama), max_num_seqs=max_num_seqs, **ENGINE)
-        serial = df.llm.generate("q", sampling_params=SP, **kw)
+        serial = df.llm.generate("q", sampling_params=sp, **kw)
         with (
             LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
             Client(cluster) as client,
         ):
-            got = dd.from_pandas(df, npartitions=npartitions).llm.generate("q", sampling_params=SP, **kw).compute()
+            got = dd.from_pandas(df, npartitions=npartitions).llm.generate("q", sampling_params=sp, **kw).compute()
             (shared,) = client.run(driver.partitions_per_step).values()
             (held,) = client.run(driver.partitions_held_per_step).values()
         assert got.generated_text.tolist() == serial.generated_text.tolist() and got.llm_error.isna().all()
