@@ -131,12 +131,12 @@ class PackableLinear(nn.Linear):
             self._own_gemm = own_gemm
         w = self.weight
         if self._own_gemm and own_gemm_applies(w):
-            self._packed, self._gemm = (_weight_key(w), cpu_bf16_gemm_pack(w)), "dfllm"
+            self._packed, self._gemm = (weight_key(w), cpu_bf16_gemm_pack(w)), "dfllm"
             return True
         if not packing_available(w.device, w.dtype):
             self._packed = None
             return False
-        self._packed, self._gemm = (_weight_key(w), _reorder(w)), "onednn"
+        self._packed, self._gemm = (weight_key(w), _reorder(w)), "onednn"
         return True
 
     @property
@@ -150,7 +150,7 @@ class PackableLinear(nn.Linear):
         current; None where the layer is not packed or its weight changed since (:meth:`forward`
         then packs again or falls back)."""
         packed = self._packed
-        if packed is None or packed[0] != _weight_key(self.weight):
+        if packed is None or packed[0] != weight_key(self.weight):
             return None
         return self._gemm, packed[1]
 
@@ -158,7 +158,7 @@ class PackableLinear(nn.Linear):
         packed = self._packed
         # a weight written, replaced or moved (to another device or dtype) is packed again, or
         # no longer packed where no GEMM can take it
-        if packed is not None and packed[0] != _weight_key(self.weight):
+        if packed is not None and packed[0] != weight_key(self.weight):
             packed = self._packed if self.pack() else None
         if packed is None or (x.numel() > PACKED_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
@@ -169,7 +169,7 @@ class PackableLinear(nn.Linear):
         return _packed_linear(x, packed[1], self.bias)
 
 
-def _weight_key(w: torch.Tensor) -> tuple[int, int]:
+def weight_key(w: torch.Tensor) -> tuple[int, int]:
     """Changes whenever the weight is written in place or replaced (``_version``, storage)."""
     return w._version, w.data_ptr()
 

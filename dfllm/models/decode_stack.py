@@ -24,7 +24,7 @@ from torch import nn
 
 from dfllm.kernels.backend import cpu_decode_layers
 from dfllm.kernels.metadata import AttentionMetadata
-from dfllm.models.cpu_linear import PACKED_MAX_ROWS, PackableLinear
+from dfllm.models.cpu_linear import PACKED_MAX_ROWS, PackableLinear, weight_key
 from dfllm.models.layers import GatedMLP, PagedAttention, RMSNorm
 from dfllm.models.llama import DecoderLayer, DecoderModel
 
@@ -173,7 +173,7 @@ class DecodeStack:
         return StepOperands(weights.weights, weights.biases, weights.qk_norms, caches, weights.onednn)
 
     def _key(self, dtype: torch.dtype) -> tuple[list, list]:
-        """What the weights' part depends on, as ints (ids, versions, addresses), and the
+        """What the weights' part depends on (ids, and each weight's :func:`weight_key`), and the
         objects whose ids it holds."""
         key: list = [dtype]
         held: list = []
@@ -181,12 +181,12 @@ class DecodeStack:
             for m in linears:
                 w, b, packed = m._parameters["weight"], m._parameters.get("bias"), m.packing
                 assert w is not None
-                key += (id(packed), w._version, w.data_ptr(), id(b))
+                key += (id(packed), weight_key(w), id(b))
                 held += (packed, b)
             for n in norms:
                 w = n._parameters["weight"]
                 assert w is not None
-                key += (id(w), w._version, w.data_ptr())
+                key += (id(w), weight_key(w))
                 held.append(w)
         return key, held
 
