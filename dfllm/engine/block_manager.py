@@ -250,25 +250,25 @@ class BlockManager:
         """A free block to hand out: with ``reuse_first``, a freed block holding no cached
         prefix before a never-touched one; a cached block only once none is left untouched
         (then the least recently freed)."""
-        if self.free:
-            first = next(iter(self.free))  # blocks holding no cached prefix are first in line
-            if not self.num_fresh_blocks or (self.reuse_first and not self._serves(first)):
-                return self.free.popitem(last=False)[0]
+        free = self.free
+        if free and (self.next_fresh == len(self.blocks) or (self.reuse_first and not self._serves(next(iter(free))))):
+            return free.popitem(last=False)[0]
         self.next_fresh += 1
         return self.next_fresh - 1
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow the block table of ``seq`` to cover ``num_tokens`` tokens."""
+        table, blocks = seq.block_table, self.blocks
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block_id = self._take_free_block()
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             if block.hash is not None:
                 if self.hash_to_block.get(block.hash) == block_id:
                     del self.hash_to_block[block.hash]
                 block.hash = None
                 block.token_ids = ()
             block.ref_count = 1
-            seq.block_table.append(block_id)
+            table.append(block_id)
             self.tables.append(seq, block_id)
 
     def free_seq(self, seq: Sequence) -> None:

@@ -80,16 +80,21 @@ def test_the_array_mirrors_every_table_through_a_schedule(data, window, caching,
             continue
         out = s.schedule()
         assert out.tables is s.bm.tables
-        assert_mirrors(s.bm.tables, seqs)
         ones = [seq for seq, n in zip(out.seqs, out.num_new_tokens) if n == 1]
-        if ones:  # a decode step's tables, gathered or from the lists
+        # read now as a whole, gathered for a decode step, or not read: the appends then stay
+        # unwritten through the releases and window moves below
+        read = data.draw(st.sampled_from(["mirror", "gather", "none"]), label="read after scheduling")
+        if read == "mirror":
+            assert_mirrors(s.bm.tables, seqs)
+        if read == "gather" and ones:  # a decode step's tables, gathered or from the lists
             gathered, from_lists = decode_arrays(ones, bs, out.tables), decode_arrays(ones, bs)
             assert np.array_equal(gathered.tables, from_lists.tables)
             assert np.array_equal(gathered.table_lens, from_lists.table_lens)
             assert gathered.own is not None and from_lists.own is None
             assert np.array_equal(gathered.own_tables(), from_lists.own_tables())
         _advance(s, out, longest=24)
-        assert_mirrors(s.bm.tables, seqs)
+        if read != "none":
+            assert_mirrors(s.bm.tables, seqs)
         running = list(s.running)
         if running and data.draw(st.integers(0, 4)) == 0:
             s.finish(data.draw(st.sampled_from(running)))
