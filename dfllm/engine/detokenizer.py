@@ -107,7 +107,7 @@ class Detokenizer:
         else:
             delta, seq.prefix_offset, seq.read_offset = ready
         if delta:
-            seq.text += delta
+            seq.append_text(delta)
         return delta
 
     def step(self, seq: Sequence) -> str:

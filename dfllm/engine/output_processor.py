@@ -119,7 +119,7 @@ class OutputProcessor:
                         if p.detokenize:
                             self._advance_text(seq)
                         if num_out == p.min_tokens:
-                            seq.stop_offset = len(seq.text)
+                            seq.stop_offset = seq.text_len
                         if (p.max_tokens is not None and num_out >= p.max_tokens) or len(token_ids) >= max_len:
                             seq.finish_reason, seq.stop_reason = "length", None
                         else:
@@ -156,13 +156,13 @@ class OutputProcessor:
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         if p.stop_token_groups:
-            seq.text_marks.append(len(seq.text))  # the text before this token, to cut a group's text
+            seq.text_marks.append(seq.text_len)  # the text before this token, to cut a group's text
             group = _ended_group(seq) if stops_allowed else None
             if group is not None:  # its text only with include_stop_str_in_output
                 if p.include_stop_str_in_output and p.detokenize:
                     self._advance_text(seq)
                 elif p.detokenize:
-                    seq.text = seq.text[: seq.text_marks[-len(group)]]
+                    seq.cut_text(seq.text_marks[-len(group)])
                 return "stop", str(list(group))
         if stops_allowed and token in p.single_stop_token_ids:  # its text only with include_stop_str_in_output
             if p.include_stop_str_in_output and p.detokenize:
@@ -170,7 +170,7 @@ class OutputProcessor:
             return "stop", token
         delta = self._advance_text(seq) if p.detokenize else ""
         if num_out == p.min_tokens:  # as vLLM: no stop string in these tokens' text
-            seq.stop_offset = len(seq.text)
+            seq.stop_offset = seq.text_len
         if num_out > p.min_tokens and delta and p.stop_strings:
             stop = _cut_at_stop_string(seq, len(delta))
             if stop is not None:
@@ -298,14 +298,21 @@ def _cut_at_stop_string(seq: Sequence, new_len: int) -> str | None:
     """The first stop string the last ``new_len`` characters of ``seq.text`` completed, with
     the text cut there (after it with ``include_stop_str_in_output``); None if there is none."""
     params = seq.params
+    end = seq.text_len
+    # each stop string is looked for from where it could start and end in the new text: the
+    # text from the earliest of those is read once (not the whole text)
+    starts = [max(seq.stop_offset, end - new_len - len(stop) + 1) for stop in params.stop_strings]
+    if not starts:
+        return None
+    base = min(starts)
+    tail = seq.text_from(base)
     best: tuple[int, str] | None = None
-    for stop in params.stop_strings:
-        start = max(seq.stop_offset, len(seq.text) - new_len - len(stop) + 1)
-        idx = seq.text.find(stop, start)
+    for stop, start in zip(params.stop_strings, starts):
+        idx = tail.find(stop, start - base)
         if idx >= 0 and (best is None or idx < best[0]):
             best = (idx, stop)
     if best is None:
         return None
     idx, stop = best
-    seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+    seq.cut_text(base + idx + (len(stop) if params.include_stop_str_in_output else 0))
     return stop
