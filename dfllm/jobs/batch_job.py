@@ -67,10 +67,10 @@ from dfllm.jobs.dry_run import (
     cluster_shape,
     dry_run_source,
 )
-from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line, printable
+from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
 from dfllm.tasks.prefix_keys import RowKeys, request_keys
 from dfllm.tasks.response_cache import ResponseCache, as_cache
-from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
+from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS, printable
 from dfllm.tasks.write_key import canonical
 
 DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress

@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dfllm.jobs.openai_requests import LineError, parse_body
+from dfllm.tasks.schema import printable
 
 #: The endpoints dfllm answers, by the ``url`` of a line; vLLM's spellings of score and
 #: rerank (without ``/v1``, and ``/v2/rerank``) are accepted too.
@@ -135,16 +136,6 @@ def custom_id_of(text: str) -> str | None:
     return printable(value) if isinstance(value, str) else None
 
 
-def printable(text: str) -> str:
-    """``text`` as valid Unicode: each lone surrogate (which JSON's ``\\ud83d`` escapes can
-    make, and which has no UTF-8 form) written as its escape, ``\\ud83d`` (six characters)."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 # ---- reading a line ---------------------------------------------------------------------------------
 class _TooLong:
     """An integer of more digits than Python converts (``sys.get_int_max_str_digits()``)."""
@@ -173,11 +164,14 @@ def load_line(text: str) -> Any:
         value = json.loads(text, parse_int=_read_int)
         where, found = _find(value, lambda v: isinstance(v, _TooLong))
         digits = len(found.digits.lstrip("-")) if isinstance(found, _TooLong) else 0
-        raise LineError(
-            f"{where or 'the line'}: an integer of {digits:,} digits; dfllm reads integers of at most "
-            f"{sys.get_int_max_str_digits():,} digits",
-            param=where,
-        ) from None
+        limit = f"dfllm reads integers of at most {sys.get_int_max_str_digits():,} digits"
+        if where is None:  # the line is that integer: not the JSON object a line must be
+            raise LineError(
+                f"the line must be a JSON object with custom_id, method, url and body, got an integer of "
+                f"{digits:,} digits ({limit})",
+                code="invalid_json",
+            ) from None
+        raise LineError(f"{where}: an integer of {digits:,} digits; {limit}", param=where) from None
     if _SURROGATE_ESCAPE.search(text):
         where, found = _find(value, lambda v: isinstance(v, str) and printable(v) is not v)
         if where is not None:

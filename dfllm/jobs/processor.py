@@ -33,7 +33,7 @@ from dfllm.accessors.placement import run_placed
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConfig
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
-from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.schema import LLM_ERROR, value_text
 from dfllm.tasks.task import make_task
 from dfllm.tasks.write_key import canonical
 
@@ -231,8 +231,7 @@ class Processor:
         earlier = row.get(self._err)
         if self._err not in row or is_null(earlier):
             return None
-        # as text the error column can hold (a lone surrogate, no valid UTF-8, as its escape)
-        return row, str(earlier).encode("utf-8", "backslashreplace").decode("utf-8")
+        return row, value_text(earlier)  # as text the error column can hold
 
     def _pre(self, row: dict) -> tuple[dict, str | None]:
         if self.preprocess is None:

@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.arrow_schema import settled, unify_counts, value_types
+from dfllm.tasks.schema import printable
 
 FORMATS = {
     ".parquet": "parquet",
@@ -409,11 +410,7 @@ def _valid_text(value):
     JSON, ``"\\ud800"``, but no valid UTF-8) written with that surrogate as its escape, as
     the file has it (the six characters ``\\ud800``)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return value
-        except UnicodeEncodeError:
-            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return printable(value)
     if isinstance(value, dict):
         return {_valid_text(k): _valid_text(v) for k, v in value.items()}
     if isinstance(value, list):

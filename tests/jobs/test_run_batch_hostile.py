@@ -166,13 +166,16 @@ def test_an_integer_of_too_many_digits_is_its_lines_400(tiny_llama, tmp_path):
     big = json.dumps(chat("big", "Hi", max_completion_tokens=0)).replace(
         '"max_completion_tokens": 0', f'"max_completion_tokens": {HUGE}'
     )
-    src = write_jsonl(tmp_path / "in.jsonl", [big, f"[{HUGE}]", chat("good", "Hi")])
+    # the last line is that integer alone: not the JSON object a line must be (invalid_json)
+    src = write_jsonl(tmp_path / "in.jsonl", [big, f"[{HUGE}]", chat("good", "Hi"), HUGE])
     summary = run(tiny_llama, src, tmp_path / "out.jsonl")
     rows = read_jsonl(tmp_path / "out.jsonl")
-    assert [r["custom_id"] for r in rows] == ["big", None, "good"] and (summary.lines, summary.failed) == (3, 2)
+    assert [r["custom_id"] for r in rows] == ["big", None, "good", None] and (summary.lines, summary.failed) == (4, 3)
     assert rows[0]["error"]["param"] == "body.max_completion_tokens" and "5,000 digits" in rows[0]["error"]["message"]
     assert rows[1]["error"]["param"] == "[0]" and rows[1]["error"]["line"] == 2
-    assert sorted(dry(tiny_llama, src)) == ["big", "line 2"]
+    assert rows[3]["error"]["code"] == "invalid_json" and rows[3]["error"]["param"] is None
+    assert "must be a JSON object" in rows[3]["error"]["message"] and "5,000 digits" in rows[3]["error"]["message"]
+    assert sorted(dry(tiny_llama, src)) == ["big", "line 2", "line 4"]
 
 
 def test_the_engines_errors_name_the_field_that_asked(tiny_llama, tmp_path):
