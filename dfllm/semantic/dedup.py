@@ -19,6 +19,8 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.accessors.arrow_schema import join_errors
+from dfllm.semantic.frames import check_output_names, earlier_errors
 from dfllm.semantic.join import (
     TRUE_FALSE,
     Embedder,
@@ -128,10 +130,14 @@ def _vectors(df: pd.DataFrame) -> np.ndarray:
 
 
 def _embed(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> tuple[np.ndarray, list]:
-    prior = [None if pd.isna(e) else str(e) for e in df[LLM_ERROR]] if LLM_ERROR in df.columns else [None] * len(df)
-    vecs, errors = spec.embedder(pd.DataFrame({"__text": df[spec.column].to_numpy()}), cost)
+    # the values as they are (an object column: pandas would make a column of strings Arrow
+    # text, which a lone surrogate cannot enter), each checked by the embedder as its row's
+    texts = pd.DataFrame({"__text": pd.Series(df[spec.column].to_numpy(dtype=object), dtype=object)})
+    vecs, errors = spec.embedder(texts, cost)
     errors = [None if e is None else f"dedup: {rename_columns(e, [('__text', spec.column)])}" for e in errors]
-    return vecs, [p if p is not None else e for p, e in zip(prior, errors)]
+    if LLM_ERROR in df.columns:  # an earlier step's, kept in front (its row is not clustered)
+        return vecs, [join_errors(p, e) for p, e in zip(earlier_errors(df[LLM_ERROR]), errors)]
+    return vecs, errors
 
 
 def _representatives(ids: list) -> list:
@@ -237,11 +243,12 @@ def semantic_dedup(
     images: bool = False,
 ):
     """``df.llm.dedup``: see :meth:`SemanticFrameMethods.dedup`."""
-    columns = columns_of(frame)
+    columns = columns_of(frame, "dedup")
     if column not in columns:
         raise ValueError(f"dedup: column {column!r} is not in the frame (columns: {columns})")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
         raise ValueError(f"dedup: threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
+    check_output_names("dedup", (cluster_column, representative_column))
     for name in (cluster_column, representative_column):
         if name in columns:
             raise ValueError(f"dedup: the frame already has a column {name!r}; choose another name")

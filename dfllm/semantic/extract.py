@@ -17,7 +17,7 @@ import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
 from dfllm.sampling_params import SamplingParams
-from dfllm.semantic.frames import SemanticFunction, prompted_task, run_step, task_columns
+from dfllm.semantic.frames import SemanticFunction, check_output_names, prompted_task, run_step, task_columns
 from dfllm.semantic.prompts import instruction_fields
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import LLM_ERROR, structured_dtype
@@ -149,11 +149,11 @@ def semantic_extract(
         raise ValueError(f"extract: the schema has no Arrow type: {exc!r}") from None
     names = tuple(f.name for f in dtype.pyarrow_dtype) if expand else None
     new = list(names) if names is not None else [output_column]
+    check_output_names("extract", new)
     clash = sorted(set(new) & (set(columns) - {LLM_ERROR}))
-    if clash or LLM_ERROR in new:
+    if clash:
         raise ValueError(
-            f"extract: output column(s) {clash or [LLM_ERROR]} already exist or are reserved; "
-            "choose another output_column, or expand=False"
+            f"extract: output column(s) {clash} already exist; choose another output_column, or expand=False"
         )
     if sampling_params is None:
         sampling_params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS)

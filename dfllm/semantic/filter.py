@@ -22,7 +22,7 @@ import pyarrow as pa
 from dfllm.accessors.adapter import FrameAdapter
 from dfllm.engine_args import DEFAULTS
 from dfllm.sampling_params import SamplingParams
-from dfllm.semantic.frames import SemanticFunction, prompted_task, task_columns
+from dfllm.semantic.frames import SHADOW, SemanticFunction, prompted_task, task_columns
 from dfllm.semantic.prompts import instruction_fields
 from dfllm.structured_outputs import StructuredOutputsParams
 from dfllm.tasks.schema import FLOAT, LLM_ERROR, STRING
@@ -98,8 +98,10 @@ class JudgeStep:
         if self.explanation_column is not None:
             out[self.explanation_column] = pd.Series(notes, index=df.index, dtype=STRING)
         out[LLM_ERROR] = errors
-        if not self.keep:
+        if not self.keep:  # and a row that failed before (its earlier llm_error, shadowed here)
             keep = out[self.output_column].fillna(False).astype(bool) | errors.notna()
+            if SHADOW + LLM_ERROR in out.columns:
+                keep |= out[SHADOW + LLM_ERROR].notna().to_numpy()
             out = out[keep.to_numpy()].drop(columns=[self.output_column, self.probability_column])
         return out
 

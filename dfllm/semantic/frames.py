@@ -19,9 +19,10 @@ from collections.abc import Callable
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.accessors.arrow_schema import is_null, join_errors
 from dfllm.accessors.partitions import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
-from dfllm.tasks.schema import LLM_ERROR, STRING
+from dfllm.tasks.schema import LLM_ERROR, STRING, value_text
 from dfllm.tasks.task import LLMTask, make_task
 from dfllm.tasks.write_key import canonical
 
@@ -98,13 +99,27 @@ class SemanticFunction(WritableFunction):
         return f"SemanticFunction({self.name!r}, {self.task!r}, {self.post!r}, resources={self.resources!r})"
 
 
+def check_output_names(what: str, names) -> None:
+    """``ValueError`` where an operator would add a column named as the error column
+    (``llm_error``), which every result holds: the error column would overwrite it."""
+    if LLM_ERROR in names:
+        raise ValueError(f"{what}: an output column cannot be named {LLM_ERROR!r} (every result's error column)")
+
+
+def earlier_errors(column: pd.Series) -> list[str | None]:
+    """An earlier step's ``llm_error`` column as each row's message (None where null).
+
+    The column is whatever that step left, of any type (all null, as a Polars ``Null``
+    column or a parquet column of nulls reads; numbers; bytes; text holding a lone
+    surrogate): each value is taken as text (:func:`~dfllm.tasks.schema.value_text`)."""
+    return [None if is_null(v) else value_text(v) for v in column.to_numpy(dtype=object, na_value=None)]
+
+
 def merge_errors(earlier: pd.Series, new: pd.Series) -> pd.Series:
-    """Each row's ``llm_error``: its earlier one, its new one, or both (``"<earlier>; <new>"``)."""
-    both = earlier.notna() & new.notna()
-    merged = earlier.where(earlier.notna(), new)
-    if both.any():
-        merged = merged.where(~both, earlier.astype(object).astype(str) + "; " + new.astype(str))
-    return merged.astype(STRING)
+    """Each row's ``llm_error``: its earlier one (:func:`earlier_errors`), its new one, or both
+    (``"<earlier>; <new>"``)."""
+    news = new.to_numpy(dtype=object, na_value=None)
+    return pd.Series([join_errors(a, b) for a, b in zip(earlier_errors(earlier), news)], index=new.index, dtype=STRING)
 
 
 def task_columns(kind: str, output_column: str, engine_columns: tuple[str, ...] = ()) -> list[str]:

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.semantic.frames import earlier_errors
 from dfllm.semantic.prompts import record_template, semantic_prompt
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
@@ -337,9 +338,15 @@ def _on_worker() -> bool:
         return False
 
 
-def columns_of(frame: FrameAdapter) -> list[str]:
-    """The frame's column names, as strings (the pairwise operators' fields name them)."""
-    return [str(c) for c in frame.columns]
+def columns_of(frame: FrameAdapter, what: str = "semantic operator", side: str = "the frame") -> list:
+    """The frame's column names, as they are (a pandas name ``0`` is not named by ``"0"``), which
+    an operator's fields and column arguments name: ``ValueError`` where two are the same
+    (which of them a field reads would be a guess)."""
+    names = list(frame.columns)
+    twice = sorted({str(c) for c in names if names.count(c) > 1})
+    if twice:
+        raise ValueError(f"{what}: {side} has more than one column named {twice}; rename them")
+    return names
 
 
 # --- join -----------------------------------------------------------------------------------------------
@@ -425,7 +432,7 @@ def right_names(
             raise ValueError(f"{what}: similarity_column must be a non-empty string, got {c!r}")
     if list(reserved).count(LLM_ERROR) > 1:
         raise ValueError(f"{what}: similarity_column cannot be {LLM_ERROR!r} (the result's error column)")
-    out = {c: (c + suffix if c in left else c) for c in right}
+    out = {c: (f"{c}{suffix}" if c in left else c) for c in right}
     for side, names in (("the frame", left), ("other", list(out.values()))):
         taken = [c for c in added if c in names]
         if taken:
@@ -491,12 +498,12 @@ def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: li
     """``errors`` with a message for each row (without one) that has a null field or an
     earlier operator's ``llm_error``: such a row is not paired."""
     errors = list(errors)
-    prior = df[LLM_ERROR].tolist() if LLM_ERROR in df.columns else [None] * len(df)
+    prior = earlier_errors(df[LLM_ERROR]) if LLM_ERROR in df.columns else [None] * len(df)
     for i in range(len(df)):
         if errors[i] is not None:
             continue
-        if prior[i] is not None and not pd.isna(prior[i]):
-            errors[i] = str(prior[i])
+        if prior[i] is not None:
+            errors[i] = prior[i]
             continue
         for _, src in fields:
             v = df[src].iat[i]
@@ -684,7 +691,7 @@ def semantic_join(
     cascade=None,
 ):
     """``df.llm.join``: see :meth:`SemanticFrameMethods.join`."""
-    left_cols, right_cols = _data_columns(frame), _other_columns(frame, other, "join")
+    left_cols, right_cols = _data_columns(frame, "join"), _other_columns(frame, other, "join")
     template, lf, rf, names = parse_join_instruction(instruction, left_cols, right_cols)
     _check_block(block_k, min_similarity, "join")
     blocked = block_k is not None or min_similarity is not None
@@ -746,7 +753,7 @@ def _with_cascade(frame: FrameAdapter, spec: JoinSpec, cascade, template: str, n
         raise ValueError("join: a cascade keeps failed pairs with their llm_error; on_error must be 'null'")
     from dfllm.semantic.cascade import SOURCE
 
-    if SOURCE in _data_columns(frame) or SOURCE in dict(spec.right_names).values():
+    if SOURCE in _data_columns(frame, "join") or SOURCE in dict(spec.right_names).values():
         raise ValueError(f"join: a cascade adds the column {SOURCE!r}, which a frame already has; rename it")
     readable = {col: label.replace(".", "_") for col, label in names.items()}
     if len(set(readable.values())) != len(readable):
@@ -783,7 +790,7 @@ def semantic_sim_join(
     right_images: bool = False,
 ):
     """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
-    left_cols, right_cols = _data_columns(frame), _other_columns(frame, other, "sim_join")
+    left_cols, right_cols = _data_columns(frame, "sim_join"), _other_columns(frame, other, "sim_join")
     if left_on not in left_cols:
         raise ValueError(f"sim_join: left_on {left_on!r} is not a column of the frame (columns: {left_cols})")
     if right_on not in right_cols:
@@ -836,7 +843,7 @@ def _other_columns(frame: FrameAdapter, other, what: str) -> list[str]:
         raise ValueError(
             f"{what}: other is a {type(other).__name__}; a {kind} frame joins {' or '.join(allowed)} frames"
         )
-    return _data_columns(right)
+    return _data_columns(right, what, "other")
 
 
 def operator_resources(frame: FrameAdapter, resources: dict | None) -> dict | None:
@@ -850,9 +857,9 @@ def operator_resources(frame: FrameAdapter, resources: dict | None) -> dict | No
     return None
 
 
-def _data_columns(frame: FrameAdapter) -> list[str]:
+def _data_columns(frame: FrameAdapter, what: str, side: str = "the frame") -> list[str]:
     """A frame's columns but an earlier operator's ``llm_error`` (its rows are reported, not paired)."""
-    return [c for c in columns_of(frame) if c != LLM_ERROR]
+    return [c for c in columns_of(frame, what, side) if c != LLM_ERROR]
 
 
 def _check_block(k, min_similarity, what: str) -> None:

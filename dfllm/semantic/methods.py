@@ -389,9 +389,10 @@ def semantic_judge(frame: FrameAdapter, instruction: str, j: Judgment, cascade, 
     """``.llm.judge`` (``j.keep``) and ``.llm.filter``: see their docstrings."""
     from dfllm.semantic.cascade import cascade_judge
     from dfllm.semantic.filter import judge_step
-    from dfllm.semantic.frames import run_step
+    from dfllm.semantic.frames import check_output_names, run_step
 
     new = j.output_columns
+    check_output_names(j.what, new)
     if len(set(new)) != len(new):
         raise ValueError(f"{j.what}: the output columns {new} must differ")
     clash = sorted(set(new) & set(frame.columns)) if j.keep else []

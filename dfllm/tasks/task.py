@@ -220,9 +220,13 @@ def make_task(
     )
     if chat_template is not None and (kind != "chat" or not isinstance(chat_template, str)):
         raise ValueError("chat_template must be a string (a Jinja template), and only chat takes one")
-    missing = sorted(task.columns_needed() - set(map(str, columns)))
+    names = list(columns)  # as they are: a pandas column 0 is not the field {0}
+    missing = sorted(task.columns_needed() - set(names))
     if missing:
-        raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {list(columns)})")
+        raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {names})")
+    twice = sorted(c for c in task.columns_needed() if names.count(c) > 1)
+    if twice:  # which of them a row's value comes from would be a guess
+        raise ValueError(f"{kind}: the dataframe has more than one column named {twice}; rename them")
     try:  # an unknown reasoning parser fails now, naming the call
         reasoning = [REASONING_CONTENT] if task.reasoning else []
     except ValueError as exc:
