@@ -13,6 +13,7 @@ group (one task each), and groups of ``split_every`` partitions' summaries are f
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import functools
 import json
 import logging
@@ -21,10 +22,13 @@ from collections.abc import Sequence
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.inputs import check_unicode
+from dfllm.semantic.frames import earlier_errors
 from dfllm.semantic.join import LLMArgs, Placed, SemanticCost, columns_of, operator_resources
 from dfllm.semantic.prompts import instruction_fields, record_template, semantic_prompt
-from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.schema import LLM_ERROR, printable
 from dfllm.tasks.task import LLMTask, make_task
+from dfllm.tasks.templates import is_null, template_value
 
 logger = logging.getLogger("dfllm")
 
@@ -168,31 +172,110 @@ def fold_summaries(summaries: Sequence[str], spec: AggSpec, cost: SemanticCost |
     return texts[0], errors[0]
 
 
-def _records(df: pd.DataFrame, spec: AggSpec) -> tuple[list[str | None], list[str | None]]:
+def _row_name(label) -> str:
+    try:
+        return f"the row of index {label!r}"
+    except Exception:  # noqa: BLE001 (a label whose repr raises, like an int past the digit limit)
+        return f"a row whose index is a {type(label).__name__}"
+
+
+def _record(template: str, fields: Sequence[str], row: Sequence) -> str:
+    """One row's record (``[field]: value`` lines), or ``ValueError`` naming the field whose
+    value cannot be in one: each value goes through :func:`template_value`, the check every
+    operator makes of a cell before it becomes prompt text, and is written as ``str.format``
+    would write it."""
+    values = {}
+    for f, v in zip(fields, row):
+        what = f"its field {f!r}"
+        v = template_value(v, what)
+        try:
+            values[f] = format(v, "")
+        except (ValueError, TypeError, OverflowError) as exc:  # an int past Python's digit limit
+            raise ValueError(f"{what} cannot be written as text: {exc}") from None
+    return check_unicode(template.format_map(values), "its record")
+
+
+def _records(
+    df: pd.DataFrame, spec: AggSpec, labels: Sequence, key_errors: Sequence
+) -> tuple[list[str | None], list[str | None]]:
+    """Each row's record, or None and the note of why it was left out: an earlier
+    ``llm_error``, a group key that cannot be one (``key_errors``, None where it can) or a
+    field that :func:`_record` refuses. ``labels``: the rows' index labels."""
     template = record_template(list(spec.fields))
     texts: list[str | None] = []
     errors: list[str | None] = []
-    prior = df[LLM_ERROR].tolist() if LLM_ERROR in df.columns else [None] * len(df)
-    for n, (label, row) in enumerate(zip(df.index, df[list(spec.fields)].itertuples(index=False, name=None))):
-        if prior[n] is not None and not pd.isna(prior[n]):
+    prior = earlier_errors(df[LLM_ERROR]) if LLM_ERROR in df.columns else [None] * len(df)
+    rows = df[list(spec.fields)].itertuples(index=False, name=None)
+    for n, (label, row) in enumerate(zip(labels, rows)):
+        try:
+            if prior[n] is not None:
+                raise ValueError(prior[n])
+            if key_errors[n] is not None:
+                raise ValueError(key_errors[n])
+            texts.append(_record(template, spec.fields, row))
+            errors.append(None)
+        except ValueError as exc:
             texts.append(None)
-            errors.append(f"the row of index {label!r} was left out: {prior[n]}")
-            continue
-        bad = [f for f, v in zip(spec.fields, row) if v is None or (not isinstance(v, (list, dict)) and pd.isna(v))]
-        if bad:
-            texts.append(None)
-            errors.append(f"the row of index {label!r} was left out: its field {bad[0]!r} is null")
-            continue
-        texts.append(template.format(**dict(zip(spec.fields, row))))
-        errors.append(None)
+            errors.append(printable(f"{_row_name(label)} was left out: {exc}"))
     return texts, errors
 
 
-def _group_items(df: pd.DataFrame, spec: AggSpec):
+def _group_keys(df: pd.DataFrame, spec: AggSpec) -> tuple[list[pd.Series], dict[int, str]]:
+    """The ``by`` columns as group keys, and the positions of the rows whose key cannot be
+    one (a list, a dict, an array: a value without a hash; text with a lone surrogate), each
+    with why. Such a key counts as null: the row goes to that group, which leaves it out and
+    names it in its error."""
+    import pyarrow as pa
+
+    keys, bad = [], {}
+    for b in spec.by:
+        col = df[b]
+        arrow = getattr(col.dtype, "pyarrow_dtype", None)
+        if col.dtype == object or (arrow is not None and pa.types.is_nested(arrow)):
+            values = col.tolist()
+            for n, v in enumerate(values):
+                try:
+                    hash(v)
+                    if isinstance(v, str):
+                        check_unicode(v, "it")
+                except ValueError as exc:  # a lone surrogate: pandas cannot index it
+                    bad.setdefault(n, f"its key {b!r} cannot be a group key: {exc}")
+                    values[n] = None
+                except Exception:  # noqa: BLE001 (unhashable, or a __hash__ that raises)
+                    bad.setdefault(n, f"its key {b!r} holds a {type(v).__name__}, which cannot be a group key")
+                    values[n] = None
+            col = pd.Series(values, index=col.index, dtype=object, name=b)
+        keys.append(col)
+    return keys, bad
+
+
+def _group_items(df: pd.DataFrame, spec: AggSpec, keys: list | None = None) -> list:
+    """``(key, rows)`` per group of ``keys`` (default: :func:`_group_keys` of ``df``), nulls
+    one group. Typed key columns group with pandas (sorted; categories in their order); a
+    column of Python objects groups here, as pandas fails on some mixes of them (a huge int
+    and a string), sorted where its keys sort together and else in order of first row."""
     if not spec.by:
-        yield (), df
-        return
-    yield from df.groupby(list(spec.by), sort=True, dropna=False, observed=True)
+        return [((), df)]
+    keys = _group_keys(df, spec)[0] if keys is None else keys
+    if all(k.dtype != object for k in keys):
+        return list(df.groupby(keys, sort=True, dropna=False, observed=True))
+    groups: dict[tuple, tuple[tuple, list[int]]] = {}
+    for n, key in enumerate(zip(*(k.tolist() for k in keys))):
+        key = tuple(None if _null_key(v) else v for v in key)
+        groups.setdefault(tuple(_NULL if v is None else v for v in key), (key, []))[1].append(n)
+    items = list(groups.values())
+    try:
+        items = sorted(items, key=lambda item: tuple((1, 0) if v is None else (0, v) for v in item[0]))
+    except Exception:  # noqa: BLE001 (keys that do not compare: a tuple and an int)
+        pass
+    return [(key, df.iloc[rows]) for key, rows in items]
+
+
+_NULL = object()  # a null key, as a dict key
+
+
+def _null_key(value) -> bool:
+    return is_null(value) or (isinstance(value, decimal.Decimal) and value.is_nan())
 
 
 def _frame(keys: list[tuple], texts: list, errors: list, spec: AggSpec, meta: pd.DataFrame, final: bool):
@@ -206,10 +289,14 @@ def _frame(keys: list[tuple], texts: list, errors: list, spec: AggSpec, meta: pd
 
 
 def agg_frame(df: pd.DataFrame, spec: AggSpec, cost: SemanticCost, final: bool = True) -> pd.DataFrame:
-    """One row per group (of ``spec.by``; one row without): its keys, the summary and ``llm_error``."""
+    """One row per group (of ``spec.by``; one row without): its keys, the summary and
+    ``llm_error``. A row that cannot be summarised is left out and named in its group's error."""
+    labels = list(df.index)
+    work = df.reset_index(drop=True)  # row positions as the index: labels may repeat
+    group_keys, bad_keys = _group_keys(work, spec)
     keys, groups, notes = [], [], []
-    for key, g in _group_items(df, spec):
-        texts, errors = _records(g, spec)
+    for key, g in _group_items(work, spec, group_keys):
+        texts, errors = _records(g, spec, [labels[p] for p in g.index], [bad_keys.get(p) for p in g.index])
         keys.append(key if isinstance(key, tuple) else (key,))
         groups.append([t for t in texts if t is not None])
         notes.append([e for e in errors if e is not None])
@@ -270,12 +357,16 @@ def semantic_agg(
     """``df.llm.agg``: see :meth:`SemanticFrameMethods.agg`."""
     from dfllm.models.bundled import DEFAULT_CHAT_MODEL
 
-    columns = columns_of(frame)
+    columns = columns_of(frame, "agg")
     try:
         fields = instruction_fields(instruction)
     except ValueError as exc:
         raise ValueError(f"agg: {exc}") from None
     by_cols = (by,) if isinstance(by, str) else tuple(by or ())
+    if LLM_ERROR in by_cols:
+        raise ValueError(
+            f"agg: by cannot name {LLM_ERROR!r} (the result's error column); group by a copy of it under another name"
+        )
     missing = [f for f in [*fields, *by_cols] if f not in columns]
     if missing:
         raise ValueError(f"agg: column(s) {missing} not in the frame (columns: {columns})")
