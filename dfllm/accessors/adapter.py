@@ -59,7 +59,7 @@ class FrameAdapter:
         if self.kind == "dask":
             raise TypeError("expected an eager frame")
         obj = self.obj.collect() if self.kind == "lazy" else self.obj
-        return obj if self.kind == "pandas" else obj.to_pandas(use_pyarrow_extension_array=True)
+        return obj if self.kind == "pandas" else polars_to_pandas(obj)
 
     def empty(self) -> pd.DataFrame:
         """An empty pandas frame with the frame's columns and dtypes (a Dask frame's ``meta``)."""
@@ -67,7 +67,7 @@ class FrameAdapter:
             return self.obj._meta if self.kind == "dask" else self.obj.iloc[:0]
         import polars as pl
 
-        return pl.DataFrame(schema=self.obj.collect_schema()).to_pandas(use_pyarrow_extension_array=True)
+        return polars_to_pandas(pl.DataFrame(schema=self.obj.collect_schema()))
 
     def back(self, df: pd.DataFrame) -> Any:
         """``df`` (pandas) as the frame's kind: as it is but for Polars, where the frame's columns
@@ -100,3 +100,23 @@ class FrameAdapter:
             schema = self.back(meta(self.empty())).collect_schema()
             return self.obj.map_batches(lambda df: FrameAdapter(df).map_pandas(here, partition, meta), schema=schema)
         return self.back(here(self.to_pandas()))
+
+
+def polars_to_pandas(frame: Any) -> pd.DataFrame:
+    """A Polars DataFrame as pandas through Arrow; ``ValueError`` naming the columns whose
+    type Arrow cannot hold (``Int128``, ``UInt128``), instead of Arrow's message naming none."""
+    try:
+        return frame.to_pandas(use_pyarrow_extension_array=True)
+    except (ValueError, TypeError, NotImplementedError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        bad = []
+        for name, dtype in frame.schema.items():
+            try:
+                frame.select(name).head(0).to_pandas(use_pyarrow_extension_array=True)
+            except (ValueError, TypeError, NotImplementedError):
+                bad.append(f"{name!r} ({dtype})")
+        if not bad:
+            raise
+        raise ValueError(
+            f"column(s) {', '.join(bad)} cannot go through Arrow to pandas ({exc}); cast them, "
+            "for example pl.col(name).cast(pl.String) or pl.Decimal(38, 0)"
+        ) from None

@@ -18,6 +18,7 @@ import pandas as pd
 import polars as pl
 import pyarrow as pa
 
+from dfllm.accessors.adapter import polars_to_pandas
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.runners import run_task
@@ -45,7 +46,7 @@ def _run(df: pl.DataFrame, task: LLMTask) -> pl.DataFrame:
     inputs = df.select([c for c in df.columns if c in needed]) if needed else df.select([])
     if not inputs.width:  # no column read (cannot happen for a checked task): keep the row count
         inputs = pl.DataFrame({"__dfllm_row__": pl.zeros(df.height, eager=True)})
-    result = run_task(inputs.to_pandas(use_pyarrow_extension_array=True), task, progress=True)
+    result = run_task(polars_to_pandas(inputs), task, progress=True)
     outputs = result[list(task.output_dtypes())]
     objects = {c: OBJECT_COLUMNS[c] for c in task.engine_columns if c in OBJECT_COLUMNS}
     out = pl.from_pandas(outputs.astype(objects) if objects else outputs)

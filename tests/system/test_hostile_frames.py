@@ -132,6 +132,22 @@ def test_polars_passthrough_dtypes_eager_and_lazy(tiny_llama):
     assert got.select(df.columns).equals(df) and got.select(df.columns).schema == df.schema
 
 
+def test_a_polars_column_arrow_cannot_hold_is_refused_by_name_where_it_is_read(tiny_judge):
+    """An Int128 column passes through a call that does not read it (above); one that is read
+    (a template's field, a semantic operator's frame) cannot go through Arrow to pandas: a
+    ValueError naming it and its type, not Arrow's '_pli128'."""
+    df = typed_frame().rename({"q": "review"})
+    kw = dict(model=str(tiny_judge), sampling_params=GEN, **ENGINE)
+    for call in (
+        lambda: df.llm.generate("{review} {big}", **kw),
+        lambda: df.lazy().llm.generate("{big}", **kw).collect(),
+        lambda: df.llm.dedup("review"),
+        lambda: df.llm.judge("{review} is a greeting", model=str(tiny_judge), **ENGINE),
+    ):
+        with pytest.raises(ValueError, match=r"column\(s\) 'big' \(Int128\) cannot go through Arrow to pandas"):
+            call()
+
+
 @pytest.mark.slow
 def test_polars_semantic_filter_keeps_dtypes(tiny_judge):
     df = typed_frame().drop("big").rename({"q": "review"})
