@@ -23,6 +23,8 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.inputs import check_unicode
+from dfllm.semantic.frames import check_output_names, earlier_errors
 from dfllm.semantic.join import (
     Embedder,
     LLMArgs,
@@ -33,9 +35,11 @@ from dfllm.semantic.join import (
     make_embedder,
     make_judge,
     operator_resources,
+    rename_columns,
 )
 from dfllm.semantic.prompts import instruction_fields, record_template, render_instruction
 from dfllm.tasks.schema import LLM_ERROR
+from dfllm.tasks.templates import template_value
 
 logger = logging.getLogger("dfllm")
 
@@ -65,14 +69,23 @@ class TopKSpec:
     both_orders: bool = False  # ask each pair both ways and compare the probabilities of A
 
 
+def _label(df: pd.DataFrame, i: int):
+    """Row ``i``'s index label, a numpy scalar as the Python value (for messages)."""
+    label = df.index[i]
+    return label.item() if isinstance(label, np.generic) else label
+
+
 class _Comparator:
     """Memoised pair judgments over one frame: ``better(i, j)`` is whether row ``i`` beats
-    row ``j``; the pair is asked with the earlier row as A. Failed pairs land in ``failed``."""
+    row ``j``; the pair is asked with the earlier row as A. Failed pairs land in ``failed``;
+    ``ok`` holds the rows that have had a comparison succeed (so a failure is not theirs alone)."""
 
     def __init__(self, df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost):
         self.df, self.spec, self.cost = df, spec, cost
         self.memo: dict[tuple[int, int], bool] = {}
         self.failed: dict[tuple[int, int], str] = {}
+        self.ok: set[int] = set()
+        self.internal = [(f"__{side}_{f}", f) for side in "ab" for f in spec.fields]
 
     def ask(self, pairs: list[tuple[int, int]]) -> None:
         """Judge every pair not yet judged, in one engine call."""
@@ -81,9 +94,14 @@ class _Comparator:
         if not todo:
             return
         asked = todo + [(j, i) for i, j in todo] if self.spec.both_orders else todo
-        sides = {side: self.df.iloc[[p[n] for p in asked]] for n, side in enumerate("ab")}
+        # each column as the frame holds it (object stays object: no inference of an Arrow
+        # string column, which cannot hold every Python string)
         frame = pd.DataFrame(
-            {f"__{side}_{f}": rows[f].to_numpy() for side, rows in sides.items() for f in self.spec.fields}
+            {
+                f"__{side}_{f}": self.df[f].iloc[[p[n] for p in asked]].reset_index(drop=True)
+                for n, side in enumerate("ab")
+                for f in self.spec.fields
+            }
         )
         answers, errors, first = self.spec.judge.judge(frame, self.cost)
         self.cost.count("comparisons", len(todo))
@@ -96,14 +114,15 @@ class _Comparator:
                 err = errors[k] or errors[n + k] or ("no log-probabilities of A and B to compare" if missing else None)
                 wins = not missing and first[k] >= first[n + k]
             if err is not None:
-                self.failed[p] = err
+                self.failed[p] = rename_columns(str(err), self.internal)
             else:
                 self.memo[p] = wins
+                self.ok.update(p)
 
     def failure(self, i: int, j: int) -> str:
         """Row ``i``'s message for its failed comparison with row ``j``."""
         return (
-            f"its comparison with the row of index {self.df.index[j]!r} failed: {self.failed[(min(i, j), max(i, j))]}"
+            f"its comparison with the row of index {_label(self.df, j)!r} failed: {self.failed[(min(i, j), max(i, j))]}"
         )
 
     def better(self, i: int, j: int) -> bool | None:
@@ -113,6 +132,22 @@ class _Comparator:
             return None
         first_wins = self.memo[p]
         return first_wins if i < j else not first_wins
+
+    def blame(self, x: int, y: int, witnesses) -> list[int]:
+        """The rows to hold responsible for the failed comparison of ``x`` and ``y``: the one
+        that has never been compared successfully when the other has; else, when a third row
+        (among ``witnesses``) compares with one of them and not with the other, that other;
+        else both (their order cannot be known)."""
+        if (x in self.ok) != (y in self.ok):
+            return [y] if x in self.ok else [x]
+        if x not in self.ok:
+            z = next((w for w in witnesses if w not in (x, y)), None)
+            if z is not None:
+                self.ask([(x, z), (y, z)])
+                fx, fy = self.better(x, z) is None, self.better(y, z) is None
+                if fx != fy:
+                    return [x] if fx else [y]
+        return [x, y]
 
 
 def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | None = None) -> tuple[list, dict]:
@@ -143,19 +178,34 @@ def quick_order(items: list[int], k: int, cmp: _Comparator, first_pivot: int | N
                 new.append(b)
                 continue
             p = pivots[n]
+            others = [x for x in b if x != p]
+            failed = [x for x in others if cmp.better(x, p) is None]
+            if failed and len(failed) == len(others) and p not in cmp.ok:
+                # the pivot compared with no row: with two rows or more, the pivot is the common
+                # factor; with one, find out which of the two fails (a third row as witness)
+                blamed = [p] if len(others) > 1 else cmp.blame(others[0], p, _witnesses(blocks, n, errors))
+                for x in blamed:
+                    errors[x] = cmp.failure(x, others[0] if x == p else p)
+                rest = [x for x in b if x not in errors]
+                if rest:
+                    new.append(rest)  # re-pivoted next round
+                continue
             better: list[int] = []
             worse: list[int] = []
-            for x in b:
-                if x == p:
-                    continue
+            for x in others:
                 verdict = cmp.better(x, p)
-                if verdict is None:
+                if verdict is None:  # the pivot compared with other rows: the failure is x's
                     errors[x] = cmp.failure(x, p)
                 else:
                     (better if verdict else worse).append(x)
             new.extend(part for part in (better, [p], worse) if part)
         blocks = new
     return [b[0] for b in blocks][:k], errors
+
+
+def _witnesses(blocks: list[list[int]], n: int, errors: dict):
+    """Rows of the other blocks (not in error), to compare a failed pair's rows with."""
+    return (x for m, b in enumerate(blocks) if m != n for x in b if x not in errors)
 
 
 class _Failed(Exception):
@@ -165,7 +215,8 @@ class _Failed(Exception):
 
 def heap_order(items: list[int], k: int, cmp: _Comparator) -> tuple[list, dict]:
     """The best ``k`` of ``items``, best first, by ``heapq.nlargest`` with one comparison per
-    engine call; a failed comparison drops both rows (their errors) and starts again."""
+    engine call; a failed comparison drops the row it is blamed on (:meth:`_Comparator.blame`;
+    both when that cannot be known), with its error, and starts again."""
     errors: dict[int, str] = {}
     items = list(items)
 
@@ -180,9 +231,39 @@ def heap_order(items: list[int], k: int, cmp: _Comparator) -> tuple[list, dict]:
         try:
             return heapq.nlargest(k, items, key=functools.cmp_to_key(less)), errors
         except _Failed as exc:
-            for x, y in ((exc.i, exc.j), (exc.j, exc.i)):
-                errors[x] = cmp.failure(x, y)
-            items = [x for x in items if x not in errors]
+            x, y = exc.i, exc.j
+            for bad in cmp.blame(x, y, items):
+                errors[bad] = cmp.failure(bad, y if bad == x else x)
+            items = [z for z in items if z not in errors]
+
+
+def row_errors(df: pd.DataFrame, spec: TopKSpec) -> dict[int, str]:
+    """Row position -> why the row cannot be ranked, before any comparison: an earlier
+    operator's ``llm_error``, or a field whose value the comparator's prompt cannot hold (a
+    null, an empty text, invalid UTF-8 or a lone surrogate, a list, a dict...), checked as the
+    prompt's template checks it and naming the frame's column. So a bad row is its own error
+    and never reaches a comparison, where its failure would fall on the row it meets. With
+    ``on_error="raise"`` the first such field raises ``ValueError`` naming the row."""
+    errors: dict[int, str] = {}
+    if LLM_ERROR in df.columns:
+        errors = {i: e for i, e in enumerate(earlier_errors(df[LLM_ERROR])) if e is not None}
+    raise_ = spec.judge.task.on_error == "raise"
+    for f in spec.fields:
+        what = f"column {f!r}"
+        nulls = df[f].isna().to_numpy()
+        for i, value in enumerate(df[f].tolist()):
+            if i in errors:
+                continue
+            try:
+                if nulls[i]:
+                    raise ValueError(f"{what} is null")
+                check_unicode(format(template_value(value, what)), what)
+            except (ValueError, TypeError) as exc:
+                msg = str(exc) if what in str(exc) else f"{what}: {exc}"
+                if raise_:
+                    raise ValueError(f"topk: the row of index {_label(df, i)!r}: {msg}") from None
+                errors[i] = f"topk: {msg}"
+    return errors
 
 
 def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_order: bool = False) -> pd.DataFrame:
@@ -191,11 +272,7 @@ def topk_frame(df: pd.DataFrame, spec: TopKSpec, cost: SemanticCost, in_frame_or
     with a null rank and their ``llm_error``. The index is kept. ``in_frame_order`` keeps the
     top rows in the frame's order instead (a partition's candidates, so that the merge shows
     every pair in the orientation a single frame would)."""
-    prior = df[LLM_ERROR].tolist() if LLM_ERROR in df.columns else []
-    errors: dict[int, str] = {i: e for i, e in enumerate(prior) if not pd.isna(e)}
-    for f in spec.fields:
-        for i in np.flatnonzero(df[f].isna().to_numpy()):
-            errors.setdefault(int(i), f"topk: the field {f!r} is null")
+    errors = row_errors(df, spec)
     items = [i for i in range(len(df)) if i not in errors]
     cmp = _Comparator(df, spec, cost)
     first_pivot = None
@@ -259,7 +336,7 @@ def semantic_topk(
     logprobs: int = 20,
 ):
     """``df.llm.topk``: see :meth:`SemanticFrameMethods.topk`."""
-    columns = columns_of(frame)
+    columns = columns_of(frame, "topk")
     try:
         fields = instruction_fields(instruction)
     except ValueError as exc:
@@ -273,7 +350,8 @@ def semantic_topk(
         raise ValueError(f"topk: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
     if method not in METHODS:
         raise ValueError(f"topk: method must be one of {METHODS}, got {method!r}")
-    if rank_column in columns and rank_column != LLM_ERROR:
+    check_output_names("topk", [rank_column])
+    if rank_column in columns:
         raise ValueError(f"topk: the frame already has a column {rank_column!r}; pass another rank_column=")
     record = {f"{side}.{f}": f"__{side.lower()}_{f}" for side in AB for f in fields}
     judge = make_judge(

@@ -14,10 +14,13 @@ import functools
 import itertools
 import random
 
+import dask
 import dask.dataframe as dd
 import pandas as pd
 import polars as pl
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from semantic_data import two_answer_model
 
 import dfllm  # noqa: F401  (registers .llm)
@@ -205,3 +208,113 @@ def test_topk_both_orders_equals_full_sort(ab_model):
         f"topk both_orders: {cost.counts['comparisons']} comparisons ({cost.requests} decodes) in "
         f"{cost.engine_calls} engine calls"
     )
+
+
+# --- hostile rows: each is its own error, never the ranking's ---------------------------------------------------
+#: values the comparator's prompt cannot hold: each such row comes out once, unranked, with its error naming
+#: the column (and no comparison is ever blamed on the row it meets, the pivot included)
+INVALID = ["", "   ", "\ud800", "fig \udfff", b"\xff\xfe", b"", ["x"], {"a": 1}, None, float("nan"), pd.NA]
+#: odd but valid values (text, numbers, UTF-8 bytes): ranked like any other row
+ODD = [2**70, -(2**70), "\ufeffBOM-prefixed melon", b"valid bytes", 1.5, True]
+#: a Polars binary column: its invalid values, and the valid ones are the fruits' UTF-8 bytes
+INVALID_BINARY = [b"", b"\xff", b"\xc3(", b"  ", None]
+HOSTILE_PROPERTY = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def hostile_tables(draw):
+    """``(kind, values, bad positions, k, options)``: fruits (and odd values) with invalid ones among them, one
+    of them at the middle (the first pivot) when drawn so."""
+    kind = draw(st.sampled_from(["pandas", "dask", "polars"]))
+    good = draw(st.lists(st.sampled_from(POOL), min_size=2, max_size=6, unique=True))
+    if kind == "polars":
+        good = [g.encode() for g in good]
+        bad = draw(st.lists(st.sampled_from(INVALID_BINARY), min_size=1, max_size=3))
+    else:
+        good += draw(st.lists(st.sampled_from(ODD), max_size=2))
+        bad = draw(st.lists(st.sampled_from(INVALID), min_size=1, max_size=3))
+    n = len(good) + len(bad)
+    positions = draw(st.lists(st.integers(0, n - 1), min_size=len(bad), max_size=len(bad), unique=True))
+    if draw(st.booleans()) and n // 2 not in positions:
+        positions[0] = n // 2  # the quickselect's first pivot
+    values, it_good, it_bad = [], iter(good), iter(bad)
+    for i in range(n):
+        values.append(next(it_bad) if i in positions else next(it_good))
+    k = draw(st.integers(1, len(good) + 1))
+    options = {"method": draw(st.sampled_from(["quick", "heap"])), "both_orders": draw(st.booleans())}
+    return kind, values, sorted(positions), k, options
+
+
+def run_topk(kind: str, df: pd.DataFrame, *args, **kwargs) -> pd.DataFrame:
+    """``topk`` on ``df`` as a pandas, Dask (two partitions, Dask's string conversion off: the values stay
+    as they are) or Polars frame, the result as pandas."""
+    if kind == "polars":
+        frame = pl.from_pandas(df)
+        assert frame.schema["fruit"] == pl.Binary
+        return frame.llm.topk(*args, **kwargs).to_pandas()
+    if kind == "dask":
+        with dask.config.set({"dataframe.convert-string": False}):
+            return dd.from_pandas(df, npartitions=2).llm.topk(*args, **kwargs).compute()
+    return df.llm.topk(*args, **kwargs)
+
+
+@HOSTILE_PROPERTY
+@given(hostile_tables())
+def test_topk_hostile_rows_are_their_own_errors(judge_model, case):
+    """Every row whose value the prompt cannot hold (empty or blank text, a lone surrogate, invalid UTF-8,
+    a list, a dict, a null), wherever it is (the pivot too), on pandas, Dask and Polars, either method, one
+    order or both: it comes out once
+    with a null rank and its error naming the user's column; every other row is ranked (1..k, no error)."""
+    kind, values, bad, k, options = case
+    df = pd.DataFrame({"id": range(len(values)), "fruit": pd.Series(values, dtype=object)})
+    out = run_topk(kind, df, INSTRUCTION, k, model=judge_model, **options)
+    ids = out["id"].tolist()
+    assert len(ids) == len(set(ids))  # no row twice
+    n_good = len(values) - len(bad)
+    assert len(out) == min(k, n_good) + len(bad)  # the top k of the good rows, then every bad row
+    ranked, unranked = out[out["rank"].notna()], out[out["rank"].isna()]
+    assert sorted(unranked["id"]) == bad
+    assert ranked["rank"].tolist() == list(range(1, min(k, n_good) + 1)) and ranked.llm_error.isna().all()
+    for msg in unranked.llm_error:
+        assert not pd.isna(msg) and "column 'fruit'" in msg and "__" not in msg, msg
+
+
+@pytest.fixture(scope="module")
+def short_engine():
+    """A context too short for the long row below: its comparisons fail in the engine, not before."""
+    return {"max_model_len": 256, "kv_cache_memory_bytes": 2**24}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(st.sampled_from(POOL), min_size=3, max_size=6, unique=True),
+    st.integers(0, 6),
+    st.sampled_from(["quick", "heap"]),
+    st.integers(1, 7),
+)
+def test_topk_failed_comparison_blames_the_row_that_fails(judge_model, short_engine, fruits, at, method, k):
+    """A row whose every comparison fails in the engine (its prompt is past max_model_len), the first pivot
+    or the heap's first comparison included, gets the error; the rows it met are ranked."""
+    at = min(at, len(fruits))
+    values = fruits[:at] + ["pear " * 300] + fruits[at:]
+    df = pd.DataFrame({"id": range(len(values)), "fruit": pd.Series(values, dtype=object)})
+    out = df.llm.topk(INSTRUCTION, k, model=judge_model, method=method, **short_engine)
+    ranked, unranked = out[out["rank"].notna()], out[out["rank"].isna()]
+    assert unranked["id"].tolist() == [at] and "max_model_len" in unranked.llm_error.iloc[0]
+    assert ranked["rank"].tolist() == list(range(1, min(k, len(fruits)) + 1)) and ranked.llm_error.isna().all()
+
+
+def test_topk_hostile_row_with_on_error_raise(judge_model):
+    """``on_error="raise"``: a row the prompt cannot hold raises, naming its index and the column."""
+    df = pd.DataFrame({"fruit": pd.Series(["apple", "\ud800", "plum"], index=[10, 11, 12], dtype=object)})
+    with pytest.raises(ValueError, match=r"the row of index 11: column 'fruit' is not valid Unicode"):
+        df.llm.topk(INSTRUCTION, 2, model=judge_model, on_error="raise")
+
+
+@pytest.mark.parametrize("kind", ["pandas", "dask", "polars"])
+def test_topk_refuses_rank_column_llm_error(judge_model, table, kind):
+    """The rank column cannot be the error column (the ranks would be overwritten): refused at call time."""
+    df, _ = table
+    frame = {"pandas": df, "dask": dd.from_pandas(df, npartitions=2), "polars": pl.from_pandas(df)}[kind]
+    with pytest.raises(ValueError, match="cannot be named 'llm_error'"):
+        frame.llm.topk(INSTRUCTION, 2, model=judge_model, rank_column="llm_error")
