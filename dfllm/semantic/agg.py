@@ -227,7 +227,8 @@ def _group_keys(df: pd.DataFrame, spec: AggSpec) -> tuple[list[pd.Series], dict[
     names it in its error."""
     import pyarrow as pa
 
-    keys, bad = [], {}
+    keys: list[pd.Series] = []
+    bad: dict[int, str] = {}
     for b in spec.by:
         col = df[b]
         arrow = getattr(col.dtype, "pyarrow_dtype", None)
