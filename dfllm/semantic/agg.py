@@ -28,7 +28,7 @@ from dfllm.semantic.join import LLMArgs, Placed, SemanticCost, columns_of, opera
 from dfllm.semantic.prompts import instruction_fields, record_template, semantic_prompt
 from dfllm.tasks.schema import LLM_ERROR, printable
 from dfllm.tasks.task import LLMTask, make_task
-from dfllm.tasks.templates import is_null, template_value
+from dfllm.tasks.templates import field_text, is_null
 
 logger = logging.getLogger("dfllm")
 
@@ -181,18 +181,9 @@ def _row_name(label) -> str:
 
 def _record(template: str, fields: Sequence[str], row: Sequence) -> str:
     """One row's record (``[field]: value`` lines), or ``ValueError`` naming the field whose
-    value cannot be in one: each value goes through :func:`template_value`, the check every
-    operator makes of a cell before it becomes prompt text, and is written as ``str.format``
-    would write it."""
-    values = {}
-    for f, v in zip(fields, row):
-        what = f"its field {f!r}"
-        v = template_value(v, what)
-        try:
-            values[f] = format(v, "")
-        except (ValueError, TypeError, OverflowError) as exc:  # an int past Python's digit limit
-            raise ValueError(f"{what} cannot be written as text: {exc}") from None
-    return check_unicode(template.format_map(values), "its record")
+    value cannot be in one (:func:`~dfllm.tasks.templates.field_text`, the check every
+    operator makes of a cell before it becomes prompt text)."""
+    return template.format_map({f: field_text(v, f"its field {f!r}") for f, v in zip(fields, row)})
 
 
 def _records(

@@ -29,6 +29,7 @@ from dfllm.semantic.prompts import record_template, semantic_prompt
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.task import LLMTask, make_task
+from dfllm.tasks.templates import field_text
 
 logger = logging.getLogger("dfllm")
 
@@ -505,10 +506,11 @@ def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: li
         if prior[i] is not None:
             errors[i] = prior[i]
             continue
-        for _, src in fields:
-            v = df[src].iat[i]
-            if v is None or (np.ndim(v) == 0 and pd.isna(v)):
-                errors[i] = f"column {src!r} is null"
+        for _, src in fields:  # each field as the pair's prompt will write it
+            try:
+                field_text(df[src].iat[i], f"column {src!r}")
+            except ValueError as exc:
+                errors[i] = str(exc)
                 break
     return errors
 

@@ -23,7 +23,6 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
-from dfllm.inputs import check_unicode
 from dfllm.semantic.frames import check_output_names, earlier_errors
 from dfllm.semantic.join import (
     Embedder,
@@ -39,7 +38,7 @@ from dfllm.semantic.join import (
 )
 from dfllm.semantic.prompts import instruction_fields, record_template, render_instruction
 from dfllm.tasks.schema import LLM_ERROR
-from dfllm.tasks.templates import template_value
+from dfllm.tasks.templates import field_text
 
 logger = logging.getLogger("dfllm")
 
@@ -257,7 +256,7 @@ def row_errors(df: pd.DataFrame, spec: TopKSpec) -> dict[int, str]:
             try:
                 if nulls[i]:
                     raise ValueError(f"{what} is null")
-                check_unicode(format(template_value(value, what)), what)
+                field_text(value, what)
             except (ValueError, TypeError) as exc:
                 msg = str(exc) if what in str(exc) else f"{what}: {exc}"
                 if raise_:

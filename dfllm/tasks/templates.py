@@ -92,3 +92,16 @@ def template_value(value, what: str):
             "dates and decimals (pass a column of text for anything else)"
         )
     return value
+
+
+def field_text(value, what: str) -> str:
+    """A row's value as the text a prompt's ``{field}`` without a format spec writes (a semantic
+    operator's ``[column]: value`` record): :func:`template_value`'s check, then ``str.format``'s
+    text, which must be valid Unicode; ``ValueError`` naming ``what`` otherwise (an int past
+    Python's digit limit too)."""
+    value = template_value(value, what)
+    try:
+        text = format(value, "")
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{what} cannot be written as text: {exc}") from None
+    return check_unicode(text, what)

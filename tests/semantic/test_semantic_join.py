@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 import polars as pl
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from semantic_data import reviews, two_answer_model
 
 import dfllm  # noqa: F401  (registers .llm)
@@ -207,3 +209,30 @@ def test_join_with_a_cascade(true_false_model):
     assert recall >= 0.6 and precision >= 0.6
     with pytest.raises(ValueError, match="runs on pandas and Polars"):
         dd.from_pandas(left, npartitions=2).llm.join(TOPICS, INSTRUCTION, model=str(tiny_llama), cascade=cascade)
+
+
+HOSTILE = ["", "   ", "\ud800 lone", b"\xff\xfe", ["x"], {"a": 1}, np.array([1.0]), 10**5000]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_row_whose_field_no_prompt_can_hold_comes_out_once(tiny_llama, data):
+    """Unblocked and blocked: a left or right row whose field the pair's prompt cannot hold (empty,
+    a lone surrogate, invalid UTF-8, a list...) is one row of the result with its error naming
+    the column, not one failed pair per row of the other side; every good pair is judged."""
+
+    def with_value(frame: pd.DataFrame, column: str, side: str) -> tuple[pd.DataFrame, int]:
+        at = data.draw(st.integers(0, len(frame) - 1), label=f"{side} row")
+        values = frame[column].tolist()
+        values[at] = data.draw(st.sampled_from(HOSTILE), label=f"{side} value")
+        return frame.assign(**{column: pd.Series(values, index=frame.index, dtype=object)}), at
+
+    left, bad_left = with_value(reviews(3), "review", "left")
+    right, bad_right = with_value(TOPICS.iloc[:3], "topic", "right")
+    blocked = data.draw(st.booleans(), label="blocked")
+    out = left.llm.join(right, INSTRUCTION, model=str(tiny_llama), block_k=3 if blocked else None, **ENGINE)
+    lrow, rrow = out[out.id == bad_left], out[out.topic_id == right.topic_id.iloc[bad_right]]
+    assert len(lrow) == 1 and lrow.topic_id.isna().all() and "column 'review'" in lrow.llm_error.iloc[0]
+    assert len(rrow) == 1 and rrow.id.isna().all() and "column 'topic'" in rrow.llm_error.iloc[0]
+    judged = out[out.id.notna() & out.topic_id.notna()]
+    assert judged.llm_error.isna().all() and len(judged) <= 4  # the good pairs, judged True
