@@ -34,6 +34,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from dfllm.tasks.templates import is_null
+
 #: What a partition reports for a column: each Arrow type of its values and how many values had it.
 TypeCounts = Counter
 #: What ``meta=`` accepts: a DataFrame, a dict or list of (column, dtype) pairs, a pyarrow schema.
@@ -503,14 +505,6 @@ def join_errors(first: str | None, second: str | None) -> str | None:
     if first is None:
         return second
     return first if second is None else f"{first}; {second}"
-
-
-def is_null(value) -> bool:
-    """Whether ``value`` is None or a pandas/numpy null (a list or dict is not)."""
-    try:
-        return value is None or bool(pd.isna(value))
-    except (TypeError, ValueError):
-        return False
 
 
 def _show(value) -> str:

@@ -23,7 +23,6 @@ from dfllm.accessors.arrow_schema import (
     Meta,
     infer_dtype,
     input_dtypes,
-    is_null,
     join_errors,
     meta_dtypes,
     typed_column,
@@ -35,6 +34,7 @@ from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConf
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.schema import LLM_ERROR, value_text
 from dfllm.tasks.task import make_task
+from dfllm.tasks.templates import is_null
 from dfllm.tasks.write_key import canonical
 
 SAMPLE_ROWS = 8

@@ -13,7 +13,6 @@ group (one task each), and groups of ``split_every`` partitions' summaries are f
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import functools
 import json
 import logging
@@ -253,7 +252,7 @@ def _group_items(df: pd.DataFrame, spec: AggSpec, keys: list | None = None) -> l
         return list(df.groupby(keys, sort=True, dropna=False, observed=True))
     groups: dict[tuple, tuple[tuple, list[int]]] = {}
     for n, key in enumerate(zip(*(k.tolist() for k in keys))):
-        key = tuple(None if _null_key(v) else v for v in key)
+        key = tuple(None if is_null(v) else v for v in key)
         groups.setdefault(tuple(_NULL if v is None else v for v in key), (key, []))[1].append(n)
     items = list(groups.values())
     try:
@@ -264,10 +263,6 @@ def _group_items(df: pd.DataFrame, spec: AggSpec, keys: list | None = None) -> l
 
 
 _NULL = object()  # a null key, as a dict key
-
-
-def _null_key(value) -> bool:
-    return is_null(value) or (isinstance(value, decimal.Decimal) and value.is_nan())
 
 
 def _frame(keys: list[tuple], texts: list, errors: list, spec: AggSpec, meta: pd.DataFrame, final: bool):

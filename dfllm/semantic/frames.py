@@ -19,11 +19,12 @@ from collections.abc import Callable
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
-from dfllm.accessors.arrow_schema import is_null, join_errors
+from dfllm.accessors.arrow_schema import join_errors
 from dfllm.accessors.partitions import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
 from dfllm.tasks.schema import LLM_ERROR, STRING, value_text
 from dfllm.tasks.task import LLMTask, make_task
+from dfllm.tasks.templates import is_null
 from dfllm.tasks.write_key import canonical
 
 #: An input column the task writes too is renamed to this prefix + its name while the task runs.

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import datetime
 import decimal
-import math
 import string
 
+import numpy as np
 import pandas as pd
 
 from dfllm.inputs import check_unicode
@@ -53,8 +53,17 @@ def template_fields(template: str) -> list[str]:
 
 
 def is_null(value) -> bool:
-    """Whether a cell is missing (None, NA, NaT or a float NaN)."""
-    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and math.isnan(value))
+    """Whether a cell is missing: None, pandas' NA and NaT, a NaN (float, NumPy or decimal) or
+    NumPy's NaT. A container (a list, dict or array) is a value whatever it holds (``[None]``
+    is not null), and so is text."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return True
+    if isinstance(value, (str, bytes, bytearray, list, tuple, dict, set, np.ndarray)):
+        return False
+    try:
+        return bool(pd.isna(value))  # a scalar: True or False
+    except (TypeError, ValueError):  # an object pandas cannot ask
+        return False
 
 
 def cell_text(value, what: str) -> str:
