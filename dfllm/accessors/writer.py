@@ -90,6 +90,7 @@ from dataclasses import dataclass
 
 import dask
 import fsspec
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -392,16 +393,23 @@ def partition_key(df: pd.DataFrame, write_key: str) -> str:
 
 
 def _column_hash(series: pd.Series) -> bytes:
+    """A column's values, with its dtype: pandas' hash of a value ignores its type and time
+    zone (``True`` and ``1``, one instant in two zones, ``-0.0`` and ``0.0`` hash alike),
+    which a prompt's text does not (``"True"``/``"1"``, each zone's clock, ``"-0.0"``)."""
+    dtype = str(series.dtype).encode() + b"\0"
     flat = series.dtype != object and not (
         isinstance(series.dtype, pd.ArrowDtype) and pa.types.is_nested(series.dtype.pyarrow_dtype)
     )
     if flat:
         try:
-            return pd.util.hash_pandas_object(series, index=False).values.tobytes()
+            values = pd.util.hash_pandas_object(series, index=False).values.tobytes()
+            if series.dtype.kind == "f":  # the sign of a zero
+                values += np.signbit(series.to_numpy(dtype="float64", na_value=np.nan)).tobytes()
+            return dtype + values
         except (TypeError, ValueError, pa.ArrowException):
             pass
     texts = "\n".join(_canonical(v) for v in series.tolist())
-    return hashlib.sha256(texts.encode("utf-8", "surrogatepass")).digest()
+    return dtype + hashlib.sha256(texts.encode("utf-8", "surrogatepass")).digest()
 
 
 def _canonical(value) -> str:
