@@ -48,8 +48,9 @@ def cell_texts(df: pd.DataFrame, spec: str, task: LLMTask, out: dict, skip=()) -
                 row = {k: template_value(records[i][k], f"column {k!r}") for k in template_fields(spec)}
                 try:
                     texts[i] = spec.format_map(row)
-                # a format spec this row's value does not fit ({x:c} past U+10FFFF, {x:.2f} of 10**400)
-                except (ValueError, TypeError, OverflowError) as exc:
+                # a format spec this row's value does not fit ({x:c} past U+10FFFF, {x:.2f} of 10**400),
+                # or a width no memory holds (``{q:>{w}}`` with a row's w of 10**14)
+                except (ValueError, TypeError, OverflowError, MemoryError) as exc:
                     raise ValueError(f"template {spec!r}: {exc}") from None
                 check_unicode(texts[i], f"template {spec!r}")
             else:

@@ -138,6 +138,7 @@ def test_a_pandas_column_0_is_not_the_field_0_and_passes_through(tiny_judge):
         ("{x:c}", pd.DataFrame({"x": pd.Series([65, 0x110000, 2**70], dtype=object)})),
         ("{x:.2f}", pd.DataFrame({"x": pd.Series([1, 10**400], dtype=object)})),
         ("{x:c}", pl.DataFrame({"x": [65, 0x110000]})),
+        ("{x:>{w}}", pd.DataFrame({"x": ["a", "b"], "w": [3, 10**14]})),  # a width no memory holds
     ],
 )
 def test_a_format_spec_a_value_does_not_fit_is_that_rows_error(tiny_judge, template, frame):
