@@ -666,11 +666,25 @@ def _visible(name: str) -> bool:
 
 def _is_ours(fs, file: str) -> bool:
     """Whether a parquet file's footer carries dfllm's record (dfllm wrote it)."""
+    return _footer_says_ours(fs, file) is True
+
+
+def _footer_says_ours(fs, file: str) -> bool | None:
+    """Whether a parquet file's footer carries dfllm's record; None when it has no readable
+    footer (a file cut short, or not parquet at all)."""
     try:
         with fs.open(file, "rb") as f:
             return FOOTER_KEY in (pq.read_metadata(f).metadata or {})
     except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
-        return False
+        return None
+
+
+def _damaged_part_of_ours(fs, root: str, name: str) -> bool:
+    """Whether a part without a readable footer is one dfllm wrote: its key record, which
+    only dfllm writes and which is written after the part itself, is there (parts are
+    written whole by a move, so only damage afterwards cuts one short)."""
+    match = PART.fullmatch(name)
+    return match is not None and fs.exists(key_path(root, int(match.group(1))))
 
 
 def survey_parts(fs, root: str, path: str) -> list[str]:
@@ -684,7 +698,9 @@ def survey_parts(fs, root: str, path: str) -> list[str]:
     inside = [f[len(root) + 1 :] for f in fs.find(root) if f.startswith(root + "/")]
     parts = [f for f in inside if PART.fullmatch(f)]
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(parts)))) as pool:
-        ours = [f for f, mine in zip(parts, pool.map(lambda f: _is_ours(fs, f"{root}/{f}"), parts)) if mine]
+        says = list(pool.map(lambda f: _footer_says_ours(fs, f"{root}/{f}"), parts))
+    # a part cut short after dfllm wrote it is dfllm's (recomputed), not another tool's file
+    ours = [f for f, mine in zip(parts, says) if mine or (mine is None and _damaged_part_of_ours(fs, root, f))]
     foreign = [
         f
         for f in inside

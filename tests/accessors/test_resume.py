@@ -170,6 +170,25 @@ def test_part_replaced_before_its_key_is_recomputed(write, rows, tmp_path):
     assert (out / "_dfllm_keys" / "part.00000.key").read_bytes() == record
 
 
+@pytest.mark.parametrize("keep", [0, 0.5])
+def test_a_part_cut_short_after_it_was_written_is_recomputed(write, rows, tmp_path, keep):
+    """A part dfllm wrote that later lost its end (no footer left to read: a copy cut short, a
+    full disk) is still dfllm's by its key record, and is recomputed; a file without a
+    readable footer and without that record stays another tool's file (above)."""
+    out = tmp_path / "out"
+    exact(out, write(rows, out, 2, resume=False))
+    part = out / "part.00001.parquet"
+    part.write_bytes(part.read_bytes()[: int(len(part.read_bytes()) * keep)])
+    again = write(rows, out, 2)
+    assert (again.written, again.skipped) == (1, 1)
+    exact(out, again)
+    (out / "_dfllm_keys" / "part.00001.key").unlink()
+    part.write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"1 file\(s\) that dfllm did not write \(part.00001.parquet\)"):
+        write(rows, out, 2)
+    assert part.read_bytes() == b"not parquet"
+
+
 def test_folder_with_other_files_is_refused_before_any_work(write, rows, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
