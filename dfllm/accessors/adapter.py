@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
 from dfllm.tasks.schema import LLM_ERROR
 
@@ -76,9 +77,8 @@ class FrameAdapter:
         lazy again."""
         if self.kind not in ("polars", "lazy"):
             return df
-        import polars as pl
 
-        out = pl.from_pandas(df.reset_index(drop=True))
+        out = _polars_from_pandas(df.reset_index(drop=True))
         schema = self.obj.collect_schema()
         differ = {c: t for c, t in schema.items() if c in out.columns and c != LLM_ERROR and out.schema[c] != t}
         out = out.cast(differ) if differ else out
@@ -120,3 +120,22 @@ def polars_to_pandas(frame: Any) -> pd.DataFrame:
             f"column(s) {', '.join(bad)} cannot go through Arrow to pandas ({exc}); cast them, "
             "for example pl.col(name).cast(pl.String) or pl.Decimal(38, 0)"
         ) from None
+
+
+def _polars_from_pandas(df: pd.DataFrame) -> Any:
+    """A pandas result as a Polars frame; a column of Python objects that Arrow cannot type
+    together (a pandas ``other`` joined to a Polars frame, holding ``1``, ``"a"`` and bytes)
+    comes over as a Polars ``Object`` column, its values as they are, rather than failing the
+    whole result."""
+    import polars as pl
+
+    try:
+        return pl.from_pandas(df)
+    except (ValueError, TypeError, pa.ArrowException):
+        columns = []
+        for name in df.columns:
+            try:
+                columns.append(pl.from_pandas(df[[name]]).to_series())
+            except (ValueError, TypeError, pa.ArrowException):
+                columns.append(pl.Series(str(name), df[name].tolist(), dtype=pl.Object))
+        return pl.DataFrame(columns)

@@ -148,6 +148,18 @@ def test_a_polars_column_arrow_cannot_hold_is_refused_by_name_where_it_is_read(t
             call()
 
 
+def test_a_pandas_other_with_a_mixed_column_joins_a_polars_frame():
+    """``other`` may be a pandas frame whose passthrough column holds values of several types
+    (``1``, ``"a"``, bytes): Arrow cannot type them together, so that column comes back as a
+    Polars ``Object`` column with its values as they are, not an error for the whole join."""
+    left = pl.DataFrame({"id": [0, 1], "review": ["late parcel", "great price"]})
+    right = pd.DataFrame({"topic": ["shipping", "price", "sound"], "extra": pd.Series([1, "a", b"\xff"], dtype=object)})
+    out = left.llm.sim_join(right, "review", "topic", k=3)
+    assert out.height == 6 and out["llm_error"].null_count() == 6
+    assert out.schema["extra"] == pl.Object
+    assert sorted(map(repr, out["extra"].to_list())) == sorted(map(repr, [1, "a", b"\xff"] * 2))
+
+
 @pytest.mark.slow
 def test_polars_semantic_filter_keeps_dtypes(tiny_judge):
     df = typed_frame().drop("big").rename({"q": "review"})
