@@ -339,10 +339,10 @@ def input_dtypes(df: pd.DataFrame, error: str) -> dict:
     dtype and values (an ``object`` column without values, or of values with no Arrow type,
     is a string)."""
     out = {}
-    for name in df.columns:
+    for i, name in enumerate(df.columns):
         if name == error:
             continue
-        series = df[name]
+        series = df.iloc[:, i]  # by position: a repeated name is the caller's to refuse
         if isinstance(series.dtype, pd.CategoricalDtype):  # as its values (Dask's may be unknown)
             series = pd.Series(series.dtype.categories[:0] if not len(series) else series.astype(object))
         try:
@@ -356,23 +356,29 @@ def input_dtypes(df: pd.DataFrame, error: str) -> dict:
 
 
 def infer_dtype(values: list, column, fallback) -> pd.api.extensions.ExtensionDtype:
-    """The Arrow-backed dtype of postprocess's ``values`` for ``column`` (``fallback``, else
-    a string, when they are all null)."""
+    """The Arrow-backed dtype of postprocess's ``values`` for ``column``: pyarrow's type of
+    them all or, when they have none together (or it is bytes, and some are text), that of
+    the most common kind of value (text,
+    numbers, lists...; ties by the kind's name) among those that have an Arrow type
+    (:func:`value_types`, then :func:`unify_counts` of that kind's types); ``fallback``,
+    else a string, when they are all null or none has a type. A value with no Arrow type (a
+    lone surrogate, an integer beyond 64 bits...) or of another kind decides nothing,
+    whichever its row: :func:`typed_column` makes it that row's error, naming ``column``."""
     try:
         t = _infer_type(values)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         t = None
-        for v in values:
-            try:
-                t = _infer_type([v])
-            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-                raise ValueError(
-                    f"build_processor: postprocess's column {column!r} has a value of type "
-                    f"{type(v).__name__} with no Arrow type ({exc}); return plain values "
-                    "(str, int, float, bool, list, dict...), or pass meta="
-                ) from None
-            if not pa.types.is_null(t):
-                break
+    if t is None or (pa.types.is_binary(t) and any(isinstance(v, str) for v in values)):
+        # one value at a time (pyarrow makes text among bytes bytes, which no text fits)
+        counts: Counter = sum((value_types([v]) for v in values), Counter())
+        kinds: Counter = Counter()
+        for vt, n in counts.items():
+            if not pa.types.is_null(vt):
+                kinds[_kind(vt)] += n
+        # only the most common kind: no widening into another (text into binary), which
+        # would make every value of the most common kind not fit (see _compatible)
+        best = min(kinds, key=lambda k: (-kinds[k], k), default=None)
+        t = unify_counts({vt: n for vt, n in counts.items() if _kind(vt) == best})
     if t is None or pa.types.is_null(t):
         return fallback if fallback is not None else STRING
     return pd.ArrowDtype(_nullable(t))

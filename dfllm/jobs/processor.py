@@ -32,8 +32,8 @@ from dfllm.accessors.placement import run_placed
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConfig
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
-from dfllm.tasks.schema import LLM_ERROR, value_text
-from dfllm.tasks.task import make_task
+from dfllm.tasks.schema import LLM_ERROR, error_text, value_text
+from dfllm.tasks.task import make_task, repeated_columns
 from dfllm.tasks.templates import is_null
 from dfllm.tasks.write_key import canonical
 
@@ -178,6 +178,8 @@ class Processor:
         processor's, stands in for the fingerprints of preprocess and postprocess)."""
         given = meta_dtypes(meta) if meta is not None else self.meta
         key = _check_key(key) if key is not None else self.key
+        if isinstance(df, pd.DataFrame) or hasattr(df, "_meta"):
+            _check_columns(df.columns)
         if isinstance(df, pd.DataFrame):
             return self.process_partition(df, None if given is None else self._with_inputs(given, df.iloc[:0]))
         if not hasattr(df, "map_partitions") or not hasattr(df, "_meta"):
@@ -228,10 +230,10 @@ class Processor:
         """A row that failed in an earlier stage (its incoming error column, the one this
         processor writes, is set): it skips preprocess, the engine and postprocess and keeps
         that message as its error. None for the other rows."""
-        earlier = row.get(self._err)
-        if self._err not in row or is_null(earlier):
+        earlier = error_text(row.get(self._err))  # as text the error column can hold
+        if self._err not in row or earlier is None:
             return None
-        return row, value_text(earlier)  # as text the error column can hold
+        return row, earlier
 
     def _pre(self, row: dict) -> tuple[dict, str | None]:
         if self.preprocess is None:
@@ -240,7 +242,7 @@ class Processor:
             out = self.preprocess(dict(row))  # a copy: the input values stay as they were
             return {**row, **out}, None
         except Exception as exc:  # a user function failing on one row
-            return row, f"preprocess: {type(exc).__name__}: {exc}"
+            return row, f"preprocess: {type(exc).__name__}: {value_text(exc)}"
 
     def _infer(self, rows: list[tuple[dict, str | None]]) -> list[tuple[dict, str | None]]:
         """Engine outputs added to the rows without an error; the engine's per-row errors.
@@ -292,11 +294,13 @@ class Processor:
         row with the engine's columns (Ray's names) added, and its error."""
         errors: list[str | None] = [None] * len(rows)
         optional = [k for k in _OPTIONAL_KEYS if any(k in r for r in rows)]
-        frame = pd.DataFrame({c: [r.get(c) for r in rows] for c in (*inputs, *optional)})
+        # object columns: each value as it is reaches the task's own per-row checks (pandas
+        # would make text an Arrow string column, which a lone surrogate fails as a whole)
+        frame = pd.DataFrame({c: _objects([r.get(c) for r in rows]) for c in (*inputs, *optional)})
         if "sampling_params" in frame:
-            frame["sampling_params"] = [
-                self._sampling_params(v, errors, j) for j, v in enumerate(frame["sampling_params"])
-            ]
+            frame["sampling_params"] = _objects(
+                [self._sampling_params(v, errors, j) for j, v in enumerate(frame["sampling_params"])]
+            )
         generative = KINDS[kind].generative
         model = self.config.model_source or KINDS[kind].default_model  # None: the task's default model
         ctk = self.config.chat_template_kwargs or None
@@ -321,10 +325,12 @@ class Processor:
             **lora,
         )
         if kind == "chat" and ctk and "chat_template_kwargs" in frame:  # the config's, a row's own over them
-            frame["chat_template_kwargs"] = [
-                {**ctk, **v} if isinstance(v, Mapping) else ctk if is_null(v) else v
-                for v in frame["chat_template_kwargs"]
-            ]
+            frame["chat_template_kwargs"] = _objects(
+                [
+                    {**ctk, **v} if isinstance(v, Mapping) else ctk if is_null(v) else v
+                    for v in frame["chat_template_kwargs"]
+                ]
+            )
         result = run_placed(
             frame.iloc[[j for j, e in enumerate(errors) if e is None]], task, self.config.task_resources()
         )
@@ -347,9 +353,12 @@ class Processor:
         root = self.config.dynamic_lora_loading_path
         if root is None or not generative:
             return {}
-        frame[_LORA_COLUMN] = [
-            None if is_null(r.get("model")) or str(r.get("model")) == str(model) else str(r.get("model")) for r in rows
-        ]
+        frame[_LORA_COLUMN] = _objects(
+            [
+                None if is_null(r.get("model")) or str(r.get("model")) == str(model) else str(r.get("model"))
+                for r in rows
+            ]
+        )
         return {"lora": _LORA_COLUMN, "lora_root": root}
 
     def _sampling_params(self, value, errors: list, j: int):
@@ -374,22 +383,22 @@ class Processor:
         if error is not None:  # an error row bypasses postprocess
             return RowResult(inputs, None, error)
         if self.postprocess is None:
-            return RowResult(inputs, row, row.get(self._err))
+            return RowResult(inputs, row, error_text(row.get(self._err)))
         try:
             out = self.postprocess(row)
             if not isinstance(out, Mapping):
                 raise TypeError(f"postprocess must return a dict, got {type(out).__name__}")
             out = dict(out)
         except Exception as exc:  # a user function failing on one row
-            return RowResult(inputs, None, f"postprocess: {type(exc).__name__}: {exc}")
-        return RowResult(inputs, out, out.get(self._err))
+            return RowResult(inputs, None, f"postprocess: {type(exc).__name__}: {value_text(exc)}")
+        return RowResult(inputs, out, error_text(out.get(self._err)))
 
     # ---- the output schema --------------------------------------------------------------------------
     def _schema_from(self, rows: list[RowResult], df: pd.DataFrame) -> tuple[dict, RowResult | None]:
         """Output column -> dtype from the values the rows produced (see Output types in
         docs/from_ray.md), and the first row without output (or None)."""
         ok = [r.output for r in rows if r.output is not None]
-        names = list(dict.fromkeys(k for out in ok for k in out if k != self._err))
+        names = list(dict.fromkeys(k for out in ok for k in out if k != self._err and _column_name(k)))
         inputs = _input_dtypes(df, self._err)
         schema = {}
         for name in names:
@@ -500,8 +509,26 @@ def _frame(
                 refill.add(c)
     for c in refill:  # values that did not fit were set to null in the first pass
         columns[c] = typed_column(values[c], schema[c], index, c, errors, inputs[c])
-    columns[error] = pd.Series(errors, index=index, dtype=STRING)
+    columns[error] = pd.Series([error_text(e) for e in errors], index=index, dtype=STRING)
     return pd.DataFrame(columns, index=index)
+
+
+def _column_name(key) -> bool:
+    """Whether a key postprocess returns can name an output column: not text with no UTF-8
+    form (a lone surrogate), which no frame or file can hold (the row's error names it)."""
+    return not isinstance(key, str) or value_text(key) == key
+
+
+def _check_columns(columns: pd.Index) -> None:
+    """``ValueError`` naming the input's repeated column names (a row is a dict of them)."""
+    repeated = repeated_columns(columns)
+    if repeated:
+        raise ValueError(f"build_processor: the input has more than one column named {repeated}; rename them")
+
+
+def _objects(values: list) -> pd.Series:
+    """``values`` as an ``object`` column, each as it is (no inference of a type they must share)."""
+    return pd.Series(values, dtype=object)
 
 
 def _input_dtypes(df: pd.DataFrame, error: str) -> dict:

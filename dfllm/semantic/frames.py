@@ -22,9 +22,8 @@ from dfllm.accessors.adapter import FrameAdapter
 from dfllm.accessors.arrow_schema import join_errors
 from dfllm.accessors.partitions import WritableFunction, output_meta
 from dfllm.accessors.placement import run_placed
-from dfllm.tasks.schema import LLM_ERROR, STRING, value_text
+from dfllm.tasks.schema import LLM_ERROR, STRING, error_text
 from dfllm.tasks.task import LLMTask, make_task
-from dfllm.tasks.templates import is_null
 from dfllm.tasks.write_key import canonical
 
 #: An input column the task writes too is renamed to this prefix + its name while the task runs.
@@ -112,8 +111,8 @@ def earlier_errors(column: pd.Series) -> list[str | None]:
 
     The column is whatever that step left, of any type (all null, as a Polars ``Null``
     column or a parquet column of nulls reads; numbers; bytes; text holding a lone
-    surrogate): each value is taken as text (:func:`~dfllm.tasks.schema.value_text`)."""
-    return [None if is_null(v) else value_text(v) for v in column.to_numpy(dtype=object, na_value=None)]
+    surrogate): each value is taken as text (:func:`~dfllm.tasks.schema.error_text`)."""
+    return [error_text(v) for v in column.to_numpy(dtype=object, na_value=None)]
 
 
 def merge_errors(earlier: pd.Series, new: pd.Series) -> pd.Series:

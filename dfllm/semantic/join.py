@@ -28,7 +28,7 @@ from dfllm.semantic.frames import earlier_errors
 from dfllm.semantic.prompts import record_template, semantic_prompt
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
-from dfllm.tasks.task import LLMTask, make_task
+from dfllm.tasks.task import LLMTask, make_task, repeated_columns
 from dfllm.tasks.templates import field_text
 
 logger = logging.getLogger("dfllm")
@@ -344,7 +344,7 @@ def columns_of(frame: FrameAdapter, what: str = "semantic operator", side: str =
     an operator's fields and column arguments name: ``ValueError`` where two are the same
     (which of them a field reads would be a guess)."""
     names = list(frame.columns)
-    twice = sorted({str(c) for c in names if names.count(c) > 1})
+    twice = repeated_columns(names)
     if twice:
         raise ValueError(f"{what}: {side} has more than one column named {twice}; rename them")
     return names

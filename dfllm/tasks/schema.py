@@ -13,6 +13,8 @@ import json
 import pandas as pd
 import pyarrow as pa
 
+from dfllm.tasks.templates import is_null
+
 STRING = pd.ArrowDtype(pa.string())
 INT = pd.ArrowDtype(pa.int64())
 FLOAT = pd.ArrowDtype(pa.float64())
@@ -41,6 +43,13 @@ def value_text(value) -> str:
         return printable(str(value))
     except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __str__ that raises)
         return f"a {type(value).__name__} that cannot be written as text"
+
+
+def error_text(value) -> str | None:
+    """A cell of an error column (``llm_error``, an earlier step's or a user function's) as
+    its message: None where null (no error), else the value as text (:func:`value_text`:
+    ``{"a": 1}`` is ``"{'a': 1}"``, ``5`` is ``"5"``, ``""`` an empty message)."""
+    return None if is_null(value) else value_text(value)
 
 
 # columns beside a task's main output (whose default name is its TaskKind's output_column)

@@ -224,7 +224,7 @@ def make_task(
     missing = sorted(task.columns_needed() - set(names))
     if missing:
         raise ValueError(f"{kind}: column(s) {missing} not in the dataframe (columns: {names})")
-    twice = sorted(c for c in task.columns_needed() if names.count(c) > 1)
+    twice = sorted(c for c in repeated_columns(names) if c in task.columns_needed())
     if twice:  # which of them a row's value comes from would be a guess
         raise ValueError(f"{kind}: the dataframe has more than one column named {twice}; rename them")
     try:  # an unknown reasoning parser fails now, naming the call
@@ -466,3 +466,10 @@ def check_model(task: LLMTask) -> None:
     from dfllm.models.loader import check_model_dir
 
     check_model_dir(resolve_model(task.model))
+
+
+def repeated_columns(columns) -> list:
+    """The names a frame's columns hold more than once, in order (which of those columns a
+    row's value would come from is a guess: every caller refuses them by name)."""
+    names = list(columns)
+    return list(dict.fromkeys(c for c in names if names.count(c) > 1))
