@@ -275,6 +275,8 @@ def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storag
     from fsspec.utils import infer_compression
 
     compression = infer_compression(path)
+    if compression:
+        _check_compressed(path, compression, storage_options)
     _, files = read_bytes(
         path,
         delimiter=b"\n",
@@ -288,6 +290,41 @@ def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storag
         return None
     frames = [dask.delayed(_block_lines, pure=True)(b, i) for i, b in enumerate(blocks)]
     return dd.from_delayed(frames, meta=_INPUT_META, verify_meta=False)
+
+
+def _check_compressed(path: str, compression: str, storage_options: dict | None) -> None:
+    """``ValueError`` naming the input file and what is wrong unless it decompresses whole as
+    ``compression`` (its extension's): a file that is not in that format, or is cut short, is
+    refused before the job writes anything, not found by the job's one partition halfway. It
+    is read through once here, a buffer at a time, never whole. A ``.zip`` must hold one file
+    (only it would be read: the lines of any other would have no answer)."""
+    import zipfile
+
+    fs, where = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    names: list[str] = []
+    try:
+        if compression == "zip":
+            with fs.open(where, "rb") as raw, zipfile.ZipFile(raw) as z:
+                names = z.namelist()
+                if len(names) == 1:
+                    with z.open(names[0]) as f:
+                        while f.read(1 << 20):
+                            pass
+        else:
+            with fs.open(where, "rb", compression=compression) as f:
+                while f.read(1 << 20):
+                    pass
+    except Exception as exc:  # noqa: BLE001  (BadGzipFile, EOFError, OSError, BadZipFile, LZMAError...)
+        raise ValueError(
+            f"cannot read the input file {path} as {compression} (from its extension): {type(exc).__name__}: "
+            f"{exc}; give a file in that format, or name it without that extension"
+        ) from None
+    if compression == "zip" and len(names) != 1:
+        listed = ", ".join(map(repr, names[:3])) + (", ..." if len(names) > 3 else "")
+        raise ValueError(
+            f"the input file {path} is a .zip of {len(names)} files{f' ({listed})' if names else ''}; "
+            "it must hold one (the batch file)"
+        )
 
 
 # ---- the output ---------------------------------------------------------------------------------------------

@@ -189,6 +189,8 @@ def build_job(args, resources: dict | None = None):
     if KINDS[args.task].model_required and not args.model:
         raise ValueError(f"--task {args.task} needs --model (a sequence-classification model; none is bundled)")
     ddf = read_input(args.input, fmt=args.format, storage_options=args.storage_options)
+    if not len(ddf.columns):  # JSON Lines without a line: no row and no field
+        ddf = _no_rows(args, ddf)
     ddf = repartition(ddf, partition_size=args.partition_size, npartitions=args.npartitions)
     images = getattr(args, "images_column", None)
     embed_images = args.task == "embed" and images and not args.prompt  # embed the images, not a text
@@ -240,6 +242,27 @@ def cache_from(args):
     if args.cache is not None and not KINDS[args.task].generative:
         raise ValueError("--cache applies to --task generate or chat")
     return cache_of(args)
+
+
+def _no_rows(args, ddf):
+    """An input with no row and no field (JSON Lines without a line) as an empty frame of the
+    text columns the job reads, so that it is the success an empty input is (a CSV with only
+    its header is one already)."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from dfllm.tasks.schema import STRING
+    from dfllm.tasks.templates import is_template, template_fields
+
+    spec = args.prompt or DEFAULT_INPUT[args.task]
+    reads = template_fields(spec) if is_template(spec) else [spec]
+    reads += [
+        c
+        for c in (args.right if args.task == "score" else None, getattr(args, "images_column", None), args.lora_column)
+        if c
+    ]
+    empty = pd.DataFrame({c: pd.Series([], dtype=STRING) for c in dict.fromkeys(reads)})
+    return dd.from_pandas(empty, npartitions=max(1, ddf.npartitions))
 
 
 def _default_input(task: str, columns) -> str:

@@ -21,13 +21,20 @@ The frame has one schema for all files, decided before any partition is read:
   writer then types it by its most common kind of value (the other rows get an error
   naming the column). A field some of whose values are of its kind but do not convert to
   its type (a list mixing kinds among lists of numbers, an integer beyond 64 bits) is read
-  as JSON text in every row and file; text holding a lone surrogate (valid JSON, no valid
-  UTF-8) is read with that surrogate as its ``\\uXXXX`` escape. One partition per file.
+  as JSON text in every row and file (so is an integer of more digits than Python reads,
+  as its digits); text holding a lone surrogate (valid JSON, no valid UTF-8) is read with
+  that surrogate as its ``\\uXXXX`` escape, and bytes that are not UTF-8 as their ``\\xNN``
+  escape, as in CSV. A UTF-8 byte-order mark at the start of a file is dropped. A line that
+  is not a JSON object (or nests too deeply to read) refuses its file, naming the line. A
+  file with no line (zero bytes, or blank lines only) has no row and no field. One
+  partition per file.
 - CSV: every file is read once up front (on the cluster, if there is one) for its columns'
   pandas types, unified by :func:`csv_types` (integers and floats give floats; any other
   difference, integers in one file and text in another, gives text, the cells as written);
   a column missing from a file is null there, bytes that are not UTF-8 are read as their
-  ``\\xNN`` escape. One partition per file.
+  ``\\xNN`` escape. A row with more fields than the header names refuses its file, naming
+  the line (pandas would take the extra fields for the frame's index, losing every value).
+  One partition per file.
 - A parquet file with two columns of one name is refused, naming the column and the file.
 """
 
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,6 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.arrow_schema import settled, unify_counts, value_types
+from dfllm.jobs.openai_batch import _find, _read_int, _TooLong
 from dfllm.tasks.schema import printable
 
 FORMATS = {
@@ -214,17 +223,46 @@ def _read_csv(fs, files: list[str], urls: list[str], path: str) -> dd.DataFrame:
 
 def _read_csv_file(fs, file: str, text: list[str] | None = None) -> pd.DataFrame:
     """One CSV file as pandas reads it (bytes that are not UTF-8 as their ``\\xNN`` escape),
-    the columns in ``text`` as text."""
+    the columns in ``text`` as text. ``InputError`` naming the line where the file's rows
+    have more fields than its header: pandas would take the extra first field(s) of every
+    row for the frame's index and leave the named columns holding the wrong fields, or
+    none (a row with more fields than the header among rows without is pandas' own error,
+    which names its line too)."""
     with fs.open(file, "rb") as f:
-        return pd.read_csv(
-            f, encoding="utf-8", encoding_errors="backslashreplace", dtype=dict.fromkeys(text or (), str)
-        )
+        df = pd.read_csv(f, encoding="utf-8", encoding_errors="backslashreplace", dtype=dict.fromkeys(text or (), str))
+    if not isinstance(df.index, pd.RangeIndex):  # pandas' implicit index: more fields than names
+        raise InputError(_extra_fields(fs, file, len(df.columns)))
+    return df
+
+
+def _extra_fields(fs, file: str, names: int) -> str:
+    """What is wrong with a CSV file whose rows have more fields than its ``names`` header
+    names: the first such row's line (the line it starts on, counted from 1)."""
+    import csv
+    import io
+
+    with fs.open(file, "rb") as f:
+        lines = io.TextIOWrapper(f, encoding="utf-8-sig", errors="backslashreplace", newline="")
+        reader = csv.reader(lines)
+        start, header = 1, None
+        for record in reader:
+            if header is None and record:
+                header = record
+            elif header is not None and len(record) > names:
+                return (
+                    f"line {start} has {len(record)} fields but the header names {names} column(s); a row "
+                    "may not have more fields than the header (give the extra field(s) a name in the header)"
+                )
+            start = reader.line_num + 1
+    return f"its rows have more fields than the header names ({names}); give the extra field(s) a name in the header"
 
 
 def _survey_csv(fs, file: str) -> dict | str:
     """Each column's pandas dtype (``None``: null throughout this file); or what is wrong."""
     try:
         df = _read_csv_file(fs, file)
+    except InputError as exc:
+        return str(exc)
     except Exception as exc:  # noqa: BLE001  (a file that does not parse: say why, no traceback)
         return f"{type(exc).__name__}: {exc}"
     return {str(c): (None if not df[c].notna().any() else str(df[c].dtype)) for c in df.columns}
@@ -338,13 +376,16 @@ _SURVEYS: dict[tuple, tuple] = {}  # the last input's surveys, by its files' nam
 def _survey_jsonl(fs, file: str) -> dict | str:
     """Each field's value types with counts, in order of first appearance; or what is wrong."""
     try:
-        rows = _rows(fs, file)
+        rows, huge = _parse(fs, file)
     except ValueError as exc:
         return str(exc)
     names = list(dict.fromkeys(k for r in rows for k in r))
     out: dict = {}
     for n in names:
         values = [r.get(n) for r in rows]
+        if huge and any(isinstance(_find(v, lambda x: isinstance(x, _TooLong))[1], _TooLong) for v in values):
+            out[n] = _AS_TEXT  # an integer of more digits than Python reads: JSON text, as beyond 64 bits
+            continue
         counts = value_types(values)
         out[n] = counts if _fit(values, counts) else _AS_TEXT
     return out
@@ -385,24 +426,82 @@ def _fit(values: list, counts) -> bool:
 
 
 def json_text(value) -> str | None:
-    """A value as its JSON text (None stays None)."""
-    return None if value is None else json.dumps(value, ensure_ascii=False)
+    """A value as its JSON text (None stays None; an integer of more digits than Python
+    reads, :class:`~dfllm.jobs.openai_batch._TooLong`, as its digits)."""
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except TypeError:  # a _TooLong in it
+        return _json_with_digits(value)
+
+
+def _json_with_digits(value) -> str:
+    if isinstance(value, _TooLong):
+        return value.digits
+    if isinstance(value, dict):
+        items = (f"{json.dumps(k, ensure_ascii=False)}: {_json_with_digits(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_json_with_digits(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _rows(fs, file: str) -> list[dict]:
-    rows = []
-    with fs.open(file, "rt", encoding="utf-8") as f:
+    return _parse(fs, file)[0]
+
+
+def _parse(fs, file: str) -> tuple[list[dict], bool]:
+    """The file's rows, and whether any holds an integer of more digits than Python reads
+    (a :class:`~dfllm.jobs.openai_batch._TooLong`, read as JSON text: see :func:`json_text`).
+    A UTF-8 byte-order mark at the start of the file is dropped (as the CSV reader and
+    ``run-batch`` drop it); bytes that are not UTF-8 are read as their ``\\xNN`` escape, as
+    the CSV reader reads them (inside a JSON string, the four characters ``\\xff``; outside
+    one the line is not JSON). ``ValueError`` naming the line that is not a JSON object,
+    or nests too deeply to read."""
+    rows, huge = [], False
+    with fs.open(file, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row, long = _load(_escape_bytes(line))
+                if isinstance(row, dict):
+                    row = _valid_text(row)
+            except RecursionError:
+                raise ValueError(
+                    f"line {number} is not valid JSON dfllm can read: it nests arrays or objects too deeply"
+                ) from None
             except ValueError as exc:
                 raise ValueError(f"line {number} is not valid JSON ({exc})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"line {number} is a JSON {type(row).__name__}, not an object")
-            rows.append(_valid_text(row))
-    return rows
+                kind = "int" if isinstance(row, _TooLong) else type(row).__name__
+                raise ValueError(f"line {number} is a JSON {kind}, not an object")
+            rows.append(row)
+            huge = huge or long
+    return rows, huge
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as ``surrogateescape`` reads it
+
+
+def _escape_bytes(line: str) -> str:
+    """``line`` (read with ``surrogateescape``) with each byte that is not UTF-8 as the JSON
+    text of its ``\\xNN`` escape (an escaped backslash, then ``xNN``)."""
+    if line.isascii():
+        return line
+    return _NOT_UTF8.sub(lambda m: "\\\\x%02x" % (ord(m.group()) - 0xDC00), line)
+
+
+def _load(text: str) -> tuple:
+    """``text``'s JSON value, and whether it holds an integer of more digits than Python
+    reads (read as run-batch reads it, :func:`~dfllm.jobs.openai_batch._read_int`)."""
+    try:
+        return json.loads(text), False
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # Python's limit on the digits of an integer
+        return json.loads(text, parse_int=_read_int), True
 
 
 def _valid_text(value):
