@@ -167,6 +167,7 @@ class LLMEngine:
         self.followers: dict[str, list[Request]] = {}  # leader id -> requests given a copy of its output
         self.following: dict[str, str] = {}  # follower id -> its leader's id
         self.failures: dict[Hashable, BaseException] = {}  # group -> why it failed on its own
+        self.failed_at_add: list[RequestOutput] = []  # error outputs of requests whose adapter broke (add_request)
         self._last_step_seqs: list[Sequence] = []  # the last step's sequences (last_step_groups)
         # asynchronous scheduling (module docstring): the step launched whose tokens are not yet applied
         self.async_scheduling = cfg.async_scheduling
@@ -193,8 +194,14 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         if lora_request is None:  # a dataframe row's adapter travels with its request
             lora_request = request.lora_request
+        failed = None
         if lora_request is not None:
-            self.check_lora(lora_request)
+            try:
+                self.check_lora(lora_request)
+            except InvalidRequestError as exc:
+                if not self._checked_before(lora_request):
+                    raise
+                failed = str(exc)  # checked before, unreadable now (re-read after eviction): this request's error
         req = Request(
             request_id,
             request.prompt,
@@ -209,6 +216,9 @@ class LLMEngine:
             lora_request=lora_request,
         )
         req.mm_inputs = request.mm_inputs
+        if failed is not None:  # handed back by the next step, as a request that failed on its own
+            self.failed_at_add.append(self.output_processor.error_output(req, failed))
+            return
         key = dedupe_key(req) if self.deduplicate else None
         leader = self.leaders.get(key) if key is not None else None
         if leader is not None:
@@ -223,7 +233,10 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop these requests (unknown or finished ids are ignored) and free their blocks."""
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self.failed_at_add:
+            self.failed_at_add = [o for o in self.failed_at_add if o.request_id not in ids]
+        for rid in ids:
             if rid in self.following:  # a follower: just no copy for it
                 leader = self.following.pop(rid)
                 self.followers[leader] = [f for f in self.followers[leader] if f.request_id != rid]
@@ -257,6 +270,11 @@ class LLMEngine:
             self.lora.check(lora_request)
         except LoRAAdapterError as exc:
             raise InvalidRequestError(str(exc), parameter="lora_request") from None
+
+    def _checked_before(self, lora_request: LoRARequest) -> bool:
+        """Whether this adapter was checked (read and accepted) before: one that fails now
+        (its files changed or went away since) fails its requests, not the caller's batch."""
+        return self.lora is not None and self.lora.known.get(lora_request.lora_int_id) == lora_request
 
     def _lora_manager(self, method: str) -> LoRAManager:
         if self.lora is None:
@@ -296,10 +314,10 @@ class LLMEngine:
             s.request.lora_slot = -1 if lora is None else slots[lora.lora_int_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.failed_at_add)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests) + len(self.following)
+        return len(self.requests) + len(self.following) + len(self.failed_at_add)
 
     @property
     def last_step_groups(self) -> set[Hashable]:
@@ -325,13 +343,14 @@ class LLMEngine:
         groups' requests are queued again from scratch for later steps. With nothing queued
         or running there is nothing to run: ``[]``, as vLLM's engine returns."""
         self.check_awake()
+        early, self.failed_at_add = self.failed_at_add, []  # requests whose adapter broke (add_request)
         if not self.scheduler.has_unfinished():
-            return []
+            return early
         try:
             finished = self._step()
         except Exception as exc:
-            return self._recover(exc, rerun)
-        return self._outputs(finished)
+            return early + self._recover(exc, rerun)
+        return early + self._outputs(finished)
 
     def _outputs(self, finished: list[Request]) -> list[RequestOutput]:
         """The outputs of finished requests, each followed by its followers' copies."""

@@ -184,13 +184,13 @@ def _apply_batched(
     r = max(ranks[slot] for slot in meta.seg_slots)
     xs = x.index_select(0, meta.pad_rows).view(span, width, x.shape[1])
     s = torch.bmm(xs, a[:span, :r].transpose(1, 2))
-    if meta.unpad is None:  # padded rows are added too (to row 0): zero them
-        s = s * meta.pad_valid
     if reduce is not None:
         s = reduce(s)
-    d = torch.bmm(s, b[:span, :, :r].transpose(1, 2)).view(span * width, -1)
-    if meta.unpad is None:
-        return y.index_add_(0, meta.pad_rows, d)
+    d = torch.bmm(s, b[:span, :, :r].transpose(1, 2))
+    if meta.unpad is None:  # padded rows are added too (to row 0): masked out (NaN * 0 is NaN: not a product)
+        d = torch.where(meta.pad_valid, d, d.new_zeros(()))
+        return y.index_add_(0, meta.pad_rows, d.view(span * width, -1))
+    d = d.view(span * width, -1)
     lo, hi = meta.adapted  # the padded rows are never read back
     y[lo:hi] += d.index_select(0, meta.unpad)
     return y

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
 
 from dfllm.lora.request import LoRARequest
 from dfllm.models.spec import ModelSpec
@@ -76,6 +76,7 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int  # the largest rank of its modules
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    identity: str = ""  # what the files it was read from held (dfllm.lora.resolve.digest)
 
     @property
     def modules(self) -> set[str]:
@@ -98,8 +99,8 @@ def _fail(request: LoRARequest, why: str) -> LoRAAdapterError:
     )
 
 
-def read_adapter_config(request: LoRARequest) -> dict:
-    """The adapter's ``adapter_config.json``, checked for what dfllm cannot serve."""
+def _check_folder(request: LoRARequest) -> Path:
+    """The adapter's folder, with its ``adapter_config.json``."""
     path = Path(request.lora_path)
     if not request.lora_path or not path.is_dir():
         raise _fail(
@@ -107,12 +108,22 @@ def read_adapter_config(request: LoRARequest) -> dict:
             "lora_path is not a directory (a PEFT adapter folder with adapter_config.json "
             "and adapter_model.safetensors)",
         )
-    cfg_file = path / "adapter_config.json"
-    if not cfg_file.is_file():
+    if not (path / "adapter_config.json").is_file():
         raise _fail(request, "adapter_config.json is missing")
+    return path
+
+
+def read_adapter_config(request: LoRARequest, raw: bytes | None = None) -> dict:
+    """The adapter's ``adapter_config.json`` (its bytes ``raw``, read already, or read
+    now), checked for what dfllm cannot serve."""
+    if raw is None:
+        try:
+            raw = (_check_folder(request) / "adapter_config.json").read_bytes()
+        except OSError as exc:
+            raise _fail(request, f"adapter_config.json cannot be read: {exc}") from None
     try:
-        text = cfg_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise _fail(request, f"adapter_config.json cannot be read as UTF-8 text: {exc}") from None
     try:
         cfg = json.loads(text)
@@ -196,45 +207,62 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> L
 
 
 def _load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> LoRAAdapter:
-    cfg = read_adapter_config(request)
-    path = Path(request.lora_path)
-    file = path / "adapter_model.safetensors"
-    if not file.is_file():
+    from dfllm.lora.resolve import read_files
+
+    path = _check_folder(request)
+    if not (path / "adapter_model.safetensors").is_file():
         pickle = (
             " (only adapter_model.bin, a pickle, which dfllm never loads)"
             if (path / "adapter_model.bin").is_file()
             else ""
         )
         raise _fail(request, f"adapter_model.safetensors is missing{pickle}")
+    try:  # both files read once: the identity is that of the bytes parsed below
+        contents, identity = read_files(str(path))
+    except OSError as exc:
+        raise _fail(request, f"its files cannot be read: {exc}") from None
+    if request.identity is not None and identity != request.identity:
+        raise _fail(
+            request,
+            f"its files changed after this job read them (they hold {identity[:16]}, not "
+            f"{request.identity[:16]}): the rows that named it are not run with other weights",
+        )
+    cfg = read_adapter_config(request, contents["adapter_config.json"])
     alpha, rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
-        handle = safe_open(str(file), framework="pt")
+        tensors = safetensors_load(contents["adapter_model.safetensors"])
     except Exception as exc:  # noqa: BLE001  (a corrupt file: name it)
         raise _fail(request, f"adapter_model.safetensors cannot be read: {exc}") from None
-    with handle:
-        for key in handle.keys():
-            m = _KEY.search(key)
-            if m is None:
-                raise _fail(
-                    request,
-                    f"tensor {key!r} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
-                    "projection of a decoder layer (embeddings, the LM head and other modules "
-                    "are not supported)",
-                )
-            layer, part, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-            if module not in MODULES and module not in FUSED_PARTS:
-                raise _fail(
-                    request,
-                    f"tensor {key!r} targets {part}.{module}, a module the base model does not "
-                    f"have (LoRA targets: {sorted(MODULES)})",
-                )
-            if layer >= spec.num_hidden_layers:
-                raise _fail(
-                    request,
-                    f"tensor {key!r} is for layer {layer}, but the base model has {spec.num_hidden_layers} layers",
-                )
-            pairs.setdefault((layer, module), {})[ab] = handle.get_tensor(key).float()
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise _fail(
+                request,
+                f"tensor {key!r} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
+                "projection of a decoder layer (embeddings, the LM head and other modules "
+                "are not supported)",
+            )
+        layer, part, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in MODULES and module not in FUSED_PARTS:
+            raise _fail(
+                request,
+                f"tensor {key!r} targets {part}.{module}, a module the base model does not "
+                f"have (LoRA targets: {sorted(MODULES)})",
+            )
+        if layer >= spec.num_hidden_layers:
+            raise _fail(
+                request,
+                f"tensor {key!r} is for layer {layer}, but the base model has {spec.num_hidden_layers} layers",
+            )
+        if not tensor.is_floating_point():
+            raise _fail(request, f"tensor {key!r} is {tensor.dtype}, not floating point")
+        value = tensor.float()
+        if not bool(torch.isfinite(value).all()):
+            raise _fail(request, f"tensor {key!r} holds values that are not finite in float32 (NaN or infinity)")
+        if ab in pairs.get((layer, module), {}):
+            raise _fail(request, f"tensor {key!r}: layer {layer} {module} lora_{ab} is given twice")
+        pairs.setdefault((layer, module), {})[ab] = value
     if not pairs:
         raise _fail(request, "adapter_model.safetensors holds no LoRA weights")
     shapes = module_shapes(spec)
@@ -273,5 +301,12 @@ def _load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int) -> 
         for p, b_part in zip(parts, b.split(sizes)):
             if (layer, p) in weights:
                 raise _fail(request, f"layer {layer} {p} is given twice (fused and on its own)")
-            weights[(layer, p)] = (a.contiguous(), (b_part * scaling).contiguous())
-    return LoRAAdapter(request, rank, weights)
+            scaled = (b_part * scaling).contiguous()
+            if not bool(torch.isfinite(scaled).all()):
+                raise _fail(
+                    request,
+                    f"{where}: lora_B times the scaling {scaling:g} (lora_alpha={cfg['lora_alpha']!r}) "
+                    "is not finite (it overflows float32)",
+                )
+            weights[(layer, p)] = (a.contiguous(), scaled)
+    return LoRAAdapter(request, rank, weights, identity)

@@ -2,7 +2,11 @@
 
 Adapters are read and checked once (:func:`~dfllm.lora.adapter.load_adapter`) into a CPU
 cache of at most ``max_cpu_loras`` adapters, least recently used evicted first (a pinned one
-never); an evicted adapter is read again from its path when a request needs it. Before each
+never); an evicted adapter is read again from its path when a request needs it. An id is
+one adapter for good (vLLM's rule; its prefix-cache blocks are keyed by it): a request that
+carries the ``identity`` of its files (a dataframe row's adapter) is only run from files that
+still hold it (:func:`~dfllm.lora.adapter.load_adapter` refuses others), and changed files are
+another adapter with another id (:func:`~dfllm.lora.resolve.resolve`). Before each
 step the engine asks for the step's adapters (:meth:`LoRAManager.activate`): each one already
 in a slot stays there, the others are copied into free slots or, least recently used first,
 into slots of adapters the step does not use (a pinned adapter's slot last). The scheduler
@@ -19,6 +23,10 @@ from dfllm.lora.request import LoRARequest
 from dfllm.models.spec import ModelSpec
 
 SlotLoader = Callable[[int, LoRAAdapter | None], None]  # (slot, adapter or None to clear) on every rank
+
+
+def _holding(request: LoRARequest) -> str:
+    return "" if request.identity is None else f" (files {request.identity[:16]})"
 
 
 class LoRAManager:
@@ -92,11 +100,15 @@ class LoRAManager:
             )
         lid = request.lora_int_id
         known = self.known.get(lid)
-        if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
+        if known is not None and (known.lora_path, known.lora_name, known.identity) != (
+            request.lora_path,
+            request.lora_name,
+            request.identity,
+        ):
             raise LoRAAdapterError(
                 f"lora_int_id={lid} is already used by adapter {known.lora_name!r} at "
-                f"{known.lora_path!r}; adapter {request.lora_name!r} at {request.lora_path!r} "
-                "needs another id"
+                f"{known.lora_path!r}{_holding(known)}; adapter {request.lora_name!r} at "
+                f"{request.lora_path!r}{_holding(request)} needs another id"
             )
         cached = self.cpu.get(lid)
         if cached is not None:

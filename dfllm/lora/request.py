@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +19,18 @@ class LoRARequest:
     slots, the prefix cache and request deduplication), and ``lora_path`` is a local
     directory as PEFT's ``save_pretrained`` writes it (``adapter_config.json`` and
     ``adapter_model.safetensors``). ``base_model_name`` is accepted, as vLLM's, and unused.
+
+    ``identity`` (dfllm's, not vLLM's) is what the adapter's files must hold
+    (:func:`~dfllm.lora.resolve.adapter_identity`): a dataframe row's adapter has one, and the
+    engine refuses to run it from files that hold anything else; the response cache keys
+    its rows by it (a request without one bypasses the cache).
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = None
+    identity: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -53,12 +60,30 @@ class LoRARequest:
         return self.lora_path
 
     @classmethod
-    def for_path(cls, path: str, name: str | None = None) -> LoRARequest:
-        """A request for the adapter at ``path`` (a dataframe row's adapter), with an int id
-        derived from ``name`` (default: the path) so that every worker gives it the same one."""
+    def for_path(cls, path: str, name: str | None = None, identity: str | None = None) -> LoRARequest:
+        """A request for the adapter at ``path`` (a dataframe row's adapter) holding
+        ``identity``, with an int id derived from ``name`` (default: the path) and
+        ``identity``, so that every worker gives it the same one; an id this process gave
+        another adapter already (a 31-bit hash collision) moves to the next free one."""
         key = name or path
-        int_id = int.from_bytes(hashlib.sha1(key.encode()).digest()[:4], "big") % (2**31 - 1) + 1
-        return cls(name or path, int_id, path)
+        with _ids_lock:
+            known = _ids.get((key, path, identity))
+            if known is not None:
+                return cls(key, known, path, identity=identity)
+            text = key if identity is None else f"{key}\0{identity}"
+            int_id = int.from_bytes(hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()[:4], "big")
+            int_id = int_id % _ID_RANGE + 1
+            while int_id in _taken:
+                int_id = int_id % _ID_RANGE + 1
+            _ids[(key, path, identity)] = int_id
+            _taken.add(int_id)
+        return cls(key, int_id, path, identity=identity)
+
+
+_ID_RANGE = 2**31 - 1
+_ids_lock = threading.Lock()
+_ids: dict[tuple, int] = {}  # (name, path, identity) -> the id this process gave it
+_taken: set[int] = set()
 
 
 def per_prompt(lora_request: Any, num_prompts: int) -> list:

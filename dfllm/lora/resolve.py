@@ -5,8 +5,10 @@ A row's adapter is a local directory (one that may exist only on the workers), a
 per worker process into a local cache directory, keyed by the URL, and reused), or a bare
 name looked up under a root (``lora_root``; Ray Data LLM's ``dynamic_lora_loading_path``,
 whose ``model`` column names adapters by their folder under it). Null is the base model.
-Each distinct adapter gets a stable ``lora_int_id`` from its name
-(:meth:`~dfllm.lora.request.LoRARequest.for_path`), the same on every worker.
+Each distinct adapter (its name and what its files hold) gets a ``lora_int_id`` from a
+hash of both (:meth:`~dfllm.lora.request.LoRARequest.for_path`): the same on every worker,
+and never the id of another adapter in this process (a hash collision moves to the next
+free id).
 """
 
 from __future__ import annotations
@@ -72,27 +74,62 @@ def fetch(url: str) -> str:
 def resolve(spec: str, root: str | None = None) -> LoRARequest:
     """The :class:`LoRARequest` of the adapter a row names (see the module docstring); its
     name is what the row gave, its path a local directory (``ValueError`` if a URL cannot be
-    fetched; the engine then checks the folder)."""
+    fetched; the engine then checks the folder), its ``identity`` what the folder's files
+    hold now (:func:`adapter_identity`), and its id one for that name and identity
+    (:meth:`~dfllm.lora.request.LoRARequest.for_path`): a folder whose files change between
+    two jobs is another adapter, with another id, another prefix-cache chain and another
+    response-cache key, and the engine refuses to run it from files that no longer hold it."""
     location = adapter_location(spec, root)
     local = fetch(location) if is_url(location) else location.removeprefix("file://")
-    return LoRARequest.for_path(local, name=spec if location == spec else location)
+    return LoRARequest.for_path(local, name=spec if location == spec else location, identity=adapter_identity(local))
 
 
 _identities: dict[tuple, str] = {}
 
 
+def _stats(path: str) -> tuple:
+    """What changes whenever either file of the folder is written or replaced: its device,
+    inode, size, modification and change times (``st_ctime_ns`` cannot be set back by a copy
+    that keeps the modification time); ``OSError`` if one cannot be read."""
+    out = []
+    for name in _FILES:
+        f = Path(path, name)
+        st = f.stat()
+        out.append((str(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
+def digest(contents: dict[str, bytes]) -> str:
+    """The identity of an adapter folder whose two files hold ``contents`` (file name ->
+    bytes): the SHA-256 of each file's name and bytes, in order."""
+    h = hashlib.sha256()
+    for name in _FILES:
+        h.update(name.encode() + b"\0" + contents[name])
+    return h.hexdigest()
+
+
+def read_files(path: str) -> tuple[dict[str, bytes], str]:
+    """The bytes of an adapter folder's two files, read once, and their identity
+    (:func:`digest`; remembered for :func:`adapter_identity` when the files did not change
+    while they were read). ``OSError`` if one cannot be read."""
+    before = _stats(path)
+    contents = {name: Path(path, name).read_bytes() for name in _FILES}
+    identity = digest(contents)
+    if _stats(path) == before:
+        _identities[before] = identity
+    return contents, identity
+
+
 def adapter_identity(path: str) -> str:
     """A hex digest of an adapter folder's two files' bytes (the response cache's key: a
-    re-fetched copy of the same adapter keeps it); for a folder that cannot be read, its path."""
+    re-fetched copy of the same adapter keeps it; :func:`digest`); for a folder that cannot
+    be read, its path. Remembered by the files' :func:`_stats`, so that asking again costs
+    two ``stat`` calls until a file is written or replaced."""
     try:
-        files = [Path(path, name) for name in _FILES]
-        stats = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        stats = _stats(path)
+        cached = _identities.get(stats)
+        if cached is None:
+            contents, cached = read_files(path)
     except OSError:
         return f"unreadable:{path}"
-    cached = _identities.get(stats)
-    if cached is None:
-        h = hashlib.sha256()
-        for f in files:
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
-        cached = _identities[stats] = h.hexdigest()
     return cached

@@ -200,10 +200,10 @@ def request_key(engine: str, request: EngineRequest) -> str | None:
     if mm is not None:  # its images' content (their placeholder tokens are the same for every image)
         fields["images"] = list(mm.keys)
     lora = getattr(request, "lora_request", None)
-    if lora is not None:  # its LoRA adapter: what its files hold
-        from dfllm.lora.resolve import adapter_identity
-
-        fields["lora"] = adapter_identity(lora.lora_path)
+    if lora is not None:  # its LoRA adapter: what the files it runs from hold (the engine checks them)
+        if getattr(lora, "identity", None) is None:  # an adapter known by its id only: no stable key
+            return None
+        fields["lora"] = lora.identity
     try:
         return canonical(fields)
     except TypeError:  # a logits processor or another callable
@@ -240,9 +240,11 @@ def payload_of(output: RequestOutput) -> dict:
     return {"completion": fields, "logprobs": _steps(c.logprobs), "prompt_logprobs": _steps(output.prompt_logprobs)}
 
 
-def output_of(payload: dict, request: EngineRequest, request_id: str) -> RequestOutput:
+def output_of(payload: dict, request: EngineRequest, request_id: str, vocab_size: int | None = None) -> RequestOutput:
     """The ``RequestOutput`` of a cached payload for ``request`` (every prompt token counted
-    as cached); ``ValueError`` for a payload that is not one."""
+    as cached); ``ValueError`` for a payload that is not one: fields of the wrong type, a
+    failed output (``finish_reason="error"``: never stored), token ids outside
+    ``[0, vocab_size)``."""
     fields = payload.get("completion")
     if not isinstance(fields, dict):
         raise ValueError("no completion")
@@ -250,10 +252,14 @@ def output_of(payload: dict, request: EngineRequest, request_id: str) -> Request
     for name, types in _TYPES.items():
         if not isinstance(fields.get(name), types) or isinstance(fields.get(name), bool) and bool not in types:
             raise ValueError(f"{name}: {fields.get(name)!r} is not a {' or '.join(t.__name__ for t in types)}")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in fields["token_ids"]):
-        raise ValueError("token_ids must be a list of ints")
+    if fields["finish_reason"] == "error":
+        raise ValueError("a failed output (finish_reason 'error'), which is never stored")
+    if not all(_is_token(t, vocab_size) for t in fields["token_ids"]):
+        raise ValueError(f"token_ids must be a list of token ids (ints in [0, {vocab_size or 2**63}))")
     completion = CompletionOutput(
-        index=0, logprobs=_unsteps(payload.get("logprobs")), **{k: v for k, v in fields.items() if k in known}
+        index=0,
+        logprobs=_unsteps(payload.get("logprobs"), vocab_size),
+        **{k: v for k, v in fields.items() if k in known},
     )
     return RequestOutput(
         request_id,
@@ -262,8 +268,14 @@ def output_of(payload: dict, request: EngineRequest, request_id: str) -> Request
         [completion],
         True,
         num_cached_tokens=len(request.prompt_token_ids),
-        prompt_logprobs=_unsteps(payload.get("prompt_logprobs")),
+        prompt_logprobs=_unsteps(payload.get("prompt_logprobs"), vocab_size),
     )
+
+
+def _is_token(t, vocab_size: int | None) -> bool:
+    """Whether ``t`` (a JSON value) is a token id of a vocabulary of ``vocab_size`` (None:
+    any that fits an int64, as the engine's tensors hold them)."""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab_size or 2**63)
 
 
 def _steps(logprobs) -> list | None:
@@ -276,7 +288,7 @@ def _steps(logprobs) -> list | None:
     ]
 
 
-def _unsteps(steps) -> list | None:
+def _unsteps(steps, vocab_size: int | None = None) -> list | None:
     if steps is None:
         return None
     if not isinstance(steps, list):
@@ -288,7 +300,7 @@ def _unsteps(steps) -> list | None:
             continue
         d = {}
         for t, lp, rank, text in step:
-            if not isinstance(t, int) or not isinstance(lp, (int, float)):
+            if not _is_token(t, vocab_size) or isinstance(lp, bool) or not isinstance(lp, (int, float)):
                 raise ValueError("a logprob entry must be [token id, logprob, rank, text]")
             d[t] = Logprob(float(lp), rank, text)
         out.append(d)
@@ -311,6 +323,8 @@ def decode_entry(raw: bytes, key: str) -> dict:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    except RecursionError:  # "[[[[...": edited or corrupt, not dfllm's
+        raise ValueError("not JSON (nested too deeply)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError("not a dfllm response cache entry")
     if doc.get("key") != key:
@@ -318,7 +332,12 @@ def decode_entry(raw: bytes, key: str) -> dict:
     text = doc.get("payload")
     if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != doc.get("sha256"):
         raise ValueError("payload checksum mismatch")
-    payload = json.loads(text)
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"payload is not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("payload is not JSON (nested too deeply)") from None
     if not isinstance(payload, dict):
         raise ValueError("payload is not an object")
     return payload
@@ -339,6 +358,7 @@ def generate_cached(
     if cache is None or config is None or not requests:
         return generate(requests), [False] * len(requests)
     engine = engine_identity(config, engine_kwargs)
+    vocab_size = getattr(getattr(config, "model", None), "vocab_size", None) or None
     keys = [None if engine is None else request_key(engine, r) for r in requests]
     wanted = [k for k in keys if k is not None]
     found = dict(zip(wanted, cache.lookup(wanted))) if wanted else {}
@@ -348,8 +368,8 @@ def generate_cached(
         if key is None or payload is None:
             continue
         try:
-            outputs[j] = output_of(payload, req, f"cache-{j}")
-        except (ValueError, TypeError, KeyError) as exc:  # well-formed entry, bad payload: a miss
+            outputs[j] = output_of(payload, req, f"cache-{j}", vocab_size)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:  # well-formed entry, bad payload: a miss
             _count(corrupt=1)
             _store(cache).discard(key, exc)
     hits = [o is not None for o in outputs]
@@ -420,7 +440,7 @@ class _Store:
             try:
                 out.append(decode_entry(data, key))
                 hit_paths.append(path)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 _count(corrupt=1)
                 self.discard(key, exc)
                 out.append(None)

@@ -71,6 +71,7 @@ from dfllm.tasks.schema import (
     PROBS,
     REASONING_CONTENT,
     SORT_BY_PROMPT,
+    printable,
     structured_value,
 )
 from dfllm.tasks.templates import is_null, is_template
@@ -377,6 +378,10 @@ def _with_loras(
             continue
         if not isinstance(spec, str) or not spec:
             row_error(task, out, i, f"lora: expected an adapter's path, URL or name, got {spec!r}")
+            continue
+        if printable(spec) != spec:  # a lone surrogate: no path, no name
+            where = f"column {task.lora_column!r}" if column is not None else "the lora argument"
+            row_error(task, out, i, f"lora: {where} holds {spec!r}, not an adapter's path, URL or name")
             continue
         if spec not in seen:
             try:
