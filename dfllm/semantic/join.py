@@ -29,7 +29,7 @@ from dfllm.semantic.prompts import record_template, semantic_prompt
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.schema import LLM_ERROR, NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.task import LLMTask, make_task, repeated_columns
-from dfllm.tasks.templates import field_text
+from dfllm.tasks.templates import field_text, is_null
 
 logger = logging.getLogger("dfllm")
 
@@ -495,9 +495,11 @@ def candidate_pairs(
     return np.concatenate(li_all), np.concatenate(ri_all), np.concatenate(s_all)
 
 
-def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: list) -> list:
+def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: list, prompted: bool) -> list:
     """``errors`` with a message for each row (without one) that has a null field or an
-    earlier operator's ``llm_error``: such a row is not paired."""
+    earlier operator's ``llm_error``, or (``prompted``: a join's fields go into the pair's
+    prompt) a field no prompt can hold: such a row is not paired. ``sim_join``'s fields are
+    only embedded (text or images), and the embedder checks them."""
     errors = list(errors)
     prior = earlier_errors(df[LLM_ERROR]) if LLM_ERROR in df.columns else [None] * len(df)
     for i in range(len(df)):
@@ -507,8 +509,12 @@ def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: li
             errors[i] = prior[i]
             continue
         for _, src in fields:  # each field as the pair's prompt will write it
+            value, what = df[src].iat[i], f"column {src!r}"
             try:
-                field_text(df[src].iat[i], f"column {src!r}")
+                if prompted:
+                    field_text(value, what)
+                elif is_null(value):
+                    raise ValueError(f"{what} is null")
             except ValueError as exc:
                 errors[i] = str(exc)
                 break
@@ -550,9 +556,13 @@ def join_frames(
         right = embed_side(right, spec.right_embedder, spec.right_fields, cost)
     lidx, ridx = list(left.index), list(right.index)
     left, right = left.reset_index(drop=True), right.reset_index(drop=True)
-    lerr = _null_fields(left, spec.left_fields, list(left[_ERR]) if blocked else [None] * len(left))
+    prompted = spec.judge is not None
+    lerr = _null_fields(left, spec.left_fields, list(left[_ERR]) if blocked else [None] * len(left), prompted)
     rerr = _null_fields(
-        right, spec.right_fields, list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right)
+        right,
+        spec.right_fields,
+        list(right[_ERR]) if blocked and _ERR in right.columns else [None] * len(right),
+        prompted,
     )
     lok = np.array([e is None for e in lerr], dtype=bool)
     rok = np.array([e is None for e in rerr], dtype=bool)
