@@ -207,7 +207,8 @@ class Scheduler:
         for seq in list(self.running):  # a copy: preemption removes from the list
             if seq.status is not status_running:  # preempted earlier in this step
                 continue
-            left = seq.num_tokens_with_pending - seq.num_computed_tokens
+            # seq.num_tokens_with_pending, inlined (a property call per sequence: ~18 µs at 256)
+            left = len(seq.token_ids) + (seq.pending_row >= 0) - seq.num_computed_tokens
             if left != 1:
                 if left > 1:
                     prefills.append(seq)
