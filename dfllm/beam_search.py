@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from dfllm.errors import InvalidRequestError
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
@@ -77,7 +78,15 @@ class BeamSearchParams:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                # vLLM's words first (its _verify_num_sequences, for beam_width), then dfllm's
+                vllm = (
+                    f"{name} must be an int, but is of type {type(value)}"
+                    if isinstance(value, bool) or not isinstance(value, int)
+                    else f"{name} must be at least 1, got {value}."
+                )
+                raise InvalidRequestError(
+                    f"{vllm} ({name} must be an int >= 1, got {value!r})", parameter=name, value=value
+                )
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         penalty = self.length_penalty

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -59,6 +59,14 @@ class SamplingParams:
       ``best_of`` above ``n`` is refused by ``generate`` (vLLM V1: "vLLM V1 does not yet
       support best_of."), so that params built once fail per call as in vLLM.
 
+    - ``spaces_between_special_tokens`` (vLLM's; default True) and ``extra_args`` (vLLM's, for
+      plugins: kept, unused) are accepted; the text is what the tokenizer decodes, which with a
+      fast tokenizer is what vLLM 0.32 gives either way.
+
+    Normalised as vLLM's: ``logprobs=True``/``prompt_logprobs=True`` ask for 1; a greedy request
+    (``temperature=0``) has ``top_p=1``, ``top_k=0``, ``min_p=0`` (checked first); repeated
+    ``stop_token_ids`` and ``bad_words`` are dropped, the first occurrence kept.
+
     Invalid values raise :class:`~dfllm.errors.InvalidRequestError` (a ``ValueError``, vLLM's
     ``VLLMValidationError``) naming the field (``parameter``), at construction time, with
     vLLM's message first and dfllm's detail after it in parentheses.
@@ -90,6 +98,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logits_processors: list | None = None
     best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
     _stop_groups: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -102,8 +112,14 @@ class SamplingParams:
         elif self.stop is None:
             self._stop_list = []
         else:
-            self._stop_list = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            self._stop_list = list(_as_list("stop", self.stop, "a str or a list of str"))
+        # as vLLM: duplicates dropped (first occurrence kept), a group compared as a tuple
+        ids = _as_list("stop_token_ids", self.stop_token_ids or [], "a list of token ids")
+        self.stop_token_ids = _dedupe(ids)
+        if self.logprobs is True:  # as vLLM: True asks for 1
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -174,7 +190,9 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1)
         for s in self._stop_list:
-            if not isinstance(s, str) or s == "":
+            if not isinstance(s, str):
+                raise _invalid("stop", self.stop, f"stop must be a str or a list of str, got an entry {s!r}")
+            if s == "":
                 raise _invalid(
                     "stop",
                     self.stop,
@@ -232,7 +250,12 @@ class SamplingParams:
                 "stop: stop strings are only supported when detokenize is True",
             )
         if self.bad_words is not None:
-            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            words = (
+                [self.bad_words]
+                if isinstance(self.bad_words, str)
+                else _as_list("bad_words", self.bad_words, "a str or a list of str")
+            )
+            self.bad_words = _dedupe(words)  # as vLLM
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 vllm = (
                     f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
@@ -243,7 +266,7 @@ class SamplingParams:
                     "bad_words", self.bad_words, vllm, f"bad_words must be non-empty strings, got {self.bad_words!r}"
                 )
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
             if not self.allowed_token_ids:
                 raise _invalid(
                     "allowed_token_ids",
@@ -305,6 +328,18 @@ class SamplingParams:
                 f"n must be 1 when using greedy sampling, got {self.n}.",
                 "n: greedy sampling (temperature=0) gives one completion; set n=1",
             )
+        if self.is_greedy:  # as vLLM: greedy sampling has no top-p, top-k or min-p
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            raise _invalid(
+                "spaces_between_special_tokens",
+                self.spaces_between_special_tokens,
+                f"spaces_between_special_tokens must be a bool, got {self.spaces_between_special_tokens!r}",
+            )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise _invalid(
+                "extra_args", self.extra_args, f"extra_args must be a dict, got {type(self.extra_args).__name__}"
+            )
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -357,6 +392,31 @@ class SamplingParams:
 def _invalid(name: str, value: object, vllm: str, detail: str | None = None) -> InvalidRequestError:
     """vLLM's message for a refused field, then dfllm's detail (in parentheses) when it adds one."""
     return InvalidRequestError(vllm if detail is None else f"{vllm} ({detail})", parameter=name, value=value)
+
+
+def _as_list(name: str, value: object, what: str = "a list of str") -> list:
+    """``value`` (any iterable but a str, a bytes or a dict) as a list; otherwise an
+    :class:`InvalidRequestError` naming the field (not Python's "'int' object is not iterable")."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise _invalid(name, value, f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    return list(value)
+
+
+def _dedupe(values: list) -> list:
+    """``values`` without repeats, in first-occurrence order (a group compared as a tuple);
+    an unhashable entry is kept for the checks to name."""
+    seen: set = set()
+    out = []
+    for v in values:
+        key = tuple(v) if isinstance(v, (list, tuple)) else v
+        try:
+            if key in seen:
+                continue
+            seen.add(key)
+        except TypeError:
+            pass
+        out.append(v)
+    return out
 
 
 def _is_int(value: object) -> bool:
