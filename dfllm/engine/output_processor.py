@@ -6,9 +6,11 @@ an end-of-sequence token (unless ``ignore_eos``), a group of stop token ids the 
 ends with, a stop token id, a stop string in the new text, ``max_tokens``, and the context
 limit. Prompt log-probabilities are recorded here too. ``min_tokens`` holds back every stop but the
 grammar's and the length limits (as in vLLM, a stop string is not looked for in the text of
-the first ``min_tokens`` tokens). A row whose logits could not be sampled (non-finite) ends
-with ``finish_reason="error"``. The engine then hands the ended sequences to the scheduler,
-which only frees their blocks.
+the first ``min_tokens`` tokens). The token that stops a sequence (end-of-sequence, a stop
+token id or group) adds its text only with ``include_stop_str_in_output``, as in vLLM (the
+end-of-sequence token's is empty unless ``skip_special_tokens=False``). A row whose logits
+could not be sampled (non-finite) ends with ``finish_reason="error"``. The engine then hands
+the ended sequences to the scheduler, which only frees their blocks.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class OutputProcessor:
                 if plain and seq.grammar is None:  # _check_stop's decisions for such a row
                     num_out = len(token_ids) - seq.num_prompt_tokens
                     if num_out >= p.min_tokens and not p.ignore_eos and token in eos:
+                        if p.include_stop_str_in_output and p.detokenize:  # its text too, as vLLM's
+                            self._advance_text(seq)
                         seq.finish_reason, seq.stop_reason = "stop", None
                     else:
                         if p.detokenize:
@@ -154,6 +158,8 @@ class OutputProcessor:
         num_out = len(seq.token_ids) - seq.num_prompt_tokens  # the token ids do not change below
         stops_allowed = num_out >= p.min_tokens
         if stops_allowed and not p.ignore_eos and token in self.eos_token_ids:
+            if p.include_stop_str_in_output and p.detokenize:  # its text too (empty when skipped as special)
+                self._advance_text(seq)
             return "stop", None
         if p.stop_token_groups:
             seq.text_marks.append(seq.text_len)  # the text before this token, to cut a group's text

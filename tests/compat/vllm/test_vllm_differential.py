@@ -98,3 +98,30 @@ def test_completion_i_of_a_seeded_request_uses_seed_plus_i(llm):
         return [c.token_ids for c in llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs]
 
     assert texts(n=2, seed=7) == texts(seed=7) + texts(seed=8)  # as vLLM 0.32 (its own draws differ)
+
+
+# ---- the end-of-sequence token's text, with include_stop_str_in_output ---------------------------
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("skip_special", [False, True])
+@pytest.mark.parametrize("stop", [None, ["never in the text"]])  # the short path and the full stop checks
+def test_eos_text_only_with_include_stop_str_in_output(llm, include, skip_special, stop):
+    # vLLM 0.32's detokenizer decodes the token that stopped a sequence only with
+    # include_stop_str_in_output; observed: token_ids [eos], text '<|im_end|>' with it and
+    # skip_special_tokens=False, '' otherwise; finish_reason "stop", stop_reason None either way
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    word = tok.encode(" the", add_special_tokens=False)[0]
+    sp = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        allowed_token_ids=[eos, word],
+        logit_bias={eos: 100.0},  # the end as soon as min_tokens lets it come
+        min_tokens=2,
+        include_stop_str_in_output=include,
+        skip_special_tokens=skip_special,
+        stop=stop,
+    )
+    out = llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [word, word, eos] and (out.finish_reason, out.stop_reason) == ("stop", None)
+    words = tok.decode([word, word])
+    assert out.text == (words + tok.eos_token if include and not skip_special else words)
