@@ -18,6 +18,11 @@ the other groups' requests give the outputs they would have had. A caller waitin
 some groups only (``LLM.generate`` while other calls' requests are queued) names them
 (``step(rerun=...)``); the others are queued again from scratch for later steps.
 
+A LoRA adapter that cannot be read into a slot (its files broke after its requests were
+checked, and it had left the CPU cache) does not make a step raise: its unfinished requests
+end with its error, and the step is scheduled again without them, so that the other requests
+run as they would have without that adapter (``LLMEngine._schedule``).
+
 With asynchronous scheduling (vLLM's ``async_scheduling=True``; one rank, text models) a
 step does not wait for the tokens of the step before it: the scheduler counts each sampled
 token as there (a sequence's ``pending_row``), the runner reads those tokens on the device
@@ -60,7 +65,7 @@ from dfllm.engine.sequence import Request, Sequence
 from dfllm.engine.step_inputs import StepOutput
 from dfllm.errors import InvalidRequestError
 from dfllm.lora.adapter import LoRAAdapterError
-from dfllm.lora.manager import LoRAManager
+from dfllm.lora.manager import LoRAManager, LoRASlotError
 from dfllm.lora.request import LoRARequest
 from dfllm.models.registry import model_class
 from dfllm.models.sliding_window import uniform_window
@@ -167,7 +172,9 @@ class LLMEngine:
         self.followers: dict[str, list[Request]] = {}  # leader id -> requests given a copy of its output
         self.following: dict[str, str] = {}  # follower id -> its leader's id
         self.failures: dict[Hashable, BaseException] = {}  # group -> why it failed on its own
-        self.failed_at_add: list[RequestOutput] = []  # error outputs of requests whose adapter broke (add_request)
+        # error outputs of requests whose adapter broke after it was checked (add_request, or the
+        # step that had to read it again into a slot), handed back by the next step (or this one)
+        self.failed_at_add: list[RequestOutput] = []
         self._last_step_seqs: list[Sequence] = []  # the last step's sequences (last_step_groups)
         # asynchronous scheduling (module docstring): the step launched whose tokens are not yet applied
         self.async_scheduling = cfg.async_scheduling
@@ -301,7 +308,8 @@ class LLMEngine:
         return self._lora_manager("pin_lora").pin_lora(lora_id)
 
     def _activate_loras(self, seqs: list[Sequence]) -> None:
-        """Put the adapters of a step's sequences into slots; each request learns its slot."""
+        """Put the adapters of a step's sequences into slots; each request learns its slot.
+        Raises :class:`~dfllm.lora.manager.LoRASlotError` (no slot changed) if some cannot be read."""
         assert self.lora is not None
         wanted = {
             s.request.lora_request.lora_int_id: s.request.lora_request
@@ -312,6 +320,26 @@ class LLMEngine:
         for s in seqs:
             lora = s.request.lora_request
             s.request.lora_slot = -1 if lora is None else slots[lora.lora_int_id]
+
+    def _fail_adapters(self, errors: dict[int, LoRAAdapterError]) -> None:
+        """End every unfinished request (and follower) of these adapters with its adapter's
+        error, handed back by this step: their files broke after the requests were checked."""
+        for req in list(self.requests.values()):
+            lora = req.lora_request
+            if lora is None or lora.lora_int_id not in errors:
+                continue
+            why = str(errors[lora.lora_int_id])
+            self.scheduler.abort(req.seqs)
+            del self.requests[req.request_id]
+            self._forget_leader(req)
+            self.failed_at_add.append(self.output_processor.error_output(req, why))
+            for f in self.followers.pop(req.request_id, []):
+                del self.following[f.request_id]
+                self.failed_at_add.append(self.output_processor.error_output(f, why))
+        logger.warning(
+            "LoRA adapters could not be read into slots; their requests end with the error: %s",
+            "; ".join(map(str, errors.values())),
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.failed_at_add)
@@ -349,8 +377,11 @@ class LLMEngine:
         try:
             finished = self._step()
         except Exception as exc:
-            return early + self._recover(exc, rerun)
-        return early + self._outputs(finished)
+            outputs = self._recover(exc, rerun)
+        else:
+            outputs = self._outputs(finished)
+        late, self.failed_at_add = self.failed_at_add, []  # requests whose adapter broke in a step
+        return early + outputs + late
 
     def _outputs(self, finished: list[Request]) -> list[RequestOutput]:
         """The outputs of finished requests, each followed by its followers' copies."""
@@ -383,7 +414,9 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         before = self.scheduler.stats()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
+        if not sched:  # every request left used an adapter that broke (their errors are out)
+            return []
         out = self._launch(sched)
         self._computed(sched, out)
         sampled = self._sample(out.logits, out.sample_seqs)
@@ -399,14 +432,17 @@ class LLMEngine:
         step (on a GPU, while this one's forward runs), then sample this one, without waiting."""
         prev = self.in_flight
         before = self.scheduler.stats()
-        sched = self.scheduler.schedule(allow_empty=prev is not None)
+        sched = self._schedule(allow_empty=prev is not None)
         finished: list[Request] = []
         if not sched:  # only the step in flight's tokens can free room, or end what is left
-            finished = self._finish_in_flight()
+            if prev is not None:
+                finished = self._finish_in_flight()
             if not self.scheduler.has_unfinished():
                 return finished
             prev, before = None, self.scheduler.stats()
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
+            if not sched:  # every request left used an adapter that broke
+                return finished
         sched.prev_token_ids = None if prev is None else prev.sample.token_ids
         out = self._launch(sched)
         if prev is not None:
@@ -437,11 +473,31 @@ class LLMEngine:
             return self._end([step.seqs[i] for i in kept], sampled.select(kept), step.sched, step.before)
         return self._end(step.seqs, sampled, step.sched, step.before)
 
+    def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
+        """The scheduler's next step (``allow_empty`` as :meth:`Scheduler.schedule`), its adapters
+        in their slots. An adapter that cannot be read into a slot now (its files broke after
+        its requests were checked, and the CPU cache no longer held it) ends its requests with
+        its error (:meth:`_fail_adapters`); the step is then scheduled again without them, so the
+        other requests run as if it had never been asked for. Empty when none is left."""
+        preempted = 0
+        while True:
+            sched = self.scheduler.schedule(allow_empty=True) if allow_empty else self.scheduler.schedule()
+            sched.num_preempted += preempted
+            if self.lora is None or not sched:
+                return sched
+            try:
+                self._activate_loras(sched.seqs)
+                return sched
+            except LoRASlotError as exc:
+                self._fail_adapters(exc.errors)
+            # nothing of this schedule ran: its blocks stay with the sequences that keep them
+            preempted = sched.num_preempted
+            if not self.scheduler.has_unfinished():
+                return SchedulerOutput(num_preempted=preempted)
+
     def _launch(self, sched: SchedulerOutput) -> StepOutput:
-        """Run the model on a scheduled step (its adapters in their slots)."""
+        """Run the model on a scheduled step (its adapters already in their slots: :meth:`_schedule`)."""
         self._last_step_seqs = sched.seqs
-        if self.lora is not None:
-            self._activate_loras(sched.seqs)
         if torch.autograd._profiler_enabled():  # a profiler records: the step as one named range
             with torch.profiler.record_function("dfllm.step"):  # (~0.1 ms cold: not otherwise)
                 return self.runner.run(sched)

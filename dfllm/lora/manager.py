@@ -11,6 +11,14 @@ step the engine asks for the step's adapters (:meth:`LoRAManager.activate`): eac
 in a slot stays there, the others are copied into free slots or, least recently used first,
 into slots of adapters the step does not use (a pinned adapter's slot last). The scheduler
 never admits more distinct adapters into a step than there are slots, so a step always fits.
+
+An adapter not in the CPU cache is read again when a step needs it, and its files may have
+broken since its requests were checked (deleted, cut short, replaced, reshaped): then
+:meth:`LoRAManager.activate` raises :class:`LoRASlotError` naming every such adapter of the
+step and what is wrong with it, before it changes any slot, and the engine ends those
+adapters' requests with that error and schedules the step again without them. A slot is
+recorded as holding an adapter only once its weights were copied in, so a failed copy never
+passes for the adapter later.
 """
 
 from __future__ import annotations
@@ -23,6 +31,16 @@ from dfllm.lora.request import LoRARequest
 from dfllm.models.spec import ModelSpec
 
 SlotLoader = Callable[[int, LoRAAdapter | None], None]  # (slot, adapter or None to clear) on every rank
+
+
+class LoRASlotError(LoRAAdapterError):
+    """Adapters a step needs that cannot be read into slots now: ``errors`` maps each one's
+    ``lora_int_id`` to its :class:`~dfllm.lora.adapter.LoRAAdapterError` (naming the adapter,
+    its path and the problem). Raised before any slot changed."""
+
+    def __init__(self, errors: dict[int, LoRAAdapterError]):
+        super().__init__("; ".join(str(e) for e in errors.values()))
+        self.errors = errors
 
 
 def _holding(request: LoRARequest) -> str:
@@ -136,18 +154,30 @@ class LoRAManager:
 
     # ---- the slots -----------------------------------------------------------------------
     def activate(self, requests: dict[int, LoRARequest]) -> dict[int, int]:
-        """Put the adapters of one step (by id, at most ``max_loras``) into slots; their slots."""
+        """Put the adapters of one step (by id, at most ``max_loras``) into slots; their slots.
+
+        Every adapter not in a slot is read (or taken from the CPU cache) first: if any cannot
+        be, :class:`LoRASlotError` names them all and no slot has changed."""
         if len(requests) > self.max_loras:
             raise RuntimeError(f"a step runs {len(requests)} LoRA adapters, more than max_loras={self.max_loras}")
         where = {lid: s for s, lid in enumerate(self.slots) if lid is not None}
-        out: dict[int, int] = {}
+        # the adapters themselves, held here: reading one may evict another from the CPU cache
+        wanted: dict[int, LoRAAdapter] = {}
+        errors: dict[int, LoRAAdapterError] = {}
         for lid, request in requests.items():
-            if lid in where:
-                out[lid] = where[lid]
-                continue
+            if lid not in where:
+                try:
+                    wanted[lid] = self.adapter(request)
+                except LoRAAdapterError as exc:
+                    errors[lid] = exc
+        if errors:
+            raise LoRASlotError(errors)
+        out = {lid: where[lid] for lid in requests if lid in where}
+        for lid, adapter in wanted.items():
             slot = self._free_slot(set(requests))
+            self.slots[slot] = None  # until the copy is done: a failed one holds no adapter
+            self.load_slot(slot, adapter)
             self.slots[slot] = lid
-            self.load_slot(slot, self.adapter(request))
             self.loads += 1
             out[lid] = slot
         for slot in out.values():
