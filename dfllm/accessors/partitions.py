@@ -31,7 +31,9 @@ class WritableFunction:
     - ``resources``: the worker resources the write's tasks ask for (None: any worker);
     - ``model_sources()``: the models whose files' identity enters each partition's key
       (computed on the worker that writes it; see :func:`dfllm.tasks.write_key.model_key`);
-    - ``arrow_types()``: the Arrow types of output columns that ``meta`` holds as ``object``.
+    - ``arrow_types()``: the Arrow types of output columns that ``meta`` holds as ``object``;
+    - ``response_cache()``: the response cache its partitions write to (None: none), which
+      must not be in the output folder or in an input folder.
 
     With a ``placement`` (:mod:`dfllm.accessors.prefix_placement`), each partition's rows
     run on their prefix groups' engines: ``prefix_keys(df)`` keys them (on a worker), and
@@ -52,6 +54,11 @@ class WritableFunction:
 
     def arrow_types(self) -> dict:
         return {}
+
+    def response_cache(self):
+        """The :class:`~dfllm.tasks.response_cache.ResponseCache` the partitions store
+        answers in, or None."""
+        return None
 
     def without_placement(self) -> WritableFunction:
         """The same function running each partition's rows where the partition runs (no
@@ -104,6 +111,9 @@ class PartitionFunction(WritableFunction):
 
     def arrow_types(self) -> dict:
         return {c: ENGINE_ARROW_TYPES[c] for c in self.task.engine_columns if c in ENGINE_ARROW_TYPES}
+
+    def response_cache(self):
+        return self.task.cache
 
     def without_placement(self) -> PartitionFunction:
         return self if self.placement is None else PartitionFunction(self.task, self.resources)

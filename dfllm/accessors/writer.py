@@ -32,7 +32,8 @@ always says what it holds, and that dfllm wrote it.
 whose footer carries its record, its key files and temporary files. A folder holding any
 other file a parquet reader would read (another tool's ``part.0.parquet``, a CSV, a
 ``_metadata`` file that dfllm did not write) is refused before any work, and so is an
-output folder that is the input's folder, inside it, or holds it.
+output folder that is the input's folder, inside it, or holds it, and a response cache in
+the output folder or an input folder (:func:`refuse_cache_overlap`).
 
 Resume is exact: when ``write_parquet`` returns, the folder holds exactly one part per
 partition of this write, each the output of that partition under this task, so a reader
@@ -179,6 +180,7 @@ def write_parquet(
     resources = resources or func.resources  # the call's resources unless overridden here
     fs, root = folder_filesystem(path, storage_options)
     refuse_overlap(input_paths(source), path, storage_options)
+    refuse_cache_overlap(func.response_cache(), input_paths(source), path, storage_options)
     ours = survey_parts(fs, root, path)
     schema = decide_schema(result, source, func)
     fs.makedirs(root, exist_ok=True)
@@ -844,6 +846,40 @@ def refuse_overlap(inputs: list[str], output: str, storage_options: dict | None 
             raise ValueError(
                 f"the output folder {output} overlaps the input {given}: write to a folder that is "
                 "not the input's folder, not inside it and not holding it"
+            )
+
+
+def refuse_cache_overlap(cache, inputs: list[str], output: str, storage_options: dict | None = None) -> None:
+    """``ValueError`` if the response cache (a :class:`~dfllm.tasks.response_cache.ResponseCache`
+    or None) is the output folder or inside it (its entries, JSON files, would be read with
+    the results and refuse the folder to the next write), or is an input folder or inside one
+    (the job would write into the user's input, and a later read of it would take the
+    entries for input rows). A cache holding the output or the input is fine: it writes and
+    evicts only its entries' files."""
+    if cache is None:
+        return
+    try:
+        cfs, where = fsspec.core.url_to_fs(cache.url, **dict(cache.storage_options or {}))
+    except (ValueError, TypeError, ImportError):
+        return
+    where = normal_path(cfs, where)
+    for given, what in [(output, "output folder"), *((i, "input") for i in inputs)]:
+        try:
+            fs, folder = fsspec.core.url_to_fs(given, **(storage_options or {}))
+        except (ValueError, TypeError, ImportError):
+            continue
+        if type(fs) is not type(cfs):
+            continue
+        if what == "input":  # an input glob's folder; the output is literal
+            folder = _static_prefix(fs, folder)
+        folder = normal_path(fs, folder)
+        if what == "input" and fs.isfile(folder):
+            continue  # a cache beside an input file adds nothing to it
+        if where == folder or where.startswith(folder + "/"):
+            raise ValueError(
+                f"the response cache {cache.url} is inside the {what} {given}: its entries would be "
+                f"{'read with the results' if what == 'output folder' else 'written into the input'}; "
+                "put the cache in a folder of its own"
             )
 
 

@@ -26,7 +26,8 @@ then the whole output is written again from the parts, so every line is answered
 once. Once the output is written, the files the job wrote in the staging folder are removed,
 then the folder if it is empty (``keep_parts=True`` keeps them, so that a later resumed run
 recomputes nothing). The staging folder is the job's own: a job refuses to start if it
-holds a file no batch job wrote, or the input or error file (:func:`check_paths`).
+holds a file no batch job wrote, or the input or error file (:func:`check_paths`), or the
+response cache.
 
 Hostile lines (a chat template that raises, lone surrogates, integers of more digits than
 Python reads, values of any type in any field) are each that line's error answer; a UTF-8
@@ -138,6 +139,9 @@ class BatchFunction(WritableFunction):
 
     def arrow_types(self) -> dict:
         return {c: d.pyarrow_dtype for c, d in PART_COLUMNS.items()}
+
+    def response_cache(self) -> ResponseCache | None:
+        return self.cache
 
     def run(self, df: pd.DataFrame) -> pd.DataFrame:
         return answer_partition(df, self.options, self.cache)
@@ -492,6 +496,7 @@ def run_batch(
     )
     staging = output_file.rstrip("/") + STAGING_SUFFIX
     check_paths(input_file, output_file, error_file, storage_options)
+    writer.refuse_cache_overlap(cache, [], staging, storage_options)  # the staging folder is the job's own
     lines = read_lines(input_file, partition_bytes, storage_options)
     output = _Sink(output_file, storage_options)
     errors = _Sink(error_file, storage_options) if error_file else None

@@ -273,10 +273,11 @@ def _default_input(task: str, columns) -> str:
 
 
 def run(args) -> int:
-    from dfllm.accessors.writer import refuse_overlap, write_parquet
+    from dfllm.accessors.writer import refuse_cache_overlap, refuse_overlap, write_parquet
     from dfllm.dashboard import page_link
 
     refuse_overlap([args.input], args.output, args.storage_options)  # before the input is even read
+    refuse_cache_overlap(cache_of(args), [args.input], args.output, args.storage_options)
     budget = budget_from(args)
     check_job_options(args)
     if not args.scheduler:  # bad options and inputs fail before a local cluster starts
