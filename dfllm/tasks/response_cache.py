@@ -579,7 +579,15 @@ class _Store:
             doomed = gone
         else:
             try:
-                self.fs.rm(doomed)  # one bulk request where the store has one
+                if any(c in p for p in doomed for c in "*?["):
+                    # fs.rm expands patterns: "c[1]/..." would delete the cache "c1"'s entries
+                    for path in doomed:
+                        try:
+                            self.fs.rm_file(path)
+                        except FileNotFoundError:  # another process evicted it first
+                            pass
+                else:
+                    self.fs.rm(doomed)  # one bulk request where the store has one
             except FileNotFoundError:  # another process evicted some of them first
                 pass
             except Exception as exc:  # noqa: BLE001

@@ -341,6 +341,23 @@ def test_a_cache_on_object_storage(s3, tiny_llama):
     assert len(found) == 3 and all(rc._is_entry(p, "cache/responses", 2) for p in found)
 
 
+def test_evicting_a_cache_whose_name_is_a_pattern_deletes_only_its_own_entries(s3):
+    import s3fs
+
+    payload = {"text": "x" * 1000}
+    other = dfllm.ResponseCache("s3://cache/c1", storage_options=s3, max_bytes=1 << 30)
+    mine = dfllm.ResponseCache("s3://cache/c[1]", storage_options=s3, max_bytes=1 << 30)
+    for c in (other, mine):
+        c.store({f"k{i}": payload for i in range(4)})
+    fs = s3fs.S3FileSystem(**s3)
+    theirs = sorted(fs.find("cache/c1"))
+    assert len(theirs) == 4
+    # s3fs's rm of a list expands patterns: "c[1]/..." matched the cache "c1"'s entries too
+    assert dfllm.ResponseCache("s3://cache/c[1]", storage_options=s3, max_bytes=100).evict() == 4
+    fs.invalidate_cache()
+    assert sorted(fs.find("cache/c1")) == theirs
+
+
 # ---- Dask, the processor, the CLI --------------------------------------------------------------------
 @pytest.mark.slow
 def test_dask_workers_share_a_cache_on_disk(tiny_llama, tmp_path):
