@@ -334,7 +334,8 @@ class EngineArgs:
         'what `logprobs` hand back, as vLLM: `"raw_logprobs"` (the model\'s distribution), `"raw_logits"`, '
         '`"processed_logprobs"` or `"processed_logits"` (after the structured-output mask, logit bias, '
         "allowed/bad words, penalties, and for a sampled row temperature, top-k, top-p and min-p: -inf where "
-        "they rule a token out); the sampled token first, then the top-k by rank; prompt logprobs stay raw",
+        "they rule a token out); the sampled token first, then the top-k by rank; prompt logprobs are never "
+        "processed: the model's distribution, or its logits under the `*_logits` modes",
         "maps",
         _only(LOGPROBS_MODES, f"vLLM's logprobs modes are {list(LOGPROBS_MODES)}"),
         LOGPROBS_MODES,

