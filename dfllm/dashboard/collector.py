@@ -27,6 +27,7 @@ import collections
 import functools
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -36,7 +37,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 from tornado.ioloop import PeriodicCallback
 
-from dfllm.dashboard.reporting import WorkerReporter
+from dfllm.dashboard.reporting import WorkerReporter, plain
+from dfllm.tasks.schema import value_text
 from dfllm.worker.progress import METRIC
 from dfllm.worker.progress import PLUGIN_NAME as WORKER_PLUGIN
 
@@ -53,7 +55,68 @@ def _rate(new: float, old: float, dt: float) -> float:
     """A counter's rate; a counter that went down (an engine reloaded) restarts from 0."""
     if dt <= 0:
         return 0.0
-    return max(0.0, new - old) / dt if new >= old else new / dt
+    return _finite_or_zero(max(0.0, new - old) / dt if new >= old else new / dt)
+
+
+ENGINE_TEXT = ("model", "device", "kind")
+ENGINE_NUMBERS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "prompt_tokens",
+    "generation_tokens",
+    "preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
+JOB_NUMBERS = ("rows", "errors", "done", "running", "failed", "updated")
+
+
+def _number(value: Any) -> float | int:
+    """A metric as a number: an int or float as :func:`~dfllm.dashboard.reporting.plain` makes
+    it, a missing one 0, and anything that is no number (text, a list) NaN: unknown, which
+    the JSON and the page show as null, never a made-up 0."""
+    if value is None:
+        return 0
+    value = plain(value)
+    if isinstance(value, bool):
+        return int(value)
+    return value if isinstance(value, (int, float)) else math.nan
+
+
+def _clean_report(report: dict) -> dict:
+    """A worker's report in the shape the page reads, whatever it holds (another dfllm's
+    report, a hand-made one): each engine a dict of text and numbers (:func:`_number`), each
+    job one of numbers, names and text valid Unicode. Nothing of it can make the page fail."""
+    engines = report.get("engines")
+    jobs = report.get("jobs")
+    process = report.get("process")
+    return {
+        "time": _number(report.get("time")),
+        "process": None if process is None else value_text(process),
+        "engines": [_clean_engine(e) for e in (engines if isinstance(engines, (list, tuple)) else ())],
+        "batch_last": _number(report.get("batch_last")),
+        "batch_mean": _number(report.get("batch_mean")),
+        "steps": _number(report.get("steps")),
+        "jobs": {
+            value_text(name): {k: _number(job.get(k)) if isinstance(job, dict) else math.nan for k in JOB_NUMBERS}
+            for name, job in (jobs.items() if isinstance(jobs, dict) else ())
+        },
+    }
+
+
+def _clean_engine(engine: Any) -> dict:
+    if not isinstance(engine, dict):  # shown as an engine whose model is what was reported
+        return {"model": value_text(engine), "device": "?", "kind": "?", **dict.fromkeys(ENGINE_NUMBERS, math.nan)}
+    out: dict[str, Any] = {k: value_text(engine.get(k, "?")) for k in ENGINE_TEXT}
+    out.update({k: _number(engine.get(k)) for k in ENGINE_NUMBERS})
+    return out
+
+
+def _finite_or_zero(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
 
 
 class WorkerView:
@@ -66,10 +129,10 @@ class WorkerView:
         self.generation_tps = 0.0
 
     def update(self, report: dict) -> None:
-        self.report = report
-        t = float(report.get("time", 0.0))
-        prompt = float(sum(e.get("prompt_tokens", 0) for e in report.get("engines", ())))
-        generated = float(sum(e.get("generation_tokens", 0) for e in report.get("engines", ())))
+        self.report = report = _clean_report(report)
+        t = _finite_or_zero(float(report["time"]))
+        prompt = _finite_or_zero(float(sum(e["prompt_tokens"] for e in report["engines"])))
+        generated = _finite_or_zero(float(sum(e["generation_tokens"] for e in report["engines"])))
         if self.last is not None and t > self.last[0]:
             dt = t - self.last[0]
             self.prompt_tps = _rate(prompt, self.last[1], dt)
@@ -217,7 +280,7 @@ class DashboardPlugin(SchedulerPlugin):
                 t["partitions_running"] += job.get("running", 0)
                 t["partitions_failed"] += job.get("failed", 0)
                 t["workers"] += 1
-                t["updated"] = max(t["updated"], job.get("updated", 0.0))
+                t["updated"] = max(t["updated"], _finite_or_zero(job.get("updated", 0.0)))
         return sorted(totals.values(), key=lambda j: -j["updated"])
 
     def time_series(self) -> dict:
@@ -264,12 +327,12 @@ def _worker_row(addr: str, ws: Any, view: WorkerView | None) -> dict:
     hits = sum(e.get("prefix_cache_hits", 0) for e in gen)
     return {
         "worker": addr,
-        "name": str(ws.name),
+        "name": value_text(ws.name),
         "reporting": view is not None,
         "models": [e["model"] for e in engines],
         "devices": sorted({e["device"] for e in engines}),
-        "tensor_parallel_size": max((e["tensor_parallel_size"] for e in engines), default=0),
-        "pipeline_parallel_size": max((e["pipeline_parallel_size"] for e in engines), default=0),
+        "tensor_parallel_size": _max(e["tensor_parallel_size"] for e in engines),
+        "pipeline_parallel_size": _max(e["pipeline_parallel_size"] for e in engines),
         "engines": engines,
         "running": sum(e.get("running", 0) for e in gen),
         "waiting": sum(e.get("waiting", 0) for e in gen),
@@ -279,12 +342,20 @@ def _worker_row(addr: str, ws: Any, view: WorkerView | None) -> dict:
         "generation_tokens": sum(e.get("generation_tokens", 0) for e in gen),
         "prompt_tps": view.prompt_tps if view else 0.0,
         "generation_tps": view.generation_tps if view else 0.0,
-        "kv_cache_usage": max((e.get("kv_cache_usage", 0.0) for e in gen), default=0.0),
+        "kv_cache_usage": _max(e["kv_cache_usage"] for e in gen),
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "preemptions": sum(e.get("preemptions", 0) for e in gen),
     }
+
+
+def _max(values: Any) -> float | int:
+    """The largest of ``values`` (0 if none); NaN (unknown) if any is."""
+    values = list(values)
+    if any(isinstance(v, float) and math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=0)
 
 
 def _one_per_process(views: Any) -> list[WorkerView]:
@@ -338,7 +409,8 @@ class DataHandler(web.RequestHandler):
     def get(self) -> None:
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
-        self.write(json.dumps(self.plugin.data()))
+        # NaN and infinities (no JSON) as null, strings valid Unicode
+        self.write(json.dumps(plain(self.plugin.data(), finite=True), allow_nan=False))
 
 
 # ---- /sitemap.json --------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ per worker, and the jobs table. It uses Dask's page template, theme and navigati
 
 from __future__ import annotations
 
+import html
+import math
 from typing import Any, Protocol, cast
 
 from bokeh.layouts import column, row
@@ -18,6 +20,8 @@ from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+from dfllm.dashboard.reporting import plain
 
 REFRESH_MS = 1000
 PLOT_HEIGHT = 240
@@ -40,6 +44,23 @@ WORKER_COLUMNS = (
 JOB_COLUMNS = ("job", "rows", "errors", "partitions_done", "partitions_running", "partitions_failed", "workers")
 
 
+def _view(data: dict) -> dict:
+    """``data`` as the page shows it: :func:`~dfllm.dashboard.reporting.plain` with NaN and
+    infinities as None (an empty cell, a gap in a plot), and ints past JavaScript's exact
+    range (2**53) as floats, as the browser would read them anyway."""
+    return cast(dict, _js_numbers(plain(data, finite=True)))
+
+
+def _js_numbers(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _js_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_js_numbers(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+        return float(value)
+    return value
+
+
 def _worker_table_data(data: dict) -> dict[str, list]:
     rows = [dict(w, worker=w["worker"]) for w in data["workers"]] + [dict(data["cluster"], worker="cluster (all)")]
     out: dict[str, list] = {c: [] for c in WORKER_COLUMNS}
@@ -55,8 +76,8 @@ def _worker_table_data(data: dict) -> dict[str, list]:
         out["prompt_tps"].append(w["prompt_tps"])
         out["generation_tps"].append(w["generation_tps"])
         out["generation_tokens"].append(w["generation_tokens"])
-        out["kv_pct"].append(100 * w["kv_cache_usage"])
-        out["prefix_hit_pct"].append(100 * w["prefix_cache_hit_rate"])
+        out["kv_pct"].append(_percent(w["kv_cache_usage"]))
+        out["prefix_hit_pct"].append(_percent(w["prefix_cache_hit_rate"]))
         out["preemptions"].append(w["preemptions"])
     return out
 
@@ -82,19 +103,42 @@ def _series_data(data: dict) -> tuple[dict, dict]:
 def _kv_data(data: dict) -> dict[str, list]:
     workers = data["workers"]
     return {
-        "worker": [w["worker"].split("://")[-1] for w in workers],
-        "kv_pct": [100 * w["kv_cache_usage"] for w in workers],
+        "worker": _short_names([w["worker"] for w in workers]),
+        "kv_pct": [_percent(w["kv_cache_usage"]) for w in workers],
     }
 
 
+def _short_names(addresses: list[str]) -> list[str]:
+    """Each worker's address without its protocol (the KV plot's categories), unless that
+    makes two the same (``tcp://h:1``, ``tls://h:1``): a category range must not repeat one."""
+    short = [a.split("://")[-1] for a in addresses]
+    return short if len(set(short)) == len(short) else list(addresses)
+
+
+def _percent(fraction: float | None) -> float | None:
+    if fraction is None:
+        return None
+    pct = 100 * fraction
+    return pct if math.isfinite(pct) else None
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    """A number of the summary line as text; "?" where it is unknown (None)."""
+    return "?" if value is None else format(value, spec)
+
+
 def _summary(data: dict) -> str:
+    """The summary line, HTML (a ``Div``'s text is its HTML): every name in it escaped, so a
+    model folder called ``<img onerror=...>`` is shown, not run."""
     c = data["cluster"]
-    running = sum(j["partitions_running"] for j in data["jobs"])
+    in_flight = [j["partitions_running"] for j in data["jobs"]]
+    running = None if None in in_flight else sum(in_flight)
+    models = html.escape(", ".join(c["models"])) or "none loaded yet"
     return (
-        f"<b>dfllm</b> &mdash; {c['workers']} worker(s), {c['workers_with_engines']} with an engine; "
-        f"models: {', '.join(c['models']) or 'none loaded yet'}; "
-        f"{c['generation_tps']:.1f} generated tokens/s, {c['prompt_tps']:.1f} prompt tokens/s; "
-        f"{c['running']} running, {c['waiting']} waiting; {running} partition(s) in flight"
+        f"<b>dfllm</b> &mdash; {_fmt(c['workers'])} worker(s), {_fmt(c['workers_with_engines'])} with an engine; "
+        f"models: {models}; "
+        f"{_fmt(c['generation_tps'], '.1f')} generated tokens/s, {_fmt(c['prompt_tps'], '.1f')} prompt tokens/s; "
+        f"{_fmt(c['running'])} running, {_fmt(c['waiting'])} waiting; {_fmt(running)} partition(s) in flight"
     )
 
 
@@ -106,8 +150,9 @@ class PageData(Protocol):
 
 def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
     """Build one browser session's document (called by Bokeh's server as Dask's pages are)."""
-    data = plugin.data()
-    int_fmt, rate_fmt = NumberFormatter(format="0,0"), NumberFormatter(format="0,0.0")
+    data = _view(plugin.data())
+    int_fmt = NumberFormatter(format="0,0", nan_format="?", null_format="?")
+    rate_fmt = NumberFormatter(format="0,0.0", nan_format="?", null_format="?")
     summary = Div(
         text=_summary(data),
         sizing_mode="stretch_width",
@@ -133,6 +178,10 @@ def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
         "preemptions": "preemptions",
     }
     formats = {
+        "running": int_fmt,
+        "waiting": int_fmt,
+        "batch": int_fmt,
+        "preemptions": int_fmt,
         "prompt_tps": rate_fmt,
         "generation_tps": rate_fmt,
         "kv_pct": rate_fmt,
@@ -215,11 +264,19 @@ def dfllm_doc(plugin: PageData, scheduler: Any, extra: dict, doc: Any) -> None:
         height=150,
         sizing_mode="stretch_width",
         name="dfllm-jobs-table",
-        columns=[TableColumn(field=c, title=job_titles[c], width=300 if c == "job" else 90) for c in JOB_COLUMNS],
+        columns=[
+            TableColumn(
+                field=c,
+                title=job_titles[c],
+                width=300 if c == "job" else 90,
+                **_formatter({k: int_fmt for k in JOB_COLUMNS if k != "job"}, c),
+            )
+            for c in JOB_COLUMNS
+        ],
     )
 
     def update() -> None:
-        new = plugin.data()
+        new = _view(plugin.data())
         summary.text = _summary(new)
         workers_source.data = _worker_table_data(new)
         cluster_data, worker_data = _series_data(new)

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from pathlib import Path
 import dask.dataframe as dd
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import free_port
 
@@ -483,3 +486,381 @@ def test_dfllm_run_on_a_command_line_cluster_prints_the_page(preloaded_cluster, 
 
     job = wait_for(finished, 30, "the job's rows to be counted")
     assert job["errors"] == errors and job["partitions_done"] == 8 and job["partitions_running"] == 0
+
+
+# ---- hostile reports: names, text and numbers the page must show, never run or fail on ------------------
+XSS = '<img src=x onerror="window.__dfllm_xss=1">'
+HOSTILE_TEXT = [
+    XSS,
+    "</script><script>window.__dfllm_xss=1</script>",
+    "\ud800 lone",
+    "a & b \"'</textarea>",
+    "\ufeffbom",
+]
+
+
+def hostile_engine(model: str, **numbers) -> dict:
+    info = {
+        "model": model,
+        "device": "cpu",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "kind": "generate",
+        "running": 1,
+        "waiting": 0,
+        "kv_cache_usage": 0.5,
+        "prompt_tokens": 10,
+        "generation_tokens": 20,
+        "preemptions": 0,
+        "prefix_cache_queries": 4,
+        "prefix_cache_hits": 2,
+    }
+    return {**info, **numbers}
+
+
+def scheduler_with(reports: dict[str, object]):
+    """A scheduler's worker table (Dask's own ``WorkerState``s) whose workers last reported ``reports``."""
+    from types import SimpleNamespace
+
+    from distributed.core import Status
+    from distributed.scheduler import WorkerState
+
+    workers = {}
+    for i, (addr, rep) in enumerate(reports.items()):
+        ws = WorkerState(
+            address=addr,
+            status=Status.running,
+            pid=i,
+            name=f"w{i}\udcff<b>",
+            memory_limit=0,
+            local_directory="/tmp",
+            nanny=None,
+            server_id=str(i),
+        )
+        ws.metrics = {"dfllm": rep}
+        workers[addr] = ws
+    return SimpleNamespace(workers=workers)
+
+
+def page_of(plugin):
+    """The dfllm page's Bokeh document for ``plugin``, serialised as Bokeh's server sends it."""
+    from bokeh.core.json_encoder import serialize_json
+    from bokeh.document import Document
+
+    from dfllm.dashboard.page import dfllm_doc
+
+    doc = Document()
+    dfllm_doc(plugin, None, {}, doc)
+    text = serialize_json(doc.to_json())
+    text.encode("utf-8")  # what the websocket sends: valid UTF-8
+    return doc, text
+
+
+def summary_tags(doc) -> list[str]:
+    summary = doc.get_model_by_name("dfllm-summary").text
+    return re.findall(r"<\s*/?\s*([a-zA-Z]+)", summary)
+
+
+def numbers_json(data) -> str:
+    """The JSON endpoint's body for ``data`` (as :class:`DataHandler` writes it)."""
+    from dfllm.dashboard.collector import DataHandler
+
+    class Capture(DataHandler):
+        def __init__(self, plugin):
+            self.plugin, self.body, self.headers = plugin, [], {}
+
+        def set_header(self, k, v):
+            self.headers[k] = v
+
+        def write(self, chunk):
+            self.body.append(chunk)
+
+    handler = Capture(type("P", (), {"data": lambda self: data})())
+    handler.get()
+    return "".join(handler.body)
+
+
+def test_hostile_names_and_numbers_are_shown_escaped_never_run():
+    from dfllm.dashboard.collector import DashboardPlugin
+
+    report = {
+        "time": 1.0,
+        "process": "p",
+        "engines": [
+            hostile_engine(t, running=2**70, waiting=float("nan"), kv_cache_usage=float("inf")) for t in HOSTILE_TEXT
+        ],
+        "batch_last": 2**80,
+        "batch_mean": float("-inf"),
+        "jobs": {
+            t: {"rows": 3, "errors": 1, "done": 1, "running": 0, "failed": 0, "updated": 1.0} for t in HOSTILE_TEXT
+        },
+    }
+    plugin = DashboardPlugin()
+    plugin.scheduler = scheduler_with({"tcp://127.0.0.1:1": report})
+    plugin.sample()
+    body = numbers_json(plugin.data())
+    data = json.loads(body, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))  # no NaN/Infinity
+    body.encode("utf-8")
+    (w,) = data["workers"]
+    assert w["models"] == [XSS, HOSTILE_TEXT[1], "\\ud800 lone", HOSTILE_TEXT[3], "\ufeffbom"]
+    assert w["name"] == "w0\\udcff<b>"
+    assert w["waiting"] is None and w["kv_cache_usage"] is None  # unknown, not a made-up number
+    assert w["running"] == pytest.approx(len(HOSTILE_TEXT) * 2.0**70)
+    assert {j["job"] for j in data["jobs"]} == {XSS, HOSTILE_TEXT[1], "\\ud800 lone", HOSTILE_TEXT[3], "\ufeffbom"}
+    doc, text = page_of(plugin)
+    assert summary_tags(doc) == ["b", "b"]  # only the page's own <b>dfllm</b>: every name is text
+    summary = doc.get_model_by_name("dfllm-summary").text
+    assert html_unescape(summary).count(XSS) == 1 and "</script>" not in summary
+    assert doc.get_model_by_name("dfllm-jobs").data["job"][0] in data["jobs"][0]["job"]
+
+
+def html_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)
+
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**200), max_value=2**200) | st.sampled_from([2**64, -(2**63) - 1, 2**3000, -(2**3000)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(alphabet=st.characters(codec=None, categories=None), max_size=12),
+    st.binary(max_size=6),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+engine_reports = st.one_of(
+    values,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            k: values
+            for k in (
+                "model",
+                "device",
+                "kind",
+                "running",
+                "waiting",
+                "kv_cache_usage",
+                "prompt_tokens",
+                "generation_tokens",
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "preemptions",
+            )
+        },
+    ).map(lambda d: {"kind": "generate", **d}),
+)
+reports = st.fixed_dictionaries(
+    {},
+    optional={
+        "time": values,
+        "process": values,
+        "engines": st.lists(engine_reports, max_size=3) | values,
+        "batch_last": values,
+        "batch_mean": values,
+        "jobs": st.dictionaries(
+            st.text(max_size=6),
+            st.dictionaries(
+                st.sampled_from(["rows", "errors", "done", "running", "failed", "updated"]), values, max_size=6
+            )
+            | values,
+            max_size=3,
+        )
+        | values,
+    },
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(first=reports, second=reports)
+def test_any_report_is_shown_and_never_fails_the_page_or_the_endpoint(first, second):
+    """Whatever two workers report (twice, so rates are computed), the collector samples it,
+    the endpoint answers strict JSON of valid Unicode and the page renders with no markup of
+    the reports' own."""
+    from dfllm.dashboard.collector import DashboardPlugin
+
+    plugin = DashboardPlugin()
+    plugin.scheduler = scheduler_with({"tcp://127.0.0.1:1": first, "tls://127.0.0.1:1": second})
+    plugin.sample()
+    plugin.scheduler.workers["tcp://127.0.0.1:1"].metrics["dfllm"] = second
+    plugin.sample()
+    body = numbers_json(plugin.data())
+    body.encode("utf-8")
+    json.loads(body, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    doc, _ = page_of(plugin)
+    assert summary_tags(doc) == ["b", "b"]
+    kv = doc.get_model_by_name("dfllm-kv").data["worker"]
+    assert len(set(kv)) == len(kv) == 2  # the KV plot's categories never repeat
+
+
+def test_the_heartbeat_report_is_plain_data_msgpack_encodes():
+    """A model folder named with bytes that are not UTF-8 (a lone surrogate in Python) or a
+    counter past 64 bits made the worker's heartbeat fail to encode, and Dask closes a worker
+    whose heartbeat fails: the report is plain data instead."""
+    from distributed.protocol import dumps, loads
+
+    from dfllm.dashboard.reporting import report
+    from dfllm.worker import progress
+
+    def source():
+        return [
+            hostile_engine("m\udcff" + XSS, prompt_tokens=2**70, generation_tokens=-(2**3000), running=float("nan"))
+        ]
+
+    progress.add_engine_source(source)
+    try:
+        rep = loads(dumps({"metrics": {"dfllm": report()}}))["metrics"]["dfllm"]
+    finally:
+        progress._engine_sources.remove(source)
+    (engine,) = [e for e in rep["engines"] if e["model"].startswith("m")]
+    assert engine["model"] == "m\\udcff" + XSS
+    assert engine["prompt_tokens"] == 2.0**70 and engine["generation_tokens"] == -math.inf
+
+
+@given(value=values)
+@settings(max_examples=200, deadline=None)
+def test_plain_data_always_encodes(value):
+    from distributed.protocol import dumps, loads
+
+    from dfllm.dashboard.reporting import plain
+
+    loads(dumps({"v": plain(value)}))
+    json.dumps(plain(value, finite=True), allow_nan=False).encode("utf-8")
+
+
+@pytest.mark.slow
+def test_a_worker_reporting_a_hostile_engine_keeps_running(fresh_cluster):
+    """On a real cluster (worker processes, msgpack heartbeats), a worker whose engine reports
+    a name with a lone surrogate and a counter past 64 bits stays up, runs tasks, and the
+    page's data shows the name."""
+    from dfllm.dashboard import data_url, install
+
+    client = fresh_cluster
+    install(client)
+
+    def add_source():
+        from dfllm.worker import progress
+
+        def source():
+            return [hostile_engine("m\udcff" + XSS, prompt_tokens=2**70)]
+
+        progress.add_engine_source(source)
+
+    client.run(add_source)
+    url = data_url(client.dashboard_link)
+
+    def shown():
+        workers = get_json(url)["workers"]
+        return workers and workers[0]["models"] == ["m\\udcff" + XSS]
+
+    wait_for(shown, 30, "the hostile engine's report")
+    time.sleep(3)  # several heartbeats later
+    assert len(client.scheduler_info()["workers"]) == 1
+    assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
+
+
+SUMMARY_STATE = """(() => {
+  let img = false, shown = [];
+  const walk = (n) => {
+    if (n.shadowRoot) walk(n.shadowRoot);
+    for (const c of n.children || []) walk(c);
+    if (n.classList && n.classList.contains('bk-clearfix')) {  // a Div's content: the summary line
+      shown.push(n.textContent);
+      img = img || n.querySelector('img') !== null;
+    }
+  };
+  walk(document.documentElement);
+  return JSON.stringify({xss: window.__dfllm_xss || null, img, shown: shown.join(' ')});
+})()"""
+
+
+@pytest.mark.slow
+def test_chromium_shows_a_hostile_model_name_as_text(tmp_path):
+    """A model folder may be named ``<img src=x onerror=...>``: the page's summary line (a
+    ``Div``, whose text is HTML) showed it as markup, and Chromium ran its handler."""
+    binary = chromium()
+    if binary is None:
+        pytest.skip("no Chromium: .ci/run installs Debian's chromium package with apt-get, which failed here")
+    from distributed import Client, LocalCluster
+
+    from dfllm.dashboard import install
+    from dfllm.worker import progress
+
+    def source():
+        return [hostile_engine(XSS)]
+
+    progress.add_engine_source(source)  # the in-process worker's engines
+    try:
+        with (
+            LocalCluster(
+                n_workers=1,
+                threads_per_worker=1,
+                processes=False,
+                dashboard_address="127.0.0.1:0",
+                silence_logs=logging.ERROR,
+            ) as c,
+            Client(c) as client,
+        ):
+            from urllib.parse import urlsplit
+
+            page = f"http://127.0.0.1:{urlsplit(install(client)).port}/dfllm"  # bound there; the link names the host
+            wait_for(lambda: get_json(page + "/data.json")["cluster"]["models"] == [XSS], 30, "the engine's report")
+            port = free_port()
+            browser = subprocess.Popen(
+                [
+                    binary,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-dev-shm-usage",
+                    f"--remote-debugging-port={port}",
+                    "--remote-allow-origins=*",
+                    f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}",
+                    page,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                targets = wait_for(
+                    lambda: [
+                        t
+                        for t in get_json(f"http://127.0.0.1:{port}/json/list")
+                        if t.get("type") == "page" and "/dfllm" in t.get("url", "")
+                    ],
+                    60,
+                    "Chromium's DevTools endpoint",
+                )
+
+                async def watch() -> dict:
+                    async with DevTools(targets[0]["webSocketDebuggerUrl"]) as tab:
+                        end, state = time.monotonic() + 60, {}
+                        while time.monotonic() < end:
+                            raw = await tab.evaluate(SUMMARY_STATE)
+                            state = json.loads(raw) if raw else {}
+                            if state.get("xss") or (XSS in (state.get("shown") or "")):
+                                await asyncio.sleep(1.5)  # a refresh later: a handler would have run by now
+                                return json.loads(await tab.evaluate(SUMMARY_STATE))
+                            await asyncio.sleep(0.5)
+                        return state
+
+                state = asyncio.run(watch())
+            finally:
+                browser.terminate()
+                try:
+                    browser.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    browser.kill()
+    finally:
+        progress._engine_sources.remove(source)
+    assert state.get("xss") is None and state.get("img") is False, (
+        state
+    )  # its handler ran before (window.__dfllm_xss was 1)
+    assert XSS in state["shown"], state  # the name, as text
