@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -199,7 +200,8 @@ class Processor:
         rows = self.run_rows(df)
         if schema is None:
             schema, _ = self._schema_from(rows, df)
-        out = _frame(rows, schema, df.index, [c for c in df.columns if c != self._err], self._err)
+        source = "postprocess" if self.postprocess is not None else "preprocess"
+        out = _frame(rows, schema, df.index, [c for c in df.columns if c != self._err], self._err, source)
         if self.config.error_column is not None:
             return out
         failed = out[self._err].notna().to_numpy()
@@ -210,7 +212,7 @@ class Processor:
     def _row_failed(self, label, error: str) -> RowFailedError:
         label = label.item() if isinstance(label, np.generic) else label
         return RowFailedError(
-            f"build_processor: row {label!r} failed: {error} (should_continue_on_error=False; "
+            f"build_processor: row {_label_text(label)} failed: {error} (should_continue_on_error=False; "
             f"set it to True to keep failed rows, with the error in {RAY_ERROR!r})",
             label,
             error,
@@ -220,10 +222,12 @@ class Processor:
         """Each row of ``df`` through preprocess, the engine (``batch_size`` rows per call)
         and postprocess, as :class:`RowResult`."""
         inputs = df.to_dict("records")
+        labels = list(df.index)
         pre = [self._upstream(r) or self._pre(r) for r in inputs]
         engine_rows: list[tuple[dict, str | None]] = []
         for start in range(0, len(pre), self.config.batch_size):
-            engine_rows += self._infer(pre[start : start + self.config.batch_size])
+            stop = start + self.config.batch_size
+            engine_rows += self._infer(pre[start:stop], labels[start:stop])
         return [self._post(inp, row, err) for inp, (row, err) in zip(inputs, engine_rows)]
 
     def _upstream(self, row: dict) -> tuple[dict, str | None] | None:
@@ -244,10 +248,10 @@ class Processor:
         except Exception as exc:  # a user function failing on one row
             return row, f"preprocess: {type(exc).__name__}: {value_text(exc)}"
 
-    def _infer(self, rows: list[tuple[dict, str | None]]) -> list[tuple[dict, str | None]]:
-        """Engine outputs added to the rows without an error; the engine's per-row errors.
-        Rows are grouped by the task they need (a chat, a prompt, token ids), one engine
-        call per group."""
+    def _infer(self, rows: list[tuple[dict, str | None]], labels: list) -> list[tuple[dict, str | None]]:
+        """Engine outputs added to the rows without an error; the engine's per-row errors,
+        each naming its row by ``labels`` (the rows' index labels). Rows are grouped by the
+        task they need (a chat, a prompt, token ids), one engine call per group."""
         results = list(rows)
         groups: dict[tuple, list[int]] = {}
         for i, (row, err) in enumerate(rows):
@@ -259,7 +263,8 @@ class Processor:
             else:
                 groups.setdefault((kind, inputs), []).append(i)
         for (kind, inputs), members in groups.items():
-            for i, (row, err) in zip(members, self._run_group(kind, inputs, [rows[i][0] for i in members])):
+            done = self._run_group(kind, inputs, [rows[i][0] for i in members], [labels[i] for i in members])
+            for i, (row, err) in zip(members, done):
                 results[i] = (row, err)
         return results
 
@@ -289,9 +294,12 @@ class Processor:
             return t, (), f"no 'prompt' for the {t} task (preprocess must return it)"
         return t, ("prompt",), None
 
-    def _run_group(self, kind: str, inputs: tuple[str, ...], rows: list[dict]) -> list[tuple[dict, str | None]]:
+    def _run_group(
+        self, kind: str, inputs: tuple[str, ...], rows: list[dict], labels: list
+    ) -> list[tuple[dict, str | None]]:
         """``rows`` (all needing the task ``kind`` of ``inputs``) through the engine: each
-        row with the engine's columns (Ray's names) added, and its error."""
+        row with the engine's columns (Ray's names) added, and its error, which names the
+        row by its label in ``labels`` (see :func:`_name_row`)."""
         errors: list[str | None] = [None] * len(rows)
         optional = [k for k in _OPTIONAL_KEYS if any(k in r for r in rows)]
         # object columns: each value as it is reaches the task's own per-row checks (pandas
@@ -338,12 +346,17 @@ class Processor:
         outputs = iter(result[cols].astype(object).where(result[cols].notna(), None).to_dict("records"))
         names = {ERROR: self._err, **RAY_COLUMNS[kind]}
         done: list[tuple[dict, str | None]] = []
-        for row, error in zip(rows, errors):
+        position = 0  # the row's place in the engine call (which its error names)
+        for row, error, label in zip(rows, errors, labels):
             if error is not None:
                 done.append((row, error))
                 continue
             out = {names.get(k, k): v for k, v in next(outputs).items()}
-            done.append(({**row, **out}, out[self._err]))
+            engine_error = error_text(out[self._err])
+            if engine_error is not None:
+                out[self._err] = engine_error = _name_row(engine_error, position, label)
+            done.append(({**row, **out}, engine_error))
+            position += 1
         return done
 
     def _lora(self, frame: pd.DataFrame, rows: list[dict], generative: bool, model) -> dict:
@@ -383,7 +396,7 @@ class Processor:
         if error is not None:  # an error row bypasses postprocess
             return RowResult(inputs, None, error)
         if self.postprocess is None:
-            return RowResult(inputs, row, error_text(row.get(self._err)))
+            return self._checked(inputs, row, "preprocess")
         try:
             out = self.postprocess(row)
             if not isinstance(out, Mapping):
@@ -391,6 +404,16 @@ class Processor:
             out = dict(out)
         except Exception as exc:  # a user function failing on one row
             return RowResult(inputs, None, f"postprocess: {type(exc).__name__}: {value_text(exc)}")
+        return self._checked(inputs, out, "postprocess")
+
+    def _checked(self, inputs: dict, out: dict, source: str) -> RowResult:
+        """A row's output, or its error where ``source`` (the function whose keys the output
+        has) gave a column a name that is not text (``1``, ``None``): a frame's other columns
+        are text, and a file cannot hold ``1`` beside ``"1"`` (the input's own columns pass)."""
+        bad = [k for k in out if not isinstance(k, str) and k not in inputs]
+        if bad:
+            names = ", ".join(f"{_label_text(k)} ({type(k).__name__})" for k in bad[:5])
+            return RowResult(inputs, None, f"{source} returned column name(s) that are not text: {names}")
         return RowResult(inputs, out, error_text(out.get(self._err)))
 
     # ---- the output schema --------------------------------------------------------------------------
@@ -451,7 +474,7 @@ class Processor:
                     raise ValueError(
                         f"build_processor: none of the {count} sampled rows (the first rows of the input) got "
                         f"through preprocess, the engine and postprocess, so the output columns cannot be "
-                        f"taken from them; the first error, in row {label!r}: {error}. Fix the functions or "
+                        f"taken from them; the first error, in row {_label_text(label)}: {error}. Fix the functions or "
                         "the config, or pass meta= (the output columns and their types) to build_processor "
                         "or to the processor call"
                     )
@@ -473,7 +496,12 @@ class Processor:
 
 
 def _frame(
-    rows: list[RowResult], schema: dict, index: pd.Index, input_columns: list, error: str = ERROR
+    rows: list[RowResult],
+    schema: dict,
+    index: pd.Index,
+    input_columns: list,
+    error: str = ERROR,
+    source: str = "postprocess",
 ) -> pd.DataFrame:
     """The rows as a frame of exactly ``schema``'s columns (see docs/from_ray.md)."""
     n = len(rows)
@@ -492,7 +520,7 @@ def _frame(
         if extra:
             errors[i] = join_errors(
                 errors[i],
-                f"postprocess returned column(s) {extra} that the output does not have "
+                f"{source} returned column(s) {extra} that the output does not have "
                 f"(its columns: {list(schema)}); pass meta= to set them",
             )
         for k, v in r.output.items():
@@ -511,6 +539,40 @@ def _frame(
         columns[c] = typed_column(values[c], schema[c], index, c, errors, inputs[c])
     columns[error] = pd.Series([error_text(e) for e in errors], index=index, dtype=STRING)
     return pd.DataFrame(columns, index=index)
+
+
+#: the field an engine error starts with (``messages: ...``, ``chat_template_kwargs: ...``)
+_FIELD = re.compile(r"[A-Za-z_]\w*|chat template")
+MAX_LABEL = 200  # characters of a row's label an error shows
+
+
+def _label_text(label) -> str:
+    """A row's index label as an error shows it: its ``repr`` (a lone surrogate escaped), cut
+    at :data:`MAX_LABEL` characters; never an exception (an int past Python's digit limit)."""
+    label = label.item() if isinstance(label, np.generic) else label
+    try:
+        text = value_text(repr(label))
+    except Exception:  # noqa: BLE001  (a repr that raises)
+        text = value_text(label)
+    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1] + "\u2026"
+
+
+def _name_row(error: str, position: int, label) -> str:
+    """The engine's error for a row, naming the row by its index label where the engine
+    named it by its place in the call (``conversation 2``), which is not the row's, or did
+    not name it at all; the field it starts with stays first. From the row labelled ``'r7'``
+    (the third of the call): ``messages: conversation 2, message 0: x`` is ``messages: the
+    conversation of row 'r7', message 0: x``; ``messages: the conversation is null`` is
+    ``messages: in row 'r7', the conversation is null``; an error with no field first is
+    ``row 'r7': <error>``."""
+    row = f"row {_label_text(label)}"
+    field, sep, rest = error.partition(": ")
+    if not sep or not _FIELD.fullmatch(field):
+        return f"{row}: {error}"
+    place = re.match(rf"(?:conversation|row) {position}(?!\d)", rest)
+    if place is not None:
+        return f"{field}: the conversation of {row}{rest[place.end() :]}"
+    return f"{field}: in {row}, {rest}"
 
 
 def _column_name(key) -> bool:
