@@ -33,6 +33,7 @@ from dfllm.accessors.placement import run_placed
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConfig
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
+from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import LLM_ERROR, error_text, value_text
 from dfllm.tasks.task import make_task, repeated_columns
 from dfllm.tasks.templates import is_null
@@ -106,6 +107,9 @@ class ProcessorFunction(WritableFunction):
 
     def __dask_tokenize__(self):
         return (type(self).__name__, self._token)
+
+    def response_cache(self) -> ResponseCache | None:
+        return as_cache(self.processor.config.cache)  # only a generate config has one (its check)
 
     def model_sources(self) -> tuple:
         """The model the processor's engine loads, for the writer to put its content identity

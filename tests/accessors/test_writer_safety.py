@@ -198,3 +198,22 @@ def test_the_output_is_literal_and_an_input_glob_is_its_folder(tmp_path, cache, 
             check()
     else:
         check()
+
+
+def test_a_processors_cache_in_the_output_is_refused(tiny_llama, tmp_path):
+    """build_processor's config.cache is checked as ``.llm.generate``'s cache= is."""
+    config = dfllm.ProcessorConfig(
+        model_source=str(tiny_llama),
+        engine_kwargs={"max_model_len": 64, "kv_cache_memory_bytes": 2**22},
+        batch_size=4,
+        cache=str(tmp_path / "out" / "cache"),
+    )
+    processor = dfllm.build_processor(
+        config,
+        preprocess=lambda row: {"prompt": row["q"], "sampling_params": {"max_tokens": 2, "temperature": 0.0}},
+        postprocess=lambda row: {"text": row["generated_text"]},
+    )
+    lazy = processor(dd.from_pandas(pd.DataFrame({"q": ["a", "b", "c"]}), npartitions=1), meta={"text": "string"})
+    with pytest.raises(ValueError, match="response cache"):
+        dfllm.write_parquet(lazy, str(tmp_path / "out"), progress=False)
+    assert not list((tmp_path / "out").rglob("*.parquet"))
