@@ -11,11 +11,11 @@ name (:data:`VLLMValidationError` is the same class): code catching ``ValueError
 vLLM's examples do) catches it too.
 
 Its message starts with vLLM's own words for the same failure where vLLM has them
-(``"Prompt cannot be empty. The decoder prompt cannot be empty"``, ``"Token id 99999 is out
-of vocabulary"``, ``"Requested sample logprobs of 50, which is greater than max allowed:
-20"``, ``"max_tokens must be at least 1, got 0."``), so code matching vLLM's messages keeps
-working, and goes on with dfllm's detail naming the offending input (``"(prompt 3 is empty:
-no tokens)"``, a dataframe row's ``llm_error``).
+(``"The decoder prompt cannot be empty"``, ``"Token id 99999 is out of vocabulary"``,
+``"Requested sample logprobs of 50, which is greater than max allowed: 20"``, ``"max_tokens
+must be at least 1, got 0."``), so code matching vLLM's messages keeps working, and goes on
+with dfllm's detail naming the offending input (``"(prompt 3 is empty: no tokens)"``, a
+dataframe row's ``llm_error``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 class TokenizedPrompt:
     """A prompt's text (None if given as token ids only) and token ids; a rendered chat also
     keeps the template variables it was rendered with (a reasoning parser reads them) and
-    ``chat=True`` (vLLM's words for a chat past the context length differ)."""
+    ``chat=True`` (its tokens come from its rendered text, whose length vLLM checks as a text prompt's)."""
 
     prompt: str | None
     token_ids: list[int]
@@ -53,9 +53,9 @@ def per_prompt_params(params, n: int, cls: type = SamplingParams, name: str = "s
     if isinstance(params, cls):
         return [params] * n
     params = list(params)
-    if len(params) != n:
+    if len(params) != n:  # vLLM 0.32's words (vllm/entrypoints/common/offline.py, ``_params_to_seq``), then dfllm's
         raise ValueError(
-            f"The lengths of prompts ({n}) and {name} ({len(params)}) must be the same. (got "
+            f"The lengths of prompts ({n}) and params ({len(params)}) must be the same. (got "
             f"{len(params)} {name} for {n} prompts)"
         )
     for i, p in enumerate(params):

@@ -7,12 +7,13 @@ and a structured-output constraint compiled. Whoever adds requests to the engine
 (``LLM.generate``/``chat``/``enqueue``, the dataframe accessors' driver) builds them here,
 so a bad input raises :class:`~dfllm.errors.InvalidRequestError` (a ``ValueError``) naming
 it before the engine sees it, and :meth:`~dfllm.engine.llm_engine.LLMEngine.add_request`
-checks nothing again. Messages start with vLLM's words for the same failure ("Prompt cannot
-be empty", "Token id N is out of vocabulary", "The decoder prompt (length N) is longer than
-the maximum model length of L", "Requested sample logprobs of K, which is greater than max
-allowed: M", "vLLM V1 does not yet support best_of.") and go on with dfllm's (which prompt,
-which field). A pooling model's prompts become :class:`PoolingRequest` objects
-(:meth:`InputProcessor.process_pooling`), truncated rather than refused when long.
+checks nothing again. Messages start with vLLM's words for the same failure ("The decoder
+prompt cannot be empty", "Token id N is out of vocabulary", "This model's maximum context
+length is L tokens. However, your prompt contains N input tokens, ...", "Requested sample
+logprobs of K, which is greater than max allowed: M", "vLLM V1 does not yet support
+best_of.") and go on with dfllm's (which prompt, which field). A pooling model's prompts
+become :class:`PoolingRequest` objects (:meth:`InputProcessor.process_pooling`), truncated
+rather than refused when long.
 
 Without a tokenizer (``LLM(skip_tokenizer_init=True)``, as vLLM) prompts are token ids and
 outputs carry token ids with empty text; what needs a tokenizer (a text prompt, a chat,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
@@ -187,6 +189,14 @@ class InputProcessor:
             chat=True,
         )
 
+    @cached_property
+    def _max_chars_per_token(self) -> int | None:
+        """The longest token of the vocabulary, in characters (vLLM's ``max_chars_per_token``:
+        a text longer than ``max_model_len`` times this is refused before tokenizing)."""
+        if self.tokenizer is None:
+            return None
+        return max((len(token) for token in self.tokenizer.get_vocab()), default=None)
+
     def _tokenizer(self, message: str, parameter: str) -> PreTrainedTokenizerBase:
         """The tokenizer; :class:`~dfllm.errors.InvalidRequestError` with ``message`` without one."""
         if self.tokenizer is None:
@@ -215,8 +225,16 @@ class InputProcessor:
             keep = truncation_size(params.truncate_prompt_tokens, self.max_model_len)
             if keep is not None:  # the last tokens, as vLLM truncates
                 tokenized = TokenizedPrompt(tokenized.prompt, tokenized.token_ids[-keep:])
-            chat = isinstance(prompt, TokenizedPrompt) and prompt.chat
-            check_prompt_length(len(tokenized.token_ids), what, self.max_model_len, chat=chat)
+            # vLLM checks a text prompt's (or a rendered chat's) length in characters first, and
+            # tokenizes it no further than one token past the limit; not once truncated
+            text = tokenized.prompt if keep is None and _from_text(prompt) else None
+            check_prompt_length(
+                len(tokenized.token_ids),
+                what,
+                self.max_model_len,
+                text=text,
+                max_chars_per_token=self._max_chars_per_token if text is not None else None,
+            )
             check_params_for_model(params, what, self.vocab_size, self.max_logprobs)
             params.check_supported(what)
             if self.tokenizer is None:
@@ -323,7 +341,9 @@ class InputProcessor:
         conversation by index."""
         with invalid_request():
             if add_generation_prompt and continue_final_message:
-                raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be True")
+                raise InvalidRequestError(
+                    f"{CHAT_FLAGS_CONFLICT} (add_generation_prompt and continue_final_message cannot both be True)"
+                )
             convs = as_conversation_list(messages)
             params = _per_prompt(sampling_params, len(convs))
             images = [self._chat_images(c, f"conversation {i}") for i, c in enumerate(convs)]
@@ -539,41 +559,97 @@ def check_token_ids(ids, what: str, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def check_prompt_length(n: int, what: str, max_model_len: int | None, *, chat: bool = False) -> None:
-    """Refuse an empty prompt and, unless ``max_model_len`` is None, a generation prompt that
-    leaves no room for one output token (``n >= max_model_len``), naming ``what``, in vLLM's
-    words: its renderer's for a ``chat`` past the context length, its input processor's otherwise."""
-    if n == 0:  # e.g. an empty string without special tokens, or a chat template that rendered nothing
-        raise InvalidRequestError(
-            f"Prompt cannot be empty. The decoder prompt cannot be empty ({what} is empty: no tokens)",
-            parameter="prompt",
-        )
-    if max_model_len is None or n < max_model_len:
-        return
-    m = max_model_len
-    if chat and n > m:
-        vllm = (
-            f"You passed {n} input tokens and requested 0 output tokens. However, the model's context length is "
-            f"only {m} tokens, resulting in a maximum input length of {m} tokens. Please reduce the length of the "
-            "input prompt."
-        )
-    elif n > m:
-        vllm = (
-            f"The decoder prompt (length {n}) is longer than the maximum model length of {m}. Make sure that "
-            "`max_model_len` is no smaller than the number of text tokens."
-        )
-    else:  # exactly max_model_len: no room for the one token every request generates
-        vllm = (
-            f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
-            f"than the maximum model length of {m}. Make sure that `max_model_len` is no smaller than the number "
-            "of text tokens (prompt + requested output tokens)."
-        )
-    plus = "," if n > m else ": with its first output token,"
-    raise InvalidRequestError(
-        f"{vllm} ({what} has {n} tokens{plus} longer than max_model_len={m})",
-        parameter="prompt",
-        value=n,
+# vLLM 0.32's words for a refused prompt, each in one place (dfllm's detail follows in parentheses)
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+"""An empty prompt (``vllm/v1/engine/input_processor.py``, ``InputProcessor._validate_prompt_len``)."""
+
+CHAT_FLAGS_CONFLICT = (
+    "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when "
+    "you want the model to continue the final message, and add_generation_prompt when you want to add a "
+    "header that will prompt it to start a new assistant message instead."
+)
+"""``LLM.chat(add_generation_prompt=True, continue_final_message=True)``: transformers'
+``apply_chat_template`` words, which vLLM 0.32 raises as its own (``vllm/renderers/hf.py``,
+``safe_apply_chat_template``)."""
+
+
+def no_room_for_output(n: int, max_model_len: int) -> str:
+    """A prompt of exactly ``max_model_len`` tokens (``vllm/v1/engine/input_processor.py``,
+    ``InputProcessor._validate_prompt_len``)."""
+    return (
+        f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
+        f"than the maximum model length of {max_model_len}. Make sure that `max_model_len` is no smaller than "
+        "the number of text tokens (prompt + requested output tokens)."
     )
+
+
+def too_many_tokens(count: int, max_model_len: int) -> str:
+    """A prompt past ``max_model_len`` tokens (``vllm/renderers/params.py``,
+    ``TokenizeParams._token_len_check``; parameter ``input_tokens``): ``count`` is the tokens
+    vLLM counted, "at least" one past the limit, where it stops tokenizing a text."""
+    at_least = "at least " if count == max_model_len + 1 else ""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+        f"{at_least}{count} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+        "the length of the input prompt."
+    )
+
+
+def too_many_characters(chars: int, max_model_len: int, max_chars_per_token: int) -> str:
+    """A text longer than ``max_model_len`` tokens of the longest token could hold
+    (``vllm/renderers/params.py``, ``TokenizeParams._text_len_check``; parameter ``input_text``)."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains {chars} "
+        f"characters (more than {max_model_len * max_chars_per_token} characters, which is the upper bound for "
+        f"{max_model_len} input tokens). Please reduce the length of the input prompt."
+    )
+
+
+def check_prompt_length(
+    n: int,
+    what: str,
+    max_model_len: int | None,
+    *,
+    text: str | None = None,
+    max_chars_per_token: int | None = None,
+) -> None:
+    """Refuse an empty prompt and, unless ``max_model_len`` is None, a generation prompt that
+    leaves no room for one output token (``n >= max_model_len``), naming ``what``, in vLLM
+    0.32's words for each case. ``text``: the text the ``n`` tokens came from (a text prompt
+    or a rendered chat; None for token ids), which vLLM refuses first for its length in
+    characters (over ``max_model_len * max_chars_per_token``) and tokenizes no further than
+    one token past ``max_model_len`` (so it counts "at least" that many)."""
+    m = max_model_len
+    if m is not None and text is not None and max_chars_per_token and len(text) > m * max_chars_per_token:
+        raise InvalidRequestError(
+            f"{too_many_characters(len(text), m, max_chars_per_token)} ({what} has {len(text)} characters and "
+            f"{n} tokens, longer than max_model_len={m})",
+            parameter="input_text",
+            value=len(text),
+        )
+    if n == 0:  # e.g. an empty string without special tokens, or a chat template that rendered nothing
+        raise InvalidRequestError(f"{EMPTY_PROMPT} ({what} is empty: no tokens)")
+    if m is None or n < m:
+        return
+    if n == m:  # no room for the one token every request generates
+        raise InvalidRequestError(
+            f"{no_room_for_output(n, m)} ({what} has {n} tokens: with its first output token, longer than "
+            f"max_model_len={m})"
+        )
+    count = min(n, m + 1) if text is not None else n
+    raise InvalidRequestError(
+        f"{too_many_tokens(count, m)} ({what} has {n} tokens, longer than max_model_len={m})",
+        parameter="input_tokens",
+        value=count,
+    )
+
+
+def _from_text(prompt) -> bool:
+    """Whether ``prompt``'s tokens come from its text (a str, a ``{"prompt": ...}`` dict, a
+    rendered chat), not given as ``prompt_token_ids``."""
+    if isinstance(prompt, TokenizedPrompt):
+        return prompt.chat
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
 
 
 def truncation_size(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:

@@ -447,7 +447,7 @@ def _process(gen: Generation, prompt, params, field_name: str, what: str, aliase
             param = "structured_outputs"  # the constraint did not compile for this tokenizer
         if param is not None and param in aliases:
             where = f"body.{aliases[param]}"
-        elif param in (None, "prompt", "prompt_token_ids", "messages"):
+        elif param in (None, "prompt", "prompt_token_ids", "messages", "input_tokens", "input_text"):
             where = field_name
         else:
             where = f"body.{param}"

@@ -83,7 +83,7 @@ ERRORS = {
     "unknown-url": (404, "url", "URL /v1/responses was used. Supported endpoints"),
     "typo": (400, "body.max_token", "body.max_token is not a field"),
     "bad-role": (400, "body.messages[0].role", "role must be one of"),
-    "too-long": (400, "body.messages", "However, the model's context length is only 128 tokens"),
+    "too-long": (400, "body.messages", "This model's maximum context length is 128 tokens. However, your prompt"),
     "bad-temperature": (400, "body.temperature", "temperature must be non-negative"),
     "get": (405, "method", 'method must be "POST"'),
 }

@@ -233,7 +233,7 @@ def test_dry_run_counts_lines_refusals_and_tokens_and_writes_nothing(cli_cluster
     messages = {label: message for r in report.refusals for label, message in r.examples}
     assert sorted(messages) == ["bad-temperature", "emb", "line 3", "too-long"]
     assert messages["line 3"].startswith("the line is not valid JSON")
-    assert "However, the model's context length is only 128 tokens" in messages["too-long"]
+    assert "This model's maximum context length is 128 tokens. However, your prompt contains" in messages["too-long"]
     assert messages["bad-temperature"].startswith("body.temperature: temperature must be non-negative")
     assert messages["emb"].startswith("Model does not support endpoint /v1/embeddings")
     llm = engine_cache.get_engine(str(tiny_llama), ENGINE)  # the engine the job runs on, for its token counts

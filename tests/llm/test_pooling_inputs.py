@@ -26,7 +26,12 @@ def minilm():
         (["fine", "bad \ud800"], None, None, "prompt 1 is not valid Unicode"),
         (["fine", {"prompt_token_ids": "12"}], None, None, "prompt 1: prompt_token_ids must be a list of ints"),
         ([{"multi_modal_data": {"image": "x.png"}}], None, None, "is a text-only model; image embeddings need"),
-        (["a", "b"], [PoolingParams()], None, "The lengths of prompts (2) and pooling_params (1) must be the same"),
+        (
+            ["a", "b"],
+            [PoolingParams()],
+            None,
+            "The lengths of prompts (2) and params (1) must be the same. (got 1 pooling_params",
+        ),
         (["a"], {"normalize": True}, None, "pooling_params must be a PoolingParams or a list of them"),
         (
             ["a", "b"],

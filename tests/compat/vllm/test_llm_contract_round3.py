@@ -138,10 +138,12 @@ def test_a_prompt_of_exactly_max_model_len_is_refused(llm):
 def test_a_too_long_chat_gets_vllms_context_length_words(llm):
     with pytest.raises(ValueError) as info:
         llm.chat([{"role": "user", "content": "word " * 100}], use_tqdm=False)
-    assert str(info.value).startswith("You passed ")
-    assert "However, the model's context length is only 64 tokens, resulting in a maximum input length of 64" in str(
-        info.value
+    assert str(info.value).startswith(  # vLLM 0.32 tokenizes a chat no further than one token past the limit
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input tokens, "
+        "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. "
+        "(prompt 0 has "
     )
+    assert (info.value.parameter, info.value.value) == ("input_tokens", 65)
 
 
 @pytest.mark.slow
@@ -157,7 +159,11 @@ def test_dataframe_rows_at_the_boundary_are_their_rows_errors(tiny_llama):
     chats = pd.DataFrame({"q": ["hi", "word " * 80]}).llm.chat(
         "{q}", model=str(tiny_llama), sampling_params={"max_tokens": 1}, max_model_len=64
     )
-    assert pd.isna(chats.llm_error[0]) and "the model's context length is only 64 tokens" in chats.llm_error[1]
+    assert pd.isna(chats.llm_error[0])
+    assert (
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65"
+        in (chats.llm_error[1])
+    )
 
 
 # ---- 4. tokenizer= resolves bundled names ------------------------------------------------------------

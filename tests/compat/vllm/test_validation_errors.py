@@ -61,7 +61,8 @@ def test_empty_prompt(llm):
         "prompt 1 is empty",
         "The decoder prompt cannot be empty",
     )
-    assert isinstance(err, ValueError)
+    assert isinstance(err, ValueError) and str(err).startswith("The decoder prompt cannot be empty (prompt 1")
+    assert err.parameter is None  # vLLM names none
     assert llm.engine.get_num_unfinished_requests() == 0  # nothing was queued
 
 
@@ -77,16 +78,45 @@ def test_token_id_out_of_vocabulary(llm, vocab):
 
 def test_prompt_longer_than_max_model_len(llm):
     ids = list(range(1, MAX_LEN + 2))
-    refused(
+    # vLLM 0.32's renderer's words (vllm/renderers/params.py), "at least" one token past the limit
+    err = refused(
         lambda: llm.generate([{"prompt_token_ids": [1]}, {"prompt_token_ids": ids}], use_tqdm=False),
         f"prompt 1 has {MAX_LEN + 1} tokens, longer than max_model_len={MAX_LEN}",
-        f"The decoder prompt (length {MAX_LEN + 1}) is longer than the maximum model length of {MAX_LEN}",
+        f"This model's maximum context length is {MAX_LEN} tokens. However, your prompt contains at least "
+        f"{MAX_LEN + 1} input tokens, which exceeds this limit even without any output tokens.",
     )
+    assert (err.parameter, err.value) == ("input_tokens", MAX_LEN + 1)
+    err = refused(
+        lambda: llm.generate({"prompt_token_ids": ids * 2}, use_tqdm=False),
+        f"However, your prompt contains {2 * MAX_LEN + 2} input tokens, which exceeds this limit",
+    )
+    assert (err.parameter, err.value) == ("input_tokens", 2 * MAX_LEN + 2)
+    # a text prompt: vLLM tokenizes it no further than one token past the limit
+    err = refused(
+        lambda: llm.generate("word " * 100, use_tqdm=False),
+        f"This model's maximum context length is {MAX_LEN} tokens. However, your prompt contains at least "
+        f"{MAX_LEN + 1} input tokens,",
+        f"longer than max_model_len={MAX_LEN})",
+    )
+    assert (err.parameter, err.value) == ("input_tokens", MAX_LEN + 1)
+    # and refuses it first by its length in characters, past what max_model_len of its longest tokens hold
+    longest = max(len(t) for t in llm.get_tokenizer().get_vocab())
+    chars = MAX_LEN * longest + 1
+    err = refused(
+        lambda: llm.generate("a" * chars, use_tqdm=False),
+        f"This model's maximum context length is {MAX_LEN} tokens. However, your prompt contains {chars} characters "
+        f"(more than {chars - 1} characters, which is the upper bound for {MAX_LEN} input tokens). Please reduce "
+        "the length of the input prompt. (prompt 0 has",
+    )
+    assert (err.parameter, err.value) == ("input_text", chars)
     # exactly max_model_len tokens leave no room for an output token: refused, as vLLM does
-    refused(
+    err = refused(
         lambda: llm.generate({"prompt_token_ids": ids[:MAX_LEN]}, SamplingParams(max_tokens=1), use_tqdm=False),
-        f"The decoder prompt (length {MAX_LEN}) plus the number of requested output tokens (at least 1)",
+        f"The decoder prompt (length {MAX_LEN}) plus the number of requested output tokens (at least 1) is longer "
+        f"than the maximum model length of {MAX_LEN}. Make sure that `max_model_len` is no smaller than the number "
+        "of text tokens (prompt + requested output tokens).",
     )
+    assert err.parameter is None  # vLLM names none
     assert llm.generate({"prompt_token_ids": ids[: MAX_LEN - 1]}, SamplingParams(max_tokens=1), use_tqdm=False)[
         0
     ].finished
@@ -97,13 +127,17 @@ def test_bad_prompt_types_and_chats(llm):
     refused(lambda: llm.generate(["ok", 3.5], use_tqdm=False), "prompt 1: expected a str")
     refused(lambda: llm.generate("x \ud800", use_tqdm=False), "prompt 0 is not valid Unicode")
     refused(lambda: llm.generate("ok", PoolingParams(), use_tqdm=False), "sampling_params must be a SamplingParams")
-    refused(lambda: llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False), "got 1 sampling_params for 2")
+    refused(
+        lambda: llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False),
+        "The lengths of prompts (2) and params (1) must be the same. (got 1 sampling_params for 2",
+    )
     refused(lambda: llm.chat([{"role": "robot", "content": "x"}], use_tqdm=False), "conversation 0, message 0")
     refused(
         lambda: llm.chat(
             [{"role": "user", "content": "x"}], add_generation_prompt=True, continue_final_message=True, use_tqdm=False
         ),
-        "cannot both be True",
+        "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when",
+        "(add_generation_prompt and continue_final_message cannot both be True)",
     )
     refused(lambda: llm.generate("ok", lora_request=object(), use_tqdm=False), "LoRA is not enabled")
 
@@ -223,7 +257,9 @@ def test_dataframe_rows_carry_vllms_phrases(tiny_llama):
     out = df.llm.generate("q", model=str(tiny_llama), sampling_params=SP, **ENGINE)
     assert pd.isna(out.llm_error[0])
     assert "longer than max_model_len=64" in out.llm_error[1]
-    assert "is longer than the maximum model length of 64" in out.llm_error[1]
+    # the accessor tokenizes a column's texts together: a row's prompt is its token ids (and text)
+    words = "This model's maximum context length is 64 tokens. However, your prompt contains 201 input tokens"
+    assert words in out.llm_error[1]
     many = df[:1].llm.generate("q", model=str(tiny_llama), sampling_params={**SP, "logprobs": 25}, **ENGINE)
     assert "Requested sample logprobs of 25, which is greater than max allowed: 20" in many.llm_error[0]
     lifted = df[:1].llm.generate(
