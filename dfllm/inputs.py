@@ -70,16 +70,18 @@ def as_conversation_list(messages) -> list[list[dict]]:
         raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
     convs = [messages] if isinstance(messages[0], dict) else list(messages)
     for i, conv in enumerate(convs):
-        check_conversation(conv, i)
+        check_conversation(conv, f"conversation {i}")
     return [list(c) for c in convs]
 
 
-def check_conversation(conv, i: int) -> None:
-    """Raise ``ValueError`` naming the conversation and message that is malformed."""
+def check_conversation(conv, name: str) -> None:
+    """Raise ``ValueError`` naming the conversation (``name``: ``"conversation 2"`` of a call's
+    conversations, ``"the conversation"`` of a dataframe row, whose error is its own) and the
+    message that is malformed."""
     if not isinstance(conv, Seq) or isinstance(conv, str) or not conv:
-        raise ValueError(f"conversation {i} must be a non-empty list of messages")
+        raise ValueError(f"{name} must be a non-empty list of messages")
     for j, msg in enumerate(conv):
-        where = f"conversation {i}, message {j}"
+        where = f"{name}, message {j}"
         if not isinstance(msg, dict):
             raise ValueError(f"{where}: a message must be a dict, got {type(msg).__name__}")
         if msg.get("role") not in VALID_ROLES:

@@ -563,17 +563,18 @@ def _label_text(label) -> str:
 
 def _name_row(error: str, position: int, label) -> str:
     """The engine's error for a row, naming the row by its index label where the engine
-    named it by its place in the call (``conversation 2``), which is not the row's, or did
-    not name it at all; the field it starts with stays first. From the row labelled ``'r7'``
-    (the third of the call): ``messages: conversation 2, message 0: x`` is ``messages: the
-    conversation of row 'r7', message 0: x``; ``messages: the conversation is null`` is
+    named it by its place in the call (``conversation 2``), which is not the row's, as its
+    conversation (``the conversation, message 0``), or not at all; the field it starts with
+    stays first. From the row labelled ``'r7'`` (the third of the call): ``messages: the
+    conversation, message 0: x`` is ``messages: the conversation of row 'r7', message 0:
+    x``; ``messages: the conversation is null`` is
     ``messages: in row 'r7', the conversation is null``; an error with no field first is
     ``row 'r7': <error>``."""
     row = f"row {_label_text(label)}"
     field, sep, rest = error.partition(": ")
     if not sep or not _FIELD.fullmatch(field):
         return f"{row}: {error}"
-    place = re.match(rf"(?:conversation|row) {position}(?!\d)", rest)
+    place = re.match(rf"(?:conversation|row) {position}(?!\d)|the conversation(?= must|,)", rest)
     if place is not None:
         return f"{field}: the conversation of {row}{rest[place.end() :]}"
     return f"{field}: in {row}, {rest}"

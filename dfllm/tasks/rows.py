@@ -81,7 +81,7 @@ def conversations(df: pd.DataFrame, task: LLMTask, out: dict, skip=()) -> dict[i
                 conv = _conversation_text(conv)
             if hasattr(conv, "__iter__") and not isinstance(conv, (str, bytes, Mapping)):
                 conv = [dict(m) if isinstance(m, Mapping) else m for m in conv]
-            check_conversation(conv, i)
+            check_conversation(conv, "the conversation")  # not its place in the partition: the row's own error
             convs[i] = system + conv
         except (ValueError, TypeError) as exc:
             row_error(task, out, i, f"messages: {exc}")

@@ -256,6 +256,19 @@ def test_every_bad_row_in_one_frame(kw, alone):
             assert cases[i // 2].error in out.llm_error.iloc[i]
 
 
+def test_a_bad_conversation_is_its_rows_not_a_place_in_the_partition(kw, alone):
+    """A row's error is its own: it says "the conversation", never "conversation 2" (the row's
+    place in its partition, which is no label the user has)."""
+    convs = [GOOD_CONV[0], GOOD_CONV[1], [{"role": "robot", "content": "x"}], []]
+    df = pd.DataFrame({"m": pd.Series(convs, dtype=object, index=["a", "b", "c", "d"])})
+    for frame in (df, dd.from_pandas(df, npartitions=2)):
+        out = frame.llm.chat("m", sampling_params=SP, **kw)
+        out = out.compute() if isinstance(out, dd.DataFrame) else out
+        assert out.loc["c", "llm_error"].startswith("messages: the conversation, message 0: role must be one of")
+        assert out.loc["d", "llm_error"] == "messages: the conversation must be a non-empty list of messages"
+        assert [out.loc[k, "generated_text"] for k in "ab"] == [alone("chat", c) for c in GOOD_CONV]
+
+
 def test_null_sampling_params_row_means_defaults(kw):
     """A null in a sampling-params column (None, NaN, NA) is no error: that row uses the defaults."""
     df = pd.DataFrame({"q": GOOD + GOOD[:1], "sp": pd.Series([None, math.nan, pd.NA], dtype=object)})
