@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
 
 from dfllm.engine.input_processor import PoolingRequest, score_pairs
-from dfllm.engine.pooling_engine import PoolingEngine
+from dfllm.engine.pooling_engine import PoolingEngine, PoolingFailedError
 from dfllm.errors import InvalidRequestError
 from dfllm.lora.request import LoRARequest, per_prompt
 from dfllm.models.colbert import maxsim
@@ -31,10 +31,14 @@ from dfllm.pooling_params import POOLING_TASKS, PoolingParams
 
 def check_pooling_task(pooling_task: str | None) -> str:
     """``pooling_task`` of ``encode``, or :class:`~dfllm.errors.InvalidRequestError` if it is
-    not one of :data:`POOLING_TASKS`."""
+    not one of :data:`POOLING_TASKS` (starting with vLLM's words)."""
     if pooling_task not in POOLING_TASKS:
+        # vLLM 0.32: "pooling_task required for `LLM.encode`. ..." for None, else "Unsupported task: 'x' ..."
+        vllm = (
+            "pooling_task required for `LLM.encode`." if pooling_task is None else f"Unsupported task: {pooling_task!r}"
+        )
         raise InvalidRequestError(
-            f"pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}",
+            f"{vllm} pooling_task must be one of {POOLING_TASKS}, got {pooling_task!r}",
             parameter="pooling_task",
             value=pooling_task,
         )
@@ -119,7 +123,8 @@ class PoolingFrontend:
         :class:`~dfllm.errors.InvalidRequestError` naming its index."""
         task = check_pooling_task(pooling_task)
         truncate = truncation(truncate_prompt_tokens, tokenization_kwargs)
-        return self._encode(task, prompts, pooling_params, use_tqdm, truncate, lora_request)
+        outs, errors = self._encode(task, prompts, pooling_params, use_tqdm, truncate, lora_request)
+        return _raise_failed(outs, errors)
 
     def embed(
         self,
@@ -134,11 +139,16 @@ class PoolingFrontend:
         """One embedding (a list of floats) per prompt, in input order; ``lora_request`` as in
         :meth:`encode`."""
         truncate = truncation(truncate_prompt_tokens, tokenization_kwargs)
-        outs = self._encode("embed", prompts, pooling_params, use_tqdm, truncate, lora_request)
-        return [
-            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
-            for o in outs
-        ]
+        outs, errors = self._encode("embed", prompts, pooling_params, use_tqdm, truncate, lora_request)
+        return _raise_failed(
+            [
+                EmbeddingRequestOutput(
+                    o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids, o.finished
+                )
+                for o in outs
+            ],
+            errors,
+        )
 
     def classify(
         self,
@@ -153,16 +163,23 @@ class PoolingFrontend:
         """Class probabilities per prompt; ``outputs.label`` names the most likely class
         (``id2label``); ``lora_request`` as in :meth:`encode`."""
         truncate = truncation(truncate_prompt_tokens, tokenization_kwargs)
-        outs = self._encode("classify", prompts, pooling_params, use_tqdm, truncate, lora_request)
+        outs, errors = self._encode("classify", prompts, pooling_params, use_tqdm, truncate, lora_request)
         id2label = self.engine.cfg.model.id2label or {}
-        return [
-            ClassificationRequestOutput(
-                o.request_id,
-                ClassificationOutput(o.outputs.data.tolist(), id2label.get(int(o.outputs.data.argmax()))),
-                o.prompt_token_ids,
-            )
-            for o in outs
-        ]
+        return _raise_failed(
+            [
+                ClassificationRequestOutput(
+                    o.request_id,
+                    ClassificationOutput(
+                        o.outputs.data.tolist(),
+                        id2label.get(int(o.outputs.data.argmax())) if o.finished else None,
+                    ),
+                    o.prompt_token_ids,
+                    o.finished,
+                )
+                for o in outs
+            ],
+            errors,
+        )
 
     def score(
         self,
@@ -183,7 +200,12 @@ class PoolingFrontend:
         its sigmoid is the score; a late-interaction (ColBERT) model scores by MaxSim over
         the two texts' normalised token vectors (the sum over the first text's tokens of the
         best dot product with any token of the second); any other embedding model scores by
-        the cosine similarity of the two embeddings.
+        the cosine similarity of the two embeddings (then, as vLLM's, each output's
+        ``prompt_token_ids`` are the two texts' joined by the pad token and its ``request_id``
+        is the two embedding requests' ids joined by "_").
+
+        ``lora_request``: an adapter that cannot be read into a slot when its texts run fails
+        their pairs (:class:`~dfllm.outputs.RequestFailedError`, as in :meth:`encode`).
         """
         left, right = score_pairs(data_1, data_2)
         truncate_prompt_tokens = truncation(truncate_prompt_tokens, tokenization_kwargs)
@@ -206,25 +228,52 @@ class PoolingFrontend:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
         late = self.engine.late_interaction  # token vectors and MaxSim; else one normalised vector and a dot
         unique = list(dict.fromkeys(left + right))  # a 1-to-N query is encoded once
-        vectors = PoolingParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        vectors = PoolingParams(
+            normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens, dimensions=params.dimensions
+        )
         task = "token_embed" if late else "embed"
-        outs = self._encode(task, unique, vectors, use_tqdm, truncate_prompt_tokens, lora_request)
+        outs, errors = self._encode(task, unique, vectors, use_tqdm, truncate_prompt_tokens, lora_request)
         by_text = dict(zip(unique, outs))
-        return [
+        pad = self.processor.tokenizer.pad_token_id  # vLLM joins the two texts' tokens with it
+        sep = [] if pad is None else [pad]
+        scores = [
             ScoringRequestOutput(
-                self._next_id(),
+                f"{a.request_id}_{b.request_id}",
                 ScoringOutput(
-                    maxsim(a.outputs.data, b.outputs.data) if late else float(a.outputs.data @ b.outputs.data)
+                    float("nan")
+                    if not (a.finished and b.finished)
+                    else maxsim(a.outputs.data, b.outputs.data)
+                    if late
+                    else float(a.outputs.data @ b.outputs.data)
                 ),
-                a.prompt_token_ids + b.prompt_token_ids,
+                a.prompt_token_ids + sep + b.prompt_token_ids,
+                a.finished and b.finished,
             )
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
+        pos = {text: i for i, text in enumerate(unique)}
+        failed = {
+            k: errors.get(pos[x], errors.get(pos[y]))
+            for k, (x, y) in enumerate(zip(left, right))
+            if pos[x] in errors or pos[y] in errors
+        }
+        return _raise_failed(scores, cast(dict[int, BaseException], failed))
 
     def require(self, task: str) -> str:
         """``task``, or :class:`~dfllm.errors.InvalidRequestError` if the model does not serve
-        it (e.g. "classify" on an embedder)."""
+        it (e.g. "classify" on an embedder), starting with vLLM's words."""
         if task not in self.engine.supported_tasks:
+            # vLLM 0.32's messages for the same calls
+            embed = "Embedding API is not supported by this model. Try converting the model using `--convert embed`."
+            vllm = {
+                "embed": embed,
+                "token_embed": embed,
+                "classify": "Classification API is not supported by this model. "
+                "Try converting the model using `--convert classify`.",
+                "score": "Scoring API is only enabled for num_labels == 1."
+                if self.engine.num_labels
+                else "This model does not support the Scoring API.",
+            }[task]
             labels = self.engine.num_labels
             kind = (
                 f"a classifier with {labels} labels"
@@ -234,7 +283,7 @@ class PoolingFrontend:
                 else "an embedding model"
             )
             raise InvalidRequestError(
-                f"{task} is not supported by this model, {kind} (it supports "
+                f"{vllm} {task} is not supported by this model, {kind} (it supports "
                 f"{', '.join(self.engine.supported_tasks)}); score needs an embedding "
                 f"model or a cross-encoder (one label). Unsupported task: {task!r}",
                 parameter="task",
@@ -260,6 +309,8 @@ class PoolingFrontend:
         """
         requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens)
         tasks = [self.require(r.params.task or self.engine.supported_tasks[0]) for r in requests]
+        for r, t in zip(requests, tasks):
+            self.engine.check_params(r.params, t)
         queued = [_Queued(self._next_id(), r, t) for r, t in zip(requests, tasks)]
         self._queued += queued
         return [q.request_id for q in queued]
@@ -350,28 +401,75 @@ class PoolingFrontend:
                 checked.add(id(lora))
         return loras if any(lora is not None for lora in loras) else None
 
+    def _check_params(self, requests: list[PoolingRequest], task: str) -> None:
+        """Each request's params can run ``task`` on this model (``dimensions``), else
+        :class:`~dfllm.errors.InvalidRequestError` with vLLM's message."""
+        checked: set[int] = set()
+        for r in requests:
+            if id(r.params) not in checked:
+                self.engine.check_params(r.params, task)
+                checked.add(id(r.params))
+
     def _encode(
         self, task: str, prompts, pooling_params, use_tqdm: bool, truncate_prompt_tokens, lora_request
-    ) -> list[PoolingRequestOutput]:
-        """:meth:`encode` of a checked ``task`` name (refused here if the model does not serve it)."""
+    ) -> tuple[list[PoolingRequestOutput], dict[int, BaseException]]:
+        """:meth:`encode` of a checked ``task`` name (refused here if the model does not serve it):
+        the outputs, and the error of each failed prompt by index (its output ``finished=False``
+        with an empty tensor)."""
         task = self.require(task)
         requests = self.processor.process_pooling(prompts, pooling_params, truncate_prompt_tokens, task)
-        data = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
+        self._check_params(requests, task)
+        data, errors = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
         return [
-            PoolingRequestOutput(self._next_id(), PoolingOutput(d), r.prompt_token_ids) for d, r in zip(data, requests)
-        ]
+            PoolingRequestOutput(
+                self._next_id(), PoolingOutput(torch.empty(0) if d is None else d), r.prompt_token_ids, d is not None
+            )
+            for d, r in zip(data, requests)
+        ], errors
 
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
         requests = self.processor.process_pairs(left, right, params, truncate_prompt_tokens, self.engine.is_decoder)
-        data = self._pool(requests, "classify", use_tqdm, None if lora_request is None else [lora_request] * len(left))
-        return [
-            ScoringRequestOutput(self._next_id(), ScoringOutput(float(d[0])), r.prompt_token_ids)
-            for d, r in zip(data, requests)
-        ]
+        self._check_params(requests, "classify")
+        data, errors = self._pool(
+            requests, "classify", use_tqdm, None if lora_request is None else [lora_request] * len(left)
+        )
+        return _raise_failed(
+            [
+                ScoringRequestOutput(
+                    self._next_id(),
+                    ScoringOutput(float("nan") if d is None else float(d[0])),
+                    r.prompt_token_ids,
+                    d is not None,
+                )
+                for d, r in zip(data, requests)
+            ],
+            errors,
+        )
 
-    def _pool(self, requests: list[PoolingRequest], task: str, use_tqdm: bool, loras=None) -> list[torch.Tensor]:
+    def _pool(
+        self, requests: list[PoolingRequest], task: str, use_tqdm: bool, loras=None
+    ) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
+        """Each request's tensor (None for a failed one), and each failed one's error by index."""
         bar = tqdm(total=len(requests), desc=f"Pooling ({task})", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            return self.engine.encode(requests, task, on_batch=bar.update, loras=loras)
+            return list(self.engine.encode(requests, task, on_batch=bar.update, loras=loras)), {}
+        except PoolingFailedError as exc:  # some prompts' LoRA adapters broke; the others ran
+            return exc.results, exc.errors
         finally:
             bar.close()
+
+
+def _raise_failed(outputs: list, errors: dict[int, BaseException]) -> list:
+    """``outputs``, or :class:`~dfllm.outputs.RequestFailedError` naming the failed ones by
+    prompt index (each ``finished=False``), with every output in its ``outputs``."""
+    if not errors:
+        return outputs
+    failed = sorted(errors)
+    lines = [f"prompt {i}: {errors[i]}" for i in failed[:5]]
+    more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
+    raise RequestFailedError(
+        f"{len(failed)} of {len(outputs)} requests failed (the others completed; their outputs are in this "
+        "error's .outputs): " + "; ".join(lines) + more,
+        outputs,
+        failed,
+    )

@@ -16,8 +16,16 @@ class PoolingParams:
     - ``truncate_prompt_tokens``: keep at most this many tokens of the prompt (the start,
       special tokens kept, as sentence-transformers truncates). Prompts are always cut to
       the model's maximum length; this can lower the limit. -1 means the model's maximum.
-    - ``use_activation``: for classify and cross-encoder scores, apply softmax (several
-      labels) or sigmoid (one label) to the logits; False returns the raw logits.
+    - ``use_activation``: as vLLM's. For classify and cross-encoder scores, apply softmax
+      (several labels) or sigmoid (one label) to the logits; False returns the raw logits.
+      For embeddings (``embed``, ``token_embed``) it is vLLM's normalisation switch: True
+      L2-normalises, False does not, when ``normalize`` is None. None (the default): the
+      model's own (True for classifiers; the ``Normalize`` module for embedders).
+    - ``dimensions``: vLLM's Matryoshka truncation of an embedding to its first N values
+      (normalised after truncation). Only for a model whose ``config.json`` has
+      ``matryoshka_dimensions`` (then N must be one of them) or ``is_matryoshka: true``
+      (then 1 <= N <= the embedding size); refused otherwise with vLLM's message, and for
+      classify ("Task 'classify' only supports ['use_activation'] parameters, ...").
     - ``task``: what to compute, as vLLM's: "embed", "classify" or "token_embed". None
       follows the call (``embed``, ``classify``, ``encode(pooling_task=...)``, which refuse
       a different task); for a request queued with ``LLM.enqueue`` it is the model's own
@@ -26,8 +34,9 @@ class PoolingParams:
 
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
-    use_activation: bool = True
+    use_activation: bool | None = None
     task: str | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:
@@ -35,6 +44,9 @@ class PoolingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens must be a positive int or -1, got {t!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+            raise ValueError(f"dimensions must be an int or None, got {d!r}")
         for name in ("normalize", "use_activation"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -18,7 +18,14 @@ projections, normalised unless ``PoolingParams(normalize=False)``.
 With ``enable_lora`` a decoder runs each prompt with its LoRA adapter (``loras``, one per
 prompt, None: the base model): a batch holds at most ``max_loras`` distinct adapters, put into
 the model's slots before it runs by a :class:`~dfllm.lora.manager.LoRAManager`, as the
-generation engine's steps.
+generation engine's steps. An adapter that cannot be read into a slot when its batch comes
+(its files broke after the request was checked, and the CPU cache no longer held it) fails
+only its own prompts (:class:`PoolingFailedError`); the other prompts are batched again from
+there, as a call without the failed ones would have batched them.
+
+``PoolingParams(dimensions=N)`` (vLLM's Matryoshka embeddings) keeps the first N values of an
+embedding before normalising it; :meth:`PoolingEngine.check_params` refuses it, with vLLM's
+messages, where vLLM does.
 
 Image-text models (CLIP, SigLIP: ``image_text``) also embed images (:class:`ImagePrompt`):
 each distinct image (by content hash) is preprocessed by the model's image processor and
@@ -47,6 +54,7 @@ from dfllm.engine.step_inputs import prepare_inputs
 from dfllm.errors import InvalidRequestError
 from dfllm.kernels.backend import encoder_attention_op
 from dfllm.lora.adapter import LoRAAdapterError
+from dfllm.lora.manager import LoRASlotError
 from dfllm.lora.request import LoRARequest
 from dfllm.models.bert import BertForSequenceClassification, use_encoder_attention
 from dfllm.models.cpu_linear import packing_available, prepack_linears
@@ -60,6 +68,18 @@ from dfllm.sampling_params import SamplingParams
 
 TASKS = POOLING_TASKS  # "embed", "classify", "token_embed"
 IMAGE_CACHE_SIZE = 4096  # image embeddings kept per engine (a few MB)
+
+
+class PoolingFailedError(RuntimeError):
+    """Some prompts of :meth:`PoolingEngine.encode` failed while every other one completed:
+    ``results`` holds every prompt's tensor in input order (None for a failed one) and
+    ``errors`` each failed prompt's error by index (a LoRA adapter that could not be read
+    into a slot: its :class:`~dfllm.lora.adapter.LoRAAdapterError`, naming it)."""
+
+    def __init__(self, results: list[torch.Tensor | None], errors: dict[int, BaseException]):
+        first = errors[min(errors)]
+        super().__init__(f"{len(errors)} of {len(results)} prompts failed: {first}")
+        self.results, self.errors = results, errors
 
 
 class PoolingEngine:
@@ -125,6 +145,51 @@ class PoolingEngine:
             raise InvalidRequestError(f"{where}: {exc}", parameter="lora_request") from None
 
     @property
+    def embedding_size(self) -> int:
+        """The size of this model's embeddings (vLLM's ``ModelConfig.embedding_size``)."""
+        hf = self.cfg.hf_config
+        size = getattr(self.model, "embedding_size", None) or getattr(hf, "embedding_size", None)
+        if size is None and self.image_text:
+            size = getattr(hf, "projection_dim", None)
+        return int(size or self.cfg.model.hidden_size)
+
+    def check_params(self, params: PoolingParams, task: str) -> None:
+        """Raise :class:`~dfllm.errors.InvalidRequestError` (vLLM's message, naming
+        ``dimensions``) unless ``params`` can run ``task`` on this model: ``dimensions`` is
+        for embeddings of a Matryoshka model only (vLLM's ``PoolingParams.verify``)."""
+        d = params.dimensions
+        if d is None:
+            return
+        if task not in ("embed", "token_embed"):
+            raise InvalidRequestError(
+                f"Task {task!r} only supports ['use_activation'] parameters, "
+                "does not support ['dimensions'] parameters",
+                parameter="dimensions",
+                value=d,
+            )
+        hf, name, size = self.cfg.hf_config, str(self.cfg.model_path), self.embedding_size
+        allowed = getattr(hf, "matryoshka_dimensions", None)
+        if not (allowed or getattr(hf, "is_matryoshka", False)):
+            raise InvalidRequestError(
+                f"Model {name!r} does not support Matryoshka embeddings; dimensions must be unset "
+                f"(received dimensions={d}).",
+                parameter="dimensions",
+                value=d,
+            )
+        if not 1 <= d <= size:
+            raise InvalidRequestError(
+                f"Model {name!r} only supports dimensions in range [1, {size}], got {d}.",
+                parameter="dimensions",
+                value=d,
+            )
+        if allowed and d not in allowed:
+            raise InvalidRequestError(
+                f"Model {name!r} only supports Matryoshka dimensions {allowed}, got {d}.",
+                parameter="dimensions",
+                value=d,
+            )
+
+    @property
     def supported_tasks(self) -> tuple[str, ...]:
         if self.num_labels:
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
@@ -143,7 +208,11 @@ class PoolingEngine:
     ) -> list[torch.Tensor]:
         """Run ``task`` over checked requests (token ids, and images of an image-text model);
         one CPU tensor per request, in input order. ``loras``: each text prompt's LoRA adapter
-        (None: the base model), checked already (:meth:`check_lora`)."""
+        (None: the base model), checked already (:meth:`check_lora`).
+
+        An adapter that cannot be read into a slot when its batch comes fails its prompts
+        alone: the rest of the call is batched again without them and runs, then
+        :class:`PoolingFailedError` holds every result and each failed prompt's error."""
         if loras is not None and all(lora is None for lora in loras):
             loras = None
         prompts, params = [r.prompt_token_ids for r in requests], [r.params for r in requests]
@@ -159,15 +228,35 @@ class PoolingEngine:
                 on_batch(len(images))
         texts = [i for i, r in enumerate(requests) if r.image is None]
         order = sorted(texts, key=lambda i: len(prompts[i]), reverse=True)
-        for batch in self._batches(order, prompts, loras):
-            types = [requests[i].token_type_ids for i in batch]
-            batch_loras = [loras[i] for i in batch] if loras is not None else None
-            for i, out in zip(
-                batch, self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch], batch_loras)
-            ):
-                results[i] = out
-            if on_batch is not None:
-                on_batch(len(batch))
+        errors: dict[int, BaseException] = {}
+        while order:
+            done = 0
+            for batch in self._batches(order, prompts, loras):
+                types = [requests[i].token_type_ids for i in batch]
+                batch_loras = [loras[i] for i in batch] if loras is not None else None
+                try:
+                    outs = self._run([prompts[i] for i in batch], types, task, [params[i] for i in batch], batch_loras)
+                except LoRASlotError as exc:  # raised before any slot changed: nothing of the batch ran
+                    assert loras is not None
+                    broken: dict[int | None, BaseException] = {k: e for k, e in exc.errors.items()}
+                    failed = [i for i in order[done:] if _lora_id(loras[i]) in broken]
+                    for i in failed:
+                        errors[i] = broken[_lora_id(loras[i])]
+                    if on_batch is not None:
+                        on_batch(len(failed))
+                    # the rest, batched again without the failed prompts: the batches a call
+                    # without them makes from here (the ones before did not hold them)
+                    order = [i for i in order[done:] if i not in errors]
+                    break
+                for i, out in zip(batch, outs):
+                    results[i] = out
+                done += len(batch)
+                if on_batch is not None:
+                    on_batch(len(batch))
+            else:
+                order = []
+        if errors:
+            raise PoolingFailedError(results, errors)
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()
@@ -194,7 +283,7 @@ class PoolingEngine:
         out = []
         for im, p in zip(images, params):
             cache.move_to_end(im.hash)
-            f = cache[im.hash]
+            f = cache[im.hash] if p.dimensions is None else cache[im.hash][: p.dimensions]
             out.append(normalize(f) if _wants_norm(p, self.pooler) else f.clone())
         while len(cache) > IMAGE_CACHE_SIZE:
             cache.popitem(last=False)
@@ -239,13 +328,16 @@ class PoolingEngine:
             classify = cast(BertForSequenceClassification, self.model).classify
             # a decoder classifier reads each row's last valid token (seq_cls)
             logits = (classify(hidden, valid) if self.is_decoder else classify(hidden)).float()  # type: ignore[call-arg]
-            return [_activate(row, p.use_activation) for row, p in zip(logits.cpu(), params)]
+            return [_activate(row, p.use_activation is not False) for row, p in zip(logits.cpu(), params)]
         pool_text = getattr(self.model, "pool_text", None)  # CLIP/SigLIP: their own token, then a projection
         pooled = (
             pool(hidden, valid, self.pooler.pooling_type) if pool_text is None else pool_text(hidden, prompts)
         ).float()
-        normed = normalize(pooled)
-        return [(normed[i] if _wants_norm(p, self.pooler) else pooled[i]).cpu() for i, p in enumerate(params)]
+        out = []
+        for row, p in zip(pooled, params):
+            row = row if p.dimensions is None else row[: p.dimensions]  # Matryoshka, before normalising
+            out.append((normalize(row) if _wants_norm(p, self.pooler) else row.clone()).cpu())
+        return out
 
     def _token_embed(
         self, hidden: torch.Tensor, prompts: list[list[int]], params: list[PoolingParams]
@@ -258,7 +350,9 @@ class PoolingEngine:
         out = []
         for i, (p, param) in enumerate(zip(prompts, params)):
             v = vectors[i, skip : len(p)]
-            wanted = param.normalize if param.normalize is not None else head is not None
+            if param.dimensions is not None:
+                v = v[:, : param.dimensions]
+            wanted = next((w for w in (param.normalize, param.use_activation) if w is not None), head is not None)
             out.append((normalize(v) if wanted else v).cpu())
         return out
 
@@ -349,4 +443,10 @@ def _activate(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:
 
 
 def _wants_norm(params: PoolingParams, pooler: PoolerConfig) -> bool:
-    return pooler.normalize if params.normalize is None else params.normalize
+    """dfllm's ``normalize``, else vLLM's ``use_activation`` (an embedder's normalisation
+    switch), else the model's own."""
+    return next((w for w in (params.normalize, params.use_activation) if w is not None), pooler.normalize)
+
+
+def _lora_id(lora: LoRARequest | None) -> int | None:
+    return None if lora is None else lora.lora_int_id
