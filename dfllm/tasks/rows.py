@@ -193,10 +193,13 @@ def literal_text(text: str, kind: type, what: str):
     holds a ``kind``."""
     try:
         value = json.loads(text)
+    except RecursionError:  # valid JSON, maybe, but nested deeper than Python reads
+        raise ValueError(f"a string nested too deeply to read as {what}") from None
     except ValueError:
         try:
             value = ast.literal_eval(text)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+        # TypeError: a literal Python cannot build ("{{}}": a set holding a dict)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             raise ValueError(
                 f"a string that is neither JSON nor {what} (on Dask, 'dataframe.convert-string' "
                 "turns an object column of lists or dicts into strings)"

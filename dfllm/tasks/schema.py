@@ -182,11 +182,18 @@ def structured_value(structured: tuple, completion, dtype):
         if completion.text not in structured[1]:
             raise ValueError(f"structured output {completion.text!r} is not one of the choices")
         return completion.text
+    # a schema that lets the model nest arrays or objects without end can give JSON nested
+    # deeper than Python reads (RecursionError, which would fail the partition)
     try:
         value = json.loads(completion.text)
-    except ValueError as exc:
+        typed = to_arrow_value(value, dtype.pyarrow_dtype)
+    except RecursionError:
+        raise ValueError(
+            f"structured output nested too deeply to read ({len(completion.text)} characters): "
+            f"{completion.text[:200]!r}"
+        ) from None
+    except json.JSONDecodeError as exc:
         raise ValueError(f"structured output is not valid JSON ({exc}): {completion.text[:200]!r}") from None
-    typed = to_arrow_value(value, dtype.pyarrow_dtype)
     try:  # e.g. an integer past int64: this row's error, not the partition's
         pa.array([typed], type=dtype.pyarrow_dtype)
     except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:

@@ -440,3 +440,23 @@ def test_a_value_the_column_type_cannot_hold_is_that_rows_error():
     )
     with pytest.raises(ValueError, match=r"does not fit the column type struct<n: int64>"):
         structured_value(task.structured, huge, dtype)
+
+
+@pytest.mark.parametrize("depth", [50, 5000])
+def test_an_output_nested_past_pythons_limit_is_that_rows_error(depth):
+    """A schema of nested arrays lets the model nest without end; JSON deeper than Python
+    reads (RecursionError) is that row's error, not the partition's failure."""
+    from dfllm.outputs import CompletionOutput
+    from dfllm.tasks.schema import structured_value
+    from dfllm.tasks.task import make_task
+
+    schema = {"type": "object", "properties": {"a": {"type": "array"}}, "required": ["a"]}
+    task = make_task("generate", ("q",), ["q"], output_column="out", json_schema=schema)
+    dtype = task.output_dtypes()["out"]
+    text = '{"a": ' + "[" * depth + "]" * depth + "}"
+    out = CompletionOutput(0, text, [1], None, None, "stop", structured_output_complete=True)
+    if depth < 100:
+        assert structured_value(task.structured, out, dtype) is not None
+    else:
+        with pytest.raises(ValueError, match=r"^structured output nested too deeply to read"):
+            structured_value(task.structured, out, dtype)

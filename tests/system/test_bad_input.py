@@ -126,6 +126,12 @@ ROW_CASES = [
         "chat-string-not-conversation", "hello", "the conversation is a string that is neither JSON nor a list", "chat"
     ),
     RowCase("chat-string-holding-a-dict", '{"role": "user"}', "the conversation is a string holding dict", "chat"),
+    RowCase(
+        "chat-string-nested-past-pythons-limit",
+        "[" * 100_000 + "]" * 100_000,
+        "the conversation is a string nested too deeply to read",
+        "chat",
+    ),
     RowCase("chat-null-conversation", None, "the conversation is null", "chat"),
     RowCase("chat-past-context-length", [{"role": "user", "content": LONG}], "longer than max_model_len=64", "chat"),
     # a column of per-row sampling params (dicts)
