@@ -529,7 +529,8 @@ def _kept_part(fs, root: str, i: int, key: str, schema: pa.Schema) -> dict | Non
             return None
         with fs.open(part_path(root, i), "rb") as f:
             rows, record, found = _footer(f)
-    except (FileNotFoundError, ValueError, OSError, pa.ArrowException):
+    # not a record (RecursionError: nested deeper than Python reads): the part is recomputed
+    except (FileNotFoundError, ValueError, RecursionError, OSError, pa.ArrowException):
         return None
     if record.get("key") != key:
         return None
@@ -599,7 +600,7 @@ def _footer(f) -> tuple[int, dict, pa.Schema]:
     raw = (meta.metadata or {}).get(FOOTER_KEY)
     try:
         record = json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # not a record (RecursionError: nested past Python's limit)
         record = {}
     schema = meta.schema.to_arrow_schema()
     schema = schema.with_metadata({k: v for k, v in (schema.metadata or {}).items() if k == b"pandas"})
@@ -626,7 +627,7 @@ def _earlier_parts(fs, root: str) -> dict[str, list[str]]:
         match = KEY_FILE.fullmatch(file.rsplit("/", 1)[1])
         try:
             recorded = json.loads(data) if data is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not a record: its part is recomputed
             continue
         key = recorded.get("key") if isinstance(recorded, dict) else None
         if match and isinstance(key, str) and KEY_PATTERN.fullmatch(key):

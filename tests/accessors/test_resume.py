@@ -141,6 +141,24 @@ def test_stale_temporary_and_leftover_files(write, rows, tmp_path):
     assert (out / "_notes.txt").read_text() == "mine"
 
 
+def test_records_nested_past_pythons_limit_are_no_records(write, rows, tmp_path):
+    """A key record or a part's footer record nested deeper than Python reads is not a
+    record, and its part is recomputed (a RecursionError failed the write)."""
+    out = tmp_path / "out"
+    exact(out, write(rows, out, 2, resume=False))
+    deep = "[" * 100_000 + "]" * 100_000
+    (out / "_dfllm_keys" / "part.00000.key").write_text(deep)
+    again = write(rows, out, 2)
+    assert (again.written, again.skipped) == (1, 1)
+    exact(out, again)
+    table = pq.read_table(out / "part.00001.parquet")
+    mine = table.replace_schema_metadata({**table.schema.metadata, b"dfllm": deep.encode()})
+    pq.write_table(mine, out / "part.00001.parquet")
+    last = write(rows, out, 2)
+    assert (last.written, last.skipped) == (1, 1)
+    exact(out, last)
+
+
 @pytest.mark.parametrize("name", ["part.0.parquet", "part.00003.parquet", "_metadata"])
 def test_files_dfllm_did_not_write_are_refused_not_deleted(write, rows, tmp_path, name):
     """Another tool's parts (Dask's ``part.0.parquet``, a part without dfllm's footer) and a
