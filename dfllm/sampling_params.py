@@ -60,8 +60,8 @@ class SamplingParams:
       support best_of."), so that params built once fail per call as in vLLM.
 
     - ``spaces_between_special_tokens`` (vLLM's; default True) and ``extra_args`` (vLLM's, for
-      plugins: kept, unused) are accepted; the text is what the tokenizer decodes, which with a
-      fast tokenizer is what vLLM 0.32 gives either way.
+      plugins: kept, unused; a dict nested at most 32 levels deep) are accepted; the text is
+      what the tokenizer decodes, which with a fast tokenizer is what vLLM 0.32 gives either way.
 
     Normalised as vLLM's: ``logprobs=True``/``prompt_logprobs=True`` ask for 1; a greedy request
     (``temperature=0``) has ``top_p=1``, ``top_k=0``, ``min_p=0`` (checked first); repeated
@@ -336,10 +336,17 @@ class SamplingParams:
                 self.spaces_between_special_tokens,
                 f"spaces_between_special_tokens must be a bool, got {self.spaces_between_special_tokens!r}",
             )
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise _invalid(
-                "extra_args", self.extra_args, f"extra_args must be a dict, got {type(self.extra_args).__name__}"
-            )
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise _invalid(
+                    "extra_args", self.extra_args, f"extra_args must be a dict, got {type(self.extra_args).__name__}"
+                )
+            if _depth(self.extra_args) > MAX_EXTRA_ARGS_DEPTH:  # every key of a request walks it
+                raise _invalid(
+                    "extra_args",
+                    "...",
+                    f"extra_args must be nested at most {MAX_EXTRA_ARGS_DEPTH} levels deep",
+                )
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -392,6 +399,21 @@ class SamplingParams:
 def _invalid(name: str, value: object, vllm: str, detail: str | None = None) -> InvalidRequestError:
     """vLLM's message for a refused field, then dfllm's detail (in parentheses) when it adds one."""
     return InvalidRequestError(vllm if detail is None else f"{vllm} ({detail})", parameter=name, value=value)
+
+
+MAX_EXTRA_ARGS_DEPTH = 32  # containers within containers: a request's keys (dedupe, cache) walk them
+
+
+def _depth(value: object, limit: int = MAX_EXTRA_ARGS_DEPTH + 1) -> int:
+    """How deeply ``value``'s dicts, lists, tuples and sets nest (1: a flat one), counted
+    up to ``limit`` only (a value nested deeper than Python recurses is still measured),
+    without recursion."""
+    containers = (dict, list, tuple, set, frozenset)
+    depth, level = 0, [value] if isinstance(value, containers) else []
+    while level and depth < limit:
+        depth += 1
+        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, containers)]
+    return depth
 
 
 def _as_list(name: str, value: object, what: str = "a list of str") -> list:

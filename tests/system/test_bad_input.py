@@ -14,6 +14,7 @@ LocalCluster), a few through Polars, and the LLM methods are checked directly.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -220,6 +221,20 @@ def check_result(out: pd.DataFrame, df: pd.DataFrame, case: RowCase, alone) -> N
 @pytest.mark.parametrize("case", ROW_CASES, ids=[c.id for c in ROW_CASES])
 def test_bad_row_pandas(case, kw, alone):
     df, args = case_frame(case, index=[7, 7, 3])  # duplicate index values, not sorted
+    check_result(call(df, kw, args), df, case, alone)
+
+
+def test_extra_args_nested_without_end_is_the_rows_error(kw, alone):
+    """Every key of a request (deduplication, the response cache) walks its params: a row's
+    extra_args nested past Python's recursion limit failed its partition. Pandas only: Dask
+    cannot tokenize such a cell to build a frame."""
+    case = RowCase(
+        "sp-extra-args-nested-without-end",
+        {"extra_args": {"a": functools.reduce(lambda x, _: [x], range(100_000), 1)}, **SP},
+        "extra_args must be nested at most 32 levels deep",
+        "sampling",
+    )
+    df, args = case_frame(case, index=[7, 7, 3])
     check_result(call(df, kw, args), df, case, alone)
 
 

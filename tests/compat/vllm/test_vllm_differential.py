@@ -125,3 +125,19 @@ def test_eos_text_only_with_include_stop_str_in_output(llm, include, skip_specia
     assert out.token_ids == [word, word, eos] and (out.finish_reason, out.stop_reason) == ("stop", None)
     words = tok.decode([word, word])
     assert out.text == (words + tok.eos_token if include and not skip_special else words)
+
+
+def test_extra_args_nested_past_the_limit_is_refused_by_name():
+    # every key of a request (deduplication, the response cache) walks its params: extra_args
+    # nested without end (a RecursionError failing the partition) is refused when built
+    def nested(depth):
+        x: object = 1
+        for _ in range(depth):
+            x = [x]
+        return {"a": x}
+
+    assert SamplingParams(extra_args=nested(31)).extra_args == nested(31)
+    for depth in (32, 100_000):
+        with pytest.raises(InvalidRequestError, match="extra_args must be nested at most 32 levels deep") as info:
+            SamplingParams(extra_args=nested(depth))
+        assert info.value.parameter == "extra_args"
