@@ -286,6 +286,8 @@ def _schema_dict(schema) -> dict:
             raise ValueError("structured_outputs.json cannot be an empty string (give a JSON schema)")
         try:
             schema = _json.loads(schema)
+        except RecursionError:
+            raise ValueError(_TOO_DEEP) from None
         except ValueError as exc:
             raise ValueError(
                 f"Invalid JSON grammar specification. (structured_outputs.json: not valid JSON text: {exc})"
@@ -297,8 +299,13 @@ def _schema_dict(schema) -> dict:
         )
     try:
         return _json.loads(_json.dumps(schema))  # a private, JSON-serialisable copy
+    except RecursionError:
+        raise ValueError(_TOO_DEEP) from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs.json: the schema is not JSON-serialisable: {exc}") from None
+
+
+_TOO_DEEP = "structured_outputs.json: the schema is nested deeper than Python reads"
 
 
 def with_engine_defaults(

@@ -460,3 +460,18 @@ def test_an_output_nested_past_pythons_limit_is_that_rows_error(depth):
     else:
         with pytest.raises(ValueError, match=r"^structured output nested too deeply to read"):
             structured_value(task.structured, out, dtype)
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_schema_nested_past_pythons_limit_is_refused_by_name(as_text):
+    """A per-row schema nested without end is that row's error (a RecursionError failed the
+    partition); one within the limit compiles (xgrammar took 900 levels here)."""
+    from dfllm import SamplingParams
+
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    text = '{"type": "array", "items": ' * 5000 + '{"type": "string"}' + "}" * 5000
+    value = text if as_text else schema
+    with pytest.raises(ValueError, match="^structured_outputs.json: the schema is nested deeper than Python reads"):
+        SamplingParams(max_tokens=2, structured_outputs={"json": value})
