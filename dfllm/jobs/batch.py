@@ -497,7 +497,10 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
         def run(group: list[int]) -> list:
             inputs = [p for i in group for p in lines[i].request.inputs]
             params = [
-                PoolingParams(truncate_prompt_tokens=lines[i].request.truncate_prompt_tokens)
+                PoolingParams(
+                    truncate_prompt_tokens=lines[i].request.truncate_prompt_tokens,
+                    dimensions=lines[i].request.dimensions,  # vLLM's Matryoshka truncation; the engine checks it
+                )
                 for i in group
                 for _ in lines[i].request.inputs
             ]
@@ -518,18 +521,43 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
             )
             return _split(outs, [len(_pairs(lines[i].request)) for i in group])
 
+    pad = _bi_encoder_pad(model) if endpoint != "embeddings" else None
     results = []
     for i, outs in zip(groups, _isolating(groups, run)):
         if isinstance(outs, Exception):
             results.append(LineResult.failed(as_line_error(outs, pooling=True)))
             continue
         try:
-            body = _pooling_body(endpoint, lines[i], outs, name)
+            body = _pooling_body(endpoint, lines[i], outs, name, pad)
         except LineError as exc:
             results.append(LineResult.failed(exc))
             continue
         results.append(LineResult(200, body, None, body["usage"]["prompt_tokens"], 0))
     return results
+
+
+def _bi_encoder_pad(model: PoolingModel) -> int | None | bool:
+    """False for a cross-encoder (one label: each pair is read together), else the token
+    that joins a bi-encoder score output's two texts' tokens (None: nothing joins them)."""
+    engine = getattr(model.llm, "pooling_engine", None)
+    if engine is None or getattr(engine, "num_labels", 0) == 1:
+        return False
+    tokenizer = getattr(engine, "tokenizer", None) or model.llm.get_tokenizer()
+    return getattr(tokenizer, "pad_token_id", None)
+
+
+def _score_prompt_tokens(outs: list, one_query: bool, pad: int | None | bool) -> int:
+    """vLLM's ``usage.prompt_tokens`` of a score or rerank line: a cross-encoder's pairs'
+    tokens; for a bi-encoder (``pad`` not False) each text's tokens, counted as vLLM encodes
+    them: every ``text_1`` and ``text_2`` entry, the single query of a 1-to-N line once (an
+    output's ``prompt_token_ids`` are its two texts' joined by ``pad``)."""
+    if pad is False:
+        return sum(len(o.prompt_token_ids) for o in outs)
+    sep = 0 if pad is None else 1
+    total = sum(len(o.prompt_token_ids) - sep for o in outs)
+    if one_query and len(outs) > 1 and sep and pad in outs[0].prompt_token_ids:
+        total -= outs[0].prompt_token_ids.index(pad) * (len(outs) - 1)
+    return total
 
 
 def _pairs(request: ScoreRequest | RerankRequest) -> list[tuple[str, str]]:
@@ -547,16 +575,11 @@ def _split(outs: list, sizes: list[int]) -> list[list]:
     return out
 
 
-def _pooling_body(endpoint: str, line: BatchRequestInput, outs: list, model: str) -> dict:
+def _pooling_body(
+    endpoint: str, line: BatchRequestInput, outs: list, model: str, pad: int | None | bool = False
+) -> dict:
     request = line.request
     if isinstance(request, EmbeddingRequest):
-        size = len(outs[0].outputs.embedding) if outs else 0
-        if request.dimensions is not None and request.dimensions != size:
-            raise LineError(
-                f"body.dimensions={request.dimensions}: {model} gives {size}-dimensional embeddings and "
-                "cannot give others",
-                param="body.dimensions",
-            )
         return embeddings(outs, model=model, encoding_format=request.encoding_format).to_dict()
     if isinstance(request, RerankRequest):
         return rerank(
@@ -566,5 +589,9 @@ def _pooling_body(endpoint: str, line: BatchRequestInput, outs: list, model: str
             id=f"rerank-{line.key}",
             top_n=request.top_n,
             return_documents=request.return_documents,
+            prompt_tokens=_score_prompt_tokens(outs, True, pad),
         ).to_dict()
-    return scores(outs, model=model, id=f"score-{line.key}").to_dict()
+    one_query = len(request.text_1) == 1
+    return scores(
+        outs, model=model, id=f"score-{line.key}", prompt_tokens=_score_prompt_tokens(outs, one_query, pad)
+    ).to_dict()

@@ -30,7 +30,7 @@ input processor and sampling params), and
   search cannot honour (:data:`BEAM_REFUSED`) are refused by name when set to anything but
   their neutral value.
 - ``embeddings``: ``input`` (text, token ids, or a list of either), ``encoding_format``
-  (``float`` or ``base64``), ``dimensions`` (only the model's own).
+  (``float`` or ``base64``), ``dimensions`` (a Matryoshka model's, checked by the engine).
 - ``score`` (vLLM): ``text_1`` and ``text_2``, each a text or a list (1 to 1, 1 to N, N to N).
 - ``rerank`` (vLLM, Jina, Cohere): ``query``, ``documents`` (texts or ``{"text": ...}``),
   ``top_n``, ``return_documents``.

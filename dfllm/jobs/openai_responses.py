@@ -247,15 +247,23 @@ def embeddings(outputs: list[EmbeddingRequestOutput], *, model: str, encoding_fo
     return EmbeddingList(data, model, Usage(sum(len(o.prompt_token_ids) for o in outputs)))
 
 
-def scores(outputs: list[ScoringRequestOutput], *, model: str, id: str, created: int | None = None) -> ScoreList:
-    """vLLM's score body of one request's pairs (``LLM.score(...)``)."""
+def scores(
+    outputs: list[ScoringRequestOutput],
+    *,
+    model: str,
+    id: str,
+    created: int | None = None,
+    prompt_tokens: int | None = None,
+) -> ScoreList:
+    """vLLM's score body of one request's pairs (``LLM.score(...)``); ``prompt_tokens``
+    (default: the outputs' ``prompt_token_ids``) is its usage."""
     data = [ScoreData(i, float(o.outputs.score)) for i, o in enumerate(outputs)]
     return ScoreList(
         id,
         created if created is not None else _now(),
         model,
         data,
-        Usage(sum(len(o.prompt_token_ids) for o in outputs)),
+        Usage(sum(len(o.prompt_token_ids) for o in outputs) if prompt_tokens is None else prompt_tokens),
     )
 
 
@@ -267,6 +275,7 @@ def rerank(
     id: str,
     top_n: int = 0,
     return_documents: bool = True,
+    prompt_tokens: int | None = None,
 ) -> RerankList:
     """vLLM's rerank body: ``LLM.score(query, documents)`` sorted best first, the first
     ``top_n`` (0: all)."""
@@ -277,7 +286,8 @@ def rerank(
         RerankResult(i, float(outputs[i].outputs.score), {"text": documents[i]} if return_documents else None)
         for i in ranked
     ]
-    return RerankList(id, model, results, Usage(sum(len(o.prompt_token_ids) for o in outputs)))
+    usage = sum(len(o.prompt_token_ids) for o in outputs) if prompt_tokens is None else prompt_tokens
+    return RerankList(id, model, results, Usage(usage))
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
