@@ -10,6 +10,10 @@ from dfllm.sampling_params import SamplingParams
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
+# vLLM 0.32's words (vllm/renderers/inputs/preprocess.py) for a prompt that is not a str, a
+# list of token ids or a dict (None, a float): dfllm's messages start with them
+PROMPT_TYPE_ERROR = "Prompt should be a string, list of tokens, or dictionary"
+
 
 @dataclass
 class TokenizedPrompt:

@@ -22,6 +22,7 @@ from dfllm.outputs import (
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
+    RequestError,
     RequestFailedError,
     ScoringOutput,
     ScoringRequestOutput,
@@ -143,7 +144,12 @@ class PoolingFrontend:
         return _raise_failed(
             [
                 EmbeddingRequestOutput(
-                    o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids, o.finished
+                    o.request_id,
+                    EmbeddingOutput(o.outputs.data.tolist()),
+                    o.prompt_token_ids,
+                    o.finished,
+                    o.num_cached_tokens,
+                    o.error,
                 )
                 for o in outs
             ],
@@ -175,6 +181,8 @@ class PoolingFrontend:
                     ),
                     o.prompt_token_ids,
                     o.finished,
+                    o.num_cached_tokens,
+                    o.error,
                 )
                 for o in outs
             ],
@@ -224,6 +232,17 @@ class PoolingFrontend:
                 parameter="lora_request",
             )
         self._loras(lora_request, 1)  # checked before any work
+        pooling_task = (
+            "classify" if self.engine.num_labels == 1 else "token_embed" if self.engine.late_interaction else "embed"
+        )
+        if params.task is not None and params.task != pooling_task:
+            # vLLM 0.32's words (vllm/entrypoints/pooling/offline.py, ``score``), then dfllm's
+            raise InvalidRequestError(
+                f"You cannot overwrite pooling_params.task={params.task!r} with pooling_task={pooling_task!r}! "
+                f"(score on this model runs {pooling_task!r}; leave PoolingParams.task unset)",
+                parameter="task",
+                value=params.task,
+            )
         if self.engine.num_labels == 1:
             return self._cross_encode(left, right, params, truncate_prompt_tokens, use_tqdm, lora_request)
         late = self.engine.late_interaction  # token vectors and MaxSim; else one normalised vector and a dot
@@ -248,6 +267,8 @@ class PoolingFrontend:
                 ),
                 a.prompt_token_ids + sep + b.prompt_token_ids,
                 a.finished and b.finished,
+                a.num_cached_tokens + b.num_cached_tokens,
+                a.error or b.error,
             )
             for a, b in ((by_text[x], by_text[y]) for x, y in zip(left, right))
         ]
@@ -343,6 +364,8 @@ class PoolingFrontend:
                 PoolingOutput(results.get(q.request_id, torch.empty(0))),
                 q.request.prompt_token_ids,
                 finished=q.request_id not in errors,
+                num_cached_tokens=0,  # dfllm's pooling caches no prompt tokens
+                error=RequestError.from_exception(errors[q.request_id]) if q.request_id in errors else None,
             )
             for q in queued
         ]
@@ -422,9 +445,14 @@ class PoolingFrontend:
         data, errors = self._pool(requests, task, use_tqdm, self._loras(lora_request, len(requests)))
         return [
             PoolingRequestOutput(
-                self._next_id(), PoolingOutput(torch.empty(0) if d is None else d), r.prompt_token_ids, d is not None
+                self._next_id(),
+                PoolingOutput(torch.empty(0) if d is None else d),
+                r.prompt_token_ids,
+                d is not None,
+                0,  # num_cached_tokens: dfllm's pooling caches no prompt tokens
+                RequestError.from_exception(errors[i]) if i in errors else None,
             )
-            for d, r in zip(data, requests)
+            for i, (d, r) in enumerate(zip(data, requests))
         ], errors
 
     def _cross_encode(self, left, right, params, truncate_prompt_tokens, use_tqdm, lora_request=None):
@@ -440,8 +468,10 @@ class PoolingFrontend:
                     ScoringOutput(float("nan") if d is None else float(d[0])),
                     r.prompt_token_ids,
                     d is not None,
+                    0,
+                    RequestError.from_exception(errors[i]) if i in errors else None,
                 )
-                for d, r in zip(data, requests)
+                for i, (d, r) in enumerate(zip(data, requests))
             ],
             errors,
         )

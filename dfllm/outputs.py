@@ -157,21 +157,47 @@ class PoolingOutput:
     data: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why one request failed while the others of its call completed (vLLM's
+    ``vllm.outputs.RequestError``): ``code`` names the kind of failure, ``message`` says what
+    failed, ``retryable`` is True when the same request may succeed if sent again.
+
+    dfllm's codes: ``"lora_adapter_error"`` (a LoRA adapter that could not be read into a
+    slot when its prompts ran), else the snake-case name of the exception's class."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RequestError:
+        """The error of a request that failed with ``exc``."""
+        name = type(exc).__name__.replace("LoRA", "Lora")  # LoRAAdapterError: lora_adapter_error
+        return cls("".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name)).lower(), str(exc))
+
+
 @dataclass
 class _PromptOutput(Generic[OutputT]):
-    """What a pooling task produced for one prompt: its ``outputs`` (one kind per task)."""
+    """What a pooling task produced for one prompt: its ``outputs`` (one kind per task).
+
+    As vLLM's ``PoolingRequestOutput``: ``num_cached_tokens`` is how many prompt tokens were
+    a prefix-cache hit (always 0: dfllm's pooling caches no prompt tokens); ``error`` is None,
+    or for a prompt that failed while the others of its call completed (``finished=False``,
+    its outputs empty or NaN) a :class:`RequestError` saying why.
+    """
 
     request_id: str
     outputs: OutputT
     prompt_token_ids: list[int]
     finished: bool = True
+    num_cached_tokens: int = 0
+    error: RequestError | None = None
 
 
 @dataclass
 class PoolingRequestOutput(_PromptOutput[PoolingOutput]):
     """Everything produced for one pooling prompt."""
-
-    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from dfllm.engine.structured import Grammar, GrammarCompiler
 from dfllm.errors import InvalidRequestError, invalid_request
 from dfllm.inputs import (
+    PROMPT_TYPE_ERROR,
     TokenizedPrompt,
     as_conversation_list,
     as_prompt_list,
@@ -395,10 +396,7 @@ class InputProcessor:
                 else:
                     text = item.get("prompt") if isinstance(item, dict) else item
                     if not isinstance(text, str):
-                        raise InvalidRequestError(
-                            f"prompt {i}: expected a str or a dict with 'prompt' or "
-                            f"'prompt_token_ids', got {type(item).__name__}"
-                        )
+                        raise not_a_prompt(item, f"prompt {i}")
                     check_unicode(text, f"prompt {i}")
                     texts.setdefault(limit, []).append(i)
             if texts:
@@ -421,10 +419,10 @@ class InputProcessor:
                     check_prompt_length(len(e or []), f"prompt {i}", None)  # truncated: only emptiness is refused
             for i, p in enumerate(params):
                 if task is not None and p.task is not None and p.task != task:
+                    # vLLM 0.32's words (vllm/entrypoints/pooling/base/io_processor.py), then dfllm's
                     raise InvalidRequestError(
-                        f"pooling_params of prompt {i}: task={p.task!r} is not this call's "
-                        f"{task!r}. You cannot overwrite self.task={p.task!r} with "
-                        f"task={task!r}!",
+                        f"You cannot overwrite param.task={p.task!r} with pooling_task={task!r}! "
+                        f"(pooling_params of prompt {i}: task={p.task!r} is not this call's {task!r})",
                         parameter="task",
                         value=p.task,
                     )
@@ -438,16 +436,33 @@ class InputProcessor:
     ) -> list[PoolingRequest]:
         """A cross-encoder's text pairs (checked by :func:`score_pairs`) tokenized together and
         truncated as :meth:`process_pooling` truncates; ``joined`` (an LLM as reranker): the two
-        texts concatenated with no separator, as vLLM tokenizes them."""
+        texts concatenated with no separator, as vLLM tokenizes them.
+
+        The pairs are tokenized in one batch, with vLLM's tokens: vLLM tokenizes each pair
+        alone, ``tokenizer(text=a, text_pair=b)``, where an empty ``b`` is no pair at all
+        (``("a", "")`` is ``[CLS] a [SEP]``, not ``[CLS] a [SEP] [SEP]``), so those pairs are
+        tokenized as their first text alone."""
         limit = self._pooling_limit(params, truncate_prompt_tokens)
         tokenizer = self._tokenizer(f"{NO_TOKENIZER} (score reads texts)", "prompt")
-        enc = (
-            tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit)
-            if joined
-            else tokenizer(list(left), list(right), truncation=True, max_length=limit)
-        )
-        types = enc.get("token_type_ids") or [None] * len(left)
-        return [PoolingRequest(ids, params, t) for ids, t in zip(enc["input_ids"], types)]
+        if joined:
+            enc = tokenizer([a + b for a, b in zip(left, right)], truncation=True, max_length=limit)
+            joined_types = enc.get("token_type_ids") or [None] * len(left)
+            return [PoolingRequest(i, params, t) for i, t in zip(enc["input_ids"], joined_types)]
+        ids: list[list[int]] = [[] for _ in left]
+        types: list[list[int] | None] = [None] * len(left)
+        alone = [k for k, b in enumerate(right) if not b]
+        paired = [k for k, b in enumerate(right) if b] if alone else list(range(len(left)))
+        for idx, pairs in ((paired, True), (alone, False)):
+            if not idx:
+                continue
+            enc = (
+                tokenizer([left[k] for k in idx], [right[k] for k in idx], truncation=True, max_length=limit)
+                if pairs
+                else tokenizer([left[k] for k in idx], truncation=True, max_length=limit)
+            )
+            for k, e, t in zip(idx, enc["input_ids"], enc.get("token_type_ids") or [None] * len(idx)):
+                ids[k], types[k] = e, t
+        return [PoolingRequest(i, params, t) for i, t in zip(ids, types)]
 
     def _pooling_limit(self, params: PoolingParams, truncate_prompt_tokens: int | None) -> int:
         """How many tokens a pooling prompt keeps: ``max_model_len``, or fewer when asked (more
@@ -526,9 +541,7 @@ class InputProcessor:
         if isinstance(prompt, dict) and not isinstance(text, str) and "prompt" in prompt:
             raise InvalidRequestError(f"{what}: 'prompt' must be a str, got {type(text).__name__}")
         if not isinstance(text, str):
-            raise InvalidRequestError(
-                f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
-            )
+            raise not_a_prompt(prompt, what)
         tokenizer = self._tokenizer(
             "You cannot pass text prompts when `skip_tokenizer_init` is True "
             f'({what}: this engine has no tokenizer; give {{"prompt_token_ids": [...]}})',
@@ -713,22 +726,38 @@ def check_params_for_model(params: SamplingParams, what: str, vocab_size: int, m
         )
 
 
+def not_a_prompt(prompt, what: str) -> InvalidRequestError:
+    """The error for ``prompt``, which is neither a str nor a dict with ``prompt`` or
+    ``prompt_token_ids`` (``what`` names it): vLLM's words first where vLLM refuses it by its
+    type (None, a float...), then dfllm's."""
+    detail = f"{what}: expected a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+    return InvalidRequestError(detail if isinstance(prompt, dict) else f"{PROMPT_TYPE_ERROR} ({detail})")
+
+
 def score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
     """``score``'s texts, each checked, broadcast to pairs: 1 to 1, 1 to N, or N to N."""
     with invalid_request():
         left = [data_1] if isinstance(data_1, str) else list(data_1)
         right = [data_2] if isinstance(data_2, str) else list(data_2)
-        if not left or not right:
-            raise InvalidRequestError("score needs at least one text on each side")
         for side, texts in (("data_1", left), ("data_2", right)):
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise InvalidRequestError(f"score {side}[{i}] must be a str, got {type(t).__name__}")
                 check_unicode(t, f"score {side}[{i}]")
+        # vLLM 0.32's words and order (vllm/entrypoints/pooling/scoring/utils.py), then dfllm's
+        if len(left) > 1 and len(left) != len(right):
+            raise InvalidRequestError(
+                f"Input lengths must be either 1:1, 1:N or N:N (score takes 1 to 1, 1 to N or N to N texts; "
+                f"got {len(left)} and {len(right)})"
+            )
+        for side, texts, name in (("data_1", left, "text"), ("data_2", right, "text_pair")):
+            if not texts:
+                raise InvalidRequestError(
+                    f"At least one {name} element must be given (score needs at least one text on each side; "
+                    f"{side} is empty)"
+                )
         if len(left) == 1 and len(right) > 1:
             left = left * len(right)
-        if len(left) != len(right):
-            raise InvalidRequestError(f"score takes 1 to 1, 1 to N or N to N texts; got {len(left)} and {len(right)}")
         return left, right
 
 

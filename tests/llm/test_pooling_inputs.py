@@ -22,7 +22,7 @@ def minilm():
     [
         (["fine", {"prompt_token_ids": [1, 10**9]}], None, None, "Token id 1000000000 is out of vocabulary (prompt 1:"),
         (["fine", {"prompt_token_ids": []}], None, None, "prompt 1 is empty"),
-        (["fine", 3], None, None, "prompt 1: expected a str or a dict"),
+        (["fine", 3], None, None, "Prompt should be a string, list of tokens, or dictionary (prompt 1: expected a str"),
         (["fine", "bad \ud800"], None, None, "prompt 1 is not valid Unicode"),
         (["fine", {"prompt_token_ids": "12"}], None, None, "prompt 1: prompt_token_ids must be a list of ints"),
         ([{"multi_modal_data": {"image": "x.png"}}], None, None, "is a text-only model; image embeddings need"),
@@ -37,7 +37,8 @@ def minilm():
             ["a", "b"],
             [PoolingParams(), PoolingParams(task="classify")],
             None,
-            "pooling_params of prompt 1: task='classify' is not this call's 'embed'",
+            "You cannot overwrite param.task='classify' with pooling_task='embed'! (pooling_params of prompt 1: "
+            "task='classify' is not this call's 'embed')",
         ),
         (["a"], None, -5, "truncate_prompt_tokens must be a positive int or -1, got -5"),
     ],

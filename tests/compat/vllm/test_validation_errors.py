@@ -124,7 +124,8 @@ def test_prompt_longer_than_max_model_len(llm):
 
 def test_bad_prompt_types_and_chats(llm):
     refused(lambda: llm.generate(None, use_tqdm=False), "prompts must be")
-    refused(lambda: llm.generate(["ok", 3.5], use_tqdm=False), "prompt 1: expected a str")
+    err = refused(lambda: llm.generate(["ok", 3.5], use_tqdm=False), "prompt 1: expected a str")
+    assert str(err).startswith("Prompt should be a string, list of tokens, or dictionary (")  # vLLM 0.32's words
     refused(lambda: llm.generate("x \ud800", use_tqdm=False), "prompt 0 is not valid Unicode")
     refused(lambda: llm.generate("ok", PoolingParams(), use_tqdm=False), "sampling_params must be a SamplingParams")
     refused(
@@ -234,15 +235,16 @@ def test_pooling_requests(embedder):
         lambda: embedder.embed({"prompt_token_ids": [101, 10**8]}, use_tqdm=False),
         "Token id 100000000 is out of vocabulary",
     )
-    refused(lambda: embedder.embed(["ok", None], use_tqdm=False), "prompt 1: expected a str")
+    err = refused(lambda: embedder.embed(["ok", None], use_tqdm=False), "prompt 1: expected a str")
+    assert str(err).startswith("Prompt should be a string, list of tokens, or dictionary (")  # vLLM 0.32's words
     refused(lambda: embedder.embed("ok", SamplingParams(), use_tqdm=False), "pooling_params must be a PoolingParams")
     refused(lambda: embedder.classify("ok", use_tqdm=False), "Unsupported task: 'classify'")
     refused(lambda: embedder.encode("ok", use_tqdm=False), "pooling_task must be one of")
     refused(
         lambda: embedder.embed("ok", PoolingParams(task="token_embed"), use_tqdm=False),
-        "You cannot overwrite self.task='token_embed' with task='embed'!",
+        "You cannot overwrite param.task='token_embed' with pooling_task='embed'!",
     )
-    refused(lambda: embedder.score([], ["x"], use_tqdm=False), "at least one text")
+    refused(lambda: embedder.score([], ["x"], use_tqdm=False), "At least one text element must be given")
     refused(lambda: embedder.embed("ok", truncate_prompt_tokens=0, use_tqdm=False), "truncate_prompt_tokens")
 
 
