@@ -57,3 +57,23 @@ def invalid_request() -> Iterator[None]:
         raise
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
+
+
+#: How deeply a request field's containers (dicts, lists, tuples, sets) may nest: sampling
+#: params' fields (``extra_args``, ``stop``, ``logit_bias``...) and a structured output's
+#: ``choice``/``regex``... past it are refused by name. Requests' keys (dedupe, the response
+#: cache) and error messages walk every field, and a value nested past Python's recursion
+#: limit would fail the partition instead of its row.
+MAX_NESTING_DEPTH = 32
+
+
+def nesting_depth(value: object, limit: int = MAX_NESTING_DEPTH + 1) -> int:
+    """How deeply ``value``'s dicts, lists, tuples and sets nest (0: not one; 1: a flat one),
+    counted up to ``limit`` only (a value nested deeper than Python recurses is still
+    measured), without recursion."""
+    containers = (dict, list, tuple, set, frozenset)
+    depth, level = 0, [value] if isinstance(value, containers) else []
+    while level and depth < limit:
+        depth += 1
+        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, containers)]
+    return depth

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth
 
 POOLING_TASKS = ("embed", "classify", "token_embed")  # what a pooling request can compute
 
@@ -39,6 +41,9 @@ class PoolingParams:
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # the messages below show the value
+            if nesting_depth(getattr(self, f.name)) > MAX_NESTING_DEPTH:
+                raise ValueError(f"{f.name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task must be None or one of {POOLING_TASKS}, got {self.task!r}")
         t = self.truncate_prompt_tokens

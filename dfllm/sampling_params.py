@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dfllm.errors import InvalidRequestError
+from dfllm.errors import MAX_NESTING_DEPTH, InvalidRequestError, nesting_depth
 from dfllm.structured_outputs import StructuredOutputsParams
 
 _MAX_N = 16384
@@ -60,8 +60,9 @@ class SamplingParams:
       support best_of."), so that params built once fail per call as in vLLM.
 
     - ``spaces_between_special_tokens`` (vLLM's; default True) and ``extra_args`` (vLLM's, for
-      plugins: kept, unused; a dict nested at most 32 levels deep) are accepted; the text is
-      what the tokenizer decodes, which with a fast tokenizer is what vLLM 0.32 gives either way.
+      plugins: kept, unused) are accepted; the text is what the tokenizer decodes, which with a
+      fast tokenizer is what vLLM 0.32 gives either way. No field may nest containers more than
+      :data:`~dfllm.errors.MAX_NESTING_DEPTH` levels deep.
 
     Normalised as vLLM's: ``logprobs=True``/``prompt_logprobs=True`` ask for 1; a greedy request
     (``temperature=0``) has ``top_p=1``, ``top_k=0``, ``min_p=0`` (checked first); repeated
@@ -105,6 +106,10 @@ class SamplingParams:
     _stop_groups: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # every key of a request, and every message, walks the fields
+            if f.init and f.name != "structured_outputs":  # checked by StructuredOutputsParams
+                if nesting_depth(getattr(self, f.name)) > MAX_NESTING_DEPTH:
+                    raise _invalid(f.name, "...", f"{f.name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
         if self.seed == -1:
             self.seed = None
         if isinstance(self.stop, str):
@@ -341,12 +346,6 @@ class SamplingParams:
                 raise _invalid(
                     "extra_args", self.extra_args, f"extra_args must be a dict, got {type(self.extra_args).__name__}"
                 )
-            if _depth(self.extra_args) > MAX_EXTRA_ARGS_DEPTH:  # every key of a request walks it
-                raise _invalid(
-                    "extra_args",
-                    "...",
-                    f"extra_args must be nested at most {MAX_EXTRA_ARGS_DEPTH} levels deep",
-                )
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -399,21 +398,6 @@ class SamplingParams:
 def _invalid(name: str, value: object, vllm: str, detail: str | None = None) -> InvalidRequestError:
     """vLLM's message for a refused field, then dfllm's detail (in parentheses) when it adds one."""
     return InvalidRequestError(vllm if detail is None else f"{vllm} ({detail})", parameter=name, value=value)
-
-
-MAX_EXTRA_ARGS_DEPTH = 32  # containers within containers: a request's keys (dedupe, cache) walk them
-
-
-def _depth(value: object, limit: int = MAX_EXTRA_ARGS_DEPTH + 1) -> int:
-    """How deeply ``value``'s dicts, lists, tuples and sets nest (1: a flat one), counted
-    up to ``limit`` only (a value nested deeper than Python recurses is still measured),
-    without recursion."""
-    containers = (dict, list, tuple, set, frozenset)
-    depth, level = 0, [value] if isinstance(value, containers) else []
-    while level and depth < limit:
-        depth += 1
-        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, containers)]
-    return depth
 
 
 def _as_list(name: str, value: object, what: str = "a list of str") -> list:

@@ -47,6 +47,8 @@ import json as _json
 import re
 from dataclasses import dataclass, replace
 
+from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 ANY_JSON_OBJECT = {"type": "object"}
 BACKENDS = ("auto", "xgrammar")  # vLLM's structured-output backends dfllm ships
@@ -80,13 +82,18 @@ class StructuredOutputsParams:
     backend: str | None = None  # None or "auto": the engine's; "xgrammar" (dfllm's only backend)
 
     def __post_init__(self) -> None:
+        for name in (*KINDS, *OPTIONS):  # messages show the values: each one nested past Python's limit
+            if name != "json" and nesting_depth(getattr(self, name, None)) > MAX_NESTING_DEPTH:
+                raise ValueError(f"structured_outputs.{name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
         if self.backend is not None:
             check_backend(self.backend)
         if self.json_object is False:
             self.json_object = None
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            specified = {k: getattr(self, k) for k in given}
+            specified = {  # a schema can nest past Python's limit: shown as "..."
+                k: "..." if nesting_depth(getattr(self, k)) > MAX_NESTING_DEPTH else getattr(self, k) for k in given
+            }
             vllm = (
                 f"You can only use one kind of structured outputs constraint but multiple are specified: {specified}"
                 if given
