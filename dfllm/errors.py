@@ -16,6 +16,10 @@ Its message starts with vLLM's own words for the same failure where vLLM has the
 must be at least 1, got 0."``), so code matching vLLM's messages keeps working, and goes on
 with dfllm's detail naming the offending input (``"(prompt 3 is empty: no tokens)"``, a
 dataframe row's ``llm_error``).
+
+The module also holds what every layer's messages need: how deeply a request's values may
+nest (:data:`MAX_NESTING_DEPTH`, :func:`nesting_depth`) and any value written as text a
+message or a string column can hold (:func:`printable`, :func:`value_text`).
 """
 
 from __future__ import annotations
@@ -77,3 +81,28 @@ def nesting_depth(value: object, limit: int = MAX_NESTING_DEPTH + 1) -> int:
         depth += 1
         level = [x for v in level for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, containers)]
     return depth
+
+
+# ---- values as the text of a message ----------------------------------------------------------
+def printable(text: str) -> str:
+    """``text`` as valid Unicode: each lone surrogate (which JSON's ``\\ud83d`` escapes can
+    make, and which has no UTF-8 form) written as its escape, ``\\ud83d`` (six characters)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def value_text(value) -> str:
+    """Any value as text a string column can hold (never an exception): a string
+    :func:`printable`, bytes read as UTF-8 (an invalid byte as its escape, ``\\xff``),
+    anything else its ``str`` (or, where that fails, its type named)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    if isinstance(value, str):
+        return printable(value)
+    try:
+        return printable(str(value))
+    except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __str__ that raises)
+        return f"a {type(value).__name__} that cannot be written as text"

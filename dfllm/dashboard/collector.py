@@ -38,7 +38,7 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 
 from dfllm.dashboard.reporting import WorkerReporter, plain
-from dfllm.tasks.schema import value_text
+from dfllm.errors import value_text
 from dfllm.worker.progress import METRIC
 from dfllm.worker.progress import PLUGIN_NAME as WORKER_PLUGIN
 

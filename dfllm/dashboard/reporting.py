@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from dfllm.tasks.schema import printable, value_text
+from dfllm.errors import printable, value_text
 from dfllm.worker.progress import METRIC, PLUGIN_NAME, task_dropped, task_finished, tracked, worker_report
 
 MAX_DEPTH = 16  # nesting kept; anything deeper is its text
@@ -27,9 +27,9 @@ MAX_DEPTH = 16  # nesting kept; anything deeper is its text
 
 def plain(value: Any, finite: bool = False, _depth: int = 0) -> Any:
     """``value`` as data msgpack and JSON always encode: valid-Unicode strings (a lone
-    surrogate written as its escape, :func:`~dfllm.tasks.schema.printable`), dicts with
+    surrogate written as its escape, :func:`~dfllm.errors.printable`), dicts with
     string keys, lists, bools, None, ints within 64 bits (a larger one as a float, ±inf past
-    a float's range) and floats; anything else its text (:func:`~dfllm.tasks.schema.value_text`).
+    a float's range) and floats; anything else its text (:func:`~dfllm.errors.value_text`).
     With ``finite``, a NaN or infinite float is None (JSON has neither)."""
     if value is None or isinstance(value, bool):
         return value

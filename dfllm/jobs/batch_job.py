@@ -58,6 +58,7 @@ import pyarrow.parquet as pq
 from dfllm.accessors import writer
 from dfllm.accessors.partitions import WritableFunction
 from dfllm.accessors.prefix_placement import JobPlacement, placement_settings
+from dfllm.errors import printable
 from dfllm.jobs.batch import GENERATIVE, BatchOptions, Engines, answer, engine_requests
 from dfllm.jobs.dry_run import (
     DEFAULT_CALIBRATION_SECONDS,
@@ -71,7 +72,7 @@ from dfllm.jobs.dry_run import (
 from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
 from dfllm.tasks.prefix_keys import RowKeys, request_keys
 from dfllm.tasks.response_cache import ResponseCache, as_cache
-from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS, printable
+from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
 from dfllm.tasks.write_key import canonical
 
 DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress

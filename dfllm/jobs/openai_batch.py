@@ -33,8 +33,8 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dfllm.errors import printable
 from dfllm.jobs.openai_requests import LineError, parse_body
-from dfllm.tasks.schema import printable
 
 #: The endpoints dfllm answers, by the ``url`` of a line; vLLM's spellings of score and
 #: rerank (without ``/v1``, and ``/v2/rerank``) are accepted too.

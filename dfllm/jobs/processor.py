@@ -30,11 +30,12 @@ from dfllm.accessors.arrow_schema import (
 )
 from dfllm.accessors.partitions import WritableFunction
 from dfllm.accessors.placement import run_placed
+from dfllm.errors import value_text
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConfig
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.response_cache import ResponseCache, as_cache
-from dfllm.tasks.schema import LLM_ERROR, error_text, value_text
+from dfllm.tasks.schema import LLM_ERROR, error_text
 from dfllm.tasks.task import make_task, repeated_columns
 from dfllm.tasks.templates import is_null
 from dfllm.tasks.write_key import canonical

@@ -54,8 +54,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dfllm.accessors.arrow_schema import settled, unify_counts, value_types
+from dfllm.errors import printable
 from dfllm.jobs.openai_batch import _find, _read_int, _TooLong
-from dfllm.tasks.schema import printable
 
 FORMATS = {
     ".parquet": "parquet",

@@ -21,11 +21,12 @@ from collections.abc import Sequence
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.errors import printable
 from dfllm.inputs import check_unicode
 from dfllm.semantic.frames import earlier_errors
 from dfllm.semantic.join import LLMArgs, Placed, SemanticCost, columns_of, operator_resources
 from dfllm.semantic.prompts import instruction_fields, record_template, semantic_prompt
-from dfllm.tasks.schema import LLM_ERROR, printable
+from dfllm.tasks.schema import LLM_ERROR
 from dfllm.tasks.task import LLMTask, make_task
 from dfllm.tasks.templates import field_text, is_null
 

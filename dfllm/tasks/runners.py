@@ -48,6 +48,7 @@ import pandas as pd
 
 from dfllm.beam_search import BeamSearchParams, beam_outputs, beam_search_score, search_requests
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
+from dfllm.errors import printable
 from dfllm.llm import LLM
 from dfllm.outputs import RequestOutput
 from dfllm.pooling_params import PoolingParams
@@ -71,7 +72,6 @@ from dfllm.tasks.schema import (
     PROBS,
     REASONING_CONTENT,
     SORT_BY_PROMPT,
-    printable,
     structured_value,
 )
 from dfllm.tasks.templates import is_null, is_template

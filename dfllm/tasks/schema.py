@@ -13,36 +13,13 @@ import json
 import pandas as pd
 import pyarrow as pa
 
+from dfllm.errors import value_text
 from dfllm.tasks.templates import is_null
 
 STRING = pd.ArrowDtype(pa.string())
 INT = pd.ArrowDtype(pa.int64())
 FLOAT = pd.ArrowDtype(pa.float64())
 VECTOR = pd.ArrowDtype(pa.list_(pa.float32()))
-
-
-def printable(text: str) -> str:
-    """``text`` as valid Unicode: each lone surrogate (which JSON's ``\\ud83d`` escapes can
-    make, and which has no UTF-8 form) written as its escape, ``\\ud83d`` (six characters)."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def value_text(value) -> str:
-    """Any value as text a string column can hold (never an exception): a string
-    :func:`printable`, bytes read as UTF-8 (an invalid byte as its escape, ``\\xff``),
-    anything else its ``str`` (or, where that fails, its type named)."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "backslashreplace")
-    if isinstance(value, str):
-        return printable(value)
-    try:
-        return printable(str(value))
-    except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __str__ that raises)
-        return f"a {type(value).__name__} that cannot be written as text"
 
 
 def error_text(value) -> str | None:

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 import dfllm
 from dfllm.accessors.arrow_schema import STRING, infer_dtype, typed_column
+from dfllm.errors import value_text
 from dfllm.jobs.processor import RowFailedError
-from dfllm.tasks.schema import value_text
 
 SP = dict(temperature=0.0, max_tokens=1, ignore_eos=True)
 ENGINE = {"max_model_len": 64, "kv_cache_memory_bytes": 2**22}

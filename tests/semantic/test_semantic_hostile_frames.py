@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from semantic_data import ENGINE, INSTRUCTION, reviews
 
 import dfllm
+from dfllm.errors import value_text
 from dfllm.semantic.frames import earlier_errors
-from dfllm.tasks.schema import value_text
 
 pytestmark = pytest.mark.timeout(600)
 
