@@ -284,7 +284,7 @@ class PoolingEngine:
         for im, p in zip(images, params):
             cache.move_to_end(im.hash)
             f = cache[im.hash] if p.dimensions is None else cache[im.hash][: p.dimensions]
-            out.append(normalize(f) if _wants_norm(p, self.pooler) else f.clone())
+            out.append(normalize(f) if _wants_norm(p, self.pooler.normalize) else f.clone())
         while len(cache) > IMAGE_CACHE_SIZE:
             cache.popitem(last=False)
         return out
@@ -336,7 +336,7 @@ class PoolingEngine:
         out = []
         for row, p in zip(pooled, params):
             row = row if p.dimensions is None else row[: p.dimensions]  # Matryoshka, before normalising
-            out.append((normalize(row) if _wants_norm(p, self.pooler) else row.clone()).cpu())
+            out.append((normalize(row) if _wants_norm(p, self.pooler.normalize) else row.clone()).cpu())
         return out
 
     def _token_embed(
@@ -352,7 +352,7 @@ class PoolingEngine:
             v = vectors[i, skip : len(p)]
             if param.dimensions is not None:
                 v = v[:, : param.dimensions]
-            wanted = next((w for w in (param.normalize, param.use_activation) if w is not None), head is not None)
+            wanted = _wants_norm(param, head is not None)  # a token head's vectors are normalised
             out.append((normalize(v) if wanted else v).cpu())
         return out
 
@@ -442,10 +442,10 @@ def _activate(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:
     return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
 
 
-def _wants_norm(params: PoolingParams, pooler: PoolerConfig) -> bool:
+def _wants_norm(params: PoolingParams, model_default: bool) -> bool:
     """dfllm's ``normalize``, else vLLM's ``use_activation`` (an embedder's normalisation
     switch), else the model's own."""
-    return next((w for w in (params.normalize, params.use_activation) if w is not None), pooler.normalize)
+    return next((w for w in (params.normalize, params.use_activation) if w is not None), model_default)
 
 
 def _lora_id(lora: LoRARequest | None) -> int | None:
