@@ -180,7 +180,7 @@ def _structured_outputs_config(name: str, value: Any) -> None:
         return
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be None or a dict such as {{'backend': 'xgrammar'}}, got {value!r}")
-    unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS))
+    unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS), key=repr)  # keys of any type
     if unknown:
         raise _refuse(name, value, f"only {list(STRUCTURED_OUTPUTS_KEYS)} can be set (found {unknown})")
     _reasoning_parser(f"{name}['reasoning_parser']", value.get("reasoning_parser"))

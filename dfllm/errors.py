@@ -83,6 +83,21 @@ def nesting_depth(value: object, limit: int = MAX_NESTING_DEPTH + 1) -> int:
     return depth
 
 
+def array_as_list(value: object) -> object:
+    """An array of one or more dimensions (NumPy's, a tensor, a pandas Series: what a dataframe's
+    list column holds) as the nested list of Python values it holds, to be checked as a list
+    is (its truth value, compared with ``!=`` or ``if``, raises); anything else as it is."""
+    if getattr(value, "ndim", 0) and callable(getattr(value, "tolist", None)):
+        return value.tolist()  # type: ignore[attr-defined]
+    return value
+
+
+def invalid_field(name: str, value: object, vllm: str, detail: str | None = None) -> InvalidRequestError:
+    """The refusal of a request field ``name`` holding ``value``: vLLM's message, then dfllm's
+    ``detail`` (in parentheses) when it adds one."""
+    return InvalidRequestError(vllm if detail is None else f"{vllm} ({detail})", parameter=name, value=value)
+
+
 # ---- values as the text of a message ----------------------------------------------------------
 def printable(text: str) -> str:
     """``text`` as valid Unicode: each lone surrogate (which JSON's ``\\ud83d`` escapes can

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth
+from dfllm.errors import MAX_NESTING_DEPTH, invalid_field, nesting_depth
 
 POOLING_TASKS = ("embed", "classify", "token_embed")  # what a pooling request can compute
 
@@ -41,18 +41,23 @@ class PoolingParams:
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
+        """Refuse a field of the wrong type or value: :class:`~dfllm.errors.InvalidRequestError`
+        (a ``ValueError``) naming it in ``parameter``, whatever the value (an array, a
+        surrogate, a value nested past :data:`~dfllm.errors.MAX_NESTING_DEPTH`)."""
         for f in fields(self):  # the messages below show the value
             if nesting_depth(getattr(self, f.name)) > MAX_NESTING_DEPTH:
-                raise ValueError(f"{f.name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
-        if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"task must be None or one of {POOLING_TASKS}, got {self.task!r}")
+                raise invalid_field(f.name, None, f"{f.name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
+        if self.task is not None and not (isinstance(self.task, str) and self.task in POOLING_TASKS):
+            raise invalid_field("task", self.task, f"task must be None or one of {POOLING_TASKS}, got {self.task!r}")
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
-            raise ValueError(f"truncate_prompt_tokens must be a positive int or -1, got {t!r}")
+            raise invalid_field(
+                "truncate_prompt_tokens", t, f"truncate_prompt_tokens must be a positive int or -1, got {t!r}"
+            )
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
-            raise ValueError(f"dimensions must be an int or None, got {d!r}")
+            raise invalid_field("dimensions", d, f"dimensions must be an int or None, got {d!r}")
         for name in ("normalize", "use_activation"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+                raise invalid_field(name, value, f"{name} must be a bool, got {value!r}")

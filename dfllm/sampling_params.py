@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dfllm.errors import MAX_NESTING_DEPTH, InvalidRequestError, nesting_depth
+from dfllm.errors import MAX_NESTING_DEPTH, array_as_list, invalid_field, nesting_depth
 from dfllm.structured_outputs import StructuredOutputsParams
 
 _MAX_N = 16384
@@ -108,8 +108,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for f in fields(self):  # every key of a request, and every message, walks the fields
             if f.init and f.name != "structured_outputs":  # checked by StructuredOutputsParams
+                setattr(self, f.name, array_as_list(getattr(self, f.name)))
                 if nesting_depth(getattr(self, f.name)) > MAX_NESTING_DEPTH:
-                    raise _invalid(f.name, "...", f"{f.name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
+                    raise invalid_field(
+                        f.name, "...", f"{f.name} must be nested at most {MAX_NESTING_DEPTH} levels deep"
+                    )
         if self.seed == -1:
             self.seed = None
         if isinstance(self.stop, str):
@@ -138,7 +141,7 @@ class SamplingParams:
     def from_dict(cls, values: dict) -> SamplingParams:
         """Build from a plain dict (as held in a dataframe column); unknown keys raise."""
         known = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - known, key=repr)  # keys of any type (a dataframe cell's)
         if unknown:
             raise ValueError(f"SamplingParams: unknown field(s) {unknown}")
         return cls(**values)
@@ -196,9 +199,9 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, 2**63 - 1)
         for s in self._stop_list:
             if not isinstance(s, str):
-                raise _invalid("stop", self.stop, f"stop must be a str or a list of str, got an entry {s!r}")
+                raise invalid_field("stop", self.stop, f"stop must be a str or a list of str, got an entry {s!r}")
             if s == "":
-                raise _invalid(
+                raise invalid_field(
                     "stop",
                     self.stop,
                     "stop cannot contain an empty string.",
@@ -209,7 +212,9 @@ class SamplingParams:
         for t in stop_token_ids:
             if isinstance(t, (list, tuple)):
                 if not t:
-                    raise _invalid("stop_token_ids", t, "stop_token_ids: a group of stop token ids must not be empty")
+                    raise invalid_field(
+                        "stop_token_ids", t, "stop_token_ids: a group of stop token ids must not be empty"
+                    )
                 for u in t:
                     _check_int("stop_token_ids", u, 0, None, _vllm_stop_token_id(stop_token_ids))
                 self._stop_groups.append(tuple(t))
@@ -217,7 +222,7 @@ class SamplingParams:
                 _check_int("stop_token_ids", t, 0, None, _vllm_stop_token_id(stop_token_ids))
                 self._stop_ids.append(t)
         if not isinstance(self.ignore_eos, bool):
-            raise _invalid("ignore_eos", self.ignore_eos, f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise invalid_field("ignore_eos", self.ignore_eos, f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None, lambda v: f"max_tokens must be at least 1, got {v}.")
         _check_int(
@@ -227,7 +232,7 @@ class SamplingParams:
             self.max_tokens,
             lambda v: (
                 f"min_tokens must be greater than or equal to 0, got {v}."
-                if v < 0
+                if not _is_int(v) or v < 0  # a value of the wrong type: dfllm's detail names it
                 else f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {v}."
             ),
         )
@@ -246,9 +251,9 @@ class SamplingParams:
             ),
         )
         if not isinstance(self.detokenize, bool):
-            raise _invalid("detokenize", self.detokenize, f"detokenize must be a bool, got {self.detokenize!r}")
+            raise invalid_field("detokenize", self.detokenize, f"detokenize must be a bool, got {self.detokenize!r}")
         if not self.detokenize and self._stop_list:
-            raise _invalid(
+            raise invalid_field(
                 "stop",
                 self.stop,
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
@@ -267,13 +272,13 @@ class SamplingParams:
                     if any(w == "" for w in self.bad_words)
                     else "bad_words entries must tokenize to at least one token."
                 )
-                raise _invalid(
+                raise invalid_field(
                     "bad_words", self.bad_words, vllm, f"bad_words must be non-empty strings, got {self.bad_words!r}"
                 )
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
             if not self.allowed_token_ids:
-                raise _invalid(
+                raise invalid_field(
                     "allowed_token_ids",
                     [],
                     "allowed_token_ids is not None and empty!",
@@ -285,7 +290,9 @@ class SamplingParams:
                 )
         if self.logit_bias is not None:
             self._check_logit_bias()
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+        if self.truncate_prompt_tokens is not None and not (
+            _is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens == -1
+        ):
             _check_int(
                 "truncate_prompt_tokens",
                 self.truncate_prompt_tokens,
@@ -302,7 +309,7 @@ class SamplingParams:
                 lambda v: f"prompt_logprobs must be non-negative or -1, got {v}.",
             )
         if self.logits_processors:
-            raise _invalid(
+            raise invalid_field(
                 "logits_processors",
                 self.logits_processors,
                 "vLLM V1 does not support per request user provided logits processors.",
@@ -321,13 +328,13 @@ class SamplingParams:
                 ),
             )
             if self.best_of < self.n:
-                raise _invalid(
+                raise invalid_field(
                     "best_of",
                     self.best_of,
                     f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.",
                 )
         if self.n > 1 and self.is_greedy:
-            raise _invalid(
+            raise invalid_field(
                 "n",
                 self.n,
                 f"n must be 1 when using greedy sampling, got {self.n}.",
@@ -336,20 +343,20 @@ class SamplingParams:
         if self.is_greedy:  # as vLLM: greedy sampling has no top-p, top-k or min-p
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         if not isinstance(self.spaces_between_special_tokens, bool):
-            raise _invalid(
+            raise invalid_field(
                 "spaces_between_special_tokens",
                 self.spaces_between_special_tokens,
                 f"spaces_between_special_tokens must be a bool, got {self.spaces_between_special_tokens!r}",
             )
         if self.extra_args is not None:
             if not isinstance(self.extra_args, dict):
-                raise _invalid(
+                raise invalid_field(
                     "extra_args", self.extra_args, f"extra_args must be a dict, got {type(self.extra_args).__name__}"
                 )
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
-            raise _invalid(
+            raise invalid_field(
                 "logit_bias",
                 self.logit_bias,
                 f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}",
@@ -358,7 +365,7 @@ class SamplingParams:
         for k, b in self.logit_bias.items():  # JSON keys are text
             if not _intable(k):
                 bad = [k for k in self.logit_bias if not _intable(k)]
-                raise _invalid(
+                raise invalid_field(
                     "logit_bias",
                     bad,
                     f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
@@ -366,7 +373,7 @@ class SamplingParams:
             try:
                 bias[int(k)] = float(b)
             except (TypeError, ValueError):
-                raise _invalid(
+                raise invalid_field(
                     "logit_bias", b, f"logit_bias: the bias of token {k!r} must be a number, got {b!r}"
                 ) from None
         for t, b in bias.items():
@@ -386,7 +393,7 @@ class SamplingParams:
         "prompt 3"); raised by ``generate`` (the engine's input processor), not at
         construction, as vLLM does, so that params built once fail per call."""
         if self.best_of is not None and self.best_of > self.n:
-            raise _invalid(
+            raise invalid_field(
                 "best_of",
                 self.best_of,
                 "vLLM V1 does not yet support best_of.",
@@ -395,16 +402,11 @@ class SamplingParams:
             )
 
 
-def _invalid(name: str, value: object, vllm: str, detail: str | None = None) -> InvalidRequestError:
-    """vLLM's message for a refused field, then dfllm's detail (in parentheses) when it adds one."""
-    return InvalidRequestError(vllm if detail is None else f"{vllm} ({detail})", parameter=name, value=value)
-
-
 def _as_list(name: str, value: object, what: str = "a list of str") -> list:
     """``value`` (any iterable but a str, a bytes or a dict) as a list; otherwise an
     :class:`InvalidRequestError` naming the field (not Python's "'int' object is not iterable")."""
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
-        raise _invalid(name, value, f"{name} must be {what}, got {type(value).__name__} {value!r}")
+        raise invalid_field(name, value, f"{name} must be {what}, got {type(value).__name__} {value!r}")
     return list(value)
 
 
@@ -464,7 +466,7 @@ def _check_int(name: str, value: object, low: int, high: int | None, vllm: Calla
             return
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         why = f"{name} must be {bound}, got {value}"
-    raise _invalid(name, value, vllm(value), why) if vllm is not None else _invalid(name, value, why)
+    raise invalid_field(name, value, vllm(value), why) if vllm is not None else invalid_field(name, value, why)
 
 
 def _outside_penalty_range(name: str, value: object) -> str:
@@ -483,7 +485,7 @@ def _check_float(
     """``value`` a finite number within the bounds; otherwise an :class:`InvalidRequestError`
     with vLLM's text (``vllm(value)``, for a number) first, then dfllm's."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _invalid(name, value, f"{name} must be a number, got {value!r}")
+        raise invalid_field(name, value, f"{name} must be a number, got {value!r}")
     if math.isnan(value) or math.isinf(value):
         why = f"{name} must be finite, got {value}"
     else:
@@ -493,4 +495,4 @@ def _check_float(
         left = "(" if low_open else "["
         bound = f"in {left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
         why = f"{name} must be {bound}, got {value}"
-    raise _invalid(name, value, vllm(value), why) if vllm is not None else _invalid(name, value, why)
+    raise invalid_field(name, value, vllm(value), why) if vllm is not None else invalid_field(name, value, why)

@@ -47,7 +47,7 @@ import json as _json
 import re
 from dataclasses import dataclass, replace
 
-from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth
+from dfllm.errors import MAX_NESTING_DEPTH, array_as_list, nesting_depth
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 ANY_JSON_OBJECT = {"type": "object"}
@@ -83,6 +83,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         for name in (*KINDS, *OPTIONS):  # messages show the values: each one nested past Python's limit
+            setattr(self, name, array_as_list(getattr(self, name, None)))
             if name != "json" and nesting_depth(getattr(self, name, None)) > MAX_NESTING_DEPTH:
                 raise ValueError(f"structured_outputs.{name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
         if self.backend is not None:
@@ -186,7 +187,7 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, values: dict) -> StructuredOutputsParams:
         """Build from a plain dict such as ``{"json": {...}}``; unknown keys raise."""
-        unknown = sorted(set(values) - set(KINDS) - set(OPTIONS))
+        unknown = sorted(set(values) - set(KINDS) - set(OPTIONS), key=repr)  # keys of any type
         if unknown:
             raise ValueError(
                 f"structured_outputs: unknown field(s) {unknown}; expected one of "
