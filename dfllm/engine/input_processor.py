@@ -25,6 +25,7 @@ across threads serialise calls with their own lock.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -737,8 +738,7 @@ def not_a_prompt(prompt, what: str) -> InvalidRequestError:
 def score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
     """``score``'s texts, each checked, broadcast to pairs: 1 to 1, 1 to N, or N to N."""
     with invalid_request():
-        left = [data_1] if isinstance(data_1, str) else list(data_1)
-        right = [data_2] if isinstance(data_2, str) else list(data_2)
+        left, right = _score_texts(data_1, "data_1"), _score_texts(data_2, "data_2")
         for side, texts in (("data_1", left), ("data_2", right)):
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
@@ -759,6 +759,18 @@ def score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
         if len(left) == 1 and len(right) > 1:
             left = left * len(right)
         return left, right
+
+
+def _score_texts(data, side: str) -> list:
+    """One side of ``score``: a str as a list of one, any other iterable but bytes and a dict
+    as its list (each element checked by the caller); else refused naming ``side``."""
+    if isinstance(data, str):
+        return [data]
+    if isinstance(data, (bytes, dict)) or not isinstance(data, Iterable):
+        raise InvalidRequestError(
+            f"score {side} must be a str or a list of str, got {type(data).__name__}", parameter=side
+        )
+    return list(data)
 
 
 def _per_prompt(params, n: int, cls: type = SamplingParams, name: str = "sampling_params") -> list:
