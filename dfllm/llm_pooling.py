@@ -209,8 +209,9 @@ class PoolingFrontend:
         the two texts' normalised token vectors (the sum over the first text's tokens of the
         best dot product with any token of the second); any other embedding model scores by
         the cosine similarity of the two embeddings (then, as vLLM's, each output's
-        ``prompt_token_ids`` are the two texts' joined by the pad token and its ``request_id``
-        is the two embedding requests' ids joined by "_").
+        ``prompt_token_ids`` are the two texts' joined by the pad token, its
+        ``outputs.num_text_tokens`` how many each text has, and its ``request_id`` the two
+        embedding requests' ids joined by "_").
 
         ``lora_request``: an adapter that cannot be read into a slot when its texts run fails
         their pairs (:class:`~dfllm.outputs.RequestFailedError`, as in :meth:`encode`).
@@ -263,7 +264,8 @@ class PoolingFrontend:
                     if not (a.finished and b.finished)
                     else maxsim(a.outputs.data, b.outputs.data)
                     if late
-                    else float(a.outputs.data @ b.outputs.data)
+                    else float(a.outputs.data @ b.outputs.data),
+                    (len(a.prompt_token_ids), len(b.prompt_token_ids)),
                 ),
                 a.prompt_token_ids + sep + b.prompt_token_ids,
                 a.finished and b.finished,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -233,7 +233,14 @@ class ClassificationRequestOutput(_PromptOutput[ClassificationOutput]):
 
 @dataclass
 class ScoringOutput:
+    """One pair's score; ``num_text_tokens`` (dfllm's, not in vLLM's) is how many prompt tokens
+    each of the two texts has when they are embedded apart (a bi-encoder or late-interaction
+    model: the output's ``prompt_token_ids`` are the first text's, the pad token if the
+    tokenizer has one, then the second's), None when the pair is read as one prompt (a
+    cross-encoder)."""
+
     score: float
+    num_text_tokens: tuple[int, int] | None = field(default=None, compare=False)
 
 
 @dataclass

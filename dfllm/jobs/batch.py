@@ -521,14 +521,13 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
             )
             return _split(outs, [len(_pairs(lines[i].request)) for i in group])
 
-    pad = _bi_encoder_pad(model) if endpoint != "embeddings" else None
     results = []
     for i, outs in zip(groups, _isolating(groups, run)):
         if isinstance(outs, Exception):
             results.append(LineResult.failed(as_line_error(outs, pooling=True)))
             continue
         try:
-            body = _pooling_body(endpoint, lines[i], outs, name, pad)
+            body = _pooling_body(endpoint, lines[i], outs, name)
         except LineError as exc:
             results.append(LineResult.failed(exc))
             continue
@@ -536,27 +535,17 @@ def _pooling(endpoint: str, lines: list[BatchRequestInput], engines: Engines) ->
     return results
 
 
-def _bi_encoder_pad(model: PoolingModel) -> int | None | bool:
-    """False for a cross-encoder (one label: each pair is read together), else the token
-    that joins a bi-encoder score output's two texts' tokens (None: nothing joins them)."""
-    engine = getattr(model.llm, "pooling_engine", None)
-    if engine is None or getattr(engine, "num_labels", 0) == 1:
-        return False
-    tokenizer = getattr(engine, "tokenizer", None) or model.llm.get_tokenizer()
-    return getattr(tokenizer, "pad_token_id", None)
-
-
-def _score_prompt_tokens(outs: list, one_query: bool, pad: int | None | bool) -> int:
+def _score_prompt_tokens(outs: list, one_query: bool) -> int:
     """vLLM's ``usage.prompt_tokens`` of a score or rerank line: a cross-encoder's pairs'
-    tokens; for a bi-encoder (``pad`` not False) each text's tokens, counted as vLLM encodes
-    them: every ``text_1`` and ``text_2`` entry, the single query of a 1-to-N line once (an
-    output's ``prompt_token_ids`` are its two texts' joined by ``pad``)."""
-    if pad is False:
+    tokens (each pair is read as one prompt); for a bi-encoder each text's tokens, counted as
+    vLLM encodes them: every ``text_1`` and ``text_2`` entry, the single query of a 1-to-N
+    line once (each output's ``num_text_tokens``, the engine's count of its two texts)."""
+    counts = [o.outputs.num_text_tokens for o in outs]
+    if any(c is None for c in counts):
         return sum(len(o.prompt_token_ids) for o in outs)
-    sep = 0 if pad is None else 1
-    total = sum(len(o.prompt_token_ids) - sep for o in outs)
-    if one_query and len(outs) > 1 and sep and pad in outs[0].prompt_token_ids:
-        total -= outs[0].prompt_token_ids.index(pad) * (len(outs) - 1)
+    total = sum(a + b for a, b in counts)
+    if one_query and len(counts) > 1:
+        total -= counts[0][0] * (len(counts) - 1)
     return total
 
 
@@ -575,9 +564,7 @@ def _split(outs: list, sizes: list[int]) -> list[list]:
     return out
 
 
-def _pooling_body(
-    endpoint: str, line: BatchRequestInput, outs: list, model: str, pad: int | None | bool = False
-) -> dict:
+def _pooling_body(endpoint: str, line: BatchRequestInput, outs: list, model: str) -> dict:
     request = line.request
     if isinstance(request, EmbeddingRequest):
         return embeddings(outs, model=model, encoding_format=request.encoding_format).to_dict()
@@ -589,9 +576,9 @@ def _pooling_body(
             id=f"rerank-{line.key}",
             top_n=request.top_n,
             return_documents=request.return_documents,
-            prompt_tokens=_score_prompt_tokens(outs, True, pad),
+            prompt_tokens=_score_prompt_tokens(outs, True),
         ).to_dict()
     one_query = len(request.text_1) == 1
     return scores(
-        outs, model=model, id=f"score-{line.key}", prompt_tokens=_score_prompt_tokens(outs, one_query, pad)
+        outs, model=model, id=f"score-{line.key}", prompt_tokens=_score_prompt_tokens(outs, one_query)
     ).to_dict()

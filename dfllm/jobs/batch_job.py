@@ -31,7 +31,8 @@ response cache.
 
 Hostile lines (a chat template that raises, lone surrogates, integers of more digits than
 Python reads, values of any type in any field) are each that line's error answer; a UTF-8
-byte-order mark at the start of the file is dropped.
+byte-order mark at the start of the file is dropped, and a file that starts with a UTF-16
+or UTF-32 one is refused before any work.
 
 ``reasoning_parser=`` (``--reasoning-parser``) splits a thinking model's chat answers into
 ``reasoning_content`` and ``content`` (see :mod:`dfllm.jobs.batch`); ``cache=`` (``--cache``)
@@ -78,6 +79,13 @@ from dfllm.tasks.write_key import canonical
 DEFAULT_PARTITION_BYTES = 1 << 20  # ~2,000 chat requests: the unit of work, of resume and of progress
 STAGING_SUFFIX = ".parts"
 UTF8_BOM = b"\xef\xbb\xbf"
+#: byte-order marks of the encodings a batch file is not in, longest first (UTF-32 LE's starts as UTF-16 LE's)
+OTHER_BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32 LE",
+    b"\x00\x00\xfe\xff": "UTF-32 BE",
+    b"\xff\xfe": "UTF-16 LE",
+    b"\xfe\xff": "UTF-16 BE",
+}
 _STR, _INT = pd.ArrowDtype(pa.string()), pd.ArrowDtype(pa.int64())
 #: The columns of a staged part, one row per input line (blank lines included, with no status).
 PART_COLUMNS = {
@@ -282,6 +290,7 @@ def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storag
     compression = infer_compression(path)
     if compression:
         _check_compressed(path, compression, storage_options)
+    _check_utf8(path, compression, storage_options)
     _, files = read_bytes(
         path,
         delimiter=b"\n",
@@ -295,6 +304,21 @@ def read_lines(path: str, partition_bytes: int = DEFAULT_PARTITION_BYTES, storag
         return None
     frames = [dask.delayed(_block_lines, pure=True)(b, i) for i, b in enumerate(blocks)]
     return dd.from_delayed(frames, meta=_INPUT_META, verify_meta=False)
+
+
+def _check_utf8(path: str, compression: str | None, storage_options: dict | None) -> None:
+    """``ValueError`` naming the input file if it starts with a UTF-16 or UTF-32 byte-order
+    mark (PowerShell 5's ``>`` writes UTF-16): split at its ``\\n`` bytes its lines would be
+    neither UTF-8 nor JSON, and not even the file's lines, so it is refused before any work."""
+    fs, where = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    with fs.open(where, "rb", compression=compression) as f:
+        head = f.read(4)
+    found = next((name for bom, name in OTHER_BOMS.items() if head.startswith(bom)), None)
+    if found is not None:
+        raise ValueError(
+            f"the input file {path} is {found} text (it starts with that byte-order mark); a batch file is "
+            "UTF-8 JSON Lines: save it as UTF-8 (in PowerShell: Out-File -Encoding utf8)"
+        )
 
 
 def _check_compressed(path: str, compression: str, storage_options: dict | None) -> None:
@@ -639,8 +663,10 @@ def _not_here(*args):
 def dry_run_rows(df: pd.DataFrame) -> pd.DataFrame:
     """One partition's lines for a dry run: blank lines left out (the job skips them), each
     line labelled by its ``custom_id`` (by its place when it has none: ``line N`` of the
-    file, or of a later partition)."""
-    keep = df[[bool(t.strip()) for t in df["text"].tolist()]]
+    file, or of a later partition). A partition may have no line (each block after the
+    first of a line longer than ``partition_bytes``)."""
+    blank = pd.Series([not t.strip() for t in df["text"].tolist()], index=df.index, dtype=bool)
+    keep = df[~blank]  # a mask, not a list: an empty partition's [] would select no columns
     labels = []
     for block, line, text, ok in zip(
         keep["block"].tolist(), keep["line"].tolist(), keep["text"].tolist(), keep["utf8"].tolist()

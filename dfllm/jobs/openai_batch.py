@@ -127,9 +127,11 @@ def _parse_line(text: str, key: str) -> BatchRequestInput:
 
 def custom_id_of(text: str) -> str | None:
     """The ``custom_id`` of a line that could not be parsed as a request, when it has one
-    (so that its error line still names it), its lone surrogates escaped (:func:`printable`)."""
+    (so that its error line still names it), its lone surrogates escaped (:func:`printable`);
+    read past a byte-order mark that starts the line (one inside the file, which the line's
+    error is about)."""
     try:
-        line = json.loads(text, parse_int=_read_int)
+        line = json.loads(text.removeprefix("\ufeff"), parse_int=_read_int)
     except (ValueError, RecursionError):
         return None
     value = line.get("custom_id") if isinstance(line, dict) else None

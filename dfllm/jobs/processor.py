@@ -46,14 +46,16 @@ ERROR = LLM_ERROR
 
 class RowFailedError(RuntimeError):
     """A row failed in a processor built with ``should_continue_on_error=False``: ``row`` is
-    its index label, ``error`` the message it would have had in the error column."""
+    its index label, ``error`` the message it would have had in the error column, and
+    ``position`` its place in its partition where the label does not tell it from another
+    row of the partition (a repeated label; else None)."""
 
-    def __init__(self, message: str, row=None, error: str | None = None):
+    def __init__(self, message: str, row=None, error: str | None = None, position: int | None = None):
         super().__init__(message)
-        self.row, self.error = row, error
+        self.row, self.error, self.position = row, error, position
 
     def __reduce__(self):
-        return type(self), (str(self), self.row, self.error)
+        return type(self), (str(self), self.row, self.error, self.position)
 
 
 class RowResult(NamedTuple):
@@ -211,16 +213,27 @@ class Processor:
             return out
         failed = out[self._err].notna().to_numpy()
         if failed.any():
-            raise self._row_failed(out.index[failed.argmax()], out[self._err][failed].iloc[0])
+            at = int(failed.argmax())
+            repeated = bool(out.index.duplicated(keep=False)[at])  # the label alone does not name the row
+            raise self._row_failed(out.index[at], out[self._err].iloc[at], at if repeated else None)
         return out.drop(columns=[self._err])
 
-    def _row_failed(self, label, error: str) -> RowFailedError:
-        label = label.item() if isinstance(label, np.generic) else label
+    def _row_failed(self, label, error: str, position: int | None = None) -> RowFailedError:
+        """The error of the failed row labelled ``label``, named as the processor's other
+        errors name rows (:func:`_label_text`), once: an error that starts by naming the
+        row (``row 'r7': ...``) is not named again; ``position``: its place in its partition
+        (given where the label is repeated there)."""
+        label = _plain_label(label)
+        row = f"row {_label_text(label)}"
+        reason = error.removeprefix(f"{row}: ")
+        if position is not None:
+            row += f" (position {position} in its partition, which has more than one row labelled so)"
         return RowFailedError(
-            f"build_processor: row {_label_text(label)} failed: {error} (should_continue_on_error=False; "
+            f"build_processor: {row} failed: {reason} (should_continue_on_error=False; "
             f"set it to True to keep failed rows, with the error in {RAY_ERROR!r})",
             label,
             error,
+            position,
         )
 
     def run_rows(self, df: pd.DataFrame) -> list[RowResult]:
@@ -448,7 +461,7 @@ class Processor:
         first = None
         if failed is not None:
             label = df.index[[r is failed for r in rows].index(True)]
-            first = (label.item() if isinstance(label, np.generic) else label, failed.error)
+            first = (_plain_label(label), failed.error)
         if not any(r.output is not None for r in rows):
             schema = None
         # rows that failed in an earlier stage tell nothing of the output: with only those, look further
@@ -551,10 +564,20 @@ _FIELD = re.compile(r"[A-Za-z_]\w*|chat template")
 MAX_LABEL = 200  # characters of a row's label an error shows
 
 
+def _plain_label(label):
+    """A row's index label as Python values: a numpy scalar as its Python value, in a
+    MultiIndex's tuple too (``('x', 2)``, not ``('x', np.int64(2))``)."""
+    if isinstance(label, np.generic):
+        return label.item()
+    if isinstance(label, tuple):
+        return tuple(_plain_label(v) for v in label)
+    return label
+
+
 def _label_text(label) -> str:
     """A row's index label as an error shows it: its ``repr`` (a lone surrogate escaped), cut
     at :data:`MAX_LABEL` characters; never an exception (an int past Python's digit limit)."""
-    label = label.item() if isinstance(label, np.generic) else label
+    label = _plain_label(label)
     try:
         text = value_text(repr(label))
     except Exception:  # noqa: BLE001  (a repr that raises)

@@ -15,6 +15,7 @@ exactly once, a hostile row's error names its field, the other rows keep their o
 from __future__ import annotations
 
 import math
+import pickle
 
 import dask
 import dask.dataframe as dd
@@ -173,6 +174,39 @@ def test_error_value_of_any_type_fails_its_row(config, bad_row, value):
     with pytest.raises(RowFailedError) as info:
         dfllm.build_processor(cfg, preprocess=pre, postprocess=post)(df)
     assert info.value.row == bad_row and info.value.error == value_text(value)
+
+
+def test_a_failed_row_is_named_by_its_label_once_and_a_repeated_label_by_its_position(config):
+    """The error named the row twice ("row 13 failed: row 13: column 'prompt' is null"), and
+    by a label alone where the partition has more than one row of it (frames concatenated
+    from others each indexed from 0): its position in the partition then tells which."""
+    strict = dfllm.ProcessorConfig(
+        model_source=config.model_source, engine_kwargs=ENGINE, should_continue_on_error=False
+    )
+    processor = dfllm.build_processor(strict, preprocess=lambda r: dict(prompt=r["q"], sampling_params=SP))
+    df = pd.DataFrame({"q": ["a", "b", "c", None]}, index=[10, 11, 12, 13])
+    for index, label, position in (([10, 11, 12, 13], 13, None), ([0, 1, 0, 1], 1, 3)):
+        with pytest.raises(RowFailedError) as info:
+            processor(df.set_axis(index))
+        error = pickle.loads(pickle.dumps(info.value))  # as Dask brings it back from a worker
+        assert (error.row, error.position) == (label, position)
+        assert str(error).count(f"row {label}") == 1 and "column 'prompt' is null" in str(error)
+        where = "" if position is None else f" (position {position} in its partition"
+        assert str(error).startswith(f"build_processor: row {label}{where}")
+
+
+def test_a_multiindex_label_is_named_by_its_python_values(config):
+    """A MultiIndex row's label was named with numpy's reprs, ``('x', np.int64(2))``, beside
+    the engine's ``('x', 2)`` for the same row."""
+    strict = dfllm.ProcessorConfig(
+        model_source=config.model_source, engine_kwargs=ENGINE, should_continue_on_error=False
+    )
+    processor = dfllm.build_processor(strict, preprocess=lambda r: dict(prompt=r["q"], sampling_params=SP))
+    df = pd.DataFrame({"q": ["a", None, "c"]}, index=pd.MultiIndex.from_tuples([("x", 1), ("x", 2), ("y", 1)]))
+    with pytest.raises(RowFailedError) as info:
+        processor(df)
+    assert str(info.value).startswith("build_processor: row ('x', 2) failed: column 'prompt' is null")
+    assert [type(v) for v in info.value.row] == [str, int]
 
 
 @pytest.mark.slow

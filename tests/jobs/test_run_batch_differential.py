@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dfllm import LLM
 from dfllm.jobs.batch import BatchOptions, Engines, answer
@@ -68,6 +70,48 @@ def test_score_and_rerank_usage_counts_each_text_as_vllm_encodes_it(minilm):
     # observed scores (vLLM: 0.8071531, 0.4215572; rerank best first: "hello there" 0.8194265, "hi")
     np.testing.assert_allclose([d["score"] for d in got["score"].body["data"]], [0.8071531, 0.4215572], atol=1e-5)
     assert [r["index"] for r in got["rerank"].body["results"]] == [2, 0]
+
+
+@pytest.fixture(scope="module")
+def minilm_engines(minilm):
+    with Engines(BatchOptions(minilm)) as engines:
+        yield engines
+
+
+WORDS = st.sampled_from(["hello", "hi", "bye", "there", "[PAD]", "[CLS]", "[SEP]", "[UNK]", "x"])
+TEXTS = st.lists(WORDS, max_size=4).map(" ".join)
+
+
+@settings(max_examples=25, deadline=None)
+@given(query=TEXTS, documents=st.lists(TEXTS, min_size=1, max_size=3), rerank=st.booleans())
+def test_score_usage_counts_texts_whose_tokens_hold_the_pad_token(minilm_engines, query, documents, rerank):
+    """The rule observed above (each text's tokens as the tokenizer gives them, a 1-to-N
+    line's query once) holds for texts that spell the tokenizer's special tokens: "[PAD]" is
+    MiniLM's pad token (id 0), the very token that joins a pair's two texts in its output's
+    ``prompt_token_ids``. dfllm looked for the first pad token there to find where the query
+    ended, and counted "hello [PAD] there" vs ["hi", "bye"] as 14 tokens, not 11."""
+    tokenizer = minilm_engines.pooling("score").llm.get_tokenizer()
+    want = sum(len(tokenizer(t)["input_ids"]) for t in [query, *documents])
+    body = {"query": query, "documents": documents} if rerank else {"text_1": query, "text_2": documents}
+    row = line("q", "/v1/rerank" if rerank else "/v1/score", **body)
+    (got,) = answer([parse_line(json.dumps(row), "k0")], minilm_engines)
+    assert got.status_code == 200, got.error
+    assert got.body["usage"]["prompt_tokens"] == got.input_tokens == want
+
+
+def test_score_usage_on_a_tokenizer_without_a_pad_token(minilm_engines):
+    """Without a pad token a bi-encoder's pair output joins its texts with nothing; a 1-to-N
+    line still counts its query once (dfllm counted it once per document)."""
+    tokenizer = minilm_engines.pooling("score").llm.get_tokenizer()
+    pad, tokenizer.pad_token = tokenizer.pad_token, None
+    try:
+        assert tokenizer.pad_token_id is None
+        row = line("q", "/v1/score", text_1="hello there", text_2=["hi", "bye"])
+        (got,) = answer([parse_line(json.dumps(row), "k0")], minilm_engines)
+    finally:
+        tokenizer.pad_token = pad
+    assert got.status_code == 200, got.error
+    assert got.body["usage"]["prompt_tokens"] == 4 + 3 + 3
 
 
 def test_embeddings_dimensions_reach_a_matryoshka_model(minilm, matryoshka_minilm):

@@ -8,7 +8,10 @@
   reads, a bad ``top_logprobs`` or grammar: each is that line's 400 naming its field, in the
   real run and in ``--dry-run``.
 - A UTF-8 byte-order mark at the start of the file (PowerShell 5, Excel) is dropped; one
-  anywhere else is that line's error.
+  anywhere else is that line's error, under the line's custom_id. A file that starts with a
+  UTF-16 or UTF-32 byte-order mark (PowerShell 5's ``>``) is refused before any work.
+- A partition with no line (the blocks after the first of a line longer than
+  ``partition_bytes``, a file of a byte-order mark alone) is read by the dry run too.
 - A property test feeds generated hostile lines and checks that the job completes, every
   line comes out exactly once in place, every error names its line (and its field), and
   nothing outside the job's files appears or disappears in the output folder.
@@ -207,6 +210,55 @@ def test_a_byte_order_mark_at_the_start_of_the_file_is_dropped(tiny_llama, tmp_p
     assert (summary.lines, summary.failed) == (2, 1)
     assert rows[0]["custom_id"] == "first" and rows[0]["error"] is None
     assert rows[1]["error"]["line"] == 2 and "BOM" in rows[1]["error"]["message"]
+
+
+def test_a_byte_order_mark_inside_the_file_is_its_lines_error_under_its_custom_id(tiny_llama, tmp_path):
+    """The line after a BOM is otherwise a request: its error answer and the dry run name
+    its custom_id (they had none for it: null, and ``line 2``)."""
+    text = json.dumps(chat("first", "Hi")) + "\n\ufeff" + json.dumps(chat("second", "Hi")) + "\n"
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(text.encode())
+    run(tiny_llama, src, tmp_path / "out.jsonl")
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["custom_id"] for r in rows] == ["first", "second"]
+    assert rows[1]["error"]["line"] == 2 and "BOM" in rows[1]["error"]["message"]
+    assert list(dry(tiny_llama, src)) == ["second"]
+
+
+@pytest.mark.parametrize(
+    "encoding, gz",
+    [("UTF-16 LE", False), ("UTF-16 LE", True), ("UTF-16 BE", False), ("UTF-32 LE", False), ("UTF-32 BE", False)],
+)
+def test_a_utf16_or_utf32_file_is_refused_before_any_work(tiny_llama, tmp_path, encoding, gz):
+    """PowerShell 5's ``>`` writes UTF-16 (LE, with its byte-order mark): split at ``\\n``
+    bytes its lines were each answered "not valid UTF-8" or "not valid JSON", one more than
+    the file has; now the job and the dry run refuse the file, naming its encoding, and
+    write nothing."""
+    text = "\ufeff" + "".join(json.dumps(chat(c, "Hi")) + "\r\n" for c in ("a", "b"))
+    data = text.encode(encoding.replace(" ", "-").lower())  # utf-16-le...: the mark is the text's own
+    src = tmp_path / ("in.jsonl.gz" if gz else "in.jsonl")
+    src.write_bytes(gzip.compress(data) if gz else data)
+    out = tmp_path / "out.jsonl"
+    for call in (lambda: run(tiny_llama, src, out), lambda: dry(tiny_llama, src)):
+        with pytest.raises(ValueError, match=f"is {encoding} text .* save it as UTF-8"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+
+
+def test_the_dry_run_reads_partitions_that_hold_no_line(tiny_llama, tmp_path):
+    """A line longer than ``partition_bytes`` (1 MiB by default: a long document, an image)
+    leaves each block after its first with no line, and a file of a byte-order mark alone
+    is one block with none: the dry run failed on such a partition (``KeyError: 'block'``),
+    which the real run reads."""
+    src = write_jsonl(tmp_path / "in.jsonl", [chat("long", "Hi " * 40), chat("short", "Hi")])
+    report = dry_run_batch(str(src), model=str(tiny_llama), sample_rows=0, partition_bytes=64, **ENGINE)
+    assert (report.rows, report.accepted, report.refused) == (2, 2, 0) and report.partitions > 2
+    summary = run(tiny_llama, src, tmp_path / "out.jsonl", partition_bytes=64)
+    assert [r["custom_id"] for r in read_jsonl(tmp_path / "out.jsonl")] == ["long", "short"]
+    assert (summary.lines, summary.failed) == (2, 0)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode())
+    assert dry_run_batch(str(bom), model=str(tiny_llama), sample_rows=0, **ENGINE).rows == 0
 
 
 # ---- the property: hostile lines ---------------------------------------------------------------------------
