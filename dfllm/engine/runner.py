@@ -84,5 +84,11 @@ def lora_manager(cfg: EngineConfig, runner: Runner) -> LoRAManager | None:
     if not cfg.enable_lora:
         return None
     return LoRAManager(
-        cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, runner.set_lora_slot, runner.lora_modules()
+        cfg.model,
+        cfg.max_loras,
+        cfg.max_lora_rank,
+        cfg.max_cpu_loras,
+        runner.set_lora_slot,
+        runner.lora_modules(),
+        dtype=cfg.dtype,
     )

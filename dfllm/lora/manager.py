@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
+
 from dfllm.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 from dfllm.lora.request import LoRARequest
 from dfllm.models.spec import ModelSpec
@@ -58,8 +60,10 @@ class LoRAManager:
         max_cpu_loras: int,
         load_slot: SlotLoader,
         supported_modules: set[str],
+        dtype: torch.dtype = torch.float32,
     ):
         self.spec, self.max_loras, self.max_lora_rank = spec, max_loras, max_lora_rank
+        self.dtype = dtype  # the model's: adapters whose weights overflow it are refused
         self.max_cpu_loras = max_cpu_loras
         self.load_slot = load_slot
         self.supported_modules = supported_modules
@@ -132,7 +136,7 @@ class LoRAManager:
         if cached is not None:
             self.cpu.move_to_end(lid)
             return cached
-        adapter = load_adapter(request, self.spec, self.max_lora_rank)
+        adapter = load_adapter(request, self.spec, self.max_lora_rank, self.dtype)
         missing = sorted(adapter.modules - self.supported_modules)
         if missing:
             raise LoRAAdapterError(

@@ -13,8 +13,10 @@ free id).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -87,16 +89,36 @@ def resolve(spec: str, root: str | None = None) -> LoRARequest:
 _identities: dict[tuple, str] = {}
 
 
+def _not_regular(file: Path) -> OSError:
+    return OSError(errno.EINVAL, f"{file.name} is not a regular file (a pipe, a device...)")
+
+
 def _stats(path: str) -> tuple:
     """What changes whenever either file of the folder is written or replaced: its device,
     inode, size, modification and change times (``st_ctime_ns`` cannot be set back by a copy
-    that keeps the modification time); ``OSError`` if one cannot be read."""
+    that keeps the modification time); ``OSError`` if one cannot be read or is no regular
+    file (a pipe would block a read for good, ``/dev/zero`` never end one)."""
     out = []
     for name in _FILES:
         f = Path(path, name)
         st = f.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(f)
         out.append((str(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(out)
+
+
+def _open_regular(file: Path):
+    """``file`` opened for reading, refused (``OSError``) unless it is a regular file: opened
+    without blocking, so that a pipe swapped in after :func:`_stats` never hangs the open."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_regular(file)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def digest(contents: dict[str, bytes]) -> str:
@@ -108,12 +130,39 @@ def digest(contents: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def read_files(path: str) -> tuple[dict[str, bytes], str]:
+def _read(file: Path, limit: int | None) -> bytes:
+    """The bytes of ``file``; ``OSError`` (``EFBIG``) if it holds more than ``limit``, with no
+    more than ``limit + 1`` of them read."""
+    with _open_regular(file) as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"{file.name} holds more than {limit} bytes")
+    return data
+
+
+_CHUNK = 1 << 20
+
+
+def _stream_digest(path: str) -> str:
+    """:func:`digest` of the folder's files, read a chunk at a time (never whole in memory:
+    a file of any size)."""
+    h = hashlib.sha256()
+    for name in _FILES:
+        h.update(name.encode() + b"\0")
+        with _open_regular(Path(path, name)) as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def read_files(path: str, limits: dict[str, int] | None = None) -> tuple[dict[str, bytes], str]:
     """The bytes of an adapter folder's two files, read once, and their identity
     (:func:`digest`; remembered for :func:`adapter_identity` when the files did not change
-    while they were read). ``OSError`` if one cannot be read."""
+    while they were read). ``OSError`` if one cannot be read, or holds more bytes than
+    ``limits`` (file name -> bytes) allows it."""
+    limits = limits or {}
     before = _stats(path)
-    contents = {name: Path(path, name).read_bytes() for name in _FILES}
+    contents = {name: _read(Path(path, name), limits.get(name)) for name in _FILES}
     identity = digest(contents)
     if _stats(path) == before:
         _identities[before] = identity
@@ -122,14 +171,17 @@ def read_files(path: str) -> tuple[dict[str, bytes], str]:
 
 def adapter_identity(path: str) -> str:
     """A hex digest of an adapter folder's two files' bytes (the response cache's key: a
-    re-fetched copy of the same adapter keeps it; :func:`digest`); for a folder that cannot
-    be read, its path. Remembered by the files' :func:`_stats`, so that asking again costs
-    two ``stat`` calls until a file is written or replaced."""
+    re-fetched copy of the same adapter keeps it; :func:`digest`, read a chunk at a time);
+    for a folder that cannot be read (a path that is no file name, such as one with a lone
+    surrogate, included), its path. Remembered by the files' :func:`_stats`, so that asking
+    again costs two ``stat`` calls until a file is written or replaced."""
     try:
         stats = _stats(path)
         cached = _identities.get(stats)
         if cached is None:
-            contents, cached = read_files(path)
-    except OSError:
+            cached = _stream_digest(path)
+            if _stats(path) == stats:
+                _identities[stats] = cached
+    except (OSError, ValueError):  # ValueError: a path the file system cannot encode
         return f"unreadable:{path}"
     return cached

@@ -121,11 +121,11 @@ def test_an_evicted_adapter_that_breaks_fails_only_its_rows(adapters, want, tiny
     reads: dict[str, int] = {}
     real_load = manager_module.load_adapter
 
-    def load_then_break(request, spec, rank):  # the real loader; the file breaks after the first read
+    def load_then_break(request, *args, **kwargs):  # the real loader; the file breaks after the first read
         reads[request.lora_path] = reads.get(request.lora_path, 0) + 1
         if request.lora_path == str(broken) and reads[request.lora_path] == 2:
             (broken / WEIGHTS).write_bytes(b"garbage")
-        return real_load(request, spec, rank)
+        return real_load(request, *args, **kwargs)
 
     monkeypatch.setattr(manager_module, "load_adapter", load_then_break)
     names = ["a1", "a2", "a3", None, "a1", "a2"]
