@@ -100,7 +100,7 @@ class ModelSpec:
             return _vision_language_spec(cls, config)
         heads = getattr(config, "num_attention_heads", 0)
         hidden = getattr(config, "hidden_size", 0)
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = config_dtype(config) or torch.float32
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
@@ -197,13 +197,21 @@ VISION_LANGUAGE_ARCHITECTURES = {
 }
 
 
+def config_dtype(config: PretrainedConfig):
+    """The checkpoint's dtype as a config holds it (None if unset): ``dtype`` since
+    transformers 4.56, whose ``torch_dtype`` alias warns on every read; ``torch_dtype`` before."""
+    if hasattr(config, "dtype"):
+        return config.dtype
+    return getattr(config, "torch_dtype", None)
+
+
 def _vision_language_spec(cls: type[ModelSpec], config: PretrainedConfig) -> ModelSpec:
     """A vision-language config's spec: its ``text_config``'s, under the top-level architecture,
     dtype and word-embedding tying, with the whole config in ``multimodal``."""
     from dataclasses import replace
 
     text = cls.from_hf(config.text_config)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or text.dtype
+    dtype = config_dtype(config) or text.dtype
     return replace(
         text,
         architectures=tuple(config.architectures or ()),
