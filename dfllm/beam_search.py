@@ -24,7 +24,11 @@ grammar replays the beam's generated tokens and gives the tokens allowed next
 ``allowed_token_ids`` (when there are at most :data:`MAX_ALLOWED_TOKEN_IDS`, vLLM's cap), and
 the candidates are the step's logprobs entries among them (the logprobs are the raw ones,
 taken before any mask, so this filter is what enforces the grammar). A beam whose grammar has
-terminated (it accepted an end-of-sequence token) is completed.
+terminated (it accepted an end-of-sequence token) is completed; one whose grammar allows no
+token at all (:data:`~dfllm.engine.structured.GRAMMAR_DEAD_END`) is dropped, since it can never
+satisfy the constraint. A prompt none of whose beams can go on has no sequence: ``LLM.beam_search``
+raises :class:`BeamSearchError` naming it, and :func:`beam_outputs` gives it one completion with
+``finish_reason="error"`` (:data:`NO_SEQUENCE`), that row's or line's error.
 
 :func:`search_requests` runs the search over requests an engine's input processor checked
 (the dataframe accessors' rows and ``dfllm run-batch``'s lines, through their own engine), and
@@ -44,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from dfllm.engine.structured import GRAMMAR_DEAD_END
 from dfllm.errors import InvalidRequestError
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput
 from dfllm.sampling_params import SamplingParams
@@ -51,6 +56,9 @@ from dfllm.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from dfllm.engine.input_processor import EngineRequest
+
+#: The error of a constrained prompt none of whose beams could go on.
+NO_SEQUENCE = f"structured outputs: beam search found no sequence that satisfies the constraint: {GRAMMAR_DEAD_END}"
 
 #: The most ``allowed_token_ids`` a constrained beam's step carries (vLLM's cap); past it the
 #: step is unconstrained and only the candidates are filtered.
@@ -212,6 +220,8 @@ def beam_search(
                 constraint = limits[i]
                 for beam in beams:
                     allowed = None if constraint is None else constraint(beam.tokens[len(prompts[i]) :])
+                    if allowed == []:  # a dead end (GRAMMAR_DEAD_END): it can never satisfy the constraint
+                        continue
                     if len(beam.tokens) >= max_model_len or (constraint is not None and not allowed):
                         if len(beam.tokens) > len(prompts[i]):  # cannot grow (context full, grammar done)
                             done[i].append(beam)
@@ -246,7 +256,15 @@ def beam_search(
 
 
 class BeamSearchError(RuntimeError):
-    """A step of a beam search failed (its request ended with ``finish_reason="error"``)."""
+    """A step of a beam search failed (its request ended with ``finish_reason="error"``), or
+    (``LLM.beam_search``) some prompts found no sequence (:data:`NO_SEQUENCE`): ``outputs``
+    then holds every prompt's output in input order (the failed ones' ``sequences`` empty) and
+    ``failed`` their positions."""
+
+    def __init__(self, message: str, outputs: list[BeamSearchOutput] | None = None, failed: list[int] | None = None):
+        super().__init__(message)
+        self.outputs = outputs
+        self.failed = failed or []
 
 
 def search_requests(
@@ -307,6 +325,9 @@ def beam_outputs(
     (module docstring); ``decode`` turns token ids into text. A constrained beam's
     ``structured_output_complete`` is whether it ended with the end-of-sequence token (which
     its grammar allows only once complete)."""
+    if not beams and params.structured_outputs is not None:  # every beam reached a dead end
+        error = CompletionOutput(0, "", [], None, None, "error", structured_output_complete=False, error=NO_SEQUENCE)
+        return [error]
     outputs = []
     for index, beam in enumerate(beams):
         generated = beam.tokens[prompt_len:]

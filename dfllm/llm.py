@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from dfllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamStep, beam_search
+from dfllm.beam_search import NO_SEQUENCE, BeamSearchError, BeamSearchOutput, BeamSearchParams, BeamStep, beam_search
 from dfllm.config import EngineConfig
 from dfllm.engine.input_processor import NO_TOKENIZER, EngineRequest
 from dfllm.engine.llm_engine import LLMEngine
@@ -343,7 +343,12 @@ class LLM:
         for beams in found:
             for beam in beams:
                 beam.text = str(tokenizer.decode(beam.tokens))
-        return [BeamSearchOutput(beams) for beams in found]
+        outputs = [BeamSearchOutput(beams) for beams in found]
+        failed = [i for i, beams in enumerate(found) if not beams and constraints is not None]
+        if failed:  # each beam of these prompts reached a point where the grammar allows no token
+            names = ", ".join(f"prompt {i}" for i in failed)
+            raise BeamSearchError(f"{names}: {NO_SEQUENCE}", outputs, failed)
+        return outputs
 
     def enqueue(
         self, prompts, sampling_params: Any = None, *, priority: int | list[int] | None = None, lora_request: Any = None

@@ -9,7 +9,9 @@ grammar's and the length limits (as in vLLM, a stop string is not looked for in 
 the first ``min_tokens`` tokens). The token that stops a sequence (end-of-sequence, a stop
 token id or group) adds its text only with ``include_stop_str_in_output``, as in vLLM (the
 end-of-sequence token's is empty unless ``skip_special_tokens=False``). A row whose logits
-could not be sampled (non-finite) ends with ``finish_reason="error"``. The engine then hands
+could not be sampled (non-finite) ends with ``finish_reason="error"``, as does one whose grammar
+allows no token at all (an empty language, or characters the tokenizer cannot spell: what
+was drawn there is not kept). The engine then hands
 the ended sequences to the scheduler, which only frees their blocks.
 """
 
@@ -24,6 +26,7 @@ from dfllm.engine.detokenizer import Detokenizer, Step
 from dfllm.engine.metrics import EngineMetrics
 from dfllm.engine.sampler import SampledToken, StepTokens
 from dfllm.engine.sequence import Request, Sequence
+from dfllm.engine.structured import GRAMMAR_DEAD_END
 from dfllm.outputs import CompletionOutput, Logprob, RequestOutput, token_first
 
 logger = logging.getLogger("dfllm")
@@ -153,11 +156,14 @@ class OutputProcessor:
         """(finish_reason, stop_reason) after ``token`` was appended; (None, None) to go on."""
         p = seq.request.params
         if seq.grammar is not None:
-            if not seq.grammar.accept(token, seq.token_ids):  # the mask allows only accepted tokens: a bug if reached
-                logger.error(
-                    "structured outputs: the grammar rejected token %d of request %s", token, seq.request.request_id
+            if not seq.grammar.accept(token, seq.token_ids):  # the mask allowed no token (below)
+                seq.token_ids.pop()  # not the output's: nothing the grammar allows could be drawn
+                seq.error = (
+                    f"structured outputs: no token can continue the output at output token "
+                    f"{seq.num_output_tokens} (0-based): {GRAMMAR_DEAD_END}"
                 )
-                return "stop", None
+                logger.warning("request %s: %s", seq.request.request_id, seq.error)
+                return "error", None  # as vLLM's scheduler ends a request whose grammar rejects its token
             if seq.grammar.terminated:  # complete, and a stop token accepted: done whatever ignore_eos says
                 return "stop", None
         num_out = len(seq.token_ids) - seq.num_prompt_tokens  # the token ids do not change below

@@ -36,6 +36,11 @@ from dfllm.reasoning import ReasoningParser
 from dfllm.structured_outputs import StructuredOutputsParams, structural_tag_grammar
 
 _CACHE_SIZE = 256
+#: Why a constrained output cannot go on where its grammar allows no token at all (the engine's
+#: error for such a row, and beam search's for a prompt none of whose beams can go on).
+GRAMMAR_DEAD_END = (
+    "the grammar allows no token there (its language is empty, or needs characters this model's tokenizer cannot spell)"
+)
 
 
 class GrammarCompiler:
@@ -112,7 +117,8 @@ class Grammar:
     def allowed_after(self, token_ids: list[int]) -> list[int] | None:
         """The tokens this constraint allows after ``token_ids`` (a continuation, from its first
         generated token), for beam search (:mod:`dfllm.beam_search`): None when the grammar
-        rejects them or has terminated (nothing may follow)."""
+        rejects them or has terminated (nothing may follow); ``[]`` where it has not
+        terminated but allows no token (:data:`GRAMMAR_DEAD_END`)."""
         matcher = self._xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids)
         for token in token_ids:
             if not matcher.accept_token(token):
