@@ -19,7 +19,7 @@ dataframe row's ``llm_error``).
 
 The module also holds what every layer's messages need: how deeply a request's values may
 nest (:data:`MAX_NESTING_DEPTH`, :func:`nesting_depth`) and any value written as text a
-message or a string column can hold (:func:`printable`, :func:`value_text`).
+message or a string column can hold (:func:`printable`, :func:`value_text`, :func:`value_repr`).
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def invalid_request() -> Iterator[None]:
 
 
 #: How deeply a request field's containers (dicts, lists, tuples, sets) may nest: sampling
-#: params' fields (``extra_args``, ``stop``, ``logit_bias``...) and a structured output's
-#: ``choice``/``regex``... past it are refused by name. Requests' keys (dedupe, the response
-#: cache) and error messages walk every field, and a value nested past Python's recursion
+#: params' fields (``extra_args``, ``stop``, ``logit_bias``...), a structured output's
+#: ``json`` schema, ``choice``, ``regex``..., a chat message's fields and a chat template's
+#: variables past it are refused by name. Requests' keys (dedupe, the response cache), chat
+#: templates and error messages walk every field, and a value nested past Python's recursion
 #: limit would fail the partition instead of its row.
 MAX_NESTING_DEPTH = 32
 
@@ -120,4 +121,17 @@ def value_text(value) -> str:
     try:
         return printable(str(value))
     except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __str__ that raises)
+        return f"a {type(value).__name__} that cannot be written as text"
+
+
+def value_repr(value) -> str:
+    """``repr(value)`` for a message (never an exception): a value whose containers nest more
+    than :data:`MAX_NESTING_DEPTH` levels (whose ``repr`` could recurse past Python's limit)
+    as ``"a list nested more than 32 levels deep"``, one whose ``repr`` fails (an int past
+    Python's digit limit) its type named, and the text :func:`printable`."""
+    if nesting_depth(value) > MAX_NESTING_DEPTH:
+        return f"a {type(value).__name__} nested more than {MAX_NESTING_DEPTH} levels deep"
+    try:
+        return printable(repr(value))
+    except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __repr__ that raises)
         return f"a {type(value).__name__} that cannot be written as text"

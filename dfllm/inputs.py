@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth, value_text
 from dfllm.sampling_params import SamplingParams
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -81,13 +82,17 @@ def as_conversation_list(messages) -> list[list[dict]]:
 def check_conversation(conv, name: str) -> None:
     """Raise ``ValueError`` naming the conversation (``name``: ``"conversation 2"`` of a call's
     conversations, ``"the conversation"`` of a dataframe row, whose error is its own) and the
-    message that is malformed."""
+    message that is malformed. A message's field nested more than
+    :data:`~dfllm.errors.MAX_NESTING_DEPTH` levels deep is refused by name (:func:`check_nesting`:
+    the chat template and these checks walk it, and one nested past Python's limit would fail
+    the call or the dataframe's partition)."""
     if not isinstance(conv, Seq) or isinstance(conv, str) or not conv:
         raise ValueError(f"{name} must be a non-empty list of messages")
     for j, msg in enumerate(conv):
         where = f"{name}, message {j}"
         if not isinstance(msg, dict):
             raise ValueError(f"{where}: a message must be a dict, got {type(msg).__name__}")
+        check_nesting(msg, where)
         if msg.get("role") not in VALID_ROLES:
             raise ValueError(f"{where}: role must be one of {VALID_ROLES}, got {msg.get('role')!r}")
         content = msg.get("content")
@@ -96,6 +101,18 @@ def check_conversation(conv, name: str) -> None:
         parts: list = [] if isinstance(content, str) or content is None else list(content)
         for text in [content] if isinstance(content, str) else [p["text"] for p in parts if p["type"] == "text"]:
             check_unicode(text, f"{where}: content")
+
+
+def check_nesting(fields: Mapping, where: str, what: str = "field") -> None:
+    """``ValueError`` naming the first of ``fields`` (a message's fields, or a chat template's
+    variables) whose containers nest more than :data:`~dfllm.errors.MAX_NESTING_DEPTH` levels
+    deep; ``where`` names what holds them (``"the conversation, message 0"``) and ``what``
+    each of them (``"field"``, ``"variable"``)."""
+    for key, value in fields.items():
+        if nesting_depth(value) > MAX_NESTING_DEPTH:
+            raise ValueError(
+                f"{where}: {what} {value_text(key)!r} must be nested at most {MAX_NESTING_DEPTH} levels deep"
+            )
 
 
 def _is_text_parts(content) -> bool:

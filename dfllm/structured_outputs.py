@@ -82,7 +82,8 @@ class StructuredOutputsParams:
     backend: str | None = None  # None or "auto": the engine's; "xgrammar" (dfllm's only backend)
 
     def __post_init__(self) -> None:
-        for name in (*KINDS, *OPTIONS):  # messages show the values: each one nested past Python's limit
+        # messages show the values: each one nested past Python's limit (a schema: _schema_dict)
+        for name in (*KINDS, *OPTIONS):
             setattr(self, name, array_as_list(getattr(self, name, None)))
             if name != "json" and nesting_depth(getattr(self, name, None)) > MAX_NESTING_DEPTH:
                 raise ValueError(f"structured_outputs.{name} must be nested at most {MAX_NESTING_DEPTH} levels deep")
@@ -288,13 +289,13 @@ def _schema_dict(schema) -> dict:
                 f"structured_outputs.json: {schema.__name__} is not a pydantic model class; "
                 "pass a JSON schema dict or a pydantic BaseModel subclass"
             )
-        return dump()
-    if isinstance(schema, str):
+        schema = dump()
+    elif isinstance(schema, str):
         if not schema.strip():
             raise ValueError("structured_outputs.json cannot be an empty string (give a JSON schema)")
         try:
             schema = _json.loads(schema)
-        except RecursionError:
+        except RecursionError:  # deeper than Python reads: past the limit too
             raise ValueError(_TOO_DEEP) from None
         except ValueError as exc:
             raise ValueError(
@@ -305,15 +306,16 @@ def _schema_dict(schema) -> dict:
             "structured_outputs.json must be a JSON schema dict, its JSON text, or a pydantic "
             f"model class, got {type(schema).__name__}"
         )
+    # before anything walks it recursively (the copy below, the grammar, a request's keys, its repr)
+    if nesting_depth(schema) > MAX_NESTING_DEPTH:
+        raise ValueError(_TOO_DEEP)
     try:
         return _json.loads(_json.dumps(schema))  # a private, JSON-serialisable copy
-    except RecursionError:
-        raise ValueError(_TOO_DEEP) from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs.json: the schema is not JSON-serialisable: {exc}") from None
 
 
-_TOO_DEEP = "structured_outputs.json: the schema is nested deeper than Python reads"
+_TOO_DEEP = f"structured_outputs.json must be nested at most {MAX_NESTING_DEPTH} levels deep"
 
 
 def with_engine_defaults(

@@ -40,6 +40,7 @@ from dfllm.inputs import (
     TokenizedPrompt,
     as_conversation_list,
     as_prompt_list,
+    check_nesting,
     check_unicode,
     per_prompt_params,
 )
@@ -153,7 +154,12 @@ class InputProcessor:
         chat_template_kwargs: dict | None = None,
     ) -> TokenizedPrompt:
         """One conversation rendered with the tokenizer's chat template (or ``chat_template``)
-        in transformers' sandboxed Jinja environment, and tokenized."""
+        in transformers' sandboxed Jinja environment, and tokenized. A template variable nested
+        more than :data:`~dfllm.errors.MAX_NESTING_DEPTH` levels deep is refused by name (the
+        template walks it)."""
+        if isinstance(chat_template_kwargs, dict):
+            with invalid_request():
+                check_nesting(chat_template_kwargs, "chat_template_kwargs", "variable")
         tokenizer = self._tokenizer(
             f"{NO_TOKENIZER} (chat renders conversations with the tokenizer's chat "
             "template; without one, give token ids to generate)",

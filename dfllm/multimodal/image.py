@@ -12,6 +12,8 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
+from dfllm.errors import value_text
+
 __all__ = ["load_image", "image_hash", "ImageLoadError"]
 
 _HTTP_TIMEOUT_S = 10.0
@@ -103,12 +105,17 @@ def load_image(value: Any) -> Image.Image:
         return _decode_bytes(bytes(value), "image bytes")
     if isinstance(value, dict):
         if "url" in value:
-            return load_image(value["url"])
-        if value.get("bytes") is not None:
-            return load_image(value["bytes"])
-        if value.get("path") is not None:
-            return load_image(value["path"])
-        raise ImageLoadError(f"an image dict needs a 'url', 'bytes' or 'path' key, got keys {sorted(value)}")
+            key = "url"
+        elif value.get("bytes") is not None:
+            key = "bytes"
+        elif value.get("path") is not None:
+            key = "path"
+        else:
+            keys = sorted(value_text(k) for k in value)  # keys of any type, as text
+            raise ImageLoadError(f"an image dict needs a 'url', 'bytes' or 'path' key, got keys {keys}")
+        if isinstance(value[key], dict):  # unwrapped once: a chain of dicts nested without end is no image
+            raise ImageLoadError(f"an image dict's {key!r} holds a dict, not an image (bytes, a path or a URL)")
+        return load_image(value[key])
     if isinstance(value, os.PathLike):
         return _from_path(os.fspath(value))
     if isinstance(value, str):

@@ -65,7 +65,10 @@ def _decode(value, seen: dict) -> Image:
         return found
     if isinstance(value, Mapping):  # a datasets image struct: {"bytes": ..., "path": ...}
         data = value.get("bytes")
-        return _decode(data if data is not None else value.get("path"), seen)
+        inner = data if data is not None else value.get("path")
+        if inner is None or isinstance(inner, Mapping):  # load_image says why (a chain of dicts: not unwrapped)
+            return load_image(dict(value))
+        return _decode(inner, seen)
     return load_image(value)  # a PIL image as it is; anything else: ImageLoadError naming the type
 
 

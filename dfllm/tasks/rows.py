@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dfllm.inputs import check_conversation, check_unicode
+from dfllm.errors import value_repr
+from dfllm.inputs import check_conversation, check_nesting, check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.tasks.schema import LLM_ERROR
@@ -125,6 +126,7 @@ def row_chat_template_kwargs(df: pd.DataFrame, task: LLMTask, rows, out: dict) -
     def merged(value: dict) -> dict:
         if not all(isinstance(k, str) for k in value):
             raise ValueError("template variable names must be strings")
+        check_nesting(value, f"column {column!r}", "variable")
         return {**base, **value}
 
     column = task.chat_template_kwargs_column
@@ -167,7 +169,7 @@ def token_id_prompts(df: pd.DataFrame, task: LLMTask, out: dict) -> dict[int, li
                 raise ValueError("is empty")
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 bad = next(v for v in value if not isinstance(v, int) or isinstance(v, bool))
-                raise ValueError(f"must hold ints, got {bad!r} ({type(bad).__name__})")
+                raise ValueError(f"must hold ints, got {value_repr(bad)} ({type(bad).__name__})")
             ids[i] = value
         except ValueError as exc:
             row_error(task, out, i, f"{task.prompt_token_ids_column}: {exc}")

@@ -48,7 +48,7 @@ import pandas as pd
 
 from dfllm.beam_search import BeamSearchParams, beam_outputs, beam_search_score, search_requests
 from dfllm.engine.input_processor import EngineRequest, InputProcessor
-from dfllm.errors import printable
+from dfllm.errors import printable, value_repr
 from dfllm.llm import LLM
 from dfllm.outputs import RequestOutput
 from dfllm.pooling_params import PoolingParams
@@ -368,6 +368,7 @@ def _with_loras(
     from dfllm.lora.resolve import resolve
 
     column = df[task.lora_column].tolist() if task.lora_column else None
+    where = f"column {task.lora_column!r}" if column is not None else "the lora argument"
     seen: dict[str, Any] = {}  # adapter -> its LoRARequest, or why it cannot run
     kept_rows, kept = [], []
     for i, req in zip(rows, requests):
@@ -376,11 +377,10 @@ def _with_loras(
             kept_rows.append(i)
             kept.append(req)
             continue
-        if not isinstance(spec, str) or not spec:
-            row_error(task, out, i, f"lora: expected an adapter's path, URL or name, got {spec!r}")
+        if not isinstance(spec, str) or not spec:  # a list nested without end too: shown without recursion
+            row_error(task, out, i, f"lora: {where} holds {value_repr(spec)}, not an adapter's path, URL or name")
             continue
         if printable(spec) != spec:  # a lone surrogate: no path, no name
-            where = f"column {task.lora_column!r}" if column is not None else "the lora argument"
             row_error(task, out, i, f"lora: {where} holds {spec!r}, not an adapter's path, URL or name")
             continue
         if spec not in seen:
@@ -423,7 +423,7 @@ def _sort_codes(values: pd.Series) -> list:
     try:
         return values.rank(method="dense", na_option="bottom").tolist()
     except Exception:  # noqa: BLE001 (lists, dicts, mixed types: pandas and Arrow raise various errors)
-        codes, _ = pd.factorize(values.map(repr), use_na_sentinel=False)
+        codes, _ = pd.factorize(values.map(value_repr), use_na_sentinel=False)
         return codes.tolist()
 
 

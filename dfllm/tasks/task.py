@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from dfllm.beam_search import BeamSearchParams
 from dfllm.engine_args import DATAFRAME_MAX_CPU_LORAS, DATAFRAME_MAX_LORAS, ENGINE_ARG_NAMES
-from dfllm.inputs import check_unicode
+from dfllm.errors import value_repr
+from dfllm.inputs import check_nesting, check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.reasoning import reasoning_parser_of
 from dfllm.sampling_params import SamplingParams
@@ -265,7 +266,7 @@ def _lora(lora, root, columns, kind: str, engine_kwargs: dict | None) -> tuple[s
     if kind not in ("generate", "chat"):
         raise ValueError(f"{kind} takes no LoRA adapters (lora= is for generate and chat)")
     if not isinstance(lora, str) or not lora:
-        raise ValueError(f"{kind}: lora must be a column name or an adapter's path or URL, got {lora!r}")
+        raise ValueError(f"{kind}: lora must be a column name or an adapter's path or URL, got {value_repr(lora)}")
     if root is not None and not isinstance(root, str):
         raise ValueError(f"{kind}: lora_root must be a folder path or URL, got {root!r}")
     kwargs.setdefault("enable_lora", True)
@@ -412,6 +413,7 @@ def _chat_template_kwargs(value, columns, kind: str) -> tuple[tuple, str | None]
         return (), value
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ValueError("chat_template_kwargs must be a dict of template variables (or a column name)")
+    check_nesting(value, "chat_template_kwargs", "variable")  # _frozen recurses
     return tuple(sorted((k, _frozen(v)) for k, v in value.items())), None
 
 

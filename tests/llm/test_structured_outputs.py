@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 import dfllm  # noqa: F401  (registers the accessors)
 from dfllm import LLM, SamplingParams, StructuredOutputsParams
+from dfllm.errors import MAX_NESTING_DEPTH
 from dfllm.tasks.schema import arrow_type
 
 # Bounded, so that even a random model's output completes within max_tokens.
@@ -465,7 +466,7 @@ def test_an_output_nested_past_pythons_limit_is_that_rows_error(depth):
 @pytest.mark.parametrize("as_text", [False, True])
 def test_a_schema_nested_past_pythons_limit_is_refused_by_name(as_text):
     """A per-row schema nested without end is that row's error (a RecursionError failed the
-    partition); one within the limit compiles (xgrammar took 900 levels here)."""
+    partition), refused by name at the one nesting limit (``dfllm.errors.MAX_NESTING_DEPTH``)."""
     from dfllm import SamplingParams
 
     schema: dict = {"type": "string"}
@@ -473,5 +474,5 @@ def test_a_schema_nested_past_pythons_limit_is_refused_by_name(as_text):
         schema = {"type": "array", "items": schema}
     text = '{"type": "array", "items": ' * 5000 + '{"type": "string"}' + "}" * 5000
     value = text if as_text else schema
-    with pytest.raises(ValueError, match="^structured_outputs.json: the schema is nested deeper than Python reads"):
+    with pytest.raises(ValueError, match=f"^structured_outputs.json must be nested at most {MAX_NESTING_DEPTH} levels"):
         SamplingParams(max_tokens=2, structured_outputs={"json": value})
