@@ -70,7 +70,7 @@ from dfllm.jobs.dry_run import (
     cluster_shape,
     dry_run_source,
 )
-from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line
+from dfllm.jobs.openai_batch import BatchError, LineError, answer_line, custom_id_of, parse_line, strict_json
 from dfllm.tasks.prefix_keys import RowKeys, request_keys
 from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import NUM_GENERATED_TOKENS, NUM_INPUT_TOKENS
@@ -234,7 +234,7 @@ def answer_partition(df: pd.DataFrame, options: BatchOptions, cache: ResponseCac
                 _fill_error(cols, pos, r.error)
                 continue
             cols["status_code"][pos] = r.status_code
-            cols["body"][pos] = printable(json.dumps(r.body, ensure_ascii=False))  # a surrogate: its JSON escape
+            cols["body"][pos] = printable(strict_json(r.body))  # a surrogate: its JSON escape
             cols[NUM_INPUT_TOKENS][pos], cols[NUM_GENERATED_TOKENS][pos] = r.input_tokens, r.output_tokens
     return pd.DataFrame({c: pd.Series(v, dtype=PART_COLUMNS[c], index=df.index) for c, v in cols.items()})
 

@@ -28,6 +28,7 @@ so a resumed job gives every line the id it had.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, fields
@@ -35,6 +36,7 @@ from typing import Any
 
 from dfllm.errors import printable
 from dfllm.jobs.openai_requests import LineError, parse_body
+from dfllm.jobs.shown import clipped, shown
 
 #: The endpoints dfllm answers, by the ``url`` of a line; vLLM's spellings of score and
 #: rerank (without ``/v1``, and ``/v2/rerank``) are accepted too.
@@ -99,19 +101,24 @@ def _parse_line(text: str, key: str) -> BatchRequestInput:
         )
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise LineError(f"custom_id must be a non-empty string, got {custom_id!r}", param="custom_id")
+        raise LineError(f"custom_id must be a non-empty string, got {shown(custom_id)}", param="custom_id")
     method = line.get("method", "POST")
     if method != "POST":
-        raise LineError(f'method must be "POST", got {method!r}', status=405, code="method_not_allowed", param="method")
+        raise LineError(
+            f'method must be "POST", got {shown(method)}', status=405, code="method_not_allowed", param="method"
+        )
     url = line.get("url")
     if not isinstance(url, str):
         raise LineError(
-            f"url must be one of {', '.join(SUPPORTED_URLS)}, got {url!r}", status=404, code="unknown_url", param="url"
+            f"url must be one of {', '.join(SUPPORTED_URLS)}, got {shown(url)}",
+            status=404,
+            code="unknown_url",
+            param="url",
         )
     endpoint = ENDPOINTS.get(url.rstrip("/"))
     if endpoint is None:
         raise LineError(
-            f"URL {url} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}",
+            f"URL {clipped(url)} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}",
             status=404,
             code="unknown_url",
             param="url",
@@ -173,14 +180,14 @@ def load_line(text: str) -> Any:
                 f"{digits:,} digits ({limit})",
                 code="invalid_json",
             ) from None
-        raise LineError(f"{where}: an integer of {digits:,} digits; {limit}", param=where) from None
+        raise LineError(f"{clipped(where)}: an integer of {digits:,} digits; {limit}", param=where) from None
     if _SURROGATE_ESCAPE.search(text):
         where, found = _find(value, lambda v: isinstance(v, str) and printable(v) is not v)
         if where is not None:
             assert isinstance(found, str)
             at = next(i for i, c in enumerate(found) if 0xD800 <= ord(c) <= 0xDFFF)
             raise LineError(
-                f"{where} is not valid Unicode text: it holds a lone surrogate ({printable(found[at])} at "
+                f"{clipped(where)} is not valid Unicode text: it holds a lone surrogate ({printable(found[at])} at "
                 f"character {at}), which has no UTF-8 form",
                 param=where,
             )
@@ -251,7 +258,8 @@ class BatchRequestOutput:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False)
+        """The line as strict JSON text (:func:`strict_json`)."""
+        return strict_json(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict) -> BatchRequestOutput:
@@ -280,12 +288,34 @@ def answer_line(
     """An answer line as JSON text, its body given as JSON text already (answers are
     streamed from the job's parts without parsing their bodies again)."""
     if error is not None:
-        body_json = json.dumps(error.body(status), ensure_ascii=False)
-        err = json.dumps(_fields(error), ensure_ascii=False)
+        body_json = strict_json(error.body(status))
+        err = strict_json(_fields(error))
     else:
         err = "null"
     return (
-        f'{{"id": "batch_req_{key}", "custom_id": {json.dumps(custom_id, ensure_ascii=False)}, '
+        f'{{"id": "batch_req_{key}", "custom_id": {strict_json(custom_id)}, '
         f'"response": {{"status_code": {int(status)}, "request_id": "req_{key}", '
         f'"body": {body_json if body_json is not None else "null"}}}, "error": {err}}}'
     )
+
+
+def strict_json(value: Any) -> str:
+    """``value`` as JSON text every JSON reader reads (text as it is, not ``\\u`` escaped): a
+    non-finite float (NaN, inf), which ``json.dumps`` would write as the bare ``NaN`` or
+    ``Infinity`` that strict readers refuse, is null, as ``vllm run-batch`` writes it
+    (pydantic's default)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere in it
+        return json.dumps(_finite(value), ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with each non-finite float, at any depth, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

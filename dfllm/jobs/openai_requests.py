@@ -47,6 +47,7 @@ from typing import Any
 from dfllm.beam_search import BeamSearchParams
 from dfllm.errors import InvalidRequestError
 from dfllm.inputs import VALID_ROLES
+from dfllm.jobs.shown import clipped, shown
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams
@@ -195,7 +196,7 @@ def _check_fields(body: dict, known: tuple[str, ...], url: str) -> None:
             raise LineError(f"body.{name}: {UNSUPPORTED[name]} is not supported by dfllm", param=f"body.{name}")
         if name not in known and name not in IGNORED:
             raise LineError(
-                f"body.{name} is not a field of {url} requests (see docs/batch.md for the fields dfllm reads)",
+                f"body.{clipped(name)} is not a field of {url} requests (see docs/batch.md for the fields dfllm reads)",
                 param=f"body.{name}",
             )
 
@@ -208,7 +209,7 @@ def _typed(body: dict, name: str, ok: Callable[[Any], bool], what: str) -> Any:
     """``body[name]``, None when absent or null; ``LineError`` saying it must be ``what`` unless ``ok(value)``."""
     v = body.get(name)
     if v is not None and not ok(v):
-        raise LineError(f"body.{name} must be {what}, got {json.dumps(v)}", param=f"body.{name}")
+        raise LineError(f"body.{name} must be {what}, got {clipped(json.dumps(v))}", param=f"body.{name}")
     return v
 
 
@@ -217,7 +218,7 @@ def _int(body: dict, name: str, default: int | None = None, low: int | None = No
     if v is None:
         return default
     if low is not None and v < low:
-        raise LineError(f"body.{name} must be at least {low}, got {v}", param=f"body.{name}")
+        raise LineError(f"body.{name} must be at least {low}, got {clipped(str(v))}", param=f"body.{name}")
     return v
 
 
@@ -279,7 +280,8 @@ def _check_messages(value: Any) -> list[dict]:
             raise LineError(f"{where} must be a JSON object with role and content", param=where)
         if msg.get("role") not in VALID_ROLES:
             raise LineError(
-                f"{where}.role must be one of {', '.join(VALID_ROLES)}, got {msg.get('role')!r}", param=f"{where}.role"
+                f"{where}.role must be one of {', '.join(VALID_ROLES)}, got {shown(msg.get('role'))}",
+                param=f"{where}.role",
             )
         if msg.get("tool_calls") or msg.get("function_call"):
             raise LineError(f"{where}: tool calls are not supported by dfllm", param=f"{where}.tool_calls")
@@ -289,7 +291,8 @@ def _check_messages(value: Any) -> list[dict]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise LineError(
-                        f"{where}.content[{j}]: only text parts are supported, got {kind or json.dumps(part)[:60]!r}",
+                        f"{where}.content[{j}]: only text parts are supported, got "
+                        f"{shown(kind or json.dumps(part)[:60])}",
                         param=f"{where}.content[{j}]",
                     )
         elif not isinstance(content, str):
@@ -348,7 +351,7 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
 def _response_format(fmt: Any) -> StructuredOutputsParams | None:
     if not isinstance(fmt, dict):
         raise LineError(
-            f"body.response_format must be a JSON object with a type, got {json.dumps(fmt)}",
+            f"body.response_format must be a JSON object with a type, got {clipped(json.dumps(fmt))}",
             param="body.response_format",
         )
     kind = fmt.get("type")
@@ -364,7 +367,7 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
             )
         return StructuredOutputsParams(json=schema)
     raise LineError(
-        f"body.response_format.type must be text, json_object or json_schema, got {kind!r}",
+        f"body.response_format.type must be text, json_object or json_schema, got {shown(kind)}",
         param="body.response_format.type",
     )
 
@@ -520,7 +523,8 @@ class ChatCompletionRequest:
         modalities = body.get("modalities")
         if modalities not in (None, ["text"]):
             raise LineError(
-                f'body.modalities: only ["text"] is supported, got {json.dumps(modalities)}', param="body.modalities"
+                f'body.modalities: only ["text"] is supported, got {clipped(json.dumps(modalities))}',
+                param="body.modalities",
             )
         if body.get("echo"):
             raise LineError("body.echo: echoing the prompt is not supported for chat", param="body.echo")
@@ -664,7 +668,9 @@ class EmbeddingRequest:
                 raise LineError(f"{where} is empty; an input must be a non-empty string or token ids", param=where)
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
-            raise LineError(f"body.encoding_format must be float or base64, got {fmt!r}", param="body.encoding_format")
+            raise LineError(
+                f"body.encoding_format must be float or base64, got {shown(fmt)}", param="body.encoding_format"
+            )
         truncate = _int(body, "truncate_prompt_tokens")
         try:
             PoolingParams(truncate_prompt_tokens=truncate)

@@ -6,7 +6,11 @@ dfllm's outputs, as typed objects whose ``to_dict()`` is the JSON body.
 batch line; :func:`completion`, :func:`embeddings`, :func:`scores` and :func:`rerank` do the
 same for ``generate``, ``embed`` and ``score``. The shapes are those the ``openai`` package
 parses (``ChatCompletion``, ``Completion``, ``CreateEmbeddingResponse``), plus vLLM's
-``stop_reason`` on each choice; score and rerank bodies are vLLM's.
+``stop_reason`` on each choice; score and rerank bodies are vLLM's. A log-probability of
+-inf (a token the sampling ruled out, with ``logprobs_mode="processed_logprobs"``) is written
+``-9999.0`` (:data:`LOGPROB_FLOOR`), as vLLM's server writes it; any other non-finite number
+(a NaN score or embedding value) is null in the JSON text (see
+:func:`dfllm.jobs.openai_batch.strict_json`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from dfllm.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ScoringRequestOutput
+
+#: The log-probability vLLM's server writes for -inf (which JSON cannot hold): OpenAI's stand-in.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -296,6 +303,12 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return [float(x) for x in vector]
 
 
+def _logprob(lp: Logprob | None) -> float | None:
+    """A token's log-probability as vLLM's server writes it: at least :data:`LOGPROB_FLOOR`
+    (a token the sampling ruled out, -inf, is ``-9999.0``); None for a token with none."""
+    return None if lp is None else max(lp.logprob, LOGPROB_FLOOR)
+
+
 def _token(lp: Logprob | None) -> str:
     return (lp.decoded_token if lp is not None else None) or ""
 
@@ -317,10 +330,10 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> list[dict[str, Any]]:
         out.append(
             {
                 "token": text,
-                "logprob": lp.logprob if lp is not None else None,
+                "logprob": _logprob(lp),
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": _token(a), "logprob": a.logprob, "bytes": list(_token(a).encode())}
+                    {"token": _token(a), "logprob": _logprob(a), "bytes": list(_token(a).encode())}
                     for _, a in _top(step, k)
                 ],
             }
@@ -337,8 +350,8 @@ def _completion_logprobs(c: CompletionOutput, k: int) -> dict[str, list]:
         lp = step.get(tid)
         text = _token(lp)
         tokens.append(text)
-        values.append(lp.logprob if lp is not None else None)
-        tops.append({_token(a): a.logprob for _, a in _top(step, k)})
+        values.append(_logprob(lp))
+        tops.append({_token(a): _logprob(a) for _, a in _top(step, k)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -30,9 +30,10 @@ from dfllm.accessors.arrow_schema import (
 )
 from dfllm.accessors.partitions import WritableFunction
 from dfllm.accessors.placement import run_placed
-from dfllm.errors import value_text
+from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth, value_text
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConfig
+from dfllm.jobs.shown import shown
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import LLM_ERROR, error_text
@@ -87,6 +88,8 @@ _LOGPROBS = pd.ArrowDtype(pa.list_(LOGPROB_MAP))
 _ENGINE_FALLBACK = {"logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS}
 #: What a row may hand the engine (from preprocess), besides the task's inputs.
 _OPTIONAL_KEYS = ("tokenized_prompt", "sampling_params", "pooling_params", "chat_template_kwargs")
+#: What a row may hand the engine as a dict (a mapping preprocess returns is read into one).
+_MAPPING_KEYS = ("sampling_params", "pooling_params", "chat_template_kwargs")
 _LORA_COLUMN = "__dfllm_lora__"  # Ray's multi-LoRA: each row's adapter name (None: the base model)
 
 
@@ -245,7 +248,7 @@ class Processor:
         engine_rows: list[tuple[dict, str | None]] = []
         for start in range(0, len(pre), self.config.batch_size):
             stop = start + self.config.batch_size
-            engine_rows += self._infer(pre[start:stop], labels[start:stop])
+            engine_rows += self._infer(pre[start:stop], labels[start:stop], inputs[start:stop])
         return [self._post(inp, row, err) for inp, (row, err) in zip(inputs, engine_rows)]
 
     def _upstream(self, row: dict) -> tuple[dict, str | None] | None:
@@ -258,30 +261,41 @@ class Processor:
         return row, earlier
 
     def _pre(self, row: dict) -> tuple[dict, str | None]:
+        """The row preprocess makes of ``row`` (its keys over the input's), and its error: one
+        preprocess raised or returned in place of a dict, or the message preprocess wrote in
+        the error column (a non-null value there fails the row, as postprocess's does)."""
         if self.preprocess is None:
             return row, None
         try:
             out = self.preprocess(dict(row))  # a copy: the input values stay as they were
-            return {**row, **out}, None
+            if not isinstance(out, Mapping):
+                raise TypeError(f"preprocess must return a dict, got {type(out).__name__}")
+            out = dict(out)
         except Exception as exc:  # a user function failing on one row
             return row, f"preprocess: {type(exc).__name__}: {value_text(exc)}"
+        return {**row, **out}, error_text(out.get(self._err))
 
-    def _infer(self, rows: list[tuple[dict, str | None]], labels: list) -> list[tuple[dict, str | None]]:
+    def _infer(
+        self, rows: list[tuple[dict, str | None]], labels: list, inputs: list[dict]
+    ) -> list[tuple[dict, str | None]]:
         """Engine outputs added to the rows without an error; the engine's per-row errors,
         each naming its row by ``labels`` (the rows' index labels). Rows are grouped by the
-        task they need (a chat, a prompt, token ids), one engine call per group."""
+        task they need (a chat, a prompt, token ids), one engine call per group; ``inputs``:
+        the input rows they were made from (see :meth:`_run_group`)."""
         results = list(rows)
         groups: dict[tuple, list[int]] = {}
         for i, (row, err) in enumerate(rows):
             if err is not None:
                 continue
-            kind, inputs, problem = self._row_task(row)
+            kind, fields, problem = self._row_task(row)
             if problem is not None:
                 results[i] = (row, problem)
             else:
-                groups.setdefault((kind, inputs), []).append(i)
-        for (kind, inputs), members in groups.items():
-            done = self._run_group(kind, inputs, [rows[i][0] for i in members], [labels[i] for i in members])
+                groups.setdefault((kind, fields), []).append(i)
+        for (kind, fields), members in groups.items():
+            done = self._run_group(
+                kind, fields, [rows[i][0] for i in members], [labels[i] for i in members], [inputs[i] for i in members]
+            )
             for i, (row, err) in zip(members, done):
                 results[i] = (row, err)
         return results
@@ -313,16 +327,22 @@ class Processor:
         return t, ("prompt",), None
 
     def _run_group(
-        self, kind: str, inputs: tuple[str, ...], rows: list[dict], labels: list
+        self, kind: str, inputs: tuple[str, ...], rows: list[dict], labels: list, originals: list[dict]
     ) -> list[tuple[dict, str | None]]:
         """``rows`` (all needing the task ``kind`` of ``inputs``) through the engine: each
         row with the engine's columns (Ray's names) added, and its error, which names the
-        row by its label in ``labels`` (see :func:`_name_row`)."""
+        row by its label in ``labels`` (see :func:`_name_row`). A value preprocess wrote in
+        a column the engine writes (other than its inputs and ``prompt``), which the
+        engine's would replace, fails its row naming the column (:func:`_overwritten`;
+        ``originals``: the input rows, whose values passed through unchanged do not count)."""
         errors: list[str | None] = [None] * len(rows)
         optional = [k for k in _OPTIONAL_KEYS if any(k in r for r in rows)]
         # object columns: each value as it is reaches the task's own per-row checks (pandas
         # would make text an Arrow string column, which a lone surrogate fails as a whole)
         frame = pd.DataFrame({c: _objects([r.get(c) for r in rows]) for c in (*inputs, *optional)})
+        for name in _MAPPING_KEYS:
+            if name in frame:
+                frame[name] = _objects([_as_dict(v, name, errors, j) for j, v in enumerate(frame[name])])
         if "sampling_params" in frame:
             frame["sampling_params"] = _objects(
                 [self._sampling_params(v, errors, j) for j, v in enumerate(frame["sampling_params"])]
@@ -365,7 +385,7 @@ class Processor:
         names = {ERROR: self._err, **RAY_COLUMNS[kind]}
         done: list[tuple[dict, str | None]] = []
         position = 0  # the row's place in the engine call (which its error names)
-        for row, error, label in zip(rows, errors, labels):
+        for row, error, label, original in zip(rows, errors, labels, originals):
             if error is not None:
                 done.append((row, error))
                 continue
@@ -373,6 +393,13 @@ class Processor:
             engine_error = error_text(out[self._err])
             if engine_error is not None:
                 out[self._err] = engine_error = _name_row(engine_error, position, label)
+            lost = _overwritten(row, original, [k for k in out if k != self._err and k not in (*inputs, "prompt")])
+            if lost:
+                engine_error = join_errors(
+                    engine_error,
+                    f"preprocess returned column(s) {lost} that the engine writes (its output would replace "
+                    "them); rename them",
+                )
             done.append(({**row, **out}, engine_error))
             position += 1
         return done
@@ -399,13 +426,20 @@ class Processor:
         params say ``detokenize=False``)."""
         if not isinstance(value, Mapping):
             return value  # the task's check names it
-        value = {k: _plain(v) for k, v in value.items()}  # arrays (from Arrow columns) as lists, as Ray does
-        if "guided_decoding" in value:
-            guided = value.pop("guided_decoding")
-            if value.get("structured_outputs") is not None and guided is not None:
-                errors[j] = "sampling_params: give guided_decoding or structured_outputs, not both"
-            elif guided is not None:
-                value["structured_outputs"] = dict(guided) if isinstance(guided, Mapping) else guided
+        try:
+            if nesting_depth(value) <= MAX_NESTING_DEPTH:  # deeper: as it is, for the task's check to name the field
+                value = {k: _plain(v) for k, v in value.items()}  # arrays (from Arrow columns) as lists, as Ray does
+            else:
+                value = dict(value)
+            if "guided_decoding" in value:
+                guided = value.pop("guided_decoding")
+                if value.get("structured_outputs") is not None and guided is not None:
+                    errors[j] = "sampling_params: give guided_decoding or structured_outputs, not both"
+                elif guided is not None:
+                    value["structured_outputs"] = dict(guided) if isinstance(guided, Mapping) else guided
+        except Exception as exc:  # noqa: BLE001  (a value of the row's own that cannot be read: its error)
+            errors[j] = join_errors(errors[j], f"sampling_params: {type(exc).__name__}: {value_text(exc)}")
+            return None
         if self.config.detokenize_enabled and value.get("detokenize") is False:
             value["detokenize"] = True
         return value
@@ -561,7 +595,6 @@ def _frame(
 
 #: the field an engine error starts with (``messages: ...``, ``chat_template_kwargs: ...``)
 _FIELD = re.compile(r"[A-Za-z_]\w*|chat template")
-MAX_LABEL = 200  # characters of a row's label an error shows
 
 
 def _plain_label(label):
@@ -575,14 +608,10 @@ def _plain_label(label):
 
 
 def _label_text(label) -> str:
-    """A row's index label as an error shows it: its ``repr`` (a lone surrogate escaped), cut
-    at :data:`MAX_LABEL` characters; never an exception (an int past Python's digit limit)."""
-    label = _plain_label(label)
-    try:
-        text = value_text(repr(label))
-    except Exception:  # noqa: BLE001  (a repr that raises)
-        text = value_text(label)
-    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1] + "\u2026"
+    """A row's index label as an error shows it (:func:`dfllm.jobs.shown.shown`: its ``repr``,
+    a lone surrogate escaped, cut at :data:`~dfllm.jobs.shown.MAX_SHOWN` characters); never
+    an exception (an int past Python's digit limit)."""
+    return shown(_plain_label(label))
 
 
 def _name_row(error: str, position: int, label) -> str:
@@ -604,6 +633,14 @@ def _name_row(error: str, position: int, label) -> str:
     return f"{field}: in {row}, {rest}"
 
 
+def _overwritten(row: dict, original: dict, columns: list) -> list:
+    """The names of ``columns`` (the engine's output columns) that hold, in ``row``, a value
+    preprocess wrote: one the input row ``original`` has not, or has as another object (an
+    input value preprocess returned as it got it is the input's, which the output keeps)."""
+    missing = object()
+    return [c for c in columns if c in row and row[c] is not original.get(c, missing)]
+
+
 def _column_name(key) -> bool:
     """Whether a key postprocess returns can name an output column: not text with no UTF-8
     form (a lone surrogate), which no frame or file can hold (the row's error names it)."""
@@ -615,6 +652,22 @@ def _check_columns(columns: pd.Index) -> None:
     repeated = repeated_columns(columns)
     if repeated:
         raise ValueError(f"build_processor: the input has more than one column named {repeated}; rename them")
+
+
+def _as_dict(value, name: str, errors: list, j: int):
+    """Row ``j``'s ``name`` (a dict-valued field: ``sampling_params``...) with a mapping that
+    is not a dict as a dict (its values as they are); None, with the row's error naming the
+    field, for a mapping that cannot be read (its keys or items raise). Any other value as it
+    is: the task's check names it."""
+    if not isinstance(value, Mapping) or type(value) is dict:
+        return value
+    try:
+        return dict(value)
+    except Exception as exc:  # noqa: BLE001  (a mapping of the row's own: its error)
+        errors[j] = join_errors(
+            errors[j], f"{name}: cannot be read as a dict ({type(exc).__name__}: {value_text(exc)})"
+        )
+        return None
 
 
 def _objects(values: list) -> pd.Series:

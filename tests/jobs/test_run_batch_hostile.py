@@ -200,6 +200,39 @@ def test_the_engines_errors_name_the_field_that_asked(tiny_llama, tmp_path):
     assert {cid: got[cid]["error"]["param"] for cid in want} == want
 
 
+def test_huge_values_are_cut_in_messages_and_the_custom_id_is_kept_whole(tiny_llama, tmp_path):
+    """A ``custom_id``, ``method``, ``url``, field name or field value of any size is shown in
+    its line's error, and a ``custom_id`` in the dry run's report, cut at
+    :data:`~dfllm.jobs.shown.MAX_SHOWN` characters (before: whole, a line of megabytes);
+    the answer's own ``custom_id`` is the input's, whole (users join on it)."""
+    big = 300_000
+    long_id, answered_id = "c" * big, "d" * big
+    body = chat("x", "Hi")["body"]
+    rows = [
+        {**chat("x", "Hi"), "custom_id": list(range(50_000))},
+        {**chat(long_id, "Hi"), "method": "G" * big},
+        {**chat("url-list", "Hi"), "url": [0] * 50_000},
+        {**chat("url-text", "Hi"), "url": "/v1/" + "u" * big},
+        line("role", messages=[{"role": "r" * big, "content": "Hi"}]),
+        chat("format", "Hi", response_format=list(range(50_000))),
+        {**chat("field", "Hi"), "body": {**body, "f" * big: 1}},
+        chat(answered_id, "Hi"),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = run(tiny_llama, src, tmp_path / "out.jsonl")
+    got = read_jsonl(tmp_path / "out.jsonl")
+    ids = [None, long_id, "url-list", "url-text", "role", "format", "field", answered_id]
+    assert [r["custom_id"] for r in got] == ids and (summary.lines, summary.failed) == (8, 7)
+    for r in got[:-1]:
+        check_line(r)
+        assert len(r["error"]["message"]) < 1_000, (r["custom_id"][:20] if r["custom_id"] else None, r["error"])
+    assert got[-1]["error"] is None
+    report = dry_run_batch(str(src), model=str(tiny_llama), sample_rows=0, **ENGINE)
+    assert long_id in {label for r in report.refusals for label, _ in r.examples}  # the label itself is whole
+    assert report.longest_row == answered_id
+    assert max(len(text) for text in report.format().splitlines()) < 1_000
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_a_byte_order_mark_at_the_start_of_the_file_is_dropped(tiny_llama, tmp_path, gz):
     text = "\ufeff" + json.dumps(chat("first", "Hi")) + "\n\ufeff" + json.dumps(chat("second", "Hi")) + "\n"

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dfllm.jobs.shown import shown
+
 if TYPE_CHECKING:
     from dfllm.jobs.dry_run.calibration import Calibration
     from dfllm.jobs.dry_run.survey import EngineFacts
@@ -87,7 +89,7 @@ class DryRunReport:
             lines.append(f"  not estimated:  {n:,} x {why}")
         for r in self.refusals:
             row, message = r.examples[0] if r.examples else (None, "")
-            example = f"row {row!r}" + ("" if message == r.reason else f": {_short(message)}")
+            example = f"row {shown(row)}" + ("" if message == r.reason else f": {_short(message)}")
             lines.append(f"  refused:        {r.rows:,} x {_short(r.reason)} (e.g. {example})")
         if self.refused and self.on_error_raise:
             lines.append("  (with --on-error raise the job would fail at the first of them)")
@@ -95,7 +97,7 @@ class DryRunReport:
             lines.append(
                 f"prompt tokens:    {self.prompt_tokens:,} (p50 {self.prompt_p50:,}, p99 {self.prompt_p99:,}, "
                 f"longest {self.prompt_longest:,}"
-                + (f", row {self.longest_row!r}" if self.longest_row is not None else "")
+                + (f", row {shown(self.longest_row)}" if self.longest_row is not None else "")
                 + ")"
             )
             lines.append(
