@@ -19,7 +19,8 @@ dataframe row's ``llm_error``).
 
 The module also holds what every layer's messages need: how deeply a request's values may
 nest (:data:`MAX_NESTING_DEPTH`, :func:`nesting_depth`) and any value written as text a
-message or a string column can hold (:func:`printable`, :func:`value_text`, :func:`value_repr`).
+message or a string column can hold (:func:`printable`, :func:`value_text`, :func:`value_repr`,
+:func:`shown`, cut at :data:`MAX_SHOWN` characters).
 """
 
 from __future__ import annotations
@@ -135,3 +136,19 @@ def value_repr(value) -> str:
         return printable(repr(value))
     except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __repr__ that raises)
         return f"a {type(value).__name__} that cannot be written as text"
+
+
+#: The most characters of a value a message shows (a ``custom_id`` of a million characters, a
+#: row's label, a config field, a tensor's name): the value itself is never cut.
+MAX_SHOWN = 200
+
+
+def clipped(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` cut at ``limit`` characters, an ellipsis (``…``) marking the cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def shown(value, limit: int = MAX_SHOWN) -> str:
+    """``value`` as a message shows it: :func:`value_repr` (never an exception, never a
+    recursion) :func:`clipped` at ``limit`` characters."""
+    return clipped(value_repr(value), limit)

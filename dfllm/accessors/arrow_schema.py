@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from dfllm.errors import shown
 from dfllm.tasks.templates import is_null
 
 #: What a partition reports for a column: each Arrow type of its values and how many values had it.
@@ -514,5 +515,5 @@ def join_errors(first: str | None, second: str | None) -> str | None:
 
 
 def _show(value) -> str:
-    text = repr(value)
-    return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
+    """``value`` and its type for a message, never an exception (a ``repr`` that raises)."""
+    return f"{shown(value, 80)} ({type(value).__name__})"

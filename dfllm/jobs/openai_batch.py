@@ -34,9 +34,8 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
-from dfllm.errors import printable
+from dfllm.errors import clipped, printable, shown
 from dfllm.jobs.openai_requests import LineError, parse_body
-from dfllm.jobs.shown import clipped, shown
 
 #: The endpoints dfllm answers, by the ``url`` of a line; vLLM's spellings of score and
 #: rerank (without ``/v1``, and ``/v2/rerank``) are accepted too.

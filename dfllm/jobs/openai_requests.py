@@ -45,9 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dfllm.beam_search import BeamSearchParams
-from dfllm.errors import InvalidRequestError
+from dfllm.errors import InvalidRequestError, clipped, shown
 from dfllm.inputs import VALID_ROLES
-from dfllm.jobs.shown import clipped, shown
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
 from dfllm.structured_outputs import StructuredOutputsParams

@@ -30,10 +30,9 @@ from dfllm.accessors.arrow_schema import (
 )
 from dfllm.accessors.partitions import WritableFunction
 from dfllm.accessors.placement import run_placed
-from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth, value_text
+from dfllm.errors import MAX_NESTING_DEPTH, nesting_depth, shown, value_text
 from dfllm.jobs.fingerprint import FingerprintError, fingerprint
 from dfllm.jobs.ray_config import RAY_ERROR, check_dict, vLLMEngineProcessorConfig
-from dfllm.jobs.shown import shown
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.response_cache import ResponseCache, as_cache
 from dfllm.tasks.schema import LLM_ERROR, error_text
@@ -608,8 +607,8 @@ def _plain_label(label):
 
 
 def _label_text(label) -> str:
-    """A row's index label as an error shows it (:func:`dfllm.jobs.shown.shown`: its ``repr``,
-    a lone surrogate escaped, cut at :data:`~dfllm.jobs.shown.MAX_SHOWN` characters); never
+    """A row's index label as an error shows it (:func:`dfllm.errors.shown`: its ``repr``,
+    a lone surrogate escaped, cut at :data:`~dfllm.errors.MAX_SHOWN` characters); never
     an exception (an int past Python's digit limit)."""
     return shown(_plain_label(label))
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as safetensors_load
 
+from dfllm.errors import shown
 from dfllm.lora.request import LoRARequest
 from dfllm.models.spec import ModelSpec
 
@@ -181,58 +182,58 @@ def _check_config(request: LoRARequest, cfg: dict) -> dict:
     """``cfg`` (a JSON object) checked for what dfllm cannot serve, its fields' types included."""
     peft_type = cfg.get("peft_type", "LORA")
     if not isinstance(peft_type, str):
-        raise _fail(request, f"adapter_config.json: peft_type must be a string, got {_short(peft_type)}")
+        raise _fail(request, f"adapter_config.json: peft_type must be a string, got {shown(peft_type)}")
     peft_type = peft_type.upper()
     if peft_type != "LORA":
-        raise _fail(request, f"peft_type {_short(peft_type)} is not LoRA")
+        raise _fail(request, f"peft_type {shown(peft_type)} is not LoRA")
     for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
         if cfg.get(key) == bad:
             raise _fail(request, f"{key}={bad} is not supported")
     if cfg.get("bias", "none") != "none":
-        raise _fail(request, f"bias={_short(cfg['bias'])} is not supported (adapters without bias terms only)")
+        raise _fail(request, f"bias={shown(cfg['bias'])} is not supported (adapters without bias terms only)")
     if cfg.get("modules_to_save"):
         raise _fail(
             request,
-            f"modules_to_save {_short(cfg['modules_to_save'])} is not supported: it replaces whole "
+            f"modules_to_save {shown(cfg['modules_to_save'])} is not supported: it replaces whole "
             "modules of the base model, which adapters sharing one batch cannot do",
         )
     if cfg.get("alpha_pattern"):
         raise _fail(request, "alpha_pattern is not supported (one lora_alpha for every module)")
     for key in ("use_dora", "fan_in_fan_out", "use_rslora"):
         if not isinstance(cfg.get(key, False), bool):
-            raise _fail(request, f"adapter_config.json: {key} must be true or false, got {_short(cfg[key])}")
+            raise _fail(request, f"adapter_config.json: {key} must be true or false, got {shown(cfg[key])}")
     targets = cfg.get("target_modules")
     if targets is not None and not isinstance(targets, str | list):
         raise _fail(
             request,
             f"adapter_config.json: target_modules must be a list of module names (or PEFT's regular "
-            f"expression string), got {_short(targets)}",
+            f"expression string), got {shown(targets)}",
         )
     if isinstance(targets, list):
         odd = [t for t in targets if not isinstance(t, str)]
         if odd:
-            raise _fail(request, f"adapter_config.json: target_modules must be module names, got {_short(odd[0])}")
+            raise _fail(request, f"adapter_config.json: target_modules must be module names, got {shown(odd[0])}")
         # PEFT matches a name to every module whose dotted path ends with it ("self_attn.q_proj")
         unknown = sorted(t for t in set(targets) if t.rsplit(".", 1)[-1] not in MODULES and t not in FUSED_PARTS)
         if unknown:
             raise _fail(
                 request,
-                f"target_modules {_short(unknown)} are modules the base model does not have as LoRA "
+                f"target_modules {shown(unknown)} are modules the base model does not have as LoRA "
                 f"targets (supported: {sorted(MODULES) + sorted(FUSED_PARTS)})",
             )
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise _fail(request, f"adapter_config.json: r must be a positive whole number (the rank), got {_short(r)}")
+        raise _fail(request, f"adapter_config.json: r must be a positive whole number (the rank), got {shown(r)}")
     alpha = cfg.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < _as_float(alpha) < math.inf:
-        raise _fail(request, f"adapter_config.json: lora_alpha must be a positive finite number, got {_short(alpha)}")
+        raise _fail(request, f"adapter_config.json: lora_alpha must be a positive finite number, got {shown(alpha)}")
     pattern = cfg.get("rank_pattern") or {}
     if not isinstance(pattern, dict) or any(
         isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in pattern.values()
     ):
         raise _fail(
             request,
-            f"adapter_config.json: rank_pattern must map module names to positive whole numbers, got {_short(pattern)}",
+            f"adapter_config.json: rank_pattern must map module names to positive whole numbers, got {shown(pattern)}",
         )
     return cfg
 
@@ -247,13 +248,6 @@ def _as_float(value: int | float) -> float:
         return float(value)
     except OverflowError:
         return math.nan
-
-
-def _short(value, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for a message (a config or a tensor's name
-    may hold megabytes)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _config_ranks(cfg: dict) -> set[int]:
@@ -327,7 +321,7 @@ def _load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dty
         if m is None:
             raise _fail(
                 request,
-                f"tensor {_short(key, 200)} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
+                f"tensor {shown(key)} is not a LoRA A/B weight of a q/k/v/o or gate/up/down "
                 "projection of a decoder layer (embeddings, the LM head and other modules "
                 "are not supported)",
             )
@@ -335,24 +329,21 @@ def _load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dty
         if module not in MODULES and module not in FUSED_PARTS:
             raise _fail(
                 request,
-                f"tensor {_short(key, 200)} targets a {part} module the base model does not have "
+                f"tensor {shown(key)} targets a {part} module the base model does not have "
                 f"(LoRA targets: {sorted(MODULES)})",
             )
         if layer >= spec.num_hidden_layers:
             raise _fail(
                 request,
-                f"tensor {_short(key, 200)} is for layer {layer}, but the base model has "
-                f"{spec.num_hidden_layers} layers",
+                f"tensor {shown(key)} is for layer {layer}, but the base model has {spec.num_hidden_layers} layers",
             )
         if not tensor.is_floating_point():
-            raise _fail(request, f"tensor {_short(key, 200)} is {tensor.dtype}, not floating point")
+            raise _fail(request, f"tensor {shown(key)} is {tensor.dtype}, not floating point")
         value = tensor.float()
         if not bool(torch.isfinite(value).all()):
-            raise _fail(
-                request, f"tensor {_short(key, 200)} holds values that are not finite in float32 (NaN or infinity)"
-            )
+            raise _fail(request, f"tensor {shown(key)} holds values that are not finite in float32 (NaN or infinity)")
         if ab in pairs.get((layer, module), {}):
-            raise _fail(request, f"tensor {_short(key, 200)}: layer {layer} {module} lora_{ab} is given twice")
+            raise _fail(request, f"tensor {shown(key)}: layer {layer} {module} lora_{ab} is given twice")
         pairs.setdefault((layer, module), {})[ab] = value
     if not pairs:
         raise _fail(request, "adapter_model.safetensors holds no LoRA weights")
@@ -378,8 +369,8 @@ def _load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dty
                 request, f"{where} has rank {r}, above max_lora_rank={max_lora_rank} (raise LLM(max_lora_rank=...))"
             )
         if r not in ranks:  # PEFT cannot load it; vLLM would scale it by lora_alpha / r: no guess
-            given = f"r={_short(cfg['r'])}" + (
-                f" and rank_pattern ranks {_short(sorted(ranks - {cfg['r']}))}" if len(ranks) > 1 else ""
+            given = f"r={shown(cfg['r'])}" + (
+                f" and rank_pattern ranks {shown(sorted(ranks - {cfg['r']}))}" if len(ranks) > 1 else ""
             )
             raise _fail(
                 request,

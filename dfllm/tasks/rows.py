@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dfllm.errors import value_repr
+from dfllm.errors import value_repr, value_text
 from dfllm.inputs import check_conversation, check_nesting, check_unicode
 from dfllm.pooling_params import PoolingParams
 from dfllm.sampling_params import SamplingParams
@@ -185,7 +185,13 @@ def _fields(value, what: str) -> dict | None:
         return None
     if not isinstance(value, Mapping):
         raise ValueError(f"must be a dict of {what} fields, got {type(value).__name__}")
-    return {k: v for k, v in dict(value).items() if v is not None and v is not pd.NA}
+    try:
+        fields = dict(value)
+    except Exception as exc:  # noqa: BLE001  (a mapping whose items cannot be read)
+        raise ValueError(
+            f"a dict of {what} fields that cannot be read ({type(exc).__name__}: {value_text(exc)})"
+        ) from None
+    return {k: v for k, v in fields.items() if v is not None and v is not pd.NA}
 
 
 def literal_text(text: str, kind: type, what: str):

@@ -419,11 +419,6 @@ def test_property_with_should_continue_on_error_false_the_first_failed_row_fails
         pd.testing.assert_frame_equal(outs[False].drop(columns=timing), kept.drop(columns=["llm_error", *timing]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dfllm/accessors/arrow_schema.py _show calls repr() unguarded: a value whose repr raises fails the "
-    "whole partition instead of its row (to fix there: show it with a repr that never raises)",
-)
 def test_a_value_whose_repr_raises_is_its_rows_error(config):
     def post(row):
         return {"id": row["id"], "u": Unprintable() if row["id"] == 1 else "ok"}

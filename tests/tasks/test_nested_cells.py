@@ -251,3 +251,29 @@ def test_semantic_operators_with_cells_nested_without_end(tiny_llama):
     assert any(e.startswith("right index 1: column 'topic' holds a list") for e in errors)
     summary = df.llm.agg("Summarise {review}", model=model, max_tokens=2, **SEMANTIC_ENGINE)
     assert len(summary) == 1 and "review" in summary["llm_error"][0]
+
+
+class _Unreadable(dict):
+    """A mapping whose items cannot be read (a user's Mapping subclass that raises)."""
+
+    def keys(self):
+        raise RuntimeError("no keys today")
+
+    def __iter__(self):
+        raise RuntimeError("no keys today")
+
+
+def test_a_params_cell_whose_items_cannot_be_read_is_its_rows_error(tiny_llama):
+    df = pd.DataFrame({"q": ["a b", "c d"], "sp": objects([_Unreadable(max_tokens=2), {"max_tokens": 2}])})
+    task = make_task(
+        "generate",
+        ("q",),
+        list(df.columns),
+        output_column=OUT,
+        model=str(tiny_llama),
+        sampling_params="sp",
+        engine_kwargs=ENGINE,
+    )
+    out = run_task(df, task)
+    assert out["llm_error"][0].startswith("sampling_params: a dict of SamplingParams fields that cannot be read")
+    assert pd.isna(out["llm_error"][1]) and isinstance(out[OUT][1], str)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfllm.jobs.shown import shown
+from dfllm.errors import shown
 
 if TYPE_CHECKING:
     from dfllm.jobs.dry_run.calibration import Calibration

@@ -228,7 +228,6 @@ def test_a_prompt_of_the_wrong_type_is_refused_with_vllms_words(minilm, bad):
     assert str(info.value).startswith("prompt 0: expected a str or a dict")
 
 
-
 @pytest.mark.parametrize("bad", [None, 3.5, 7, b"x", {"text": "x"}, object()])
 def test_a_score_side_of_the_wrong_type_is_refused_naming_it(minilm, bad):
     """Not Python's "'NoneType' object is not iterable": the side is named."""
@@ -237,6 +236,7 @@ def test_a_score_side_of_the_wrong_type_is_refused_naming_it(minilm, bad):
             minilm.score(*args, use_tqdm=False)
         assert f"score {side}" in str(info.value), str(info.value)
     assert minilm.score("a", ["b", "c"], use_tqdm=False)[1].finished
+
 
 def test_a_generate_prompt_of_the_wrong_type_is_refused_with_vllms_words(tiny_llama):
     """The same sentence, from the one definition, for ``generate``."""
