@@ -71,16 +71,21 @@ class FrameAdapter:
 
         return polars_to_pandas(pl.DataFrame(schema=self.obj.collect_schema()))
 
-    def back(self, df: pd.DataFrame) -> Any:
+    def polars_schema(self) -> dict:
+        """A Polars frame's (eager or lazy) column name -> dtype; ``{}`` for pandas and Dask."""
+        return dict(self.obj.collect_schema()) if self.kind in ("polars", "lazy") else {}
+
+    def back(self, df: pd.DataFrame, dtypes: dict | None = None) -> Any:
         """``df`` (pandas) as the frame's kind: as it is but for Polars, where the frame's columns
         get their own dtypes back where the trip through pandas changed them (an ``Enum`` comes
         back as ``Categorical``; not ``llm_error``, which the operators write), and a LazyFrame's
-        lazy again."""
+        lazy again. ``dtypes`` (result column -> Polars dtype) does the same for columns that
+        came from another frame (a join's columns of ``other``, by their names in ``df``)."""
         if self.kind not in ("polars", "lazy"):
             return df
 
         out = _polars_from_pandas(df.reset_index(drop=True))
-        schema = self.obj.collect_schema()
+        schema = {**(dtypes or {}), **self.obj.collect_schema()}
         differ = {c: t for c, t in schema.items() if c in out.columns and c != LLM_ERROR and out.schema[c] != t}
         out = out.cast(differ) if differ else out
         return out.lazy() if self.kind == "lazy" else out

@@ -11,7 +11,9 @@ Dask's ``series.llm.score(other)`` do).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pandas as pd
@@ -20,6 +22,7 @@ import pyarrow as pa
 
 from dfllm.accessors.adapter import polars_to_pandas
 from dfllm.accessors.frontend import SERIES_INPUT, LLMFrameMethods
+from dfllm.errors import shown, value_repr
 from dfllm.tasks.kinds import KINDS, LOGPROB_MAP
 from dfllm.tasks.runners import run_task
 from dfllm.tasks.task import LLMTask, make_task
@@ -69,17 +72,28 @@ def _polars_dtype(dtype, column: str = "") -> pl.DataType:
     return pl.Series(pa.array([], type=dtype.pyarrow_dtype)).dtype
 
 
+def _check_output_column(kind: str, output_column: object) -> None:
+    """``ValueError`` for an ``output_column`` that is not a string (a Polars column's name is one):
+    ``output_column=5`` raised Polars' ``KeyError`` or ``TypeError`` once the task had run."""
+    if not isinstance(output_column, str):
+        raise ValueError(
+            f"{kind}: output_column must be a string (Polars names columns by strings), got {shown(output_column)}"
+        )
+
+
 def _polars_schema(task: LLMTask) -> dict:
     return {c: _polars_dtype(d, c) for c, d in task.output_dtypes().items()}
 
 
 class PolarsLLMNamespace(LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.DataFrame:
+        _check_output_column(task.kind, task.output_column)
         return _run(self._obj, task)
 
 
 class PolarsLazyLLMNamespace(LLMFrameMethods):
     def _apply(self, task: LLMTask, resources: dict | None = None) -> pl.LazyFrame:
+        _check_output_column(task.kind, task.output_column)
         schema = {**self._obj.collect_schema(), **_polars_schema(task)}
         return self._obj.map_batches(lambda df: _run(df, task), schema=schema)
 
@@ -91,9 +105,12 @@ class PolarsExprLLMNamespace:
         self._expr = expr
 
     def _map(self, kind: str, output_column: str, **kwargs) -> pl.Expr:
+        _check_output_column(kind, output_column)
+
         def apply(series: pl.Series) -> pl.Series:
             frame = series.to_frame(SERIES_INPUT)
-            result = getattr(PolarsLLMNamespace(frame), kind)(SERIES_INPUT, output_column=output_column, **kwargs)
+            with _named({SERIES_INPUT: series.name}):
+                result = getattr(PolarsLLMNamespace(frame), kind)(SERIES_INPUT, output_column=output_column, **kwargs)
             return result[output_column]
 
         probe = _probe_task(kind, output_column, kwargs.get("json_schema"), kwargs.get("choice"))
@@ -116,6 +133,7 @@ class PolarsExprLLMNamespace:
         column name) of the same length, or of length 1 (``pl.lit("query")``: one text against
         every row). A Float64 expression named after this one; a null input gives a null score.
         Keyword arguments are those of ``DataFrame.llm.score`` (``model``, engine arguments...)."""
+        _check_output_column("score", output_column)
         right = pl.col(other) if isinstance(other, str) else other
         if not isinstance(right, pl.Expr):
             raise TypeError(f"score: other must be a Polars expression or a column name, got {type(other).__name__}")
@@ -126,11 +144,30 @@ class PolarsExprLLMNamespace:
             if len(texts) == 1 and len(left) != 1:  # one text against every row
                 texts = pl.repeat(texts[0], len(left), dtype=texts.dtype, eager=True)
             frame = pl.DataFrame({SERIES_INPUT: left, second: texts})
-            result = PolarsLLMNamespace(frame).score(SERIES_INPUT, second, output_column=output_column, **kwargs)
+            with _named({SERIES_INPUT: left.name, second: texts.name}):
+                result = PolarsLLMNamespace(frame).score(SERIES_INPUT, second, output_column=output_column, **kwargs)
             return result[output_column]
 
         probe = LLMTask("score", (SERIES_INPUT, second), output_column)
         return pl.map_batches([self._expr, right], apply, return_dtype=_polars_schema(probe)[output_column])
+
+
+@contextmanager
+def _named(names: dict[str, str]) -> Iterator[None]:
+    """Inside this block, a ``ValueError`` (a column Arrow cannot hold, a refused argument) that
+    names an expression's input by the frame column it runs in (``'__dfllm_input__'``) names it
+    by the expression's own name (``'text'``) instead; its type and fields are kept."""
+    try:
+        yield
+    except ValueError as exc:
+        message = str(exc)
+        for internal, name in names.items():
+            message = message.replace(repr(internal), value_repr(name))
+        if message == str(exc):
+            raise
+        renamed = copy.copy(exc)
+        renamed.args = (message,)
+        raise renamed from None
 
 
 def _probe_task(kind: str, output_column: str, json_schema=None, choice=None) -> LLMTask:

@@ -20,6 +20,7 @@ import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
 from dfllm.accessors.arrow_schema import join_errors
+from dfllm.errors import shown
 from dfllm.semantic.frames import check_output_names, earlier_errors
 from dfllm.semantic.join import (
     TRUE_FALSE,
@@ -33,6 +34,7 @@ from dfllm.semantic.join import (
     make_judge,
     operator_resources,
     rename_columns,
+    stack_vectors,
 )
 from dfllm.tasks.schema import LLM_ERROR
 
@@ -107,7 +109,7 @@ def cluster(
         for (i, j), ans, err in zip(links, answers, errs):
             if err is not None:  # reported on both rows, never treated as "not a duplicate" silently
                 for x, y in ((i, j), (j, i)):
-                    note = f"dedup: the pair with the row of index {labels[y]!r} could not be judged: {err}"
+                    note = f"dedup: the pair with the row of index {shown(labels[y])} could not be judged: {err}"
                     errors[x] = note if errors[x] is None else f"{errors[x]}; {note}"
             elif ans == TRUE_FALSE[0]:
                 kept.append((i, j))
@@ -120,13 +122,7 @@ def cluster(
 
 
 def _vectors(df: pd.DataFrame) -> np.ndarray:
-    vecs = df[_EMB].tolist()
-    dim = next((len(v) for v in vecs if v is not None and len(v)), 0)
-    return (
-        np.stack([np.asarray(v, np.float32) if v is not None and len(v) else np.zeros(dim, np.float32) for v in vecs])
-        if vecs
-        else np.zeros((0, 0), np.float32)
-    )
+    return stack_vectors(df[_EMB].tolist())
 
 
 def _embed(df: pd.DataFrame, spec: DedupSpec, cost: SemanticCost) -> tuple[np.ndarray, list]:
@@ -245,9 +241,9 @@ def semantic_dedup(
     """``df.llm.dedup``: see :meth:`SemanticFrameMethods.dedup`."""
     columns = columns_of(frame, "dedup")
     if column not in columns:
-        raise ValueError(f"dedup: column {column!r} is not in the frame (columns: {columns})")
+        raise ValueError(f"dedup: column {shown(column)} is not in the frame (columns: {columns})")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
-        raise ValueError(f"dedup: threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
+        raise ValueError(f"dedup: threshold must be a cosine similarity in [-1, 1], got {shown(threshold)}")
     check_output_names("dedup", (cluster_column, representative_column))
     for name in (cluster_column, representative_column):
         if name in columns:
@@ -255,7 +251,7 @@ def semantic_dedup(
     if cluster_column == representative_column:
         raise ValueError("dedup: cluster_column and representative_column must differ")
     if not isinstance(images, (bool, np.bool_)):
-        raise ValueError(f"dedup: images must be True or False, got {images!r}")
+        raise ValueError(f"dedup: images must be True or False, got {shown(images)}")
     if images and confirm:
         raise ValueError(
             "dedup: confirm= has a language model judge each pair's texts; with images=True the "
@@ -274,7 +270,7 @@ def semantic_dedup(
     if confirm:
         statement = DEFAULT_CONFIRM if confirm is True else confirm
         if not isinstance(statement, str):
-            raise ValueError(f"dedup: confirm is True or a statement about records A and B, got {confirm!r}")
+            raise ValueError(f"dedup: confirm is True or a statement about records A and B, got {shown(confirm)}")
         judge = make_judge(
             frame,
             ["__a_text", "__b_text"],

@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import numbers
 import string
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,8 +23,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.errors import shown, value_repr, value_text
 from dfllm.semantic.frames import earlier_errors
 from dfllm.semantic.prompts import record_template, semantic_prompt
 from dfllm.tasks.runners import run_task
@@ -172,12 +175,7 @@ def make_judge(
     params: dict = {"temperature": 0.0, "max_tokens": 8}
     if logprobs is not None:
         params["logprobs"] = logprobs
-    if sampling_params is not None:
-        params.update(
-            sampling_params
-            if isinstance(sampling_params, dict)
-            else {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)}
-        )
+    params.update(_given_params(sampling_params, what))
     try:
         task = make_task(
             "chat" if chat else "generate",
@@ -197,6 +195,23 @@ def make_judge(
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return PairJudge(task)
+
+
+def _given_params(sampling_params, what: str) -> dict:
+    """The fields a judge's ``sampling_params`` (None, a dict of fields or a
+    :class:`~dfllm.sampling_params.SamplingParams`) set, as a dict; ``ValueError`` for anything else."""
+    from dfllm.sampling_params import SamplingParams
+
+    if sampling_params is None:
+        return {}
+    if isinstance(sampling_params, dict):
+        return dict(sampling_params)
+    if isinstance(sampling_params, SamplingParams):  # its own fields, not the ones it derives (init=False)
+        return {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params) if f.init}
+    raise ValueError(
+        f"{what}: sampling_params must be a dfllm.SamplingParams or a dict of its fields, "
+        f"got {type(sampling_params).__name__}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +242,19 @@ class Embedder:
                 norm = float(np.linalg.norm(v))
                 mat[i] = v / norm if norm > 0 else v
         return mat, errors
+
+
+def stack_vectors(vectors: list) -> np.ndarray:
+    """Rows' vectors as :class:`Embedder` gives them, kept in a frame's column, as one matrix:
+    a failed row's vector (None, or empty: a partition whose every row failed embeds to width
+    0, and a Dask frame's right side joins such partitions with others) as zeros of the others'
+    width."""
+    dim = next((len(v) for v in vectors if v is not None and len(v)), 0)
+    if not vectors:
+        return np.zeros((0, 0), np.float32)
+    return np.stack(
+        [np.asarray(v, np.float32) if v is not None and len(v) else np.zeros(dim, np.float32) for v in vectors]
+    )
 
 
 def make_embedder(
@@ -408,6 +436,11 @@ def parse_join_instruction(instruction: str, left: list[str], right: list[str]) 
             )
         if name not in (left if side == "left" else right):
             raise ValueError(f"join: {{{name}:{side}}}: no column {name!r} in the {side} frame")
+        if "." in name or "[" in name:  # a template reads plain names only (no attribute or index access)
+            raise ValueError(
+                f"join: the instruction's field {{{name}}} names the {side} column {name!r}, whose '.' or '[' "
+                "an instruction cannot hold; rename the column"
+            )
         col = f"__{side[0]}_{name}"
         (lf if side == "left" else rf)[col] = name
         names[col] = f"{side}.{name}" if (name in left and name in right) else name
@@ -421,16 +454,25 @@ def parse_join_instruction(instruction: str, left: list[str], right: list[str]) 
 
 
 def right_names(
-    left: list[str], right: list[str], suffix: str, reserved: Sequence[str], what: str = "join"
+    left: list[str],
+    right: list[str],
+    suffix: str,
+    reserved: Sequence[str],
+    what: str = "join",
+    as_text: bool = False,
 ) -> dict[str, str]:
     """The result's name of each right column: as is, or with ``suffix`` where the left has it.
     A column the operator adds (``reserved``: its similarity column) that either frame already
     has is refused, naming it, as is a suffixed name that is taken (``llm_error`` is not
-    reserved on the left: it is an earlier operator's error, reported per row)."""
+    reserved on the left: it is an earlier operator's error, reported per row). ``as_text``
+    (a Polars result, whose columns are named by strings): names that are the same as text
+    (a pandas ``other``'s column ``0`` beside a column ``"0"``) are refused too."""
+    if not isinstance(suffix, str):
+        raise ValueError(f"{what}: suffix must be a string, got {shown(suffix)}")
     added = [c for c in reserved if c != LLM_ERROR]
     for c in added:
         if not isinstance(c, str) or not c:
-            raise ValueError(f"{what}: similarity_column must be a non-empty string, got {c!r}")
+            raise ValueError(f"{what}: similarity_column must be a non-empty string, got {shown(c)}")
     if list(reserved).count(LLM_ERROR) > 1:
         raise ValueError(f"{what}: similarity_column cannot be {LLM_ERROR!r} (the result's error column)")
     out = {c: (f"{c}{suffix}" if c in left else c) for c in right}
@@ -444,6 +486,12 @@ def right_names(
     clash = sorted(set(out.values()) & (set(left) | set(reserved)))
     if clash:
         raise ValueError(f"{what}: the result would have column(s) {clash} twice; pass another suffix=")
+    twice = repeated_columns([value_text(c) for c in [*left, *out.values(), *reserved]]) if as_text else []
+    if twice:
+        raise ValueError(
+            f"{what}: a Polars result names its columns by strings, and {twice} would name more than one of "
+            "them (a pandas other's column 0 beside a column '0'); rename them"
+        )
     return out
 
 
@@ -466,9 +514,10 @@ def embed_side(
 
 
 def rename_columns(message: str, fields: Sequence[tuple[str, str]]) -> str:
-    """An engine's message with the operator's internal column names as the user's columns."""
+    """An engine's message with the operator's internal column names as the user's columns (a
+    column of any name: ``0``, ``1.5``, a tuple)."""
     for col, src in fields:
-        message = message.replace(repr(col), repr(src)).replace(col, src)
+        message = message.replace(repr(col), value_repr(src)).replace(col, value_text(src))
     return message
 
 
@@ -509,7 +558,7 @@ def _null_fields(df: pd.DataFrame, fields: Sequence[tuple[str, str]], errors: li
             errors[i] = prior[i]
             continue
         for _, src in fields:  # each field as the pair's prompt will write it
-            value, what = df[src].iat[i], f"column {src!r}"
+            value, what = df[src].iat[i], f"column {shown(src)}"
             try:
                 if prompted:
                     field_text(value, what)
@@ -535,12 +584,32 @@ def _assemble(left: pd.DataFrame, right: pd.DataFrame, rows: list[tuple], spec: 
 
 
 def _take(df: pd.DataFrame, positions: list) -> pd.DataFrame:
-    """Rows at ``positions`` (None: a row of nulls), index dropped, dtypes kept where they can hold nulls."""
+    """Rows at ``positions`` (None: a row of nulls), index dropped, each column of the dtype
+    :func:`_nullable` gives it, whether or not a null row is taken (so that every result, and a
+    Dask join's ``meta``, has the same dtypes)."""
+    df = _nullable(df)
     if all(p is not None for p in positions):
         return df.iloc[list(positions)].reset_index(drop=True)
     rows = df.reset_index(drop=True).reindex([-1 if p is None else p for p in positions])
     rows.index = pd.RangeIndex(len(positions))
     return rows
+
+
+def _nullable(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with each NumPy integer and boolean column (which cannot hold a null: reindexing
+    would make an ``int64`` column ``float64``, rounding ids past 2**53, and a ``bool`` one
+    ``object``) as the Arrow type of the same values (``int64[pyarrow]``, ``bool[pyarrow]``)."""
+    kinds = {
+        i: pd.ArrowDtype(pa.from_numpy_dtype(t))
+        for i, t in enumerate(df.dtypes)
+        if isinstance(t, np.dtype) and t.kind in "iub"
+    }
+    if not kinds:
+        return df
+    df = df.copy(deep=False)
+    for i, dtype in kinds.items():
+        df.isetitem(i, df.iloc[:, i].astype(dtype))
+    return df
 
 
 def join_frames(
@@ -567,8 +636,7 @@ def join_frames(
     lok = np.array([e is None for e in lerr], dtype=bool)
     rok = np.array([e is None for e in rerr], dtype=bool)
     if blocked:
-        lv = np.stack(left[_EMB].to_list()) if len(left) else np.zeros((0, 0), np.float32)
-        rv = np.stack(right[_EMB].to_list()) if len(right) else np.zeros((0, 0), np.float32)
+        lv, rv = stack_vectors(left[_EMB].to_list()), stack_vectors(right[_EMB].to_list())
         li, ri, sims = candidate_pairs(lv, rv, lok, rok, spec.block_k, spec.min_similarity)
     else:
         li, ri = (a.ravel() for a in np.meshgrid(np.flatnonzero(lok), np.flatnonzero(rok), indexing="ij"))
@@ -594,14 +662,15 @@ def join_frames(
             None if sims is None else float(sims[n]),
             None
             if errors[n] is None
-            else f"join: the pair (left index {lidx[li[n]]!r}, right index {ridx[ri[n]]!r}) could not be judged: "
+            else f"join: the pair (left index {shown(lidx[li[n]])}, right index {shown(ridx[ri[n]])}) "
+            "could not be judged: "
             f"{rename_columns(errors[n], spec.left_fields + spec.right_fields)}",
         )
         for n in kept
     ]
-    rows += [(int(i), None, None, f"left index {lidx[i]!r}: {lerr[i]}") for i in np.flatnonzero(~lok)]
+    rows += [(int(i), None, None, f"left index {shown(lidx[i])}: {lerr[i]}") for i in np.flatnonzero(~lok)]
     if report_right_errors:
-        rows += [(None, int(j), None, f"right index {ridx[j]!r}: {rerr[j]}") for j in np.flatnonzero(~rok)]
+        rows += [(None, int(j), None, f"right index {shown(ridx[j])}: {rerr[j]}") for j in np.flatnonzero(~rok)]
     out = _assemble(left, right, rows, spec)
     if spec.cascade is not None:
         from dfllm.semantic.cascade import SOURCE
@@ -684,7 +753,8 @@ def run_join(frame: FrameAdapter, other, spec: JoinSpec, return_stats: bool):
         cost.engine_calls,
         cost.input_tokens,
     )
-    result = frame.back(out)
+    other_types = right_frame.polars_schema()  # other's Polars dtypes, by their names in the result
+    result = frame.back(out, {new: other_types[old] for old, new in spec.right_names if old in other_types})
     return (result, cost) if return_stats else result
 
 
@@ -730,7 +800,8 @@ def semantic_join(
                 resources=llm.resources,
                 what="join",
             )
-    rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column] if blocked else [LLM_ERROR])
+    reserved = [LLM_ERROR, similarity_column] if blocked else [LLM_ERROR]
+    rnames = right_names(left_cols, right_cols, suffix, reserved, as_text=frame.kind in ("polars", "lazy"))
     spec = JoinSpec(
         judge,
         tuple(lf),
@@ -804,12 +875,12 @@ def semantic_sim_join(
     """``df.llm.sim_join``: see :meth:`SemanticFrameMethods.sim_join`."""
     left_cols, right_cols = _data_columns(frame, "sim_join"), _other_columns(frame, other, "sim_join")
     if left_on not in left_cols:
-        raise ValueError(f"sim_join: left_on {left_on!r} is not a column of the frame (columns: {left_cols})")
+        raise ValueError(f"sim_join: left_on {shown(left_on)} is not a column of the frame (columns: {left_cols})")
     if right_on not in right_cols:
-        raise ValueError(f"sim_join: right_on {right_on!r} is not a column of other (columns: {right_cols})")
+        raise ValueError(f"sim_join: right_on {shown(right_on)} is not a column of other (columns: {right_cols})")
     for name, flag in (("left_images", left_images), ("right_images", right_images)):
         if not isinstance(flag, (bool, np.bool_)):
-            raise ValueError(f"sim_join: {name} must be True or False, got {flag!r}")
+            raise ValueError(f"sim_join: {name} must be True or False, got {shown(flag)}")
     _check_block(k, min_similarity, "sim_join")
     if k is None:
         raise ValueError("sim_join: k (the neighbours per left row) is required")
@@ -827,7 +898,9 @@ def semantic_sim_join(
         )
         for side, col, flag in (("left", "__l_text", left_images), ("right", "__r_text", right_images))
     )
-    rnames = right_names(left_cols, right_cols, suffix, [LLM_ERROR, similarity_column], "sim_join")
+    rnames = right_names(
+        left_cols, right_cols, suffix, [LLM_ERROR, similarity_column], "sim_join", frame.kind in ("polars", "lazy")
+    )
     spec = JoinSpec(
         None,
         lf,
@@ -870,12 +943,19 @@ def operator_resources(frame: FrameAdapter, resources: dict | None) -> dict | No
 
 
 def _data_columns(frame: FrameAdapter, what: str, side: str = "the frame") -> list[str]:
-    """A frame's columns but an earlier operator's ``llm_error`` (its rows are reported, not paired)."""
-    return [c for c in columns_of(frame, what, side) if c != LLM_ERROR]
+    """A frame's columns but an earlier operator's ``llm_error`` (its rows are reported, not paired).
+    ``ValueError`` naming a column that has a name the join gives its own columns while it runs
+    (each row's vector and embedding error), which would be dropped or read as the join's."""
+    names = columns_of(frame, what, side)
+    private = [c for c in names if c in (_EMB, _ERR)]
+    if private:
+        raise ValueError(f"{what}: {side} has a column named {private[0]!r}, a name the join uses itself; rename it")
+    return [c for c in names if c != LLM_ERROR]
 
 
 def _check_block(k, min_similarity, what: str) -> None:
     if k is not None and (not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1):
-        raise ValueError(f"{what}: k must be a positive integer, got {k!r}")
-    if min_similarity is not None and not (isinstance(min_similarity, (int, float)) and -1 <= min_similarity <= 1):
-        raise ValueError(f"{what}: min_similarity must be a number in [-1, 1], got {min_similarity!r}")
+        raise ValueError(f"{what}: k must be a positive integer, got {shown(k)}")
+    number = isinstance(min_similarity, numbers.Real) and not isinstance(min_similarity, (bool, np.bool_))
+    if min_similarity is not None and not (number and -1 <= min_similarity <= 1):
+        raise ValueError(f"{what}: min_similarity must be a number in [-1, 1], got {shown(min_similarity)}")

@@ -215,7 +215,9 @@ class SemanticFrameMethods:
         ``llm_error`` (never dropped as false), and so is a row that could not be embedded (the
         other side null). On Dask the right side is embedded once and each left partition is
         one task. ``return_stats=True`` (pandas, Polars) returns ``(frame, SemanticCost)`` with
-        ``counts["pairs_judged"]`` and ``counts["cross_product"]``.
+        ``counts["pairs_judged"]`` and ``counts["cross_product"]``. ``sampling_params`` (a
+        :class:`dfllm.SamplingParams`, or a dict of the fields to change) replaces the greedy
+        decode's settings.
 
         ``cascade`` (a :class:`dfllm.Cascade`; pandas and Polars) judges the (blocked) pairs with
         ``.llm.judge(..., cascade=)``: a proxy decides the pairs it is sure about, ``model`` the

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from dfllm.accessors.adapter import FrameAdapter
+from dfllm.errors import shown
 from dfllm.semantic.frames import check_output_names, earlier_errors
 from dfllm.semantic.join import (
     Embedder,
@@ -121,7 +122,8 @@ class _Comparator:
     def failure(self, i: int, j: int) -> str:
         """Row ``i``'s message for its failed comparison with row ``j``."""
         return (
-            f"its comparison with the row of index {_label(self.df, j)!r} failed: {self.failed[(min(i, j), max(i, j))]}"
+            f"its comparison with the row of index {shown(_label(self.df, j))} failed: "
+            f"{self.failed[(min(i, j), max(i, j))]}"
         )
 
     def better(self, i: int, j: int) -> bool | None:
@@ -248,7 +250,7 @@ def row_errors(df: pd.DataFrame, spec: TopKSpec) -> dict[int, str]:
         errors = {i: e for i, e in enumerate(earlier_errors(df[LLM_ERROR])) if e is not None}
     raise_ = spec.judge.task.on_error == "raise"
     for f in spec.fields:
-        what = f"column {f!r}"
+        what = f"column {shown(f)}"
         for i, value in enumerate(df[f].tolist()):
             if i in errors:
                 continue
@@ -257,7 +259,7 @@ def row_errors(df: pd.DataFrame, spec: TopKSpec) -> dict[int, str]:
             except (ValueError, TypeError) as exc:
                 msg = str(exc) if what in str(exc) else f"{what}: {exc}"
                 if raise_:
-                    raise ValueError(f"topk: the row of index {_label(df, i)!r}: {msg}") from None
+                    raise ValueError(f"topk: the row of index {shown(_label(df, i))}: {msg}") from None
                 errors[i] = f"topk: {msg}"
     return errors
 
@@ -341,11 +343,11 @@ def semantic_topk(
     if missing:
         raise ValueError(f"topk: the instruction names column(s) {missing} not in the frame (columns: {columns})")
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"topk: k must be a positive integer, got {k!r}")
+        raise ValueError(f"topk: k must be a positive integer, got {shown(k)}")
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not (logprobs == -1 or logprobs >= 2):
-        raise ValueError(f"topk: logprobs must be -1 (every token) or at least 2, got {logprobs!r}")
+        raise ValueError(f"topk: logprobs must be -1 (every token) or at least 2, got {shown(logprobs)}")
     if method not in METHODS:
-        raise ValueError(f"topk: method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"topk: method must be one of {METHODS}, got {shown(method)}")
     check_output_names("topk", [rank_column])
     if rank_column in columns:
         raise ValueError(f"topk: the frame already has a column {rank_column!r}; pass another rank_column=")
