@@ -122,7 +122,7 @@ def value_text(value) -> str:
     try:
         return printable(str(value))
     except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __str__ that raises)
-        return f"a {type(value).__name__} that cannot be written as text"
+        return f"{_a_type(value)} that cannot be written as text"
 
 
 def value_repr(value) -> str:
@@ -131,11 +131,11 @@ def value_repr(value) -> str:
     as ``"a list nested more than 32 levels deep"``, one whose ``repr`` fails (an int past
     Python's digit limit) its type named, and the text :func:`printable`."""
     if nesting_depth(value) > MAX_NESTING_DEPTH:
-        return f"a {type(value).__name__} nested more than {MAX_NESTING_DEPTH} levels deep"
+        return f"{_a_type(value)} nested more than {MAX_NESTING_DEPTH} levels deep"
     try:
         return printable(repr(value))
     except Exception:  # noqa: BLE001  (an int past Python's digit limit, a __repr__ that raises)
-        return f"a {type(value).__name__} that cannot be written as text"
+        return f"{_a_type(value)} that cannot be written as text"
 
 
 #: The most characters of a value a message shows (a ``custom_id`` of a million characters, a
@@ -152,3 +152,9 @@ def shown(value, limit: int = MAX_SHOWN) -> str:
     """``value`` as a message shows it: :func:`value_repr` (never an exception, never a
     recursion) :func:`clipped` at ``limit`` characters."""
     return clipped(value_repr(value), limit)
+
+
+def _a_type(value) -> str:
+    """``value``'s type named with its article: ``"a list"``, ``"an int"``."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

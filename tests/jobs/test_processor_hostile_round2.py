@@ -128,7 +128,8 @@ def test_on_dask_and_when_a_row_fails_the_job_the_error_names_the_row(config):
 def test_a_huge_int_label_is_named_without_failing(config):
     big = 10**5000
     out = dfllm.build_processor(config, preprocess=pre)(frame(["empty", "good"], [big, 1]))
-    assert out["llm_error"].iloc[0].startswith("messages: the conversation of row a int that cannot be written as text")
+    expected = "messages: the conversation of row an int that cannot be written as text"
+    assert out["llm_error"].iloc[0].startswith(expected)
     assert pd.isna(out["llm_error"].iloc[1])
 
 

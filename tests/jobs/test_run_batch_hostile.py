@@ -203,7 +203,7 @@ def test_the_engines_errors_name_the_field_that_asked(tiny_llama, tmp_path):
 def test_huge_values_are_cut_in_messages_and_the_custom_id_is_kept_whole(tiny_llama, tmp_path):
     """A ``custom_id``, ``method``, ``url``, field name or field value of any size is shown in
     its line's error, and a ``custom_id`` in the dry run's report, cut at
-    :data:`~dfllm.jobs.shown.MAX_SHOWN` characters (before: whole, a line of megabytes);
+    :data:`~dfllm.errors.MAX_SHOWN` characters (before: whole, a line of megabytes);
     the answer's own ``custom_id`` is the input's, whole (users join on it)."""
     big = 300_000
     long_id, answered_id = "c" * big, "d" * big

@@ -139,4 +139,4 @@ def test_value_repr_never_recurses_past_the_limit(depth, wrap):
         assert text == f"a {type(value).__name__} nested more than {MAX_NESTING_DEPTH} levels deep"
     else:
         assert text == repr(value)
-    assert value_repr(10**5000) == "a int that cannot be written as text"
+    assert value_repr(10**5000) == "an int that cannot be written as text"
