@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from dfllm.errors import value_text
+from dfllm.errors import clipped, value_text
 from dfllm.tasks.schema import LLM_ERROR
 
 #: What :func:`frame_kind` answers: a Polars LazyFrame is ``"lazy"``.
@@ -120,20 +120,13 @@ def polars_to_pandas(frame: Any) -> pd.DataFrame:
             try:
                 frame.select(name).head(0).to_pandas(use_pyarrow_extension_array=True)
             except (ValueError, TypeError, NotImplementedError):
-                bad.append(f"{name!r} ({_type_text(dtype)})")
+                bad.append(f"{name!r} ({clipped(value_text(dtype))})")  # a deep List's text: thousands of characters
         if not bad:
             raise
         raise ValueError(
             f"column(s) {', '.join(bad)} cannot go through Arrow to pandas ({exc}); cast them, "
             "for example pl.col(name).cast(pl.String) or pl.Decimal(38, 0)"
         ) from None
-
-
-def _type_text(dtype: Any, limit: int = 200) -> str:
-    """A Polars type as text for a message: its first ``limit`` characters (a ``List`` nested
-    hundreds of levels is thousands, and past Python's limit its text raises)."""
-    text = value_text(dtype)
-    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _polars_from_pandas(df: pd.DataFrame) -> Any:
